@@ -1,0 +1,1 @@
+"""Built-in backend implementations; each imports only execrt.core's public names."""

@@ -1,0 +1,1 @@
+"""Attention backends: torch_native (reference), triton, flashinfer."""

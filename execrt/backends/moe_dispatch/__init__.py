@@ -1,0 +1,1 @@
+"""MoE token dispatchers: allreduce (no dispatch communication)."""

@@ -1,0 +1,53 @@
+"""allreduce MoE dispatch: no communication at dispatch, an all-reduce of partial outputs at combine."""
+
+from __future__ import annotations
+
+import torch
+
+from execrt.core.interfaces import (
+    DispatchOutput,
+    MoEDispatcher,
+    MoEDispatcherInit,
+    StandardDispatchOutput,
+)
+
+
+class AllReduceDispatcher(MoEDispatcher):
+    """Every rank sees every token and computes its own experts' share; combine sums the shares.
+
+    Suits decode with few tokens and EP groups on one host: one all-reduce of ``[T, H]`` per
+    layer, nothing else. At world size 1 combine is the identity.
+    """
+
+    def __init__(self, init: MoEDispatcherInit) -> None:
+        super().__init__(init)
+        self.first = init.first_local_expert
+        self.num_local = init.num_local_experts
+
+    def dispatch(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchOutput:
+        _check_routing(hidden_states, topk_ids, topk_weights, self.init.num_experts)
+        local = topk_ids - self.first  # [T, K]
+        on_rank = (topk_ids >= 0) & (local >= 0) & (local < self.num_local)
+        local_ids = torch.where(on_rank, local, torch.full_like(local, -1))
+        return StandardDispatchOutput(hidden_states, local_ids, topk_weights)
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        if not isinstance(dispatch_output, StandardDispatchOutput):
+            raise TypeError("allreduce dispatcher: combine needs the StandardDispatchOutput it made")
+        return self.init.parallel.all_reduce(expert_output)
+
+
+def _check_routing(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> None:
+    if hidden.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            "moe dispatch: expected hidden [T, H], topk_ids and topk_weights [T, K]; got "
+            f"{tuple(hidden.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+        )
+    if topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"moe dispatch: {topk_ids.shape[0]} routing rows for {hidden.shape[0]} tokens"
+        )

@@ -1,0 +1,1 @@
+"""execrt core: runtime objects, backend interfaces, plugins and config (torch + stdlib only)."""

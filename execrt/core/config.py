@@ -1,0 +1,152 @@
+"""RuntimeConfig: the frozen run configuration, built once from TOML file < env EXECRT_* < CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from execrt.core import envs
+from execrt.core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything that decides how a model is executed. Immutable; validated on construction.
+
+    Backend fields take a registered backend name or ``"auto"``; ``graph_backend`` also takes
+    ``"none"``. ``strict`` turns any automatic fallback into an error.
+    """
+
+    model: str | None = None
+    attention_backend: str = "auto"
+    moe_dispatcher: str = "auto"
+    graph_backend: str = "auto"
+    strict: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    max_running_requests: int = 32
+    kv_cache_tokens: int = 0
+    kv_cache_memory_fraction: float = 0.5
+    context_len: int = 0
+    max_prefill_tokens: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("attention_backend", "moe_dispatcher", "graph_backend"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"config: {name} must be a backend name or 'auto', got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"config: dtype {self.dtype!r} unsupported (supported: {DTYPES})")
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError(
+                f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
+            )
+        positive = ("max_running_requests", "max_prefill_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache_tokens", "context_len", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ConfigError(
+                "config: kv_cache_memory_fraction must be in (0, 0.95], "
+                f"got {self.kv_cache_memory_fraction}"
+            )
+
+    def replace(self, **changes: Any) -> RuntimeConfig:
+        """A new config with ``changes`` applied (validated like any other)."""
+        _check_keys(changes, "replace")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def load(
+        cls,
+        file: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        cli: Mapping[str, Any] | None = None,
+    ) -> RuntimeConfig:
+        """Merge the sources, later winning: TOML ``file`` < ``EXECRT_*`` env < ``cli``.
+
+        ``cli`` entries whose value is None are ignored (flags the user did not give).
+        Raises ConfigError for unknown keys, unparsable values and invalid settings.
+        """
+        merged: dict[str, Any] = {}
+        if file is not None:
+            merged.update(_read_toml(file))
+        merged.update(_coerce_all(envs.config_overrides(environ), source="environment"))
+        if cli:
+            given = {k: v for k, v in cli.items() if v is not None}
+            _check_keys(given, "command line")
+            merged.update(given)
+        return cls(**merged)
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    known = set(RuntimeConfig.keys())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"config ({source}): unknown key(s) {', '.join(unknown)} "
+            f"(accepted: {', '.join(RuntimeConfig.keys())})"
+        )
+
+
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file {os.fspath(path)!r} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    # Accept both a flat file and one whose settings sit under an [execrt] table.
+    if isinstance(data.get("execrt"), dict):
+        data = data["execrt"]
+    _check_keys(data, f"file {os.fspath(path)}")
+    return data
+
+
+def _coerce_all(raw: Mapping[str, str], source: str) -> dict[str, Any]:
+    _check_keys(raw, source)
+    types = {f.name: f.type for f in fields(RuntimeConfig)}
+    return {key: _coerce(key, value, str(types[key]), source) for key, value in raw.items()}
+
+
+def _coerce(key: str, value: str, type_name: str, source: str) -> Any:
+    text = value.strip()
+    try:
+        if type_name == "bool":
+            lowered = text.lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError
+        if type_name == "int":
+            return int(text)
+        if type_name == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"config ({source}): {key}={value!r} is not a valid {type_name}") from None
+    if type_name.startswith("str") and text.lower() in {"", "none"} and "None" in type_name:
+        return None
+    return text

@@ -1,0 +1,48 @@
+"""Every environment variable execrt reads, in one place, all prefixed ``EXECRT_``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+#: Comma-separated allow-list of entry-point plugin names to load ("" loads none).
+PLUGINS = "EXECRT_PLUGINS"
+#: "1" disables loading plugins from the ``execrt`` entry-point group.
+DISABLE_PLUGIN_AUTOLOAD = "EXECRT_DISABLE_PLUGIN_AUTOLOAD"
+#: Where the built-in default checkpoint is generated (default: ~/.cache/execrt).
+CACHE_DIR = "EXECRT_CACHE_DIR"
+#: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton.
+CONFIG_PREFIX = "EXECRT_"
+
+#: Variables that are not RuntimeConfig fields even though they share the prefix.
+NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR})
+
+
+def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """True when the variable is set to a truthy value (1, true, yes, on)."""
+    value = (environ if environ is not None else os.environ).get(name, "")
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def plugin_allow_list(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """Names in EXECRT_PLUGINS, or None when the variable is unset (load every plugin)."""
+    env = environ if environ is not None else os.environ
+    if PLUGINS not in env:
+        return None
+    return frozenset(n.strip() for n in env[PLUGINS].split(",") if n.strip())
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Directory for generated artefacts such as the built-in checkpoint."""
+    env = environ if environ is not None else os.environ
+    return env.get(CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "execrt")
+
+
+def config_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``EXECRT_<FIELD>`` variables as ``{field: raw string}`` (field lower-cased)."""
+    env = environ if environ is not None else os.environ
+    return {
+        key[len(CONFIG_PREFIX) :].lower(): value
+        for key, value in env.items()
+        if key.startswith(CONFIG_PREFIX) and key not in NON_CONFIG
+    }

@@ -1,0 +1,406 @@
+"""The three backend interfaces (attention, MoE dispatch, graph) and their capability records."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from execrt.core.batch import ForwardBatch
+    from execrt.core.context import RuntimeContext
+    from execrt.core.memory import KVCache, ReqToTokenPool
+    from execrt.core.parallel import ParallelState
+
+ANY = None  # a capability field set to None means "no restriction"
+
+
+def _fmt(values: frozenset[Any]) -> str:
+    return ", ".join(sorted((str(v).replace("torch.", "") for v in values), key=_natural))
+
+
+class Capabilities:
+    """Base of the frozen capability records: a backend's claims, readable before it is built."""
+
+    kind: ClassVar[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, frozenset):
+                value = sorted((str(v).replace("torch.", "") for v in value), key=_natural)
+            elif isinstance(value, Enum):
+                value = value.value
+            out[f.name] = value
+        return out
+
+    @staticmethod
+    def _check(label: str, value: Any, allowed: frozenset[Any] | None, out: list[str]) -> None:
+        if allowed is not None and value not in allowed:
+            shown = str(value).replace("torch.", "")
+            out.append(f"{label} {shown} unsupported (supported: {_fmt(allowed)})")
+
+
+def _natural(text: str) -> tuple[int, str]:
+    return (int(text), "") if text.isdigit() else (1 << 30, text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What a model asks of its attention backend (local head counts after sharding)."""
+
+    device: str  # "cpu" or "cuda"
+    dtype: torch.dtype
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    graph: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities(Capabilities):
+    """An attention backend's claims. ``None`` in a field means any value is supported."""
+
+    kind: ClassVar[str] = "attention"
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    head_dims: frozenset[int] | None = ANY
+    gqa_ratios: frozenset[int] | None = ANY  # num_q_heads // num_kv_heads
+    decode: bool = True
+    extend: bool = True
+    graph: bool = False  # init_graph_state + init_forward_metadata_graph are capture-safe
+
+    def refusals(self, req: AttentionRequirements) -> list[str]:
+        """Reasons this backend cannot serve ``req`` (empty list: it can)."""
+        out: list[str] = []
+        self._check("device", req.device, self.devices, out)
+        self._check("dtype", req.dtype, self.dtypes, out)
+        self._check("head_dim", req.head_dim, self.head_dims, out)
+        if req.num_kv_heads < 1 or req.num_q_heads % req.num_kv_heads:
+            out.append(f"num_q_heads {req.num_q_heads} not a multiple of num_kv_heads {req.num_kv_heads}")
+        else:
+            self._check("GQA ratio", req.num_q_heads // req.num_kv_heads, self.gqa_ratios, out)
+        if req.graph and not self.graph:
+            out.append("graph capture unsupported")
+        return out
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Static attributes of one attention layer, as the backend sees them (local heads)."""
+
+    layer_id: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class AttentionBackendInit:
+    """Everything an attention backend is built from."""
+
+    capabilities: AttentionCapabilities
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    num_layers: int
+    dtype: torch.dtype
+    device: torch.device
+    req_to_token_pool: ReqToTokenPool
+    kv_cache: KVCache
+    max_batch_size: int
+    max_context_len: int
+    context: RuntimeContext
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the slot-granular KV cache.
+
+    Per step, ``init_forward_metadata(fb)`` runs once (host side, may allocate) and stores the
+    backend's own metadata dataclass in ``fb.attn_metadata``; then, per layer, ``forward`` stores
+    this step's K/V at ``fb.out_cache_loc`` and attends over each request's context.
+
+    Graph support (``capabilities.graph``): ``init_graph_state`` allocates every metadata
+    buffer once; ``init_forward_metadata_graph`` then writes a decode batch's metadata into
+    those buffers only (fixed addresses, no allocation, no host sync), before capture and
+    before each replay.
+    """
+
+    #: ``seq_lens`` value for padded graph rows; they read request row 0 / slot 0.
+    graph_seq_len_fill_value: int = 1
+
+    def __init__(self, init: AttentionBackendInit) -> None:
+        self.init = init
+        self.capabilities = init.capabilities
+        self.kv_cache = init.kv_cache
+        self.req_to_token_pool = init.req_to_token_pool
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Prepare ``fb.attn_metadata`` for every layer of this step. Called once per step."""
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        fb: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """One token per request. ``q [B, Hq, D]``, ``k [B, Hkv, D]``, ``v [B, Hkv, Dv]``
+        in the cache dtype -> ``[B, Hq, Dv]``. Stores k/v at ``fb.out_cache_loc`` first."""
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        fb: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """New tokens of every request, request after request: ``q [T, Hq, D]`` -> ``[T, Hq, Dv]``.
+        Token i of request b sits at position ``prefix_len[b] + i`` and attends causally over
+        the cached prefix and the new tokens. Stores k/v at ``fb.out_cache_loc`` first."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        fb: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if fb.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, fb, save_kv_cache)
+        if fb.forward_mode.is_extend():
+            return self.forward_extend(q, k, v, layer, fb, save_kv_cache)
+        return q.new_empty((0, layer.num_q_heads, layer.v_head_dim))
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static metadata buffers graph capture and replay write into."""
+        raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        """Write decode metadata into the static buffers: no allocation, no host sync."""
+        raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
+
+    def close(self) -> None:
+        """Release what the backend allocated. Idempotent."""
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE dispatch
+# ---------------------------------------------------------------------------------------------
+class DispatchFormat(str, Enum):
+    """How dispatched tokens are laid out; expert compute reads this, never the dispatcher type.
+
+    STANDARD: all T tokens stay in place; ``topk_ids`` hold *local* expert ids, -1 where the
+    expert lives on another rank. Expert compute returns ``[T, H]`` with the routing weights
+    applied, summed over local experts.
+    EXPERT_MAJOR: ``[E_local, P*C, H]`` rows per local expert, the first ``expert_counts[e]``
+    valid. Expert compute returns the same shape, unweighted; combine applies the weights.
+    """
+
+    STANDARD = "standard"
+    EXPERT_MAJOR = "expert_major"
+
+
+@dataclass
+class StandardDispatchOutput:
+    hidden_states: torch.Tensor  # [T, H]
+    topk_ids: torch.Tensor  # [T, K] int64 local expert ids, -1 = not on this rank
+    topk_weights: torch.Tensor  # [T, K] fp32
+    format: ClassVar[DispatchFormat] = DispatchFormat.STANDARD
+
+
+@dataclass
+class ExpertMajorDispatchOutput:
+    hidden_states: torch.Tensor  # [E_local, P*C, H]
+    expert_counts: torch.Tensor  # [E_local] int32
+    num_tokens: int  # T on this rank, before dispatch
+    state: Any = None  # dispatcher-private routing state combine needs
+    format: ClassVar[DispatchFormat] = DispatchFormat.EXPERT_MAJOR
+
+
+DispatchOutput = StandardDispatchOutput | ExpertMajorDispatchOutput
+
+
+@dataclass(frozen=True)
+class MoERequirements:
+    device: str
+    dtype: torch.dtype
+    world_size: int
+    process_group_backend: str  # "gloo", "nccl", or "none" at world size 1
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    graph: bool = False
+
+
+@dataclass(frozen=True)
+class MoEDispatcherCapabilities(Capabilities):
+    kind: ClassVar[str] = "moe_dispatch"
+    output_format: DispatchFormat = DispatchFormat.STANDARD
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    world_sizes: frozenset[int] | None = ANY
+    process_group_backends: frozenset[str] = frozenset({"none", "gloo", "nccl"})
+    hidden_sizes: frozenset[int] | None = ANY
+    max_top_k: int | None = ANY
+    graph: bool = False
+
+    def refusals(self, req: MoERequirements) -> list[str]:
+        out: list[str] = []
+        self._check("device", req.device, self.devices, out)
+        self._check("dtype", req.dtype, self.dtypes, out)
+        self._check("world size", req.world_size, self.world_sizes, out)
+        self._check("process group backend", req.process_group_backend, self.process_group_backends, out)
+        self._check("hidden size", req.hidden_size, self.hidden_sizes, out)
+        if self.max_top_k is not None and req.top_k > self.max_top_k:
+            out.append(f"top_k {req.top_k} unsupported (supported: <= {self.max_top_k})")
+        if req.num_experts % max(req.world_size, 1):
+            out.append(f"num_experts {req.num_experts} not divisible by world size {req.world_size}")
+        if req.graph and not self.graph:
+            out.append("graph capture unsupported")
+        return out
+
+
+@dataclass(frozen=True)
+class MoEDispatcherInit:
+    """Everything a dispatcher is built from. Experts are sharded in contiguous blocks."""
+
+    capabilities: MoEDispatcherCapabilities
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_tokens_per_rank: int
+    parallel: ParallelState
+    context: RuntimeContext
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.parallel.ep_size
+
+    @property
+    def first_local_expert(self) -> int:
+        return self.parallel.ep_rank * self.num_local_experts
+
+
+class MoEDispatcher(ABC):
+    """Moves routed tokens to their experts and the expert outputs back.
+
+    ``combine(experts(dispatch(x)))`` must equal ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])``
+    over the whole EP group, for every token of this rank.
+    """
+
+    def __init__(self, init: MoEDispatcherInit) -> None:
+        self.init = init
+        self.capabilities = init.capabilities
+
+    @abstractmethod
+    def dispatch(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchOutput:
+        """``hidden [T, H]``, ``topk_ids [T, K]`` int64 global ids (-1 = none), ``topk_weights
+        [T, K]`` fp32 -> the declared format. Collective over the EP group (all ranks call it)."""
+
+    @abstractmethod
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        """Expert outputs in the dispatch format -> ``[T, H]`` in token order. Collective."""
+
+    def graph_resource_provider(self) -> GraphResourceProvider | None:
+        """The provider of graph-lifetime state, for dispatchers that need one under graphs."""
+        return None
+
+    def close(self) -> None:
+        """Release communication handles and buffers. Idempotent."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph execution
+# ---------------------------------------------------------------------------------------------
+class GraphResourceProvider(Protocol):
+    """Graph-lifetime state a dispatcher lends to a graph backend (e.g. NCCL EP buffers).
+
+    The graph backend creates the resources empty, registers them in the RuntimeContext under
+    ``resource_name``, warms them up outside capture for each bucket, and closes them after
+    every graph was reset. ``backends/graph`` reaches dispatchers only through this protocol.
+    """
+
+    resource_name: str
+
+    def create_graph_resources(self, capacity: int, context: RuntimeContext) -> Any: ...
+
+    def warm_up_graph_resources(self, resources: Any, num_tokens: int) -> None: ...
+
+    def close_graph_resources(self, resources: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """Identifies one captured graph: the padded batch size and an optional variant label."""
+
+    batch_size: int
+    variant: str = ""
+
+
+@dataclass(frozen=True)
+class GraphRequirements:
+    device: str
+
+
+@dataclass(frozen=True)
+class GraphCapabilities(Capabilities):
+    kind: ClassVar[str] = "graph"
+    devices: frozenset[str] = frozenset({"cuda"})
+    real_capture: bool = True  # False: replay re-executes the function (CPU testing)
+    shared_memory_pool: bool = True
+    graph_resources: bool = False  # can own a dispatcher's GraphResourceProvider state
+
+    def refusals(self, req: GraphRequirements) -> list[str]:
+        out: list[str] = []
+        self._check("device", req.device, self.devices, out)
+        return out
+
+
+@dataclass(frozen=True)
+class GraphBackendInit:
+    capabilities: GraphCapabilities
+    device: torch.device
+    context: RuntimeContext
+    resource_provider: GraphResourceProvider | None = None
+
+
+class GraphBackend(ABC):
+    """Captures a forward function per shape key and replays it.
+
+    ``capture`` runs inside ``capture_session()``, warms ``fn`` up, records it and returns the
+    static output objects; ``replay`` re-runs the recording and returns those same objects,
+    overwritten. ``cleanup`` synchronises, drops every graph and closes owned resources;
+    it is idempotent, and a later capture starts a new generation.
+    """
+
+    def __init__(self, init: GraphBackendInit) -> None:
+        self.init = init
+        self.capabilities = init.capabilities
+
+    @contextmanager
+    def capture_session(self) -> Iterator[None]:
+        yield
+
+    @abstractmethod
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any: ...
+
+    @abstractmethod
+    def replay(self, key: ShapeKey) -> Any: ...
+
+    @abstractmethod
+    def has(self, key: ShapeKey) -> bool: ...
+
+    @abstractmethod
+    def cleanup(self) -> None: ...

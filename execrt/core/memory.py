@@ -1,0 +1,146 @@
+"""KV memory: request->token map, slot allocator and per-layer K/V storage (page size 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from execrt.core.errors import OutOfKVCacheError
+
+
+class ReqToTokenPool:
+    """Maps a request row to the KV slot of each of its tokens.
+
+    ``req_to_token`` is int32 ``[max_reqs + 1, max_context_len]``; row 0 is the padding row that
+    padded graph rows point at, so real rows are ``1..max_reqs``. Rows are handed out and taken
+    back on the host; the table itself lives on ``device``.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
+        if max_reqs < 1 or max_context_len < 1:
+            raise ValueError(
+                f"ReqToTokenPool: max_reqs {max_reqs} and max_context_len {max_context_len} "
+                "must be >= 1"
+            )
+        self.size = max_reqs
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(
+            (max_reqs + 1, max_context_len), dtype=torch.int32, device=self.device
+        )  # [R+1, C]
+        self._free: list[int] = list(range(max_reqs, 0, -1))  # pop() hands out low rows first
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """One free row, or None when every row is in use."""
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        if not 1 <= row <= self.size:
+            raise ValueError(f"ReqToTokenPool: row {row} out of range (1..{self.size})")
+        if row in self._free:
+            raise ValueError(f"ReqToTokenPool: row {row} freed twice")
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record ``slots`` as the KV slots of tokens ``start..start+len(slots)`` of ``row``."""
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(
+                f"ReqToTokenPool: token {end - 1} beyond max_context_len {self.max_context_len}"
+            )
+        self.req_to_token[row, start:end] = slots.to(torch.int32)
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots ``1..size``; slot 0 is reserved for the writes of padded tokens.
+
+    ``alloc(n)`` is all-or-nothing: it returns ``n`` slot ids or None, never a partial list.
+    The free list lives on the device so allocation needs no host->device copy.
+    """
+
+    def __init__(self, size: int, device: torch.device | str) -> None:
+        if size < 1:
+            raise ValueError(f"TokenToKVPoolAllocator: size {size} must be >= 1")
+        self.size = size
+        self.device = torch.device(device)
+        self._free = torch.arange(1, size + 1, dtype=torch.int64, device=self.device)
+
+    def available_size(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` free slot ids as int64 ``[n]`` on the device, or None if fewer are free."""
+        if n < 0:
+            raise ValueError(f"TokenToKVPoolAllocator: cannot allocate {n} slots")
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def alloc_or_raise(self, n: int) -> torch.Tensor:
+        out = self.alloc(n)
+        if out is None:
+            raise OutOfKVCacheError(
+                f"KV cache: {n} slots requested, {self.available_size()} of {self.size} free"
+            )
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return ``slots`` to the pool. Slot 0 and out-of-range ids are rejected."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64).flatten()
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 1 or hi > self.size:
+            raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
+        self._free = torch.cat([self._free, slots])
+
+
+class KVCache:
+    """Per-layer K and V storage ``[size + 1, n_kv_heads, head_dim]``; row 0 is the padding slot.
+
+    ``set_kv`` is the only writer. Backends read ``k_buffers[layer]`` / ``v_buffers[layer]``
+    directly (a list of tensors, one per layer, so each layer's buffer is contiguous).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape_k = (size + 1, num_kv_heads, head_dim)
+        shape_v = (size + 1, num_kv_heads, self.v_head_dim)
+        self.k_buffers = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's ``k [T, n_kv, D]`` and ``v [T, n_kv, Dv]`` at slots ``loc [T]``."""
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_for(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.v_head_dim
+        )
+
+    @staticmethod
+    def bytes_per_token_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        v_head_dim: int | None = None,
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * elem

@@ -1,0 +1,96 @@
+"""Sampler: greedy, temperature, top-k, top-p, with per-request seeds that ignore batch makeup."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from execrt.core.schedule import Req
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Sampling parameters of one batch as device tensors, one row per request."""
+
+    temperatures: torch.Tensor  # [B] fp32; 0 = greedy
+    top_ks: torch.Tensor  # [B] int64; <= 0 = off
+    top_ps: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: index of the token being sampled (output length so far)
+    all_greedy: bool
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence[Req], device: torch.device) -> SamplingBatchInfo:
+        params = [r.sampling_params for r in reqs]
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=device),
+            steps=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device),
+            all_greedy=all(p.greedy for p in params),
+        )
+
+
+class Sampler:
+    """Turns next-token logits into token ids.
+
+    Random draws come from a counter-based hash of (seed, step, token id): a seeded request
+    samples the same tokens whatever else shares its batch and on any device.
+    """
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """``logits [B, V]`` (any float dtype) -> token ids ``[B]`` int64."""
+        greedy_ids = torch.argmax(logits, dim=-1)
+        if info.all_greedy:
+            return greedy_ids
+        probs = self.filtered_probs(logits, info)
+        noise = exponential_noise(info.seeds, info.steps, logits.shape[-1])  # [B, V]
+        sampled = torch.argmax(probs / noise, dim=-1)
+        is_greedy = (info.temperatures == 0) | (info.top_ks == 1)
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Probabilities after temperature, top-k and top-p (zeros outside the kept set)."""
+        temps = torch.where(info.temperatures > 0, info.temperatures, torch.ones_like(info.temperatures))
+        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]
+        k = torch.where(info.top_ks > 0, info.top_ks, torch.full_like(info.top_ks, probs.shape[-1]))
+        keep = rank < k[:, None]
+        # Keep a token while the mass before it is below top_p: the first token always stays.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep &= mass_before < info.top_ps[:, None]
+        kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # An avalanche mix on values < 2**32; every product stays below 2**63 so int64 never wraps.
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) draws ``[B, V]`` fp32, a pure function of (seed, step, token id)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]  # [1, V]
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32(_mix32(lo ^ 0x9E3779B9) ^ hi)  # [B]
+    key = _mix32((key ^ (steps & _M32)) & _M32)
+    h = _mix32((_mix32(ids ^ 0x85EBCA6B) ^ key[:, None]) & _M32)
+    h = _mix32((h + key[:, None]) & _M32)
+    # 23 bits keep (x + 0.5) / 2**23 exactly representable in fp32, so u is never 0 or 1.
+    return ((h >> 9).float() + 0.5) / float(1 << 23)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws: ``argmax(p / E)`` is a sample from ``p`` (the exponential race)."""
+    return -torch.log(uniform_noise(seeds, steps, vocab))

@@ -1,0 +1,8 @@
+"""Models execrt runs: Qwen3 dense and Qwen3-MoE, loaded from Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+from execrt.models.config import ModelConfig
+from execrt.models.loader import ARCHITECTURES, load_model
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "load_model"]

@@ -1,0 +1,1 @@
+"""Plugins shipped with execrt."""

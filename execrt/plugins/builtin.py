@@ -1,0 +1,84 @@
+"""The built-in plugin: registers every built-in backend through the same hook as third parties."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from execrt.core.interfaces import AttentionCapabilities, MoEDispatcherCapabilities
+from execrt.core.plugins import BackendRegistry, hookimpl
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+_ALL_FLOAT = _HALF | {torch.float32}
+
+TORCH_NATIVE_ATTENTION = AttentionCapabilities(
+    devices=frozenset({"cpu", "cuda"}), dtypes=_ALL_FLOAT, graph=False
+)
+TRITON_ATTENTION = AttentionCapabilities(
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=_ALL_FLOAT,
+    head_dims=frozenset({64, 96, 128, 256}),
+    graph=True,
+)
+FLASHINFER_ATTENTION = AttentionCapabilities(
+    devices=frozenset({"cuda"}),
+    dtypes=_HALF,
+    head_dims=frozenset({64, 128, 256}),
+    graph=True,
+)
+ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+
+
+def _triton_check(req: Any) -> list[str]:
+    if req.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ["on cpu it runs only under the Triton interpreter (set TRITON_INTERPRET=1; slow)"]
+    if req.device == "cpu" and req.dtype == torch.bfloat16:
+        return ["the Triton interpreter computes bfloat16 wrongly; use float16 or float32 on cpu"]
+    return _cuda_check(req)
+
+
+def _cuda_check(req: Any) -> list[str]:
+    if req.device == "cuda" and not torch.cuda.is_available():
+        return ["no CUDA device visible"]
+    return []
+
+
+@hookimpl
+def execrt_register_backends(registry: BackendRegistry) -> None:
+    registry.register(
+        "attention", "torch_native",
+        "execrt.backends.attention.torch_native:TorchNativeAttnBackend",
+        TORCH_NATIVE_ATTENTION,
+        priority=10,
+        description="PyTorch over gathered K/V; reference, any device",
+    )
+    registry.register(
+        "attention", "triton",
+        "execrt.backends.attention.triton:TritonAttnBackend",
+        TRITON_ATTENTION,
+        requires=("triton",),
+        install_hint="pip install execrt[triton]",
+        priority=20,
+        auto_devices=frozenset({"cuda"}),
+        check=_triton_check,
+        description="split-KV paged decode and causal extend kernels in Triton",
+    )
+    registry.register(
+        "attention", "flashinfer",
+        "execrt.backends.attention.flashinfer:FlashInferAttnBackend",
+        FLASHINFER_ATTENTION,
+        requires=("flashinfer",),
+        install_hint="pip install execrt[flashinfer]",
+        priority=30,
+        check=_cuda_check,
+        description="FlashInfer paged decode / prefill wrappers (page size 1)",
+    )
+    registry.register(
+        "moe_dispatch", "allreduce",
+        "execrt.backends.moe_dispatch.allreduce:AllReduceDispatcher",
+        ALLREDUCE_DISPATCH,
+        priority=10,
+        description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )

@@ -1,0 +1,622 @@
+"""Triton decode/extend attention kernels checked against a float64 torch oracle."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.backends.attention import triton_kernels as tk  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+CPU = torch.device("cpu")
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (compiled Triton kernels)")
+
+# Tolerances: (norm-relative error, max abs error). The interpreter computes fp32 dots exactly;
+# fp16 loses precision where the kernels round p to fp16 for the PV dot and on the final store.
+# On the GPU fp32 dots run in TF32, and bf16 keeps only 8 mantissa bits.
+CPU_TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2)}
+GPU_TOL = {
+    torch.float32: (5e-3, 3e-2),
+    torch.float16: (1e-2, 3e-2),
+    torch.bfloat16: (1e-2, 6e-2),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache construction and oracle
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cache:
+    """A slot KV cache holding some requests, with their slot table rows."""
+
+    k: torch.Tensor  # [S, Hkv, D]
+    v: torch.Tensor  # [S, Hkv, Dv]
+    req_to_token: torch.Tensor  # [R, max_ctx] int32
+    rows: torch.Tensor  # [B] int32, row of each request in req_to_token
+    seq_lens: list[int]
+
+    def context(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of request b's context in order: ([L, Hkv, D], [L, Hkv, Dv])."""
+        slots = self.req_to_token[int(self.rows[b]), : self.seq_lens[b]].long()
+        return self.k[slots], self.v[slots]
+
+
+def make_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+) -> Cache:
+    """Random cache with each request's slots drawn from a shuffled range.
+
+    Slot 0 and spare slots hold NaN, so any read outside a request's context poisons the output.
+    """
+    batch, total = len(seq_lens), sum(seq_lens)
+    num_slots = 1 + total + 11
+    shape_k, shape_v = (num_slots, num_kv_heads, head_dim), (num_slots, num_kv_heads, head_dim_v)
+    k = torch.full(shape_k, float("nan"), dtype=dtype, device=device)
+    v = torch.full(shape_v, float("nan"), dtype=dtype, device=device)
+    slots = (torch.randperm(num_slots - 1, generator=gen) + 1)[:total]
+    dev_gen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(int(slots[0]))
+    slots_dev = slots.to(device)
+    k[slots_dev] = torch.randn(
+        (total, *shape_k[1:]), generator=dev_gen, device=device, dtype=torch.float32
+    ).to(dtype)
+    v[slots_dev] = torch.randn(
+        (total, *shape_v[1:]), generator=dev_gen, device=device, dtype=torch.float32
+    ).to(dtype)
+    # Row 0 is the reserved padding row; requests get shuffled rows among the rest.
+    rows = (torch.randperm(batch + 2, generator=gen) + 1)[:batch].to(torch.int32)
+    max_ctx = max(seq_lens, default=0) + 5
+    # Entries past a request's length hold slot 0 (NaN data) so over-reads show up.
+    req_to_token = torch.zeros(batch + 3, max_ctx, dtype=torch.int32)
+    start = 0
+    for b, length in enumerate(seq_lens):
+        req_to_token[rows[b], :length] = slots[start : start + length].to(torch.int32)
+        start += length
+    return Cache(k, v, req_to_token.to(device), rows.to(device), list(seq_lens))
+
+
+def flat_indices(cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_indptr [B+1] and kv_indices [sum(L)], built in torch (independent of the kernels)."""
+    device = cache.k.device
+    lens = torch.tensor(cache.seq_lens, dtype=torch.int64)
+    indptr = torch.zeros(len(cache.seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    parts = [
+        cache.req_to_token[int(cache.rows[b]), :length].cpu()
+        for b, length in enumerate(cache.seq_lens)
+    ]
+    indices = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    return indptr.to(device), indices.to(torch.int32).to(device)
+
+
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """float64 attention of queries [n, Hq, D] over a context k [L, Hkv, D], v [L, Hkv, Dv].
+
+    Query i attends context positions j <= positions[i]. Returns [n, Hq, Dv] float64; an empty
+    context gives zeros.
+    """
+    n, num_q_heads, _ = q.shape
+    length, num_kv_heads, head_dim_v = v.shape
+    if length == 0:
+        return torch.zeros(n, num_q_heads, head_dim_v, dtype=torch.float64, device=q.device)
+    group = num_q_heads // num_kv_heads
+    kk = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    vv = v.double().repeat_interleave(group, dim=1)  # [L, Hq, Dv]
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), kk) * sm_scale  # [Hq, n, L]
+    pos = torch.arange(length, device=q.device)
+    hidden = pos[None, :] > positions.to(q.device)[:, None]  # [n, L]
+    scores = scores.masked_fill(hidden[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float]) -> None:
+    """Every element written (no NaN left from the poison) and within (norm-rel, max-abs)."""
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} NaN in the output"
+    diff = out.double() - ref
+    rel = float(diff.norm() / ref.norm().clamp_min(1e-30)) if ref.numel() else 0.0
+    max_abs = float(diff.abs().max()) if ref.numel() else 0.0
+    assert rel <= tol[0] and max_abs <= tol[1], f"norm-rel {rel:.3g}, max-abs {max_abs:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Runners
+# ----------------------------------------------------------------------------------------------
+
+
+def run_decode(
+    seq_lens: list[int],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    max_splits: int = 4,
+    num_splits: list[int] | None = None,
+    min_split_len: int = 32,
+    block_n: int = 16,
+    seed: int = 0,
+    spare: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run decode_attention on a fresh random case; return (output, float64 reference).
+
+    ``num_splits=None`` derives the split counts with decode_num_splits. ``spare`` pads every
+    index / scratch buffer past what the batch needs, as static graph buffers would be.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    batch = len(seq_lens)
+    cache = make_cache(seq_lens, num_kv_heads, head_dim, head_dim_v, dtype, device, gen)
+    q = torch.randn(batch, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
+    indptr, indices = flat_indices(cache)
+    if spare:
+        indptr = torch.cat([indptr, indptr[-1:].repeat(spare)])
+        indices = torch.cat([indices, torch.zeros(spare, dtype=torch.int32, device=device)])
+    splits = torch.full((batch + spare,), -5, dtype=torch.int32, device=device)
+    if num_splits is None:
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        tk.decode_num_splits(lens, splits, max_splits, min_split_len)
+    else:
+        splits[:batch] = torch.tensor(num_splits, dtype=torch.int32)
+    o = torch.full((batch, num_q_heads, head_dim_v), float("nan"), dtype=dtype, device=device)
+    part_shape = (batch + spare, num_q_heads, max_splits + spare)
+    partial_o = torch.full((*part_shape, head_dim_v), float("nan"), device=device)
+    partial_lse = torch.full(part_shape, float("nan"), device=device)
+    sm_scale = head_dim**-0.5
+    tk.decode_attention(
+        q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
+        max_splits, block_n=block_n,
+    )  # fmt: skip
+    ref = torch.zeros_like(o, dtype=torch.float64)
+    for b in range(batch):
+        last = torch.tensor([seq_lens[b] - 1])
+        ref[b] = ref_attention(q[b : b + 1], *cache.context(b), last, sm_scale)[0]
+    return o, ref
+
+
+def run_extend(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    extra_grid: int = 0,
+    block_m: int | None = 16,
+    block_n: int | None = 16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run extend_attention on a fresh random case; return (output, float64 reference).
+
+    ``extra_grid`` over-sizes max_extend_len so that whole query blocks have nothing to do.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    cache = make_cache(seq_lens, num_kv_heads, head_dim, head_dim_v, dtype, device, gen)
+    total = sum(extend_lens)
+    q = torch.randn(total, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
+    qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(torch.tensor(extend_lens), 0)
+    kv_indptr, kv_indices = flat_indices(cache)
+    o = torch.full((total, num_q_heads, head_dim_v), float("nan"), dtype=dtype, device=device)
+    sm_scale = head_dim**-0.5
+    tk.extend_attention(
+        q, cache.k, cache.v, o, qo_indptr.to(device), kv_indptr, kv_indices,
+        torch.tensor(prefix_lens, dtype=torch.int32, device=device),
+        max(extend_lens) + extra_grid, sm_scale, block_m=block_m, block_n=block_n,
+    )  # fmt: skip
+    refs = []
+    for b, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        positions = prefix + torch.arange(ext)
+        refs.append(ref_attention(q[rows], *cache.context(b), positions, sm_scale))
+    return o, torch.cat(refs)
+
+
+FLOATS_CPU = [torch.float32, torch.float16]
+
+
+# ----------------------------------------------------------------------------------------------
+# build_kv_indices
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_build_kv_indices_matches_slot_table(index_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [1, 7, 600, 33, 0, 1030]
+    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, CPU, gen)
+    want_indptr, want = flat_indices(cache)
+    tail = 37
+    kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32)
+    tk.build_kv_indices(
+        cache.req_to_token,
+        cache.rows.to(index_dtype),
+        torch.tensor(seq_lens, dtype=index_dtype),
+        want_indptr,
+        kv_indices,
+    )
+    assert torch.equal(kv_indices[: want.numel()], want)
+    assert torch.all(kv_indices[want.numel() :] == -7), "wrote past kv_indptr[B]"
+
+
+def test_build_kv_indices_empty_batch_is_noop() -> None:
+    req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    kv_indices = torch.full((5,), -7, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    tk.build_kv_indices(req_to_token, empty, empty, torch.zeros(1, dtype=torch.int32), kv_indices)
+    assert torch.all(kv_indices == -7)
+
+
+def test_build_kv_indices_rejects_bad_input() -> None:
+    req_to_token = torch.zeros(3, 4, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="triton attention: req_to_token dtype"):
+        tk.build_kv_indices(req_to_token.float(), one, one, one.repeat(2), one)
+    with pytest.raises(ValueError, match="kv_indptr has 1 entries, need at least 2"):
+        tk.build_kv_indices(req_to_token, one, one, one, one)
+
+
+# ----------------------------------------------------------------------------------------------
+# Split policy
+# ----------------------------------------------------------------------------------------------
+
+
+def test_decode_num_splits_values_and_untouched_tail() -> None:
+    lens = [0, 1, 31, 32, 33, 64, 65, 1000, 100000]
+    out = torch.full((len(lens) + 3,), -9, dtype=torch.int32)
+    for dtype in (torch.int32, torch.int64):
+        tk.decode_num_splits(torch.tensor(lens, dtype=dtype), out, 8, 32)
+        want = [min(max(math.ceil(n / 32), 1), 8) for n in lens]
+        assert out[: len(lens)].tolist() == want
+        assert out[len(lens) :].tolist() == [-9, -9, -9]
+
+
+def test_decode_num_splits_rejects_bad_input() -> None:
+    lens = torch.ones(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_splits_out dtype"):
+        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int64), 4, 32)
+    with pytest.raises(ValueError, match="num_splits_out has 2 entries"):
+        tk.decode_num_splits(lens, torch.zeros(2, dtype=torch.int32), 4, 32)
+    with pytest.raises(ValueError, match="min_split_len 0 unsupported"):
+        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int32), 4, 0)
+
+
+def test_choose_max_splits_properties() -> None:
+    for bs in (0, 1, 2, 8, 64, 256):
+        for ctx in (0, 1, 100, 4096, 32768):
+            for hkv in (1, 8):
+                n = tk.choose_max_splits(bs, ctx, hkv, 132, min_split_len=256, cap=64)
+                assert 1 <= n <= 64
+                assert n <= max(1, math.ceil(ctx / 256)), "split shorter than min_split_len"
+    long_one = tk.choose_max_splits(1, 32768, 8, 132)
+    long_many = tk.choose_max_splits(64, 32768, 8, 132)
+    assert long_one > long_many >= 1
+    # One long request must be able to occupy every SM.
+    assert 8 * long_one >= 132
+    assert tk.choose_max_splits(1, 32768, 1, 132, cap=16) == 16
+    with pytest.raises(ValueError, match="num_sms 0"):
+        tk.choose_max_splits(1, 10, 1, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode_attention on the interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_decode_single_request(dtype: torch.dtype) -> None:
+    o, ref = run_decode([77], dtype=dtype, seed=10)
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_decode_ragged_batch_gqa(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> None:
+    o, ref = run_decode(
+        [1, 7, 33, 200],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=dtype,
+        seed=20 + num_q_heads + num_kv_heads,
+    )
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_decode_context_of_one(dtype: torch.dtype) -> None:
+    o, ref = run_decode([1, 1, 1], dtype=dtype, max_splits=3, num_splits=[1, 2, 3], seed=30)
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_decode_long_context_many_splits(dtype: torch.dtype) -> None:
+    # 517 tokens over 9 splits of 64 (block_n 16); 300 over 3 splits; 65 tokens asked to use 8
+    # splits, so splits 5..7 are empty and must be skipped by the merge.
+    o, ref = run_decode(
+        [517, 300, 65, 20],
+        max_splits=9,
+        num_splits=[9, 3, 8, 1],
+        dtype=dtype,
+        seed=40,
+    )
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+def test_decode_splits_from_policy_with_static_buffers() -> None:
+    # Splits chosen by decode_num_splits (1..10 per request); every index and scratch buffer is
+    # longer than the batch, as when the launch replays a CUDA graph captured for more requests.
+    o, ref = run_decode([600, 5, 129, 250], max_splits=10, min_split_len=64, spare=3, seed=50)
+    assert_close(o, ref, CPU_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+@pytest.mark.parametrize(("head_dim", "head_dim_v"), [(96, 96), (64, 32)])
+def test_decode_other_head_dims(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> None:
+    o, ref = run_decode(
+        [3, 90], head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, seed=60 + head_dim_v
+    )
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+def test_decode_large_group() -> None:
+    # 32 query heads per kv head: the head tile grows past 16 rows.
+    o, ref = run_decode([40, 9], num_q_heads=32, num_kv_heads=1, seed=70)
+    assert_close(o, ref, CPU_TOL[torch.float32])
+
+
+def test_decode_empty_context_writes_zeros() -> None:
+    o, ref = run_decode([0, 25, 0], max_splits=2, seed=80)
+    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert torch.all(o[0] == 0) and torch.all(o[2] == 0)
+
+
+def test_decode_empty_batch_is_noop() -> None:
+    o, ref = run_decode([])
+    assert o.numel() == 0 and ref.numel() == 0
+
+
+def test_decode_rejects_bad_input() -> None:
+    q = torch.zeros(2, 4, 64)
+    k = torch.zeros(10, 2, 64)
+    o = torch.zeros(2, 4, 64)
+    indptr = torch.zeros(3, dtype=torch.int32)
+    indices = torch.zeros(4, dtype=torch.int32)
+    splits = torch.ones(2, dtype=torch.int32)
+    po, pl = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2)
+
+    def call(**over: object) -> None:
+        args = dict(
+            q=q, k_buffer=k, v_buffer=k, o=o, kv_indptr=indptr, kv_indices=indices,
+            num_splits=splits, partial_o=po, partial_lse=pl, sm_scale=0.1, max_splits=2,
+        )  # fmt: skip
+        args.update(over)
+        tk.decode_attention(**args)  # type: ignore[arg-type]
+
+    big = torch.zeros(2, 4, 300)
+    with pytest.raises(ValueError, match=r"triton attention: head_dim 300 unsupported"):
+        call(q=big, k_buffer=torch.zeros(10, 2, 300), v_buffer=k)
+    with pytest.raises(ValueError, match="4 query heads unsupported with 3 kv heads"):
+        call(k_buffer=torch.zeros(10, 3, 64), v_buffer=torch.zeros(10, 3, 64))
+    with pytest.raises(ValueError, match="k_buffer dtype torch.float16 differs"):
+        call(k_buffer=k.half())
+    with pytest.raises(ValueError, match="q dtype torch.float64 unsupported"):
+        call(q=q.double())
+    with pytest.raises(ValueError, match="num_splits dtype torch.int64 unsupported"):
+        call(num_splits=splits.long())
+    with pytest.raises(ValueError, match="partial_o shape"):
+        call(partial_o=torch.zeros(2, 4, 1, 64))
+    with pytest.raises(ValueError, match="block_n 24 unsupported"):
+        call(block_n=24)
+    with pytest.raises(ValueError, match="max_splits 0 unsupported"):
+        call(max_splits=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# extend_attention on the interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_extend_without_prefix(dtype: torch.dtype) -> None:
+    o, ref = run_extend([0, 0, 0], [17, 40, 1], dtype=dtype, seed=100)
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_extend_with_mixed_prefixes(dtype: torch.dtype) -> None:
+    o, ref = run_extend([0, 5, 40], [23, 1, 37], dtype=dtype, extra_grid=20, seed=110)
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+def test_extend_single_token_each() -> None:
+    o, ref = run_extend([30, 0, 7], [1, 1, 1], seed=120)
+    assert_close(o, ref, CPU_TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 1), (8, 8)])
+def test_extend_gqa(num_q_heads: int, num_kv_heads: int) -> None:
+    o, ref = run_extend(
+        [19, 0], [20, 9], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=130
+    )
+    assert_close(o, ref, CPU_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_extend_head_dim_96_default_blocks(dtype: torch.dtype) -> None:
+    # block sizes left to the kernel's defaults (64x64 here): one query block per request.
+    o, ref = run_extend(
+        [3, 70], [50, 21], head_dim=96, dtype=dtype, block_m=None, block_n=None, seed=140
+    )
+    assert_close(o, ref, CPU_TOL[dtype])
+
+
+def test_extend_rejects_bad_input() -> None:
+    q = torch.zeros(3, 4, 64)
+    k = torch.zeros(10, 2, 64)
+    i32 = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"o shape \(3, 4, 32\) unsupported"):
+        tk.extend_attention(q, k, k, torch.zeros(3, 4, 32), i32, i32, i32, i32[:1], 3, 0.1)
+    with pytest.raises(ValueError, match="block_m 8 unsupported"):
+        tk.extend_attention(q, k, k, q.clone(), i32, i32, i32, i32[:1], 3, 0.1, block_m=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (compiled) cases at real sizes
+# ----------------------------------------------------------------------------------------------
+
+GPU_FLOATS = [torch.bfloat16, torch.float16]
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_FLOATS)
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[8192], [1, 7, 33, 200, 4096, 8191], "random64"],
+    ids=["bs1-8k", "ragged", "bs64-random"],
+)
+def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str) -> None:
+    if seq_lens == "random64":
+        gen = torch.Generator().manual_seed(7)
+        seq_lens = torch.randint(1, 8193, (64,), generator=gen).tolist()
+    assert isinstance(seq_lens, list)
+    max_splits = tk.choose_max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
+    o, ref = run_decode(
+        seq_lens,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        max_splits=max_splits,
+        min_split_len=tk.DEFAULT_MIN_SPLIT_LEN,
+        block_n=64,
+        seed=200,
+    )
+    assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 64), (32, 32, 128), (16, 1, 256)]
+)
+def test_gpu_decode_shapes(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    o, ref = run_decode(
+        [3000, 17, 1, 1200],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        max_splits=16,
+        num_splits=[16, 1, 5, 7],
+        block_n=64,
+        seed=210,
+    )
+    assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_FLOATS + [torch.float32])
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [([0, 0], [1000, 333]), ([0, 5, 2000, 4000], [700, 1, 1024, 77]), ([100] * 8, [1] * 8)],
+    ids=["no-prefix", "mixed-prefix", "single-token"],
+)
+def test_gpu_extend(dtype: torch.dtype, prefix_lens: list[int], extend_lens: list[int]) -> None:
+    o, ref = run_extend(
+        prefix_lens,
+        extend_lens,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        block_m=None,
+        block_n=None,
+        seed=220,
+    )
+    assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
+    """build_kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
+    device = torch.device("cuda")
+    dtype, hq, hkv, d, batch, max_ctx = torch.bfloat16, 32, 8, 128, 4, 4096
+    gen = torch.Generator().manual_seed(300)
+    cache = make_cache([max_ctx] * batch, hkv, d, d, dtype, device, gen)
+    max_splits = tk.choose_max_splits(batch, max_ctx, hkv, _num_sms())
+    seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    indices = torch.zeros(batch * max_ctx, dtype=torch.int32, device=device)
+    splits = torch.zeros(batch, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, d, generator=gen).to(dtype).to(device)
+    o = torch.empty(batch, hq, d, dtype=dtype, device=device)
+    partial_o = torch.empty(batch, hq, max_splits, d, device=device)
+    partial_lse = torch.empty(batch, hq, max_splits, device=device)
+
+    def step() -> None:
+        torch.cumsum(seq_lens, 0, out=indptr[1:])
+        tk.build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+        tk.decode_num_splits(seq_lens, splits, max_splits, tk.DEFAULT_MIN_SPLIT_LEN)
+        tk.decode_attention(
+            q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
+            d**-0.5, max_splits,
+        )  # fmt: skip
+
+    seq_lens.fill_(1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([1, 4096, 300, 2000], [4000, 2, 64, 1025]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.zeros_like(o, dtype=torch.float64)
+        for b, length in enumerate(lens):
+            k_ctx, v_ctx = cache.context(b)
+            last = torch.tensor([length - 1])
+            ref[b] = ref_attention(q[b : b + 1], k_ctx[:length], v_ctx[:length], last, d**-0.5)[0]
+        assert_close(o, ref, GPU_TOL[dtype])
