@@ -4,12 +4,55 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
 # Triton kernels run under the interpreter on machines without CUDA. The flag is read when a
 # kernel module is imported, so it must be set before any test imports one.
-try:
-    import torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-except ImportError:  # pragma: no cover - torch is a hard dependency
-    pass
+from execrt.core.context import RuntimeContext  # noqa: E402
+from execrt.core.plugins import PluginHost  # noqa: E402
+from tests.checkpoints import CHECKPOINTS, build_checkpoint  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Generated artefacts (built-in checkpoint, conformance reports) go to one temp dir per run.
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "execrt-cache"))
+
+
+@pytest.fixture
+def plugin_host() -> PluginHost:
+    """A fresh plugin host with only the built-in plugin (no entry points)."""
+    return PluginHost(autoload=False)
+
+
+@pytest.fixture
+def runtime_context():  # type: ignore[no-untyped-def]
+    ctx = RuntimeContext()
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``checkpoint(name)`` -> path of a tiny random HF checkpoint saved by transformers."""
+    cache: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = build_checkpoint(name, str(tmp_path_factory.mktemp(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(CHECKPOINTS))
+def checkpoint_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

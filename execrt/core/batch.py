@@ -124,7 +124,9 @@ class ForwardBatch:
         )
 
 
-def extend_positions(prefix_lens: list[int], extend_lens: list[int], device: torch.device) -> torch.Tensor:
+def extend_positions(
+    prefix_lens: list[int], extend_lens: list[int], device: torch.device
+) -> torch.Tensor:
     """Absolute positions of the new tokens: ``prefix .. prefix + n - 1`` per request. [T] int64."""
     if not extend_lens:
         return torch.zeros(0, dtype=torch.int64, device=device)

@@ -61,7 +61,9 @@ class RuntimeConfig:
                 raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_tokens", "context_len", "seed"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
+                )
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in (0, 0.95], "
@@ -146,7 +148,9 @@ def _coerce(key: str, value: str, type_name: str, source: str) -> Any:
         if type_name == "float":
             return float(text)
     except ValueError:
-        raise ConfigError(f"config ({source}): {key}={value!r} is not a valid {type_name}") from None
+        raise ConfigError(
+            f"config ({source}): {key}={value!r} is not a valid {type_name}"
+        ) from None
     if type_name.startswith("str") and text.lower() in {"", "none"} and "None" in type_name:
         return None
     return text

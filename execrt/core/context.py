@@ -166,7 +166,9 @@ class RuntimeContext:
             return self._records[name]
         except KeyError:
             known = ", ".join(sorted(self._records)) or "none"
-            raise ResourceError(f"runtime context: no resource {name!r} (registered: {known})") from None
+            raise ResourceError(
+                f"runtime context: no resource {name!r} (registered: {known})"
+            ) from None
 
     def __enter__(self) -> RuntimeContext:
         return self

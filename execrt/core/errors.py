@@ -10,7 +10,7 @@ class ExecrtError(Exception):
 
 
 class ConfigError(ExecrtError, ValueError):
-    """A configuration value is invalid; the message names the key, the value and what is accepted."""
+    """A configuration value is invalid; the message names key, value and what is accepted."""
 
 
 class BackendUnavailableError(ExecrtError):

@@ -35,7 +35,11 @@ class Capabilities:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, frozenset):
-                value = sorted((str(v).replace("torch.", "") for v in value), key=_natural)
+                value = (
+                    sorted(value)
+                    if all(isinstance(v, int) for v in value)
+                    else sorted((str(v).replace("torch.", "") for v in value), key=_natural)
+                )
             elif isinstance(value, Enum):
                 value = value.value
             out[f.name] = value
@@ -87,7 +91,9 @@ class AttentionCapabilities(Capabilities):
         self._check("dtype", req.dtype, self.dtypes, out)
         self._check("head_dim", req.head_dim, self.head_dims, out)
         if req.num_kv_heads < 1 or req.num_q_heads % req.num_kv_heads:
-            out.append(f"num_q_heads {req.num_q_heads} not a multiple of num_kv_heads {req.num_kv_heads}")
+            out.append(
+                f"num_q_heads {req.num_q_heads} not a multiple of num_kv_heads {req.num_kv_heads}"
+            )
         else:
             self._check("GQA ratio", req.num_q_heads // req.num_kv_heads, self.gqa_ratios, out)
         if req.graph and not self.graph:
@@ -154,24 +160,39 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-        fb: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """One token per request. ``q [B, Hq, D]``, ``k [B, Hkv, D]``, ``v [B, Hkv, Dv]``
         in the cache dtype -> ``[B, Hq, Dv]``. Stores k/v at ``fb.out_cache_loc`` first."""
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-        fb: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """New tokens of every request, request after request: ``q [T, Hq, D]`` -> ``[T, Hq, Dv]``.
         Token i of request b sits at position ``prefix_len[b] + i`` and attends causally over
         the cached prefix and the new tokens. Stores k/v at ``fb.out_cache_loc`` first."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-        fb: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         if fb.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb, save_kv_cache)
@@ -187,7 +208,7 @@ class AttentionBackend(ABC):
         """Write decode metadata into the static buffers: no allocation, no host sync."""
         raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the backend allocated. Idempotent."""
 
 
@@ -257,12 +278,16 @@ class MoEDispatcherCapabilities(Capabilities):
         self._check("device", req.device, self.devices, out)
         self._check("dtype", req.dtype, self.dtypes, out)
         self._check("world size", req.world_size, self.world_sizes, out)
-        self._check("process group backend", req.process_group_backend, self.process_group_backends, out)
+        self._check(
+            "process group backend", req.process_group_backend, self.process_group_backends, out
+        )
         self._check("hidden size", req.hidden_size, self.hidden_sizes, out)
         if self.max_top_k is not None and req.top_k > self.max_top_k:
             out.append(f"top_k {req.top_k} unsupported (supported: <= {self.max_top_k})")
         if req.num_experts % max(req.world_size, 1):
-            out.append(f"num_experts {req.num_experts} not divisible by world size {req.world_size}")
+            out.append(
+                f"num_experts {req.num_experts} not divisible by world size {req.world_size}"
+            )
         if req.graph and not self.graph:
             out.append("graph capture unsupported")
         return out
@@ -317,7 +342,7 @@ class MoEDispatcher(ABC):
         """The provider of graph-lifetime state, for dispatchers that need one under graphs."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release communication handles and buffers. Idempotent."""
 
 

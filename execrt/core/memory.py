@@ -124,8 +124,12 @@ class KVCache:
         self.device = torch.device(device)
         shape_k = (size + 1, num_kv_heads, head_dim)
         shape_v = (size + 1, num_kv_heads, self.v_head_dim)
-        self.k_buffers = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffers = [
+            torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's ``k [T, n_kv, D]`` and ``v [T, n_kv, Dv]`` at slots ``loc [T]``."""
@@ -139,7 +143,10 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token_for(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
         v_head_dim: int | None = None,
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

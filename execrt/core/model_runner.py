@@ -21,7 +21,13 @@ from execrt.core.interfaces import (
 )
 from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import PluginHost, Resolution, ResolutionReport, get_plugin_host, resolve_backend
+from execrt.core.plugins import (
+    PluginHost,
+    Resolution,
+    ResolutionReport,
+    get_plugin_host,
+    resolve_backend,
+)
 from execrt.core.runners import EagerRunner
 from execrt.core.sampler import Sampler
 from execrt.models import ModelConfig, load_model
@@ -57,47 +63,108 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.model_config = mc = ModelConfig.from_pretrained(model_path)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
-        self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.context_len = min(
+            config.context_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         self.max_running_requests = config.max_running_requests
         self.max_num_tokens = max(config.max_prefill_tokens, config.max_running_requests)
         registry = (plugin_host or get_plugin_host()).registry
         self.resolution = ResolutionReport()
 
-        attn = self._resolve(registry, "attention", config.attention_backend, AttentionRequirements(
-            self.device.type, self.dtype, mc.head_dim, mc.num_q_heads, mc.num_kv_heads))
+        attn = self._resolve(
+            registry,
+            "attention",
+            config.attention_backend,
+            AttentionRequirements(
+                self.device.type, self.dtype, mc.head_dim, mc.num_q_heads, mc.num_kv_heads
+            ),
+        )
         self.moe_dispatcher: MoEDispatcher | None = None
         if mc.is_moe:
-            moe = self._resolve(registry, "moe_dispatch", config.moe_dispatcher, MoERequirements(
-                self.device.type, self.dtype, self.parallel.world_size, self.parallel.backend,
-                mc.num_experts, mc.top_k, mc.hidden_size))
+            moe = self._resolve(
+                registry,
+                "moe_dispatch",
+                config.moe_dispatcher,
+                MoERequirements(
+                    self.device.type,
+                    self.dtype,
+                    self.parallel.world_size,
+                    self.parallel.backend,
+                    mc.num_experts,
+                    mc.top_k,
+                    mc.hidden_size,
+                ),
+            )
             spec = registry.get("moe_dispatch", moe)
-            self.moe_dispatcher = context.register("moe_dispatcher", spec.create(MoEDispatcherInit(
-                spec.capabilities, mc.num_experts, mc.top_k, mc.hidden_size, self.dtype,  # type: ignore[arg-type]
-                self.device, self.max_num_tokens, self.parallel, context,
-            )), owner=OWNER, close=lambda d: d.close())
+            self.moe_dispatcher = context.register(
+                "moe_dispatcher",
+                spec.create(
+                    MoEDispatcherInit(
+                        spec.capabilities,
+                        mc.num_experts,
+                        mc.top_k,
+                        mc.hidden_size,
+                        self.dtype,  # type: ignore[arg-type]
+                        self.device,
+                        self.max_num_tokens,
+                        self.parallel,
+                        context,
+                    )
+                ),
+                owner=OWNER,
+                close=lambda d: d.close(),
+            )
         else:
             self.resolution.resolutions.append(
-                Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model"))
+                Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model")
+            )
         self.graph_backend_name = self._resolve(
-            registry, "graph", config.graph_backend, GraphRequirements(self.device.type))
+            registry, "graph", config.graph_backend, GraphRequirements(self.device.type)
+        )
 
         self.model = load_model(
-            model_path, mc, device=self.device, dtype=self.dtype,
-            max_positions=self.context_len, dispatcher=self.moe_dispatcher,
+            model_path,
+            mc,
+            device=self.device,
+            dtype=self.dtype,
+            max_positions=self.context_len,
+            dispatcher=self.moe_dispatcher,
         )
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.context_len, self.device
+        )
         kv_tokens = config.kv_cache_tokens or self._auto_kv_tokens()
-        self.kv_cache = context.register("kv_cache", KVCache(
-            kv_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device),
-            owner=OWNER)
+        self.kv_cache = context.register(
+            "kv_cache",
+            KVCache(
+                kv_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            ),
+            owner=OWNER,
+        )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, self.device)
         spec = registry.get("attention", attn)
-        self.attn_backend: AttentionBackend = context.register("attn_backend", spec.create(
-            AttentionBackendInit(
-                spec.capabilities, mc.num_q_heads, mc.num_kv_heads, mc.head_dim,  # type: ignore[arg-type]
-                mc.head_dim, mc.num_layers, self.dtype, self.device, self.req_to_token_pool,
-                self.kv_cache, self.max_running_requests, self.context_len, context,
-            )), owner=OWNER, close=lambda b: b.close())
+        self.attn_backend: AttentionBackend = context.register(
+            "attn_backend",
+            spec.create(
+                AttentionBackendInit(
+                    spec.capabilities,
+                    mc.num_q_heads,
+                    mc.num_kv_heads,
+                    mc.head_dim,  # type: ignore[arg-type]
+                    mc.head_dim,
+                    mc.num_layers,
+                    self.dtype,
+                    self.device,
+                    self.req_to_token_pool,
+                    self.kv_cache,
+                    self.max_running_requests,
+                    self.context_len,
+                    context,
+                )
+            ),
+            owner=OWNER,
+            close=lambda b: b.close(),
+        )
         self.sampler = Sampler()
         self.forward_pass_id = 0
         self.eager_runner = EagerRunner(self, self.max_running_requests, self.max_num_tokens)
@@ -111,8 +178,11 @@ class ModelRunner:
 
     def _auto_kv_tokens(self) -> int:
         per_token = KVCache.bytes_per_token_for(
-            self.model_config.num_layers, self.model_config.num_kv_heads,
-            self.model_config.head_dim, self.dtype)
+            self.model_config.num_layers,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+        )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_cache_memory_fraction)

@@ -171,14 +171,20 @@ class BackendRegistry:
     ) -> BackendSpec:
         """Register a backend factory. Raises PluginError for an invalid or clashing entry."""
         if kind not in KINDS:
-            raise PluginError(self._plugin, f"unknown backend kind {kind!r} (kinds: {', '.join(KINDS)})")
+            raise PluginError(
+                self._plugin, f"unknown backend kind {kind!r} (kinds: {', '.join(KINDS)})"
+            )
         if not isinstance(capabilities, KINDS[kind]):
             raise PluginError(
                 self._plugin,
                 f"{kind} backend {name!r} must declare {KINDS[kind].__name__}, "
                 f"got {type(capabilities).__name__}",
             )
-        if not name or name in {"auto", NO_GRAPH} or not name.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        if (
+            not name
+            or name in {"auto", NO_GRAPH}
+            or not name.replace("_", "").replace("-", "").replace(".", "").isalnum()
+        ):
             raise PluginError(self._plugin, f"invalid backend name {name!r}")
         if isinstance(factory, str) and ":" not in factory:
             raise PluginError(self._plugin, f"factory {factory!r} must look like 'module:attr'")
@@ -186,7 +192,9 @@ class BackendRegistry:
         if key in self._conflicts:
             first, _ = self._conflicts[key]
             self._conflicts[key] = (first, self._plugin)
-            raise PluginError(self._plugin, f"{kind} backend {name!r} is also registered by plugin {first!r}")
+            raise PluginError(
+                self._plugin, f"{kind} backend {name!r} is also registered by plugin {first!r}"
+            )
         if key in self._specs:
             other = self._specs.pop(key).plugin
             self._conflicts[key] = (other, self._plugin)
@@ -194,10 +202,18 @@ class BackendRegistry:
                 self._plugin, f"{kind} backend {name!r} is also registered by plugin {other!r}"
             )
         spec = BackendSpec(
-            kind=kind, name=name, factory=factory, capabilities=capabilities,
-            plugin=self._plugin, version=self._version, requires=tuple(requires),
-            install_hint=install_hint, priority=priority, auto_devices=auto_devices,
-            description=description, check=check,
+            kind=kind,
+            name=name,
+            factory=factory,
+            capabilities=capabilities,
+            plugin=self._plugin,
+            version=self._version,
+            requires=tuple(requires),
+            install_hint=install_hint,
+            priority=priority,
+            auto_devices=auto_devices,
+            description=description,
+            check=check,
         )
         self._specs[key] = spec
         return spec
@@ -211,12 +227,16 @@ class BackendRegistry:
         key = (kind, name)
         if key in self._conflicts:
             a, b = self._conflicts[key]
-            raise PluginError(a, f"{kind} backend {name!r} is claimed by both plugin {a!r} and plugin {b!r}")
+            raise PluginError(
+                a, f"{kind} backend {name!r} is claimed by both plugin {a!r} and plugin {b!r}"
+            )
         try:
             return self._specs[key]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none"
-            raise BackendUnavailableError(kind, name, [f"not registered (registered: {known})"]) from None
+            raise BackendUnavailableError(
+                kind, name, [f"not registered (registered: {known})"]
+            ) from None
 
     def names(self, kind: str) -> list[str]:
         return sorted(name for k, name in self._specs if k == kind)
@@ -265,11 +285,15 @@ class PluginHost:
         if builtin:
             from execrt.plugins import builtin as builtin_plugin
 
-            self.add_plugin(builtin_plugin, BUILTIN_PLUGIN, version=_execrt_version(), source="builtin")
+            self.add_plugin(
+                builtin_plugin, BUILTIN_PLUGIN, version=_execrt_version(), source="builtin"
+            )
         if autoload:
             self.load_entry_points()
 
-    def add_plugin(self, plugin: object, name: str, *, version: str = "", source: str = "direct") -> bool:
+    def add_plugin(
+        self, plugin: object, name: str, *, version: str = "", source: str = "direct"
+    ) -> bool:
         """Register a plugin object and collect its backends. False if it failed (reported)."""
         try:
             self.pm.register(plugin, name=name)
@@ -296,7 +320,11 @@ class PluginHost:
             self.add_plugin(plugin, ep.name, version=version, source=source)
 
     def _collect(self, name: str, version: str) -> bool:
-        impls = [i for i in self.pm.hook.execrt_register_backends.get_hookimpls() if i.plugin_name == name]
+        impls = [
+            i
+            for i in self.pm.hook.execrt_register_backends.get_hookimpls()
+            if i.plugin_name == name
+        ]
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
@@ -412,16 +440,23 @@ def resolve_backend(
         if not reasons:
             if strict and rejected:
                 raise BackendUnavailableError(
-                    kind, "auto",
+                    kind,
+                    "auto",
                     [f"strict: preferred {n} unusable ({'; '.join(r)})" for n, r in rejected],
                 )
             return Resolution(kind, requested, spec.name, tuple(rejected))
         rejected.append((spec.name, tuple(reasons)))
     if kind == "graph":
         if strict and rejected:
-            raise BackendUnavailableError(kind, "auto", [f"{n}: {'; '.join(r)}" for n, r in rejected])
-        return Resolution(kind, requested, None, tuple(rejected), note=f"no graph backend for {device}")
+            raise BackendUnavailableError(
+                kind, "auto", [f"{n}: {'; '.join(r)}" for n, r in rejected]
+            )
+        return Resolution(
+            kind, requested, None, tuple(rejected), note=f"no graph backend for {device}"
+        )
     raise BackendUnavailableError(
-        kind, "auto",
-        [f"{n}: {'; '.join(r)}" for n, r in rejected] or [f"no {kind} backend claims device {device}"],
+        kind,
+        "auto",
+        [f"{n}: {'; '.join(r)}" for n, r in rejected]
+        or [f"no {kind} backend claims device {device}"],
     )

@@ -29,7 +29,9 @@ class SamplingBatchInfo:
     def from_reqs(cls, reqs: Sequence[Req], device: torch.device) -> SamplingBatchInfo:
         params = [r.sampling_params for r in reqs]
         return cls(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperatures=torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=device
+            ),
             top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             seeds=torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=device),
@@ -59,7 +61,9 @@ class Sampler:
     @staticmethod
     def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Probabilities after temperature, top-k and top-p (zeros outside the kept set)."""
-        temps = torch.where(info.temperatures > 0, info.temperatures, torch.ones_like(info.temperatures))
+        temps = torch.where(
+            info.temperatures > 0, info.temperatures, torch.ones_like(info.temperatures)
+        )
         probs = torch.softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]

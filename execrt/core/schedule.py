@@ -141,13 +141,13 @@ class ScheduleBatch:
                 req.req_pool_idx = req_to_token_pool.alloc()
         input_ids: list[int] = []
         offset = 0
-        for req, n in zip(reqs, extend_lens):
+        for req, n in zip(reqs, extend_lens, strict=True):
             assert req.req_pool_idx is not None
             input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
             req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
             offset += n
         prefix = [r.kv_len for r in reqs]
-        seq = [p + n for p, n in zip(prefix, extend_lens)]
+        seq = [p + n for p, n in zip(prefix, extend_lens, strict=True)]
         return cls(
             reqs=reqs,
             mode=ScheduleMode.EXTEND,
@@ -181,7 +181,9 @@ class ScheduleBatch:
         return cls(
             reqs=reqs,
             mode=ScheduleMode.DECODE,
-            input_ids=torch.tensor([r.fill_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+            input_ids=torch.tensor(
+                [r.fill_ids[-1] for r in reqs], dtype=torch.int64, device=device
+            ),
             req_pool_indices=_rows(reqs, device),
             seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
             out_cache_loc=slots,

@@ -61,7 +61,9 @@ class ModelConfig:
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type != "default":
-                raise ModelLoadError(f"model config: rope_type {rope_type!r} unsupported (supported: default)")
+                raise ModelLoadError(
+                    f"model config: rope_type {rope_type!r} unsupported (supported: default)"
+                )
             if cfg.get("use_sliding_window"):
                 raise ModelLoadError("model config: sliding-window attention unsupported")
             theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -179,7 +179,9 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     return F.linear(F.silu(gate) * up, w2)
 
 
-def _experts_standard(d: StandardDispatchOutput, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def _experts_standard(
+    d: StandardDispatchOutput, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     x = d.hidden_states  # [T, H]
     out = torch.zeros_like(x)
     flat = d.topk_ids.flatten()  # [T*K]

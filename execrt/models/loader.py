@@ -80,12 +80,15 @@ def load_model(
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     files = checkpoint_files(path)
-    model = build_empty(cls, config, device=device, dtype=dtype, max_positions=max_positions,
-                        dispatcher=dispatcher)
+    model = build_empty(
+        cls, config, device=device, dtype=dtype, max_positions=max_positions, dispatcher=dispatcher
+    )
     loaded = model.load_weights(iter_weights(files))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ModelLoadError(f"model: checkpoint {os.fspath(path)!r} lacks tensor(s) {shown}")
     return model.eval()
 

@@ -19,15 +19,24 @@ logger = logging.getLogger(__name__)
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
         dispatcher: MoEDispatcher | None,
     ) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
-            layer_id, c.hidden_size, c.num_q_heads, c.num_kv_heads, c.head_dim,
-            c.rms_norm_eps, rotary, bias=c.attention_bias,
+            layer_id,
+            c.hidden_size,
+            c.num_q_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            rotary,
+            bias=c.attention_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp: nn.Module
@@ -35,8 +44,12 @@ class DecoderLayer(nn.Module):
             if dispatcher is None:
                 raise ModelLoadError("model: a MoE layer needs a MoE dispatcher")
             self.mlp = SparseMoE(
-                c.hidden_size, c.moe_intermediate_size, c.num_experts, c.top_k,
-                c.norm_topk_prob, dispatcher,
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.num_experts,
+                c.top_k,
+                c.norm_topk_prob,
+                dispatcher,
             )
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size)
@@ -74,7 +87,9 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> LogitsOutput:
         h = self.model.embed_tokens(input_ids)  # [T, H]
         for layer in self.model.layers:
             h = layer(positions, h, fb)
@@ -119,8 +134,11 @@ class Qwen3ForCausalLM(nn.Module):
                 dst.copy_(value)
                 filled[target] = filled.get(target, 0) + dst.numel()
         if unexpected:
-            logger.warning("model: ignored %d unexpected tensor(s): %s", len(unexpected),
-                           ", ".join(unexpected[:8]))
+            logger.warning(
+                "model: ignored %d unexpected tensor(s): %s",
+                len(unexpected),
+                ", ".join(unexpected[:8]),
+            )
         loaded = {n for n, count in filled.items() if count >= params[n].numel()}
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")

@@ -48,14 +48,16 @@ def _cuda_check(req: Any) -> list[str]:
 @hookimpl
 def execrt_register_backends(registry: BackendRegistry) -> None:
     registry.register(
-        "attention", "torch_native",
+        "attention",
+        "torch_native",
         "execrt.backends.attention.torch_native:TorchNativeAttnBackend",
         TORCH_NATIVE_ATTENTION,
         priority=10,
         description="PyTorch over gathered K/V; reference, any device",
     )
     registry.register(
-        "attention", "triton",
+        "attention",
+        "triton",
         "execrt.backends.attention.triton:TritonAttnBackend",
         TRITON_ATTENTION,
         requires=("triton",),
@@ -66,7 +68,8 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         description="split-KV paged decode and causal extend kernels in Triton",
     )
     registry.register(
-        "attention", "flashinfer",
+        "attention",
+        "flashinfer",
         "execrt.backends.attention.flashinfer:FlashInferAttnBackend",
         FLASHINFER_ATTENTION,
         requires=("flashinfer",),
@@ -76,7 +79,8 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         description="FlashInfer paged decode / prefill wrappers (page size 1)",
     )
     registry.register(
-        "moe_dispatch", "allreduce",
+        "moe_dispatch",
+        "allreduce",
         "execrt.backends.moe_dispatch.allreduce:AllReduceDispatcher",
         ALLREDUCE_DISPATCH,
         priority=10,

@@ -34,8 +34,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb.attn_metadata = TorchNativeMetadata(slots=slots, valid=valid)
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-        fb: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
@@ -47,8 +52,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out[:, 0]
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-        fb: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
@@ -57,12 +67,17 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = self.kv_cache.v_buffers[layer.layer_id]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         start = 0
-        for b, (prefix, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+        for b, (prefix, n) in enumerate(
+            zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
+        ):
             ctx = meta.slots[b, : prefix + n]  # [L]
             q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]  # [n, 1]
             causal = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos  # [n, L]
             out[start : start + n] = attend(
-                q[None, start : start + n], k_buf[ctx][None], v_buf[ctx][None], layer.scaling,
+                q[None, start : start + n],
+                k_buf[ctx][None],
+                v_buf[ctx][None],
+                layer.scaling,
                 causal[None, :, None, :],
             )[0]
             start += n

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,7 @@ DEFAULT_MAX_SPLITS_CAP = 64
 # How many stage-1 programs per SM the split policy aims for. Several programs fit on one SM at
 # once (the tiles need well under a quarter of the shared memory), so one "wave" of `num_sms`
 # programs leaves most of the machine idle; four gives enough resident work to keep HBM busy and
-# keeps the tail of the last wave short. Tuned on the GPU, not derived.
+# keeps the tail of the last wave short. A starting point, to be tuned on the GPU.
 _TARGET_PROGRAMS_PER_SM = 4
 
 _LOG2E = 1.4426950408889634
@@ -31,7 +33,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"triton attention: {message}")
 
 
@@ -303,6 +305,7 @@ def _decode_split_kernel(
     part_o_ptr,
     part_lse_ptr,
     qk_scale,
+    max_splits,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -328,8 +331,9 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
-    # A bad count of 0 would divide by zero; treat it as one split.
-    n_splits = tl.maximum(tl.load(num_splits_ptr + b), 1)
+    # Out-of-range counts are clamped (as in stage 2) so that the launched splits still cover
+    # the whole context and a count of 0 cannot divide by zero.
+    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
     # Splits are whole multiples of BLOCK_N so only the last block of the context is ragged.
     # split_len * n_splits >= seq_len, so splits at or past n_splits come out empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
@@ -405,6 +409,7 @@ def _decode_merge_kernel(
     num_splits_ptr,
     part_o_ptr,
     part_lse_ptr,
+    max_splits,
     stride_ob,
     stride_oh,
     stride_pob,
@@ -418,7 +423,7 @@ def _decode_merge_kernel(
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    n_splits = tl.maximum(tl.load(num_splits_ptr + b), 1)
+    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -485,9 +490,7 @@ def decode_attention(
         kv_indptr: int32/int64 ``[>= B+1]`` prefix sum of context lengths.
         kv_indices: int32/int64 slot ids of all contexts, request after request.
         num_splits: int32 ``[>= B]``, ``1 <= num_splits[b] <= max_splits`` (see
-            :func:`decode_num_splits`); values outside are clamped by the kernels' geometry
-            (splits at or past ``max_splits`` are never computed, so a larger value drops
-            context; pass valid counts).
+            :func:`decode_num_splits`); values outside that range are clamped into it.
         partial_o: fp32 ``[>= B, Hq, >= max_splits, Dv]`` scratch, overwritten.
         partial_lse: fp32 ``[>= B, Hq, >= max_splits]`` scratch (log2 domain), overwritten.
         sm_scale: softmax scale, usually ``D ** -0.5``.
@@ -561,6 +564,7 @@ def decode_attention(
         partial_o,
         partial_lse,
         sm_scale * _LOG2E,
+        max_splits,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -587,6 +591,7 @@ def decode_attention(
         num_splits,
         partial_o,
         partial_lse,
+        max_splits,
         o.stride(0),
         o.stride(1),
         partial_o.stride(0),

@@ -1,4 +1,4 @@
-"""allreduce MoE dispatch: no communication at dispatch, an all-reduce of partial outputs at combine."""
+"""allreduce MoE dispatch: no traffic at dispatch, an all-reduce of partial outputs at combine."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ class AllReduceDispatcher(MoEDispatcher):
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         if not isinstance(dispatch_output, StandardDispatchOutput):
-            raise TypeError("allreduce dispatcher: combine needs the StandardDispatchOutput it made")
+            raise TypeError(
+                "allreduce dispatcher: combine needs the StandardDispatchOutput it made"
+            )
         return self.init.parallel.all_reduce(expert_output)
 
 

@@ -383,6 +383,13 @@ def test_decode_other_head_dims(dtype: torch.dtype, head_dim: int, head_dim_v: i
     assert_close(o, ref, CPU_TOL[dtype])
 
 
+def test_decode_clamps_out_of_range_split_counts() -> None:
+    # 0 acts as 1 and 50 as max_splits: the whole context is still covered, nothing is read
+    # past the split dimension of the scratch buffers.
+    o, ref = run_decode([90, 130], max_splits=4, num_splits=[0, 50], seed=75)
+    assert_close(o, ref, CPU_TOL[torch.float32])
+
+
 def test_decode_large_group() -> None:
     # 32 query heads per kv head: the head tile grows past 16 rows.
     o, ref = run_decode([40, 9], num_q_heads=32, num_kv_heads=1, seed=70)
@@ -575,6 +582,31 @@ def test_gpu_extend(dtype: torch.dtype, prefix_lens: list[int], extend_lens: lis
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 64), (32, 32, 96), (16, 1, 256)]
+)
+def test_gpu_extend_shapes(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    # Default block sizes shrink with the row width (fp32 x 256 is the largest tile).
+    o, ref = run_extend(
+        [0, 300, 1],
+        [500, 129, 64],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        block_m=None,
+        block_n=None,
+        seed=230,
+    )
+    assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     """build_kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
     device = torch.device("cuda")
@@ -592,7 +624,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     partial_lse = torch.empty(batch, hq, max_splits, device=device)
 
     def step() -> None:
-        torch.cumsum(seq_lens, 0, out=indptr[1:])
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=indptr[1:])
         tk.build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
         tk.decode_num_splits(seq_lens, splits, max_splits, tk.DEFAULT_MIN_SPLIT_LEN)
         tk.decode_attention(

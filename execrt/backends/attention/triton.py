@@ -1,0 +1,219 @@
+"""triton attention: split-KV paged decode and causal extend kernels, graph-ready metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+
+
+@dataclass
+class TritonMetadata:
+    """Per-step index data shared by every layer (device tensors unless noted)."""
+
+    kv_indptr: torch.Tensor  # [B+1] int32, prefix sum of seq_lens
+    kv_indices: torch.Tensor  # [>= sum(seq_lens)] int32 slot ids, request after request
+    # decode
+    num_splits: torch.Tensor | None = None  # [B] int32
+    max_splits: int = 1  # host int: the split grid dimension
+    partial_o: torch.Tensor | None = None  # [B, Hq, max_splits, Dv] fp32 scratch
+    partial_lse: torch.Tensor | None = None  # [B, Hq, max_splits] fp32 scratch
+    # extend
+    qo_indptr: torch.Tensor | None = None  # [B+1] int32 offsets of each request's new tokens
+    prefix_lens: torch.Tensor | None = None  # [B] int32
+    max_extend_len: int = 0  # host int
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Paged attention in Triton over the slot cache (page size 1).
+
+    Metadata is built on the device once per step: ``kv_indptr`` by a prefix sum of
+    ``seq_lens`` and ``kv_indices`` by a kernel that copies ``req_to_token`` rows, so no K/V
+    moves and no host loop runs. Decode splits each context adaptively (more splits for
+    fewer, longer requests); extend attends causally over prefix plus new tokens.
+    """
+
+    def __init__(self, init: AttentionBackendInit) -> None:
+        super().__init__(init)
+        from execrt.backends.attention import triton_kernels as kernels
+
+        self.kernels = kernels
+        self.num_q_heads = init.num_q_heads
+        self.num_kv_heads = init.num_kv_heads
+        self.v_head_dim = init.v_head_dim
+        self.device = init.device
+        self.num_sms = (
+            torch.cuda.get_device_properties(init.device).multi_processor_count
+            if init.device.type == "cuda"
+            else 4
+        )
+        self.min_split_len = kernels.DEFAULT_MIN_SPLIT_LEN
+        self.max_context_len = init.max_context_len
+        self._graph: dict[str, torch.Tensor] | None = None
+
+    # -- eager ----------------------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        b = fb.batch_size
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
+        self.kernels.build_kv_indices(
+            self.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            kv_indptr,
+            kv_indices,
+        )
+        if fb.forward_mode.is_decode():
+            max_splits = self._max_splits(b, fb.max_seq_len)
+            num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
+            self.kernels.decode_num_splits(fb.seq_lens, num_splits, max_splits, self.min_split_len)
+            fb.attn_metadata = TritonMetadata(
+                kv_indptr, kv_indices, num_splits, max_splits, *self._partials(b, max_splits)
+            )
+            return
+        ext = fb.extend_seq_lens_cpu
+        qo = torch.tensor([0, *ext], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        fb.attn_metadata = TritonMetadata(
+            kv_indptr,
+            kv_indices,
+            qo_indptr=qo.to(self.device, non_blocking=True),
+            prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32).to(
+                self.device, non_blocking=True
+            ),
+            max_extend_len=max(ext, default=0),
+        )
+
+    def _max_splits(self, batch_size: int, max_seq_len: int) -> int:
+        return self.kernels.choose_max_splits(
+            batch_size,
+            max_seq_len,
+            self.num_kv_heads,
+            self.num_sms,
+            min_split_len=self.min_split_len,
+        )
+
+    def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (b, self.num_q_heads, max_splits)
+        return (
+            torch.empty((*shape, self.v_head_dim), dtype=torch.float32, device=self.device),
+            torch.empty(shape, dtype=torch.float32, device=self.device),
+        )
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        meta: TritonMetadata = fb.attn_metadata
+        o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [B, Hq, Dv]
+        assert meta.num_splits is not None and meta.partial_o is not None
+        assert meta.partial_lse is not None
+        self.kernels.decode_attention(
+            q,
+            self.kv_cache.k_buffers[layer.layer_id],
+            self.kv_cache.v_buffers[layer.layer_id],
+            o,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.num_splits,
+            meta.partial_o,
+            meta.partial_lse,
+            layer.scaling,
+            meta.max_splits,
+        )
+        return o
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        meta: TritonMetadata = fb.attn_metadata
+        assert meta.qo_indptr is not None and meta.prefix_lens is not None
+        o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
+        self.kernels.extend_attention(
+            q,
+            self.kv_cache.k_buffers[layer.layer_id],
+            self.kv_cache.v_buffers[layer.layer_id],
+            o,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.prefix_lens,
+            meta.max_extend_len,
+            layer.scaling,
+        )
+        return o
+
+    # -- graphs ---------------------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static buffers for every decode bucket up to ``max_bs`` (fixed addresses)."""
+        splits = self._max_splits(1, self.max_context_len)  # the most any bucket uses
+        dev = self.device
+        self._graph = {
+            "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            "kv_indices": torch.zeros(max_bs * self.max_context_len, dtype=torch.int32, device=dev),
+            "num_splits": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "partial_o": torch.empty(
+                (max_bs, self.num_q_heads, splits, self.v_head_dim), dtype=torch.float32, device=dev
+            ),
+            "partial_lse": torch.empty(
+                (max_bs, self.num_q_heads, splits), dtype=torch.float32, device=dev
+            ),
+        }
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        """Decode metadata written into the static buffers: no allocation of them, no sync.
+
+        The split grid depends only on the bucket size and the static context limit, so the
+        value used at capture is the value used at every replay of that bucket.
+        """
+        if self._graph is None:
+            raise RuntimeError("triton attention: init_graph_state() was not called")
+        if not fb.forward_mode.is_decode():
+            raise ValueError(
+                f"triton attention: graphs capture decode only, got {fb.forward_mode.name}"
+            )
+        g, b = self._graph, fb.batch_size
+        if b + 1 > g["kv_indptr"].shape[0]:
+            raise ValueError(
+                f"triton attention: batch {b} exceeds graph max_bs {g['kv_indptr'].shape[0] - 1}"
+            )
+        kv_indptr = g["kv_indptr"][: b + 1]
+        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        self.kernels.build_kv_indices(
+            self.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            kv_indptr,
+            g["kv_indices"],
+        )
+        max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
+        self.kernels.decode_num_splits(fb.seq_lens, g["num_splits"], max_splits, self.min_split_len)
+        fb.attn_metadata = TritonMetadata(
+            kv_indptr,
+            g["kv_indices"],
+            g["num_splits"][:b],
+            max_splits,
+            g["partial_o"][:b],
+            g["partial_lse"][:b],
+        )
+
+    def close(self) -> None:
+        self._graph = None

@@ -1,0 +1,114 @@
+"""The ``execrt`` command: backends, generate, bench, conformance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from execrt.core.errors import ExecrtError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One clear line for a user mistake, no usage dump, exit status 2.
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="execrt", description="A pluggable LLM execution runtime.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    backends = sub.add_parser("backends", help="list every registered backend")
+    backends.add_argument("--json", action="store_true", help="machine-readable output")
+    backends.add_argument("--kind", choices=["attention", "moe_dispatch", "graph"])
+
+    gen = sub.add_parser("generate", help="generate text with a model")
+    gen.add_argument("prompts", nargs="*", default=["Hello"], help="prompt text(s)")
+    gen.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in)")
+    gen.add_argument("--config", help="TOML file of RuntimeConfig keys")
+    gen.add_argument("--attention", dest="attention_backend", help="attention backend or auto")
+    gen.add_argument("--moe-dispatcher", dest="moe_dispatcher", help="MoE dispatcher or auto")
+    gen.add_argument("--graph", dest="graph_backend", help="graph backend, none or auto")
+    gen.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
+    gen.add_argument("--strict", action="store_true", default=None, help="no silent fallback")
+    gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated ids")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print results as JSON")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print the backend resolution")
+    return parser
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from execrt.core.inventory import backend_inventory, format_inventory
+
+    rows = backend_inventory(kind=args.kind)
+    print(json.dumps(rows, indent=2) if args.json else format_inventory(rows))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from execrt.core.config import RuntimeConfig
+    from execrt.core.schedule import SamplingParams
+    from execrt.engine import Engine
+
+    keys = ("attention_backend", "moe_dispatcher", "graph_backend", "device", "dtype", "strict")
+    cli: dict[str, Any] = {k: getattr(args, k) for k in keys} | {"model": args.model}
+    config = RuntimeConfig.load(file=args.config, cli=cli)
+    prompts: list[Any] = list(args.prompts)
+    if args.token_ids:
+        try:
+            prompts = [[int(t) for t in p.split(",") if t.strip()] for p in prompts]
+        except ValueError:
+            raise ExecrtError(
+                "generate: --token-ids prompts must be comma-separated integers"
+            ) from None
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    with Engine(config=config) as engine:
+        if args.verbose:
+            print(engine.resolution.describe(), file=sys.stderr)
+        results = engine.generate(prompts, params)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results], indent=2))
+        return 0
+    status = 0
+    for prompt, r in zip(args.prompts, results, strict=True):
+        if r.error:
+            print(f"execrt: request {prompt!r} rejected: {r.error}", file=sys.stderr)
+            status = 2
+        else:
+            print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
+    return status
+
+
+COMMANDS = {"backends": cmd_backends, "generate": cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ExecrtError as exc:
+        print(f"execrt: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

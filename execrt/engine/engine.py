@@ -1,0 +1,199 @@
+"""Engine: the public generate() API over the scheduler, with text in and out when possible."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from execrt.core.config import RuntimeConfig
+from execrt.core.context import RuntimeContext
+from execrt.core.errors import ConfigError
+from execrt.core.model_runner import resolve_device
+from execrt.core.parallel import init_parallel
+from execrt.core.plugins import PluginHost, ResolutionReport
+from execrt.core.schedule import FinishReason, Req, SamplingParams
+from execrt.core.worker import TpModelWorker
+from execrt.engine.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    """One request's outcome. ``error`` is set (and nothing generated) for a rejected request."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+    num_retractions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Loads a model and generates. Use as a context manager, or call ``close()``.
+
+    ``Engine(model_path, **config)`` takes RuntimeConfig keys (``attention_backend="triton"``,
+    ``device="cpu"``, ...). Without ``model_path`` the built-in default checkpoint is used.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        config: RuntimeConfig | None = None,
+        plugin_host: PluginHost | None = None,
+        **overrides: Any,
+    ) -> None:
+        base = config or RuntimeConfig()
+        cfg = base.replace(**overrides) if overrides else base
+        if model_path is not None:
+            cfg = cfg.replace(model=model_path)
+        self.config = cfg
+        path = cfg.model
+        if path is None:
+            from execrt.models.builtin import builtin_model_path
+
+            path = builtin_model_path()
+        elif not os.path.isdir(path):
+            raise ConfigError(f"engine: model path {path!r} is not a directory")
+        self.model_path = path
+        self.context = RuntimeContext(parallel=init_parallel(resolve_device(cfg.device)))
+        try:
+            self.worker = TpModelWorker(path, cfg, self.context, plugin_host)
+        except BaseException:
+            self.context.close()
+            raise
+        mr = self.worker.model_runner
+        self.model_config = mr.model_config
+        self.tokenizer = _load_tokenizer(path)
+        self.scheduler = Scheduler(
+            self.worker,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        self._rids = itertools.count()
+        self._seed_rng = random.Random(cfg.seed)
+        self._closed = False
+
+    @property
+    def resolution(self) -> ResolutionReport:
+        """Which backends were requested, chosen and rejected, with reasons."""
+        return self.worker.model_runner.resolution
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Any:
+        """Generate for one prompt (-> GenerationResult) or a list (-> list of them).
+
+        A prompt is text (needs the model's tokenizer.json) or a list of token ids. Invalid
+        requests get a result with ``error`` set; the others are served normally.
+        """
+        if self._closed:
+            raise RuntimeError("engine: generate() after close()")
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+        )
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        params = _broadcast(sampling_params, len(batch))
+        results: dict[int, GenerationResult] = {}
+        reqs: dict[int, Req] = {}
+        for i, (prompt, sp) in enumerate(zip(batch, params, strict=True)):
+            ids, error = self._validate(prompt, sp)
+            if error is not None:
+                results[i] = GenerationResult([], None, ids, FinishReason.ERROR.value, error)
+                continue
+            seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+            req = Req(next(self._rids), ids, sp, sampling_seed=seed)
+            reqs[i] = req
+            self.scheduler.add(req)
+        self.scheduler.run()
+        for i, req in reqs.items():
+            assert req.finish_reason is not None
+            results[i] = GenerationResult(
+                token_ids=list(req.output_ids),
+                text=self._decode(req.output_ids),
+                prompt_token_ids=list(req.origin_input_ids),
+                finish_reason=req.finish_reason.value,
+                error=req.error,
+                num_retractions=req.num_retractions,
+            )
+        ordered = [results[i] for i in range(len(batch))]
+        return ordered[0] if single else ordered
+
+    def _validate(self, prompt: Prompt, sp: SamplingParams) -> tuple[list[int], str | None]:
+        problems = (
+            sp.problems()
+            if isinstance(sp, SamplingParams)
+            else [f"sampling_params must be SamplingParams, got {type(sp).__name__}"]
+        )
+        ids: list[int] = []
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                problems.append("text prompt but the model has no tokenizer.json; pass token ids")
+            else:
+                ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            problems.append(
+                f"prompt must be text or a list of token ids, got {type(prompt).__name__}"
+            )
+        vocab = self.model_config.vocab_size
+        if not ids and not problems:
+            problems.append("empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            problems.append(f"token id {bad[0]} out of range (vocab size {vocab})")
+        limit = self.worker.model_runner.context_len
+        if len(ids) >= limit:
+            problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
+        return ids, ("; ".join(problems) if problems else None)
+
+    def _decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def close(self) -> list[str]:
+        """Release the model, KV cache and backends. Returns what was left open (ideally [])."""
+        if self._closed:
+            return []
+        self._closed = True
+        self.worker.close()
+        return self.context.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _broadcast(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"engine: {len(params)} sampling_params for {n} prompts")
+    return params
+
+
+def _load_tokenizer(path: str) -> Any:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)

@@ -1,0 +1,75 @@
+"""RuntimeConfig: validation and precedence file < env < CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from execrt.core.config import RuntimeConfig
+from execrt.core.errors import ConfigError
+
+
+def test_precedence_file_then_env_then_cli(tmp_path) -> None:
+    file = tmp_path / "execrt.toml"
+    file.write_text(
+        'attention_backend = "triton"\nmax_running_requests = 4\nstrict = false\n'
+        'moe_dispatcher = "allreduce"\n'
+    )
+    env = {"EXECRT_ATTENTION_BACKEND": "flashinfer", "EXECRT_STRICT": "true", "HOME": "/x"}
+    cfg = RuntimeConfig.load(
+        file=file,
+        environ=env,
+        cli={"attention_backend": "torch_native", "max_running_requests": None},
+    )
+    assert cfg.attention_backend == "torch_native"  # CLI beats env and file
+    assert cfg.strict is True  # env beats file
+    assert cfg.max_running_requests == 4  # file, since CLI gave None
+    assert cfg.moe_dispatcher == "allreduce"  # file only
+    assert cfg.graph_backend == "auto"  # default
+
+
+def test_toml_execrt_table_is_accepted(tmp_path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text('[execrt]\ndevice = "cpu"\n')
+    assert RuntimeConfig.load(file=file, environ={}).device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "float64"}, "dtype 'float64' unsupported"),
+        ({"device": "tpu"}, "device 'tpu' unsupported"),
+        ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
+        ({"attention_backend": ""}, "attention_backend must be a backend name"),
+        ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in"),
+    ],
+)
+def test_invalid_values_name_key_and_value(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RuntimeConfig(**kwargs)
+
+
+def test_unknown_keys_and_unparsable_env_are_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="unknown key.*attention_backnd.*accepted:"):
+        RuntimeConfig.load(cli={"attention_backnd": "x"}, environ={})
+    with pytest.raises(ConfigError, match="unknown key.*bogus"):
+        RuntimeConfig.load(environ={"EXECRT_BOGUS": "1"})
+    with pytest.raises(ConfigError, match="EXECRT_|max_running_requests='many' is not a valid int"):
+        RuntimeConfig.load(environ={"EXECRT_MAX_RUNNING_REQUESTS": "many"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = not toml =")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        RuntimeConfig.load(file=bad, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        RuntimeConfig.load(file=tmp_path / "missing.toml", environ={})
+
+
+def test_plugin_env_vars_are_not_config_keys() -> None:
+    env = {"EXECRT_PLUGINS": "a,b", "EXECRT_DISABLE_PLUGIN_AUTOLOAD": "1", "EXECRT_CACHE_DIR": "/t"}
+    assert RuntimeConfig.load(environ=env) == RuntimeConfig()
+
+
+def test_config_is_frozen() -> None:
+    cfg = RuntimeConfig()
+    with pytest.raises(AttributeError):
+        cfg.strict = True  # type: ignore[misc]
+    assert cfg.replace(strict=True).strict is True

@@ -1,0 +1,63 @@
+"""Fake plugins used by the plugin tests: good, broken and clashing ones."""
+
+from __future__ import annotations
+
+from execrt.core.interfaces import AttentionCapabilities, MoEDispatcherCapabilities
+from execrt.core.plugins import hookimpl
+
+NATIVE = "execrt.backends.attention.torch_native:TorchNativeAttnBackend"
+
+
+class GoodPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "fake_attn", NATIVE, AttentionCapabilities(), priority=5)
+
+
+class ClashingPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "fake_attn", NATIVE, AttentionCapabilities())
+
+
+class RaisingPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "half_done", NATIVE, AttentionCapabilities())
+        raise RuntimeError("kernel library exploded")
+
+
+class WrongCapabilitiesPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "confused", NATIVE, MoEDispatcherCapabilities())
+
+
+class UnknownHookPlugin:
+    @hookimpl
+    def execrt_register_everything(self, registry):  # not a hookspec
+        pass
+
+
+class NoArgsPlugin:
+    @hookimpl
+    def execrt_register_backends(self):  # may take a subset of the hook's arguments
+        NoArgsPlugin.called = True
+
+
+class GpuOnlyPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register(
+            "attention",
+            "gpu_only",
+            NATIVE,
+            AttentionCapabilities(devices=frozenset({"cuda"})),
+            requires=("surely_not_installed_kernel_lib",),
+            install_hint="pip install gpu-only",
+            priority=100,
+        )
+
+
+# Entry-point targets: a module-level object pluggy can register.
+good = GoodPlugin()

@@ -1,0 +1,192 @@
+"""Plugin loading, failure isolation, clashes, entry points, allow-list and selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execrt.core.errors import BackendUnavailableError, PluginError
+from execrt.core.interfaces import AttentionRequirements, GraphRequirements
+from execrt.core.plugins import PluginHost, resolve_backend
+from tests.plugins import fakes
+
+CPU_FP32 = AttentionRequirements("cpu", torch.float32, 64, 8, 2)
+
+
+def test_builtins_register_through_the_hook(plugin_host: PluginHost) -> None:
+    names = {(s.kind, s.name) for s in plugin_host.registry.specs()}
+    assert {
+        ("attention", "torch_native"),
+        ("attention", "triton"),
+        ("attention", "flashinfer"),
+        ("moe_dispatch", "allreduce"),
+    } <= names
+    assert all(s.plugin == "execrt.builtin" for s in plugin_host.registry.specs())
+    assert plugin_host.failures == []
+
+
+def test_registering_imports_no_kernel_library() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from execrt.core.plugins import PluginHost; PluginHost(autoload=False); "
+        "print(any(m in sys.modules for m in ('triton', 'flashinfer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_raising_plugin_is_reported_skipped_and_rolled_back(plugin_host: PluginHost) -> None:
+    assert not plugin_host.add_plugin(fakes.RaisingPlugin(), "raiser")
+    assert plugin_host.add_plugin(fakes.GoodPlugin(), "good")
+    assert [f.plugin for f in plugin_host.failures] == ["raiser"]
+    assert "kernel library exploded" in plugin_host.failures[0].error
+    assert "half_done" not in plugin_host.registry.names("attention")
+    assert "fake_attn" in plugin_host.registry.names("attention")
+
+
+def test_duplicate_names_are_an_error_naming_both_plugins(plugin_host: PluginHost) -> None:
+    plugin_host.add_plugin(fakes.GoodPlugin(), "first-plugin")
+    assert not plugin_host.add_plugin(fakes.ClashingPlugin(), "second-plugin")
+    assert "also registered by plugin 'first-plugin'" in plugin_host.failures[-1].error
+    assert plugin_host.failures[-1].plugin == "second-plugin"
+    with pytest.raises(
+        PluginError, match="claimed by both plugin 'first-plugin' and plugin 'second-plugin'"
+    ):
+        plugin_host.registry.get("attention", "fake_attn")
+
+
+def test_capabilities_must_match_the_kind(plugin_host: PluginHost) -> None:
+    assert not plugin_host.add_plugin(fakes.WrongCapabilitiesPlugin(), "confused")
+    assert "must declare AttentionCapabilities" in plugin_host.failures[-1].error
+
+
+def test_unknown_hooks_are_rejected(plugin_host: PluginHost) -> None:
+    assert not plugin_host.add_plugin(fakes.UnknownHookPlugin(), "typo")
+    assert "unknown hook" in plugin_host.failures[-1].error
+
+
+def test_hook_impls_may_take_a_subset_of_arguments(plugin_host: PluginHost) -> None:
+    assert plugin_host.add_plugin(fakes.NoArgsPlugin(), "noargs")
+    assert fakes.NoArgsPlugin.called
+
+
+def _fake_distribution(
+    tmp_path, monkeypatch, entries: dict[str, str], name: str = "fake-dist"
+) -> None:
+    """Install a dist-info on sys.path so importlib.metadata sees real entry points."""
+    dist = tmp_path / f"{name.replace('-', '_')}-1.2.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
+    lines = "\n".join(f"{k} = {v}" for k, v in entries.items())
+    (dist / "entry_points.txt").write_text(f"[execrt]\n{lines}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_entry_points_load_and_import_failures_are_reported(tmp_path, monkeypatch) -> None:
+    (tmp_path / "broken_execrt_plugin.py").write_text("raise ImportError('needs libfoo.so')\n")
+    _fake_distribution(
+        tmp_path,
+        monkeypatch,
+        {
+            "goodone": "tests.plugins.fakes:good",
+            "broken": "broken_execrt_plugin",
+        },
+    )
+    host = PluginHost(autoload=True, environ={})
+    assert "fake_attn" in host.registry.names("attention")
+    spec = host.registry.get("attention", "fake_attn")
+    assert spec.plugin == "goodone" and spec.version == "1.2.3"
+    failure = {f.plugin: f.error for f in host.failures}
+    assert "needs libfoo.so" in failure["broken"]
+
+
+def test_allow_list_and_autoload_switch(tmp_path, monkeypatch) -> None:
+    _fake_distribution(tmp_path, monkeypatch, {"goodone": "tests.plugins.fakes:good"})
+    assert "fake_attn" not in PluginHost(environ={"EXECRT_PLUGINS": "other"}).registry.names(
+        "attention"
+    )
+    assert "fake_attn" in PluginHost(environ={"EXECRT_PLUGINS": "goodone,x"}).registry.names(
+        "attention"
+    )
+    assert "fake_attn" not in PluginHost(
+        environ={"EXECRT_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    ).registry.names("attention")
+
+
+def test_installed_test_distribution_is_discovered() -> None:
+    """The tiny distribution in tests/entrypoint_plugin is pip-installed by CI (see README)."""
+    import importlib.metadata
+
+    names = {ep.name for ep in importlib.metadata.entry_points(group="execrt")}
+    assert "execrt-testplugin" in names, "pip install -e tests/entrypoint_plugin"
+    host = PluginHost(environ={"EXECRT_PLUGINS": "execrt-testplugin"})
+    spec = host.registry.get("attention", "testplugin_native")
+    assert spec.plugin == "execrt-testplugin" and spec.version == "0.1.0"
+    assert host.failures == []
+
+
+def test_auto_picks_highest_priority_usable_and_reports_rejections(plugin_host: PluginHost) -> None:
+    plugin_host.add_plugin(fakes.GpuOnlyPlugin(), "gpu")
+    req = AttentionRequirements("cuda", torch.bfloat16, 128, 32, 8)
+    res = resolve_backend(plugin_host.registry, "attention", "auto", req)
+    rejected = dict(res.rejected)
+    assert "pip install gpu-only" in "; ".join(rejected["gpu_only"])
+    assert res.chosen in {"flashinfer", "triton", "torch_native"}
+    cpu = resolve_backend(plugin_host.registry, "attention", "auto", CPU_FP32)
+    assert cpu.chosen == "torch_native"  # gpu_only does not claim cpu, so it is not even tried
+    assert "gpu_only" not in dict(cpu.rejected)
+
+
+def test_strict_turns_fallback_into_error(plugin_host: PluginHost) -> None:
+    plugin_host.add_plugin(fakes.GpuOnlyPlugin(), "gpu")
+    req = AttentionRequirements("cuda", torch.bfloat16, 128, 32, 8)
+    with pytest.raises(BackendUnavailableError, match="strict: preferred gpu_only unusable"):
+        resolve_backend(plugin_host.registry, "attention", "auto", req, strict=True)
+
+
+def test_explicit_unusable_backend_fails_with_reason_and_hint(plugin_host: PluginHost) -> None:
+    with pytest.raises(
+        BackendUnavailableError, match=r"flashinfer.*pip install execrt\[flashinfer\]"
+    ):
+        resolve_backend(plugin_host.registry, "attention", "flashinfer", CPU_FP32)
+    with pytest.raises(BackendUnavailableError, match="head_dim 80 unsupported"):
+        resolve_backend(
+            plugin_host.registry,
+            "attention",
+            "triton",
+            AttentionRequirements("cpu", torch.float32, 80, 8, 2),
+        )
+    with pytest.raises(BackendUnavailableError, match="not registered.*torch_native"):
+        resolve_backend(plugin_host.registry, "attention", "nope", CPU_FP32)
+
+
+def test_graph_none_and_auto_without_candidates(plugin_host: PluginHost) -> None:
+    none = resolve_backend(plugin_host.registry, "graph", "none", GraphRequirements("cpu"))
+    assert none.chosen is None and none.note == "graphs disabled"
+    auto = resolve_backend(plugin_host.registry, "graph", "auto", GraphRequirements("cpu"))
+    assert auto.chosen is None
+
+
+def test_registration_validates_names_and_factories(plugin_host: PluginHost) -> None:
+    from execrt.core.interfaces import AttentionCapabilities
+
+    reg = plugin_host.registry
+    with pytest.raises(PluginError, match="invalid backend name 'auto'"):
+        reg.register("attention", "auto", fakes.NATIVE, AttentionCapabilities())
+    with pytest.raises(PluginError, match="must look like 'module:attr'"):
+        reg.register("attention", "x", "no_colon", AttentionCapabilities())
+    with pytest.raises(PluginError, match="unknown backend kind 'sampler'"):
+        reg.register("sampler", "x", fakes.NATIVE, AttentionCapabilities())
+    reg.register(
+        "attention",
+        "lazy_missing",
+        "no_such_module:Cls",
+        AttentionCapabilities(),
+        install_hint="pip install lazy",
+    )
+    with pytest.raises(
+        BackendUnavailableError, match="cannot load no_such_module:Cls.*pip install lazy"
+    ):
+        reg.get("attention", "lazy_missing").load_factory()
