@@ -45,7 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print results as JSON")
     gen.add_argument("-v", "--verbose", action="store_true", help="print the backend resolution")
+    bench = sub.add_parser("bench", help="run a benchmark on the GPU")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
+    attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
+    attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
+    attn.add_argument("--iters", type=int, default=20)
+    attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from execrt.bench import attention
+
+    shapes = attention.DEFAULT_SHAPES
+    if args.shapes:
+        try:
+            shapes = tuple(
+                (int(bs), int(ctx)) for bs, ctx in (s.split(":") for s in args.shapes.split(","))
+            )
+        except ValueError:
+            raise ExecrtError(
+                f"bench: --shapes {args.shapes!r} must look like 1:4096,64:4096"
+            ) from None
+    backends = args.backends.split(",") if args.backends else None
+    try:
+        attention.run(backends, shapes, iters=args.iters, out_dir=args.out)
+    except RuntimeError as exc:
+        raise ExecrtError(str(exc)) from None
+    return 0
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -97,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return status
 
 
-COMMANDS = {"backends": cmd_backends, "generate": cmd_generate}
+COMMANDS = {"backends": cmd_backends, "generate": cmd_generate, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

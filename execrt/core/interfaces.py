@@ -272,6 +272,9 @@ class MoEDispatcherCapabilities(Capabilities):
     hidden_sizes: frozenset[int] | None = ANY
     max_top_k: int | None = ANY
     graph: bool = False
+    # True: every EP rank must hold the same tokens (e.g. allreduce, after replicated
+    # attention). False: each rank brings its own tokens and dispatch moves them.
+    replicated_tokens: bool = True
 
     def refusals(self, req: MoERequirements) -> list[str]:
         out: list[str] = []

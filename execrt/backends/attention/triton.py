@@ -50,7 +50,7 @@ class TritonAttnBackend(AttentionBackend):
             if init.device.type == "cuda"
             else 4
         )
-        self.min_split_len = kernels.DEFAULT_MIN_SPLIT_LEN
+        self.split_policy = kernels.SplitPolicy()
         self.max_context_len = init.max_context_len
         self._graph: dict[str, torch.Tensor] | None = None
 
@@ -70,7 +70,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             max_splits = self._max_splits(b, fb.max_seq_len)
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
-            self.kernels.decode_num_splits(fb.seq_lens, num_splits, max_splits, self.min_split_len)
+            self._num_splits(fb, num_splits, max_splits)
             fb.attn_metadata = TritonMetadata(
                 kv_indptr, kv_indices, num_splits, max_splits, *self._partials(b, max_splits)
             )
@@ -88,13 +88,13 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def _max_splits(self, batch_size: int, max_seq_len: int) -> int:
-        return self.kernels.choose_max_splits(
-            batch_size,
-            max_seq_len,
-            self.num_kv_heads,
-            self.num_sms,
-            min_split_len=self.min_split_len,
+        return self.split_policy.max_splits(
+            batch_size, max_seq_len, self.num_kv_heads, self.num_sms
         )
+
+    def _num_splits(self, fb: ForwardBatch, out: torch.Tensor, max_splits: int) -> None:
+        fill = self.split_policy.min_splits(fb.batch_size, self.num_kv_heads, self.num_sms)
+        self.kernels.decode_num_splits(fb.seq_lens, out, max_splits, self.split_policy, fill)
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (b, self.num_q_heads, max_splits)
@@ -205,7 +205,7 @@ class TritonAttnBackend(AttentionBackend):
             g["kv_indices"],
         )
         max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
-        self.kernels.decode_num_splits(fb.seq_lens, g["num_splits"], max_splits, self.min_split_len)
+        self._num_splits(fb, g["num_splits"], max_splits)
         fb.attn_metadata = TritonMetadata(
             kv_indptr,
             g["kv_indices"],

@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 from execrt.backends.attention import triton_kernels as tk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-CPU = torch.device("cpu")
+# The small scenarios run compiled on a GPU when there is one, under the interpreter otherwise.
+SMALL = torch.device("cuda" if CUDA else "cpu")
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (compiled Triton kernels)")
 
@@ -26,6 +27,7 @@ GPU_TOL = {
     torch.float16: (1e-2, 3e-2),
     torch.bfloat16: (1e-2, 6e-2),
 }
+SMALL_TOL = GPU_TOL if CUDA else CPU_TOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def run_decode(
     head_dim: int = 64,
     head_dim_v: int | None = None,
     dtype: torch.dtype = torch.float32,
-    device: torch.device = CPU,
+    device: torch.device = SMALL,
     max_splits: int = 4,
     num_splits: list[int] | None = None,
     min_split_len: int = 32,
@@ -175,7 +177,8 @@ def run_decode(
     splits = torch.full((batch + spare,), -5, dtype=torch.int32, device=device)
     if num_splits is None:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        tk.decode_num_splits(lens, splits, max_splits, min_split_len)
+        policy = tk.SplitPolicy(min_split_len, min_split_len)
+        tk.decode_num_splits(lens, splits, max_splits, policy)
     else:
         splits[:batch] = torch.tensor(num_splits, dtype=torch.int32)
     o = torch.full((batch, num_q_heads, head_dim_v), float("nan"), dtype=dtype, device=device)
@@ -203,7 +206,7 @@ def run_extend(
     head_dim: int = 64,
     head_dim_v: int | None = None,
     dtype: torch.dtype = torch.float32,
-    device: torch.device = CPU,
+    device: torch.device = SMALL,
     extra_grid: int = 0,
     block_m: int | None = 16,
     block_n: int | None = 16,
@@ -249,7 +252,7 @@ FLOATS_CPU = [torch.float32, torch.float16]
 def test_build_kv_indices_matches_slot_table(index_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     seq_lens = [1, 7, 600, 33, 0, 1030]
-    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, CPU, gen)
+    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
     want_indptr, want = flat_indices(cache)
     tail = 37
     kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32)
@@ -288,39 +291,49 @@ def test_build_kv_indices_rejects_bad_input() -> None:
 
 def test_decode_num_splits_values_and_untouched_tail() -> None:
     lens = [0, 1, 31, 32, 33, 64, 65, 1000, 100000]
-    out = torch.full((len(lens) + 3,), -9, dtype=torch.int32)
+    policy = tk.SplitPolicy(min_split_len=32, target_split_len=128)
+    out = torch.full((len(lens) + 3,), -9, dtype=torch.int32, device=SMALL)
     for dtype in (torch.int32, torch.int64):
-        tk.decode_num_splits(torch.tensor(lens, dtype=dtype), out, 8, 32)
-        want = [min(max(math.ceil(n / 32), 1), 8) for n in lens]
-        assert out[: len(lens)].tolist() == want
-        assert out[len(lens) :].tolist() == [-9, -9, -9]
+        for min_splits in (1, 3):
+            tk.decode_num_splits(
+                torch.tensor(lens, dtype=dtype, device=SMALL), out, 8, policy, min_splits
+            )
+            want = [
+                min(max(math.ceil(n / 128), min_splits), max(math.ceil(n / 32), 1), 8) for n in lens
+            ]
+            assert out[: len(lens)].tolist() == want
+            assert out[len(lens) :].tolist() == [-9, -9, -9]
 
 
 def test_decode_num_splits_rejects_bad_input() -> None:
-    lens = torch.ones(4, dtype=torch.int32)
+    lens = torch.ones(4, dtype=torch.int32, device=SMALL)
+    policy = tk.SplitPolicy()
     with pytest.raises(ValueError, match="num_splits_out dtype"):
-        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int64), 4, 32)
+        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int64, device=SMALL), 4, policy)
     with pytest.raises(ValueError, match="num_splits_out has 2 entries"):
-        tk.decode_num_splits(lens, torch.zeros(2, dtype=torch.int32), 4, 32)
-    with pytest.raises(ValueError, match="min_split_len 0 unsupported"):
-        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int32), 4, 0)
+        tk.decode_num_splits(lens, torch.zeros(2, dtype=torch.int32, device=SMALL), 4, policy)
+    with pytest.raises(ValueError, match="max_splits 0"):
+        tk.decode_num_splits(lens, torch.zeros(4, dtype=torch.int32, device=SMALL), 0, policy)
+    with pytest.raises(ValueError, match="split policy"):
+        tk.SplitPolicy(min_split_len=512, target_split_len=256)
 
 
-def test_choose_max_splits_properties() -> None:
+def test_split_policy_properties() -> None:
+    policy = tk.SplitPolicy(min_split_len=256, target_split_len=1024, cap=64)
     for bs in (0, 1, 2, 8, 64, 256):
         for ctx in (0, 1, 100, 4096, 32768):
             for hkv in (1, 8):
-                n = tk.choose_max_splits(bs, ctx, hkv, 132, min_split_len=256, cap=64)
+                n = policy.max_splits(bs, ctx, hkv, 132)
                 assert 1 <= n <= 64
                 assert n <= max(1, math.ceil(ctx / 256)), "split shorter than min_split_len"
-    long_one = tk.choose_max_splits(1, 32768, 8, 132)
-    long_many = tk.choose_max_splits(64, 32768, 8, 132)
-    assert long_one > long_many >= 1
-    # One long request must be able to occupy every SM.
-    assert 8 * long_one >= 132
-    assert tk.choose_max_splits(1, 32768, 1, 132, cap=16) == 16
-    with pytest.raises(ValueError, match="num_sms 0"):
-        tk.choose_max_splits(1, 10, 1, 0)
+    long_one = policy.max_splits(1, 32768, 8, 132)
+    long_many = policy.max_splits(64, 32768, 8, 132)
+    assert long_one == 32 and long_many == 32  # ~1k-token splits while the GPU is filled
+    # One short request wants a program per SM (17 splits) but splits stay >= 256 tokens.
+    assert policy.max_splits(1, 4096, 8, 132) == 16
+    assert policy.max_splits(256, 2048, 8, 132) == 2
+    assert tk.SplitPolicy(cap=16).max_splits(1, 32768, 1, 132) == 16
+    assert policy.min_splits(64, 8, 132) == 1 and policy.min_splits(1, 8, 132) == 17
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +344,7 @@ def test_choose_max_splits_properties() -> None:
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
 def test_decode_single_request(dtype: torch.dtype) -> None:
     o, ref = run_decode([77], dtype=dtype, seed=10)
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
@@ -344,13 +357,13 @@ def test_decode_ragged_batch_gqa(dtype: torch.dtype, num_q_heads: int, num_kv_he
         dtype=dtype,
         seed=20 + num_q_heads + num_kv_heads,
     )
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
 def test_decode_context_of_one(dtype: torch.dtype) -> None:
     o, ref = run_decode([1, 1, 1], dtype=dtype, max_splits=3, num_splits=[1, 2, 3], seed=30)
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
@@ -364,14 +377,14 @@ def test_decode_long_context_many_splits(dtype: torch.dtype) -> None:
         dtype=dtype,
         seed=40,
     )
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 def test_decode_splits_from_policy_with_static_buffers() -> None:
     # Splits chosen by decode_num_splits (1..10 per request); every index and scratch buffer is
     # longer than the batch, as when the launch replays a CUDA graph captured for more requests.
     o, ref = run_decode([600, 5, 129, 250], max_splits=10, min_split_len=64, spare=3, seed=50)
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
@@ -380,25 +393,25 @@ def test_decode_other_head_dims(dtype: torch.dtype, head_dim: int, head_dim_v: i
     o, ref = run_decode(
         [3, 90], head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, seed=60 + head_dim_v
     )
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 def test_decode_clamps_out_of_range_split_counts() -> None:
     # 0 acts as 1 and 50 as max_splits: the whole context is still covered, nothing is read
     # past the split dimension of the scratch buffers.
     o, ref = run_decode([90, 130], max_splits=4, num_splits=[0, 50], seed=75)
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
 def test_decode_large_group() -> None:
     # 32 query heads per kv head: the head tile grows past 16 rows.
     o, ref = run_decode([40, 9], num_q_heads=32, num_kv_heads=1, seed=70)
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
 def test_decode_empty_context_writes_zeros() -> None:
     o, ref = run_decode([0, 25, 0], max_splits=2, seed=80)
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
     assert torch.all(o[0] == 0) and torch.all(o[2] == 0)
 
 
@@ -451,18 +464,18 @@ def test_decode_rejects_bad_input() -> None:
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
 def test_extend_without_prefix(dtype: torch.dtype) -> None:
     o, ref = run_extend([0, 0, 0], [17, 40, 1], dtype=dtype, seed=100)
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
 def test_extend_with_mixed_prefixes(dtype: torch.dtype) -> None:
     o, ref = run_extend([0, 5, 40], [23, 1, 37], dtype=dtype, extra_grid=20, seed=110)
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 def test_extend_single_token_each() -> None:
     o, ref = run_extend([30, 0, 7], [1, 1, 1], seed=120)
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 1), (8, 8)])
@@ -470,7 +483,7 @@ def test_extend_gqa(num_q_heads: int, num_kv_heads: int) -> None:
     o, ref = run_extend(
         [19, 0], [20, 9], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=130
     )
-    assert_close(o, ref, CPU_TOL[torch.float32])
+    assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", FLOATS_CPU)
@@ -479,7 +492,7 @@ def test_extend_head_dim_96_default_blocks(dtype: torch.dtype) -> None:
     o, ref = run_extend(
         [3, 70], [50, 21], head_dim=96, dtype=dtype, block_m=None, block_n=None, seed=140
     )
-    assert_close(o, ref, CPU_TOL[dtype])
+    assert_close(o, ref, SMALL_TOL[dtype])
 
 
 def test_extend_rejects_bad_input() -> None:
@@ -516,7 +529,7 @@ def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str) -> None:
         gen = torch.Generator().manual_seed(7)
         seq_lens = torch.randint(1, 8193, (64,), generator=gen).tolist()
     assert isinstance(seq_lens, list)
-    max_splits = tk.choose_max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
+    max_splits = tk.SplitPolicy().max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
     o, ref = run_decode(
         seq_lens,
         num_q_heads=32,
@@ -613,7 +626,9 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     dtype, hq, hkv, d, batch, max_ctx = torch.bfloat16, 32, 8, 128, 4, 4096
     gen = torch.Generator().manual_seed(300)
     cache = make_cache([max_ctx] * batch, hkv, d, d, dtype, device, gen)
-    max_splits = tk.choose_max_splits(batch, max_ctx, hkv, _num_sms())
+    policy = tk.SplitPolicy()
+    max_splits = policy.max_splits(batch, max_ctx, hkv, _num_sms())
+    fill = policy.min_splits(batch, hkv, _num_sms())
     seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
     indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     indices = torch.zeros(batch * max_ctx, dtype=torch.int32, device=device)
@@ -626,7 +641,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     def step() -> None:
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=indptr[1:])
         tk.build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
-        tk.decode_num_splits(seq_lens, splits, max_splits, tk.DEFAULT_MIN_SPLIT_LEN)
+        tk.decode_num_splits(seq_lens, splits, max_splits, policy, fill)
         tk.decode_attention(
             q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
             d**-0.5, max_splits,

@@ -1,0 +1,215 @@
+"""flashinfer attention: FlashInfer's paged decode and prefill wrappers over the slot cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+
+WORKSPACE = "flashinfer_workspace"
+WORKSPACE_BYTES = 128 << 20
+OWNER = "flashinfer_attention"
+
+
+@dataclass
+class FlashInferMetadata:
+    """Which planned wrapper this step runs; the plan itself lives inside the wrapper."""
+
+    wrapper: Any  # a planned BatchDecode... or BatchPrefillWithPagedKVCacheWrapper
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int32 (kept alive for the wrapper)
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    """Decode through ``BatchDecodeWithPagedKVCacheWrapper``, extend through the paged prefill
+    wrapper (causal), both over page size 1: a KV "page" is one slot of our cache.
+
+    ``plan()`` runs once per step with host-side index pointers built from ``seq_lens_cpu``
+    (so planning never waits for the GPU); the slot list is built on the device from
+    ``req_to_token``. One 128 MiB workspace per process is shared through the RuntimeContext.
+    """
+
+    #: Tensor-core decode (FlashInfer's prefill kernels with q_len 1) pays off for wide GQA.
+    tensor_core_min_group = 4
+
+    def __init__(self, init: AttentionBackendInit) -> None:
+        super().__init__(init)
+        import flashinfer
+
+        from execrt.backends.attention import triton_kernels
+
+        self.flashinfer = flashinfer
+        self.build_kv_indices = triton_kernels.build_kv_indices
+        self.device = init.device
+        self.context = init.context
+        self.num_q_heads, self.num_kv_heads = init.num_q_heads, init.num_kv_heads
+        self.head_dim, self.dtype = init.head_dim, init.dtype
+        self.sm_scale = init.head_dim**-0.5
+        self.workspace = self.context.get_or_create(
+            WORKSPACE,
+            lambda: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
+            owner=OWNER,
+        )
+        group = init.num_q_heads // init.num_kv_heads
+        self.use_tensor_cores = group >= self.tensor_core_min_group
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        # fa2 on every arch: FA3 would be picked on sm90 but JIT-compiles for minutes.
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
+        self._graph: dict[str, Any] | None = None
+
+    # -- planning -------------------------------------------------------------------------------
+    def _indices(
+        self, fb: ForwardBatch, kv_indptr: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        self.build_kv_indices(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, out
+        )
+        return out[: fb.seq_lens_sum]
+
+    def _host_indptr(self, lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    def _plan_decode(self, wrapper: Any, fb: ForwardBatch, kv_indices: torch.Tensor) -> None:
+        wrapper.plan(
+            self._host_indptr(fb.seq_lens_cpu),
+            kv_indices,
+            torch.ones(fb.batch_size, dtype=torch.int32),
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=self.sm_scale,
+        )
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        b = fb.batch_size
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        kv_indices = self._indices(
+            fb, kv_indptr, torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
+        )
+        if fb.forward_mode.is_decode():
+            self._plan_decode(self.decode_wrapper, fb, kv_indices)
+            fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, kv_indices)
+            return
+        self.prefill_wrapper.plan(
+            self._host_indptr(fb.extend_seq_lens_cpu),
+            self._host_indptr(fb.seq_lens_cpu),
+            kv_indices,
+            torch.ones(b, dtype=torch.int32),
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            causal=True,
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper, kv_indices)
+
+    # -- forward --------------------------------------------------------------------------------
+    def _run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        if layer.scaling != self.sm_scale:
+            raise ValueError(
+                f"flashinfer attention: layer {layer.layer_id} scaling {layer.scaling} differs "
+                f"from the planned {self.sm_scale} (one scale per model is supported)"
+            )
+        if save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        cache = (
+            self.kv_cache.k_buffers[layer.layer_id].unsqueeze(1),  # [S, 1, Hkv, D]: page size 1
+            self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),
+        )
+        meta: FlashInferMetadata = fb.attn_metadata
+        return meta.wrapper.run(q.contiguous(), cache)  # type: ignore[no-any-return]
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._run(q, k, v, layer, fb, save_kv_cache)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._run(q, k, v, layer, fb, save_kv_cache)
+
+    # -- graphs ---------------------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static index buffers; a graph-mode decode wrapper per batch size binds to them."""
+        max_tokens = max_bs * self.init.max_context_len
+        dev = self.device
+        self._graph = {
+            "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            "kv_indices": torch.zeros(max_tokens, dtype=torch.int32, device=dev),
+            "wrapper_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            "wrapper_indices": torch.zeros(max_tokens, dtype=torch.int32, device=dev),
+            "last_page_len": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "wrappers": {},
+        }
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        """Re-plan the bucket's wrapper into its static buffers (host-side, no device sync)."""
+        if self._graph is None:
+            raise RuntimeError("flashinfer attention: init_graph_state() was not called")
+        if not fb.forward_mode.is_decode():
+            raise ValueError(
+                f"flashinfer attention: graphs capture decode only, got {fb.forward_mode.name}"
+            )
+        g, b = self._graph, fb.batch_size
+        if b + 1 > g["kv_indptr"].shape[0]:
+            raise ValueError(
+                f"flashinfer attention: batch {b} exceeds graph max_bs "
+                f"{g['kv_indptr'].shape[0] - 1}"
+            )
+        wrapper = g["wrappers"].get(b)
+        if wrapper is None:
+            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=g["wrapper_indptr"][: b + 1],
+                paged_kv_indices_buffer=g["wrapper_indices"],
+                paged_kv_last_page_len_buffer=g["last_page_len"][:b],
+            )
+            g["wrappers"][b] = wrapper
+        kv_indptr = g["kv_indptr"][: b + 1]
+        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        kv_indices = self._indices(fb, kv_indptr, g["kv_indices"])
+        self._plan_decode(wrapper, fb, kv_indices)
+        fb.attn_metadata = FlashInferMetadata(wrapper, kv_indices)
+
+    def close(self) -> None:
+        self._graph = None
+        if self.context.has(WORKSPACE) and self.context.owner_of(WORKSPACE) == OWNER:
+            self.context.unregister(WORKSPACE, owner=OWNER)

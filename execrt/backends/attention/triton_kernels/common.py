@@ -1,0 +1,105 @@
+"""Shared validation helpers and constants of the Triton attention kernels."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+import triton
+
+MAX_HEAD_DIM = 256
+
+# Stage 1 of decode processes one (request, kv head, split) per program. A program must be
+# worth its fixed cost (loading q, writing a partial row per head, one more merge step in stage
+# 2), so a split should not be shorter than this many tokens.
+DEFAULT_MIN_SPLIT_LEN = 256
+
+# Split length that streamed best on an H200 when there are enough programs to fill the GPU
+# (bs 1 x 32k: 73% of copy bandwidth at ~1k-token splits against 63% at 512-token splits).
+DEFAULT_TARGET_SPLIT_LEN = 1024
+
+# Upper bound on the split grid dimension: the partial buffers grow linearly with it and stage 2
+# merges splits sequentially, so past this point more splits cost more than they return.
+DEFAULT_MAX_SPLITS_CAP = 64
+
+LOG2E = 1.4426950408889634
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def fail(message: str) -> NoReturn:
+    raise ValueError(f"triton attention: {message}")
+
+
+def check_index(name: str, t: torch.Tensor, min_len: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dim() != 1:
+        fail(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        fail(f"{name} dtype {t.dtype} unsupported (supported: {', '.join(map(str, dtypes))})")
+    if t.shape[0] < min_len:
+        fail(f"{name} has {t.shape[0]} entries, need at least {min_len}")
+    if t.shape[0] > 0 and t.stride(0) != 1:
+        fail(f"{name} must be contiguous, got stride {t.stride(0)}")
+
+
+def check_devices(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != ref.device:
+            fail(f"{name} is on {t.device} but q is on {ref.device} (all inputs on one device)")
+
+
+def check_head_dim(name: str, dim: int) -> None:
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        fail(f"{name} {dim} unsupported (supported: 1..{MAX_HEAD_DIM})")
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    # The kernels vectorise along the head dim, so only the last stride has to be 1; the others
+    # are passed to the kernels and may be anything (e.g. slices of a larger static buffer).
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            fail(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+
+
+def check_block(name: str, value: int, minimum: int = 16) -> None:
+    if value < minimum or value & (value - 1):
+        fail(f"{name} {value} unsupported (supported: a power of two >= {minimum})")
+
+
+def check_qkvo(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor
+) -> tuple[int, int, int, int, int]:
+    """Validate q/k/v/o ranks, dtypes and shapes; return (rows, Hq, Hkv, D, Dv)."""
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
+        if t.dim() != 3:
+            fail(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+    if q.dtype not in FLOAT_DTYPES:
+        fail(f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
+        if t.dtype != q.dtype:
+            fail(f"{name} dtype {t.dtype} differs from q dtype {q.dtype} (must match)")
+    rows, num_q_heads, head_dim = q.shape
+    num_slots, num_kv_heads, k_dim = k_buffer.shape
+    head_dim_v = v_buffer.shape[2]
+    if k_dim != head_dim:
+        fail(f"k_buffer head dim {k_dim} differs from q head dim {head_dim}")
+    if tuple(v_buffer.shape[:2]) != (num_slots, num_kv_heads):
+        fail(
+            f"v_buffer shape {tuple(v_buffer.shape)} does not match "
+            f"k_buffer shape {tuple(k_buffer.shape)} in its first two dims"
+        )
+    if tuple(o.shape) != (rows, num_q_heads, head_dim_v):
+        fail(f"o shape {tuple(o.shape)} unsupported (expected {(rows, num_q_heads, head_dim_v)})")
+    check_head_dim("head_dim", head_dim)
+    check_head_dim("head_dim_v", head_dim_v)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        fail(
+            f"{num_q_heads} query heads unsupported with {num_kv_heads} kv heads "
+            "(supported: Hq a multiple of Hkv)"
+        )
+    return rows, num_q_heads, num_kv_heads, head_dim, head_dim_v
+
+
+def pow2_at_least(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))

@@ -1,0 +1,189 @@
+"""Device-side index building: request slot lists and per-request KV split counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from execrt.backends.attention.triton_kernels.common import (
+    DEFAULT_MAX_SPLITS_CAP,
+    DEFAULT_MIN_SPLIT_LEN,
+    DEFAULT_TARGET_SPLIT_LEN,
+    INDEX_DTYPES,
+    check_devices,
+    check_index,
+    fail,
+)
+
+# ----------------------------------------------------------------------------------------------
+# KV index construction
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _build_kv_indices_kernel(
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    stride_req_row,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    # int64 row offset: R * max_ctx can exceed 2**31 for large pools.
+    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    out_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    src = req_to_token_ptr + row * stride_req_row
+    dst = kv_indices_ptr + out_start
+    for start in range(0, seq_len, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < seq_len
+        slots = tl.load(src + offs, mask=mask)
+        tl.store(dst + offs, slots.to(kv_indices_ptr.dtype.element_ty), mask=mask)
+
+
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    """Gather each request's context slot ids into the flat ``kv_indices`` buffer.
+
+    For every request b, copies ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` into
+    ``kv_indices[kv_indptr[b] : kv_indptr[b] + seq_lens[b]]``. One Triton program per request;
+    no host synchronisation and no allocation, so the call can be captured in a CUDA graph.
+    Entries of ``kv_indices`` past ``kv_indptr[B]`` are left untouched.
+
+    Args:
+        req_to_token: int32 ``[R, max_ctx]`` slot table, last dim contiguous.
+        req_pool_indices: int32/int64 ``[B]`` row of ``req_to_token`` for each request.
+        seq_lens: int32/int64 ``[B]`` context length of each request (``<= max_ctx``).
+        kv_indptr: int32/int64 ``[>= B+1]`` prefix sum of ``seq_lens``, filled by the caller.
+        kv_indices: int32/int64 ``[>= sum(seq_lens)]`` output (written in place).
+
+    All tensors live on one device. ``B == 0`` is a no-op.
+
+    Raises:
+        ValueError: on wrong ranks, dtypes, lengths or devices.
+    """
+    if req_to_token.dim() != 2:
+        fail(f"req_to_token must be 2-D [R, max_ctx], got shape {tuple(req_to_token.shape)}")
+    if req_to_token.dtype not in INDEX_DTYPES:
+        fail(f"req_to_token dtype {req_to_token.dtype} unsupported (supported: int32, int64)")
+    batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
+    check_index("req_pool_indices", req_pool_indices, 0, INDEX_DTYPES)
+    check_index("seq_lens", seq_lens, batch, INDEX_DTYPES)
+    if seq_lens.shape[0] != batch:
+        fail(f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {batch}")
+    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
+    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
+    check_devices(
+        req_to_token,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+    )
+    if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
+        fail(f"req_to_token must be contiguous in its last dim, got {tuple(req_to_token.stride())}")
+    if batch == 0:
+        return
+    _build_kv_indices_kernel[(batch,)](
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_indptr,
+        kv_indices,
+        req_to_token.stride(0),
+        BLOCK=512,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Split policy
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How decode cuts each context into KV splits (measured on an H200, see docs/kernels.md).
+
+    Each split is one stage-1 program per KV head. Splits near ``target_split_len`` tokens
+    stream best; shorter ones pay the fixed per-program cost (q load, partial write, merge)
+    too often, longer ones leave too few programs in flight. When the batch is too small to
+    give every SM a program, splits shrink (down to ``min_split_len``) until it does.
+    """
+
+    min_split_len: int = DEFAULT_MIN_SPLIT_LEN
+    target_split_len: int = DEFAULT_TARGET_SPLIT_LEN
+    cap: int = DEFAULT_MAX_SPLITS_CAP
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_split_len <= self.target_split_len or self.cap < 1:
+            fail(f"split policy {self} unsupported (need 1 <= min <= target, cap >= 1)")
+
+    def min_splits(self, batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+        """Splits every request should have so that the launch gives each SM a program."""
+        return max(1, -(-num_sms // max(1, batch_size * num_kv_heads)))
+
+    def max_splits(self, batch_size: int, max_seq_len: int, num_kv_heads: int, num_sms: int) -> int:
+        """The split grid dimension: the most splits any request of the batch can get."""
+        fill = self.min_splits(batch_size, num_kv_heads, num_sms)
+        by_len = -(-max_seq_len // self.target_split_len)
+        useful = -(-max_seq_len // self.min_split_len)
+        return max(1, min(max(fill, by_len), useful, self.cap))
+
+
+def decode_num_splits(
+    seq_lens: torch.Tensor,
+    num_splits_out: torch.Tensor,
+    max_splits: int,
+    policy: SplitPolicy,
+    min_splits: int = 1,
+) -> None:
+    """Write each request's KV split count for :func:`decode_attention` (device op, no sync).
+
+    ``n[b] = max(cdiv(len, target), min_splits)``, then at most ``cdiv(len, min_split_len)``
+    and clamped to ``[1, max_splits]``, for ``b < B``; entries past ``B`` are untouched.
+    ``n[b]`` depends only on ``len[b]``, ``min_splits`` (from the batch size) and the policy,
+    so eager steps and graph replays of the same batch size split identically.
+
+    Args:
+        seq_lens: int32/int64 ``[B]`` context lengths.
+        num_splits_out: int32 ``[>= B]`` output, same device as ``seq_lens``.
+        max_splits: split grid dimension the decode launch will use (``>= 1``).
+        policy: the split policy.
+        min_splits: splits wanted per request to fill the GPU (see SplitPolicy.min_splits).
+
+    Raises:
+        ValueError: on bad dtypes, lengths, devices or non-positive counts.
+    """
+    check_index("seq_lens", seq_lens, 0, INDEX_DTYPES)
+    batch = seq_lens.shape[0]
+    check_index("num_splits_out", num_splits_out, batch, (torch.int32,))
+    if num_splits_out.device != seq_lens.device:
+        fail(f"num_splits_out is on {num_splits_out.device}, seq_lens on {seq_lens.device}")
+    if max_splits < 1 or min_splits < 1:
+        fail(f"max_splits {max_splits} / min_splits {min_splits} unsupported (need >= 1)")
+    if batch == 0:
+        return
+    lens = seq_lens.to(torch.int64)
+    by_len = torch.div(
+        lens + (policy.target_split_len - 1), policy.target_split_len, rounding_mode="floor"
+    )
+    useful = torch.div(
+        lens + (policy.min_split_len - 1), policy.min_split_len, rounding_mode="floor"
+    )
+    splits = torch.minimum(by_len.clamp_(min=min_splits), useful)
+    num_splits_out[:batch].copy_(splits.clamp_(1, max_splits))
+
+
+def _cdiv(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x + (d - 1), d, rounding_mode="floor")

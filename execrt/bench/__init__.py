@@ -1,0 +1,1 @@
+"""Benchmarks run by ``execrt bench``: each reports its physical limit and its peers."""

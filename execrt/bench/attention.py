@@ -1,0 +1,275 @@
+"""Decode-attention benchmark: µs, GB/s of K/V read, % of measured copy bandwidth, vs peers.
+
+Each backend's decode over a randomly permuted slot cache is captured in a CUDA graph (one
+launch per layer, layers rotated so the K/V being read is never resident in L2) and the
+replays are timed with CUDA events. Backends without graph support are timed eagerly.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from execrt.core.batch import ForwardBatch, ForwardMode
+from execrt.core.context import RuntimeContext
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionLayer,
+    AttentionRequirements,
+)
+from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.core.plugins import PluginHost
+
+DEFAULT_SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384))
+L2_BYTES = 60 << 20
+
+
+@dataclass
+class Record:
+    backend: str
+    bs: int
+    ctx: int
+    us: float
+    gbps: float
+    pct_copy_bw: float
+    vs_best_peer: float
+    max_rel_err: float
+    graph: bool
+    gpu: str
+    date: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+class DecodeProblem:
+    """``bs`` requests of ``ctx`` tokens each, slots a random permutation of the cache."""
+
+    def __init__(
+        self, bs: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0
+    ) -> None:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.bs, self.ctx, self.hq, self.hkv, self.d, self.dtype = bs, ctx, hq, hkv, d, dtype
+        tokens = bs * ctx
+        layer_bytes = 2 * tokens * hkv * d * torch.empty((), dtype=dtype).element_size()
+        self.kv_bytes = layer_bytes
+        # Enough distinct layers that consecutive calls never find their K/V in L2.
+        self.num_layers = max(1, min(16, math.ceil(3 * L2_BYTES / layer_bytes)))
+        self.kv_cache = KVCache(tokens, self.num_layers, hkv, d, dtype, "cuda")
+        for layer in range(self.num_layers):
+            self.kv_cache.k_buffers[layer].normal_(generator=g)
+            self.kv_cache.v_buffers[layer].normal_(generator=g)
+        self.pool = ReqToTokenPool(bs, ctx, "cuda")
+        perm = torch.randperm(tokens, generator=g, device="cuda") + 1
+        self.pool.req_to_token[1:] = perm.view(bs, ctx).to(torch.int32)
+        self.q = torch.randn(bs, hq, d, dtype=dtype, device="cuda", generator=g)
+        self.layers = [AttentionLayer(i, hq, hkv, d, d, d**-0.5) for i in range(self.num_layers)]
+
+    def forward_batch(self) -> ForwardBatch:
+        bs = self.bs
+        seq = torch.full((bs,), self.ctx, dtype=torch.int64, device="cuda")
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            positions=seq - 1,
+            req_pool_indices=torch.arange(1, bs + 1, device="cuda"),
+            seq_lens=seq,
+            out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            seq_lens_cpu=[self.ctx] * bs,
+            extend_prefix_lens_cpu=[self.ctx - 1] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            req_to_token_pool=self.pool,
+            kv_cache=self.kv_cache,
+        )
+
+    def reference(self) -> torch.Tensor:
+        """fp32 attention of layer 0 over the gathered K/V: ``[bs, Hq, D]``."""
+        slots = self.pool.req_to_token[1 : self.bs + 1].long()  # [bs, ctx]
+        out = []
+        for b in range(self.bs):  # one request at a time keeps fp32 temporaries small
+            k = self.kv_cache.k_buffers[0][slots[b]].float()  # [ctx, Hkv, D]
+            v = self.kv_cache.v_buffers[0][slots[b]].float()
+            q = self.q[b].float().view(self.hkv, self.hq // self.hkv, self.d)
+            s = torch.einsum("hgd,lhd->hgl", q, k) * self.d**-0.5
+            out.append(torch.einsum("hgl,lhd->hgd", s.softmax(-1), v).reshape(self.hq, self.d))
+        return torch.stack(out)
+
+
+def build_backend(
+    host: PluginHost, name: str, p: DecodeProblem, ctx: RuntimeContext
+) -> AttentionBackend:
+    spec = host.registry.get("attention", name)
+    reasons = spec.refusals(AttentionRequirements("cuda", p.dtype, p.d, p.hq, p.hkv))
+    if reasons:
+        raise RuntimeError("; ".join(reasons))
+    return spec.create(
+        AttentionBackendInit(  # type: ignore[no-any-return]
+            spec.capabilities,
+            p.hq,
+            p.hkv,
+            p.d,
+            p.d,
+            p.num_layers,
+            p.dtype,  # type: ignore[arg-type]
+            torch.device("cuda"),
+            p.pool,
+            p.kv_cache,
+            p.bs,
+            p.ctx,
+            ctx,
+        )
+    )
+
+
+def time_backend(
+    backend: AttentionBackend, p: DecodeProblem, iters: int, reps: int
+) -> tuple[float, float, bool]:
+    """(µs per layer call, max relative error of layer 0 vs fp32, timed through a graph?)."""
+    fb = p.forward_batch()
+    use_graph = bool(getattr(backend.capabilities, "graph", False))
+    if use_graph:
+        backend.init_graph_state(p.bs, p.bs)
+        backend.init_forward_metadata_graph(fb)
+    else:
+        backend.init_forward_metadata(fb)
+
+    def run_all() -> list[torch.Tensor]:
+        return [
+            backend.forward_decode(p.q, p.q, p.q, layer, fb, save_kv_cache=False)
+            for layer in p.layers
+        ]
+
+    outs = run_all()  # warm-up: JIT compilation, autotuning
+    torch.cuda.synchronize()
+    ref = p.reference()
+    err = float((outs[0].float() - ref).norm() / ref.norm())
+    launch = run_all
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        launch = graph.replay  # type: ignore[assignment]
+        launch()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            launch()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (iters * p.num_layers))
+    return statistics.median(samples), err, use_graph
+
+
+def run(
+    backends: Sequence[str] | None = None,
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    *,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    iters: int = 20,
+    reps: int = 5,
+    out_dir: str | None = "benchmarks/results",
+) -> list[Record]:
+    """Benchmark every usable attention backend on every shape; print a table; save JSON."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench attention: needs a CUDA device")
+    host = PluginHost()
+    names = list(backends or host.registry.names("attention"))
+    gpu = torch.cuda.get_device_name()
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    copy_bw = copy_bandwidth_gbps()
+    print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
+    records: list[Record] = []
+    for bs, ctx in shapes:
+        problem = DecodeProblem(bs, ctx, num_q_heads, num_kv_heads, head_dim, dtype)
+        shape_records = []
+        for name in names:
+            context = RuntimeContext()
+            try:
+                backend = build_backend(host, name, problem, context)
+                us, err, graphed = time_backend(backend, problem, iters, reps)
+                backend.close()
+            except Exception as exc:  # noqa: BLE001 - report and keep benchmarking the rest
+                print(f"  {name:<14} bs={bs:<4} ctx={ctx:<6} skipped: {exc}")
+                continue
+            finally:
+                context.close()
+            gbps = problem.kv_bytes / (us * 1e-6) / 1e9
+            shape_records.append(
+                Record(
+                    name,
+                    bs,
+                    ctx,
+                    us,
+                    gbps,
+                    100 * gbps / copy_bw,
+                    0.0,
+                    err,
+                    graphed,
+                    gpu,
+                    date,
+                    num_q_heads,
+                    num_kv_heads,
+                    head_dim,
+                    str(dtype).replace("torch.", ""),
+                )
+            )
+        best = max((r.gbps for r in shape_records), default=0.0)
+        for r in shape_records:
+            r.vs_best_peer = r.gbps / best if best else 0.0
+        records += shape_records
+        del problem
+        torch.cuda.empty_cache()
+    print(format_table(records))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(out_dir, f"attention-decode-{stamp}.json")
+        with open(path, "w") as fh:
+            json.dump([asdict(r) for r in records], fh, indent=2)
+        print(f"# saved {path}")
+    return records
+
+
+def format_table(records: Sequence[Record]) -> str:
+    lines = [
+        f"{'backend':<14} {'bs':>4} {'ctx':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} "
+        f"{'vs best':>7} {'rel err':>8} graph"
+    ]
+    for r in records:
+        lines.append(
+            f"{r.backend:<14} {r.bs:>4} {r.ctx:>6} {r.us:>9.1f} {r.gbps:>7.0f} "
+            f"{r.pct_copy_bw:>5.1f}% {r.vs_best_peer:>7.2f} {r.max_rel_err:>8.1e} {r.graph}"
+        )
+    return "\n".join(lines)
