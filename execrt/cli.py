@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_bench(args: argparse.Namespace) -> int:
     from execrt.bench import attention
 
-    shapes = attention.DEFAULT_SHAPES
+    shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
     if args.shapes:
         try:
             shapes = tuple(

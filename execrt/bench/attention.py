@@ -14,6 +14,7 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 
@@ -22,6 +23,7 @@ from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionBackendInit,
+    AttentionCapabilities,
     AttentionLayer,
     AttentionRequirements,
 )
@@ -129,23 +131,12 @@ def build_backend(
     reasons = spec.refusals(AttentionRequirements("cuda", p.dtype, p.d, p.hq, p.hkv))
     if reasons:
         raise RuntimeError("; ".join(reasons))
-    return spec.create(
-        AttentionBackendInit(  # type: ignore[no-any-return]
-            spec.capabilities,
-            p.hq,
-            p.hkv,
-            p.d,
-            p.d,
-            p.num_layers,
-            p.dtype,  # type: ignore[arg-type]
-            torch.device("cuda"),
-            p.pool,
-            p.kv_cache,
-            p.bs,
-            p.ctx,
-            ctx,
-        )
-    )
+    init = AttentionBackendInit(
+        cast(AttentionCapabilities, spec.capabilities), p.hq, p.hkv, p.d, p.d, p.num_layers,
+        p.dtype, torch.device("cuda"), p.pool, p.kv_cache, p.bs, p.ctx, ctx,
+    )  # fmt: skip
+    backend: AttentionBackend = spec.create(init)
+    return backend
 
 
 def time_backend(

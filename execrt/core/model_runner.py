@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -13,15 +14,18 @@ from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionBackendInit,
+    AttentionCapabilities,
     AttentionRequirements,
     GraphRequirements,
     MoEDispatcher,
+    MoEDispatcherCapabilities,
     MoEDispatcherInit,
     MoERequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import (
+    BackendRegistry,
     PluginHost,
     Resolution,
     ResolutionReport,
@@ -71,7 +75,7 @@ class ModelRunner:
         registry = (plugin_host or get_plugin_host()).registry
         self.resolution = ResolutionReport()
 
-        attn = self._resolve(
+        attn_name = self._resolve(
             registry,
             "attention",
             config.attention_backend,
@@ -79,42 +83,8 @@ class ModelRunner:
                 self.device.type, self.dtype, mc.head_dim, mc.num_q_heads, mc.num_kv_heads
             ),
         )
-        self.moe_dispatcher: MoEDispatcher | None = None
-        if mc.is_moe:
-            moe = self._resolve(
-                registry,
-                "moe_dispatch",
-                config.moe_dispatcher,
-                MoERequirements(
-                    self.device.type,
-                    self.dtype,
-                    self.parallel.world_size,
-                    self.parallel.backend,
-                    mc.num_experts,
-                    mc.top_k,
-                    mc.hidden_size,
-                ),
-            )
-            spec = registry.get("moe_dispatch", moe)
-            self.moe_dispatcher = context.register(
-                "moe_dispatcher",
-                spec.create(
-                    MoEDispatcherInit(
-                        spec.capabilities,
-                        mc.num_experts,
-                        mc.top_k,
-                        mc.hidden_size,
-                        self.dtype,  # type: ignore[arg-type]
-                        self.device,
-                        self.max_num_tokens,
-                        self.parallel,
-                        context,
-                    )
-                ),
-                owner=OWNER,
-                close=lambda d: d.close(),
-            )
-        else:
+        self.moe_dispatcher = self._build_moe_dispatcher(registry) if mc.is_moe else None
+        if not mc.is_moe:
             self.resolution.resolutions.append(
                 Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model")
             )
@@ -130,10 +100,11 @@ class ModelRunner:
             max_positions=self.context_len,
             dispatcher=self.moe_dispatcher,
         )
+        kv_tokens = config.kv_cache_tokens or self._auto_kv_tokens()
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, self.context_len, self.device
         )
-        kv_tokens = config.kv_cache_tokens or self._auto_kv_tokens()
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, self.device)
         self.kv_cache = context.register(
             "kv_cache",
             KVCache(
@@ -141,40 +112,77 @@ class ModelRunner:
             ),
             owner=OWNER,
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, self.device)
-        spec = registry.get("attention", attn)
-        self.attn_backend: AttentionBackend = context.register(
-            "attn_backend",
-            spec.create(
-                AttentionBackendInit(
-                    spec.capabilities,
-                    mc.num_q_heads,
-                    mc.num_kv_heads,
-                    mc.head_dim,  # type: ignore[arg-type]
-                    mc.head_dim,
-                    mc.num_layers,
-                    self.dtype,
-                    self.device,
-                    self.req_to_token_pool,
-                    self.kv_cache,
-                    self.max_running_requests,
-                    self.context_len,
-                    context,
-                )
-            ),
-            owner=OWNER,
-            close=lambda b: b.close(),
-        )
+        self.attn_backend = self._build_attention(registry, attn_name)
         self.sampler = Sampler()
         self.forward_pass_id = 0
         self.eager_runner = EagerRunner(self, self.max_running_requests, self.max_num_tokens)
         self.decode_graph_runner = None  # the graph runner arrives with the CUDA-graph backends
         logger.info("backends:\n%s", self.resolution.describe())
 
-    def _resolve(self, registry, kind: str, requested: str, requirements) -> str | None:  # type: ignore[no-untyped-def]
+    def _resolve(
+        self, registry: BackendRegistry, kind: str, requested: str, requirements: object
+    ) -> str | None:
         res = resolve_backend(registry, kind, requested, requirements, strict=self.config.strict)
         self.resolution.resolutions.append(res)
         return res.chosen
+
+    def _build_moe_dispatcher(self, registry: BackendRegistry) -> MoEDispatcher:
+        mc = self.model_config
+        name = self._resolve(
+            registry,
+            "moe_dispatch",
+            self.config.moe_dispatcher,
+            MoERequirements(
+                self.device.type,
+                self.dtype,
+                self.parallel.world_size,
+                self.parallel.backend,
+                mc.num_experts,
+                mc.top_k,
+                mc.hidden_size,
+            ),
+        )
+        assert name is not None, "resolve_backend raises when no dispatcher is usable"
+        spec = registry.get("moe_dispatch", name)
+        init = MoEDispatcherInit(
+            cast(MoEDispatcherCapabilities, spec.capabilities),
+            mc.num_experts,
+            mc.top_k,
+            mc.hidden_size,
+            self.dtype,
+            self.device,
+            self.max_num_tokens,
+            self.parallel,
+            self.context,
+        )
+        dispatcher: MoEDispatcher = spec.create(init)
+        return self.context.register(
+            "moe_dispatcher", dispatcher, owner=OWNER, close=lambda d: d.close()
+        )
+
+    def _build_attention(self, registry: BackendRegistry, name: str | None) -> AttentionBackend:
+        mc = self.model_config
+        assert name is not None, "resolve_backend raises when no attention backend is usable"
+        spec = registry.get("attention", name)
+        init = AttentionBackendInit(
+            cast(AttentionCapabilities, spec.capabilities),
+            mc.num_q_heads,
+            mc.num_kv_heads,
+            mc.head_dim,
+            mc.head_dim,
+            mc.num_layers,
+            self.dtype,
+            self.device,
+            self.req_to_token_pool,
+            self.kv_cache,
+            self.max_running_requests,
+            self.context_len,
+            self.context,
+        )
+        backend: AttentionBackend = spec.create(init)
+        return self.context.register(
+            "attn_backend", backend, owner=OWNER, close=lambda b: b.close()
+        )
 
     def _auto_kv_tokens(self) -> int:
         per_token = KVCache.bytes_per_token_for(

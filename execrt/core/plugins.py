@@ -95,7 +95,7 @@ class BackendSpec:
     def claims_for_auto(self, device: str) -> bool:
         devices = self.auto_devices
         if devices is None:
-            devices = getattr(self.capabilities, "devices", frozenset())
+            devices = getattr(self.capabilities, "devices", None) or frozenset()
         return device in devices
 
     def load_factory(self) -> Callable[[Any], Any]:

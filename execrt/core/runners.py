@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +43,7 @@ class InputBuffers:
                 f"({self.max_bs} / {self.max_num_tokens}); raise max_running_requests or "
                 "max_prefill_tokens"
             )
-        views = {}
+        views: dict[str, Any] = {}
         for name in self.TOKEN_FIELDS:
             views[name] = self.buffers[name][:t]
             views[name].copy_(getattr(fb, name), non_blocking=True)

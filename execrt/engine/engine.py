@@ -7,7 +7,7 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
@@ -101,7 +101,7 @@ class Engine:
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
         )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        batch = cast("list[Prompt]", [prompts] if single else list(prompts))
         params = _broadcast(sampling_params, len(batch))
         results: dict[int, GenerationResult] = {}
         reqs: dict[int, Req] = {}
@@ -141,7 +141,7 @@ class Engine:
             else:
                 ids = self.tokenizer.encode(prompt).ids
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
+            ids = [int(t) for t in prompt]
         else:
             problems.append(
                 f"prompt must be text or a list of token ids, got {type(prompt).__name__}"

@@ -33,6 +33,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
 
+    cos: torch.Tensor  # [P, D] fp32
+    sin: torch.Tensor  # [P, D] fp32
+
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
