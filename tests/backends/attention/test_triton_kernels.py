@@ -70,7 +70,8 @@ def make_cache(
     k = torch.full(shape_k, float("nan"), dtype=dtype, device=device)
     v = torch.full(shape_v, float("nan"), dtype=dtype, device=device)
     slots = (torch.randperm(num_slots - 1, generator=gen) + 1)[:total]
-    dev_gen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(int(slots[0]))
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    dev_gen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(seed)
     slots_dev = slots.to(device)
     k[slots_dev] = torch.randn(
         (total, *shape_k[1:]), generator=dev_gen, device=device, dtype=torch.float32
@@ -318,8 +319,17 @@ def test_decode_num_splits_rejects_bad_input() -> None:
         tk.SplitPolicy(min_split_len=512, target_split_len=256)
 
 
+def test_default_split_policy_matches_the_h200_measurements() -> None:
+    # docs/kernels.md: ~2k-token splits, shortened until an H200 (132 SMs) holds 2 programs/SM.
+    policy = tk.SplitPolicy()
+    want = {(1, 4096): 16, (1, 32768): 33, (16, 4096): 3, (64, 4096): 2, (256, 2048): 1,
+            (64, 16384): 8}
+    got = {shape: policy.max_splits(*shape, 8, 132) for shape in want}
+    assert got == want
+
+
 def test_split_policy_properties() -> None:
-    policy = tk.SplitPolicy(min_split_len=256, target_split_len=1024, cap=64)
+    policy = tk.SplitPolicy(min_split_len=256, target_split_len=1024, cap=64, programs_per_sm=1)
     for bs in (0, 1, 2, 8, 64, 256):
         for ctx in (0, 1, 100, 4096, 32768):
             for hkv in (1, 8):

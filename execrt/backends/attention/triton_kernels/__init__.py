@@ -5,6 +5,7 @@ from __future__ import annotations
 from execrt.backends.attention.triton_kernels.common import (
     DEFAULT_MAX_SPLITS_CAP,
     DEFAULT_MIN_SPLIT_LEN,
+    DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_TARGET_SPLIT_LEN,
     MAX_HEAD_DIM,
 )
@@ -19,6 +20,7 @@ from execrt.backends.attention.triton_kernels.indices import (
 __all__ = [
     "DEFAULT_MAX_SPLITS_CAP",
     "DEFAULT_MIN_SPLIT_LEN",
+    "DEFAULT_PROGRAMS_PER_SM",
     "DEFAULT_TARGET_SPLIT_LEN",
     "MAX_HEAD_DIM",
     "SplitPolicy",

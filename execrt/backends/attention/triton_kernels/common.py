@@ -14,9 +14,15 @@ MAX_HEAD_DIM = 256
 # 2), so a split should not be shorter than this many tokens.
 DEFAULT_MIN_SPLIT_LEN = 256
 
-# Split length that streamed best on an H200 when there are enough programs to fill the GPU
-# (bs 1 x 32k: 73% of copy bandwidth at ~1k-token splits against 63% at 512-token splits).
-DEFAULT_TARGET_SPLIT_LEN = 1024
+# Split length that streamed best on an H200 once the GPU holds enough programs: 2k-token
+# splits beat 1k-token ones at 16 x 4k (89% vs 78% of copy bandwidth) and 64 x 4k (99.8% vs
+# 95.8%); see docs/kernels.md.
+DEFAULT_TARGET_SPLIT_LEN = 2048
+
+# Stage-1 programs per SM the split policy asks for before it lets splits get longer: with
+# fewer (bs 1 x 32k cut into 16 splits of 2k: 128 programs) the H200 streamed at 59%, with
+# two per SM (33 splits of 1k) at 73%.
+DEFAULT_PROGRAMS_PER_SM = 2
 
 # Upper bound on the split grid dimension: the partial buffers grow linearly with it and stage 2
 # merges splits sequentially, so past this point more splits cost more than they return.

@@ -195,7 +195,7 @@ def decode_attention(
     sm_scale: float,
     max_splits: int,
     *,
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:

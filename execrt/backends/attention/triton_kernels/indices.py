@@ -11,6 +11,7 @@ import triton.language as tl
 from execrt.backends.attention.triton_kernels.common import (
     DEFAULT_MAX_SPLITS_CAP,
     DEFAULT_MIN_SPLIT_LEN,
+    DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_TARGET_SPLIT_LEN,
     INDEX_DTYPES,
     check_devices,
@@ -118,20 +119,25 @@ class SplitPolicy:
     Each split is one stage-1 program per KV head. Splits near ``target_split_len`` tokens
     stream best; shorter ones pay the fixed per-program cost (q load, partial write, merge)
     too often, longer ones leave too few programs in flight. When the batch is too small to
-    give every SM a program, splits shrink (down to ``min_split_len``) until it does.
+    give every SM ``programs_per_sm`` programs, splits shrink (down to ``min_split_len``)
+    until it does.
     """
 
     min_split_len: int = DEFAULT_MIN_SPLIT_LEN
     target_split_len: int = DEFAULT_TARGET_SPLIT_LEN
     cap: int = DEFAULT_MAX_SPLITS_CAP
+    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_split_len <= self.target_split_len or self.cap < 1:
+        if (
+            not 1 <= self.min_split_len <= self.target_split_len
+            or min(self.cap, self.programs_per_sm) < 1
+        ):
             fail(f"split policy {self} unsupported (need 1 <= min <= target, cap >= 1)")
 
     def min_splits(self, batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-        """Splits every request should have so that the launch gives each SM a program."""
-        return max(1, -(-num_sms // max(1, batch_size * num_kv_heads)))
+        """Splits every request should have for ``programs_per_sm`` programs on every SM."""
+        return max(1, -(-self.programs_per_sm * num_sms // max(1, batch_size * num_kv_heads)))
 
     def max_splits(self, batch_size: int, max_seq_len: int, num_kv_heads: int, num_sms: int) -> int:
         """The split grid dimension: the most splits any request of the batch can get."""
