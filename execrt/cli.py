@@ -52,7 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
     attn.add_argument("--iters", type=int, default=20)
     attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
+    conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
+    conf.add_argument("name", help="registered backend name (see `execrt backends`)")
+    conf.add_argument("--json", help="also write the JSON report to this file")
+    conf.epilog = "Other options (e.g. -k EXPR, -x) are passed on to pytest."
     return parser
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        from execrt.testing.report import run_conformance
+    except ImportError as exc:
+        raise ExecrtError(f"conformance: {exc}") from None
+    try:
+        return run_conformance(args.kind, args.name, args.json, extra_pytest_args=args.pytest_args)
+    except ImportError as exc:
+        raise ExecrtError(f"conformance: {exc}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -125,11 +141,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return status
 
 
-COMMANDS = {"backends": cmd_backends, "generate": cmd_generate, "bench": cmd_bench}
+COMMANDS = {
+    "backends": cmd_backends,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "conformance": cmd_conformance,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "conformance":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)

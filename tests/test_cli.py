@@ -59,3 +59,16 @@ def test_python_m_execrt_bad_flag_has_no_traceback() -> None:
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_conformance_command_writes_a_report_backends_shows(tmp_path, capsys) -> None:
+    report = tmp_path / "r.json"
+    args = ["conformance", "attention", "torch_native", "--json", str(report), "-k", "single"]
+    assert main(args) == 0
+    data = json.loads(report.read_text())
+    assert data["failed"] == 0 and data["passed"] > 0 and data["name"] == "torch_native"
+    capsys.readouterr()
+    assert main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["backends"]}
+    assert rows["torch_native"]["last_conformance"]["passed"] == data["passed"]
+    assert main(["conformance", "attention", "no_such_backend"]) == 2

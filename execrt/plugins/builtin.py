@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-from execrt.core.interfaces import AttentionCapabilities, MoEDispatcherCapabilities
+from execrt.core.interfaces import (
+    AttentionCapabilities,
+    GraphCapabilities,
+    MoEDispatcherCapabilities,
+)
 from execrt.core.plugins import BackendRegistry, hookimpl
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -29,6 +33,9 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
     graph=True,
 )
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+REEXEC_GRAPH = GraphCapabilities(
+    devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
+)
 
 
 def _triton_check(req: Any) -> list[str]:
@@ -85,4 +92,13 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         ALLREDUCE_DISPATCH,
         priority=10,
         description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )
+    registry.register(
+        "graph",
+        "reexec",
+        "execrt.backends.graph.reexec:ReexecGraphBackend",
+        REEXEC_GRAPH,
+        priority=0,
+        auto_devices=frozenset(),  # a testing aid: "auto" never picks it
+        description="re-executes the captured function on replay; CPU testing of graph runners",
     )

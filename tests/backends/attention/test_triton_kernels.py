@@ -322,8 +322,14 @@ def test_decode_num_splits_rejects_bad_input() -> None:
 def test_default_split_policy_matches_the_h200_measurements() -> None:
     # docs/kernels.md: ~2k-token splits, shortened until an H200 (132 SMs) holds 2 programs/SM.
     policy = tk.SplitPolicy()
-    want = {(1, 4096): 16, (1, 32768): 33, (16, 4096): 3, (64, 4096): 2, (256, 2048): 1,
-            (64, 16384): 8}
+    want = {
+        (1, 4096): 16,
+        (1, 32768): 33,
+        (16, 4096): 3,
+        (64, 4096): 2,
+        (256, 2048): 1,
+        (64, 16384): 8,
+    }
     got = {shape: policy.max_splits(*shape, 8, 132) for shape in want}
     assert got == want
 

@@ -1,0 +1,98 @@
+"""sdpa_example: attention through torch's scaled_dot_product_attention over gathered K/V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.interfaces import AttentionBackend, AttentionLayer
+
+
+@dataclass
+class SdpaMetadata:
+    """Each request's context as slot ids, padded to the longest (padding reads slot 0)."""
+
+    slots: torch.Tensor  # [B, L] int64
+    valid: torch.Tensor  # [B, L] bool
+
+
+class SdpaAttentionBackend(AttentionBackend):
+    """Gathers each request's K/V through ``req_to_token`` and calls SDPA with a mask.
+
+    Simple rather than fast: every step copies the whole context of every request.
+    """
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        length = fb.max_seq_len
+        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :length]  # [B, L]
+        valid = torch.arange(length, device=rows.device)[None, :] < fb.seq_lens[:, None]
+        slots = torch.where(valid, rows.long(), 0)  # never read past a request's context
+        fb.attn_metadata = SdpaMetadata(slots, valid)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        meta: SdpaMetadata = fb.attn_metadata
+        keys = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
+        values = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
+        mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]
+        out = self._sdpa(q[:, :, None], keys, values, mask, layer)  # [B, Hq, 1, Dv]
+        return out[:, :, 0]
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        meta: SdpaMetadata = fb.attn_metadata
+        k_buf = self.kv_cache.k_buffers[layer.layer_id]
+        v_buf = self.kv_cache.v_buffers[layer.layer_id]
+        out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        start = 0
+        for b, (prefix, n) in enumerate(
+            zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
+        ):
+            slots = meta.slots[b, : prefix + n]  # [L]
+            # New token i sits at position prefix + i and sees positions 0 .. prefix + i.
+            q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]  # [n, 1]
+            causal = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos  # [n, L]
+            qb = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+            ob = self._sdpa(qb, k_buf[slots][None], v_buf[slots][None], causal, layer)
+            out[start : start + n] = ob[0].transpose(0, 1)
+            start += n
+        return out
+
+    @staticmethod
+    def _sdpa(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+        layer: AttentionLayer,
+    ) -> torch.Tensor:
+        """``q [B, Hq, n, D]``, ``k/v [B, L, Hkv, D]`` (cache layout) -> ``[B, Hq, n, Dv]``."""
+        return F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_q_heads != layer.num_kv_heads,
+        )

@@ -1,0 +1,422 @@
+"""AttentionBackendSuite: an attention backend against a float64 oracle over gathered K/V."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from execrt.core.interfaces import AttentionCapabilities, AttentionRequirements
+from execrt.testing.attention_harness import (
+    TAIL,
+    AttentionHarness,
+    Geometry,
+    Outcome,
+    Step,
+    matches_eager,
+    moved_buffers,
+    tensor_fields,
+)
+from execrt.testing.attention_scenarios import (
+    CPU_PROFILE,
+    CUDA_PROFILE,
+    MULTI_STEPS,
+    SCENARIOS,
+    Profile,
+)
+from execrt.testing.suite import (
+    STANDARD_DTYPES,
+    Case,
+    ConformanceSuite,
+    cases,
+    dtype_name,
+    not_declared,
+)
+
+Record = Callable[[str, object], None]
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+GQA_RATIOS = (1, 2, 4, 8)
+MODES = ("decode", "extend")
+
+
+def _seed(case: Case, salt: str = "") -> int:
+    return zlib.crc32(f"{case.id}{salt}".encode())
+
+
+def _scaled(step: Step, factor: int) -> Step:
+    return dataclasses.replace(
+        step,
+        prefix_lens=tuple(p * factor for p in step.prefix_lens),
+        extend_lens=tuple(n if step.mode == "decode" else n * factor for n in step.extend_lens),
+    )
+
+
+class AttentionBackendSuite(ConformanceSuite):
+    """Conformance of an attention backend. Set ``backend`` (or ``factory`` + ``capabilities``).
+
+    Every test is parametrised over devices, dtypes, head dims and GQA ratios; values the
+    backend does not declare skip with the capability as the reason, and configurations it
+    refuses here skip with its own reason.
+    """
+
+    kind: ClassVar[str] = "attention"
+    cpu_profile: ClassVar[Profile] = CPU_PROFILE
+    cuda_profile: ClassVar[Profile] = CUDA_PROFILE
+    #: Hypothesis examples per generated test (None: the device profile's, 10 on CPU).
+    max_examples: ClassVar[int | None] = None
+
+    # -- cases ----------------------------------------------------------------------------------
+    @classmethod
+    def profile(cls, device: str) -> Profile:
+        return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
+
+    @classmethod
+    def caps(cls) -> AttentionCapabilities:
+        caps = cls.collection_spec().capabilities
+        assert isinstance(caps, AttentionCapabilities)
+        return caps
+
+    @classmethod
+    def dtype_axis(cls) -> list[torch.dtype]:
+        return list(dict.fromkeys([*STANDARD_DTYPES, *sorted(cls.caps().dtypes, key=str)]))
+
+    @classmethod
+    def value_axis(cls, standard: tuple[int, ...], declared: frozenset[int] | None) -> list[int]:
+        return sorted(set(standard) | set(declared or ()))
+
+    @classmethod
+    def make_case(
+        cls,
+        case_id: str,
+        device: str,
+        dtype: torch.dtype,
+        head_dim: int,
+        gqa_ratio: int,
+        *,
+        mode: str | None = None,
+        graph: bool = False,
+        **options: Any,
+    ) -> Case:
+        spec, caps = cls.collection_spec(), cls.caps()
+        declared = (
+            not_declared("devices", device, caps.devices)
+            or not_declared("dtypes", dtype, caps.dtypes)
+            or not_declared("head_dims", head_dim, caps.head_dims)
+            or not_declared("gqa_ratios", gqa_ratio, caps.gqa_ratios)
+            or (f"capability {mode} is False" if mode and not getattr(caps, mode) else None)
+            or ("capability graph is False" if graph and not caps.graph else None)
+        )
+        hkv = cls.profile(device).num_kv_heads
+        req = AttentionRequirements(device, dtype, head_dim, hkv * gqa_ratio, hkv, graph=graph)
+        skip, error = cls.runnable(spec, device, req, declared)
+        opts = {"head_dim": head_dim, "gqa_ratio": gqa_ratio, "mode": mode} | options
+        return Case(case_id, device, dtype, opts, skip, error)
+
+    @classmethod
+    def primary(cls, device: str) -> tuple[torch.dtype, int, int]:
+        """The dtype, head dim and GQA ratio most tests use on ``device``: declared, runnable."""
+        caps, prof = cls.caps(), cls.profile(device)
+        head_dim = prof.head_dim
+        if caps.head_dims is not None and head_dim not in caps.head_dims:
+            head_dim = min(caps.head_dims)
+        ratio = prof.gqa_ratio
+        if caps.gqa_ratios is not None and ratio not in caps.gqa_ratios:
+            ratio = min(caps.gqa_ratios)
+        dtypes = [d for d in prof.dtypes if d in caps.dtypes] + sorted(
+            caps.dtypes - set(prof.dtypes), key=str
+        )
+        for dtype in dtypes:
+            if cls.make_case("probe", device, dtype, head_dim, ratio).skip is None:
+                return dtype, head_dim, ratio
+        return (dtypes or list(prof.dtypes))[0], head_dim, ratio
+
+    @classmethod
+    def scenario_cases(cls) -> list[Case]:
+        out = []
+        for device in cls.device_axis(cls.caps().devices):
+            _, head_dim, ratio = cls.primary(device)
+            for dtype in cls.dtype_axis():
+                for name, steps in SCENARIOS.items():
+                    mode = name.split("-")[0]
+                    step = steps[1] if device.startswith("cuda") else steps[0]
+                    case_id = f"{device}-{dtype_name(dtype)}-{name}"
+                    out.append(
+                        cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode, step=step)
+                    )
+        return out
+
+    @classmethod
+    def head_dim_cases(cls) -> list[Case]:
+        out = []
+        for device in cls.device_axis(cls.caps().devices):
+            dtype, _, ratio = cls.primary(device)
+            for mode in MODES:
+                for hd in cls.value_axis(HEAD_DIMS, cls.caps().head_dims):
+                    case_id = f"{device}-{dtype_name(dtype)}-{mode}-d{hd}"
+                    out.append(cls.make_case(case_id, device, dtype, hd, ratio, mode=mode))
+        return out
+
+    @classmethod
+    def gqa_cases(cls) -> list[Case]:
+        out = []
+        for device in cls.device_axis(cls.caps().devices):
+            dtype, head_dim, _ = cls.primary(device)
+            for mode in MODES:
+                for ratio in cls.value_axis(GQA_RATIOS, cls.caps().gqa_ratios):
+                    case_id = f"{device}-{dtype_name(dtype)}-{mode}-gqa{ratio}"
+                    out.append(cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode))
+        return out
+
+    @classmethod
+    def generated_cases(cls) -> list[Case]:
+        out = []
+        for device in cls.device_axis(cls.caps().devices):
+            _, head_dim, ratio = cls.primary(device)
+            for dtype in cls.dtype_axis():
+                for mode in MODES:
+                    case_id = f"{device}-{dtype_name(dtype)}-{mode}"
+                    out.append(cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode))
+        return out
+
+    @classmethod
+    def primary_cases(cls, *, graph: bool = False) -> list[Case]:
+        out = []
+        for device in cls.device_axis(cls.caps().devices):
+            dtype, head_dim, ratio = cls.primary(device)
+            case_id = f"{device}-{dtype_name(dtype)}"
+            mode = "decode" if graph else None
+            out.append(
+                cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode, graph=graph)
+            )
+        return out
+
+    @classmethod
+    def graph_cases(cls) -> list[Case]:
+        return cls.primary_cases(graph=True)
+
+    @classmethod
+    def cuda_graph_cases(cls) -> list[Case]:
+        out = []
+        for case in cls.primary_cases(graph=True):
+            if not case.device.startswith("cuda") and case.skip is None:
+                skip = f"torch.cuda.CUDAGraph capture needs a CUDA device, not {case.device}"
+                case = dataclasses.replace(case, skip=skip)
+            out.append(case)
+        return out
+
+    @classmethod
+    def device_cases(cls) -> list[Case]:
+        return [Case(device, device) for device in cls.device_axis(cls.caps().devices)]
+
+    # -- helpers --------------------------------------------------------------------------------
+    def geometry(self, case: Case, num_layers: int = 1) -> Geometry:
+        hkv = type(self).profile(case.device).num_kv_heads
+        return Geometry(hkv, case["gqa_ratio"], case["head_dim"], num_layers)
+
+    def harness(
+        self, case: Case, geometry: Geometry, steps: list[Step], seed: int, graph_max_bs: int = 0
+    ) -> AttentionHarness:
+        spec = type(self).backend_spec()  # a fresh PluginHost for every test
+        return AttentionHarness(
+            spec,
+            case.device,
+            case.dtype or torch.float32,
+            geometry,
+            max_reqs=max(s.batch_size for s in steps) + 4,
+            max_context_len=max(s.max_context for s in steps) + TAIL + 8,
+            cache_slots=sum(s.num_slots for s in steps) + 64,
+            seed=seed,
+            graph_max_bs=graph_max_bs,
+        )
+
+    def run_steps(self, case: Case, geometry: Geometry, steps: list[Step], seed: int) -> Outcome:
+        """Run ``steps`` one after the other on one backend; every step checked."""
+        tol = type(self).tolerance(case.device, case.dtype or torch.float32)
+        harness = self.harness(case, geometry, steps, seed)
+        total = Outcome()
+        try:
+            for i, step in enumerate(steps):
+                prepared = harness.prepare(step)
+                label = case.id if len(steps) == 1 else f"{case.id} step {i} ({step.mode})"
+                result = harness.check(prepared, harness.run(prepared), tol, label)
+                total.max_error = max(total.max_error, result.max_error)
+                total.problems += result.problems
+        finally:
+            harness.close()
+        return total
+
+    def finish(self, case: Case, outcome: Outcome, record_property: Record) -> None:
+        record_property("max_error", outcome.max_error)
+        record_property("tolerance", type(self).tolerance(case.device, case.dtype or torch.float32))
+        if outcome.problems:
+            pytest.fail("\n".join(outcome.problems), pytrace=False)
+
+    # -- tests ----------------------------------------------------------------------------------
+    @cases("scenario_cases")
+    def test_scenario(self, case: Case, record_property: Record) -> None:
+        """A named scenario (ids say which), against the oracle and the cache mirror."""
+        self.begin(case)
+        outcome = self.run_steps(case, self.geometry(case), [case["step"]], _seed(case))
+        self.finish(case, outcome, record_property)
+
+    @cases("head_dim_cases")
+    def test_head_dim(self, case: Case, record_property: Record) -> None:
+        self.begin(case)
+        step = SCENARIOS[f"{case['mode']}-ragged"][1 if case.device.startswith("cuda") else 0]
+        outcome = self.run_steps(case, self.geometry(case), [step], _seed(case))
+        self.finish(case, outcome, record_property)
+
+    @cases("gqa_cases")
+    def test_gqa_ratio(self, case: Case, record_property: Record) -> None:
+        self.begin(case)
+        name = "decode-ragged" if case["mode"] == "decode" else "extend-prefix"
+        step = SCENARIOS[name][1 if case.device.startswith("cuda") else 0]
+        outcome = self.run_steps(case, self.geometry(case), [step], _seed(case))
+        self.finish(case, outcome, record_property)
+
+    @cases("generated_cases")
+    def test_generated(self, case: Case, record_property: Record) -> None:
+        """Hypothesis-drawn batches within the device profile (derandomized, few examples)."""
+        self.begin(case)
+        hypothesis = pytest.importorskip("hypothesis")
+        st = hypothesis.strategies
+        prof = type(self).profile(case.device)
+        worst = Outcome()
+
+        @hypothesis.settings(
+            max_examples=type(self).max_examples or prof.max_examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+        )
+        @hypothesis.given(data=st.data())
+        def run(data: Any) -> None:
+            b = data.draw(st.integers(1, prof.max_generated_batch), label="batch size")
+            lens = st.lists(st.integers(1, prof.max_generated_context), min_size=b, max_size=b)
+            permuted = data.draw(st.booleans(), label="permuted slots")
+            if case["mode"] == "decode":
+                step = Step.decode(data.draw(lens, label="context lens"), permuted=permuted)
+            else:
+                prefix = st.lists(
+                    st.integers(0, prof.max_generated_context), min_size=b, max_size=b
+                )
+                new = st.lists(st.integers(1, prof.max_generated_extend), min_size=b, max_size=b)
+                step = Step.extend(
+                    data.draw(prefix, label="prefix lens"),
+                    data.draw(new, label="extend lens"),
+                    permuted=permuted,
+                )
+            outcome = self.run_steps(case, self.geometry(case), [step], _seed(case, repr(step)))
+            worst.max_error = max(worst.max_error, outcome.max_error)
+            if outcome.problems:
+                raise AssertionError(f"{step}:\n" + "\n".join(outcome.problems))
+
+        run()
+        self.finish(case, worst, record_property)
+
+    @cases("primary_cases")
+    def test_multi_layer_multi_step(self, case: Case, record_property: Record) -> None:
+        """One init_forward_metadata serves every layer; a later, different batch is not stale."""
+        self.begin(case)
+        caps = type(self).caps()
+        steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
+        if not steps:
+            pytest.skip("capabilities decode and extend are both False")
+        if case.device.startswith("cuda"):
+            steps = [_scaled(s, 20) for s in steps]
+        outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
+        self.finish(case, outcome, record_property)
+
+    @cases("graph_cases")
+    def test_graph_metadata(self, case: Case, record_property: Record) -> None:
+        """The graph metadata path: equal to eager and the oracle, buffers at fixed addresses."""
+        self.begin(case)
+        steps = list(type(self).profile(case.device).graph_steps)
+        bucket = max(s.batch_size + s.padded_rows for s in steps)
+        tol = type(self).tolerance(case.device, case.dtype or torch.float32)
+        harness = self.harness(case, self.geometry(case, 2), steps, _seed(case), bucket)
+        total = Outcome()
+        seen: dict[int, tuple[Any, dict[str, Any]]] = {}
+        try:
+            for i, step in enumerate(steps):
+                label = f"{case.id} graph step {i} (bucket {step.batch_size + step.padded_rows})"
+                prepared = harness.prepare(step, graph=True)
+                outs = harness.run(prepared)
+                leaves = tensor_fields(prepared.fb.attn_metadata)
+                size = prepared.fb.batch_size
+                if size in seen:
+                    total.problems += moved_buffers(label, seen[size][1], leaves)
+                else:
+                    seen[size] = (prepared.fb.attn_metadata, leaves)  # kept alive on purpose
+                result = harness.check(prepared, outs, tol, label)
+                total.problems += result.problems
+                total.max_error = max(total.max_error, result.max_error)
+                total.problems += matches_eager(harness, prepared, outs, tol, label)
+        finally:
+            harness.close()
+        self.finish(case, total, record_property)
+
+    @cases("cuda_graph_cases")
+    def test_cuda_graph_replay(self, case: Case, record_property: Record) -> None:
+        """Capture a decode forward with torch.cuda.CUDAGraph, replay it on a new batch."""
+        self.begin(case)
+        first, second = type(self).profile(case.device).graph_steps[:2]
+        bucket = first.batch_size + first.padded_rows
+        assert bucket == second.batch_size + second.padded_rows
+        tol = type(self).tolerance(case.device, case.dtype or torch.float32)
+        harness = self.harness(case, self.geometry(case, 2), [first, second], _seed(case), bucket)
+        total = Outcome()
+        try:
+            a = harness.prepare(first, graph=True)
+            harness.init_metadata(a)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                harness.forward_layers(a)  # warm-up outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = harness.forward_layers(a)
+            for prepared, label in ((a, "replay of the captured batch"), (None, "new batch")):
+                if prepared is None:
+                    prepared = harness.prepare(second, graph=True, reuse=a)
+                    harness.init_metadata(prepared)
+                graph.replay()
+                torch.cuda.synchronize()
+                result = harness.check(prepared, outs, tol, f"{case.id} {label}")
+                total.problems += result.problems
+                total.max_error = max(total.max_error, result.max_error)
+        finally:
+            harness.close()
+        self.finish(case, total, record_property)
+
+    @cases("device_cases")
+    def test_refusals_explain_themselves(self, case: Case) -> None:
+        """Every refusal has a reason, and nothing outside the declared capabilities is accepted."""
+        spec, caps = type(self).backend_spec(), type(self).caps()
+        hkv = type(self).profile(case.device).num_kv_heads
+        problems = []
+        for dtype in type(self).dtype_axis():
+            for hd in type(self).value_axis(HEAD_DIMS, caps.head_dims):
+                for ratio in type(self).value_axis(GQA_RATIOS, caps.gqa_ratios):
+                    for graph in (False, True):
+                        req = AttentionRequirements(case.device, dtype, hd, hkv * ratio, hkv, graph)
+                        reasons = spec.refusals(req)
+                        if not all(isinstance(r, str) and r.strip() for r in reasons):
+                            problems.append(f"{req}: refusal without a reason {reasons!r}")
+                        undeclared = (
+                            not_declared("devices", case.device, caps.devices)
+                            or not_declared("dtypes", dtype, caps.dtypes)
+                            or not_declared("head_dims", hd, caps.head_dims)
+                            or not_declared("gqa_ratios", ratio, caps.gqa_ratios)
+                            or (graph and not caps.graph)
+                        )
+                        if undeclared and not reasons:
+                            problems.append(f"{req}: accepted although not declared")
+        assert not problems, "\n".join(problems[:10])

@@ -1,0 +1,107 @@
+"""Attention shapes per device and the named scenarios the attention suite runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from execrt.testing.attention_harness import Step
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Shapes per device: small on CPU (the Triton interpreter is slow), realistic on CUDA."""
+
+    num_kv_heads: int
+    gqa_ratio: int
+    head_dim: int
+    dtypes: tuple[torch.dtype, ...]  # preference order for the primary dtype
+    max_generated_batch: int
+    max_generated_context: int
+    max_generated_extend: int
+    max_examples: int
+    graph_steps: tuple[Step, ...]  # same bucket twice, then a smaller bucket
+
+
+CPU_PROFILE = Profile(
+    num_kv_heads=2,
+    gqa_ratio=2,
+    head_dim=64,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    max_generated_batch=4,
+    max_generated_context=48,
+    max_generated_extend=12,
+    max_examples=10,
+    graph_steps=(
+        Step.decode([7, 19, 3], padded_rows=1),
+        Step.decode([30, 2], padded_rows=2),
+        Step.decode([11], padded_rows=1),
+    ),
+)
+CUDA_PROFILE = Profile(
+    num_kv_heads=8,
+    gqa_ratio=4,
+    head_dim=128,
+    dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    max_generated_batch=16,
+    max_generated_context=4096,
+    max_generated_extend=512,
+    max_examples=25,
+    graph_steps=(
+        Step.decode([700, 1900, 5, 3000, 64], padded_rows=3),
+        Step.decode([2, 4100, 333], padded_rows=5),
+        Step.decode([1500, 9], padded_rows=2),
+    ),
+)
+
+#: Named scenarios: (CPU step, CUDA step). Decode steps give context lengths incl. the new token.
+SCENARIOS: dict[str, tuple[Step, Step]] = {
+    "decode-single": (Step.decode([37]), Step.decode([1537])),
+    "decode-ragged": (
+        Step.decode([5, 17, 40, 2, 23]),
+        Step.decode([129, 1700, 3001, 2, 513, 64, 2048, 9]),
+    ),
+    "decode-context1": (Step.decode([1, 1, 1]), Step.decode([1] * 8)),
+    # Long enough that Triton splits the context several ways on either device (4 splits for
+    # one 2100-token request under the CPU interpreter's 4 "SMs", 17 for 12000 on an H200).
+    "decode-long": (Step.decode([2100]), Step.decode([12000, 100])),
+    "decode-permuted": (
+        Step.decode([5, 17, 40, 2, 23], permuted=True),
+        Step.decode([129, 1700, 3001, 2, 513], permuted=True),
+    ),
+    "decode-padded": (
+        Step.decode([7, 19], padded_rows=2),
+        Step.decode([700, 1900, 5], padded_rows=5),
+    ),
+    "decode-no_save": (
+        Step.decode([9, 30], save_kv_cache=False),
+        Step.decode([900, 3000], save_kv_cache=False),
+    ),
+    "extend-single": (Step.extend([0], [13]), Step.extend([0], [700])),
+    "extend-ragged": (
+        Step.extend([0, 0, 0], [5, 1, 30]),
+        Step.extend([0, 0, 0, 0], [129, 1, 1000, 64]),
+    ),
+    "extend-context1": (Step.extend([0, 0, 0], [1, 1, 1]), Step.extend([0] * 8, [1] * 8)),
+    "extend-prefix": (
+        Step.extend([0, 20, 7, 64], [9, 4, 1, 16]),
+        Step.extend([0, 2000, 7, 640], [90, 400, 1, 160]),
+    ),
+    "extend-long": (Step.extend([2100, 0], [7, 3]), Step.extend([8000, 0], [64, 900])),
+    "extend-permuted": (
+        Step.extend([11, 0, 30], [6, 3, 10], permuted=True),
+        Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),
+    ),
+    "extend-no_save": (
+        Step.extend([5, 0], [4, 7], save_kv_cache=False),
+        Step.extend([500, 0], [40, 700], save_kv_cache=False),
+    ),
+}
+#: The steps of the multi-layer, multi-step test (CPU; CUDA scales lengths by 20).
+MULTI_STEPS = (
+    Step.extend([0, 12, 3], [9, 4, 6]),
+    Step.decode([33, 5, 18, 1]),
+    Step.decode([70]),
+    Step.extend([40], [2]),
+)

@@ -1,0 +1,233 @@
+"""Backends for testing the suites themselves: correct variants and deliberately broken ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from execrt.backends.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+from execrt.backends.graph.reexec import ReexecGraphBackend
+from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
+from execrt.core.batch import ForwardBatch
+from execrt.core.interfaces import (
+    AttentionCapabilities,
+    AttentionLayer,
+    DispatchFormat,
+    DispatchOutput,
+    ExpertMajorDispatchOutput,
+    GraphCapabilities,
+    MoEDispatcher,
+    MoEDispatcherCapabilities,
+    MoEDispatcherInit,
+    ShapeKey,
+    StandardDispatchOutput,
+)
+
+F32 = frozenset({torch.float32})
+CPU = frozenset({"cpu"})
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
+GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
+
+
+class WrongScaleAttention(TorchNativeAttnBackend):
+    """Broken: uses head_dim ** -0.5 instead of the layer's scaling."""
+
+    def forward_decode(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+        own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
+        return super().forward_decode(q, k, v, own, fb, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+        own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
+        return super().forward_extend(q, k, v, own, fb, save_kv_cache)
+
+
+class StaticGraphAttention(TorchNativeAttnBackend):
+    """Correct: torch_native with graph metadata written into buffers of fixed address."""
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        width = self.req_to_token_pool.max_context_len
+        dev = self.req_to_token_pool.device
+        self.slots = torch.zeros(max_bs, width, dtype=torch.int64, device=dev)  # [B, C]
+        self.valid = torch.zeros(max_bs, width, dtype=torch.bool, device=dev)  # [B, C]
+        self.positions = torch.arange(width, device=dev)
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        b = fb.batch_size
+        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]  # [b, C]
+        torch.lt(self.positions[None, :], fb.seq_lens[:, None], out=self.valid[:b])
+        self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
+        fb.attn_metadata = TorchNativeMetadata(self.slots[:b], self.valid[:b])
+
+
+class FreshBuffersGraphAttention(StaticGraphAttention):
+    """Broken: claims graphs, but its graph metadata is freshly allocated on every call."""
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        self.init_forward_metadata(fb)
+
+
+class StaleSeqLensGraphAttention(StaticGraphAttention):
+    """Broken: computes the context mask once per bucket and ignores later seq_lens."""
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        seen: set[int] = self.__dict__.setdefault("_seen", set())
+        b = fb.batch_size
+        if b not in seen:
+            seen.add(b)
+            super().init_forward_metadata_graph(fb)
+            return
+        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]
+        self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
+        fb.attn_metadata = TorchNativeMetadata(self.slots[:b], self.valid[:b])
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE dispatch
+# ---------------------------------------------------------------------------------------------
+SMALL_MOE = {"devices": CPU, "dtypes": F32}
+
+
+ALLREDUCE_LIKE_CAPS = MoEDispatcherCapabilities(**SMALL_MOE)
+
+
+class DropLastTokenDispatcher(AllReduceDispatcher):
+    """Broken: the last token of every batch never reaches its experts."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        ids = topk_ids.clone()
+        ids[-1:] = -1
+        return super().dispatch(hidden_states, ids, topk_weights)
+
+
+class RankOneRaisesDispatcher(AllReduceDispatcher):
+    """Broken: rank 1 raises in dispatch, leaving rank 0 alone in the all-reduce."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        if self.init.parallel.rank == 1:
+            raise RuntimeError("rank 1 dispatch exploded")
+        return super().dispatch(hidden_states, topk_ids, topk_weights)
+
+
+class AllGatherDispatcher(MoEDispatcher):
+    """Correct, per-rank tokens: gather every rank's tokens, run local experts, reduce back."""
+
+    def __init__(self, init: MoEDispatcherInit) -> None:
+        super().__init__(init)
+        self.first, self.num_local = init.first_local_expert, init.num_local_experts
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
+        par = self.init.parallel
+        counts = par.all_gather_counts(hidden_states.shape[0], hidden_states.device)
+        cap = max(counts)
+        parts = [_gather(t, counts, cap, par) for t in (hidden_states, topk_ids, topk_weights)]
+        local = parts[1] - self.first
+        mine = (parts[1] >= 0) & (local >= 0) & (local < self.num_local)
+        ids = torch.where(mine, local, torch.full_like(local, -1))
+        out = StandardDispatchOutput(parts[0], ids, parts[2])
+        out.counts = counts  # type: ignore[attr-defined]
+        return out
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        par = self.init.parallel
+        counts: list[int] = dispatch_output.counts  # type: ignore[union-attr]
+        total = par.all_reduce(expert_output.clone())
+        start = sum(counts[: par.rank])
+        return total[start : start + counts[par.rank]]
+
+
+def _gather(t: torch.Tensor, counts: list[int], cap: int, par: Any) -> torch.Tensor:
+    if par.world_size == 1:
+        return t
+    padded = t.new_zeros((cap, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    chunks = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(chunks, padded)
+    return torch.cat([c[:n] for c, n in zip(chunks, counts, strict=True)])
+
+
+ALLGATHER_CAPS = MoEDispatcherCapabilities(
+    replicated_tokens=False, world_sizes=frozenset({1, 2}), **SMALL_MOE
+)
+
+
+class ExpertMajorDispatcher(MoEDispatcher):
+    """Correct, world size 1: tokens grouped per expert in ``[E, T*K, H]`` rows."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
+        e, t = self.init.num_experts, hidden_states.shape[0]
+        rows = max(t * topk_ids.shape[1], 1)
+        grouped = hidden_states.new_zeros((e, rows, hidden_states.shape[1]))
+        counts = torch.zeros(e, dtype=torch.int32)
+        where = []
+        for token in range(t):
+            for k in range(topk_ids.shape[1]):
+                expert = int(topk_ids[token, k])
+                if expert < 0:
+                    continue
+                grouped[expert, int(counts[expert])] = hidden_states[token]
+                where.append((token, k, expert, int(counts[expert])))
+                counts[expert] += 1
+        return ExpertMajorDispatchOutput(grouped, counts, t, (where, topk_weights))
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        assert isinstance(dispatch_output, ExpertMajorDispatchOutput)
+        where, weights = dispatch_output.state
+        out = expert_output.new_zeros((dispatch_output.num_tokens, expert_output.shape[2]))
+        for token, k, expert, row in where:
+            out[token] += float(weights[token, k]) * expert_output[expert, row]
+        return out
+
+
+EXPERT_MAJOR_CAPS = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, world_sizes=frozenset({1}), **SMALL_MOE
+)
+
+# ---------------------------------------------------------------------------------------------
+# Graph
+# ---------------------------------------------------------------------------------------------
+REEXEC_CAPS = GraphCapabilities(
+    devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
+)
+
+
+class StaleReplayGraph(ReexecGraphBackend):
+    """Broken: replay hands back the captured outputs without running anything."""
+
+    def replay(self, key: ShapeKey) -> Any:
+        return self._outputs[key]
+
+
+class ResourceReexecGraph(ReexecGraphBackend):
+    """Correct: reexec that also owns a dispatcher's graph resources (for the resource test)."""
+
+    OWNER = "resource reexec graph backend"
+
+    def capture(self, key: ShapeKey, fn: Any) -> Any:
+        provider, context = self.init.resource_provider, self.init.context
+        if provider is not None:
+            if not context.has(provider.resource_name):
+                resources = provider.create_graph_resources(key.batch_size, context)
+                context.register(
+                    provider.resource_name,
+                    resources,
+                    owner=self.OWNER,
+                    close=provider.close_graph_resources,
+                )
+            provider.warm_up_graph_resources(context.get(provider.resource_name), key.batch_size)
+        return super().capture(key, fn)
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        provider, context = self.init.resource_provider, self.init.context
+        if provider is not None and context.has(provider.resource_name):
+            context.unregister(provider.resource_name, owner=self.OWNER)
+
+
+RESOURCE_CAPS = dataclasses.replace(REEXEC_CAPS, graph_resources=True)

@@ -1,0 +1,150 @@
+"""Deliberately broken backends fail their suites, with messages that say what and where."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from execrt.testing.report import run_suite_source
+
+HEADER = """
+from execrt.testing.attention import AttentionBackendSuite
+from execrt.testing.graph import GraphBackendSuite
+from execrt.testing.moe import MoEDispatcherSuite
+from tests.testing import fake_backends as fakes
+"""
+
+
+def run_suite(
+    tmp_path: Path, body: str, kind: str, select: str, extra: tuple[str, ...] = ()
+) -> tuple[int, dict[str, Any]]:
+    """Run a generated suite module in-process; (exit code, JSON report)."""
+    path = tmp_path / "report.json"
+    code = run_suite_source(
+        HEADER + body,
+        kind=kind,
+        name="broken",
+        json_path=str(path),
+        extra_pytest_args=("-k", select, *extra),
+        out=io.StringIO(),
+    )
+    return code, json.loads(path.read_text())
+
+
+def failures(report: dict[str, Any]) -> dict[str, str]:
+    return {r["id"]: r["reason"] for r in report["results"] if r["outcome"] == "failed"}
+
+
+def test_wrong_scale_attention_fails_with_scenario_and_error(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:WrongScaleAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "decode-ragged or extend-prefix")
+    assert code == 1
+    failed = failures(report)
+    assert "test_scenario[cpu-float32-decode-ragged]" in failed, failed
+    reason = failed["test_scenario[cpu-float32-decode-ragged]"]
+    assert "cpu-float32-decode-ragged, layer 0: max relative error" in reason
+    assert "exceeds tolerance 0.0001 (float32)" in reason and "worst at request" in reason
+    row = next(r for r in report["results"] if r["id"].endswith("decode-ragged]"))
+    assert row["max_error"] > row["tolerance"]
+
+
+def test_wrong_scale_is_caught_by_generated_cases_too(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:WrongScaleAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+    max_examples = 3
+"""
+    code, report = run_suite(tmp_path, body, "attention", "test_generated")
+    assert code == 1
+    assert set(failures(report)) == {
+        "test_generated[cpu-float32-decode]",
+        "test_generated[cpu-float32-extend]",
+    }
+
+
+@pytest.mark.parametrize(
+    ("backend", "expect"),
+    [
+        ("FreshBuffersGraphAttention", "moved (data_ptr"),
+        ("StaleSeqLensGraphAttention", "max relative error"),
+    ],
+)
+def test_broken_graph_metadata_fails_the_graph_test(
+    tmp_path: Path, backend: str, expect: str
+) -> None:
+    body = f"""
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:{backend}"
+    capabilities = fakes.GRAPH_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "test_graph_metadata or decode-single")
+    assert code == 1
+    failed = failures(report)
+    assert list(failed) == ["test_graph_metadata[cpu-float32]"], failed  # eager path is fine
+    assert "cpu-float32 graph step 1 (bucket 4)" in failed["test_graph_metadata[cpu-float32]"]
+    assert expect in failed["test_graph_metadata[cpu-float32]"]
+
+
+def test_dispatcher_dropping_a_token_fails_at_world_1_and_2(tmp_path: Path) -> None:
+    body = """
+class TestBroken(MoEDispatcherSuite):
+    factory = "tests.testing.fake_backends:DropLastTokenDispatcher"
+    capabilities = fakes.ALLREDUCE_LIKE_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "moe_dispatch", "w1-random or w2 or all_masked")
+    assert code == 1
+    failed = failures(report)
+    reason = failed["test_routing[cpu-float32-w1-random]"]
+    assert "rank 0 routing random (9 tokens): max relative error" in reason
+    assert "worst at token 8" in reason  # the dropped one
+    w2 = failed["test_world_size[cpu-float32-w2-replicated]"]
+    assert "rank 1 routing hot_expert" in w2 and "rank 0 routing hot_expert" in w2
+    passed = {r["id"] for r in report["results"] if r["outcome"] == "passed"}
+    assert "test_routing[cpu-float32-w1-all_masked]" in passed  # nothing to drop there
+
+
+def test_a_rank_that_raises_fails_the_world_test_without_hanging(tmp_path: Path) -> None:
+    body = """
+class TestBroken(MoEDispatcherSuite):
+    factory = "tests.testing.fake_backends:RankOneRaisesDispatcher"
+    capabilities = fakes.ALLREDUCE_LIKE_CAPS
+    devices = ("cpu",)
+    multiprocess_timeout_s = 30.0
+"""
+    started = time.monotonic()
+    code, report = run_suite(tmp_path, body, "moe_dispatch", "w2")
+    assert code == 1 and time.monotonic() - started < 30
+    reason = failures(report)["test_world_size[cpu-float32-w2-replicated]"]
+    assert "rank 1 raised" in reason and "rank 1 dispatch exploded" in reason
+
+
+def test_graph_backend_replaying_stale_outputs_fails(tmp_path: Path) -> None:
+    body = """
+class TestBroken(GraphBackendSuite):
+    factory = "tests.testing.fake_backends:StaleReplayGraph"
+    capabilities = fakes.REEXEC_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "graph", "cpu")
+    assert code == 1
+    failed = failures(report)
+    assert set(failed) == {
+        "test_replay_matches_eager[cpu]",
+        "test_cleanup_is_idempotent_and_allows_recapture[cpu]",
+    }
+    assert "replay 0 of ShapeKey(batch_size=8" in failed["test_replay_matches_eager[cpu]"]
+    assert "differs from eager" in failed["test_replay_matches_eager[cpu]"]

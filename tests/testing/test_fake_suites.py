@@ -1,0 +1,38 @@
+"""Correct fake backends pass the suites: graph metadata, per-rank tokens, expert-major, ..."""
+
+from __future__ import annotations
+
+from execrt.testing.attention import AttentionBackendSuite
+from execrt.testing.graph import GraphBackendSuite
+from execrt.testing.moe import MoEDispatcherSuite
+from tests.testing import fake_backends as fakes
+
+HERE = "tests.testing.fake_backends"
+
+
+class TestStaticGraphAttention(AttentionBackendSuite):
+    """A graph-claiming backend that is right: the graph tests must pass, not only skip."""
+
+    factory = f"{HERE}:StaticGraphAttention"
+    capabilities = fakes.GRAPH_CAPS
+    devices = ("cpu",)
+
+
+class TestAllGatherDispatch(MoEDispatcherSuite):
+    """Per-rank (non-replicated) tokens at world size 1 and 2."""
+
+    factory = f"{HERE}:AllGatherDispatcher"
+    capabilities = fakes.ALLGATHER_CAPS
+    devices = ("cpu",)
+
+
+class TestExpertMajorDispatch(MoEDispatcherSuite):
+    factory = f"{HERE}:ExpertMajorDispatcher"
+    capabilities = fakes.EXPERT_MAJOR_CAPS
+    devices = ("cpu",)
+
+
+class TestResourceGraph(GraphBackendSuite):
+    factory = f"{HERE}:ResourceReexecGraph"
+    capabilities = fakes.RESOURCE_CAPS
+    devices = ("cpu",)

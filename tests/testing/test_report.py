@@ -1,0 +1,139 @@
+"""run_conformance: the generated suite run, the table, the JSON report and last_conformance."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+
+from execrt.core.errors import BackendUnavailableError, ConfigError
+from execrt.core.inventory import backend_inventory, conformance_report_path, last_conformance
+from execrt.core.plugins import PluginHost
+from execrt.testing.report import run_conformance, run_suite_source
+
+KEYS = {"kind", "name", "plugin", "version", "date", "device", "passed", "failed", "skipped"}
+KEYS |= {"xfailed", "summary", "results"}
+
+
+def test_passing_run_writes_both_reports_and_backends_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report.json"
+    code = run_conformance(
+        "attention", "torch_native", str(out), extra_pytest_args=("-k", "single")
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report) == KEYS
+    assert (report["kind"], report["name"], report["plugin"]) == (
+        "attention",
+        "torch_native",
+        "execrt.builtin",
+    )
+    assert report["failed"] == 0 and report["passed"] >= 2
+    assert report["passed"] + report["skipped"] == len(report["results"])
+    row = next(
+        r for r in report["results"] if r["id"] == "test_scenario[cpu-float32-decode-single]"
+    )
+    assert row["outcome"] == "passed" and 0 <= row["max_error"] < row["tolerance"]
+    assert (
+        json.loads(Path(conformance_report_path("attention", "torch_native")).read_text())["date"]
+        == report["date"]
+    )
+    assert last_conformance("attention", "torch_native")["summary"] == report["summary"]
+    rows = backend_inventory(host=PluginHost(autoload=False))["backends"]
+    shown = next(r for r in rows if r["name"] == "torch_native")["last_conformance"]
+    assert shown["passed"] == report["passed"]
+    table = capsys.readouterr().out
+    assert "test_scenario[cpu-float32-decode-single]" in table and "passed" in table
+
+
+def test_failing_run_returns_1_with_errors_in_the_report(tmp_path: Path) -> None:
+    source = """
+from execrt.testing.attention import AttentionBackendSuite
+from tests.testing import fake_backends as fakes
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:WrongScaleAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+"""
+    out = tmp_path / "r.json"
+    code = run_suite_source(
+        source, kind="attention", name="broken", json_path=str(out), extra_pytest_args=("-k", "d64")
+    )
+    report = json.loads(out.read_text())
+    assert code == 1 and report["failed"] == 2 and report["passed"] == 0
+    assert all(r["max_error"] > r["tolerance"] for r in report["results"])
+
+
+def test_expected_failures_are_strict_xfail(tmp_path: Path) -> None:
+    source = """
+from execrt.testing.attention import AttentionBackendSuite
+from tests.testing import fake_backends as fakes
+class TestKnown(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:WrongScaleAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+    expected_failures = {"decode-d64": "wrong scale, https://example.invalid/1"}
+class TestStale(AttentionBackendSuite):
+    backend = "torch_native"
+    devices = ("cpu",)
+    expected_failures = {
+        "test_head_dim[cpu-float32-decode-d64]": "fixed since, https://example.invalid/2",
+        "no-such-test": "typo, https://example.invalid/3",
+    }
+"""
+    out = tmp_path / "r.json"
+    code = run_suite_source(
+        source,
+        kind="attention",
+        name="xfail",
+        json_path=str(out),
+        extra_pytest_args=("-k", "decode-d64 or expected_failures"),
+    )
+    results = {r["id"]: r for r in json.loads(out.read_text())["results"]}
+    assert code == 1
+    known = results["test_head_dim[cpu-float32-decode-d64]"]  # ids repeat per class: last wins
+    assert known["outcome"] == "failed" and "XPASS(strict)" in known["reason"]
+    stale = results["test_expected_failures_name_real_tests"]
+    assert stale["outcome"] == "failed" and "'no-such-test' matches no test id" in stale["reason"]
+
+
+def test_xfailed_cases_are_counted(tmp_path: Path) -> None:
+    source = """
+from execrt.testing.attention import AttentionBackendSuite
+from tests.testing import fake_backends as fakes
+class TestKnown(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:WrongScaleAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+    expected_failures = {"-d64]": "wrong scale, https://example.invalid/1"}
+"""
+    out = tmp_path / "r.json"
+    code = run_suite_source(
+        source, kind="attention", name="x", json_path=str(out), extra_pytest_args=("-k", "d64")
+    )
+    report = json.loads(out.read_text())
+    assert code == 0 and report["xfailed"] == 2 and report["failed"] == 0
+    assert {r["reason"] for r in report["results"]} == {"wrong scale, https://example.invalid/1"}
+
+
+def test_unknown_kind_and_name_are_user_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown kind 'attn'"):
+        run_conformance("attn", "triton", None)
+    with pytest.raises(BackendUnavailableError, match="not registered"):
+        run_conformance("attention", "no_such_backend", None)
+
+
+def test_example_plugin_passes_through_the_runner(tmp_path: Path) -> None:
+    names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    if "execrt-example-plugin" not in names:
+        pytest.skip("pip install -e examples/execrt-example-plugin")
+    out = tmp_path / "r.json"
+    code = run_conformance(
+        "attention", "sdpa_example", str(out), extra_pytest_args=("-k", "ragged or prefix")
+    )
+    report = json.loads(out.read_text())
+    assert code == 0 and report["plugin"] == "execrt-example-plugin" and report["passed"] >= 6
