@@ -25,8 +25,9 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     torch.cumsum(seq, 0, dtype=torch.int32, out=indptr[1:])
     indices = torch.empty(bs * p.ctx, dtype=torch.int32, device="cuda")
-    K.build_kv_indices(p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr,
-                       indices)
+    K.build_kv_indices(
+        p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices
+    )
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms))
@@ -36,10 +37,22 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
 
     def run() -> None:
         for layer, o in zip(p.layers, outs, strict=True):
-            K.decode_attention(p.q, p.kv_cache.k_buffers[layer.layer_id],
-                               p.kv_cache.v_buffers[layer.layer_id], o, indptr, indices, splits,
-                               po, pl, layer.scaling, max_splits, block_n=block_n,
-                               num_warps=warps, num_stages=stages)
+            K.decode_attention(
+                p.q,
+                p.kv_cache.k_buffers[layer.layer_id],
+                p.kv_cache.v_buffers[layer.layer_id],
+                o,
+                indptr,
+                indices,
+                splits,
+                po,
+                pl,
+                layer.scaling,
+                max_splits,
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+            )
 
     run()
     g = torch.cuda.CUDAGraph()
@@ -69,11 +82,25 @@ def main() -> None:
         for shape, p in problems.items():
             us = bench(p, policy, block_n, warps, stages)
             pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
-            rows.append(dict(bs=shape[0], ctx=shape[1], target=target, min_len=min_len,
-                             block_n=block_n, warps=warps, stages=stages, us=us, pct=pct))
+            rows.append(
+                dict(
+                    bs=shape[0],
+                    ctx=shape[1],
+                    target=target,
+                    min_len=min_len,
+                    block_n=block_n,
+                    warps=warps,
+                    stages=stages,
+                    us=us,
+                    pct=pct,
+                )
+            )
             cells.append(f"{pct:5.1f}")
-        print(f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages}: "
-              + " ".join(cells), flush=True)
+        print(
+            f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages}: "
+            + " ".join(cells),
+            flush=True,
+        )
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as fh:
             json.dump(rows, fh, indent=1)
