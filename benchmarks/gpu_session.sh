@@ -21,7 +21,7 @@ for step in "$@"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider tests/backends/attention 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     conformance)
-      for b in triton flashinfer torch_native; do
+      for b in ${CONF_BACKENDS:-triton flashinfer torch_native}; do
         python3 -m execrt conformance attention "$b" --json "$OUT/conformance-attention-$b.json" \
           2>&1 | tee "$OUT/conformance-$b.log" | grep -v " passed \| skipped " | tail -15
       done ;;

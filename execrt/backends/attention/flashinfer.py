@@ -127,11 +127,6 @@ class FlashInferAttnBackend(AttentionBackend):
         fb: ForwardBatch,
         save_kv_cache: bool,
     ) -> torch.Tensor:
-        if layer.scaling != self.sm_scale:
-            raise ValueError(
-                f"flashinfer attention: layer {layer.layer_id} scaling {layer.scaling} differs "
-                f"from the planned {self.sm_scale} (one scale per model is supported)"
-            )
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         cache = (
@@ -139,7 +134,10 @@ class FlashInferAttnBackend(AttentionBackend):
             self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),
         )
         meta: FlashInferMetadata = fb.attn_metadata
-        return meta.wrapper.run(q.contiguous(), cache)  # type: ignore[no-any-return]
+        # One plan serves every layer; a layer with its own softmax scale rescales through
+        # k_scale, which FlashInfer multiplies into the planned scale at run time.
+        k_scale = None if layer.scaling == self.sm_scale else layer.scaling / self.sm_scale
+        return meta.wrapper.run(q.contiguous(), cache, k_scale=k_scale)  # type: ignore[no-any-return]
 
     def forward_decode(
         self,

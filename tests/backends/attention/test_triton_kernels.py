@@ -256,11 +256,11 @@ def test_build_kv_indices_matches_slot_table(index_dtype: torch.dtype) -> None:
     cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
     want_indptr, want = flat_indices(cache)
     tail = 37
-    kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32)
+    kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32, device=SMALL)
     tk.build_kv_indices(
         cache.req_to_token,
         cache.rows.to(index_dtype),
-        torch.tensor(seq_lens, dtype=index_dtype),
+        torch.tensor(seq_lens, dtype=index_dtype, device=SMALL),
         want_indptr,
         kv_indices,
     )
