@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +19,11 @@ OWNER = "flashinfer_attention"
 class FlashInferMetadata:
     """Which planned wrapper this step runs; the plan itself lives inside the wrapper."""
 
-    wrapper: Any  # a planned BatchDecode... or BatchPrefillWithPagedKVCacheWrapper
-    kv_indices: torch.Tensor  # [sum(seq_lens)] int32 (kept alive for the wrapper)
+    # A planned BatchDecode... or BatchPrefillWithPagedKVCacheWrapper. In graph mode it was
+    # built on our static buffers and re-plans into them; host fields that change per plan
+    # (max_kv_len) feed only FlashInfer's trtllm/cudnn paths, never the fa2 kernels we use.
+    wrapper: Any = field(metadata={"graph_opaque": "FlashInfer wrapper, re-planned in place"})
+    kv_indices: torch.Tensor | None = None  # int32 slot ids (kept alive for the wrapper)
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -205,7 +208,7 @@ class FlashInferAttnBackend(AttentionBackend):
         torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
         kv_indices = self._indices(fb, kv_indptr, g["kv_indices"])
         self._plan_decode(wrapper, fb, kv_indices)
-        fb.attn_metadata = FlashInferMetadata(wrapper, kv_indices)
+        fb.attn_metadata = FlashInferMetadata(wrapper, g["kv_indices"])
 
     def close(self) -> None:
         self._graph = None
