@@ -124,6 +124,33 @@ class ForwardBatch:
         )
 
 
+@dataclass
+class PaddedContext:
+    """Every request's context as slot ids, padded to the longest one (padding reads slot 0).
+
+    The simplest metadata a gather-based attention backend needs; built on the device from
+    ``req_to_token`` in one indexing operation.
+    """
+
+    slots: torch.Tensor  # [B, L_max] int64
+    valid: torch.Tensor  # [B, L_max] bool
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> PaddedContext:
+        max_len = fb.max_seq_len
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
+        valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]
+        return cls(torch.where(valid, rows.long(), 0), valid)
+
+    def causal(self, b: int, prefix: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``b`` extending ``n`` tokens after ``prefix``: its slots ``[prefix + n]`` and
+        the causal mask ``[n, prefix + n]`` (new token i sees positions ``0 .. prefix + i``)."""
+        device = self.slots.device
+        q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]  # [n, 1]
+        mask = torch.arange(prefix + n, device=device)[None, :] <= q_pos  # [n, L]
+        return self.slots[b, : prefix + n], mask
+
+
 def extend_positions(
     prefix_lens: list[int], extend_lens: list[int], device: torch.device
 ) -> torch.Tensor:

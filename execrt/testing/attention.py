@@ -67,14 +67,8 @@ class AttentionBackendSuite(ConformanceSuite):
     kind: ClassVar[str] = "attention"
     cpu_profile: ClassVar[Profile] = CPU_PROFILE
     cuda_profile: ClassVar[Profile] = CUDA_PROFILE
-    #: Hypothesis examples per generated test (None: the device profile's, 10 on CPU).
-    max_examples: ClassVar[int | None] = None
 
     # -- cases ----------------------------------------------------------------------------------
-    @classmethod
-    def profile(cls, device: str) -> Profile:
-        return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
-
     @classmethod
     def caps(cls) -> AttentionCapabilities:
         caps = cls.collection_spec().capabilities

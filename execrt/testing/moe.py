@@ -77,13 +77,8 @@ class MoEDispatcherSuite(ConformanceSuite):
     #: Largest world size run as gloo processes on CPU; larger declared sizes skip.
     max_cpu_world_size: ClassVar[int] = 2
     multiprocess_timeout_s: ClassVar[float] = 120.0
-    max_examples: ClassVar[int | None] = None
 
     # -- cases ----------------------------------------------------------------------------------
-    @classmethod
-    def profile(cls, device: str) -> MoEProfile:
-        return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
-
     @classmethod
     def caps(cls) -> MoEDispatcherCapabilities:
         caps = cls.collection_spec().capabilities

@@ -102,6 +102,15 @@ class ConformanceSuite:
         torch.float16: 1e-2,
         torch.bfloat16: 3e-2,
     }
+    #: Problem sizes per device (each kind suite sets its own profile type).
+    cpu_profile: ClassVar[Any] = None
+    cuda_profile: ClassVar[Any] = None
+    #: Hypothesis examples per generated test (None: the device profile's).
+    max_examples: ClassVar[int | None] = None
+
+    @classmethod
+    def profile(cls, device: str) -> Any:
+        return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
 
     # -- the backend under test ---------------------------------------------------------------
     @classmethod

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from execrt.backends.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+from execrt.backends.attention.torch_native import TorchNativeAttnBackend
 from execrt.backends.graph.reexec import ReexecGraphBackend
 from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
-from execrt.core.batch import ForwardBatch
+from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import (
     AttentionCapabilities,
     AttentionLayer,
@@ -63,7 +63,7 @@ class StaticGraphAttention(TorchNativeAttnBackend):
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]  # [b, C]
         torch.lt(self.positions[None, :], fb.seq_lens[:, None], out=self.valid[:b])
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = TorchNativeMetadata(self.slots[:b], self.valid[:b])
+        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
 
 
 class FreshBuffersGraphAttention(StaticGraphAttention):
@@ -85,7 +85,7 @@ class StaleSeqLensGraphAttention(StaticGraphAttention):
             return
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = TorchNativeMetadata(self.slots[:b], self.valid[:b])
+        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from execrt.core.batch import ForwardBatch
+from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import AttentionBackend, AttentionLayer
-
-
-@dataclass
-class SdpaMetadata:
-    """Each request's context as slot ids, padded to the longest (padding reads slot 0)."""
-
-    slots: torch.Tensor  # [B, L] int64
-    valid: torch.Tensor  # [B, L] bool
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -26,11 +16,8 @@ class SdpaAttentionBackend(AttentionBackend):
     """
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        length = fb.max_seq_len
-        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :length]  # [B, L]
-        valid = torch.arange(length, device=rows.device)[None, :] < fb.seq_lens[:, None]
-        slots = torch.where(valid, rows.long(), 0)  # never read past a request's context
-        fb.attn_metadata = SdpaMetadata(slots, valid)
+        # Each request's context slots, padded to the longest; padding reads slot 0.
+        fb.attn_metadata = PaddedContext.of(fb)
 
     def forward_decode(
         self,
@@ -43,7 +30,7 @@ class SdpaAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        meta: SdpaMetadata = fb.attn_metadata
+        meta: PaddedContext = fb.attn_metadata
         keys = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
         values = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
         mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]
@@ -61,7 +48,7 @@ class SdpaAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        meta: SdpaMetadata = fb.attn_metadata
+        meta: PaddedContext = fb.attn_metadata
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
@@ -69,10 +56,8 @@ class SdpaAttentionBackend(AttentionBackend):
         for b, (prefix, n) in enumerate(
             zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
         ):
-            slots = meta.slots[b, : prefix + n]  # [L]
             # New token i sits at position prefix + i and sees positions 0 .. prefix + i.
-            q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]  # [n, 1]
-            causal = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos  # [n, L]
+            slots, causal = meta.causal(b, prefix, n)  # [L], [n, L]
             qb = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
             ob = self._sdpa(qb, k_buf[slots][None], v_buf[slots][None], causal, layer)
             out[start : start + n] = ob[0].transpose(0, 1)

@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from execrt.core.batch import ForwardBatch
+from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import AttentionBackend, AttentionLayer
-
-
-@dataclass
-class TorchNativeMetadata:
-    """Slot ids of every request's context, padded to the longest one."""
-
-    slots: torch.Tensor  # [B, L_max] int64 (padding points at slot 0)
-    valid: torch.Tensor  # [B, L_max] bool
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -26,12 +16,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     """
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        max_len = fb.max_seq_len
-        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
-        positions = torch.arange(max_len, device=rows.device)[None, :]  # [1, L]
-        valid = positions < fb.seq_lens[:, None]  # [B, L]
-        slots = torch.where(valid, rows.long(), torch.zeros_like(rows, dtype=torch.long))
-        fb.attn_metadata = TorchNativeMetadata(slots=slots, valid=valid)
+        fb.attn_metadata = PaddedContext.of(fb)
 
     def forward_decode(
         self,
@@ -44,7 +29,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        meta: TorchNativeMetadata = fb.attn_metadata
+        meta: PaddedContext = fb.attn_metadata
         k_ctx = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
         v_ctx = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
         mask = meta.valid[:, None, :]  # [B, 1, L]: every query head sees the same context
@@ -62,7 +47,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        meta: TorchNativeMetadata = fb.attn_metadata
+        meta: PaddedContext = fb.attn_metadata
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
@@ -70,9 +55,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         for b, (prefix, n) in enumerate(
             zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
         ):
-            ctx = meta.slots[b, : prefix + n]  # [L]
-            q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]  # [n, 1]
-            causal = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos  # [n, L]
+            ctx, causal = meta.causal(b, prefix, n)  # [L], [n, L]
             out[start : start + n] = attend(
                 q[None, start : start + n],
                 k_buf[ctx][None],
