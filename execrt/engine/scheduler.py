@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.core.schedule import FinishReason, Req, ScheduleBatch
+from execrt.core.schedule import FinishReason, Req, ScheduleBatch, ScheduleMode
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -148,13 +148,12 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         self.stats.steps += 1
-        is_decode = batch.mode.value == "decode"
+        is_decode = batch.mode == ScheduleMode.DECODE
         if is_decode:
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
         tokens = result.next_token_ids.tolist()
-        still_running: list[Req] = []
         for req, n, token in zip(batch.reqs, batch.extend_lens, tokens, strict=True):
             req.kv_len += n
             if req.kv_len < req.seq_len:
@@ -167,8 +166,7 @@ class Scheduler:
             elif not is_decode:
                 self.running.append(req)
         if is_decode:
-            still_running = [r for r in self.running if not r.finished]
-            self.running = still_running
+            self.running = [r for r in self.running if not r.finished]
 
     def _check_finished(self, req: Req) -> None:
         params = req.sampling_params
