@@ -24,16 +24,10 @@ from execrt.core.interfaces import (
 )
 from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import (
-    BackendRegistry,
-    PluginHost,
-    Resolution,
-    ResolutionReport,
-    get_plugin_host,
-    resolve_backend,
-)
+from execrt.core.plugins import BackendRegistry, PluginHost, get_plugin_host
 from execrt.core.runners import EagerRunner
 from execrt.core.sampler import Sampler
+from execrt.core.selection import Resolution, ResolutionReport, resolve_backend
 from execrt.models import ModelConfig, load_model
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -367,96 +367,3 @@ def get_plugin_host() -> PluginHost:
     if _HOST is None:
         _HOST = PluginHost()
     return _HOST
-
-
-# ---------------------------------------------------------------------------------------------
-# Selection
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Resolution:
-    """How one backend kind was resolved: requested, chosen, and every rejection with reasons."""
-
-    kind: str
-    requested: str
-    chosen: str | None
-    rejected: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    note: str = ""
-
-    def describe(self) -> str:
-        line = f"{self.kind}: requested {self.requested!r} -> {self.chosen or 'none'}"
-        if self.note:
-            line += f" ({self.note})"
-        for name, reasons in self.rejected:
-            line += f"\n  rejected {name}: " + "; ".join(reasons)
-        return line
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "requested": self.requested,
-            "chosen": self.chosen,
-            "rejected": {name: list(reasons) for name, reasons in self.rejected},
-            "note": self.note,
-        }
-
-
-@dataclass
-class ResolutionReport:
-    resolutions: list[Resolution] = field(default_factory=list)
-
-    def describe(self) -> str:
-        return "\n".join(r.describe() for r in self.resolutions)
-
-
-def resolve_backend(
-    registry: BackendRegistry,
-    kind: str,
-    requested: str,
-    requirements: Any,
-    *,
-    strict: bool = False,
-) -> Resolution:
-    """Pick the backend of ``kind`` for ``requirements``. Pure: builds nothing.
-
-    An explicit name must be usable, else BackendUnavailableError with its reasons. "auto"
-    takes the highest-priority usable backend among those that claim the device for auto;
-    with ``strict`` a refused higher-priority candidate is an error instead of a fallback.
-    For graphs, "none" disables them and "auto" falls back to none when nothing is usable.
-    """
-    if kind == "graph" and requested == NO_GRAPH:
-        return Resolution(kind, requested, None, note="graphs disabled")
-    if requested != "auto":
-        spec = registry.get(kind, requested)
-        reasons = spec.refusals(requirements)
-        if reasons:
-            raise BackendUnavailableError(kind, requested, reasons)
-        return Resolution(kind, requested, requested)
-    device = requirements.device
-    rejected: list[tuple[str, tuple[str, ...]]] = []
-    for spec in registry.specs(kind):
-        if not spec.claims_for_auto(device):
-            continue
-        reasons = spec.refusals(requirements)
-        if not reasons:
-            if strict and rejected:
-                raise BackendUnavailableError(
-                    kind,
-                    "auto",
-                    [f"strict: preferred {n} unusable ({'; '.join(r)})" for n, r in rejected],
-                )
-            return Resolution(kind, requested, spec.name, tuple(rejected))
-        rejected.append((spec.name, tuple(reasons)))
-    if kind == "graph":
-        if strict and rejected:
-            raise BackendUnavailableError(
-                kind, "auto", [f"{n}: {'; '.join(r)}" for n, r in rejected]
-            )
-        return Resolution(
-            kind, requested, None, tuple(rejected), note=f"no graph backend for {device}"
-        )
-    raise BackendUnavailableError(
-        kind,
-        "auto",
-        [f"{n}: {'; '.join(r)}" for n, r in rejected]
-        or [f"no {kind} backend claims device {device}"],
-    )

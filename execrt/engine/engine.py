@@ -14,8 +14,9 @@ from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError
 from execrt.core.model_runner import resolve_device
 from execrt.core.parallel import init_parallel
-from execrt.core.plugins import PluginHost, ResolutionReport
+from execrt.core.plugins import PluginHost
 from execrt.core.schedule import FinishReason, Req, SamplingParams
+from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
 from execrt.engine.scheduler import Scheduler
 

@@ -7,7 +7,8 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError, PluginError
 from execrt.core.interfaces import AttentionRequirements, GraphRequirements
-from execrt.core.plugins import PluginHost, resolve_backend
+from execrt.core.plugins import PluginHost
+from execrt.core.selection import resolve_backend
 from tests.plugins import fakes
 
 CPU_FP32 = AttentionRequirements("cpu", torch.float32, 64, 8, 2)
