@@ -153,6 +153,9 @@ class AttentionBackend(ABC):
         self.capabilities = init.capabilities
         self.kv_cache = init.kv_cache
         self.req_to_token_pool = init.req_to_token_pool
+        self.device, self.dtype = init.device, init.dtype
+        self.num_q_heads, self.num_kv_heads = init.num_q_heads, init.num_kv_heads
+        self.head_dim, self.v_head_dim = init.head_dim, init.v_head_dim
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -46,10 +46,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
         self.flashinfer = flashinfer
         self.build_kv_indices = triton_kernels.build_kv_indices
-        self.device = init.device
         self.context = init.context
-        self.num_q_heads, self.num_kv_heads = init.num_q_heads, init.num_kv_heads
-        self.head_dim, self.dtype = init.head_dim, init.dtype
         self.sm_scale = init.head_dim**-0.5
         self.workspace = self.context.get_or_create(
             WORKSPACE,

@@ -41,10 +41,6 @@ class TritonAttnBackend(AttentionBackend):
         from execrt.backends.attention import triton_kernels as kernels
 
         self.kernels = kernels
-        self.num_q_heads = init.num_q_heads
-        self.num_kv_heads = init.num_kv_heads
-        self.v_head_dim = init.v_head_dim
-        self.device = init.device
         self.num_sms = (
             torch.cuda.get_device_properties(init.device).multi_processor_count
             if init.device.type == "cuda"
