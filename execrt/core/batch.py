@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -142,13 +143,20 @@ class PaddedContext:
         valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]
         return cls(torch.where(valid, rows.long(), 0), valid)
 
-    def causal(self, b: int, prefix: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request ``b`` extending ``n`` tokens after ``prefix``: its slots ``[prefix + n]`` and
-        the causal mask ``[n, prefix + n]`` (new token i sees positions ``0 .. prefix + i``)."""
+    def extend_segments(
+        self, fb: ForwardBatch
+    ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Per request of an extend batch: its rows of ``q`` / the output, its context slots
+        ``[prefix + n]`` and the causal mask ``[n, prefix + n]`` (new token i, at position
+        ``prefix + i``, sees positions ``0 .. prefix + i``)."""
         device = self.slots.device
-        q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]  # [n, 1]
-        mask = torch.arange(prefix + n, device=device)[None, :] <= q_pos  # [n, L]
-        return self.slots[b, : prefix + n], mask
+        start = 0
+        lens = zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
+        for b, (prefix, n) in enumerate(lens):
+            q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]  # [n, 1]
+            mask = torch.arange(prefix + n, device=device)[None, :] <= q_pos  # [n, L]
+            yield slice(start, start + n), self.slots[b, : prefix + n], mask
+            start += n
 
 
 def extend_positions(

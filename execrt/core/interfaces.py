@@ -211,6 +211,17 @@ class AttentionBackend(ABC):
         """Write decode metadata into the static buffers: no allocation, no host sync."""
         raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
 
+    @staticmethod
+    def check_graph_batch(component: str, max_bs: int | None, fb: ForwardBatch) -> None:
+        """Refuse what graph metadata cannot serve: ``init_graph_state`` not called yet
+        (``max_bs`` None), a batch that is not decode, or one larger than ``max_bs``."""
+        if max_bs is None:
+            raise RuntimeError(f"{component}: init_graph_state() was not called")
+        if not fb.forward_mode.is_decode():
+            raise ValueError(f"{component}: graphs capture decode only, got {fb.forward_mode.name}")
+        if fb.batch_size > max_bs:
+            raise ValueError(f"{component}: batch {fb.batch_size} exceeds graph max_bs {max_bs}")
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the backend allocated. Idempotent."""
 

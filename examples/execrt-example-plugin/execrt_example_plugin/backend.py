@@ -52,16 +52,11 @@ class SdpaAttentionBackend(AttentionBackend):
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
-        start = 0
-        for b, (prefix, n) in enumerate(
-            zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
-        ):
-            # New token i sits at position prefix + i and sees positions 0 .. prefix + i.
-            slots, causal = meta.causal(b, prefix, n)  # [L], [n, L]
-            qb = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        # New token i sits at position prefix + i and sees positions 0 .. prefix + i.
+        for rows, slots, causal in meta.extend_segments(fb):  # slots [L], causal [n, L]
+            qb = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
             ob = self._sdpa(qb, k_buf[slots][None], v_buf[slots][None], causal, layer)
-            out[start : start + n] = ob[0].transpose(0, 1)
-            start += n
+            out[rows] = ob[0].transpose(0, 1)
         return out
 
     @staticmethod

@@ -45,7 +45,7 @@ class FlashInferAttnBackend(AttentionBackend):
         from execrt.backends.attention import triton_kernels
 
         self.flashinfer = flashinfer
-        self.build_kv_indices = triton_kernels.build_kv_indices
+        self.kernels = triton_kernels
         self.context = init.context
         self.sm_scale = init.head_dim**-0.5
         self.workspace = self.context.get_or_create(
@@ -65,20 +65,17 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph: dict[str, Any] | None = None
 
     # -- planning -------------------------------------------------------------------------------
-    def _indices(
-        self, fb: ForwardBatch, kv_indptr: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
-        self.build_kv_indices(
-            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, out
-        )
-        return out[: fb.seq_lens_sum]
-
-    def _host_indptr(self, lens: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    def _fill_index(
+        self, fb: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+    ) -> None:
+        self.kernels.fill_kv_index(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
+            kv_indices,
+        )  # fmt: skip
 
     def _plan_decode(self, wrapper: Any, fb: ForwardBatch, kv_indices: torch.Tensor) -> None:
         wrapper.plan(
-            self._host_indptr(fb.seq_lens_cpu),
+            self.kernels.host_indptr(fb.seq_lens_cpu),
             kv_indices,
             torch.ones(fb.batch_size, dtype=torch.int32),
             self.num_q_heads,
@@ -92,18 +89,16 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         b = fb.batch_size
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
-        kv_indices = self._indices(
-            fb, kv_indptr, torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
-        )
+        kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
+        kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
+        self._fill_index(fb, kv_indptr, kv_indices)
         if fb.forward_mode.is_decode():
             self._plan_decode(self.decode_wrapper, fb, kv_indices)
             fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, kv_indices)
             return
         self.prefill_wrapper.plan(
-            self._host_indptr(fb.extend_seq_lens_cpu),
-            self._host_indptr(fb.seq_lens_cpu),
+            self.kernels.host_indptr(fb.extend_seq_lens_cpu),
+            self.kernels.host_indptr(fb.seq_lens_cpu),
             kv_indices,
             torch.ones(b, dtype=torch.int32),
             self.num_q_heads,
@@ -177,18 +172,10 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
         """Re-plan the bucket's wrapper into its static buffers (host-side, no device sync)."""
-        if self._graph is None:
-            raise RuntimeError("flashinfer attention: init_graph_state() was not called")
-        if not fb.forward_mode.is_decode():
-            raise ValueError(
-                f"flashinfer attention: graphs capture decode only, got {fb.forward_mode.name}"
-            )
         g, b = self._graph, fb.batch_size
-        if b + 1 > g["kv_indptr"].shape[0]:
-            raise ValueError(
-                f"flashinfer attention: batch {b} exceeds graph max_bs "
-                f"{g['kv_indptr'].shape[0] - 1}"
-            )
+        max_bs = None if g is None else g["kv_indptr"].shape[0] - 1
+        self.check_graph_batch("flashinfer attention", max_bs, fb)
+        assert g is not None
         wrapper = g["wrappers"].get(b)
         if wrapper is None:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -201,10 +188,8 @@ class FlashInferAttnBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=g["last_page_len"][:b],
             )
             g["wrappers"][b] = wrapper
-        kv_indptr = g["kv_indptr"][: b + 1]
-        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
-        kv_indices = self._indices(fb, kv_indptr, g["kv_indices"])
-        self._plan_decode(wrapper, fb, kv_indices)
+        self._fill_index(fb, g["kv_indptr"], g["kv_indices"])
+        self._plan_decode(wrapper, fb, g["kv_indices"][: fb.seq_lens_sum])
         fb.attn_metadata = FlashInferMetadata(wrapper, g["kv_indices"])
 
     def close(self) -> None:

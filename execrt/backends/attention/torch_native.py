@@ -51,19 +51,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
-        start = 0
-        for b, (prefix, n) in enumerate(
-            zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True)
-        ):
-            ctx, causal = meta.causal(b, prefix, n)  # [L], [n, L]
-            out[start : start + n] = attend(
-                q[None, start : start + n],
-                k_buf[ctx][None],
-                v_buf[ctx][None],
-                layer.scaling,
+        for rows, ctx, causal in meta.extend_segments(fb):  # ctx [L], causal [n, L]
+            out[rows] = attend(
+                q[None, rows], k_buf[ctx][None], v_buf[ctx][None], layer.scaling,
                 causal[None, :, None, :],
-            )[0]
-            start += n
+            )[0]  # fmt: skip
         return out
 
 

@@ -53,16 +53,12 @@ class TritonAttnBackend(AttentionBackend):
     # -- eager ----------------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         b = fb.batch_size
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
+        kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
-        self.kernels.build_kv_indices(
-            self.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            kv_indptr,
+        self.kernels.fill_kv_index(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices,
-        )
+        )  # fmt: skip
         if fb.forward_mode.is_decode():
             max_splits = self._max_splits(b, fb.max_seq_len)
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
@@ -72,7 +68,7 @@ class TritonAttnBackend(AttentionBackend):
             )
             return
         ext = fb.extend_seq_lens_cpu
-        qo = torch.tensor([0, *ext], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        qo = self.kernels.host_indptr(ext)
         fb.attn_metadata = TritonMetadata(
             kv_indptr,
             kv_indices,
@@ -180,26 +176,15 @@ class TritonAttnBackend(AttentionBackend):
         The split grid depends only on the bucket size and the static context limit, so the
         value used at capture is the value used at every replay of that bucket.
         """
-        if self._graph is None:
-            raise RuntimeError("triton attention: init_graph_state() was not called")
-        if not fb.forward_mode.is_decode():
-            raise ValueError(
-                f"triton attention: graphs capture decode only, got {fb.forward_mode.name}"
-            )
         g, b = self._graph, fb.batch_size
-        if b + 1 > g["kv_indptr"].shape[0]:
-            raise ValueError(
-                f"triton attention: batch {b} exceeds graph max_bs {g['kv_indptr'].shape[0] - 1}"
-            )
+        max_bs = None if g is None else g["kv_indptr"].shape[0] - 1
+        self.check_graph_batch("triton attention", max_bs, fb)
+        assert g is not None
         kv_indptr = g["kv_indptr"][: b + 1]
-        torch.cumsum(fb.seq_lens, 0, dtype=torch.int32, out=kv_indptr[1:])
-        self.kernels.build_kv_indices(
-            self.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            kv_indptr,
+        self.kernels.fill_kv_index(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             g["kv_indices"],
-        )
+        )  # fmt: skip
         max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
         self._num_splits(fb, g["num_splits"], max_splits)
         fb.attn_metadata = TritonMetadata(

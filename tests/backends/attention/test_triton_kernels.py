@@ -683,3 +683,18 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
             last = torch.tensor([length - 1])
             ref[b] = ref_attention(q[b : b + 1], k_ctx[:length], v_ctx[:length], last, d**-0.5)[0]
         assert_close(o, ref, GPU_TOL[dtype])
+
+
+def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
+    gen = torch.Generator().manual_seed(4)
+    seq_lens = [3, 40, 1]
+    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
+    want_indptr, want = flat_indices(cache)
+    indptr = torch.full((8,), 99, dtype=torch.int32, device=SMALL)  # stale, longer than B+1
+    indices = torch.full((want.numel() + 5,), -7, dtype=torch.int32, device=SMALL)
+    lens = torch.tensor(seq_lens, device=SMALL)
+    tk.fill_kv_index(cache.req_to_token, cache.rows, lens, indptr, indices)
+    assert indptr[:4].tolist() == want_indptr.tolist() and indptr[4:].tolist() == [99] * 4
+    assert torch.equal(indices[: want.numel()], want) and indices[want.numel() :].eq(-7).all()
+    assert tk.host_indptr([3, 40, 1]).tolist() == [0, 3, 43, 44]
+    assert tk.host_indptr([]).tolist() == [0]

@@ -15,6 +15,8 @@ from execrt.backends.attention.triton_kernels.indices import (
     SplitPolicy,
     build_kv_indices,
     decode_num_splits,
+    fill_kv_index,
+    host_indptr,
 )
 
 __all__ = [
@@ -28,4 +30,6 @@ __all__ = [
     "decode_attention",
     "decode_num_splits",
     "extend_attention",
+    "fill_kv_index",
+    "host_indptr",
 ]

@@ -107,6 +107,27 @@ def build_kv_indices(
     )
 
 
+def fill_kv_index(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    """The whole per-step index build on the device: ``kv_indptr[: B+1] = [0, cumsum(seq_lens)]``
+    then :func:`build_kv_indices`. Writes into the given (possibly static, longer) buffers;
+    no host synchronisation, so graph metadata can use it as is."""
+    batch = seq_lens.shape[0]
+    kv_indptr[:1].zero_()
+    torch.cumsum(seq_lens, 0, dtype=torch.int32, out=kv_indptr[1 : batch + 1])
+    build_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices)
+
+
+def host_indptr(lens: list[int]) -> torch.Tensor:
+    """``[0, cumsum(lens)]`` as an int32 CPU tensor (offsets known on the host, no sync)."""
+    return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Split policy
 # ----------------------------------------------------------------------------------------------
