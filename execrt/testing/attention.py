@@ -195,13 +195,7 @@ class AttentionBackendSuite(ConformanceSuite):
 
     @classmethod
     def cuda_graph_cases(cls) -> list[Case]:
-        out = []
-        for case in cls.primary_cases(graph=True):
-            if not case.device.startswith("cuda") and case.skip is None:
-                skip = f"torch.cuda.CUDAGraph capture needs a CUDA device, not {case.device}"
-                case = dataclasses.replace(case, skip=skip)
-            out.append(case)
-        return out
+        return cls.cuda_capture_only(cls.primary_cases(graph=True))
 
     @classmethod
     def device_cases(cls) -> list[Case]:

@@ -214,13 +214,7 @@ class MoEDispatcherSuite(ConformanceSuite):
 
     @classmethod
     def graph_cases(cls) -> list[Case]:
-        out = []
-        for case in cls.primary_cases(graph=True):
-            if not case.device.startswith("cuda") and case.skip is None:
-                reason = f"torch.cuda.CUDAGraph capture needs a CUDA device, not {case.device}"
-                case = dataclasses.replace(case, skip=reason)
-            out.append(case)
-        return out
+        return cls.cuda_capture_only(cls.primary_cases(graph=True))
 
     @classmethod
     def device_cases(cls) -> list[Case]:

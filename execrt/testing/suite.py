@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -111,6 +112,17 @@ class ConformanceSuite:
     @classmethod
     def profile(cls, device: str) -> Any:
         return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
+
+    @staticmethod
+    def cuda_capture_only(cases: list[Case]) -> list[Case]:
+        """``cases`` with every non-CUDA one skipped: CUDA-graph capture needs a CUDA device."""
+        out = []
+        for case in cases:
+            if not case.device.startswith("cuda") and case.skip is None:
+                skip = f"torch.cuda.CUDAGraph capture needs a CUDA device, not {case.device}"
+                case = dataclasses.replace(case, skip=skip)
+            out.append(case)
+        return out
 
     # -- the backend under test ---------------------------------------------------------------
     @classmethod
