@@ -380,8 +380,8 @@ class MoEDispatcherSuite(ConformanceSuite):
         """dispatch -> experts -> combine captured in a CUDA graph equals the oracle on replay."""
         self.begin(case)
         from execrt.core.context import RuntimeContext
+        from execrt.core.experts import run_experts
         from execrt.core.interfaces import MoEDispatcherInit
-        from execrt.models.layers import run_experts
 
         job = self.job(case, ())
         dev = torch.device(case.device)

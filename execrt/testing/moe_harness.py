@@ -133,7 +133,7 @@ def rank_tokens(job: MoEJob, name: str, rank: int, replicated: bool) -> int:
 def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
     """Build the dispatcher on this rank and run every routing scenario of ``job`` through
     ``combine(run_experts(dispatch(x)))``, comparing with the naive MoE on global weights."""
-    from execrt.models.layers import run_experts
+    from execrt.core.experts import run_experts
 
     spec = job.spec()
     caps = spec.capabilities
