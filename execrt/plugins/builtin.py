@@ -79,7 +79,7 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         "flashinfer",
         "execrt.backends.attention.flashinfer:FlashInferAttnBackend",
         FLASHINFER_ATTENTION,
-        requires=("flashinfer", "triton"),
+        requires=("flashinfer",),
         install_hint="pip install execrt[flashinfer]",
         priority=30,
         check=_cuda_check,

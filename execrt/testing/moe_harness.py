@@ -25,7 +25,8 @@ from execrt.core.interfaces import (
     StandardDispatchOutput,
 )
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import BackendSpec, PluginHost
+from execrt.core.plugins import BackendSpec
+from execrt.plugins.host import PluginHost
 from execrt.testing.oracles import compare, moe_oracle
 
 #: Routing scenarios every world size runs (see ``routing``).
@@ -254,7 +255,7 @@ def _worker(rank: int, job: MoEJob, store: str, results: Any) -> None:
         parallel = ParallelState(job.world_size, rank, job.process_group_backend)
         local = dataclasses.replace(job, device=device)
         results.put((rank, run_rank(local, parallel), None))
-    except BaseException:  # noqa: BLE001 - report anything to the parent, then exit
+    except BaseException:
         results.put((rank, [], traceback.format_exc(limit=8)))
     finally:
         if dist.is_initialized():

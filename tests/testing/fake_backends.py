@@ -39,13 +39,13 @@ GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
 class WrongScaleAttention(TorchNativeAttnBackend):
     """Broken: uses head_dim ** -0.5 instead of the layer's scaling."""
 
-    def forward_decode(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+    def forward_decode(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_decode(q, k, v, own, fb, save_kv_cache)
+        return super().forward_decode(q, k, v, own, fb)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+    def forward_extend(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_extend(q, k, v, own, fb, save_kv_cache)
+        return super().forward_extend(q, k, v, own, fb)
 
 
 class StaticGraphAttention(TorchNativeAttnBackend):
