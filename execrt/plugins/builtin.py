@@ -34,7 +34,13 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
 )
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
 REEXEC_GRAPH = GraphCapabilities(
-    devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
+    devices=frozenset({"cpu", "cuda"}),
+    real_capture=False,
+    shared_memory_pool=False,
+    graph_resources=True,
+)
+FULL_CUDA_GRAPH = GraphCapabilities(
+    devices=frozenset({"cuda"}), real_capture=True, shared_memory_pool=True, graph_resources=True
 )
 
 
@@ -101,4 +107,13 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         priority=0,
         auto_devices=frozenset(),  # a testing aid: "auto" never picks it
         description="re-executes the captured function on replay; CPU testing of graph runners",
+    )
+    registry.register(
+        "graph",
+        "full_cuda_graph",
+        "execrt.backends.graph.full_cuda_graph:FullCudaGraphBackend",
+        FULL_CUDA_GRAPH,
+        priority=10,
+        check=_cuda_check,
+        description="one torch.cuda.CUDAGraph per shape key, all in one shared memory pool",
     )

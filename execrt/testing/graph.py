@@ -261,6 +261,9 @@ class GraphBackendSuite(ConformanceSuite):
         torch.cuda.synchronize()
 
         def reserved_by(keys: tuple[ShapeKey, ...]) -> int:
+            # Start from an empty cache: a backend that empties it (torch.cuda.graph does, per
+            # capture) must not have earlier tests' cached blocks counted against its graphs.
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
             with self.open_backend(case) as (backend, _):
                 self.capture_all(backend, work, keys)

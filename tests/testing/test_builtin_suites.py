@@ -28,3 +28,8 @@ class TestAllReduceDispatch(MoEDispatcherSuite):
 
 class TestReexecGraph(GraphBackendSuite):
     backend = "reexec"
+
+
+class TestFullCudaGraph(GraphBackendSuite):
+    # CUDA only: on a machine without one every case skips, saying so.
+    backend = "full_cuda_graph"
