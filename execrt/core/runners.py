@@ -88,6 +88,7 @@ class EagerRunner:
         self.attn_backend = attn_backend
         self.buffers = buffers
 
+    @torch.inference_mode()
     def execute(self, fb: ForwardBatch) -> LogitsOutput:
         fb = self.buffers.load(fb)
         self.attn_backend.init_forward_metadata(fb)
@@ -164,6 +165,7 @@ class DecodeCudaGraphRunner:
             logger.info("graph runner: falling back to eager: %s", reason)
         return False
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse the largest one's pool)."""
         with self.backend.capture_session():
@@ -197,6 +199,7 @@ class DecodeCudaGraphRunner:
         )
         return self.buffers.load_padded(fb, bs, self.fill)
 
+    @torch.inference_mode()
     def execute(self, fb: ForwardBatch) -> LogitsOutput:
         bs = fb.batch_size
         key = ShapeKey(self.bucket(bs))

@@ -32,7 +32,8 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
     head_dims=frozenset({64, 128, 256}),
     graph=True,
 )
-ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+# Capturable: no host sync, and its one collective (all-reduce) is legal inside a CUDA graph.
+ALLREDUCE_DISPATCH = MoEDispatcherCapabilities(graph=True)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     real_capture=False,

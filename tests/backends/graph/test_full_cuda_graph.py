@@ -14,7 +14,7 @@ import torch
 from execrt.backends.graph.full_cuda_graph import FullCudaGraphBackend
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import GraphBackendInit, GraphRequirements, ShapeKey
-from execrt.core.plugins import PluginHost
+from execrt.plugins.host import PluginHost
 from execrt.core.selection import resolve_backend
 from execrt.plugins.builtin import FULL_CUDA_GRAPH
 
