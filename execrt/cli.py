@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="print the backend resolution")
     bench = sub.add_parser("bench", help="run a benchmark on the GPU")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    _add_bench_decode(bench_sub)
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
@@ -58,6 +59,58 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", help="also write the JSON report to this file")
     conf.epilog = "Other options (e.g. -k EXPR, -x) are passed on to pytest."
     return parser
+
+
+def _add_bench_decode(bench_sub: Any) -> None:
+    dec = bench_sub.add_parser("decode", help="end-to-end decode step of a random-weight model")
+    dec.set_defaults(handler=cmd_bench_decode)
+    dec.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-8b or qwen3-30b-a3b")
+    dec.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    dec.add_argument("--bs", help="comma-separated batch sizes (default 1,8,32,128; --quick 1,32)")
+    dec.add_argument("--ctx", type=int, default=512, help="prompt tokens per request")
+    dec.add_argument("--steps", type=int, help="decode steps timed (default 32; --quick 8)")
+    dec.add_argument("--attention", default="auto", help="attention backend or auto")
+    dec.add_argument("--modes", default="eager,graph", help="eager and/or graph")
+    dec.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers on the same weights",
+    )
+    dec.add_argument(
+        "--hf-compile-timeout",
+        type=float,
+        default=240.0,
+        help="seconds for transformers' compile at bs 1 (0: skip it)",
+    )
+    dec.add_argument("--profile", action="store_true", help="profile the first bs of each mode")
+    dec.add_argument("--quick", action="store_true", help="smoke run: bs 1,32, 8 steps, 1 rep")
+    dec.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from execrt.bench import decode
+
+    try:
+        sizes = tuple(int(b) for b in args.bs.split(",")) if args.bs else None
+    except ValueError:
+        raise ExecrtError(f"bench decode: --bs {args.bs!r} must look like 1,8,32") from None
+    opts = decode.Options(
+        model=args.model,
+        layers=args.layers,
+        batch_sizes=sizes or (decode.QUICK_BS if args.quick else decode.DEFAULT_BS),
+        ctx=args.ctx,
+        steps=args.steps or (8 if args.quick else 32),
+        attention=args.attention,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        hf=args.hf,
+        hf_compile_timeout=args.hf_compile_timeout,
+        profile=args.profile,
+        reps=1 if args.quick else 2,
+        out_dir=args.out,
+    )
+    decode.run(opts)
+    return 0
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
@@ -157,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        return (getattr(args, "handler", None) or COMMANDS[args.command])(args)
     except ExecrtError as exc:
         print(f"execrt: error: {exc}", file=sys.stderr)
         return 2

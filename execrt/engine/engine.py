@@ -13,6 +13,7 @@ from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError
 from execrt.core.model_runner import resolve_device
+from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import init_parallel
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
@@ -42,6 +43,8 @@ class Engine:
 
     ``Engine(model_path, **config)`` takes RuntimeConfig keys (``attention_backend="triton"``,
     ``device="cpu"``, ...). Without ``model_path`` the built-in default checkpoint is used.
+    ``loader`` replaces the checkpoint altogether (e.g. random weights for a benchmark); the
+    engine then has no tokenizer, so prompts are token ids.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class Engine:
         *,
         config: RuntimeConfig | None = None,
         plugin_host: PluginHost | None = None,
+        loader: ModelLoader | None = None,
         **overrides: Any,
     ) -> None:
         base = config or RuntimeConfig()
@@ -58,14 +62,16 @@ class Engine:
             cfg = cfg.replace(model=model_path)
         self.config = cfg
         path = cfg.model
-        if path is None:
-            from execrt.models.builtin import builtin_model_path
+        checkpoint = None
+        if loader is None:
+            if path is None:
+                from execrt.models.builtin import builtin_model_path
 
-            path = builtin_model_path()
-        elif not os.path.isdir(path):
-            raise ConfigError(f"engine: model path {path!r} is not a directory")
+                path = builtin_model_path()
+            elif not os.path.isdir(path):
+                raise ConfigError(f"engine: model path {path!r} is not a directory")
+            loader = checkpoint = CheckpointLoader(path)
         self.model_path = path
-        loader = CheckpointLoader(path)
         registry = (plugin_host or get_plugin_host()).registry
         self.context = RuntimeContext(parallel=init_parallel(resolve_device(cfg.device)))
         try:
@@ -73,8 +79,8 @@ class Engine:
         except BaseException:
             self.context.close()
             raise
-        self.model_config = loader.config
-        self.tokenizer = _load_tokenizer(path)
+        self.model_config = checkpoint.config if checkpoint else loader.spec
+        self.tokenizer = _load_tokenizer(checkpoint.path) if checkpoint else None
         self.scheduler = Scheduler(
             self.worker,
             max_prefill_tokens=cfg.max_prefill_tokens,

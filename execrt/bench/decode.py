@@ -1,0 +1,480 @@
+"""End-to-end decode-step benchmark: a named model shape with random weights on the GPU, timed
+through ``generate()`` and ``ModelRunner.forward``, eager and graphed, against its roofline
+(weight + K/V bytes over the measured copy bandwidth) and transformers on the same weights.
+
+Method (docs/kernels.md, "Decode-step benchmark"):
+- generate path: the step time is (t(1 + S new tokens) - t(1 new token)) / S, each the best of
+  ``reps`` synchronised wall-clock runs after a warm-up; t(1) is reported as the prefill time;
+- forward path: one decode batch built after a real prefill, ``model_runner.forward`` +
+  ``sample`` replayed S times on it between CUDA events (the K/V of the step lands in the same
+  slots each time);
+- peer: transformers ``generate`` on the same weights, DynamicCache (eager), and at bs 1 a static
+  cache with transformers' torch.compile (reduce-overhead), under a time limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from execrt.bench.common import copy_bandwidth_gbps, save_records, utc_now
+from execrt.bench.models import (
+    MODELS,
+    RandomWeightsLoader,
+    build_hf_model,
+    kv_bytes_per_step,
+    model_config,
+    weight_bytes_per_step,
+)
+from execrt.bench.timing import (
+    StepProfile,
+    TimeLimitExceeded,
+    difference_timing,
+    host_copy_gbps,
+    profile_steps,
+    step_seconds,
+    synchronize,
+    time_limit,
+)
+from execrt.core.batch import ForwardBatch
+from execrt.core.errors import ExecrtError
+from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.engine import Engine
+from execrt.models.config import ModelConfig
+
+DEFAULT_BS = (1, 8, 32, 128)
+QUICK_BS = (1, 32)
+MODES = {"eager": "none", "graph": "full_cuda_graph"}  # mode -> graph_backend
+KV_MARGIN = 16  # context slots past ctx + steps, so no request hits the context limit
+PREFILL_CHUNK = 16384  # tokens per prefill forward
+PROFILE_STEPS = 5
+HF_MOE_BS = (1, 32)  # transformers' MoE is slow in eager: only these batch sizes ...
+HF_MOE_STEPS = 8  # ... and at most this many steps
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one ``execrt bench decode`` run measures."""
+
+    model: str = "qwen3-0.6b"
+    layers: int | None = None
+    batch_sizes: tuple[int, ...] = DEFAULT_BS
+    ctx: int = 512
+    steps: int = 32
+    attention: str = "auto"
+    modes: tuple[str, ...] = ("eager", "graph")
+    hf: bool = True
+    hf_compile_timeout: float = 240.0  # seconds; 0 skips the compiled peer
+    profile: bool = False
+    reps: int = 2
+    out_dir: str | None = "benchmarks/results"
+    seed: int = 0
+    device: str = "cuda"  # "cpu" runs the whole method on tiny shapes (tests)
+    config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.config is None and self.model not in MODELS:
+            problems.append(f"model {self.model!r} unknown (known: {', '.join(MODELS)})")
+        if self.layers is not None and self.layers < 1:
+            problems.append(f"layers {self.layers} must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            problems.append(f"batch sizes {list(self.batch_sizes)} must be integers >= 1")
+        if self.ctx < 1 or self.steps < 1 or self.reps < 1:
+            problems.append(f"ctx {self.ctx}, steps {self.steps}, reps {self.reps} must be >= 1")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            problems.append(f"modes {list(self.modes)} unsupported (supported: {', '.join(MODES)})")
+        if problems:
+            raise ExecrtError("bench decode: " + "; ".join(problems))
+
+
+@dataclass
+class Record:
+    model: str
+    layers: int
+    mode: str  # eager | graph | hf-eager | hf-compile
+    path: str  # generate | forward
+    bs: int
+    ctx: int
+    steps: int
+    step_ms: float | None
+    prefill_ms: float | None
+    tokens_per_s: float | None
+    roofline_ms: float
+    pct_roofline: float | None
+    copy_gbps: float
+    weight_gb: float  # weight bytes read per step (MoE: expected experts touched)
+    kv_gb: float  # K/V bytes read per step
+    gpu: str
+    date: str
+    attention: str
+    vs_hf_eager: float | None = None  # hf-eager step_ms / this step_ms (> 1: this is faster)
+    vs_hf_compile: float | None = None
+    note: str = ""
+    profile: dict[str, float] | None = None
+
+
+@dataclass
+class _Context:
+    """What every record of one run shares."""
+
+    opts: Options
+    config: dict[str, Any]
+    model_config: ModelConfig
+    device: torch.device
+    copy_gbps: float
+    gpu: str
+    date: str
+    records: list[Record] = field(default_factory=list)
+
+    def add(
+        self, mode: str, path: str, bs: int, step_s: float | None, attention: str, **extra: Any
+    ) -> Record:
+        mc, steps = self.model_config, extra.pop("steps", self.opts.steps)
+        weights = weight_bytes_per_step(mc, bs)
+        kv = kv_bytes_per_step(mc, bs, self.opts.ctx)
+        roofline_ms = (weights + kv) / (self.copy_gbps * 1e9) * 1e3
+        step_ms = None if step_s is None else step_s * 1e3
+        record = Record(
+            model=self.opts.model,
+            layers=mc.num_layers,
+            mode=mode,
+            path=path,
+            bs=bs,
+            ctx=self.opts.ctx,
+            steps=steps,
+            step_ms=step_ms,
+            prefill_ms=None,
+            tokens_per_s=bs / step_s if step_s else None,
+            roofline_ms=roofline_ms,
+            pct_roofline=100 * roofline_ms / step_ms if step_ms else None,
+            copy_gbps=self.copy_gbps,
+            weight_gb=weights / 1e9,
+            kv_gb=kv / 1e9,
+            gpu=self.gpu,
+            date=self.date,
+            attention=attention,
+            **extra,
+        )
+        self.records.append(record)
+        shown = f"{step_ms:.3f} ms/step" if step_ms is not None else f"skipped: {record.note}"
+        print(f"  {mode:<10} {path:<8} bs={bs:<4} {shown}", flush=True)
+        return record
+
+
+def run(opts: Options) -> list[Record]:
+    """Run every configuration of ``opts``; print a table last; save JSON to ``out_dir``."""
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExecrtError("bench decode: needs a CUDA device (none is visible)")
+    config = (
+        _layers(opts.config, opts.layers) if opts.config else model_config(opts.model, opts.layers)
+    )
+    mc = ModelConfig.from_dict(config)
+    limit = mc.max_position_embeddings
+    if opts.ctx + opts.steps + KV_MARGIN > limit:
+        raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
+    if device.type == "cuda":
+        gpu, copy_gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
+    else:
+        gpu, copy_gbps = device.type, host_copy_gbps()
+    ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
+    print(f"# {gpu}: device-to-device copy {ctx.copy_gbps:.0f} GB/s (read + write)")
+    print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")
+    for mode in opts.modes:
+        _run_execrt(ctx, mode)
+        _release_memory()
+    if opts.hf:
+        _run_hf(ctx)
+        _release_memory()
+    _compare_to_peers(ctx.records)
+    print(format_table(ctx.records))
+    if opts.out_dir:
+        print(f"# saved {save_records(ctx.records, opts.out_dir, 'decode-step')}")
+    return ctx.records
+
+
+# -- execrt ---------------------------------------------------------------------------------------
+def _run_execrt(ctx: _Context, mode: str) -> None:
+    opts = ctx.opts
+    sizes = sorted(set(opts.batch_sizes))
+    context_len = opts.ctx + opts.steps + KV_MARGIN
+    graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
+    print(f"# execrt {mode}", flush=True)
+    try:
+        engine = Engine(
+            loader=RandomWeightsLoader(ctx.config, opts.seed),
+            device=opts.device,
+            dtype="auto",  # the config's bfloat16 on CUDA, float32 on CPU
+            attention_backend=opts.attention,
+            graph_backend=MODES[mode],
+            max_running_requests=max(sizes),
+            kv_cache_tokens=max(sizes) * context_len,
+            context_len=context_len,
+            max_prefill_tokens=max(opts.ctx, PREFILL_CHUNK),
+            seed=opts.seed,
+            **graph,
+        )
+    except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
+        for bs in opts.batch_sizes:
+            ctx.add(mode, "generate", bs, None, opts.attention, note=_reason(exc))
+        return
+    attention = _chosen(engine, "attention")
+    with engine:
+        for i, bs in enumerate(opts.batch_sizes):
+            prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)
+            try:
+                generate = functools.partial(_generate_s, engine, prompts)
+                t = difference_timing(generate, opts.steps, opts.reps)
+                rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note)
+                rec.prefill_ms = t.prefill_s * 1e3
+            except Exception as exc:
+                ctx.add(mode, "generate", bs, None, attention, note=_reason(exc))
+            try:
+                label = f"{mode}-bs{bs}" if opts.profile and i == 0 else None
+                fwd = _time_forward(engine, prompts, opts, profile=label)
+                note = "" if fwd.graphed or mode == "eager" else "graph not used"
+                rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note)
+                if fwd.profile:
+                    rec.profile = asdict(fwd.profile) | {"gpu_busy_pct": fwd.profile.gpu_busy_pct}
+                    print(f"    profile: {fwd.profile.describe()}", flush=True)
+            except Exception as exc:
+                ctx.add(mode, "forward", bs, None, attention, note=_reason(exc))
+
+
+def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    device = engine.worker.model_runner.device
+    best = math.inf
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        for r in results:
+            if r.error or len(r.token_ids) != new_tokens or r.num_retractions:
+                raise RuntimeError(
+                    f"generate gave {len(r.token_ids)} of {new_tokens} tokens, "
+                    f"{r.num_retractions} retractions ({r.error or r.finish_reason})"
+                )
+    return best
+
+
+@dataclass
+class _ForwardTiming:
+    step_s: float
+    graphed: bool
+    profile: StepProfile | None
+
+
+def _time_forward(
+    engine: Engine, prompts: list[list[int]], opts: Options, *, profile: str | None
+) -> _ForwardTiming:
+    """Prefill ``prompts`` through the worker, then time forward + sample of one decode batch."""
+    worker = engine.worker
+    mr = worker.model_runner
+    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    reqs = [Req(-1 - i, list(p), params) for i, p in enumerate(prompts)]
+    held: dict[int, int] = {}  # request index -> slots it holds
+    try:
+        per_chunk = max(1, engine.config.max_prefill_tokens // opts.ctx)
+        for start in range(0, len(reqs), per_chunk):
+            chunk = reqs[start : start + per_chunk]
+            batch = ScheduleBatch.for_extend(
+                chunk, [len(r.origin_input_ids) for r in chunk], *pools
+            )
+            if batch is None:
+                raise RuntimeError("the KV cache cannot hold the prompts")
+            result = worker.forward_batch_generation(batch)
+            for req, token in zip(chunk, result.next_token_ids.tolist(), strict=True):
+                req.kv_len = req.seq_len
+                req.output_ids.append(int(token))
+                held[id(req)] = req.kv_len
+        decode = ScheduleBatch.for_decode(reqs, *pools)
+        if decode is None:
+            raise RuntimeError("the KV cache has no slot left for the decode step")
+        held = {id(r): r.seq_len for r in reqs}
+        fb = ForwardBatch.init_new(decode, mr.attn_backend)
+
+        def step() -> bool:
+            out = mr.forward(fb)
+            mr.sample(out.logits_output, fb)
+            return out.can_run_graph
+
+        graphed = step()
+        step()
+        step_s = step_seconds(step, opts.steps, opts.reps, mr.device)
+        report = None
+        if profile:
+            trace = None
+            if opts.out_dir:
+                os.makedirs(opts.out_dir, exist_ok=True)
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+                name = f"decode-trace-{opts.model}-{profile}-{stamp}.json"
+                trace = os.path.join(opts.out_dir, name)
+            report = profile_steps(step, PROFILE_STEPS, mr.device, trace)
+        return _ForwardTiming(step_s, graphed, report)
+    finally:
+        for req in reqs:
+            if req.req_pool_idx is None:
+                continue
+            slots = mr.req_to_token_pool.req_to_token[req.req_pool_idx, : held.get(id(req), 0)]
+            mr.token_to_kv_pool_allocator.free(slots.long())
+            mr.req_to_token_pool.free(req.req_pool_idx)
+
+
+# -- transformers, the peer -----------------------------------------------------------------------
+def _run_hf(ctx: _Context) -> None:
+    opts, mc = ctx.opts, ctx.model_config
+    try:
+        import transformers
+    except ImportError:
+        print("# transformers not importable: no peer timing")
+        return
+    transformers.logging.set_verbosity_error()
+    sizes = [b for b in opts.batch_sizes if not mc.is_moe or b in HF_MOE_BS]
+    steps = min(opts.steps, HF_MOE_STEPS) if mc.is_moe else opts.steps
+    print("# transformers " + transformers.__version__, flush=True)
+    try:
+        dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+        model = build_hf_model(ctx.config, opts.seed, ctx.device, dtype)
+    except Exception as exc:
+        for bs in sizes:
+            ctx.add("hf-eager", "generate", bs, None, "hf", steps=steps, note=_reason(exc))
+        return
+    attention = "hf-" + str(getattr(model.config, "_attn_implementation", "?"))
+    for bs in sizes:
+        ids = _hf_ids(bs, opts, mc, ctx.device)
+        try:
+            t = difference_timing(functools.partial(_hf_generate_s, model, ids), steps, opts.reps)
+            rec = ctx.add("hf-eager", "generate", bs, t.step_s, attention, steps=steps, note=t.note)
+            rec.prefill_ms = t.prefill_s * 1e3
+        except Exception as exc:
+            ctx.add("hf-eager", "generate", bs, None, attention, steps=steps, note=_reason(exc))
+        del ids
+    if 1 in opts.batch_sizes:
+        _run_hf_compile(ctx, model, steps, attention)
+    del model
+
+
+def _run_hf_compile(ctx: _Context, model: Any, steps: int, attention: str) -> None:
+    """bs 1 with a static cache and transformers' own torch.compile of the decode forward."""
+    opts = ctx.opts
+    if opts.hf_compile_timeout <= 0:
+        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note="disabled")
+        return
+    ids = _hf_ids(1, opts, ctx.model_config, ctx.device)
+    kwargs: dict[str, Any] = {"cache_implementation": "static"}
+    if not hasattr(model, "_valid_auto_compile_criteria"):  # transformers without auto-compile
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        start = time.perf_counter()
+        with time_limit(opts.hf_compile_timeout):
+            # Compile and capture at the largest cache the timing uses (1 + 2S new tokens).
+            _hf_generate_s(model, ids, 1 + 2 * steps, reps=2, **kwargs)
+        compile_s = time.perf_counter() - start
+        generate = functools.partial(_hf_generate_s, model, ids, **kwargs)
+        t = difference_timing(generate, steps, opts.reps, base=1 + steps)
+        compiled = getattr(model, "_compiled_call", None) is not None or not hasattr(
+            model, "_valid_auto_compile_criteria"
+        )
+        note = f"compile + warm-up {compile_s:.0f} s" + ("" if compiled else "; NOT compiled")
+        note += f"; {t.note}" if t.note else ""
+        rec = ctx.add("hf-compile", "generate", 1, t.step_s, attention, steps=steps, note=note)
+        rec.prefill_ms = t.prefill_s * 1e3
+    except (Exception, TimeLimitExceeded) as exc:
+        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=_reason(exc))
+        torch.compiler.reset()
+
+
+def _hf_ids(bs: int, opts: Options, mc: ModelConfig, device: torch.device) -> torch.Tensor:
+    prompts = _prompts(bs, opts.ctx, mc.vocab_size, opts.seed + bs)
+    return torch.tensor(prompts, dtype=torch.int64, device=device)  # [bs, ctx]
+
+
+def _hf_generate_s(
+    model: Any, ids: torch.Tensor, new_tokens: int, reps: int, **kwargs: Any
+) -> float:
+    best = math.inf
+    for _ in range(reps):
+        synchronize(ids.device)
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kwargs,
+        )
+        synchronize(ids.device)
+        best = min(best, time.perf_counter() - start)
+        if out.shape[1] != ids.shape[1] + new_tokens:
+            raise RuntimeError(f"generate gave {out.shape[1] - ids.shape[1]} of {new_tokens}")
+    return best
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _prompts(bs: int, ctx: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (bs, ctx), generator=g).tolist()
+
+
+def _chosen(engine: Engine, kind: str) -> str:
+    found = [r.chosen for r in engine.resolution.resolutions if r.kind == kind]
+    return (found[0] if found else None) or "none"
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
+    return config if layers is None else config | {"num_hidden_layers": layers}
+
+
+def _compare_to_peers(records: list[Record]) -> None:
+    peers = {(r.mode, r.bs): r.step_ms for r in records if r.mode.startswith("hf-") and r.step_ms}
+    for r in records:
+        if r.mode.startswith("hf-") or not r.step_ms:
+            continue
+        if (eager := peers.get(("hf-eager", r.bs))) is not None:
+            r.vs_hf_eager = eager / r.step_ms
+        if (compiled := peers.get(("hf-compile", r.bs))) is not None:
+            r.vs_hf_compile = compiled / r.step_ms
+
+
+def format_table(records: Sequence[Record]) -> str:
+    def num(value: float | None, width: int, fmt: str) -> str:
+        return ("-" if value is None else format(value, fmt)).rjust(width)
+
+    lines = [
+        f"{'mode':<10} {'path':<8} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>8} "
+        f"{'prefill':>8} {'roof ms':>7} {'%roof':>6} {'vs hf':>6} {'vs hf-c':>7}  note"
+    ]
+    for r in records:
+        lines.append(
+            f"{r.mode:<10} {r.path:<8} {r.bs:>4} {r.ctx:>5} {num(r.step_ms, 8, '.3f')} "
+            f"{num(r.tokens_per_s, 8, '.0f')} {num(r.prefill_ms, 8, '.1f')} "
+            f"{r.roofline_ms:>7.3f} {num(r.pct_roofline, 6, '.1f')} "
+            f"{num(r.vs_hf_eager, 6, '.2f')} {num(r.vs_hf_compile, 7, '.2f')}  {r.note}"
+        )
+    return "\n".join(lines)

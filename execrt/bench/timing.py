@@ -1,0 +1,168 @@
+"""Timing repeated work: generate differences, back-to-back steps, per-step profiles, limits."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from execrt.bench.common import median_us
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Averages over ``steps`` calls, measured with torch.profiler on (which adds overhead)."""
+
+    steps: int
+    kernels_per_step: float  # kernels the GPU ran (memcpy / memset excluded)
+    launch_calls_per_step: float  # host launch API calls: kernels and graphs
+    graph_launches_per_step: float
+    gpu_busy_ms_per_step: float  # union of GPU activity intervals
+    wall_ms_per_step: float
+
+    @property
+    def gpu_busy_pct(self) -> float:
+        return (
+            100 * self.gpu_busy_ms_per_step / self.wall_ms_per_step
+            if self.wall_ms_per_step
+            else 0.0
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.kernels_per_step:.0f} kernels/step, {self.launch_calls_per_step:.0f} launch "
+            f"calls/step ({self.graph_launches_per_step:.0f} graph), GPU busy "
+            f"{self.gpu_busy_ms_per_step:.3f} of {self.wall_ms_per_step:.3f} ms wall "
+            f"({self.gpu_busy_pct:.0f}%, profiler on)"
+        )
+
+
+def profile_steps(
+    step: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None
+) -> StepProfile:
+    """Run ``step`` ``steps`` times under torch.profiler; save a Chrome trace when asked."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = list(prof.events())
+    on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    launches = [e for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name]
+    graphs = [e for e in launches if "GraphLaunch" in e.name]
+    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return StepProfile(
+        steps=steps,
+        kernels_per_step=len(kernels) / steps,
+        launch_calls_per_step=len(launches) / steps,
+        graph_launches_per_step=len(graphs) / steps,
+        gpu_busy_ms_per_step=busy_us / steps / 1e3,
+        wall_ms_per_step=wall / steps * 1e3,
+    )
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals``, overlaps counted once."""
+    total, end = 0.0, -math.inf
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+@dataclass
+class StepTiming:
+    """One decode-step time from the difference of two generates."""
+
+    step_s: float | None  # None when noise swamped the difference
+    prefill_s: float  # the 1-token generate
+    note: str = ""
+
+
+def difference_timing(
+    generate_s: Callable[[int, int], float], steps: int, reps: int, base: int = 1
+) -> StepTiming:
+    """Step time = (t(base + S new tokens) - t(base)) / S, each the best of ``reps`` after a
+    warm-up; ``generate_s(new_tokens, reps)`` times one generate. ``base`` > 1 also cancels
+    any per-call cost that t(1) lacks (e.g. a compiled peer's graph re-recording)."""
+    generate_s(base + steps if base > 1 else 2, 1)  # warm-up: JIT, autotuning, first touch
+    prefill = generate_s(1, reps)
+    start = prefill if base == 1 else generate_s(base, reps)
+    full = generate_s(base + steps, reps)
+    if full <= start:
+        return StepTiming(None, prefill, f"noise: t({base + steps}) <= t({base}) tokens")
+    return StepTiming((full - start) / steps, prefill)
+
+
+def step_seconds(step: Callable[[], object], iters: int, reps: int, device: torch.device) -> float:
+    """Median over ``reps`` of the seconds per ``step()``, ``iters`` steps back to back."""
+    synchronize(device)
+    if device.type == "cuda":
+        return median_us(step, iters, reps) / 1e6
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+class TimeLimitExceeded(BaseException):
+    """Raised by the alarm; a BaseException so that no ``except Exception`` swallows it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TimeLimitExceeded in the block after ``seconds`` (SIGALRM: main thread only;
+    elsewhere the block runs unlimited)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeLimitExceeded(f"exceeded the time limit of {seconds:.0f} s")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
+    """Host memory copy rate (read + write): the roofline's divisor on CPU runs."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9

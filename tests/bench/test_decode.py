@@ -1,0 +1,285 @@
+"""bench decode: random-weight models, the same weights in transformers, roofline bytes, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from execrt.bench import decode
+from execrt.bench.models import (
+    MODELS,
+    RandomWeightsLoader,
+    build_hf_model,
+    fill_hf_model,
+    kv_bytes_per_step,
+    weight_bytes_per_step,
+)
+from execrt.cli import main
+from execrt.core.config import RuntimeConfig
+from execrt.core.context import RuntimeContext
+from execrt.core.schedule import SamplingParams
+from execrt.core.worker import TpModelWorker
+from execrt.engine import Engine
+from execrt.models.config import ModelConfig
+from tests.drivers import prefill_then_decode
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Two layers, hidden 64: 4 q / 2 kv heads of 16, MLP 128, vocab 1000.
+TINY = dict(MODELS["qwen3-0.6b"]) | {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+TINY_MOE = (
+    dict(MODELS["qwen3-30b-a3b"])
+    | {k: v for k, v in TINY.items() if k not in ("architectures", "model_type")}
+    | {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+)
+
+
+def test_random_loader_runs_through_engine_with_token_id_prompts(plugin_host) -> None:  # type: ignore[no-untyped-def]
+    loader = RandomWeightsLoader(TINY | {"tie_word_embeddings": True}, seed=3)
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    with Engine(loader=loader, device="cpu", plugin_host=plugin_host, context_len=64) as engine:
+        assert engine.tokenizer is None
+        results = engine.generate([[1, 2, 3, 4], [999, 5]], params)
+        model: Any = engine.worker.model_runner.model
+        weights = {n: w.detach().clone() for n, w in model.named_parameters()}
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert [len(r.token_ids) for r in results] == [3, 3]
+    assert all(r.error is None and r.text is None for r in results)
+    assert all(0 <= t < 1000 for r in results for t in r.token_ids)
+    # build_empty leaves garbage: every matrix must hold the N(0, 0.02) draw, norms ones.
+    for name, w in weights.items():
+        assert torch.isfinite(w).all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(w, torch.ones_like(w)), name
+        else:
+            assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005, name
+
+
+def test_same_seed_same_weights_other_seed_other_weights() -> None:
+    def q_proj(seed: int) -> torch.Tensor:
+        ctx = RuntimeContext()
+        worker = _worker(RandomWeightsLoader(TINY, seed), ctx)
+        model: Any = worker.model_runner.model
+        w = model.model.layers[1].self_attn.q_proj.weight.detach().clone()
+        worker.close()
+        ctx.close()
+        return w
+
+    a, b, c = q_proj(0), q_proj(0), q_proj(1)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY | {"tie_word_embeddings": True}, TINY_MOE],
+    ids=["dense-tied", "moe"],
+)
+def test_transformers_model_holds_the_same_weights(config: dict[str, Any]) -> None:
+    # The oracle is transformers itself: its logits on our weights must equal execrt's.
+    pytest.importorskip("transformers")
+    hf = build_hf_model(config, seed=7, device="cpu", dtype=torch.float32)
+    ctx = RuntimeContext()
+    worker = _worker(RandomWeightsLoader(config, seed=7), ctx)
+    prompts = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77]]
+    trace = prefill_then_decode(worker, prompts, steps=0, full_logits=True)
+    worker.close()
+    ctx.close()
+    assert trace.prefill_full_logits is not None
+    offset = 0
+    with torch.no_grad():
+        for prompt in prompts:
+            ref = hf(torch.tensor([prompt])).logits[0]  # [n, V]
+            got = trace.prefill_full_logits[offset : offset + len(prompt)]
+            offset += len(prompt)
+            assert float((got - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_per_expert_transformers_layout_gets_the_fused_experts() -> None:
+    # transformers 4.x keeps one module per expert: experts.<e>.{gate,up,down}_proj.weight.
+    mc = ModelConfig.from_dict(TINY_MOE | {"num_hidden_layers": 1})
+    h, inter, e = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
+
+    def expert() -> nn.Module:
+        m = nn.Module()
+        m.gate_proj = nn.Linear(h, inter, bias=False)
+        m.up_proj = nn.Linear(h, inter, bias=False)
+        m.down_proj = nn.Linear(inter, h, bias=False)
+        return m
+
+    root, model, layer, mlp = nn.Module(), nn.Module(), nn.Module(), nn.Module()
+    mlp.experts = nn.ModuleList(expert() for _ in range(e))
+    layer.mlp = mlp
+    model.layers = nn.ModuleList([layer])
+    root.model = model
+    for p in root.parameters():
+        p.data.fill_(float("nan"))  # poison: every value must be written
+    fill_hf_model(root, mc, seed=5)
+
+    ctx = RuntimeContext()
+    worker = _worker(RandomWeightsLoader(TINY_MOE | {"num_hidden_layers": 1}, seed=5), ctx)
+    moe: Any = worker.model_runner.model.model.layers[0].mlp  # type: ignore[attr-defined]
+    for i, ex in enumerate(mlp.experts):
+        assert torch.equal(ex.gate_proj.weight, moe.w13[i, :inter])
+        assert torch.equal(ex.up_proj.weight, moe.w13[i, inter:])
+        assert torch.equal(ex.down_proj.weight, moe.w2[i])
+    worker.close()
+    ctx.close()
+
+
+def test_roofline_bytes_match_hand_counts() -> None:
+    dense = ModelConfig.from_dict(TINY)
+    # per layer: q 64*64 + k 32*64 + v 32*64 + o 64*64 = 12288; MLP 3*64*128 = 24576
+    # two layers 73728 + LM head 1000*64 = 137728 elements, 2 bytes each
+    assert weight_bytes_per_step(dense, 1) == 275456
+    assert weight_bytes_per_step(dense, 64) == 275456
+    tied = ModelConfig.from_dict(TINY | {"tie_word_embeddings": True})  # embedding = LM head
+    assert weight_bytes_per_step(tied, 1) == 275456
+    moe = ModelConfig.from_dict(TINY_MOE)
+    # bs 3: 8 * (1 - (6/8)^3) = 4.625 experts of 3*64*32; + router 8*64 + attention 12288
+    assert weight_bytes_per_step(moe, 3) == pytest.approx(2 * (2 * (12288 + 512 + 28416) + 64000))
+    # bs 1: exactly top_k = 2 experts
+    assert weight_bytes_per_step(moe, 1) == pytest.approx(2 * (2 * (12288 + 512 + 12288) + 64000))
+    # K and V: bs 3 * ctx 10 * 2 layers * 2 * 2 kv heads * 16 * 2 bytes
+    assert kv_bytes_per_step(dense, 3, 10) == 7680
+
+
+def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    has_hf = _has_transformers()
+    opts = decode.Options(
+        model="tiny",
+        config=TINY,
+        device="cpu",
+        batch_sizes=(1, 2),
+        ctx=6,
+        steps=2,
+        reps=1,
+        hf=has_hf,
+        hf_compile_timeout=0,
+        profile=True,
+        out_dir=str(tmp_path),
+    )
+    records = decode.run(opts)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("# saved ") and out[-2 - len(records)].startswith("mode ")
+    by_key = {(r.mode, r.path, r.bs): r for r in records}
+    for bs in (1, 2):
+        for path in ("generate", "forward"):
+            r = by_key[("eager", path, bs)]
+            assert r.note.startswith("noise") or r.step_ms is not None and r.step_ms > 0
+            assert r.roofline_ms > 0 and r.attention == "torch_native"
+        assert by_key[("eager", "generate", bs)].prefill_ms is not None
+        profile = by_key[("eager", "forward", bs)].profile
+        assert (profile is not None) == (bs == 1)  # the first batch size of each mode
+        assert profile is None or profile["steps"] == decode.PROFILE_STEPS
+        # CPU has no CUDA graphs: the graph mode is reported, not silently dropped.
+        assert "graph" in by_key[("graph", "generate", bs)].note
+        if has_hf:
+            assert ("hf-eager", "generate", bs) in by_key
+    if has_hf:
+        assert by_key[("hf-compile", "generate", 1)].note == "disabled"
+    (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
+    assert [f for f in os.listdir(tmp_path) if f.startswith("decode-trace-tiny-eager-bs1-")]
+    rows = json.loads((tmp_path / saved).read_text())
+    required = {"model", "layers", "mode", "path", "bs", "ctx", "step_ms", "prefill_ms"}
+    required |= {"tokens_per_s", "pct_roofline", "roofline_ms", "copy_gbps", "gpu", "date"}
+    assert all(required | {"attention"} <= set(row) for row in rows)
+    assert {row["layers"] for row in rows} == {2}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model", "nope"], "model 'nope' unknown (known: qwen3-0.6b, qwen3-8b, qwen3-30b-a3b)"),
+        (["--bs", "1,x"], "--bs '1,x' must look like 1,8,32"),
+        (["--bs", "0,8"], "batch sizes [0, 8] must be integers >= 1"),
+        (["--modes", "eager,fast"], "modes ['eager', 'fast'] unsupported"),
+        (["--layers", "0"], "layers 0 must be >= 1"),
+    ],
+)
+def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "decode", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen: list[decode.Options] = []
+    monkeypatch.setattr(decode, "run", seen.append)
+    argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
+    argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
+    assert main(["bench", "decode", *argv]) == 0
+    assert main(["bench", "decode", "--quick"]) == 0
+    full, quick = seen
+    assert (full.model, full.layers, full.batch_sizes, full.ctx, full.steps) == (
+        "qwen3-8b",
+        4,
+        (2, 16),
+        128,
+        32,
+    )
+    assert (full.modes, full.hf, full.profile, full.attention, full.out_dir) == (
+        ("graph",),
+        False,
+        True,
+        "triton",
+        "x",
+    )
+    assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
+        "qwen3-0.6b",
+        (1, 32),
+        8,
+        1,
+        True,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "decode", "--layers", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "execrt: error: bench decode: needs a CUDA device (none is visible)"
+    )
+
+
+@requires_cuda
+def test_gpu_quick_run_times_eager_and_graph(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    argv = ["bench", "decode", "--quick", "--layers", "2", "--hf-compile-timeout", "0"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
+    rows = json.loads((tmp_path / saved).read_text())
+    for mode in ("eager", "graph"):
+        for path in ("generate", "forward"):
+            got = [r for r in rows if (r["mode"], r["path"]) == (mode, path)]
+            assert {r["bs"] for r in got} == {1, 32}
+            assert all(r["step_ms"] and r["step_ms"] > 0 and r["note"] == "" for r in got), got
+
+
+def _worker(loader: RandomWeightsLoader, ctx: RuntimeContext) -> TpModelWorker:
+    from execrt.plugins.host import PluginHost
+
+    registry = PluginHost(autoload=False).registry
+    return TpModelWorker(loader, RuntimeConfig(device="cpu", context_len=64), ctx, registry)
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,64 @@
+"""bench timing helpers: the generate-difference method, interval union, time limit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from execrt.bench.timing import (
+    TimeLimitExceeded,
+    difference_timing,
+    time_limit,
+    union_length,
+)
+
+
+def linear_generate(prefill: float, step: float, calls: list[int]):  # type: ignore[no-untyped-def]
+    def generate_s(new_tokens: int, reps: int) -> float:
+        calls.append(new_tokens)
+        return prefill + step * (new_tokens - 1)
+
+    return generate_s
+
+
+def test_difference_recovers_the_step_and_the_prefill() -> None:
+    calls: list[int] = []
+    t = difference_timing(linear_generate(0.25, 0.01, calls), steps=8, reps=2)
+    assert t.step_s == pytest.approx(0.01) and t.prefill_s == pytest.approx(0.25)
+    assert calls == [2, 1, 9]  # warm-up, t(1), t(1 + S)
+    assert t.note == ""
+
+
+def test_difference_from_a_later_base_cancels_a_per_call_cost() -> None:
+    calls: list[int] = []
+    gen = linear_generate(0.25, 0.01, calls)
+
+    def with_recording(new_tokens: int, reps: int) -> float:
+        # A compiled peer pays a fixed cost once it decodes at all; t(1) does not decode.
+        return gen(new_tokens, reps) + (0.5 if new_tokens > 1 else 0.0)
+
+    t = difference_timing(with_recording, steps=4, reps=1, base=5)
+    assert t.step_s == pytest.approx(0.01)
+    assert calls == [9, 1, 5, 9]
+
+
+def test_difference_reports_noise_instead_of_a_negative_step() -> None:
+    t = difference_timing(lambda n, reps: 1.0 / n, steps=4, reps=1)
+    assert t.step_s is None and t.note.startswith("noise")
+
+
+def test_union_length_counts_overlaps_once() -> None:
+    assert union_length([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4
+    assert union_length([]) == 0
+
+
+def test_time_limit_interrupts_a_long_block() -> None:
+    start = time.perf_counter()
+    with pytest.raises(TimeLimitExceeded), time_limit(0.05):
+        while time.perf_counter() - start < 5:
+            pass
+    assert time.perf_counter() - start < 1
+    with time_limit(5):  # a block that ends in time is left alone, and the alarm is off after
+        pass
+    time.sleep(0.06)
