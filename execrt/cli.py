@@ -80,7 +80,7 @@ def _add_bench_decode(bench_sub: Any) -> None:
     dec.add_argument(
         "--hf-compile-timeout",
         type=float,
-        default=240.0,
+        default=180.0,
         help="seconds for transformers' compile at bs 1 (0: skip it)",
     )
     dec.add_argument("--profile", action="store_true", help="profile the first bs of each mode")
