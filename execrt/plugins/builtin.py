@@ -9,6 +9,7 @@ import torch
 
 from execrt.core.interfaces import (
     AttentionCapabilities,
+    DispatchFormat,
     GraphCapabilities,
     MoEDispatcherCapabilities,
 )
@@ -33,6 +34,16 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
     graph=True,
 )
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+NCCL_EP_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR,
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.bfloat16}),
+    world_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # NCCL EP: up to 8 nodes x 8 GPUs
+    process_group_backends=frozenset({"none", "nccl"}),
+    max_top_k=32,
+    graph=True,
+    replicated_tokens=False,
+)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
 )
@@ -44,6 +55,13 @@ def _triton_check(req: Any) -> list[str]:
     if req.device == "cpu" and req.dtype == torch.bfloat16:
         return ["the Triton interpreter computes bfloat16 wrongly; use float16 or float32 on cpu"]
     return _cuda_check(req)
+
+
+def _nccl_ep_check(req: Any) -> list[str]:
+    # The probe names the NCCL versions found without loading libnccl_ep.so.
+    from execrt.backends.moe_dispatch.nccl_ep_probe import availability_problems
+
+    return availability_problems(req)
 
 
 def _cuda_check(req: Any) -> list[str]:
@@ -92,6 +110,17 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         ALLREDUCE_DISPATCH,
         priority=10,
         description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )
+    registry.register(
+        "moe_dispatch",
+        "nccl_ep",
+        "execrt.backends.moe_dispatch.nccl_ep:NcclEpDispatcher",
+        NCCL_EP_DISPATCH,
+        install_hint="pip install execrt[nccl-ep]",
+        priority=5,
+        auto_devices=frozenset(),  # opt-in: ranks bring their own tokens (replicated_tokens)
+        check=_nccl_ep_check,
+        description="NCCL EP low-latency dispatch/combine, expert-major; CUDA-graph resources",
     )
     registry.register(
         "graph",
