@@ -9,6 +9,7 @@ import torch
 
 from execrt.core.interfaces import (
     AttentionCapabilities,
+    DispatchFormat,
     GraphCapabilities,
     MoEDispatcherCapabilities,
 )
@@ -33,6 +34,9 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
     graph=True,
 )
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+ALL_TO_ALL_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=False, replicated_tokens=False
+)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
 )
@@ -92,6 +96,16 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         ALLREDUCE_DISPATCH,
         priority=10,
         description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all",
+        "execrt.backends.moe_dispatch.all_to_all:AllToAllDispatcher",
+        ALL_TO_ALL_DISPATCH,
+        # Below allreduce: attention is replicated today, so every rank would ship every token
+        # and run P times the expert work that allreduce does; worth it once tokens are per rank.
+        priority=5,
+        description="per-rank tokens to their experts' ranks and back (all_to_all_single)",
     )
     registry.register(
         "graph",

@@ -28,3 +28,7 @@ class TestAllReduceDispatch(MoEDispatcherSuite):
 
 class TestReexecGraph(GraphBackendSuite):
     backend = "reexec"
+
+
+class TestAllToAllDispatch(MoEDispatcherSuite):
+    backend = "all_to_all"

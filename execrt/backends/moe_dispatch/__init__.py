@@ -1,1 +1,1 @@
-"""MoE token dispatchers: allreduce (no dispatch communication)."""
+"""MoE token dispatchers: allreduce (no dispatch communication), all_to_all (token exchange)."""
