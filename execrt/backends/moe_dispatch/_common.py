@@ -1,10 +1,16 @@
-"""Input checks every MoE dispatcher shares (shapes and dtypes, no device synchronisation)."""
+"""What the MoE dispatchers share: input checks (shapes, dtypes; no device sync) and exchanges."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any, TypeVar
 
-from execrt.core.interfaces import MoEDispatcherInit
+import torch
+import torch.distributed as dist
+
+from execrt.core.interfaces import ExpertMajorDispatchOutput, MoEDispatcherInit
+from execrt.core.parallel import ParallelState
+
+S = TypeVar("S")
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -46,3 +52,47 @@ def check_routing(
             f"{component}: topk_weights dtype {str(topk_weights.dtype).replace('torch.', '')} "
             "unsupported (supported: floating point)"
         )
+
+
+def check_sharding(component: str, init: MoEDispatcherInit) -> None:
+    """Experts split into equal contiguous blocks, at least one per rank."""
+    world = init.parallel.ep_size
+    if init.num_experts < world or init.num_experts % world:
+        raise ValueError(
+            f"{component}: num_experts {init.num_experts} unsupported (supported: a positive "
+            f"multiple of the world size {world})"
+        )
+
+
+def check_expert_output(
+    component: str, expert_output: torch.Tensor, dispatched: Any, state_type: type[S]
+) -> S:
+    """The routing state of ``dispatched`` if it is this dispatcher's expert-major output and
+    ``expert_output`` has its shape; TypeError or ValueError otherwise."""
+    if not isinstance(dispatched, ExpertMajorDispatchOutput) or not isinstance(
+        dispatched.state, state_type
+    ):
+        raise TypeError(f"{component}: combine needs the ExpertMajorDispatchOutput it made")
+    if expert_output.shape != dispatched.hidden_states.shape:
+        raise ValueError(
+            f"{component}: expert output {tuple(expert_output.shape)} unsupported "
+            f"(supported: the dispatched shape {tuple(dispatched.hidden_states.shape)})"
+        )
+    return dispatched.state
+
+
+def exchange(
+    parallel: ParallelState,
+    rows: torch.Tensor,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """``all_to_all_single`` over dim 0 of ``rows``: ``in_splits[r]`` rows go to rank r and
+    ``out_splits[r]`` arrive from it, in rank order. Without splits every rank gets an equal
+    share (static shapes: capturable under NCCL). At world size 1 the rows stay put."""
+    if parallel.ep_size == 1:
+        return rows
+    num_out = rows.shape[0] if out_splits is None else sum(out_splits)
+    out = rows.new_empty(num_out, *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=parallel.group)
+    return out

@@ -41,9 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from execrt.backends.moe_dispatch._common import check_routing
+from execrt.backends.moe_dispatch._common import (
+    check_expert_output,
+    check_routing,
+    check_sharding,
+    exchange,
+)
 from execrt.core.interfaces import (
     DispatchOutput,
     ExpertMajorDispatchOutput,
@@ -73,6 +77,7 @@ class _Route:
     send_splits: list[int]  # [P] rows sent to each rank
     recv_splits: list[int]  # [P] rows received from each rank
     slot_of_row: torch.Tensor  # [N_recv] int64: e * C + slot of each row received, in order
+    num_tokens: int  # T on this rank
     dtype: torch.dtype  # the tokens' dtype; combine returns it
 
 
@@ -81,12 +86,7 @@ class AllToAllDispatcher(MoEDispatcher):
 
     def __init__(self, init: MoEDispatcherInit) -> None:
         super().__init__(init)
-        world = init.parallel.ep_size
-        if init.num_experts < world or init.num_experts % world:
-            raise ValueError(
-                f"{COMPONENT}: num_experts {init.num_experts} unsupported (supported: a "
-                f"positive multiple of the world size {world})"
-            )
+        check_sharding(COMPONENT, init)
         self.parallel = init.parallel
         self.num_local = init.num_local_experts
 
@@ -107,7 +107,8 @@ class AllToAllDispatcher(MoEDispatcher):
         token_of_row = order // top_k
         weight_of_row = topk_weights.reshape(-1)[order].float()  # [N_send]
         rows = hidden_states[token_of_row]  # [N_send, H]
-        received = self._exchange(rows, counts.recv_splits, counts.send_splits)  # [N_recv, H]
+        par = self.parallel
+        received = exchange(par, rows, counts.recv_splits, counts.send_splits)  # [N_recv, H]
 
         e_local, hidden = self.num_local, hidden_states.shape[1]
         slot_of_row = _slots(counts.per_source, counts.capacity, received.shape[0])  # [N_recv]
@@ -119,6 +120,7 @@ class AllToAllDispatcher(MoEDispatcher):
             counts.send_splits,
             counts.recv_splits,
             slot_of_row,
+            hidden_states.shape[0],
             hidden_states.dtype,
         )
         return ExpertMajorDispatchOutput(
@@ -142,7 +144,7 @@ class AllToAllDispatcher(MoEDispatcher):
         send = torch.empty(world, e_local + 1, dtype=torch.int64, device=bucket.device)
         send[:, :e_local] = tally[1 : num_experts + 1].view(world, e_local)
         send[:, e_local] = tally[num_experts + 1]  # every rank hears of our invalid ids
-        recv = self._exchange(send, [1] * world, [1] * world)  # [P, E_local + 1] by source
+        recv = exchange(self.parallel, send)  # [P, E_local + 1] by source rank
         per_source = recv[:, :e_local]  # [P, E_local]
         host = torch.cat(
             [
@@ -162,33 +164,13 @@ class AllToAllDispatcher(MoEDispatcher):
         return _Counts(host[:world], host[world : 2 * world], per_source, host[-1])
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        d = dispatch_output
-        if not isinstance(d, ExpertMajorDispatchOutput) or not isinstance(d.state, _Route):
-            raise TypeError(f"{COMPONENT}: combine needs the ExpertMajorDispatchOutput it made")
-        if expert_output.shape != d.hidden_states.shape:
-            raise ValueError(
-                f"{COMPONENT}: expert output {tuple(expert_output.shape)} unsupported "
-                f"(supported: the dispatched shape {tuple(d.hidden_states.shape)})"
-            )
-        route, hidden = d.state, expert_output.shape[-1]
+        route = check_expert_output(COMPONENT, expert_output, dispatch_output, _Route)
+        hidden = expert_output.shape[-1]
         back = expert_output.reshape(-1, hidden)[route.slot_of_row]  # [N_recv, H] arrival order
-        home = self._exchange(back, route.send_splits, route.recv_splits)  # [N_send, H]
-        out = torch.zeros(d.num_tokens, hidden, dtype=torch.float32, device=home.device)
+        home = exchange(self.parallel, back, route.send_splits, route.recv_splits)  # [N_send, H]
+        out = torch.zeros(route.num_tokens, hidden, dtype=torch.float32, device=home.device)
         out.index_add_(0, route.token_of_row, home.float() * route.weight_of_row[:, None])
         return out.to(route.dtype)  # [T, H]
-
-    def _exchange(
-        self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> torch.Tensor:
-        """``all_to_all_single`` over dim 0: ``in_splits[r]`` rows go to rank r, ``out_splits[r]``
-        rows arrive from it, in rank order. At world size 1 the rows stay where they are."""
-        if self.parallel.ep_size == 1:
-            return rows
-        out = rows.new_empty(sum(out_splits), *rows.shape[1:])
-        dist.all_to_all_single(
-            out, rows.contiguous(), out_splits, in_splits, group=self.parallel.group
-        )
-        return out
 
 
 def _slots(per_source: torch.Tensor, capacity: int, num_rows: int) -> torch.Tensor:
