@@ -37,6 +37,9 @@ ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
 ALL_TO_ALL_DISPATCH = MoEDispatcherCapabilities(
     output_format=DispatchFormat.EXPERT_MAJOR, graph=False, replicated_tokens=False
 )
+ALL_TO_ALL_FIXED_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=True, replicated_tokens=False
+)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
 )
@@ -106,6 +109,16 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         # and run P times the expert work that allreduce does; worth it once tokens are per rank.
         priority=5,
         description="per-rank tokens to their experts' ranks and back (all_to_all_single)",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all_fixed",
+        "execrt.backends.moe_dispatch.all_to_all_fixed:FixedCapacityAllToAllDispatcher",
+        ALL_TO_ALL_FIXED_DISPATCH,
+        priority=4,
+        # Its buffers scale with max_tokens_per_rank on every call: chosen by name only.
+        auto_devices=frozenset(),
+        description="all_to_all in fixed-capacity buffers: graph-capturable, drops counted",
     )
     registry.register(
         "graph",

@@ -32,3 +32,7 @@ class TestReexecGraph(GraphBackendSuite):
 
 class TestAllToAllDispatch(MoEDispatcherSuite):
     backend = "all_to_all"
+
+
+class TestAllToAllFixedDispatch(MoEDispatcherSuite):
+    backend = "all_to_all_fixed"

@@ -156,10 +156,9 @@ class AllToAllDispatcher(MoEDispatcher):
         ).tolist()
         bad = host[2 * world : 3 * world]
         if any(bad):
-            where = ", ".join(f"rank {r}: {n}" for r, n in enumerate(bad) if n)
+            where = "; ".join(f"rank {r}: {n} invalid ids" for r, n in enumerate(bad) if n)
             raise ValueError(
-                f"{COMPONENT}: topk_ids outside [-1, {num_experts}) (invalid ids per rank: "
-                f"{where}); every rank raises"
+                f"{COMPONENT}: topk_ids outside [-1, {num_experts}) ({where}); every rank raises"
             )
         return _Counts(host[:world], host[world : 2 * world], per_source, host[-1])
 
