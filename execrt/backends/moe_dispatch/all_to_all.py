@@ -21,7 +21,7 @@ compute is the same batched matmul (and the same future fused kernel) as for ``n
 returns unweighted outputs: the routing weights stay on the source rank and are applied there
 in combine, in fp32, never before. The slot dimension ``C`` is the largest count among this
 rank's experts in this step (host-known after the counts exchange), the tightest capacity that
-holds every row; the ``P * max_tokens`` bound of a fixed buffer is only needed under graphs.
+holds every row; the fixed ``P * max_tokens`` bound is for graphs (``all_to_all_fixed``).
 Rows of expert ``e`` sit source-rank-major, each source's rows in its token order, which makes
 the layout deterministic. Padding rows are zero and combine never reads them. The alternative,
 a STANDARD-like list of received rows with local ids, would apply the weights in expert compute
