@@ -9,6 +9,7 @@ import torch
 
 from execrt.core.interfaces import (
     AttentionCapabilities,
+    DispatchFormat,
     GraphCapabilities,
     MoEDispatcherCapabilities,
 )
@@ -34,6 +35,12 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
 )
 # Capturable: no host sync, and its one collective (all-reduce) is legal inside a CUDA graph.
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities(graph=True)
+ALL_TO_ALL_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=False, replicated_tokens=False
+)
+ALL_TO_ALL_FIXED_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=True, replicated_tokens=False
+)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     real_capture=False,
@@ -99,6 +106,26 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         ALLREDUCE_DISPATCH,
         priority=10,
         description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all",
+        "execrt.backends.moe_dispatch.all_to_all:AllToAllDispatcher",
+        ALL_TO_ALL_DISPATCH,
+        # Below allreduce: attention is replicated today, so every rank would ship every token
+        # and run P times the expert work that allreduce does; worth it once tokens are per rank.
+        priority=5,
+        description="per-rank tokens to their experts' ranks and back (all_to_all_single)",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all_fixed",
+        "execrt.backends.moe_dispatch.all_to_all_fixed:FixedCapacityAllToAllDispatcher",
+        ALL_TO_ALL_FIXED_DISPATCH,
+        priority=4,
+        # Its buffers scale with max_tokens_per_rank on every call: chosen by name only.
+        auto_devices=frozenset(),
+        description="all_to_all in fixed-capacity buffers: graph-capturable, drops counted",
     )
     registry.register(
         "graph",
