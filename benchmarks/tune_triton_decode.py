@@ -13,6 +13,7 @@ import sys
 import torch
 
 from execrt.backends.attention import triton_kernels as K
+from execrt.backends.attention.kv_indices import build_kv_indices
 from execrt.bench.attention import DecodeProblem, copy_bandwidth_gbps
 
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384)]
@@ -25,7 +26,7 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     torch.cumsum(seq, 0, dtype=torch.int32, out=indptr[1:])
     indices = torch.empty(bs * p.ctx, dtype=torch.int32, device="cuda")
-    K.build_kv_indices(
+    build_kv_indices(
         p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices
     )
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)

@@ -93,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    from execrt.core.inventory import backend_inventory, format_inventory
+    from execrt.inventory import backend_inventory, format_inventory
 
     rows = backend_inventory(kind=args.kind)
     print(json.dumps(rows, indent=2) if args.json else format_inventory(rows))

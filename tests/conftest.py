@@ -12,9 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from execrt.core.context import RuntimeContext  # noqa: E402
-from execrt.core.plugins import PluginHost  # noqa: E402
-from tests.checkpoints import CHECKPOINTS, build_checkpoint  # noqa: E402
+from execrt.core.context import RuntimeContext
+from execrt.plugins.host import PluginHost
+from tests.checkpoints import CHECKPOINTS, build_checkpoint
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

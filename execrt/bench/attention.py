@@ -28,7 +28,7 @@ from execrt.core.interfaces import (
     AttentionRequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
-from execrt.core.plugins import PluginHost
+from execrt.plugins.host import PluginHost
 
 DEFAULT_SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384))
 L2_BYTES = 60 << 20
@@ -107,8 +107,6 @@ class DecodeProblem:
             seq_lens_cpu=[self.ctx] * bs,
             extend_prefix_lens_cpu=[self.ctx - 1] * bs,
             extend_seq_lens_cpu=[1] * bs,
-            req_to_token_pool=self.pool,
-            kv_cache=self.kv_cache,
         )
 
     def reference(self) -> torch.Tensor:
@@ -132,9 +130,20 @@ def build_backend(
     if reasons:
         raise RuntimeError("; ".join(reasons))
     init = AttentionBackendInit(
-        cast(AttentionCapabilities, spec.capabilities), p.hq, p.hkv, p.d, p.d, p.num_layers,
-        p.dtype, torch.device("cuda"), p.pool, p.kv_cache, p.bs, p.ctx, ctx,
-    )  # fmt: skip
+        capabilities=cast(AttentionCapabilities, spec.capabilities),
+        num_q_heads=p.hq,
+        num_kv_heads=p.hkv,
+        head_dim=p.d,
+        v_head_dim=p.d,
+        num_layers=p.num_layers,
+        dtype=p.dtype,
+        device=torch.device("cuda"),
+        req_to_token_pool=p.pool,
+        kv_cache=p.kv_cache,
+        max_batch_size=p.bs,
+        max_context_len=p.ctx,
+        context=ctx,
+    )
     backend: AttentionBackend = spec.create(init)
     return backend
 
@@ -152,10 +161,7 @@ def time_backend(
         backend.init_forward_metadata(fb)
 
     def run_all() -> list[torch.Tensor]:
-        return [
-            backend.forward_decode(p.q, p.q, p.q, layer, fb, save_kv_cache=False)
-            for layer in p.layers
-        ]
+        return [backend.forward_decode(p.q, None, None, layer, fb) for layer in p.layers]
 
     outs = run_all()  # warm-up: JIT compilation, autotuning
     torch.cuda.synchronize()
@@ -211,7 +217,7 @@ def run(
                 backend = build_backend(host, name, problem, context)
                 us, err, graphed = time_backend(backend, problem, iters, reps)
                 backend.close()
-            except Exception as exc:  # noqa: BLE001 - report and keep benchmarking the rest
+            except Exception as exc:
                 print(f"  {name:<14} bs={bs:<4} ctx={ctx:<6} skipped: {exc}")
                 continue
             finally:

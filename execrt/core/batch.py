@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.sampler import SamplingBatchInfo
-from execrt.core.schedule import ScheduleBatch, ScheduleMode
+from execrt.core.schedule import ForwardMode, ScheduleBatch
 
 if TYPE_CHECKING:
     from execrt.core.interfaces import AttentionBackend
 
-
-class _HasPools(Protocol):
-    req_to_token_pool: ReqToTokenPool
-    kv_cache: KVCache
-    attn_backend: AttentionBackend
+__all__ = ["ForwardBatch", "ForwardMode", "LogitsOutput", "PaddedContext", "padded_decode_batch"]
 
 
 @dataclass
@@ -31,25 +26,14 @@ class LogitsOutput:
     full_logits: torch.Tensor | None = None  # [T, V] fp32 (extend, when asked for)
 
 
-class ForwardMode(IntEnum):
-    EXTEND = 1  # prefill of new tokens, possibly after a cached prefix (T >= B)
-    DECODE = 2  # one new token per request (T == B)
-    IDLE = 3  # no tokens on this rank; still joins collectives
-
-    def is_extend(self) -> bool:
-        return self == ForwardMode.EXTEND
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
-
-
 @dataclass
 class ForwardBatch:
     """Per-step data of one forward pass. Holds tensors by reference; copies nothing.
 
     Shapes: T tokens, B requests. ``seq_lens`` counts each request's cached tokens plus this
     step's; ``out_cache_loc`` is where this step's tokens' K/V are written. Host mirrors
-    (``*_cpu``) let backends plan without a device->host sync.
+    (``*_cpu``) let backends plan without a device->host sync. The pools are not here: a
+    backend reaches them through its init record.
     """
 
     forward_mode: ForwardMode
@@ -62,13 +46,14 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
-    req_to_token_pool: ReqToTokenPool
-    kv_cache: KVCache
     attn_backend: AttentionBackend | None = None
     sampling_info: SamplingBatchInfo | None = None
     return_full_logits: bool = False
     # Tokens that are real rather than graph padding (padded rows sit at the end).
     num_token_non_padded: int = -1
+    # The same count on the device ([1] int64), set whenever rows may be padding: a captured
+    # graph reads it at replay, so the MoE masks exactly this step's padding.
+    num_token_non_padded_device: torch.Tensor | None = None
     # Backend-owned per-step metadata (set by attn_backend.init_forward_metadata).
     attn_metadata: Any = None
 
@@ -93,21 +78,18 @@ class ForwardBatch:
         return max(self.extend_seq_lens_cpu, default=0)
 
     @classmethod
-    def init_new(cls, schedule_batch: ScheduleBatch, model_runner: _HasPools) -> ForwardBatch:
-        """Build from a ScheduleBatch: tensors by reference, positions computed here.
-
-        ``model_runner`` supplies the pools and the attention backend this batch refers to.
-        """
+    def init_new(
+        cls, schedule_batch: ScheduleBatch, attn_backend: AttentionBackend | None
+    ) -> ForwardBatch:
+        """Build from a ScheduleBatch: tensors by reference, positions computed here."""
         sb = schedule_batch
         device = sb.input_ids.device
-        if sb.mode == ScheduleMode.DECODE:
-            mode = ForwardMode.DECODE
+        if sb.mode.is_decode():
             positions = sb.seq_lens - 1  # [B]
         else:
-            mode = ForwardMode.EXTEND
             positions = extend_positions(sb.prefix_lens, sb.extend_lens, device)
         return cls(
-            forward_mode=mode,
+            forward_mode=sb.mode,
             batch_size=sb.batch_size,
             input_ids=sb.input_ids,
             positions=positions,
@@ -117,12 +99,66 @@ class ForwardBatch:
             seq_lens_cpu=list(sb.seq_lens_cpu),
             extend_prefix_lens_cpu=list(sb.prefix_lens),
             extend_seq_lens_cpu=list(sb.extend_lens),
-            req_to_token_pool=model_runner.req_to_token_pool,
-            kv_cache=model_runner.kv_cache,
-            attn_backend=model_runner.attn_backend,
+            attn_backend=attn_backend,
             sampling_info=SamplingBatchInfo.from_reqs(sb.reqs, device),
             return_full_logits=sb.return_full_logits,
         )
+
+
+# -- the one padding rule for decode graphs -------------------------------------------------------
+# A padded row reads request row 0 (ReqToTokenPool's reserved row), writes its K/V to slot 0
+# (the allocator's reserved slot), feeds token 0 at position ``fill - 1`` and has
+# ``seq_len = fill``, the attention backend's ``graph_seq_len_fill_value``. The graph runner,
+# the conformance harnesses and the tests all pad through ``padded_decode_batch``.
+INPUT_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+PAD_VALUES = {"input_ids": 0, "req_pool_indices": 0, "out_cache_loc": 0}
+
+
+def padded_decode_batch(
+    fb: ForwardBatch,
+    padded_bs: int,
+    seq_len_fill: int,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> ForwardBatch:
+    """``fb`` (decode, B real rows) as a batch of ``padded_bs`` rows, real rows first.
+
+    The device inputs are written into ``out`` (buffers of at least ``padded_bs`` rows, keyed
+    by ``INPUT_FIELDS``; ``out["num_token_non_padded"]`` [1] when present) or into new
+    tensors; the host mirrors are padded alike. Nothing is allocated when ``out`` is given.
+    """
+    if not fb.forward_mode.is_decode():
+        raise ValueError(f"padding: only decode batches are padded, got {fb.forward_mode.name}")
+    b = fb.batch_size
+    if padded_bs < b:
+        raise ValueError(f"padding: cannot pad a batch of {b} down to {padded_bs}")
+    if seq_len_fill < 1:
+        raise ValueError(f"padding: seq_len fill value {seq_len_fill} must be >= 1")
+    pad_values = PAD_VALUES | {"seq_lens": seq_len_fill, "positions": seq_len_fill - 1}
+    views: dict[str, Any] = {}
+    for name in INPUT_FIELDS:
+        src = getattr(fb, name)  # [B]
+        dst = src.new_empty(padded_bs) if out is None else out[name][:padded_bs]
+        if dst.data_ptr() != src.data_ptr():
+            dst[:b].copy_(src, non_blocking=True)
+        dst[b:].fill_(pad_values[name])
+        views[name] = dst
+    count = None if out is None else out.get("num_token_non_padded")
+    if count is None:
+        count = torch.full((1,), b, dtype=torch.int64, device=fb.input_ids.device)
+    else:
+        count.fill_(b)
+    pads = padded_bs - b
+    return dataclasses.replace(
+        fb,
+        batch_size=padded_bs,
+        seq_lens_cpu=list(fb.seq_lens_cpu) + [seq_len_fill] * pads,
+        extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu) + [seq_len_fill - 1] * pads,
+        extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu) + [1] * pads,
+        num_token_non_padded=b,
+        num_token_non_padded_device=count,
+        attn_metadata=None,
+        **views,
+    )
 
 
 @dataclass
@@ -137,9 +173,10 @@ class PaddedContext:
     valid: torch.Tensor  # [B, L_max] bool
 
     @classmethod
-    def of(cls, fb: ForwardBatch) -> PaddedContext:
+    def of(cls, fb: ForwardBatch, req_to_token: torch.Tensor) -> PaddedContext:
+        """``req_to_token`` is the pool's table ``[R+1, C]``."""
         max_len = fb.max_seq_len
-        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
+        rows = req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
         valid = torch.arange(max_len, device=rows.device)[None, :] < fb.seq_lens[:, None]
         return cls(torch.where(valid, rows.long(), 0), valid)
 

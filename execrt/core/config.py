@@ -43,6 +43,8 @@ class RuntimeConfig:
     context_len: int = 0
     max_prefill_tokens: int = 4096
     seed: int = 0
+    cuda_graph_max_bs: int = 0
+    cuda_graph_bs: str = ""
 
     def __post_init__(self) -> None:
         for name in ("attention_backend", "moe_dispatcher", "graph_backend"):
@@ -59,7 +61,7 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "context_len", "seed"):
+        for name in ("kv_cache_tokens", "context_len", "seed", "cuda_graph_max_bs"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
@@ -69,6 +71,20 @@ class RuntimeConfig:
                 "config: kv_cache_memory_fraction must be in (0, 0.95], "
                 f"got {self.kv_cache_memory_fraction}"
             )
+        self.graph_batch_sizes()  # validates cuda_graph_bs
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """``cuda_graph_bs`` ("1,2,4,8") as integers; empty means the default list."""
+        try:
+            sizes = tuple(int(p) for p in self.cuda_graph_bs.split(",") if p.strip())
+        except (AttributeError, ValueError):
+            sizes = (0,)
+        if any(b < 1 for b in sizes):
+            raise ConfigError(
+                f"config: cuda_graph_bs {self.cuda_graph_bs!r} must be comma-separated "
+                "integers >= 1, e.g. '1,2,4,8'"
+            )
+        return sizes
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         """A new config with ``changes`` applied (validated like any other)."""

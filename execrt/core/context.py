@@ -60,7 +60,7 @@ class RuntimeContext:
                 f"{self._records[name].owner}"
             )
         self._order += 1
-        self._records[name] = ResourceRecord(name, obj, owner, close, self._order)  # type: ignore[arg-type]
+        self._records[name] = ResourceRecord(name, obj, owner, close, self._order)
         return obj
 
     def get_or_create(
@@ -73,7 +73,7 @@ class RuntimeContext:
     ) -> T:
         """The resource under ``name``, creating and registering it on first use."""
         if name in self._records:
-            return self._records[name].obj  # type: ignore[no-any-return]
+            return self._records[name].obj
         return self.register(name, factory(), owner=owner, close=close)
 
     def has(self, name: str) -> bool:
@@ -154,7 +154,7 @@ class RuntimeContext:
             try:
                 if record.close is not None:
                     record.close(record.obj)
-            except Exception as exc:  # noqa: BLE001 - report, keep closing the rest
+            except Exception as exc:
                 problems.append(f"closing {record.name} failed: {exc!r}")
         self.closed = True
         for line in problems:

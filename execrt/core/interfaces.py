@@ -83,6 +83,9 @@ class AttentionCapabilities(Capabilities):
     decode: bool = True
     extend: bool = True
     graph: bool = False  # init_graph_state + init_forward_metadata_graph are capture-safe
+    # True: forward_decode / forward_extend receive this step's K/V and store them themselves
+    # (e.g. fused into the kernel). False: AttentionBackend.forward stores them first.
+    stores_kv: bool = False
 
     def refusals(self, req: AttentionRequirements) -> list[str]:
         """Reasons this backend cannot serve ``req`` (empty list: it can)."""
@@ -136,8 +139,9 @@ class AttentionBackend(ABC):
     """Paged attention over the slot-granular KV cache.
 
     Per step, ``init_forward_metadata(fb)`` runs once (host side, may allocate) and stores the
-    backend's own metadata dataclass in ``fb.attn_metadata``; then, per layer, ``forward`` stores
-    this step's K/V at ``fb.out_cache_loc`` and attends over each request's context.
+    backend's own metadata dataclass in ``fb.attn_metadata``; then, per layer, ``forward``
+    stores this step's K/V at ``fb.out_cache_loc`` (the single place that does, unless the
+    backend declares ``stores_kv``) and calls ``forward_decode`` or ``forward_extend``.
 
     Graph support (``capabilities.graph``): ``init_graph_state`` allocates every metadata
     buffer once; ``init_forward_metadata_graph`` then writes a decode batch's metadata into
@@ -165,28 +169,29 @@ class AttentionBackend(ABC):
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """One token per request. ``q [B, Hq, D]``, ``k [B, Hkv, D]``, ``v [B, Hkv, Dv]``
-        in the cache dtype -> ``[B, Hq, Dv]``. Stores k/v at ``fb.out_cache_loc`` first."""
+        """One token per request. ``q [B, Hq, D]`` in the cache dtype -> ``[B, Hq, Dv]``.
+
+        ``k [B, Hkv, D]`` / ``v [B, Hkv, Dv]`` are this step's K/V *to store*: given only to a
+        backend that declares ``stores_kv`` and only when they are not yet in the cache;
+        otherwise None (they already sit at ``fb.out_cache_loc``)."""
 
     @abstractmethod
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """New tokens of every request, request after request: ``q [T, Hq, D]`` -> ``[T, Hq, Dv]``.
         Token i of request b sits at position ``prefix_len[b] + i`` and attends causally over
-        the cached prefix and the new tokens. Stores k/v at ``fb.out_cache_loc`` first."""
+        the cached prefix and the new tokens. ``k`` / ``v`` as for ``forward_decode``."""
 
     def forward(
         self,
@@ -197,10 +202,19 @@ class AttentionBackend(ABC):
         fb: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
+        """Store this step's K/V (unless ``save_kv_cache`` is False: the caller stored them,
+        e.g. in a fused rotary kernel) and attend. ``q [T, Hq, D]``, ``k [T, Hkv, D]``,
+        ``v [T, Hkv, Dv]`` -> ``[T, Hq, Dv]``."""
+        to_store: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if save_kv_cache:
+            if self.capabilities.stores_kv:
+                to_store = (k, v)
+            else:
+                self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, fb, save_kv_cache)
+            return self.forward_decode(q, *to_store, layer, fb)
         if fb.forward_mode.is_extend():
-            return self.forward_extend(q, k, v, layer, fb, save_kv_cache)
+            return self.forward_extend(q, *to_store, layer, fb)
         return q.new_empty((0, layer.num_q_heads, layer.v_head_dim))
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

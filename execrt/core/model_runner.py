@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
+from execrt.core.errors import BackendUnavailableError, ConfigError
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionBackendInit,
     AttentionCapabilities,
     AttentionRequirements,
+    GraphBackendInit,
+    GraphCapabilities,
     GraphRequirements,
     MoEDispatcher,
     MoEDispatcherCapabilities,
@@ -23,16 +26,23 @@ from execrt.core.interfaces import (
     MoERequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.model_spec import ModelLoader, ModelLoadRequest
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import BackendRegistry, PluginHost, get_plugin_host
-from execrt.core.runners import EagerRunner
+from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
+from execrt.core.runners import (
+    DecodeCudaGraphRunner,
+    EagerRunner,
+    InputBuffers,
+    capture_batch_sizes,
+)
 from execrt.core.sampler import Sampler
-from execrt.core.selection import Resolution, ResolutionReport, resolve_backend
-from execrt.models import ModelConfig, load_model
+from execrt.core.selection import Resolution, ResolutionReport, build_backend
 
 logger = logging.getLogger(__name__)
 OWNER = "model_runner"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BUDGET_BYTES = 256 << 20
+MAX_GRAPH_BS = 512  # largest decode bucket captured unless cuda_graph_max_bs says otherwise
 
 
 @dataclass
@@ -44,57 +54,47 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Loads the model once, owns the KV pools and backends, and runs forward passes.
 
-    Lifecycle: resolve backends -> MoE dispatcher -> model weights -> KV pools -> attention
-    backend -> runners. ``close()`` releases everything it registered in the context.
+    Lifecycle: MoE dispatcher -> model weights -> KV pools -> attention backend -> runners.
+    ``registry`` comes from the edge (the plugin host); ``close()`` releases everything this
+    runner registered in the context.
     """
 
     def __init__(
         self,
-        model_path: str,
+        loader: ModelLoader,
         config: RuntimeConfig,
         context: RuntimeContext,
-        plugin_host: PluginHost | None = None,
+        registry: BackendRegistry,
     ) -> None:
         self.config = config
         self.context = context
+        self.registry = registry
         self.parallel = context.parallel or ParallelState.single()
         self.device = resolve_device(config.device)
-        self.model_config = mc = ModelConfig.from_pretrained(model_path)
-        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.model_spec = spec = loader.spec
+        self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
         self.context_len = min(
-            config.context_len or mc.max_position_embeddings, mc.max_position_embeddings
+            config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
         )
         self.max_running_requests = config.max_running_requests
         self.max_num_tokens = max(config.max_prefill_tokens, config.max_running_requests)
-        registry = (plugin_host or get_plugin_host()).registry
         self.resolution = ResolutionReport()
 
-        attn_name = self._resolve(
-            registry,
-            "attention",
-            config.attention_backend,
-            AttentionRequirements(
-                self.device.type, self.dtype, mc.head_dim, mc.num_q_heads, mc.num_kv_heads
-            ),
-        )
-        self.moe_dispatcher = self._build_moe_dispatcher(registry) if mc.is_moe else None
-        if not mc.is_moe:
+        self.moe_dispatcher = self._build_moe_dispatcher() if spec.is_moe else None
+        if not spec.is_moe:
             self.resolution.resolutions.append(
                 Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model")
             )
-        self.graph_backend_name = self._resolve(
-            registry, "graph", config.graph_backend, GraphRequirements(self.device.type)
+        self.model = loader.load(
+            ModelLoadRequest(
+                device=self.device,
+                dtype=self.dtype,
+                max_positions=self.context_len,
+                dispatcher=self.moe_dispatcher,
+                parallel=self.parallel,
+            )
         )
-
-        self.model = load_model(
-            model_path,
-            mc,
-            device=self.device,
-            dtype=self.dtype,
-            max_positions=self.context_len,
-            dispatcher=self.moe_dispatcher,
-        )
-        kv_tokens = config.kv_cache_tokens or self._auto_kv_tokens()
+        kv_tokens = config.kv_cache_tokens or self.auto_kv_tokens()
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, self.context_len, self.device
         )
@@ -102,100 +102,174 @@ class ModelRunner:
         self.kv_cache = context.register(
             "kv_cache",
             KVCache(
-                kv_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+                kv_tokens,
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                self.dtype,
+                self.device,
             ),
             owner=OWNER,
         )
-        self.attn_backend = self._build_attention(registry, attn_name)
+        self.attn_backend = self._build_attention()
         self.sampler = Sampler()
-        self.forward_pass_id = 0
-        self.eager_runner = EagerRunner(self, self.max_running_requests, self.max_num_tokens)
-        self.decode_graph_runner = None  # the graph runner arrives with the CUDA-graph backends
+        self.input_buffers = InputBuffers(
+            self.max_running_requests, self.max_num_tokens, self.device
+        )
+        self.eager_runner = EagerRunner(self.model, self.attn_backend, self.input_buffers)
+        self.decode_graph_runner = self._build_graph_runner()
         logger.info("backends:\n%s", self.resolution.describe())
 
-    def _resolve(
-        self, registry: BackendRegistry, kind: str, requested: str, requirements: object
-    ) -> str | None:
-        res = resolve_backend(registry, kind, requested, requirements, strict=self.config.strict)
-        self.resolution.resolutions.append(res)
-        return res.chosen
+    # -- building -----------------------------------------------------------------------------
+    def _build(self, kind: str, requested: str, requirements: Any, make_init: Any) -> Any:
+        backend, resolution = build_backend(
+            self.registry, kind, requested, requirements, make_init, strict=self.config.strict
+        )
+        self.resolution.resolutions.append(resolution)
+        return backend
 
-    def _build_moe_dispatcher(self, registry: BackendRegistry) -> MoEDispatcher:
-        mc = self.model_config
-        name = self._resolve(
-            registry,
-            "moe_dispatch",
-            self.config.moe_dispatcher,
-            MoERequirements(
-                self.device.type,
-                self.dtype,
-                self.parallel.world_size,
-                self.parallel.backend,
-                mc.num_experts,
-                mc.top_k,
-                mc.hidden_size,
-            ),
+    def _build_moe_dispatcher(self) -> MoEDispatcher:
+        spec = self.model_spec
+        requirements = MoERequirements(
+            device=self.device.type,
+            dtype=self.dtype,
+            world_size=self.parallel.world_size,
+            process_group_backend=self.parallel.backend,
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            hidden_size=spec.hidden_size,
         )
-        assert name is not None, "resolve_backend raises when no dispatcher is usable"
-        spec = registry.get("moe_dispatch", name)
-        init = MoEDispatcherInit(
-            cast(MoEDispatcherCapabilities, spec.capabilities),
-            mc.num_experts,
-            mc.top_k,
-            mc.hidden_size,
-            self.dtype,
-            self.device,
-            self.max_num_tokens,
-            self.parallel,
-            self.context,
+
+        def make_init(backend: BackendSpec) -> MoEDispatcherInit:
+            return MoEDispatcherInit(
+                capabilities=cast(MoEDispatcherCapabilities, backend.capabilities),
+                num_experts=spec.num_experts,
+                top_k=spec.top_k,
+                hidden_size=spec.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+                max_tokens_per_rank=self.max_num_tokens,
+                parallel=self.parallel,
+                context=self.context,
+            )
+
+        dispatcher = self._build(
+            "moe_dispatch", self.config.moe_dispatcher, requirements, make_init
         )
-        dispatcher: MoEDispatcher = spec.create(init)
         return self.context.register(
             "moe_dispatcher", dispatcher, owner=OWNER, close=lambda d: d.close()
         )
 
-    def _build_attention(self, registry: BackendRegistry, name: str | None) -> AttentionBackend:
-        mc = self.model_config
-        assert name is not None, "resolve_backend raises when no attention backend is usable"
-        spec = registry.get("attention", name)
-        init = AttentionBackendInit(
-            cast(AttentionCapabilities, spec.capabilities),
-            mc.num_q_heads,
-            mc.num_kv_heads,
-            mc.head_dim,
-            mc.head_dim,
-            mc.num_layers,
-            self.dtype,
-            self.device,
-            self.req_to_token_pool,
-            self.kv_cache,
-            self.max_running_requests,
-            self.context_len,
-            self.context,
+    def _build_attention(self) -> AttentionBackend:
+        spec = self.model_spec
+        requirements = AttentionRequirements(
+            device=self.device.type,
+            dtype=self.dtype,
+            head_dim=spec.head_dim,
+            num_q_heads=spec.num_q_heads,
+            num_kv_heads=spec.num_kv_heads,
         )
-        backend: AttentionBackend = spec.create(init)
+
+        def make_init(backend: BackendSpec) -> AttentionBackendInit:
+            return AttentionBackendInit(
+                capabilities=cast(AttentionCapabilities, backend.capabilities),
+                num_q_heads=spec.num_q_heads,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                v_head_dim=spec.head_dim,
+                num_layers=spec.num_layers,
+                dtype=self.dtype,
+                device=self.device,
+                req_to_token_pool=self.req_to_token_pool,
+                kv_cache=self.kv_cache,
+                max_batch_size=self.max_running_requests,
+                max_context_len=self.context_len,
+                context=self.context,
+            )
+
+        backend = self._build("attention", self.config.attention_backend, requirements, make_init)
         return self.context.register(
             "attn_backend", backend, owner=OWNER, close=lambda b: b.close()
         )
 
-    def _auto_kv_tokens(self) -> int:
+    def _build_graph_runner(self) -> DecodeCudaGraphRunner | None:
+        """Resolve the graph backend and capture every decode bucket; None runs eagerly.
+
+        ``auto`` takes a graph backend only when the attention backend and the MoE dispatcher
+        can be captured; an explicitly named one fails with the reason when they cannot.
+        """
+        requested = self.config.graph_backend
+        blockers = [
+            f"{kind} backend {name!r} is not graph-capable"
+            for kind, name, capable in (
+                ("attention", self._chosen("attention"), self.attn_backend.capabilities.graph),
+                (
+                    "moe_dispatch",
+                    self._chosen("moe_dispatch"),
+                    self.moe_dispatcher is None or self.moe_dispatcher.capabilities.graph,
+                ),
+            )
+            if not capable
+        ]
+        if blockers and requested != NO_GRAPH:
+            if requested != "auto" or self.config.strict and self.device.type == "cuda":
+                raise BackendUnavailableError("graph", requested, blockers)
+            note = "; ".join(blockers) + ": decode runs eagerly"
+            self.resolution.resolutions.append(Resolution("graph", requested, None, note=note))
+            return None
+        provider = self.moe_dispatcher.graph_resource_provider() if self.moe_dispatcher else None
+
+        def make_init(backend: BackendSpec) -> GraphBackendInit:
+            return GraphBackendInit(
+                capabilities=cast(GraphCapabilities, backend.capabilities),
+                device=self.device,
+                context=self.context,
+                resource_provider=provider,
+            )
+
+        graph_backend = self._build(
+            "graph", requested, GraphRequirements(self.device.type), make_init
+        )
+        if graph_backend is None:
+            return None
+        self.context.register(
+            "graph_backend", graph_backend, owner=OWNER, close=lambda g: g.cleanup()
+        )
+        max_bs = min(self.config.cuda_graph_max_bs or MAX_GRAPH_BS, self.max_running_requests)
+        runner = DecodeCudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.input_buffers,
+            graph_backend,
+            capture_batch_sizes(max_bs, self.config.graph_batch_sizes()),
+        )
+        runner.capture()
+        return runner
+
+    def _chosen(self, kind: str) -> str:
+        return next((r.chosen or "none" for r in self.resolution.resolutions if r.kind == kind), "")
+
+    def auto_kv_tokens(self) -> int:
+        """KV slots when ``kv_cache_tokens`` is 0: every request at full context, capped by a
+        share of free GPU memory (a fixed budget on CPU)."""
+        spec = self.model_spec
         per_token = KVCache.bytes_per_token_for(
-            self.model_config.num_layers,
-            self.model_config.num_kv_heads,
-            self.model_config.head_dim,
-            self.dtype,
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_cache_memory_fraction)
         else:
-            budget = 256 << 20
+            budget = CPU_KV_BUDGET_BYTES
         wanted = self.max_running_requests * self.context_len
         return max(1, min(wanted, budget // per_token))
 
+    # -- running ------------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
         """Run one forward pass, through a captured graph when one fits, else eagerly."""
-        self.forward_pass_id += 1
+        graphs = self.decode_graph_runner
+        if graphs is not None and graphs.can_run(fb):
+            return ModelRunnerOutput(graphs.execute(fb), can_run_graph=True)
         return ModelRunnerOutput(self.eager_runner.execute(fb), can_run_graph=False)
 
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> torch.Tensor:
@@ -205,7 +279,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the backends and KV storage this runner registered. Idempotent."""
-        for name in ("attn_backend", "kv_cache", "moe_dispatcher"):
+        # Graphs first: they hold pointers into the KV cache and the dispatcher's buffers.
+        for name in ("graph_backend", "attn_backend", "kv_cache", "moe_dispatcher"):
             if self.context.has(name) and self.context.owner_of(name) == OWNER:
                 self.context.unregister(name, owner=OWNER)
 
@@ -215,14 +290,12 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from execrt.core.errors import ConfigError
-
         raise ConfigError(f"config: device {name!r} requested but no CUDA device is visible")
     return device
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """``auto``: the checkpoint's dtype on CUDA, float32 on CPU (where half math is slow)."""
     if name != "auto":
-        return _DTYPES[name]
-    return model_config.dtype if device.type == "cuda" else torch.float32
+        return DTYPES[name]
+    return checkpoint_dtype if device.type == "cuda" else torch.float32

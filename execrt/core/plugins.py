@@ -1,19 +1,20 @@
-"""Plugins and selection: pluggy hookspecs, the backend registry, plugin loading, "auto"."""
+"""Plugin contract: pluggy hookspecs, BackendSpec and the validated BackendRegistry.
+
+Loading plugins (entry points, the built-in plugin) is the edge's job: ``execrt.plugins.host``.
+"""
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
-from execrt.core import envs
 from execrt.core.errors import BackendUnavailableError, PluginError
 from execrt.core.interfaces import (
     AttentionCapabilities,
@@ -25,8 +26,6 @@ from execrt.core.interfaces import (
 logger = logging.getLogger(__name__)
 
 PROJECT = "execrt"
-ENTRY_POINT_GROUP = "execrt"
-BUILTIN_PLUGIN = "execrt.builtin"
 NO_GRAPH = "none"  # graph_backend value that disables graphs
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -104,16 +103,38 @@ class BackendSpec:
         module_name, _, attr = self.factory.partition(":")
         try:
             module = importlib.import_module(module_name)
-            return getattr(module, attr)  # type: ignore[no-any-return]
-        except (ImportError, AttributeError) as exc:
+            return getattr(module, attr)
+        except Exception as exc:
             hint = f" ({self.install_hint})" if self.install_hint else ""
             raise BackendUnavailableError(
-                self.kind, self.name, [f"cannot load {self.factory}: {exc}{hint}"]
+                self.kind,
+                self.name,
+                [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
             ) from exc
 
+    def factory_problems(self) -> list[str]:
+        """Why the factory cannot be loaded (imports its module, builds nothing)."""
+        try:
+            self.load_factory()
+        except BackendUnavailableError as exc:
+            return list(exc.reasons)
+        return []
+
     def create(self, init: Any) -> Any:
-        """Build the backend from the kind's init record."""
-        return self.load_factory()(init)
+        """Build the backend from the kind's init record.
+
+        Any failure (import or constructor) becomes a BackendUnavailableError of one line
+        naming the plugin, so a broken third-party backend never surfaces as a traceback.
+        """
+        factory = self.load_factory()
+        try:
+            return factory(init)
+        except BackendUnavailableError:
+            raise
+        except Exception as exc:
+            raise BackendUnavailableError(
+                self.kind, self.name, [f"plugin {self.plugin!r}: constructor raised {exc!r}"]
+            ) from exc
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -137,10 +158,12 @@ def _importable(module: str) -> bool:
 
 
 class BackendRegistry:
-    """Backends by (kind, name). Registration is validated; clashes name both plugins."""
+    """Backends by (kind, name). Registration is validated; a clash names both plugins and the
+    first registrant keeps the name."""
 
     def __init__(self) -> None:
         self._specs: dict[tuple[str, str], BackendSpec] = {}
+        # A name claimed twice stays with its first registrant; the newcomer is refused whole.
         self._conflicts: dict[tuple[str, str], tuple[str, str]] = {}
         self._plugin = "<direct>"
         self._version = ""
@@ -189,17 +212,13 @@ class BackendRegistry:
         if isinstance(factory, str) and ":" not in factory:
             raise PluginError(self._plugin, f"factory {factory!r} must look like 'module:attr'")
         key = (kind, name)
-        if key in self._conflicts:
-            first, _ = self._conflicts[key]
-            self._conflicts[key] = (first, self._plugin)
-            raise PluginError(
-                self._plugin, f"{kind} backend {name!r} is also registered by plugin {first!r}"
-            )
         if key in self._specs:
-            other = self._specs.pop(key).plugin
-            self._conflicts[key] = (other, self._plugin)
+            first = self._specs[key].plugin
+            self._conflicts.setdefault(key, (first, self._plugin))
             raise PluginError(
-                self._plugin, f"{kind} backend {name!r} is also registered by plugin {other!r}"
+                self._plugin,
+                f"{kind} backend {name!r} is already registered by plugin {first!r}, "
+                "which keeps it",
             )
         spec = BackendSpec(
             kind=kind,
@@ -224,14 +243,8 @@ class BackendRegistry:
             del self._specs[key]
 
     def get(self, kind: str, name: str) -> BackendSpec:
-        key = (kind, name)
-        if key in self._conflicts:
-            a, b = self._conflicts[key]
-            raise PluginError(
-                a, f"{kind} backend {name!r} is claimed by both plugin {a!r} and plugin {b!r}"
-            )
         try:
-            return self._specs[key]
+            return self._specs[(kind, name)]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none"
             raise BackendUnavailableError(
@@ -247,123 +260,5 @@ class BackendRegistry:
         return sorted(found, key=lambda s: (list(KINDS).index(s.kind), -s.priority, s.name))
 
     def conflicts(self) -> dict[tuple[str, str], tuple[str, str]]:
+        """(kind, name) -> (the plugin that keeps it, the first plugin refused it)."""
         return dict(self._conflicts)
-
-
-@dataclass(frozen=True)
-class PluginFailure:
-    plugin: str
-    error: str
-
-
-@dataclass
-class PluginInfo:
-    name: str
-    version: str
-    source: str  # "builtin", "entry point <dist>", "direct"
-
-
-class PluginHost:
-    """One pluggy PluginManager, the registry it fills, and what failed while loading."""
-
-    def __init__(
-        self,
-        *,
-        autoload: bool | None = None,
-        environ: Mapping[str, str] | None = None,
-        builtin: bool = True,
-    ) -> None:
-        self.pm = pluggy.PluginManager(PROJECT)
-        self.pm.add_hookspecs(Hookspecs)
-        self.registry = BackendRegistry()
-        self.failures: list[PluginFailure] = []
-        self.plugins: list[PluginInfo] = []
-        self._environ = environ
-        self._collected: set[str] = set()
-        if autoload is None:
-            autoload = not envs.flag(envs.DISABLE_PLUGIN_AUTOLOAD, environ)
-        if builtin:
-            from execrt.plugins import builtin as builtin_plugin
-
-            self.add_plugin(
-                builtin_plugin, BUILTIN_PLUGIN, version=_execrt_version(), source="builtin"
-            )
-        if autoload:
-            self.load_entry_points()
-
-    def add_plugin(
-        self, plugin: object, name: str, *, version: str = "", source: str = "direct"
-    ) -> bool:
-        """Register a plugin object and collect its backends. False if it failed (reported)."""
-        try:
-            self.pm.register(plugin, name=name)
-        except Exception as exc:  # noqa: BLE001 - pluggy validation errors of any type
-            self._fail(name, f"rejected by the plugin manager: {exc}")
-            return False
-        self.plugins.append(PluginInfo(name, version, source))
-        return self._collect(name, version)
-
-    def load_entry_points(self) -> None:
-        """Load the ``execrt`` entry-point group, honouring EXECRT_PLUGINS."""
-        allow = envs.plugin_allow_list(self._environ)
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if allow is not None and ep.name not in allow:
-                continue
-            dist = getattr(ep, "dist", None)
-            version = getattr(dist, "version", "") or ""
-            source = f"entry point ({getattr(dist, 'name', '?')})"
-            try:
-                plugin = ep.load()
-            except Exception as exc:  # noqa: BLE001 - any import-time failure is reported
-                self._fail(ep.name, f"failed to import {ep.value}: {exc!r}")
-                continue
-            self.add_plugin(plugin, ep.name, version=version, source=source)
-
-    def _collect(self, name: str, version: str) -> bool:
-        impls = [
-            i
-            for i in self.pm.hook.execrt_register_backends.get_hookimpls()
-            if i.plugin_name == name
-        ]
-        try:
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            self.pm.unregister(name=name)
-            self._fail(name, f"implements an unknown hook: {exc}")
-            return False
-        ok = True
-        for impl in impls:
-            kwargs = {"registry": self.registry} if "registry" in impl.argnames else {}
-            with self.registry.attributed_to(name, version):
-                try:
-                    impl.function(**kwargs)
-                except PluginError as exc:
-                    self.registry.remove_plugin(name)
-                    self._fail(name, str(exc))
-                    ok = False
-                except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop others
-                    self.registry.remove_plugin(name)
-                    self._fail(name, f"execrt_register_backends raised {exc!r}")
-                    ok = False
-        return ok
-
-    def _fail(self, plugin: str, message: str) -> None:
-        self.failures.append(PluginFailure(plugin, message))
-        logger.warning("plugin %r skipped: %s", plugin, message)
-
-
-def _execrt_version() -> str:
-    from execrt import __version__
-
-    return __version__
-
-
-_HOST: PluginHost | None = None
-
-
-def get_plugin_host() -> PluginHost:
-    """The process-wide plugin host (execrt's only singleton), created on first use."""
-    global _HOST
-    if _HOST is None:
-        _HOST = PluginHost()
-    return _HOST

@@ -1,70 +1,218 @@
-"""Runners: how one forward executes. EagerRunner runs the model directly from static buffers."""
+"""Runners: how one forward executes, eagerly or by replaying a captured decode graph.
+
+Both read the same static InputBuffers, so a graph captured once replays any later batch.
+"""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from execrt.core.batch import ForwardBatch, LogitsOutput
+from execrt.core.batch import (
+    INPUT_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    LogitsOutput,
+    padded_decode_batch,
+)
+from execrt.core.interfaces import ShapeKey
 
 if TYPE_CHECKING:
-    from execrt.core.model_runner import ModelRunner
+    from execrt.core.interfaces import AttentionBackend, GraphBackend
+    from execrt.core.model_spec import Model
+
+logger = logging.getLogger(__name__)
+
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
+REQUEST_FIELDS = ("req_pool_indices", "seq_lens")
 
 
 class InputBuffers:
-    """Static per-step input tensors; eager and graph paths share their storage.
+    """Static per-step input tensors; the eager and graph paths share their storage.
 
-    Token-axis buffers hold ``max_num_tokens`` entries, request-axis buffers ``max_bs``.
-    ``load`` copies a batch into their prefixes and returns a ForwardBatch viewing them, so the
-    addresses a captured graph reads stay fixed.
+    Token-axis buffers hold ``max_num_tokens`` entries, request-axis buffers ``max_bs``, and
+    ``num_token_non_padded`` one. ``load`` copies a batch into their prefixes and returns a
+    ForwardBatch viewing them, so the addresses a captured graph reads stay fixed.
     """
 
-    TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
-    REQUEST_FIELDS = ("req_pool_indices", "seq_lens")
-
     def __init__(self, max_bs: int, max_num_tokens: int, device: torch.device) -> None:
+        if max_bs < 1 or max_num_tokens < max_bs:
+            raise ValueError(
+                f"input buffers: need 1 <= max_bs ({max_bs}) <= max_num_tokens ({max_num_tokens})"
+            )
         self.max_bs = max_bs
         self.max_num_tokens = max_num_tokens
+        self.device = device
+        sizes = dict.fromkeys(TOKEN_FIELDS, max_num_tokens) | dict.fromkeys(REQUEST_FIELDS, max_bs)
         self.buffers = {
-            name: torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-            for name in self.TOKEN_FIELDS
-        } | {
-            name: torch.zeros(max_bs, dtype=torch.int64, device=device)
-            for name in self.REQUEST_FIELDS
+            name: torch.zeros(sizes[name], dtype=torch.int64, device=device)
+            for name in INPUT_FIELDS
         }
+        self.buffers["num_token_non_padded"] = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def load(self, fb: ForwardBatch) -> ForwardBatch:
-        t, b = fb.num_tokens, fb.batch_size
+    def check_fits(self, fb: ForwardBatch, rows: int | None = None) -> None:
+        t, b = fb.num_tokens, fb.batch_size if rows is None else rows
         if t > self.max_num_tokens or b > self.max_bs:
             raise ValueError(
                 f"input buffers: batch of {b} requests / {t} tokens exceeds the static buffers "
                 f"({self.max_bs} / {self.max_num_tokens}); raise max_running_requests or "
                 "max_prefill_tokens"
             )
+
+    def load(self, fb: ForwardBatch) -> ForwardBatch:
+        """Copy ``fb``'s inputs into the buffers' prefixes; the batch is not padded."""
+        self.check_fits(fb)
         views: dict[str, Any] = {}
-        for name in self.TOKEN_FIELDS:
-            views[name] = self.buffers[name][:t]
-            views[name].copy_(getattr(fb, name), non_blocking=True)
-        for name in self.REQUEST_FIELDS:
-            views[name] = self.buffers[name][:b]
-            views[name].copy_(getattr(fb, name), non_blocking=True)
+        for name in INPUT_FIELDS:
+            src = getattr(fb, name)
+            views[name] = self.buffers[name][: src.shape[0]]
+            views[name].copy_(src, non_blocking=True)
         return dataclasses.replace(fb, **views)
+
+    def load_padded(self, fb: ForwardBatch, padded_bs: int, seq_len_fill: int) -> ForwardBatch:
+        """A decode batch padded to ``padded_bs`` rows (the core padding rule), in place."""
+        self.check_fits(fb, padded_bs)
+        return padded_decode_batch(fb, padded_bs, seq_len_fill, self.buffers)
 
 
 class EagerRunner:
     """Runs a batch without graphs: load inputs, prepare attention metadata, run the model."""
 
-    def __init__(self, model_runner: ModelRunner, max_bs: int, max_num_tokens: int) -> None:
-        self.model_runner = model_runner
-        self.buffers = InputBuffers(max_bs, max_num_tokens, model_runner.device)
+    def __init__(self, model: Model, attn_backend: AttentionBackend, buffers: InputBuffers) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.buffers = buffers
 
-    def load_batch(self, fb: ForwardBatch) -> ForwardBatch:
-        return self.buffers.load(fb)
-
+    @torch.inference_mode()
     def execute(self, fb: ForwardBatch) -> LogitsOutput:
-        mr = self.model_runner
-        fb = self.load_batch(fb)
-        mr.attn_backend.init_forward_metadata(fb)
-        return mr.model(fb.input_ids, fb.positions, fb)  # type: ignore[no-any-return]
+        fb = self.buffers.load(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+
+# -- decode CUDA graphs ----------------------------------------------------------------------------
+def capture_batch_sizes(max_bs: int, requested: tuple[int, ...] = ()) -> list[int]:
+    """The buckets to capture: ``requested`` if given, else 1, 2, 4, 8, 12, 16, then steps of 8;
+    never above ``max_bs``, and ``max_bs`` itself always included, so every decode batch up to
+    it has a graph. Ascending, without duplicates."""
+    if max_bs < 1:
+        raise ValueError(f"graph runner: max batch size {max_bs} must be >= 1")
+    if requested:
+        bad = [b for b in requested if b < 1]
+        if bad:
+            raise ValueError(f"graph runner: capture batch sizes {bad} must be >= 1")
+        sizes = {b for b in requested if b <= max_bs}
+    else:
+        sizes = {b for b in (1, 2, 4, 8, 12, *range(16, max_bs + 1, 8)) if b <= max_bs}
+    return sorted(sizes | {max_bs})
+
+
+class DecodeCudaGraphRunner:
+    """Replays one captured decode forward per batch-size bucket.
+
+    The graph backend owns the graphs; this runner organises shapes and inputs. Capture runs
+    the model on a batch of padding rows written into the static ``InputBuffers`` (shared with
+    EagerRunner); a step picks the smallest bucket >= its batch size, writes the real rows and
+    the padding (the core rule, ``padded_decode_batch``) into the same buffers, re-plans the
+    attention metadata into its static buffers, replays and trims the outputs to the batch.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        attn_backend: AttentionBackend,
+        buffers: InputBuffers,
+        graph_backend: GraphBackend,
+        capture_bs: list[int],
+    ) -> None:
+        if not capture_bs or max(capture_bs) > buffers.max_bs:
+            raise ValueError(
+                f"graph runner: capture sizes {capture_bs} must be non-empty and fit the input "
+                f"buffers (max_bs {buffers.max_bs})"
+            )
+        self.model = model
+        self.attn_backend = attn_backend
+        self.buffers = buffers
+        self.backend = graph_backend
+        self.capture_bs = sorted(capture_bs)
+        self.max_bs = self.capture_bs[-1]
+        self.fill = int(attn_backend.graph_seq_len_fill_value)
+        self._logged: set[str] = set()
+        attn_backend.init_graph_state(self.max_bs, self.max_bs)
+
+    def bucket(self, batch_size: int) -> int:
+        """The smallest captured batch size that holds ``batch_size`` rows."""
+        return self.capture_bs[bisect.bisect_left(self.capture_bs, batch_size)]
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        """True for a decode batch a graph can hold; the first refusal of each kind is logged."""
+        if not fb.forward_mode.is_decode():
+            reason = f"{fb.forward_mode.name.lower()} batches run eagerly (graphs capture decode)"
+        elif fb.batch_size > self.max_bs:
+            reason = f"decode batch of {fb.batch_size} exceeds the largest graph ({self.max_bs})"
+        elif fb.batch_size < 1:
+            reason = "an empty batch runs eagerly"
+        else:
+            return True
+        kind = reason.split(" ", 1)[0]
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.info("graph runner: falling back to eager: %s", reason)
+        return False
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse the largest one's pool)."""
+        with self.backend.capture_session():
+            for bs in reversed(self.capture_bs):
+                self.backend.capture(ShapeKey(bs), self._forward_fn(bs))
+
+    def _forward_fn(self, bs: int) -> Callable[[], LogitsOutput]:
+        fb = self._padding_batch(bs)
+        self.attn_backend.init_forward_metadata_graph(fb)
+
+        def forward() -> LogitsOutput:
+            return self.model(fb.input_ids, fb.positions, fb)
+
+        return forward
+
+    def _padding_batch(self, bs: int) -> ForwardBatch:
+        """A decode batch of ``bs`` padding rows in the static buffers (what capture runs)."""
+        empty = torch.zeros(0, dtype=torch.int64, device=self.buffers.device)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=0,
+            input_ids=empty,
+            positions=empty,
+            req_pool_indices=empty,
+            seq_lens=empty,
+            out_cache_loc=empty,
+            seq_lens_cpu=[],
+            extend_prefix_lens_cpu=[],
+            extend_seq_lens_cpu=[],
+            attn_backend=self.attn_backend,
+        )
+        return self.buffers.load_padded(fb, bs, self.fill)
+
+    @torch.inference_mode()
+    def execute(self, fb: ForwardBatch) -> LogitsOutput:
+        bs = fb.batch_size
+        key = ShapeKey(self.bucket(bs))
+        padded = self.buffers.load_padded(fb, key.batch_size, self.fill)
+        self.attn_backend.init_forward_metadata_graph(padded)
+        out: LogitsOutput = self.backend.replay(key)
+        # The static output is overwritten by the next replay: callers consume it first.
+        return LogitsOutput(next_token_logits=out.next_token_logits[:bs])
+
+    def cleanup(self) -> None:
+        """Drop every graph (the backend synchronises first). Idempotent."""
+        self.backend.cleanup()
+
+    def recapture(self) -> None:
+        self.cleanup()
+        self.capture()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 
 import torch
 
@@ -85,9 +85,18 @@ class Req:
         return self.finish_reason is not None
 
 
-class ScheduleMode(str, Enum):
-    EXTEND = "extend"
-    DECODE = "decode"
+class ForwardMode(IntEnum):
+    """What one step processes; shared by ScheduleBatch and ForwardBatch."""
+
+    EXTEND = 1  # prefill of new tokens, possibly after a cached prefix (T >= B)
+    DECODE = 2  # one new token per request (T == B)
+    IDLE = 3  # no tokens on this rank; still joins collectives
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
 
 
 @dataclass
@@ -100,7 +109,7 @@ class ScheduleBatch:
     """
 
     reqs: list[Req]
-    mode: ScheduleMode
+    mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
     req_pool_indices: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64
@@ -108,8 +117,6 @@ class ScheduleBatch:
     seq_lens_cpu: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool_allocator: TokenToKVPoolAllocator
     return_full_logits: bool = False
 
     @property
@@ -150,7 +157,7 @@ class ScheduleBatch:
         seq = [p + n for p, n in zip(prefix, extend_lens, strict=True)]
         return cls(
             reqs=reqs,
-            mode=ScheduleMode.EXTEND,
+            mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             req_pool_indices=_rows(reqs, device),
             seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
@@ -158,8 +165,6 @@ class ScheduleBatch:
             seq_lens_cpu=seq,
             prefix_lens=prefix,
             extend_lens=list(extend_lens),
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=allocator,
         )
 
     @classmethod
@@ -180,7 +185,7 @@ class ScheduleBatch:
         seq = [r.seq_len for r in reqs]
         return cls(
             reqs=reqs,
-            mode=ScheduleMode.DECODE,
+            mode=ForwardMode.DECODE,
             input_ids=torch.tensor(
                 [r.fill_ids[-1] for r in reqs], dtype=torch.int64, device=device
             ),
@@ -190,8 +195,6 @@ class ScheduleBatch:
             seq_lens_cpu=seq,
             prefix_lens=[s - 1 for s in seq],
             extend_lens=[1] * len(reqs),
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=allocator,
         )
 
 

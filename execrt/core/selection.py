@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from execrt.core.errors import BackendUnavailableError
-from execrt.core.plugins import NO_GRAPH, BackendRegistry
+from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
 
 
 @dataclass(frozen=True)
@@ -53,44 +54,83 @@ def resolve_backend(
     *,
     strict: bool = False,
 ) -> Resolution:
-    """Pick the backend of ``kind`` for ``requirements``. Pure: builds nothing.
+    """Pick the backend of ``kind`` for ``requirements``. Builds nothing (it may import a
+    candidate's factory module, to prove it loads).
 
     An explicit name must be usable, else BackendUnavailableError with its reasons. "auto"
     takes the highest-priority usable backend among those that claim the device for auto;
     with ``strict`` a refused higher-priority candidate is an error instead of a fallback.
     For graphs, "none" disables them and "auto" falls back to none when nothing is usable.
     """
+    resolution, _ = _walk(registry, kind, requested, requirements, strict, build=None)
+    return resolution
+
+
+def build_backend(
+    registry: BackendRegistry,
+    kind: str,
+    requested: str,
+    requirements: Any,
+    make_init: Callable[[BackendSpec], Any],
+    *,
+    strict: bool = False,
+) -> tuple[Any, Resolution]:
+    """Resolve like ``resolve_backend`` and build the choice with ``spec.create(make_init(spec))``.
+
+    Under "auto" (and not ``strict``) a candidate whose factory or constructor fails is
+    skipped with the reason in the report and the next one is tried. Returns ``(None,
+    resolution)`` only for graphs when none is chosen.
+    """
+    resolution, backend = _walk(registry, kind, requested, requirements, strict, build=make_init)
+    return backend, resolution
+
+
+def _walk(
+    registry: BackendRegistry,
+    kind: str,
+    requested: str,
+    requirements: Any,
+    strict: bool,
+    build: Callable[[BackendSpec], Any] | None,
+) -> tuple[Resolution, Any]:
+    def attempt(spec: BackendSpec) -> tuple[list[str], Any]:
+        reasons = spec.refusals(requirements) or spec.factory_problems()
+        if reasons or build is None:
+            return reasons, None
+        try:
+            return [], spec.create(build(spec))
+        except BackendUnavailableError as exc:
+            return list(exc.reasons), None
+
     if kind == "graph" and requested == NO_GRAPH:
-        return Resolution(kind, requested, None, note="graphs disabled")
+        return Resolution(kind, requested, None, note="graphs disabled"), None
     if requested != "auto":
-        spec = registry.get(kind, requested)
-        reasons = spec.refusals(requirements)
+        reasons, backend = attempt(registry.get(kind, requested))
         if reasons:
             raise BackendUnavailableError(kind, requested, reasons)
-        return Resolution(kind, requested, requested)
+        return Resolution(kind, requested, requested), backend
     device = requirements.device
     rejected: list[tuple[str, tuple[str, ...]]] = []
     for spec in registry.specs(kind):
         if not spec.claims_for_auto(device):
             continue
-        reasons = spec.refusals(requirements)
+        if strict and rejected:
+            raise BackendUnavailableError(
+                kind,
+                "auto",
+                [f"strict: preferred {n} unusable ({'; '.join(r)})" for n, r in rejected],
+            )
+        reasons, backend = attempt(spec)
         if not reasons:
-            if strict and rejected:
-                raise BackendUnavailableError(
-                    kind,
-                    "auto",
-                    [f"strict: preferred {n} unusable ({'; '.join(r)})" for n, r in rejected],
-                )
-            return Resolution(kind, requested, spec.name, tuple(rejected))
+            return Resolution(kind, requested, spec.name, tuple(rejected)), backend
         rejected.append((spec.name, tuple(reasons)))
     if kind == "graph":
         if strict and rejected:
             raise BackendUnavailableError(
                 kind, "auto", [f"{n}: {'; '.join(r)}" for n, r in rejected]
             )
-        return Resolution(
-            kind, requested, None, tuple(rejected), note=f"no graph backend for {device}"
-        )
+        note = f"no graph backend for {device}"
+        return Resolution(kind, requested, None, tuple(rejected), note=note), None
     raise BackendUnavailableError(
         kind,
         "auto",

@@ -10,7 +10,8 @@ from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.model_runner import ModelRunner
-from execrt.core.plugins import PluginHost
+from execrt.core.model_spec import ModelLoader
+from execrt.core.plugins import BackendRegistry
 from execrt.core.schedule import ScheduleBatch
 
 
@@ -26,15 +27,15 @@ class TpModelWorker:
 
     def __init__(
         self,
-        model_path: str,
+        loader: ModelLoader,
         config: RuntimeConfig,
         context: RuntimeContext,
-        plugin_host: PluginHost | None = None,
+        registry: BackendRegistry,
     ) -> None:
-        self.model_runner = ModelRunner(model_path, config, context, plugin_host)
+        self.model_runner = ModelRunner(loader, config, context, registry)
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
-        fb = ForwardBatch.init_new(schedule_batch, self.model_runner)
+        fb = ForwardBatch.init_new(schedule_batch, self.model_runner.attn_backend)
         out = self.model_runner.forward(fb)
         next_ids = self.model_runner.sample(out.logits_output, fb)
         return GenerationBatchResult(out.logits_output, next_ids, out.can_run_graph)

@@ -14,11 +14,12 @@ from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError
 from execrt.core.model_runner import resolve_device
 from execrt.core.parallel import init_parallel
-from execrt.core.plugins import PluginHost
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
 from execrt.engine.scheduler import Scheduler
+from execrt.models import CheckpointLoader
+from execrt.plugins.host import PluginHost, get_plugin_host
 
 Prompt = str | Sequence[int]
 
@@ -64,14 +65,15 @@ class Engine:
         elif not os.path.isdir(path):
             raise ConfigError(f"engine: model path {path!r} is not a directory")
         self.model_path = path
+        loader = CheckpointLoader(path)
+        registry = (plugin_host or get_plugin_host()).registry
         self.context = RuntimeContext(parallel=init_parallel(resolve_device(cfg.device)))
         try:
-            self.worker = TpModelWorker(path, cfg, self.context, plugin_host)
+            self.worker = TpModelWorker(loader, cfg, self.context, registry)
         except BaseException:
             self.context.close()
             raise
-        mr = self.worker.model_runner
-        self.model_config = mr.model_config
+        self.model_config = loader.config
         self.tokenizer = _load_tokenizer(path)
         self.scheduler = Scheduler(
             self.worker,

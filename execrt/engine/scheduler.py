@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.core.schedule import FinishReason, Req, ScheduleBatch, ScheduleMode
+from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         self.stats.steps += 1
-        is_decode = batch.mode == ScheduleMode.DECODE
+        is_decode = batch.mode.is_decode()
         if is_decode:
             self.stats.decode_steps += 1
         else:

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from execrt.models.config import ModelConfig
-from execrt.models.loader import ARCHITECTURES, load_model
+from execrt.models.loader import ARCHITECTURES, CheckpointLoader, load_model
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "load_model"]
+__all__ = ["ARCHITECTURES", "CheckpointLoader", "ModelConfig", "load_model"]

@@ -117,7 +117,7 @@ def random_weights() -> dict[str, torch.Tensor]:
     return out
 
 
-def build_tokenizer():  # type: ignore[no-untyped-def]
+def build_tokenizer():
     """A lossless byte-level tokenizer: one token per byte, plus the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

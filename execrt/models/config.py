@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from execrt.core.errors import ModelLoadError
+from execrt.core.model_spec import ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,6 +45,23 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def spec(self) -> ModelSpec:
+        """The shapes the core sizes its pools and backends by."""
+        return ModelSpec(
+            architecture=self.architecture,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            dtype=self.dtype,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (

@@ -156,8 +156,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         ids, weights = self.route(x)
-        if fb.num_token_non_padded < x.shape[0]:  # graph padding routes nowhere
-            ids[fb.num_token_non_padded :] = -1
+        real = fb.num_token_non_padded_device  # [1]; set whenever rows may be graph padding
+        if real is not None:  # padded rows route nowhere: a device-side mask, capture-safe
+            padded = torch.arange(x.shape[0], device=x.device)[:, None] >= real  # [T, 1]
+            ids = ids.masked_fill(padded, -1)
         dispatched = self.dispatcher.dispatch(x, ids, weights)
         out = run_experts(dispatched, self.w13, self.w2)
         return self.dispatcher.combine(out, dispatched)

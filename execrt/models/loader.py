@@ -10,6 +10,7 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
+from execrt.core.model_spec import ModelLoadRequest, ModelSpec
 from execrt.models.config import ModelConfig
 from execrt.models.layers import RotaryEmbedding
 from execrt.models.qwen3 import Qwen3ForCausalLM
@@ -56,7 +57,7 @@ def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            for name in fh.keys():
                 yield name, fh.get_tensor(name)
 
 
@@ -118,3 +119,25 @@ def build_empty(
             module.float()
             module.reset_tables()
     return model
+
+
+class CheckpointLoader:
+    """The ``ModelLoader`` ModelRunner receives: reads ``config.json`` at once, weights on load."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.config = ModelConfig.from_pretrained(self.path)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.config.spec()
+
+    def load(self, request: ModelLoadRequest) -> Qwen3ForCausalLM:
+        return load_model(
+            self.path,
+            self.config,
+            device=request.device,
+            dtype=request.dtype,
+            max_positions=request.max_positions,
+            dispatcher=request.dispatcher,
+        )

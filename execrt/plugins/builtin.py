@@ -33,7 +33,14 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
     head_dims=frozenset({64, 128, 256}),
     graph=True,
 )
-ALLREDUCE_DISPATCH = MoEDispatcherCapabilities()
+# Capturable: no host sync, and its one collective (all-reduce) is legal inside a CUDA graph.
+ALLREDUCE_DISPATCH = MoEDispatcherCapabilities(graph=True)
+ALL_TO_ALL_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=False, replicated_tokens=False
+)
+ALL_TO_ALL_FIXED_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=True, replicated_tokens=False
+)
 NCCL_EP_DISPATCH = MoEDispatcherCapabilities(
     output_format=DispatchFormat.EXPERT_MAJOR,
     devices=frozenset({"cuda"}),
@@ -45,7 +52,13 @@ NCCL_EP_DISPATCH = MoEDispatcherCapabilities(
     replicated_tokens=False,
 )
 REEXEC_GRAPH = GraphCapabilities(
-    devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
+    devices=frozenset({"cpu", "cuda"}),
+    real_capture=False,
+    shared_memory_pool=False,
+    graph_resources=True,
+)
+FULL_CUDA_GRAPH = GraphCapabilities(
+    devices=frozenset({"cuda"}), real_capture=True, shared_memory_pool=True, graph_resources=True
 )
 
 
@@ -97,7 +110,7 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         "flashinfer",
         "execrt.backends.attention.flashinfer:FlashInferAttnBackend",
         FLASHINFER_ATTENTION,
-        requires=("flashinfer", "triton"),
+        requires=("flashinfer",),
         install_hint="pip install execrt[flashinfer]",
         priority=30,
         check=_cuda_check,
@@ -113,12 +126,33 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
     )
     registry.register(
         "moe_dispatch",
+        "all_to_all",
+        "execrt.backends.moe_dispatch.all_to_all:AllToAllDispatcher",
+        ALL_TO_ALL_DISPATCH,
+        # Below allreduce: attention is replicated today, so every rank would ship every token
+        # and run P times the expert work that allreduce does; worth it once tokens are per rank.
+        priority=5,
+        description="per-rank tokens to their experts' ranks and back (all_to_all_single)",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all_fixed",
+        "execrt.backends.moe_dispatch.all_to_all_fixed:FixedCapacityAllToAllDispatcher",
+        ALL_TO_ALL_FIXED_DISPATCH,
+        priority=4,
+        # Its buffers scale with max_tokens_per_rank on every call: chosen by name only.
+        auto_devices=frozenset(),
+        description="all_to_all in fixed-capacity buffers: graph-capturable, drops counted",
+    )
+    registry.register(
+        "moe_dispatch",
         "nccl_ep",
         "execrt.backends.moe_dispatch.nccl_ep:NcclEpDispatcher",
         NCCL_EP_DISPATCH,
         install_hint="pip install execrt[nccl-ep]",
-        priority=5,
-        auto_devices=frozenset(),  # opt-in: ranks bring their own tokens (replicated_tokens)
+        priority=3,
+        # Its LL buffers scale with max_tokens_per_rank (E_local x P*C x H): chosen by name only.
+        auto_devices=frozenset(),
         check=_nccl_ep_check,
         description="NCCL EP low-latency dispatch/combine, expert-major; CUDA-graph resources",
     )
@@ -130,4 +164,13 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         priority=0,
         auto_devices=frozenset(),  # a testing aid: "auto" never picks it
         description="re-executes the captured function on replay; CPU testing of graph runners",
+    )
+    registry.register(
+        "graph",
+        "full_cuda_graph",
+        "execrt.backends.graph.full_cuda_graph:FullCudaGraphBackend",
+        FULL_CUDA_GRAPH,
+        priority=10,
+        check=_cuda_check,
+        description="one torch.cuda.CUDAGraph per shape key, all in one shared memory pool",
     )

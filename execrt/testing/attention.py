@@ -194,6 +194,16 @@ class AttentionBackendSuite(ConformanceSuite):
         return cls.primary_cases(graph=True)
 
     @classmethod
+    def stores_kv_cases(cls) -> list[Case]:
+        out = []
+        for case in cls.primary_cases():
+            if case.skip is None and not cls.caps().stores_kv:
+                reason = "capability stores_kv is False (AttentionBackend.forward stores K/V)"
+                case = dataclasses.replace(case, skip=reason)
+            out.append(case)
+        return out
+
+    @classmethod
     def cuda_graph_cases(cls) -> list[Case]:
         return cls.cuda_capture_only(cls.primary_cases(graph=True))
 
@@ -320,6 +330,41 @@ class AttentionBackendSuite(ConformanceSuite):
             steps = [_scaled(s, 20) for s in steps]
         outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
         self.finish(case, outcome, record_property)
+
+    @cases("stores_kv_cases")
+    def test_stores_kv_itself(self, case: Case, record_property: Record) -> None:
+        """A backend that declares ``stores_kv``, handed k/v directly (no base ``forward``),
+        stores them exactly at out_cache_loc; handed None it writes nothing."""
+        self.begin(case)
+        caps = type(self).caps()
+        steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
+        steps += [dataclasses.replace(s, save_kv_cache=False) for s in steps]
+        tol = type(self).tolerance(case.device, case.dtype or torch.float32)
+        harness = self.harness(case, self.geometry(case), steps, _seed(case))
+        worst = Outcome()
+        try:
+            for i, step in enumerate(steps):
+                prepared = harness.prepare(step)
+                harness.init_metadata(prepared)
+                fb, layer = prepared.fb, harness.layers[0]
+                q, k, v = prepared.qkv[0]
+                method = (
+                    harness.backend.forward_decode
+                    if step.mode == "decode"
+                    else harness.backend.forward_extend
+                )
+                if step.save_kv_cache:
+                    out = method(q, k, v, layer, fb)
+                else:
+                    out = method(q, None, None, layer, fb)
+                handed = "given" if step.save_kv_cache else "None"
+                label = f"{case.id} step {i} ({step.mode}, k/v {handed})"
+                result = harness.check(prepared, [out], tol, label)
+                worst.max_error = max(worst.max_error, result.max_error)
+                worst.problems += result.problems
+        finally:
+            harness.close()
+        self.finish(case, worst, record_property)
 
     @cases("graph_cases")
     def test_graph_metadata(self, case: Case, record_property: Record) -> None:

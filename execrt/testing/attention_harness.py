@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from execrt.core.batch import ForwardBatch, ForwardMode
+from execrt.core.batch import INPUT_FIELDS, ForwardBatch, ForwardMode, padded_decode_batch
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.plugins import BackendSpec
+from execrt.core.runners import InputBuffers
 from execrt.testing.oracles import attention_oracle, compare
 
 # Slots no request owns hold this value: a backend that reads them without masking sees
@@ -151,16 +152,7 @@ class AttentionHarness:
         self.static: dict[str, torch.Tensor] = {}
         if graph_max_bs:
             self.backend.init_graph_state(graph_max_bs, graph_max_bs)
-            self.static = {
-                name: torch.zeros(graph_max_bs, dtype=torch.int64, device=self.device)
-                for name in (
-                    "input_ids",
-                    "positions",
-                    "req_pool_indices",
-                    "seq_lens",
-                    "out_cache_loc",
-                )
-            }
+            self.static = InputBuffers(graph_max_bs, graph_max_bs, self.device).buffers
 
     def close(self) -> None:
         self.backend.close()
@@ -218,45 +210,34 @@ class AttentionHarness:
         t_real, pads = len(locs), step.padded_rows
         if pads and step.mode != "decode":
             raise ValueError("harness: padded rows are decode-only")
-        fill = int(self.backend.graph_seq_len_fill_value)
         seq_lens = [p + n for p, n in zip(step.prefix_lens, step.extend_lens, strict=True)]
-        seq_lens += [fill] * pads
-        prefix_cpu = list(step.prefix_lens) + [fill - 1] * pads
-        extend_cpu = list(step.extend_lens) + [1] * pads
         positions: list[int] = []
-        for p, n in zip(prefix_cpu, extend_cpu, strict=True):
+        for p, n in zip(step.prefix_lens, step.extend_lens, strict=True):
             positions += range(p, p + n)
         ints = {
-            "input_ids": [0] * (t_real + pads),
+            "input_ids": [0] * t_real,
             "positions": positions,
-            "req_pool_indices": rows + [0] * pads,
+            "req_pool_indices": rows,
             "seq_lens": seq_lens,
-            "out_cache_loc": locs + [0] * pads,
+            "out_cache_loc": locs,
         }
-        tensors = {}
-        for name, values in ints.items():
-            t = torch.tensor(values, dtype=torch.int64)
-            if graph:
-                tensors[name] = self.static[name][: t.numel()]
-                tensors[name].copy_(t)
-            else:
-                tensors[name] = t.to(self.device)
+        tensors: dict[str, Any] = {
+            name: torch.tensor(values, dtype=torch.int64, device=self.device)
+            for name, values in ints.items()
+        }
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE if step.mode == "decode" else ForwardMode.EXTEND,
-            batch_size=b + pads,
+            batch_size=b,
             seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_cpu,
-            extend_seq_lens_cpu=extend_cpu,
-            req_to_token_pool=self.pool,
-            kv_cache=self.kv,
+            extend_prefix_lens_cpu=list(step.prefix_lens),
+            extend_seq_lens_cpu=list(step.extend_lens),
             attn_backend=self.backend,
-            num_token_non_padded=t_real,
-            input_ids=tensors["input_ids"],
-            positions=tensors["positions"],
-            req_pool_indices=tensors["req_pool_indices"],
-            seq_lens=tensors["seq_lens"],
-            out_cache_loc=tensors["out_cache_loc"],
+            **tensors,
         )
+        if graph or pads:
+            # The graph runner's own padding rule, into the static buffers when capturing.
+            fill = int(self.backend.graph_seq_len_fill_value)
+            fb = padded_decode_batch(fb, b + pads, fill, self.static if graph else None)
         t_all = t_real + pads
         qkv = []
         for layer in range(g.num_layers):
@@ -447,10 +428,9 @@ def matches_eager(
     harness: AttentionHarness, prepared: Prepared, outs: list[Any], tol: float, label: str
 ) -> list[str]:
     """Run the same batch through the eager path; real rows must agree with the graph path."""
-    fields = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
-    eager = dataclasses.replace(prepared, fb=dataclasses.replace(
-        prepared.fb, attn_metadata=None, **{f: getattr(prepared.fb, f).clone() for f in fields}
-    ), graph=False)  # fmt: skip
+    copies = {f: getattr(prepared.fb, f).clone() for f in INPUT_FIELDS}
+    eager_fb = dataclasses.replace(prepared.fb, attn_metadata=None, **copies)
+    eager = dataclasses.replace(prepared, fb=eager_fb, graph=False)
     problems = []
     t = prepared.num_real_tokens
     # A backend may hand out the same output buffer on every call: keep the graph results.

@@ -129,10 +129,10 @@ class GraphBackendSuite(ConformanceSuite):
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         context = RuntimeContext()
         init = GraphBackendInit(
-            spec.capabilities,  # type: ignore[arg-type]
-            torch.device(case.device),
-            context,
-            provider,
+            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            device=torch.device(case.device),
+            context=context,
+            resource_provider=provider,
         )
         backend = spec.create(init)
         try:
@@ -261,6 +261,9 @@ class GraphBackendSuite(ConformanceSuite):
         torch.cuda.synchronize()
 
         def reserved_by(keys: tuple[ShapeKey, ...]) -> int:
+            # Start from an empty cache: a backend that empties it (torch.cuda.graph does, per
+            # capture) must not have earlier tests' cached blocks counted against its graphs.
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
             with self.open_backend(case) as (backend, _):
                 self.capture_all(backend, work, keys)

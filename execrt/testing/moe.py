@@ -246,7 +246,7 @@ class MoEDispatcherSuite(ConformanceSuite):
             process_group_backend=self.group_backend(case.device, world),
         )
 
-    def finish(self, case: Case, results: list[RankResult], record: Record, extra=()) -> None:  # type: ignore[no-untyped-def]
+    def finish(self, case: Case, results: list[RankResult], record: Record, extra=()) -> None:
         record("max_error", max((r.max_error for r in results), default=0.0))
         record("tolerance", type(self).tolerance(case.device, case.dtype or torch.float32))
         problems = [
@@ -279,7 +279,7 @@ class MoEDispatcherSuite(ConformanceSuite):
         job = self.job(case, ROUTINGS)
         try:
             pickle.dumps(job)
-        except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+        except Exception as exc:
             pytest.fail(
                 f"{case.id}: the backend cannot be sent to spawned ranks ({exc!r}); register it, "
                 "or set `factory` to a 'module:attr' string",
@@ -311,9 +311,16 @@ class MoEDispatcherSuite(ConformanceSuite):
 
         context = RuntimeContext()
         init = MoEDispatcherInit(
-            caps, job.num_experts, job.top_k, job.hidden_size, job.dtype,
-            torch.device(case.device), job.num_tokens, ParallelState.single(), context,
-        )  # fmt: skip
+            capabilities=caps,
+            num_experts=job.num_experts,
+            top_k=job.top_k,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            device=torch.device(case.device),
+            max_tokens_per_rank=job.num_tokens,
+            parallel=ParallelState.single(),
+            context=context,
+        )
         dispatcher = type(self).backend_spec().create(init)
         gen = torch.Generator().manual_seed(job.seed)
         x = torch.randn(job.num_tokens, job.hidden_size, generator=gen).to(job.dtype)
@@ -387,9 +394,16 @@ class MoEDispatcherSuite(ConformanceSuite):
         dev = torch.device(case.device)
         context = RuntimeContext()
         init = MoEDispatcherInit(
-            job.capabilities, job.num_experts, job.top_k, job.hidden_size, job.dtype, dev,
-            job.num_tokens, ParallelState.single(), context,
-        )  # fmt: skip
+            capabilities=job.capabilities,
+            num_experts=job.num_experts,
+            top_k=job.top_k,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            device=dev,
+            max_tokens_per_rank=job.num_tokens,
+            parallel=ParallelState.single(),
+            context=context,
+        )
         dispatcher = type(self).backend_spec().create(init)
         w13, w2 = expert_weights(
             job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed

@@ -25,12 +25,14 @@ from execrt.core.interfaces import (
     StandardDispatchOutput,
 )
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import BackendSpec, PluginHost
+from execrt.core.plugins import BackendSpec
+from execrt.plugins.host import PluginHost
 from execrt.testing.oracles import compare, moe_oracle
 
 #: Routing scenarios every world size runs (see ``routing``).
 ROUTINGS = (
     "random",
+    "balanced",
     "some_masked",
     "hot_expert",
     "empty_rank",
@@ -92,7 +94,10 @@ def routing(
     ids = torch.zeros(t, k, dtype=torch.int64)
     for row in range(t):
         ids[row] = torch.randperm(e, generator=gen)[:k]
-    if name == "some_masked":
+    if name == "balanced":  # every expert gets floor or ceil of T*K/E rows (K <= E)
+        perm = torch.randperm(e, generator=gen)
+        ids = perm[torch.arange(t * k).view(t, k) % e]
+    elif name == "some_masked":
         ids[torch.rand(t, k, generator=gen) < 0.4] = -1
     elif name == "hot_expert":  # every token picks the last expert (on the last rank)
         for row in range(t):
@@ -101,7 +106,8 @@ def routing(
     elif name == "empty_rank":  # nothing reaches the last rank's experts (or the upper half)
         allowed = per_rank * (world - 1) if world > 1 else max(e // 2, k)
         for row in range(t):
-            ids[row] = torch.randperm(allowed, generator=gen)[:k]
+            pick = torch.randperm(allowed, generator=gen)[:k]
+            ids[row] = torch.cat([pick, torch.full((k - pick.numel(),), -1)])
     elif name == "all_masked":
         ids.fill_(-1)
     elif name == "duplicates_within_rank":  # a token's experts all live on one rank
@@ -254,7 +260,7 @@ def _worker(rank: int, job: MoEJob, store: str, results: Any) -> None:
         parallel = ParallelState(job.world_size, rank, job.process_group_backend)
         local = dataclasses.replace(job, device=device)
         results.put((rank, run_rank(local, parallel), None))
-    except BaseException:  # noqa: BLE001 - report anything to the parent, then exit
+    except BaseException:
         results.put((rank, [], traceback.format_exc(limit=8)))
     finally:
         if dist.is_initialized():

@@ -16,8 +16,8 @@ from typing import Any, TextIO
 import torch
 
 from execrt.core.errors import ConfigError
-from execrt.core.inventory import conformance_report_path
-from execrt.core.plugins import PluginHost
+from execrt.inventory import conformance_report_path
+from execrt.plugins.host import PluginHost
 
 #: kind -> (module, suite class) the generated test module subclasses.
 SUITES = {

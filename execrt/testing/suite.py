@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from execrt.core.interfaces import Capabilities
-from execrt.core.plugins import BackendSpec, PluginHost
+from execrt.core.plugins import BackendSpec
+from execrt.plugins.host import PluginHost
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -9,12 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.parallel import ParallelState
-from execrt.core.plugins import PluginHost
-from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
-from execrt.core.worker import TpModelWorker
+from tests.drivers import make_worker, prefill_then_decode
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77], [9] * 13]
 STEPS = 4
@@ -24,33 +21,12 @@ def run_steps(
     path: str, context: RuntimeContext
 ) -> tuple[list[torch.Tensor], list[list[int]], int]:
     """Prefill then decode STEPS times; returns the logits, the tokens and the local experts."""
-    worker = TpModelWorker(path, RuntimeConfig(device="cpu"), context, PluginHost(autoload=False))
-    mr = worker.model_runner
-    local_experts = next(p.shape[0] for n, p in mr.model.named_parameters() if n.endswith("w13"))
-    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS)]
-    batch = ScheduleBatch.for_extend(
-        reqs,
-        [len(p) for p in PROMPTS],
-        mr.req_to_token_pool,
-        mr.token_to_kv_pool_allocator,
-        mr.device,
-    )
-    logits = []
-    for step in range(STEPS + 1):
-        if step:
-            batch = ScheduleBatch.for_decode(
-                reqs, mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device
-            )
-        assert batch is not None
-        result = worker.forward_batch_generation(batch)
-        logits.append(result.logits_output.next_token_logits.clone())
-        for req, n, tok in zip(
-            reqs, batch.extend_lens, result.next_token_ids.tolist(), strict=True
-        ):
-            req.kv_len += n
-            req.output_ids.append(int(tok))
+    worker = make_worker(path, context)
+    model = worker.model_runner.model
+    local_experts = next(p.shape[0] for n, p in model.named_parameters() if n.endswith("w13"))
+    trace = prefill_then_decode(worker, PROMPTS, STEPS)
     worker.close()
-    return logits, [r.output_ids for r in reqs], local_experts
+    return trace.logits, trace.tokens, local_experts
 
 
 def _rank_main(rank: int, world: int, path: str, init_file: str, out_dir: str) -> None:

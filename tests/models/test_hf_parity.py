@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from execrt.core.config import RuntimeConfig
-from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
-from execrt.core.worker import TpModelWorker
+from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from tests.checkpoints import build_hf_model
+from tests.drivers import make_worker, prefill_then_decode
 
 pytest.importorskip("transformers")
 
@@ -21,55 +20,26 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def step(worker: TpModelWorker, batch: ScheduleBatch, reqs: list[Req]) -> torch.Tensor:
-    result = worker.forward_batch_generation(batch)
-    for req, n, tok in zip(reqs, batch.extend_lens, result.next_token_ids.tolist(), strict=True):
-        req.kv_len += n
-        req.output_ids.append(int(tok))
-    return result.logits_output.next_token_logits
-
-
 def test_logits_match_transformers(
     checkpoint, checkpoint_name, plugin_host, runtime_context
 ) -> None:
-    path = checkpoint(checkpoint_name)
     hf = build_hf_model(checkpoint_name)
-    worker = TpModelWorker(path, RuntimeConfig(device="cpu"), runtime_context, plugin_host)
-    mr = worker.model_runner
-    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS)]
-    batch = ScheduleBatch.for_extend(
-        reqs,
-        [len(p) for p in PROMPTS],
-        mr.req_to_token_pool,
-        mr.token_to_kv_pool_allocator,
-        mr.device,
-    )
-    assert batch is not None
-    batch.return_full_logits = True
-    result = worker.forward_batch_generation(batch)
+    worker = make_worker(checkpoint(checkpoint_name), runtime_context, plugin_host)
+    trace = prefill_then_decode(worker, PROMPTS, steps=8, full_logits=True)
+    worker.close()
+    assert trace.prefill_full_logits is not None
     errors = []
     offset = 0
     with torch.no_grad():
         for prompt in PROMPTS:
             ref = hf(torch.tensor([prompt])).logits[0]  # [n, V]
-            errors.append(
-                rel_err(result.logits_output.full_logits[offset : offset + len(prompt)], ref)
-            )
+            got = trace.prefill_full_logits[offset : offset + len(prompt)]
+            errors.append(rel_err(got, ref))
             offset += len(prompt)
-    for req, tok in zip(reqs, result.next_token_ids.tolist(), strict=True):
-        req.kv_len = req.seq_len
-        req.output_ids.append(int(tok))
-    for _ in range(8):
-        batch = ScheduleBatch.for_decode(
-            reqs, mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device
-        )
-        assert batch is not None
-        ours = step(worker, batch, reqs)
-        with torch.no_grad():
-            for i, req in enumerate(reqs):
-                ref = hf(torch.tensor([req.fill_ids[:-1]])).logits[0, -1]
-                errors.append(rel_err(ours[i], ref))
-    worker.close()
+        for step, logits in enumerate(trace.logits[1:], start=1):
+            for i, (prompt, tokens) in enumerate(zip(PROMPTS, trace.tokens, strict=True)):
+                ref = hf(torch.tensor([prompt + tokens[:step]])).logits[0, -1]
+                errors.append(rel_err(logits[i], ref))
     assert len(errors) == len(PROMPTS) * 9
     assert max(errors) <= MAX_REL_ERR, f"max relative error {max(errors):.2e}"
 

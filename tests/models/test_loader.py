@@ -32,10 +32,20 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
-def test_sharded_checkpoint_is_read_through_its_index(checkpoint) -> None:
-    path = checkpoint("dense-untied-hd128-sharded")
+def test_sharded_checkpoint_is_read_through_its_index(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("dense-untied-hd128-sharded"), tmp_path / "m")
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as fh:
+        listed = sorted(set(json.load(fh)["weight_map"].values()))
+    # A stray file beside the shards (an old export, a partial download) must not be read:
+    # its tensor would shadow the real one and its garbage shape would fail the load.
+    stray = os.path.join(path, "zz-stray.safetensors")
+    save_file({"model.norm.weight": torch.zeros(7)}, stray)
     files = checkpoint_files(path)
-    assert len(files) > 1 and os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    assert len(listed) > 1 and [os.path.basename(f) for f in files] == listed
+    model = _load(path)
+    reference = _load(checkpoint("dense-untied-hd128-sharded"))
+    assert torch.equal(model.model.norm.weight, reference.model.norm.weight)
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path) -> None:

@@ -20,6 +20,35 @@ class ClashingPlugin:
         registry.register("attention", "fake_attn", NATIVE, AttentionCapabilities())
 
 
+class BuiltinClashPlugin:
+    """Registers a new name, then one the built-in plugin already has: refused whole."""
+
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "newcomer_extra", NATIVE, AttentionCapabilities())
+        registry.register("attention", "torch_native", NATIVE, AttentionCapabilities())
+
+
+def _explode(init):
+    raise RuntimeError("cuda context lost")
+
+
+class BrokenFactoryPlugin:
+    """Two high-priority CPU backends: one whose module does not import, one whose
+    constructor raises. ``auto`` must skip both, with the reasons, and build torch_native."""
+
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register(
+            "attention",
+            "unimportable",
+            "tests.plugins.no_such_module:Backend",
+            AttentionCapabilities(),
+            priority=500,
+        )
+        registry.register("attention", "explodes", _explode, AttentionCapabilities(), priority=400)
+
+
 class RaisingPlugin:
     @hookimpl
     def execrt_register_backends(self, registry):

@@ -7,8 +7,8 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError, PluginError
 from execrt.core.interfaces import AttentionRequirements, GraphRequirements
-from execrt.core.plugins import PluginHost
 from execrt.core.selection import resolve_backend
+from execrt.plugins.host import PluginHost
 from tests.plugins import fakes
 
 CPU_FP32 = AttentionRequirements("cpu", torch.float32, 64, 8, 2)
@@ -31,7 +31,7 @@ def test_registering_imports_no_kernel_library() -> None:
     import sys
 
     code = (
-        "import sys; from execrt.core.plugins import PluginHost; PluginHost(autoload=False); "
+        "import sys; from execrt.plugins.host import PluginHost; PluginHost(autoload=False); "
         "print(any(m in sys.modules for m in ('triton', 'flashinfer')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -50,12 +50,70 @@ def test_a_raising_plugin_is_reported_skipped_and_rolled_back(plugin_host: Plugi
 def test_duplicate_names_are_an_error_naming_both_plugins(plugin_host: PluginHost) -> None:
     plugin_host.add_plugin(fakes.GoodPlugin(), "first-plugin")
     assert not plugin_host.add_plugin(fakes.ClashingPlugin(), "second-plugin")
-    assert "also registered by plugin 'first-plugin'" in plugin_host.failures[-1].error
-    assert plugin_host.failures[-1].plugin == "second-plugin"
-    with pytest.raises(
-        PluginError, match="claimed by both plugin 'first-plugin' and plugin 'second-plugin'"
-    ):
-        plugin_host.registry.get("attention", "fake_attn")
+    failure = plugin_host.failures[-1]
+    assert failure.plugin == "second-plugin"
+    assert "already registered by plugin 'first-plugin', which keeps it" in failure.error
+    assert plugin_host.registry.get("attention", "fake_attn").plugin == "first-plugin"
+    conflicts = plugin_host.registry.conflicts()
+    assert conflicts[("attention", "fake_attn")] == ("first-plugin", "second-plugin")
+
+
+def test_a_plugin_cannot_take_a_builtin_name(plugin_host: PluginHost) -> None:
+    assert not plugin_host.add_plugin(fakes.BuiltinClashPlugin(), "usurper")
+    failure = plugin_host.failures[-1]
+    assert failure.plugin == "usurper" and "'execrt.builtin', which keeps it" in failure.error
+    names = plugin_host.registry.names("attention")
+    assert "torch_native" in names, "the built-in lost its name to a plugin"
+    assert "newcomer_extra" not in names, "the refused plugin must be rolled back whole"
+    assert plugin_host.registry.get("attention", "torch_native").plugin == "execrt.builtin"
+    assert resolve_backend(plugin_host.registry, "attention", "auto", CPU_FP32).chosen == (
+        "torch_native"
+    )
+
+
+def test_broken_factories_are_unusable_and_auto_falls_through(
+    plugin_host: PluginHost, runtime_context
+) -> None:
+    from execrt.core.memory import KVCache, ReqToTokenPool
+    from execrt.core.selection import build_backend
+    from execrt.inventory import backend_inventory
+
+    plugin_host.add_plugin(fakes.BrokenFactoryPlugin(), "broken-kernels")
+    rows = {r["name"]: r for r in backend_inventory(host=plugin_host)["backends"]}
+    assert not rows["unimportable"]["usable"]
+    assert "plugin 'broken-kernels': cannot load" in rows["unimportable"]["reasons"][0]
+    resolution = resolve_backend(plugin_host.registry, "attention", "auto", CPU_FP32)
+    assert resolution.chosen == "explodes"  # importable; building it is what fails
+    pool, cache = ReqToTokenPool(2, 8, "cpu"), KVCache(8, 1, 2, 64, torch.float32, "cpu")
+
+    def make_init(spec):  # type: ignore[no-untyped-def]
+        from execrt.core.interfaces import AttentionBackendInit
+
+        return AttentionBackendInit(
+            capabilities=spec.capabilities,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            v_head_dim=64,
+            num_layers=1,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            req_to_token_pool=pool,
+            kv_cache=cache,
+            max_batch_size=2,
+            max_context_len=8,
+            context=runtime_context,
+        )
+
+    backend, res = build_backend(plugin_host.registry, "attention", "auto", CPU_FP32, make_init)
+    assert res.chosen == "torch_native" and type(backend).__name__ == "TorchNativeAttnBackend"
+    rejected = dict(res.rejected)
+    assert "plugin 'broken-kernels': cannot load" in rejected["unimportable"][0]
+    assert "constructor raised RuntimeError('cuda context lost')" in rejected["explodes"][0]
+    with pytest.raises(BackendUnavailableError, match="plugin 'broken-kernels': constructor"):
+        build_backend(plugin_host.registry, "attention", "explodes", CPU_FP32, make_init)
+    with pytest.raises(BackendUnavailableError, match="strict: preferred unimportable"):
+        build_backend(plugin_host.registry, "attention", "auto", CPU_FP32, make_init, strict=True)
 
 
 def test_capabilities_must_match_the_kind(plugin_host: PluginHost) -> None:

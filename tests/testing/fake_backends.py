@@ -39,13 +39,13 @@ GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
 class WrongScaleAttention(TorchNativeAttnBackend):
     """Broken: uses head_dim ** -0.5 instead of the layer's scaling."""
 
-    def forward_decode(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+    def forward_decode(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_decode(q, k, v, own, fb, save_kv_cache)
+        return super().forward_decode(q, k, v, own, fb)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, fb, save_kv_cache=True):  # type: ignore[no-untyped-def]
+    def forward_extend(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_extend(q, k, v, own, fb, save_kv_cache)
+        return super().forward_extend(q, k, v, own, fb)
 
 
 class StaticGraphAttention(TorchNativeAttnBackend):
@@ -193,7 +193,10 @@ EXPERT_MAJOR_CAPS = MoEDispatcherCapabilities(
 # Graph
 # ---------------------------------------------------------------------------------------------
 REEXEC_CAPS = GraphCapabilities(
-    devices=frozenset({"cpu", "cuda"}), real_capture=False, shared_memory_pool=False
+    devices=frozenset({"cpu", "cuda"}),
+    real_capture=False,
+    shared_memory_pool=False,
+    graph_resources=True,
 )
 
 
@@ -205,29 +208,7 @@ class StaleReplayGraph(ReexecGraphBackend):
 
 
 class ResourceReexecGraph(ReexecGraphBackend):
-    """Correct: reexec that also owns a dispatcher's graph resources (for the resource test)."""
-
-    OWNER = "resource reexec graph backend"
-
-    def capture(self, key: ShapeKey, fn: Any) -> Any:
-        provider, context = self.init.resource_provider, self.init.context
-        if provider is not None:
-            if not context.has(provider.resource_name):
-                resources = provider.create_graph_resources(key.batch_size, context)
-                context.register(
-                    provider.resource_name,
-                    resources,
-                    owner=self.OWNER,
-                    close=provider.close_graph_resources,
-                )
-            provider.warm_up_graph_resources(context.get(provider.resource_name), key.batch_size)
-        return super().capture(key, fn)
-
-    def cleanup(self) -> None:
-        super().cleanup()
-        provider, context = self.init.resource_provider, self.init.context
-        if provider is not None and context.has(provider.resource_name):
-            context.unregister(provider.resource_name, owner=self.OWNER)
+    """Correct: reexec, which owns a dispatcher's graph resources itself (for the resource test)."""
 
 
 RESOURCE_CAPS = dataclasses.replace(REEXEC_CAPS, graph_resources=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from execrt.core.errors import BackendUnavailableError, ConfigError
-from execrt.core.inventory import backend_inventory, conformance_report_path, last_conformance
-from execrt.core.plugins import PluginHost
+from execrt.inventory import backend_inventory, conformance_report_path, last_conformance
+from execrt.plugins.host import PluginHost
 from execrt.testing.report import run_conformance, run_suite_source
 
 KEYS = {"kind", "name", "plugin", "version", "date", "device", "passed", "failed", "skipped"}

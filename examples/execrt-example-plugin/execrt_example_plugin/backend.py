@@ -17,19 +17,16 @@ class SdpaAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         # Each request's context slots, padded to the longest; padding reads slot 0.
-        fb.attn_metadata = PaddedContext.of(fb)
+        fb.attn_metadata = PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         meta: PaddedContext = fb.attn_metadata
         keys = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
         values = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
@@ -40,14 +37,11 @@ class SdpaAttentionBackend(AttentionBackend):
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         meta: PaddedContext = fb.attn_metadata
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
 
@@ -42,10 +43,7 @@ class FlashInferAttnBackend(AttentionBackend):
         super().__init__(init)
         import flashinfer
 
-        from execrt.backends.attention import triton_kernels
-
         self.flashinfer = flashinfer
-        self.kernels = triton_kernels
         self.context = init.context
         self.sm_scale = init.head_dim**-0.5
         self.workspace = self.context.get_or_create(
@@ -68,14 +66,14 @@ class FlashInferAttnBackend(AttentionBackend):
     def _fill_index(
         self, fb: ForwardBatch, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
     ) -> None:
-        self.kernels.fill_kv_index(
+        fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices,
         )  # fmt: skip
 
     def _plan_decode(self, wrapper: Any, fb: ForwardBatch, kv_indices: torch.Tensor) -> None:
         wrapper.plan(
-            self.kernels.host_indptr(fb.seq_lens_cpu),
+            host_indptr(fb.seq_lens_cpu),
             kv_indices,
             torch.ones(fb.batch_size, dtype=torch.int32),
             self.num_q_heads,
@@ -97,8 +95,8 @@ class FlashInferAttnBackend(AttentionBackend):
             fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, kv_indices)
             return
         self.prefill_wrapper.plan(
-            self.kernels.host_indptr(fb.extend_seq_lens_cpu),
-            self.kernels.host_indptr(fb.seq_lens_cpu),
+            host_indptr(fb.extend_seq_lens_cpu),
+            host_indptr(fb.seq_lens_cpu),
             kv_indices,
             torch.ones(b, dtype=torch.int32),
             self.num_q_heads,
@@ -113,17 +111,7 @@ class FlashInferAttnBackend(AttentionBackend):
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper, kv_indices)
 
     # -- forward --------------------------------------------------------------------------------
-    def _run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+    def _run(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         cache = (
             self.kv_cache.k_buffers[layer.layer_id].unsqueeze(1),  # [S, 1, Hkv, D]: page size 1
             self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),
@@ -132,29 +120,27 @@ class FlashInferAttnBackend(AttentionBackend):
         # One plan serves every layer; a layer with its own softmax scale rescales through
         # k_scale, which FlashInfer multiplies into the planned scale at run time.
         k_scale = None if layer.scaling == self.sm_scale else layer.scaling / self.sm_scale
-        return meta.wrapper.run(q.contiguous(), cache, k_scale=k_scale)  # type: ignore[no-any-return]
+        return meta.wrapper.run(q.contiguous(), cache, k_scale=k_scale)
 
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        return self._run(q, k, v, layer, fb, save_kv_cache)
+        return self._run(q, layer, fb)
 
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        return self._run(q, k, v, layer, fb, save_kv_cache)
+        return self._run(q, layer, fb)
 
     # -- graphs ---------------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
 
@@ -55,7 +56,7 @@ class TritonAttnBackend(AttentionBackend):
         b = fb.batch_size
         kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
-        self.kernels.fill_kv_index(
+        fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices,
         )  # fmt: skip
@@ -68,7 +69,7 @@ class TritonAttnBackend(AttentionBackend):
             )
             return
         ext = fb.extend_seq_lens_cpu
-        qo = self.kernels.host_indptr(ext)
+        qo = host_indptr(ext)
         fb.attn_metadata = TritonMetadata(
             kv_indptr,
             kv_indices,
@@ -98,14 +99,11 @@ class TritonAttnBackend(AttentionBackend):
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         meta: TritonMetadata = fb.attn_metadata
         o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [B, Hq, Dv]
         assert meta.num_splits is not None and meta.partial_o is not None
@@ -128,14 +126,11 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if save_kv_cache:
-            self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         meta: TritonMetadata = fb.attn_metadata
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
         o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
@@ -181,7 +176,7 @@ class TritonAttnBackend(AttentionBackend):
         self.check_graph_batch("triton attention", max_bs, fb)
         assert g is not None
         kv_indptr = g["kv_indptr"][: b + 1]
-        self.kernels.fill_kv_index(
+        fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             g["kv_indices"],
         )  # fmt: skip

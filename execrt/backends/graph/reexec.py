@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
+from execrt.backends.graph.resources import resource_owner
 from execrt.core.interfaces import GraphBackend, GraphBackendInit, ShapeKey
+
+OWNER = "reexec graph backend"
 
 
 class ReexecGraphBackend(GraphBackend):
@@ -17,7 +20,8 @@ class ReexecGraphBackend(GraphBackend):
     ``replay(key)`` runs the function again and copies the new results into those same output
     tensors, so callers see exactly what a real graph gives them: the same objects, overwritten.
     It records nothing and saves nothing; it exists so the graph runner's bucket, pad and trim
-    logic runs on any device, including CPU in CI.
+    logic runs on any device, including CPU in CI. A dispatcher's graph resources follow the
+    same lifecycle as under real graphs (``GraphResourceOwner``), so it can be tested on CPU.
     """
 
     def __init__(self, init: GraphBackendInit) -> None:
@@ -25,12 +29,16 @@ class ReexecGraphBackend(GraphBackend):
         self._fns: dict[ShapeKey, Callable[[], Any]] = {}
         self._outputs: dict[ShapeKey, Any] = {}
         self.generation = 0  # bumped by cleanup(); a recapture starts a new one
+        self._resources = resource_owner(init, OWNER, self.cleanup)
 
     def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
         if key in self._fns:
             raise ValueError(
                 f"reexec graph backend: shape key {key} already captured; cleanup() first"
             )
+        if self._resources is not None:
+            self._resources.ensure(key.batch_size)
+            self._resources.warm_up(key.batch_size)
         output = fn()
         self._fns[key] = fn
         self._outputs[key] = output
@@ -56,6 +64,8 @@ class ReexecGraphBackend(GraphBackend):
             self.generation += 1
         self._fns.clear()
         self._outputs.clear()
+        if self._resources is not None:
+            self._resources.close()  # after the "graphs", as a real backend must
 
 
 def _copy_into(dst: Any, src: Any, where: str) -> None:

@@ -112,7 +112,7 @@ def _core_nccl_version() -> tuple[tuple[int, ...] | None, str | None]:
     try:
         core = importlib.import_module("nccl.core")
         info = core.get_version().libnccl
-    except Exception as exc:  # noqa: BLE001 - any failure is a reason to report
+    except Exception as exc:  # any failure is a reason to report
         return None, f"{type(exc).__name__}: {exc}"
     if info is None:
         return None, "no libnccl loaded"

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
-from execrt.core.plugins import PluginHost
-from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
-from execrt.core.worker import TpModelWorker
+from execrt.plugins.host import PluginHost
+from tests.drivers import make_worker, prefill_then_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 FAST_BACKENDS = ["triton", "flashinfer"]
@@ -45,45 +43,21 @@ def _available(name: str) -> None:
 
 def _decode_logits(path: str, backend: str, dtype: str, steps: int = 6) -> list[torch.Tensor]:
     ctx = RuntimeContext()
-    worker = TpModelWorker(
+    worker = make_worker(
         path,
-        RuntimeConfig(
-            device="cuda",
-            dtype=dtype,
-            attention_backend=backend,
-            max_running_requests=8,
-            kv_cache_tokens=8192,
-        ),
         ctx,
-        PluginHost(autoload=False),
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        max_running_requests=8,
+        kv_cache_tokens=8192,
     )
-    mr = worker.model_runner
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (700, 33, 1, 1500)]
-    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    batch = ScheduleBatch.for_extend(
-        reqs,
-        [len(p) for p in prompts],
-        mr.req_to_token_pool,
-        mr.token_to_kv_pool_allocator,
-        mr.device,
-    )
-    logits = []
-    result = worker.forward_batch_generation(batch)
-    logits.append(result.logits_output.next_token_logits)
-    for _ in range(steps):
-        for r, t in zip(reqs, result.next_token_ids.tolist(), strict=True):
-            r.kv_len = r.seq_len
-            r.output_ids.append(int(t))
-        # Everyone follows the reference's tokens so every backend sees the same inputs.
-        batch = ScheduleBatch.for_decode(
-            reqs, mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device
-        )
-        result = worker.forward_batch_generation(batch)
-        logits.append(result.logits_output.next_token_logits)
+    trace = prefill_then_decode(worker, prompts, steps)
     worker.close()
     ctx.close()
-    return logits
+    return trace.logits
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -109,10 +83,10 @@ def test_graph_replay_equals_eager(backend) -> None:
     fb = p.forward_batch()
     layer = p.layers[0]
     attn.init_forward_metadata_graph(fb)
-    attn.forward_decode(p.q, p.q, p.q, layer, fb, save_kv_cache=False)  # warm-up / JIT
+    attn.forward_decode(p.q, None, None, layer, fb)  # warm-up / JIT
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attn.forward_decode(p.q, p.q, p.q, layer, fb, save_kv_cache=False)
+        out = attn.forward_decode(p.q, None, None, layer, fb)
     for step in range(3):
         # New lengths and new queries, written into the same static tensors.
         lens = torch.randint(1, 1025, (8,), generator=torch.Generator().manual_seed(step)).tolist()
@@ -125,7 +99,7 @@ def test_graph_replay_equals_eager(backend) -> None:
         eager_fb.seq_lens.copy_(torch.tensor(lens))
         eager_fb.seq_lens_cpu = lens
         attn.init_forward_metadata(eager_fb)
-        eager = attn.forward_decode(p.q, p.q, p.q, layer, eager_fb, save_kv_cache=False)
+        eager = attn.forward_decode(p.q, None, None, layer, eager_fb)
         torch.cuda.synchronize()
         err = float((out.float() - eager.float()).norm() / eager.float().norm())
         assert err < 1e-2, f"{backend} replay {step}: relative error vs eager {err:.2e}"

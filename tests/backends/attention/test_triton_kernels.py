@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.backends.attention import triton_kernels as tk  # noqa: E402
+from execrt.backends.attention import triton_kernels as tk
+from execrt.backends.attention.kv_indices import build_kv_indices, fill_kv_index, host_indptr
 
 CUDA = torch.cuda.is_available()
 # The small scenarios run compiled on a GPU when there is one, under the interpreter otherwise.
@@ -257,7 +258,7 @@ def test_build_kv_indices_matches_slot_table(index_dtype: torch.dtype) -> None:
     want_indptr, want = flat_indices(cache)
     tail = 37
     kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32, device=SMALL)
-    tk.build_kv_indices(
+    build_kv_indices(
         cache.req_to_token,
         cache.rows.to(index_dtype),
         torch.tensor(seq_lens, dtype=index_dtype, device=SMALL),
@@ -272,17 +273,17 @@ def test_build_kv_indices_empty_batch_is_noop() -> None:
     req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     kv_indices = torch.full((5,), -7, dtype=torch.int32)
     empty = torch.zeros(0, dtype=torch.int32)
-    tk.build_kv_indices(req_to_token, empty, empty, torch.zeros(1, dtype=torch.int32), kv_indices)
+    build_kv_indices(req_to_token, empty, empty, torch.zeros(1, dtype=torch.int32), kv_indices)
     assert torch.all(kv_indices == -7)
 
 
 def test_build_kv_indices_rejects_bad_input() -> None:
     req_to_token = torch.zeros(3, 4, dtype=torch.int32)
     one = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="triton attention: req_to_token dtype"):
-        tk.build_kv_indices(req_to_token.float(), one, one, one.repeat(2), one)
+    with pytest.raises(ValueError, match="kv indices: req_to_token dtype"):
+        build_kv_indices(req_to_token.float(), one, one, one.repeat(2), one)
     with pytest.raises(ValueError, match="kv_indptr has 1 entries, need at least 2"):
-        tk.build_kv_indices(req_to_token, one, one, one, one)
+        build_kv_indices(req_to_token, one, one, one, one)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,7 +657,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
 
     def step() -> None:
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=indptr[1:])
-        tk.build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+        build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
         tk.decode_num_splits(seq_lens, splits, max_splits, policy, fill)
         tk.decode_attention(
             q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
@@ -693,8 +694,8 @@ def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
     indptr = torch.full((8,), 99, dtype=torch.int32, device=SMALL)  # stale, longer than B+1
     indices = torch.full((want.numel() + 5,), -7, dtype=torch.int32, device=SMALL)
     lens = torch.tensor(seq_lens, device=SMALL)
-    tk.fill_kv_index(cache.req_to_token, cache.rows, lens, indptr, indices)
+    fill_kv_index(cache.req_to_token, cache.rows, lens, indptr, indices)
     assert indptr[:4].tolist() == want_indptr.tolist() and indptr[4:].tolist() == [99] * 4
     assert torch.equal(indices[: want.numel()], want) and indices[want.numel() :].eq(-7).all()
-    assert tk.host_indptr([3, 40, 1]).tolist() == [0, 3, 43, 44]
-    assert tk.host_indptr([]).tolist() == [0]
+    assert host_indptr([3, 40, 1]).tolist() == [0, 3, 43, 44]
+    assert host_indptr([]).tolist() == [0]

@@ -1,10 +1,4 @@
-"""A toy MoE stack and a driver playing the graph runner around the reexec graph backend.
-
-The driver does what the CUDA-graph runner and FullCudaGraphBackend do with a dispatcher's
-GraphResourceProvider: create the resources when capture begins, register them in the
-RuntimeContext, warm each bucket up outside capture, capture the buckets largest first (with
-the double's capture flag on), replay, and clean up (reset graphs, then close and unregister).
-"""
+"""A toy MoE stack over static buffers and a driver playing the graph runner around reexec."""
 
 from __future__ import annotations
 
@@ -30,16 +24,22 @@ CAPACITY = 8  # largest graph bucket
 EAGER_MAX_TOKENS = 16
 BUCKETS = (8, 4, 2, 1)
 LAYERS = 2
-OWNER = "graph backend (test driver)"
 
 
 def make_dispatcher(
     fake: FakeNccl, context: RuntimeContext, max_tokens: int = EAGER_MAX_TOKENS
 ) -> NcclEpDispatcher:
     init = MoEDispatcherInit(
-        NCCL_EP_DISPATCH, NUM_EXPERTS, TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"),
-        max_tokens, ParallelState.single(), context,
-    )  # fmt: skip
+        capabilities=NCCL_EP_DISPATCH,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        max_tokens_per_rank=max_tokens,
+        parallel=ParallelState.single(),
+        context=context,
+    )
     return NcclEpDispatcher(init, NcclApi(fake.ep, fake.core, fake.is_capturing))
 
 
@@ -110,45 +110,53 @@ class ToyMoE:
 
 
 class GraphDriver:
-    """The graph runner's side of the GraphResourceProvider protocol, over ReexecGraphBackend."""
+    """The graph runner's side: buckets largest first, an optional eager run before each
+    capture (what FullCudaGraphBackend's warm-up runs do before it warms the resources up),
+    replays, cleanup. ReexecGraphBackend holds the dispatcher's resources through
+    GraphResourceOwner exactly as a real graph backend does (create on the first key,
+    register, warm up per key outside capture, close after the graphs at cleanup); the first
+    call of each captured function runs with the double's capture flag on: the recording."""
 
     def __init__(
-        self, fake: FakeNccl, context: RuntimeContext, model: ToyMoE, *, warm_up_first: bool
+        self, fake: FakeNccl, context: RuntimeContext, model: ToyMoE, *, eager_run_first: bool
     ) -> None:
         self.fake, self.context, self.model = fake, context, model
         self.provider = model.dispatcher.graph_resource_provider()
         self.backend = ReexecGraphBackend(
             GraphBackendInit(REEXEC_GRAPH, torch.device("cpu"), context, self.provider)
         )
-        self.warm_up_first = warm_up_first
-        self.resources: Any = None
+        self.eager_run_first = eager_run_first
         self.outputs: dict[int, StepOutput] = {}
 
+    @property
+    def resources(self) -> Any:
+        name = self.provider.resource_name
+        return self.context.get(name) if self.context.has(name) else None
+
     def capture_all(self, buckets: tuple[int, ...] = BUCKETS) -> None:
-        self.resources = self.provider.create_graph_resources(max(buckets), self.context)
-        self.context.register(
-            self.provider.resource_name,
-            self.resources,
-            owner=OWNER,
-            close=self.provider.close_graph_resources,
-        )
         with self.backend.capture_session():
             for t in sorted(buckets, reverse=True):
                 fn = self.model.forward_fn(t)
-                if self.warm_up_first:
-                    self.provider.warm_up_graph_resources(self.resources, t)
-                fn()  # the eager warm-up run
-                if not self.warm_up_first:
-                    self.provider.warm_up_graph_resources(self.resources, t)
-                with self.fake.capture():
-                    self.outputs[t] = self.backend.capture(ShapeKey(t), fn)
+                if self.eager_run_first:
+                    fn()
+                self.outputs[t] = self.backend.capture(ShapeKey(t), self._recorded(fn))
+
+    def _recorded(self, fn: Callable[[], StepOutput]) -> Callable[[], StepOutput]:
+        calls = 0
+
+        def run() -> StepOutput:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # a replay
+                return fn()
+            with self.fake.capture():
+                return fn()
+
+        return run
 
     def replay(self, num_tokens: int) -> StepOutput:
         out: StepOutput = self.backend.replay(ShapeKey(num_tokens))
         return out
 
     def cleanup(self) -> None:
-        """Synchronise (nothing to wait for on CPU), reset every graph, then close the
-        resources by unregistering them (their close runs) - the order graph backends keep."""
         self.backend.cleanup()
-        self.context.unregister(self.provider.resource_name, owner=OWNER)

@@ -48,3 +48,9 @@ class TestNcclEpRegistered(MoEDispatcherSuite):
     # The real backend: every case skips with its reason where NCCL EP cannot run (here: no
     # CUDA; on a GPU without nccl.ep or with NCCL < 2.29: the probe's reasons).
     backend = "nccl_ep"
+    expected_failures = {
+        # The suite captures a bare dispatcher; nccl_ep is captured through its graph backend's
+        # GraphResourceProvider lifecycle (test_nccl_ep_lifecycle.py, test_nccl_ep_gpu.py) and
+        # refuses a capture without warmed-up graph resources, as it must.
+        "test_cuda_graph_capture": "needs the GraphResourceProvider lifecycle the suite skips",
+    }

@@ -14,8 +14,8 @@ import torch
 
 from execrt.backends.moe_dispatch import nccl_ep_probe as probe
 from execrt.core.interfaces import MoERequirements
-from execrt.core.inventory import usability
-from execrt.core.plugins import PluginHost
+from execrt.inventory import usability
+from execrt.plugins.host import PluginHost
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,12 +61,13 @@ def test_real_nccl_ep_graph_lifecycle_world_size_1() -> None:
     problems = probe.environment_problems(probe.probe_environment())
     if problems:
         pytest.skip("NCCL EP cannot run here: " + "; ".join(problems))
+    from execrt.backends.graph.full_cuda_graph import FullCudaGraphBackend
     from execrt.backends.moe_dispatch.nccl_ep import NcclEpDispatcher
     from execrt.core.context import RuntimeContext
     from execrt.core.experts import run_experts
-    from execrt.core.interfaces import MoEDispatcherInit
+    from execrt.core.interfaces import GraphBackendInit, MoEDispatcherInit, ShapeKey
     from execrt.core.parallel import ParallelState
-    from execrt.plugins.builtin import NCCL_EP_DISPATCH
+    from execrt.plugins.builtin import FULL_CUDA_GRAPH, NCCL_EP_DISPATCH
     from execrt.testing.moe_harness import expert_weights, routing
     from execrt.testing.oracles import compare, moe_oracle
 
@@ -74,7 +75,15 @@ def test_real_nccl_ep_graph_lifecycle_world_size_1() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     context = RuntimeContext()
     init = MoEDispatcherInit(
-        NCCL_EP_DISPATCH, e, k, h, torch.bfloat16, dev, 64, ParallelState.single(), context
+        capabilities=NCCL_EP_DISPATCH,
+        num_experts=e,
+        top_k=k,
+        hidden_size=h,
+        dtype=torch.bfloat16,
+        device=dev,
+        max_tokens_per_rank=64,
+        parallel=ParallelState.single(),
+        context=context,
     )
     dispatcher = NcclEpDispatcher(init)
     w13, w2 = (t.to(dev) for t in expert_weights(e, h, inter, torch.bfloat16, 0))
@@ -86,43 +95,34 @@ def test_real_nccl_ep_graph_lifecycle_world_size_1() -> None:
         d = dispatcher.dispatch(x.to(dev), ids.to(dev), w.to(dev))
         out = dispatcher.combine(run_experts(d, w13, w2), d)
         assert compare(out, moe_oracle(x, ids, w, w13.cpu(), w2.cpu()).to(dev)).ok(3e-2)
-        # Graphs: create, register, per bucket warm up then capture, replay, reset, close.
-        provider = dispatcher.graph_resource_provider()
-        res = provider.create_graph_resources(cap, context)
-        context.register(
-            provider.resource_name, res, owner="test", close=provider.close_graph_resources
+        # Graphs through FullCudaGraphBackend, which runs the provider's lifecycle.
+        backend = FullCudaGraphBackend(
+            GraphBackendInit(FULL_CUDA_GRAPH, dev, context, dispatcher.graph_resource_provider())
         )
         static_x = torch.zeros(cap, h, dtype=torch.bfloat16, device=dev)
         static_ids = torch.full((cap, k), -1, dtype=torch.int64, device=dev)
         static_w = torch.zeros(cap, k, device=dev)
-        graphs, outs = {}, {}
-        for t in (32, 8, 1):
-            provider.warm_up_graph_resources(res, t)
+        with backend.capture_session():
+            for t in (32, 8, 1):
 
-            def step(t: int = t) -> torch.Tensor:
-                d = dispatcher.dispatch(static_x[:t], static_ids[:t], static_w[:t])
-                return dispatcher.combine(run_experts(d, w13, w2), d)
+                def step(t: int = t) -> torch.Tensor:
+                    d = dispatcher.dispatch(static_x[:t], static_ids[:t], static_w[:t])
+                    return dispatcher.combine(run_experts(d, w13, w2), d)
 
-            step()
-            torch.cuda.synchronize()
-            graphs[t] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[t]):
-                outs[t] = step()
-        for t in (1, 8, 32):
+                backend.capture(ShapeKey(t), step)
+        res = context.get(dispatcher.resource_name)
+        for t in (1, 8, 32, 1):
             x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
             ids, w = routing("some_masked", t, e, k, 1, gen)
             static_x[:t].copy_(x)
             static_ids[:t].copy_(ids)
             static_w[:t].copy_(w)
-            graphs[t].replay()
+            out = backend.replay(ShapeKey(t))
             torch.cuda.synchronize()
-            cmp = compare(outs[t], moe_oracle(x, ids, w, w13.cpu(), w2.cpu()).to(dev))
+            cmp = compare(out, moe_oracle(x, ids, w, w13.cpu(), w2.cpu()).to(dev))
             assert cmp.ok(3e-2), (t, cmp)
-        torch.cuda.synchronize()
-        for g in graphs.values():
-            g.reset()
-        context.unregister(provider.resource_name, owner="test")
-        assert res.closed
+        backend.cleanup()
+        assert res.closed and not context.has(dispatcher.resource_name)
     finally:
         dispatcher.close()
         context.close()

@@ -18,7 +18,6 @@ from tests.backends.moe_dispatch.nccl_ep_driver import (
     BUCKETS,
     HIDDEN,
     LAYERS,
-    OWNER,
     TOP_K,
     GraphDriver,
     StepOutput,
@@ -27,6 +26,7 @@ from tests.backends.moe_dispatch.nccl_ep_driver import (
 )
 
 NAME = "nccl_ep_graph_resources"
+OWNER = "a graph backend"  # for tests that register resources by hand
 CREATION = ("create_group", "create_handle", "update", "destroy_handle", "destroy_group")
 TOLERANCE = 3e-2  # bf16 wires, the conformance suite's bf16 tolerance
 
@@ -66,14 +66,14 @@ def handle_name(obj: object) -> str:
     return f"handle#{obj.ptr:x}"  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("warm_up_first", [True, False], ids=["warm-up-first", "eager-runs-first"])
-def test_full_lifecycle(world: World, warm_up_first: bool) -> None:
+@pytest.mark.parametrize("eager_run_first", [False, True], ids=["reexec", "eager-run-first"])
+def test_full_lifecycle(world: World, eager_run_first: bool) -> None:
     fake, context, model = world.fake, world.context, world.model
-    driver = GraphDriver(fake, context, model, warm_up_first=warm_up_first)
+    driver = GraphDriver(fake, context, model, eager_run_first=eager_run_first)
     driver.capture_all()
     res = driver.resources
     assert isinstance(res, NcclEpGraphResources) and context.get(NAME) is res
-    assert context.owner_of(NAME) == OWNER
+    assert context.owner_of(NAME) == "reexec graph backend"
     graph_group, graph_handle = group_name(res.group), handle_name(res.handle)
 
     # Lazily built in the first warm-up, once; never anything created, updated or destroyed
@@ -123,6 +123,7 @@ def test_full_lifecycle(world: World, warm_up_first: bool) -> None:
     assert ends == [("destroy_handle", graph_handle), ("destroy_group", graph_group)]
     assert res.closed and not context.has(NAME)
     world.dispatcher.close_graph_resources(res)
+    driver.cleanup()
     assert len(fake.events) == before + 2, "a second close must do nothing"
     assert not fake.violations
 
@@ -144,7 +145,7 @@ def test_eager_forward_of_a_warmed_bucket_uses_the_graph_state(world: World) -> 
     """Outside capture a forward of the warmed bucket borrows the resources too (no new
     handle); any other size takes the eager path, which makes and destroys its own handle."""
     fake, context, model = world.fake, world.context, world.model
-    driver = GraphDriver(fake, context, model, warm_up_first=True)
+    driver = GraphDriver(fake, context, model, eager_run_first=False)
     driver.capture_all((4,))
     handles_before = len(fake.ops("create_handle"))
     model.refill(4)

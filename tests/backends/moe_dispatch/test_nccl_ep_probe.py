@@ -21,8 +21,8 @@ from execrt.backends.moe_dispatch.nccl_ep_probe import (
 )
 from execrt.core.errors import BackendUnavailableError
 from execrt.core.interfaces import MoERequirements
-from execrt.core.plugins import PluginHost
 from execrt.core.selection import resolve_backend
+from execrt.plugins.host import PluginHost
 from execrt.testing import nccl_ep_double
 
 GPU_BOX = NcclEpEnvironment(  # the H200 machine: torch 2.11 pins NCCL 2.28.9, no nccl.ep
@@ -103,8 +103,8 @@ def test_the_check_adds_requirement_and_environment_reasons(
 
 def test_registration_imports_nothing_heavy_and_reports_here() -> None:
     code = (
-        "import sys, json; from execrt.core.plugins import PluginHost; "
-        "from execrt.core.inventory import usability; "
+        "import sys, json; from execrt.plugins.host import PluginHost; "
+        "from execrt.inventory import usability; "
         "spec = PluginHost(autoload=False).registry.get('moe_dispatch', 'nccl_ep'); "
         "usable, reasons = usability(spec); "
         "mods = [m for m in sys.modules if m.split('.')[0] == 'nccl' or m.endswith('nccl_ep')]; "
@@ -144,7 +144,7 @@ def test_the_double_matches_the_real_api() -> None:
     try:  # loading nccl.ep needs CUDA bindings and a recent NCCL; absent here, skip with why
         import nccl.core as real_core
         import nccl.ep as real_ep
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not comparable here"
+    except Exception as exc:  # any import failure: "not comparable here"
         pytest.skip(f"the real nccl.ep is not importable here ({type(exc).__name__}: {exc})")
     fake = nccl_ep_double.FakeNccl()
     ep, core = fake.ep, fake.core

@@ -11,13 +11,7 @@ from execrt.backends.attention.triton_kernels.common import (
 )
 from execrt.backends.attention.triton_kernels.decode import decode_attention
 from execrt.backends.attention.triton_kernels.extend import extend_attention
-from execrt.backends.attention.triton_kernels.indices import (
-    SplitPolicy,
-    build_kv_indices,
-    decode_num_splits,
-    fill_kv_index,
-    host_indptr,
-)
+from execrt.backends.attention.triton_kernels.indices import SplitPolicy, decode_num_splits
 
 __all__ = [
     "DEFAULT_MAX_SPLITS_CAP",
@@ -26,10 +20,7 @@ __all__ = [
     "DEFAULT_TARGET_SPLIT_LEN",
     "MAX_HEAD_DIM",
     "SplitPolicy",
-    "build_kv_indices",
     "decode_attention",
     "decode_num_splits",
     "extend_attention",
-    "fill_kv_index",
-    "host_indptr",
 ]

@@ -7,6 +7,8 @@ from typing import NoReturn
 import torch
 import triton
 
+from execrt.backends.attention import kv_indices
+
 MAX_HEAD_DIM = 256
 
 # Stage 1 of decode processes one (request, kv head, split) per program. A program must be
@@ -31,28 +33,20 @@ DEFAULT_MAX_SPLITS_CAP = 64
 LOG2E = 1.4426950408889634
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
+COMPONENT = "triton attention"
+INDEX_DTYPES = kv_indices.INDEX_DTYPES
 
 
 def fail(message: str) -> NoReturn:
-    raise ValueError(f"triton attention: {message}")
+    kv_indices.fail(message, COMPONENT)
 
 
 def check_index(name: str, t: torch.Tensor, min_len: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    if t.dim() != 1:
-        fail(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        fail(f"{name} dtype {t.dtype} unsupported (supported: {', '.join(map(str, dtypes))})")
-    if t.shape[0] < min_len:
-        fail(f"{name} has {t.shape[0]} entries, need at least {min_len}")
-    if t.shape[0] > 0 and t.stride(0) != 1:
-        fail(f"{name} must be contiguous, got stride {t.stride(0)}")
+    kv_indices.check_index(name, t, min_len, dtypes, COMPONENT)
 
 
 def check_devices(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != ref.device:
-            fail(f"{name} is on {t.device} but q is on {ref.device} (all inputs on one device)")
+    kv_indices.check_devices(ref, COMPONENT, **tensors)
 
 
 def check_head_dim(name: str, dim: int) -> None:

@@ -14,7 +14,6 @@ from execrt.backends.attention.triton_kernels.common import (
     DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_TARGET_SPLIT_LEN,
     INDEX_DTYPES,
-    check_devices,
     check_index,
     fail,
 )
@@ -48,55 +47,15 @@ def _build_kv_indices_kernel(
         tl.store(dst + offs, slots.to(kv_indices_ptr.dtype.element_ty), mask=mask)
 
 
-def build_kv_indices(
+def launch_build_kv_indices(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
 ) -> None:
-    """Gather each request's context slot ids into the flat ``kv_indices`` buffer.
-
-    For every request b, copies ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` into
-    ``kv_indices[kv_indptr[b] : kv_indptr[b] + seq_lens[b]]``. One Triton program per request;
-    no host synchronisation and no allocation, so the call can be captured in a CUDA graph.
-    Entries of ``kv_indices`` past ``kv_indptr[B]`` are left untouched.
-
-    Args:
-        req_to_token: int32 ``[R, max_ctx]`` slot table, last dim contiguous.
-        req_pool_indices: int32/int64 ``[B]`` row of ``req_to_token`` for each request.
-        seq_lens: int32/int64 ``[B]`` context length of each request (``<= max_ctx``).
-        kv_indptr: int32/int64 ``[>= B+1]`` prefix sum of ``seq_lens``, filled by the caller.
-        kv_indices: int32/int64 ``[>= sum(seq_lens)]`` output (written in place).
-
-    All tensors live on one device. ``B == 0`` is a no-op.
-
-    Raises:
-        ValueError: on wrong ranks, dtypes, lengths or devices.
-    """
-    if req_to_token.dim() != 2:
-        fail(f"req_to_token must be 2-D [R, max_ctx], got shape {tuple(req_to_token.shape)}")
-    if req_to_token.dtype not in INDEX_DTYPES:
-        fail(f"req_to_token dtype {req_to_token.dtype} unsupported (supported: int32, int64)")
-    batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
-    check_index("req_pool_indices", req_pool_indices, 0, INDEX_DTYPES)
-    check_index("seq_lens", seq_lens, batch, INDEX_DTYPES)
-    if seq_lens.shape[0] != batch:
-        fail(f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {batch}")
-    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
-    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
-    check_devices(
-        req_to_token,
-        req_pool_indices=req_pool_indices,
-        seq_lens=seq_lens,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-    )
-    if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
-        fail(f"req_to_token must be contiguous in its last dim, got {tuple(req_to_token.stride())}")
-    if batch == 0:
-        return
-    _build_kv_indices_kernel[(batch,)](
+    """One program per request; inputs validated by ``kv_indices.build_kv_indices``."""
+    _build_kv_indices_kernel[(seq_lens.shape[0],)](
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -105,27 +64,6 @@ def build_kv_indices(
         req_to_token.stride(0),
         BLOCK=512,
     )
-
-
-def fill_kv_index(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-) -> None:
-    """The whole per-step index build on the device: ``kv_indptr[: B+1] = [0, cumsum(seq_lens)]``
-    then :func:`build_kv_indices`. Writes into the given (possibly static, longer) buffers;
-    no host synchronisation, so graph metadata can use it as is."""
-    batch = seq_lens.shape[0]
-    kv_indptr[:1].zero_()
-    torch.cumsum(seq_lens, 0, dtype=torch.int32, out=kv_indptr[1 : batch + 1])
-    build_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices)
-
-
-def host_indptr(lens: list[int]) -> torch.Tensor:
-    """``[0, cumsum(lens)]`` as an int32 CPU tensor (offsets known on the host, no sync)."""
-    return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------

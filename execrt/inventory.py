@@ -18,7 +18,8 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
     MoERequirements,
 )
-from execrt.core.plugins import BackendSpec, PluginHost, get_plugin_host
+from execrt.core.plugins import BackendSpec
+from execrt.plugins.host import PluginHost, get_plugin_host
 
 
 def local_devices() -> list[str]:
@@ -52,6 +53,10 @@ def usability(spec: BackendSpec) -> tuple[bool, list[str]]:
         return False, spec.unusable_here() + [
             f"needs {claimed}; this machine has {', '.join(local_devices())}"
         ]
+    # Importing the factory's module builds nothing but proves the backend can load at all.
+    broken = spec.factory_problems() if not spec.unusable_here() else []
+    if broken:
+        return False, broken
     first_reasons: list[str] = []
     for device in devices:
         reasons = spec.refusals(probe_requirements(spec.capabilities, device))
@@ -114,8 +119,10 @@ def format_inventory(inv: dict[str, Any]) -> str:
         if row["last_conformance"]:
             lines.append(f"{'':<28} last conformance: {row['last_conformance'].get('summary')}")
     for c in inv["conflicts"]:
+        keeper, refused = c["plugins"]
         lines.append(
-            f"conflict: {c['kind']} backend {c['name']!r} claimed by {' and '.join(c['plugins'])}"
+            f"conflict: {c['kind']} backend {c['name']!r} claimed by {keeper!r} and {refused!r}; "
+            f"{keeper!r} keeps it"
         )
     for f in inv["plugin_failures"]:
         lines.append(f"plugin {f['plugin']!r} skipped: {f['error']}")

@@ -1,0 +1,3 @@
+"""The package version, in a leaf module any layer may import."""
+
+__version__ = "0.1.0"

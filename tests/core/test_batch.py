@@ -1,0 +1,157 @@
+"""ForwardBatch.init_new, positions, PaddedContext and the one graph padding rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execrt.core.batch import (
+    INPUT_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    PaddedContext,
+    extend_positions,
+    padded_decode_batch,
+)
+from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+
+CPU = torch.device("cpu")
+
+
+def pools(
+    rows: int = 4, ctx: int = 32, slots: int = 64
+) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+    return ReqToTokenPool(rows, ctx, CPU), TokenToKVPoolAllocator(slots, CPU)
+
+
+def test_extend_positions_continue_after_each_prefix() -> None:
+    assert extend_positions([0, 5, 2], [3, 1, 2], CPU).tolist() == [0, 1, 2, 5, 2, 3]
+    assert extend_positions([], [], CPU).tolist() == []
+
+
+def test_init_new_holds_the_schedule_batch_tensors_by_reference() -> None:
+    pool, alloc = pools()
+    reqs = [Req(0, [1, 2, 3], SamplingParams()), Req(1, [4, 5], SamplingParams(seed=7))]
+    reqs[1].kv_len = 0
+    sb = ScheduleBatch.for_extend(reqs, [3, 2], pool, alloc, CPU)
+    assert sb is not None
+    fb = ForwardBatch.init_new(sb, None)
+    assert fb.forward_mode is ForwardMode.EXTEND and fb.batch_size == 2 and fb.num_tokens == 5
+    for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc"):
+        assert getattr(fb, name).data_ptr() == getattr(sb, name).data_ptr(), name
+    assert fb.positions.tolist() == [0, 1, 2, 0, 1]
+    assert fb.seq_lens_cpu == [3, 2] and fb.seq_lens_sum == 5 and fb.max_seq_len == 3
+    assert fb.max_extend_len == 3 and fb.num_token_non_padded == 5
+    assert fb.num_token_non_padded_device is None  # eager batches carry no padding
+    assert fb.sampling_info is not None and fb.sampling_info.seeds.tolist()[1] == 0
+
+
+def test_decode_positions_are_the_last_token_of_each_request() -> None:
+    pool, alloc = pools()
+    reqs = [Req(0, [1, 2, 3], SamplingParams()), Req(1, [4], SamplingParams())]
+    sb = ScheduleBatch.for_extend(reqs, [3, 1], pool, alloc, CPU)
+    assert sb is not None
+    for req, token in zip(reqs, (9, 8), strict=True):
+        req.kv_len = req.seq_len
+        req.output_ids.append(token)
+    dec = ScheduleBatch.for_decode(reqs, pool, alloc, CPU)
+    assert dec is not None
+    fb = ForwardBatch.init_new(dec, None)
+    assert fb.forward_mode is ForwardMode.DECODE
+    assert fb.input_ids.tolist() == [9, 8] and fb.positions.tolist() == [3, 1]
+    assert fb.extend_prefix_lens_cpu == [3, 1] and fb.extend_seq_lens_cpu == [1, 1]
+
+
+def decode_batch(rows: list[int], lens: list[int], locs: list[int]) -> ForwardBatch:
+    b = len(rows)
+    seq = torch.tensor(lens)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=b,
+        input_ids=torch.arange(10, 10 + b),
+        positions=seq - 1,
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=seq,
+        out_cache_loc=torch.tensor(locs),
+        seq_lens_cpu=list(lens),
+        extend_prefix_lens_cpu=[n - 1 for n in lens],
+        extend_seq_lens_cpu=[1] * b,
+    )
+
+
+def test_padding_rule_into_new_tensors() -> None:
+    fb = decode_batch([3, 1], [5, 9], [11, 12])
+    padded = padded_decode_batch(fb, 4, seq_len_fill=1)
+    assert padded.batch_size == 4 and padded.num_token_non_padded == 2
+    assert padded.num_token_non_padded_device is not None
+    assert padded.num_token_non_padded_device.tolist() == [2]
+    assert padded.input_ids.tolist() == [10, 11, 0, 0]
+    assert padded.req_pool_indices.tolist() == [3, 1, 0, 0]  # padding reads request row 0
+    assert padded.out_cache_loc.tolist() == [11, 12, 0, 0]  # and writes KV slot 0
+    assert padded.seq_lens.tolist() == [5, 9, 1, 1]
+    assert padded.positions.tolist() == [4, 8, 0, 0]
+    assert padded.seq_lens_cpu == [5, 9, 1, 1] and padded.extend_prefix_lens_cpu == [4, 8, 0, 0]
+    assert fb.batch_size == 2 and fb.input_ids.tolist() == [10, 11]  # the original is untouched
+
+
+def test_padding_rule_writes_static_buffers_in_place_with_any_fill_value() -> None:
+    buffers = {name: torch.full((6,), -7) for name in INPUT_FIELDS}
+    buffers["num_token_non_padded"] = torch.zeros(1, dtype=torch.int64)
+    ptrs = {name: t.data_ptr() for name, t in buffers.items()}
+    fb = decode_batch([2, 4, 1], [3, 3, 7], [5, 6, 9])
+    padded = padded_decode_batch(fb, 5, seq_len_fill=2, out=buffers)
+    for name in INPUT_FIELDS:
+        assert getattr(padded, name).data_ptr() == ptrs[name], f"{name} left the static buffer"
+    assert buffers["seq_lens"].tolist() == [3, 3, 7, 2, 2, -7]  # the tail past 5 is untouched
+    assert buffers["positions"].tolist()[:5] == [2, 2, 6, 1, 1]
+    assert buffers["num_token_non_padded"].tolist() == [3]
+    assert padded.num_token_non_padded_device is buffers["num_token_non_padded"]
+    same = padded_decode_batch(fb, 3, seq_len_fill=2, out=buffers)  # no padding rows at all
+    assert same.num_token_non_padded == 3 and same.seq_lens.tolist() == [3, 3, 7]
+
+
+def test_padding_rule_refuses_what_it_cannot_pad() -> None:
+    fb = decode_batch([1, 2], [3, 4], [5, 6])
+    with pytest.raises(ValueError, match="cannot pad a batch of 2 down to 1"):
+        padded_decode_batch(fb, 1, 1)
+    with pytest.raises(ValueError, match="fill value 0"):
+        padded_decode_batch(fb, 4, 0)
+    extend = ForwardBatch(**{**fb.__dict__, "forward_mode": ForwardMode.EXTEND})
+    with pytest.raises(ValueError, match="only decode batches are padded, got EXTEND"):
+        padded_decode_batch(extend, 4, 1)
+
+
+def test_padded_context_reads_only_each_requests_slots() -> None:
+    table = torch.zeros(4, 6, dtype=torch.int32)
+    table[1, :3] = torch.tensor([7, 8, 9])
+    table[2, :5] = torch.tensor([1, 2, 3, 4, 5])
+    table[1, 3:] = 99  # stale entries past the length must not be read
+    fb = decode_batch([1, 2], [3, 5], [0, 0])
+    ctx = PaddedContext.of(fb, table)
+    assert ctx.slots.tolist() == [[7, 8, 9, 0, 0], [1, 2, 3, 4, 5]]
+    assert ctx.valid.tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+
+
+def test_extend_segments_give_each_request_a_causal_mask() -> None:
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    table[1, :4] = torch.tensor([3, 4, 5, 6])
+    table[2, :2] = torch.tensor([9, 10])
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=2,
+        input_ids=torch.zeros(3, dtype=torch.int64),
+        positions=torch.tensor([2, 3, 1]),
+        req_pool_indices=torch.tensor([1, 2]),
+        seq_lens=torch.tensor([4, 2]),
+        out_cache_loc=torch.tensor([5, 6, 10]),
+        seq_lens_cpu=[4, 2],
+        extend_prefix_lens_cpu=[2, 1],
+        extend_seq_lens_cpu=[2, 1],
+    )
+    segments = list(PaddedContext.of(fb, table).extend_segments(fb))
+    (rows_a, slots_a, mask_a), (rows_b, slots_b, mask_b) = segments
+    assert (rows_a, rows_b) == (slice(0, 2), slice(2, 3))
+    assert slots_a.tolist() == [3, 4, 5, 6] and slots_b.tolist() == [9, 10]
+    assert mask_a.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert mask_b.tolist() == [[True, True]]

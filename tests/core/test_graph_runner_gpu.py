@@ -1,0 +1,152 @@
+"""GPU: decode graphs through ModelRunner (full_cuda_graph; triton, flashinfer; dense, MoE).
+
+Replay must equal an eager run of the same padded batch with the same (graph) metadata
+bitwise: the graph launches the very kernels eager would, on the very buffers.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.context import RuntimeContext
+from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.core.worker import TpModelWorker
+from execrt.plugins.host import PluginHost
+from tests.drivers import make_worker
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BACKENDS = ["triton", "flashinfer"]
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoints(tmp_path_factory) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=2048,
+        hidden_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    out = {}
+    for name, (cfg, cls) in {
+        "dense": (Qwen3Config(intermediate_size=1024, **common), Qwen3ForCausalLM),
+        "moe": (
+            Qwen3MoeConfig(
+                intermediate_size=1024,
+                moe_intermediate_size=256,
+                num_experts=16,
+                num_experts_per_tok=4,
+                **common,
+            ),
+            Qwen3MoeForCausalLM,
+        ),
+    }.items():
+        path = str(tmp_path_factory.mktemp(f"gpu-{name}"))
+        cls(cfg).to(torch.bfloat16).save_pretrained(path)
+        out[name] = path
+    return out
+
+
+def _skip_unless_usable(backend: str) -> None:
+    missing = PluginHost(autoload=False).registry.get("attention", backend).unusable_here()
+    if missing:
+        pytest.skip("; ".join(missing))
+
+
+def _graph_worker(path: str, ctx: RuntimeContext, backend: str, **extra) -> TpModelWorker:  # type: ignore[no-untyped-def]
+    return make_worker(
+        path,
+        ctx,
+        device="cuda",
+        attention_backend=backend,
+        graph_backend="full_cuda_graph",
+        max_running_requests=20,
+        kv_cache_tokens=16384,
+        **extra,
+    )
+
+
+def _decode_batch(w: TpModelWorker, bs: int, seed: int) -> tuple[list[Req], ScheduleBatch]:
+    mr = w.model_runner
+    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(1, 2000, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 300, (bs,), generator=g)
+    ]
+    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    sb = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *pools)
+    assert sb is not None
+    res = w.forward_batch_generation(sb)
+    for r, t in zip(reqs, res.next_token_ids.tolist(), strict=True):
+        r.kv_len = r.seq_len
+        r.output_ids.append(int(t))
+    dec = ScheduleBatch.for_decode(reqs, *pools)
+    assert dec is not None
+    return reqs, dec
+
+
+def _release(w: TpModelWorker, reqs: list[Req]) -> None:
+    mr = w.model_runner
+    for r in reqs:
+        assert r.req_pool_idx is not None
+        slots = mr.req_to_token_pool.req_to_token[r.req_pool_idx, : r.seq_len].long()
+        mr.token_to_kv_pool_allocator.free(slots)
+        mr.req_to_token_pool.free(r.req_pool_idx)
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_equals_eager_bitwise_for_every_bucket(gpu_checkpoints, backend, model) -> None:  # type: ignore[no-untyped-def]
+    _skip_unless_usable(backend)
+    ctx = RuntimeContext()
+    w = _graph_worker(gpu_checkpoints[model], ctx, backend)
+    mr = w.model_runner
+    runner = mr.decode_graph_runner
+    assert runner is not None, mr.resolution.describe()
+    for bs in sorted({*runner.capture_bs, 3, 7, 19}):
+        reqs, dec = _decode_batch(w, bs, seed=bs)
+        fb = ForwardBatch.init_new(dec, mr.attn_backend)
+        out = mr.forward(fb)
+        assert out.can_run_graph
+        got = out.logits_output.next_token_logits.clone()
+        with torch.inference_mode():
+            padded = mr.input_buffers.load_padded(fb, runner.bucket(bs), runner.fill)
+            mr.attn_backend.init_forward_metadata_graph(padded)
+            ref = mr.model(padded.input_ids, padded.positions, padded).next_token_logits[:bs]
+        assert torch.equal(got, ref), f"bs {bs}: max |diff| {(got - ref).abs().max().item():.3g}"
+        eager = mr.eager_runner.execute(ForwardBatch.init_new(dec, mr.attn_backend))
+        err = float((got - eager.next_token_logits).norm() / eager.next_token_logits.norm())
+        assert err < 2e-2, f"bs {bs}: graph vs unpadded eager relative error {err:.3g}"
+        _release(w, reqs)
+    w.close()
+    ctx.close()
+
+
+def test_recapture_cycles_do_not_grow_memory(gpu_checkpoints) -> None:  # type: ignore[no-untyped-def]
+    _skip_unless_usable("triton")
+    ctx = RuntimeContext()
+    w = _graph_worker(gpu_checkpoints["moe"], ctx, "triton", cuda_graph_bs="1,2,4,8")
+    runner = w.model_runner.decode_graph_runner
+    assert runner is not None
+    sizes = []
+    for _ in range(50):
+        runner.recapture()
+        torch.cuda.synchronize()
+        gc.collect()
+        sizes.append(torch.cuda.memory_allocated())
+    assert max(sizes[1:]) <= sizes[1], (
+        f"allocated memory grew over recaptures: {sizes[:3]}..{sizes[-3:]}"
+    )
+    w.close()
+    ctx.close()

@@ -1,0 +1,114 @@
+"""ModelRunner with a toy loader: dtype and device resolution, KV sizing, backends, close."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.config import RuntimeConfig
+from execrt.core.context import RuntimeContext
+from execrt.core.errors import BackendUnavailableError, ConfigError
+from execrt.core.memory import KVCache
+from execrt.core.model_runner import (
+    CPU_KV_BUDGET_BYTES,
+    ModelRunner,
+    resolve_device,
+    resolve_dtype,
+)
+from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.plugins.host import PluginHost
+from tests.core.fakes import SPEC, ToyLoader
+
+CPU = torch.device("cpu")
+
+
+def runner(context: RuntimeContext, loader: ToyLoader | None = None, **config) -> ModelRunner:  # type: ignore[no-untyped-def]
+    cfg = RuntimeConfig(**({"device": "cpu"} | config))
+    return ModelRunner(loader or ToyLoader(), cfg, context, PluginHost(autoload=False).registry)
+
+
+def test_resolve_dtype_follows_the_checkpoint_on_cuda_and_fp32_on_cpu() -> None:
+    assert resolve_dtype("auto", torch.bfloat16, CPU) == torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.bfloat16, CPU) == torch.float16
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == CPU
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="'cuda:1' requested but no CUDA device"):
+            resolve_device("cuda:1")
+
+
+def test_runner_builds_pools_backends_and_loads_through_the_loader(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    loader = ToyLoader()
+    mr = runner(runtime_context, loader, max_running_requests=3, kv_cache_tokens=40)
+    (request,) = loader.requests
+    assert request.device == CPU and request.dtype == torch.float32 and request.dispatcher is None
+    assert request.max_positions == SPEC.max_position_embeddings == mr.context_len
+    assert mr.req_to_token_pool.req_to_token.shape == (4, 64)
+    assert mr.token_to_kv_pool_allocator.size == 40
+    assert mr.kv_cache.k_buffers[0].shape == (41, SPEC.num_kv_heads, SPEC.head_dim)
+    assert type(mr.attn_backend).__name__ == "TorchNativeAttnBackend"
+    kinds = {r.kind: r for r in mr.resolution.resolutions}
+    assert (
+        kinds["attention"].chosen == "torch_native" and kinds["moe_dispatch"].note == "dense model"
+    )
+    assert runtime_context.get("kv_cache") is mr.kv_cache
+    mr.close()
+    mr.close()  # idempotent
+    assert not runtime_context.has("kv_cache") and not runtime_context.has("attn_backend")
+
+
+def test_context_len_is_capped_by_the_model(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    assert runner(runtime_context, context_len=16).context_len == 16
+    other = RuntimeContext()
+    assert runner(other, context_len=10_000).context_len == SPEC.max_position_embeddings
+    other.close()
+
+
+def test_auto_kv_tokens_is_every_request_at_full_context_within_the_budget(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    mr = runner(runtime_context, max_running_requests=2)
+    assert mr.token_to_kv_pool_allocator.size == 2 * SPEC.max_position_embeddings
+    per_token = KVCache.bytes_per_token_for(
+        SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, torch.float32
+    )
+    big = dataclasses.replace(SPEC, num_layers=4096, max_position_embeddings=4096)
+    other = RuntimeContext()
+    capped = runner(other, ToyLoader(big), max_running_requests=4)
+    big_per_token = KVCache.bytes_per_token_for(
+        4096, SPEC.num_kv_heads, SPEC.head_dim, torch.float32
+    )
+    assert capped.token_to_kv_pool_allocator.size == CPU_KV_BUDGET_BYTES // big_per_token
+    assert per_token < big_per_token
+    other.close()
+
+
+def test_forward_runs_extend_and_decode_through_the_eager_runner(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    mr = runner(runtime_context)
+    reqs = [
+        Req(0, [1, 2, 3], SamplingParams(temperature=0)),
+        Req(1, [4], SamplingParams(temperature=0)),
+    ]
+    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, CPU)
+    sb = ScheduleBatch.for_extend(reqs, [3, 1], *pools)
+    assert sb is not None
+    fb = ForwardBatch.init_new(sb, mr.attn_backend)
+    out = mr.forward(fb)
+    assert out.logits_output.next_token_logits.shape == (2, SPEC.vocab_size)
+    assert not out.can_run_graph
+    tokens = mr.sample(out.logits_output, fb)
+    assert tokens.tolist() == out.logits_output.next_token_logits.argmax(-1).tolist()
+    # the inputs went through the static buffers, not the schedule batch's tensors
+    assert mr.input_buffers.buffers["input_ids"][:4].tolist() == [1, 2, 3, 4]
+
+
+def test_an_unusable_explicit_backend_fails_before_anything_loads(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    loader = ToyLoader()
+    with pytest.raises(BackendUnavailableError, match="flashinfer"):
+        runner(runtime_context, loader, attention_backend="flashinfer")
