@@ -289,6 +289,6 @@ def qk_norm_rope_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_power_of_2(d // 2),
         BLOCK_DV=next_power_of_2(dv),
-        num_warps=num_warps_for(bh * d),
+        num_warps=num_warps_for(bh * next_power_of_2(d // 2)),  # 16-byte loads per half
     )  # fmt: skip
     return q_out, k_out
