@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch  # noqa: E402
-from tests.kernels.helpers import (  # noqa: E402
+from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch
+from tests.kernels.helpers import (
     DEVICE,
     max_rel,
     needs_cuda,

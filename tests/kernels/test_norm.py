@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm, rmsnorm_torch  # noqa: E402
-from tests.kernels.helpers import (  # noqa: E402
+from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm, rmsnorm_torch
+from tests.kernels.helpers import (
     DEVICE,
     assert_within_ulps,
     max_rel,

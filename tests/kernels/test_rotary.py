@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch  # noqa: E402
-from tests.kernels.helpers import (  # noqa: E402
+from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch
+from tests.kernels.helpers import (
     DEVICE,
     max_rel,
     needs_cuda,
