@@ -179,7 +179,9 @@ def _moe_gemm_kernel(
         a_rows = c_rows // TOP_K
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_bn = (offs_n % N).to(tl.int64)  # wrap instead of masking the weight loads
+    # Wrap instead of masking the weight loads; offsets inside one expert fit in int32, the
+    # expert's base offset (E * N * K elements in all) may not.
+    offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = (
