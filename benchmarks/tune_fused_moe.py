@@ -208,10 +208,16 @@ def tune_tokens(
     out_ref = standard_experts(d.hidden_states, d.topk_ids, d.topk_weights, w13, w2).double()
 
     def whole(config: MoEConfig) -> float:
-        us, out = measure(lambda d, a, b: fused_experts(d, a, b, config), p, iters)
+        """µs of the whole fused_experts, or inf when it fails or disagrees with torch."""
+        try:
+            us, out = measure(lambda d, a, b: fused_experts(d, a, b, config), p, iters)
+        except Exception as exc:  # noqa: BLE001 - report, never pick it
+            print(f"  T={t}: {config} failed: {type(exc).__name__}: {exc}")
+            return float("inf")
         err = compare(out, out_ref).rel_error
         if err > TOLERANCE:
-            raise RuntimeError(f"tune: {config} is wrong at T={t}: rel err {err:.1e}")
+            print(f"  T={t}: REJECT {config}: rel err {err:.1e} vs the torch path")
+            return float("inf")
         return us
 
     prior_us = whole(prior)
@@ -228,7 +234,7 @@ def tune_tokens(
               f"whole {us:7.1f} us")  # fmt: skip
         if best is None or us < best[1]:
             best = (config, us)
-    if best is None or best[1] > prior_us:  # keep the old entry when nothing beats it
+    if best is None or best[1] >= prior_us:  # keep the old entry when nothing beats it
         return {"config": prior, "us": prior_us, "prior_us": prior_us, "tuned": best is not None}
     return {"config": best[0], "us": best[1], "prior_us": prior_us, "tuned": True}
 

@@ -55,7 +55,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     dev = topk_ids.device
     sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
-    ntp = torch.zeros(1, dtype=torch.int32, device=dev)
+    # The kernel writes the count; only an empty batch needs the memset (one launch less).
+    ntp = (torch.empty if num_pairs else torch.zeros)(1, dtype=torch.int32, device=dev)
     if num_pairs:
         from execrt.kernels.fused_moe import triton_kernels
 
@@ -119,8 +120,10 @@ def fused_experts(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [E, P*C, H]
         if slots == 0:
             return out
-        # Each expert holds up to P*C rows, the whole batch's worth: key the config on it.
-        cfg = config or get_config(num_experts, inter, slots, 1, x.dtype)
+        # After an all-to-all each local expert gets ~T*K/E_local rows, as the standard format
+        # with E_local experts and T tokens would: the same table entry fits. K is unknown
+        # here, so an untuned shape gets the small-batch default (correct, maybe slow).
+        cfg = config or get_config(num_experts, inter, max(d.num_tokens, 1), 1, x.dtype)
         blocks = num_experts * -(-slots // cfg.block_m)
         counts = d.expert_counts
         rows = tk.GemmRows(cfg.block_m, blocks, expert_counts=counts, rows_per_expert=slots)
