@@ -9,7 +9,7 @@ processes into Triton's on-disk cache. Token counts not reached within ``--budge
 their previous entry. Prints a table of tuned vs previously shipped µs last.
 
     python benchmarks/tune_fused_moe.py                      # Qwen3-30B-A3B: E=128 N=768
-    python benchmarks/tune_fused_moe.py --budget-s 200 --tokens 1,8,64
+    python benchmarks/tune_fused_moe.py --budget-s 200 --tokens 1,8,64 --out "$OUT"
     python benchmarks/tune_fused_moe.py --dry-run            # CPU, interpreter, tiny shapes
 """
 
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=210, help="no new token count after this")
     ap.add_argument("--iters", type=int, default=10, help="graph replays per timing sample")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
-    ap.add_argument("--out", help="config file to write (default: the package's configs dir)")
+    ap.add_argument("--out", help="file or directory to write (default: the package's configs)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, no file")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -267,7 +267,10 @@ def main() -> None:
     else:
         device = "cuda"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "dry-run"
-    path = args.out or os.path.join(CONFIG_DIR, config_file_name(e, i, gpu, dtype))
+    name = config_file_name(e, i, gpu, dtype)
+    path = args.out or os.path.join(CONFIG_DIR, name)
+    if os.path.isdir(path):
+        path = os.path.join(path, name)
     print(f"# {gpu}: tuning E={e} N={i} H={h} top-{k} {args.dtype} for T in {tokens} -> {path}")
     jobs = sorted(
         {(bm, up, tile) for t in tokens for bm in block_ms(t, k, e) for up in (True, False)
