@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
     attn.add_argument("--iters", type=int, default=20)
     attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    moe = bench_sub.add_parser("moe", help="one MoE layer's expert compute: µs vs copy bandwidth")
+    moe.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,..,256)")
+    moe.add_argument("--impls", help="comma-separated: triton, grouped_mm, dense (default: all)")
+    moe.add_argument("--iters", type=int, default=10)
+    moe.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -104,6 +109,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "moe":
+        return cmd_bench_moe(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
@@ -119,6 +126,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     backends = args.backends.split(",") if args.backends else None
     try:
         attention.run(backends, shapes, iters=args.iters, out_dir=args.out)
+    except RuntimeError as exc:
+        raise ExecrtError(str(exc)) from None
+    return 0
+
+
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from execrt.bench import moe
+
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
+    except ValueError:
+        raise ExecrtError(f"bench: --tokens {args.tokens!r} must look like 1,8,64") from None
+    impls = args.impls.split(",") if args.impls else moe.IMPLS
+    unknown = sorted(set(impls) - set(moe.IMPLS))
+    if unknown:
+        raise ExecrtError(f"bench: unknown --impls {unknown} (known: {', '.join(moe.IMPLS)})")
+    try:
+        moe.run(tokens or moe.DEFAULT_TOKENS, impls, iters=args.iters, out_dir=args.out)
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0
