@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install the carried wheels, run the GPU tests, the attention
-# benchmark and (optionally) the Triton tuning sweep. Logs and results go under $OUT.
-# Usage (device tool): bash benchmarks/gpu_session.sh [tests] [bench] [tune] [conformance]
+# One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
+# a short table per step is printed last. Usage (device tool):
+#   bash benchmarks/gpu_session.sh [tests] [conformance] [bench-attention] [bench-extend]
+#        [bench-moe] [bench-decode] [tune-moe] [tune-extend] [tune-decode] [probe-nccl-ep]
+# Environment: TESTS (pytest selection, default tests/), WORKERS (pytest-xdist, default 8),
+#   DECODE_MODELS (default "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), BENCH_ARGS (extra flags).
 set -u -o pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,23 +16,53 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fi-cache"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+if [ -f .fi-cache.tgz ]; then tar -C "$FLASHINFER_WORKSPACE_BASE" -xzf .fi-cache.tgz || true; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
+summary="$OUT/summary.txt"
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
 for step in "$@"; do
+  start=$(date +%s)
   case "$step" in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/backends/attention 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" ${TESTS:-tests examples/execrt-example-plugin/tests} \
+        2>&1 | tee "$OUT/tests.log" | tail -40
+      note "tests: $(tail -1 "$OUT/tests.log")" ;;
     conformance)
-      for b in ${CONF_BACKENDS:-triton flashinfer torch_native}; do
-        python3 -m execrt conformance attention "$b" --json "$OUT/conformance-attention-$b.json" \
-          2>&1 | tee "$OUT/conformance-$b.log" | grep -v " passed \| skipped " | tail -15
+      for kb in ${CONF:-attention:triton attention:flashinfer attention:torch_native moe_dispatch:allreduce moe_dispatch:all_to_all moe_dispatch:all_to_all_fixed graph:full_cuda_graph}; do
+        k=${kb%%:*}; b=${kb#*:}
+        python3 -m execrt conformance "$k" "$b" --json "$OUT/conformance-$k-$b.json" -p no:cacheprovider \
+          > "$OUT/conformance-$k-$b.log" 2>&1
+        note "conformance $k $b: $(tail -1 "$OUT/conformance-$k-$b.log")"
       done ;;
-    bench)
-      python3 -m execrt bench attention --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
-    tune)
-      timeout 300 python3 benchmarks/tune_triton_decode.py "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+    bench-attention)
+      python3 -m execrt bench attention --out "$OUT" 2>&1 | tee "$OUT/bench-attention.log" | tail -12 ;;
+    bench-extend)
+      python3 -m execrt bench extend --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-extend.log" | tail -12 ;;
+    bench-moe)
+      python3 -m execrt bench moe --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-moe.log" | tail -16 ;;
+    bench-decode)
+      for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
+        name=${m%%:*}; layers=""
+        [ "$name" != "$m" ] && layers="--layers ${m#*:}"
+        timeout 400 python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${BENCH_ARGS:-} \
+          2>&1 | tee "$OUT/bench-decode-$name.log" | tail -14
+      done ;;
+    tune-moe)
+      timeout 330 python3 benchmarks/tune_fused_moe.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20 ;;
+    tune-extend)
+      timeout 300 python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
+    tune-decode)
+      timeout 300 python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+    probe-nccl-ep)
+      python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
+    *) echo "unknown step $step" ;;
   esac
+  note "step $step: $(( $(date +%s) - start )) s"
 done
 # Bring the FlashInfer JIT cache home so the next session can carry it instead of compiling.
 tar -C "$FLASHINFER_WORKSPACE_BASE" -czf "$OUT/fi-cache.tgz" . 2>/dev/null || true
+echo "===== summary ====="
+cat "$summary"

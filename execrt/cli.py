@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -26,33 +27,69 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_argument("--json", action="store_true", help="machine-readable output")
     backends.add_argument("--kind", choices=["attention", "moe_dispatch", "graph"])
 
-    gen = sub.add_parser("generate", help="generate text with a model")
-    gen.add_argument("prompts", nargs="*", default=["Hello"], help="prompt text(s)")
-    gen.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in)")
-    gen.add_argument("--config", help="TOML file of RuntimeConfig keys")
-    gen.add_argument("--attention", dest="attention_backend", help="attention backend or auto")
-    gen.add_argument("--moe-dispatcher", dest="moe_dispatcher", help="MoE dispatcher or auto")
-    gen.add_argument("--graph", dest="graph_backend", help="graph backend, none or auto")
-    gen.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
-    gen.add_argument("--strict", action="store_true", default=None, help="no silent fallback")
-    gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated ids")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="print results as JSON")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print the backend resolution")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with a model",
+        description="Generate with a model. Config flags override --config and EXECRT_* "
+        "variables; left out, they come from there (else the RuntimeConfig default).",
+        epilog="Sampling defaults differ from the Python API on purpose: here greedy "
+        "(--temperature 0) and 32 new tokens, for a reproducible quick look; "
+        "SamplingParams() defaults to temperature 1.0 and 16 new tokens.",
+    )
+    gen.add_argument(
+        "prompts", nargs="*", default=["Hello"], help="prompt text(s) (default: Hello)"
+    )
+    gen.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in model)")
+    gen.add_argument("--config", help="TOML file of RuntimeConfig keys (default: none)")
+    gen.add_argument(
+        "--attention", dest="attention_backend", help="attention backend or auto (default: auto)"
+    )
+    gen.add_argument(
+        "--moe-dispatcher", dest="moe_dispatcher", help="MoE dispatcher or auto (default: auto)"
+    )
+    gen.add_argument(
+        "--graph", dest="graph_backend", help="graph backend, none or auto (default: auto)"
+    )
+    gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
+    gen.add_argument(
+        "--strict", action="store_true", default=None, help="no silent fallback (default: off)"
+    )
+    gen.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="prompts are comma-separated token ids (default: off, prompts are text)",
+    )
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)"
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    gen.add_argument("--top-k", type=int, default=-1, help="<= 0 disables it (default: -1)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 disables it (default: 1.0)")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: one drawn from the config seed per request)",
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (default: off)")
+    gen.add_argument("--json", action="store_true", help="print results as JSON (default: text)")
+    gen.add_argument(
+        "-v", "--verbose", action="store_true", help="print the backend resolution (default: off)"
+    )
     bench = sub.add_parser("bench", help="run a benchmark on the GPU")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    _add_bench_decode(bench_sub)
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
     attn.add_argument("--iters", type=int, default=20)
     attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    moe = bench_sub.add_parser("moe", help="one MoE layer's expert compute: µs vs copy bandwidth")
+    moe.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,..,256)")
+    moe.add_argument("--impls", help="comma-separated: triton, grouped_mm, dense (default: all)")
+    moe.add_argument("--iters", type=int, default=10)
+    moe.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    _add_bench_decode(bench_sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -63,29 +100,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench_decode(bench_sub: Any) -> None:
     dec = bench_sub.add_parser("decode", help="end-to-end decode step of a random-weight model")
-    dec.set_defaults(handler=cmd_bench_decode)
-    dec.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-8b or qwen3-30b-a3b")
+    dec.add_argument(
+        "--model",
+        default="qwen3-0.6b",
+        help="qwen3-0.6b, qwen3-8b or qwen3-30b-a3b (default: qwen3-0.6b)",
+    )
     dec.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
-    dec.add_argument("--bs", help="comma-separated batch sizes (default 1,8,32,128; --quick 1,32)")
-    dec.add_argument("--ctx", type=int, default=512, help="prompt tokens per request")
-    dec.add_argument("--steps", type=int, help="decode steps timed (default 32; --quick 8)")
-    dec.add_argument("--attention", default="auto", help="attention backend or auto")
-    dec.add_argument("--modes", default="eager,graph", help="eager and/or graph")
+    dec.add_argument("--bs", help="comma-separated batch sizes (default: 1,8,32,128; --quick 1,32)")
+    dec.add_argument(
+        "--ctx", type=int, default=512, help="prompt tokens per request (default: 512)"
+    )
+    dec.add_argument("--steps", type=int, help="decode steps timed (default: 32; --quick 8)")
+    dec.add_argument(
+        "--attention", default="auto", help="attention backend or auto (default: auto)"
+    )
+    dec.add_argument("--modes", default="eager,graph", help="eager and/or graph (default: both)")
     dec.add_argument(
         "--hf",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also time transformers on the same weights",
+        help="also time transformers on the same weights (default: on)",
     )
     dec.add_argument(
         "--hf-compile-timeout",
         type=float,
         default=180.0,
-        help="seconds for transformers' compile at bs 1 (0: skip it)",
+        help="seconds for transformers' compiled run at bs 1, 0 skips it (default: 180)",
     )
-    dec.add_argument("--profile", action="store_true", help="profile the first bs of each mode")
-    dec.add_argument("--quick", action="store_true", help="smoke run: bs 1,32, 8 steps, 1 rep")
-    dec.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    dec.add_argument(
+        "--profile", action="store_true", help="profile the first bs of each mode (default: off)"
+    )
+    dec.add_argument(
+        "--quick", action="store_true", help="smoke run: bs 1,32, 8 steps, 1 rep (default: off)"
+    )
+    dec.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: benchmarks/results)",
+    )
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -125,6 +177,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "moe":
+        return cmd_bench_moe(args)
+    if args.bench == "decode":
+        return cmd_bench_decode(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
@@ -140,6 +196,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     backends = args.backends.split(",") if args.backends else None
     try:
         attention.run(backends, shapes, iters=args.iters, out_dir=args.out)
+    except RuntimeError as exc:
+        raise ExecrtError(str(exc)) from None
+    return 0
+
+
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from execrt.bench import moe
+
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
+    except ValueError:
+        raise ExecrtError(f"bench: --tokens {args.tokens!r} must look like 1,8,64") from None
+    impls = args.impls.split(",") if args.impls else moe.IMPLS
+    unknown = sorted(set(impls) - set(moe.IMPLS))
+    if unknown:
+        raise ExecrtError(f"bench: unknown --impls {unknown} (known: {', '.join(moe.IMPLS)})")
+    try:
+        moe.run(tokens or moe.DEFAULT_TOKENS, impls, iters=args.iters, out_dir=args.out)
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0
@@ -181,14 +255,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.verbose:
             print(engine.resolution.describe(), file=sys.stderr)
         results = engine.generate(prompts, params)
+    # Exit status 2 when any request was rejected or aborted, in text and JSON mode alike.
+    status = 2 if any(r.error for r in results) else 0
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
-        return 0
-    status = 0
+        return status
     for prompt, r in zip(args.prompts, results, strict=True):
         if r.error:
             print(f"execrt: request {prompt!r} rejected: {r.error}", file=sys.stderr)
-            status = 2
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     return status
@@ -210,10 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return (getattr(args, "handler", None) or COMMANDS[args.command])(args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
+        return status
     except ExecrtError as exc:
         print(f"execrt: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
+        # with the status of a process killed by SIGPIPE. Point stdout at /dev/null so the
+        # final flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
 
 
 if __name__ == "__main__":  # pragma: no cover

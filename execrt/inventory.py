@@ -108,16 +108,27 @@ def backend_inventory(kind: str | None = None, host: PluginHost | None = None) -
 
 
 def format_inventory(inv: dict[str, Any]) -> str:
-    lines = [f"{'KIND':<13} {'NAME':<14} {'PLUGIN':<24} {'VERSION':<9} USABLE"]
-    for row in inv["backends"]:
-        status = "yes" if row["usable"] else "no: " + "; ".join(row["reasons"])
-        lines.append(
-            f"{row['kind']:<13} {row['name']:<14} {row['plugin']:<24} {row['version']:<9} {status}"
-        )
-        caps = ", ".join(f"{k}={_short(v)}" for k, v in row["capabilities"].items())
-        lines.append(f"{'':<13} {'':<14} {caps}")
-        if row["last_conformance"]:
-            lines.append(f"{'':<28} last conformance: {row['last_conformance'].get('summary')}")
+    # Column widths come from the content, so a long backend or plugin name cannot push a
+    # row out of line; the capabilities and conformance lines start under PLUGIN.
+    header = ("KIND", "NAME", "PLUGIN", "VERSION")
+    cells = [
+        (str(r["kind"]), str(r["name"]), str(r["plugin"]), str(r["version"]))
+        for r in inv["backends"]
+    ]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
+    indent = " " * (widths[0] + widths[1] + 4)
+
+    def row(values: tuple[str, ...], last: str) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + "  " + last
+
+    lines = [row(header, "USABLE")]
+    for r, values in zip(inv["backends"], cells, strict=True):
+        status = "yes" if r["usable"] else "no: " + "; ".join(r["reasons"])
+        lines.append(row(values, status))
+        caps = ", ".join(f"{k}={_short(v)}" for k, v in r["capabilities"].items())
+        lines.append(indent + caps)
+        if r["last_conformance"]:
+            lines.append(f"{indent}last conformance: {r['last_conformance'].get('summary')}")
     for c in inv["conflicts"]:
         keeper, refused = c["plugins"]
         lines.append(

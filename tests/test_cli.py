@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import execrt
-from execrt.cli import main
+from execrt.cli import build_parser, main
 
 
 def test_backends_json_lists_every_backend_with_usability(capsys) -> None:
@@ -84,3 +87,86 @@ def test_conformance_command_writes_a_report_backends_shows(tmp_path, capsys) ->
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["backends"]}
     assert rows["torch_native"]["last_conformance"]["passed"] == data["passed"]
     assert main(["conformance", "attention", "no_such_backend"]) == 2
+
+
+def test_backends_into_a_closed_pipe_exits_quietly() -> None:
+    # `execrt backends | head` when head is gone before execrt writes: no traceback.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "execrt", "backends"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=os.getcwd(),
+        )
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 141
+
+
+def test_backend_table_columns_fit_long_names() -> None:
+    from execrt.inventory import format_inventory
+
+    def row(name: str, plugin: str) -> dict:
+        caps = {"devices": ["cpu"]}
+        return dict(
+            kind="attention",
+            name=name,
+            plugin=plugin,
+            version="1.0",
+            usable=True,
+            reasons=[],
+            capabilities=caps,
+            last_conformance=None,
+        )
+
+    long_name, long_plugin = "a_very_long_attention_backend_name", "execrt-plugin-" + "x" * 30
+    inv = {
+        "backends": [row("short", "p"), row(long_name, "p"), row("mid", long_plugin)],
+        "conflicts": [],
+        "plugin_failures": [],
+        "plugins": [],
+    }
+    header, *lines = format_inventory(inv).splitlines()
+    at = {col: header.index(col) for col in ("KIND", "NAME", "PLUGIN", "VERSION", "USABLE")}
+    for b, line in zip(inv["backends"], lines[0::2], strict=True):
+        cells = {"KIND": b["kind"], "NAME": b["name"], "PLUGIN": b["plugin"]}
+        cells |= {"VERSION": b["version"], "USABLE": "yes"}
+        for col, value in cells.items():
+            assert line[at[col] :].startswith(value + (" " if col != "USABLE" else "")), line
+    assert all(line.index("devices=cpu") == at["PLUGIN"] for line in lines[1::2])
+
+
+def test_generate_help_shows_every_default(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in [
+        ("--max-new-tokens", "32"),
+        ("--temperature", "0.0"),
+        ("--top-k", "-1"),
+        ("--top-p", "1.0"),
+        ("--attention", "auto"),
+        ("--device", "auto"),
+    ]:
+        assert flag in text and f"(default: {default})" in text
+    assert "temperature 1.0 and 16 new tokens" in text  # the API's differing defaults
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    gen = sub.choices["generate"]
+    for action in gen._actions:
+        if action.dest != "help":
+            assert action.help and "(default: " in action.help, action.dest
+        if type(action.default) in (int, float):
+            assert f"(default: {action.default})" in action.help, action.dest
+
+
+def test_generate_exit_status_is_the_same_in_json_and_text_mode(capsys) -> None:
+    bad = ["generate", "1,2,3", "--token-ids", "--max-new-tokens", "0", "--device", "cpu"]
+    assert main(bad) == 2
+    assert "max_new_tokens 0 must be an integer >= 1" in capsys.readouterr().err
+    assert main([*bad, "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out[0]["finish_reason"] == "error" and "max_new_tokens 0" in out[0]["error"]

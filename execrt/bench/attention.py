@@ -7,17 +7,14 @@ replays are timed with CUDA events. Backends without graph support are timed eag
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import math
-import os
-import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 
+from execrt.bench.common import L2_BYTES, copy_bandwidth_gbps, median_us, save_records, utc_now
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -31,7 +28,6 @@ from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
 
 DEFAULT_SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384))
-L2_BYTES = 60 << 20
 
 
 @dataclass
@@ -51,23 +47,6 @@ class Record:
     num_kv_heads: int
     head_dim: int
     dtype: str
-
-
-def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
-    """Device-to-device copy rate, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 class DecodeProblem:
@@ -174,16 +153,7 @@ def time_backend(
             run_all()
         launch = graph.replay  # type: ignore[assignment]
         launch()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            launch()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (iters * p.num_layers))
-    return statistics.median(samples), err, use_graph
+    return median_us(launch, iters, reps) / p.num_layers, err, use_graph
 
 
 def run(
@@ -204,7 +174,7 @@ def run(
     host = PluginHost()
     names = list(backends or host.registry.names("attention"))
     gpu = torch.cuda.get_device_name()
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    date = utc_now()
     copy_bw = copy_bandwidth_gbps()
     print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     records: list[Record] = []
@@ -250,12 +220,7 @@ def run(
         torch.cuda.empty_cache()
     print(format_table(records))
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"attention-decode-{stamp}.json")
-        with open(path, "w") as fh:
-            json.dump([asdict(r) for r in records], fh, indent=2)
-        print(f"# saved {path}")
+        print(f"# saved {save_records(records, out_dir, 'attention-decode')}")
     return records
 
 

@@ -19,6 +19,15 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Field type (as written in the annotation) -> (accepted Python types, how errors name them).
+# bool is an int subclass: it is accepted only where listed explicitly.
+_ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "str": ((str,), "str"),
+    "str | None": ((str, type(None)), "str, a path or None"),
+    "bool": ((bool,), "bool"),
+    "int": ((int,), "int"),
+    "float": ((float, int), "float or int"),
+}
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -47,6 +56,7 @@ class RuntimeConfig:
     cuda_graph_bs: str = ""
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("attention_backend", "moe_dispatcher", "graph_backend"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -85,6 +95,25 @@ class RuntimeConfig:
                 "integers >= 1, e.g. '1,2,4,8'"
             )
         return sizes
+
+    def _check_types(self) -> None:
+        # Values from TOML, replace() and Engine(**kw) arrive as Python objects, unlike the
+        # environment's strings: check them here so every source fails the same way.
+        for f in fields(self):
+            value: Any = getattr(self, f.name)
+            if f.name == "model" and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, "model", value)
+            accepted = _ACCEPTED_TYPES[str(f.type)]
+            if not isinstance(value, accepted[0]) or (
+                isinstance(value, bool) and bool not in accepted[0]
+            ):
+                raise ConfigError(
+                    f"config: {f.name}={value!r} has type {type(value).__name__} "
+                    f"(accepted: {accepted[1]})"
+                )
+            if str(f.type) == "float":
+                object.__setattr__(self, f.name, float(getattr(self, f.name)))
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         """A new config with ``changes`` applied (validated like any other)."""

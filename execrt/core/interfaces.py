@@ -386,15 +386,30 @@ class GraphResourceProvider(Protocol):
     The graph backend creates the resources empty, registers them in the RuntimeContext under
     ``resource_name``, warms them up outside capture for each bucket, and closes them after
     every graph was reset. ``backends/graph`` reaches dispatchers only through this protocol.
+
+    Call order, per capture generation: ``create`` once when capture begins; per bucket,
+    largest first, ``warm_up(T)`` outside capture and before that bucket's capture (before or
+    after its eager warm-up runs, but with no other bucket's warm-up in between); after the
+    last replay: synchronise, reset every graph, ``close``, unregister. A recapture creates a
+    new generation.
     """
 
     resource_name: str
 
-    def create_graph_resources(self, capacity: int, context: RuntimeContext) -> Any: ...
+    def create_graph_resources(self, capacity: int, context: RuntimeContext) -> Any:
+        """An empty resources object for buckets of up to ``capacity`` tokens per rank, kept
+        in ``context`` (the dispatcher's). Allocates nothing native."""
+        ...
 
-    def warm_up_graph_resources(self, resources: Any, num_tokens: int) -> None: ...
+    def warm_up_graph_resources(self, resources: Any, num_tokens: int) -> None:
+        """Graph mode on for bucket ``num_tokens``: from here until the next warm-up or close,
+        forwards of that many tokens use the graph-lifetime state. Builds it on first use and
+        runs it once, so nothing is created or loaded during capture. Never inside capture."""
+        ...
 
-    def close_graph_resources(self, resources: Any) -> None: ...
+    def close_graph_resources(self, resources: Any) -> None:
+        """Release native state once no graph can replay; refuses while borrowed; idempotent."""
+        ...
 
 
 @dataclass(frozen=True)

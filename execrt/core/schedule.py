@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
 
 import torch
@@ -16,6 +18,11 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes sampling reproducible and independent of what else is in the batch.
+    Construction never raises: ``problems()`` lists what is wrong (the engine turns that into
+    a result with ``finish_reason="error"``). Accepted types: ``int`` for ``max_new_tokens``,
+    ``top_k`` and ``seed`` (or None); ``float`` or ``int`` for ``temperature`` and ``top_p``;
+    a tuple or list of ``int`` for ``stop_token_ids`` (a list is stored as a tuple); ``bool``
+    for ``ignore_eos``. A bool is not accepted where a number is.
     """
 
     max_new_tokens: int = 16
@@ -26,17 +33,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):  # keep the params hashable and immutable
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
     def problems(self) -> list[str]:
-        """Why these parameters are invalid (empty when they are fine)."""
-        out = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        """Why these parameters are invalid (empty when they are fine).
+
+        Types are checked before values, so no comparison can raise on a wrong type.
+        """
+        out = [
+            _wrong_type(f.name, getattr(self, f.name), _TYPES[f.name][1])
+            for f in fields(self)
+            if not _TYPES[f.name][0](getattr(self, f.name))
+        ]
+        if out:
+            return out
+        if self.max_new_tokens < 1:
             out.append(f"max_new_tokens {self.max_new_tokens!r} must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            out.append(f"temperature {self.temperature!r} must be >= 0")
+        if not 0.0 <= self.temperature < math.inf:
+            out.append(f"temperature {self.temperature!r} must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             out.append(f"top_p {self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int):
-            out.append(f"top_k {self.top_k!r} must be an integer (<= 0 disables it)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
         return out
@@ -44,6 +62,37 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Field -> (type check, accepted types as error messages name them). bool is an int subclass
+# but is never accepted as a number.
+_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "max_new_tokens": (_is_int, "int"),
+    "temperature": (_is_number, "float or int"),
+    "top_k": (_is_int, "int"),
+    "top_p": (_is_number, "float or int"),
+    "seed": (lambda v: v is None or _is_int(v), "int or None"),
+    "stop_token_ids": (
+        lambda v: isinstance(v, tuple) and all(_is_int(t) for t in v),
+        "a tuple or list of int",
+    ),
+    "ignore_eos": (lambda v: isinstance(v, bool), "bool"),
+}
+
+
+def _wrong_type(name: str, value: object, accepted: str) -> str:
+    kind = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        kind += " of " + ("/".join(sorted({type(v).__name__ for v in value})) or "nothing")
+    return f"{name} {value!r} has type {kind} (accepted: {accepted})"
 
 
 class FinishReason(str, Enum):
@@ -143,6 +192,28 @@ class ScheduleBatch:
             return None
         slots = allocator.alloc(total)
         assert slots is not None
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        try:
+            return cls._build_extend(reqs, extend_lens, slots, req_to_token_pool, allocator, device)
+        except BaseException:
+            # The caller never sees this batch: leave nothing allocated (device error, ^C).
+            allocator.free(slots)
+            for req in new_rows:
+                if req.req_pool_idx is not None:
+                    req_to_token_pool.free(req.req_pool_idx)
+                    req.req_pool_idx = None
+            raise
+
+    @classmethod
+    def _build_extend(
+        cls,
+        reqs: list[Req],
+        extend_lens: list[int],
+        slots: torch.Tensor,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        device: torch.device,
+    ) -> ScheduleBatch:
         for req in reqs:
             if req.req_pool_idx is None:
                 req.req_pool_idx = req_to_token_pool.alloc()
@@ -179,6 +250,21 @@ class ScheduleBatch:
         slots = allocator.alloc(len(reqs))
         if slots is None:
             return None
+        try:
+            return cls._build_decode(reqs, slots, req_to_token_pool, allocator, device)
+        except BaseException:
+            allocator.free(slots)  # the caller never sees this batch
+            raise
+
+    @classmethod
+    def _build_decode(
+        cls,
+        reqs: list[Req],
+        slots: torch.Tensor,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        device: torch.device,
+    ) -> ScheduleBatch:
         for i, req in enumerate(reqs):
             assert req.req_pool_idx is not None and req.kv_len == req.seq_len - 1
             req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])

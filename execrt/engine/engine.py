@@ -18,7 +18,7 @@ from execrt.core.parallel import init_parallel
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
-from execrt.engine.scheduler import Scheduler
+from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
 
@@ -56,10 +56,11 @@ class Engine:
         loader: ModelLoader | None = None,
         **overrides: Any,
     ) -> None:
-        base = config or RuntimeConfig()
+        # Precedence: EXECRT_* environment (or ``config`` as given) < keyword arguments.
+        base = config if config is not None else RuntimeConfig.load(environ=os.environ)
         cfg = base.replace(**overrides) if overrides else base
         if model_path is not None:
-            cfg = cfg.replace(model=model_path)
+            cfg = cfg.replace(model=os.fspath(model_path))
         self.config = cfg
         path = cfg.model
         checkpoint = None
@@ -103,7 +104,10 @@ class Engine:
         """Generate for one prompt (-> GenerationResult) or a list (-> list of them).
 
         A prompt is text (needs the model's tokenizer.json) or a list of token ids. Invalid
-        requests get a result with ``error`` set; the others are served normally.
+        requests get a result with ``error`` set; the others are served normally. Every
+        request is validated before any is queued. If anything raises while they run (a device
+        error, a backend bug, KeyboardInterrupt), every request of this call is aborted and
+        freed before the exception propagates, and the engine stays usable.
         """
         if self._closed:
             raise RuntimeError("engine: generate() after close()")
@@ -112,18 +116,24 @@ class Engine:
         )
         batch = cast("list[Prompt]", [prompts] if single else list(prompts))
         params = _broadcast(sampling_params, len(batch))
+        checked = [self._validate(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
         results: dict[int, GenerationResult] = {}
         reqs: dict[int, Req] = {}
-        for i, (prompt, sp) in enumerate(zip(batch, params, strict=True)):
-            ids, error = self._validate(prompt, sp)
+        for i, ((ids, error), sp) in enumerate(zip(checked, params, strict=True)):
             if error is not None:
                 results[i] = GenerationResult([], None, ids, FinishReason.ERROR.value, error)
                 continue
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-            req = Req(next(self._rids), ids, sp, sampling_seed=seed)
-            reqs[i] = req
-            self.scheduler.add(req)
-        self.scheduler.run()
+            reqs[i] = Req(next(self._rids), ids, sp, sampling_seed=seed)
+        try:
+            for req in reqs.values():
+                self.scheduler.add(req)
+            self.scheduler.run()
+        except BaseException as exc:
+            # Nothing of this call may stay queued or hold KV slots: the next call would run
+            # these requests and drop their results.
+            self.scheduler.abort(reqs.values(), f"generate() failed: {describe_exception(exc)}")
+            raise
         for i, req in reqs.items():
             assert req.finish_reason is not None
             results[i] = GenerationResult(
@@ -149,7 +159,9 @@ class Engine:
                 problems.append("text prompt but the model has no tokenizer.json; pass token ids")
             else:
                 ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             ids = [int(t) for t in prompt]
         else:
             problems.append(

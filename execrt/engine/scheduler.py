@@ -20,7 +20,16 @@ class SchedulerStats:
     steps: int = 0
     extend_steps: int = 0
     decode_steps: int = 0
-    retractions: int = 0
+    retractions: int = 0  # running requests retracted plus partial prefills given up
+
+
+def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
+    """The most KV slots one request can hold at once: every token but the last it generates.
+
+    A request stops after ``max_new_tokens`` tokens or when prompt plus output reaches
+    ``context_len``; the final sampled token is never fed back, so its K/V is never stored.
+    """
+    return min(prompt_len + max_new_tokens, context_len) - 1
 
 
 class Scheduler:
@@ -28,10 +37,40 @@ class Scheduler:
 
     Each step is either an extend (prefill, chunked to ``max_prefill_tokens``) of waiting
     requests, preferred while slots and rows allow, or a decode of every running request.
-    When the KV pool runs dry mid-decode the newest running request is retracted: its slots
-    and row are freed and it re-queues at the front, to be re-prefilled with what it has
-    generated so far. A request finishes on EOS, a stop token, ``max_new_tokens`` or the
-    context limit, and its slots are freed at once.
+    A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and its
+    slots are freed at once.
+
+    Admission. ``add`` aborts a request at once when it could not run even in an empty cache:
+    ``kv_slots_needed(prompt, max_new_tokens, context_len) > cache size`` (or a prompt that
+    fills the context). Every other request completes (unless a step raises).
+
+    Order. Requests are served oldest first (the order of ``add``). Invariants: ``running``
+    is sorted by age and every running request is older than every waiting one; ``waiting``
+    is sorted by age; at most one waiting request holds KV (a partial prefill), and it is
+    the head of ``waiting``. Extends take requests from the head of ``waiting`` only, and a
+    chunked (partial) prefill is always the last one picked, so both hold.
+
+    Retraction. When a decode lacks slots, victims are taken youngest first: first the
+    partial prefill of the waiting head (its slots and row are freed; it stays queued), then
+    running requests from the newest (freed and put back at the head of ``waiting``, to be
+    re-prefilled with what they generated so far). The oldest running request O is never a
+    victim: with everything else freed, O holds ``seq_len - 1 <= kv_slots_needed - 1`` slots
+    (an unfinished request has ``seq_len <= kv_slots_needed``), so at least one is free.
+    After a retraction, until some request finishes, extends admit only requests that fit
+    even if they and every running request grow to their full need (no ping-pong).
+
+    Progress (why ``run`` terminates). (1) A step always runs a batch: with requests running,
+    the decode above succeeds; with none running, the waiting head H is the only holder of
+    slots and rows, and an extend of H gets ``n >= 1`` tokens because H keeps back a decode
+    slot only when it continues after its prefill (``seq_len + 1 <= needed <= cache``).
+    (2) Decode steps: O, the oldest unfinished request, is ``running[0]`` whenever anything
+    runs, gains a token in every decode and is never retracted, so while it is the oldest at
+    most ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
+    ``D <= sum_i (min(M_i, C - P_i) - 1)`` over admitted requests. (3) Extend steps: each
+    takes >= 1 free slot and frees none, except a request that finishes right after its
+    prefill (once per request, <= its ``kv_slots_needed``); so a run of consecutive extends
+    is at most ``S`` (cache slots) long plus what such finishes free, and there are at most
+    ``D + 1`` runs: ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
     """
 
     def __init__(
@@ -54,23 +93,51 @@ class Scheduler:
         self.running: list[Req] = []
         self.finished: list[Req] = []
         self.stats = SchedulerStats()
+        # Set by a retraction, cleared when a request finishes (see _schedule_extend).
+        self._hold_admission = False
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queue ``req``, or finish it at once (``abort``) if it cannot fit an empty cache."""
+        prompt_len = len(req.origin_input_ids)
+        needed = self._slots_needed(req)
+        if prompt_len >= self.context_len:
+            error = (
+                f"prompt of {prompt_len} tokens leaves no room in the context of {self.context_len}"
+            )
+        elif needed > self.allocator.size:
+            error = (
+                f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
+                f"{req.sampling_params.max_new_tokens} - 1, capped by the context of "
+                f"{self.context_len}) but the whole cache holds {self.allocator.size}"
+            )
+        else:
+            self.waiting.append(req)
+            return
+        req.finish_reason = FinishReason.ABORT
+        req.error = error
+        self.finished.append(req)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> None:
-        """Run one forward pass (extend if possible, else decode)."""
+        """Run one forward pass (extend if possible, else decode).
+
+        If the forward pass or the processing of its results raises (any BaseException, a
+        KeyboardInterrupt too), the requests of that batch are aborted with the error, their
+        slots and rows (including this step's) are freed, and the exception propagates. The
+        other queued requests stay consistent; ``abort`` finishes them if the caller wants.
+        """
         batch = self._schedule_extend() or self._schedule_decode()
-        if batch is None:
-            self._abort_unservable()
-            return
-        result = self.worker.forward_batch_generation(batch)
-        self._process(batch, result)
+        assert batch is not None, "a step can always run something (see the class docstring)"
+        try:
+            result = self.worker.forward_batch_generation(batch)
+            self._process(batch, result)
+        except BaseException as exc:
+            self._abort_batch(batch, f"step failed: {describe_exception(exc)}")
+            raise
 
     def run(self) -> list[Req]:
         """Step until every request finished; returns them in completion order."""
@@ -79,20 +146,48 @@ class Scheduler:
         done, self.finished = self.finished, []
         return done
 
+    def abort(self, reqs: Iterable[Req], error: str) -> None:
+        """Finish every unfinished request of ``reqs`` with ``abort`` and ``error``, free what
+        it holds, and drop all of ``reqs`` from the queues and the finished list."""
+        targets = set(reqs)
+        for req in targets:
+            if not req.finished:
+                self._free(req)
+                req.finish_reason = FinishReason.ABORT
+                req.error = error
+        self.waiting = deque(r for r in self.waiting if r not in targets)
+        self.running = [r for r in self.running if r not in targets]
+        self.finished = [r for r in self.finished if r not in targets]
+
     # -- scheduling ---------------------------------------------------------------------------
+    def _slots_needed(self, req: Req) -> int:
+        return kv_slots_needed(
+            len(req.origin_input_ids), req.sampling_params.max_new_tokens, self.context_len
+        )
+
     def _schedule_extend(self) -> ScheduleBatch | None:
         budget = self.max_prefill_tokens
         free_slots = self.allocator.available_size()
         free_rows = self.req_to_token_pool.available_size()
+        # Keep one slot per running request, and per admitted request that goes on decoding
+        # after its prefill, for the decode that follows; a prompt that does not fit the
+        # budget or the free slots is prefilled in chunks.
+        reserve = len(self.running)
+        # After a retraction, and until a request finishes, admit only what fits even if it and
+        # every running request grow to their full need: anything more would be retracted again.
+        headroom = None
+        if self._hold_admission and self.running:
+            headroom = free_slots - sum(self._slots_needed(r) - r.kv_len for r in self.running)
         picked: list[Req] = []
         lens: list[int] = []
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running:
                 break
-            # Keep one slot per running or admitted request for the decode that follows; a
-            # prompt that does not fit the budget or the free slots is prefilled in chunks.
-            reserve = len(self.running) + len(picked) + 1
-            n = min(req.seq_len - req.kv_len, budget, free_slots - reserve)
+            growth = self._slots_needed(req) - req.kv_len
+            if headroom is not None and growth > headroom:
+                break
+            keep = int(req.seq_len + 1 <= self._slots_needed(req))
+            n = min(req.seq_len - req.kv_len, budget, free_slots - reserve - keep)
             needs_row = req.req_pool_idx is None
             if n < 1 or (needs_row and free_rows == 0):
                 break
@@ -101,6 +196,9 @@ class Scheduler:
             budget -= n
             free_slots -= n
             free_rows -= int(needs_row)
+            reserve += keep
+            if headroom is not None:
+                headroom -= growth
         if not picked:
             return None
         batch = ScheduleBatch.for_extend(
@@ -109,51 +207,47 @@ class Scheduler:
         assert batch is not None, "admission checked rows and slots"
         for _ in picked:
             self.waiting.popleft()
-        # A request whose prompt did not fit the budget stays at the head, mid-prefill.
-        for req, n in reversed(list(zip(picked, lens, strict=True))):
-            if req.kv_len + n < req.seq_len:
-                self.waiting.appendleft(req)
+        # Only the last pick can be a chunk: it stays at the head, mid-prefill.
+        req, n = picked[-1], lens[-1]
+        if req.kv_len + n < req.seq_len:
+            self.waiting.appendleft(req)
         return batch
 
     def _schedule_decode(self) -> ScheduleBatch | None:
-        while self.running and self.allocator.available_size() < len(self.running):
-            self._retract(self.running.pop())
         if not self.running:
             return None
-        return ScheduleBatch.for_decode(
+        while self.allocator.available_size() < len(self.running):
+            partial = next((r for r in self.waiting if r.req_pool_idx is not None), None)
+            if partial is not None:
+                self._retract(partial, requeue=False)
+            else:
+                assert len(self.running) > 1, "the oldest running request alone always fits"
+                self._retract(self.running.pop(), requeue=True)
+                self._hold_admission = True
+        batch = ScheduleBatch.for_decode(
             list(self.running), self.req_to_token_pool, self.allocator, self.device
         )
+        assert batch is not None, "room for one token per running request was made"
+        return batch
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, *, requeue: bool) -> None:
+        redo = req.kv_len
         self._free(req)
-        req.kv_len = 0
         req.num_retractions += 1
         self.stats.retractions += 1
-        self.waiting.appendleft(req)
-        logger.info("retracted request %s (KV cache full; %d tokens to redo)", req.rid, req.seq_len)
-
-    def _abort_unservable(self) -> None:
-        # Nothing could run. With nothing running, the head of the queue cannot fit even an
-        # empty cache (minus what mid-prefill requests hold): it can never be served.
-        if self.running or not self.waiting:
-            return
-        req = self.waiting.popleft()
-        self._free(req)
-        req.finish_reason = FinishReason.ABORT
-        req.error = (
-            f"request needs {req.seq_len + 1} KV slots but the cache holds {self.allocator.size}"
-        )
-        self.finished.append(req)
+        if requeue:  # a running request goes back to the head; a partial prefill already is
+            self.waiting.appendleft(req)
+        logger.info("retracted request %s (KV cache full; %d tokens to redo)", req.rid, redo)
 
     # -- results ------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        self.stats.steps += 1
         is_decode = batch.mode.is_decode()
+        tokens = result.next_token_ids.tolist()
+        self.stats.steps += 1
         if is_decode:
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
-        tokens = result.next_token_ids.tolist()
         for req, n, token in zip(batch.reqs, batch.extend_lens, tokens, strict=True):
             req.kv_len += n
             if req.kv_len < req.seq_len:
@@ -163,6 +257,7 @@ class Scheduler:
             if req.finished:
                 self._free(req)
                 self.finished.append(req)
+                self._hold_admission = False
             elif not is_decode:
                 self.running.append(req)
         if is_decode:
@@ -176,11 +271,35 @@ class Scheduler:
         elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
             req.finish_reason = FinishReason.LENGTH
 
-    def _free(self, req: Req) -> None:
+    def _abort_batch(self, batch: ScheduleBatch, error: str) -> None:
+        # Building the batch wrote slots for tokens [0, seq_len) of each request, whether or
+        # not _process got to it; a request _process finished has already freed them.
+        victims = set()
+        for req, held in zip(batch.reqs, batch.seq_lens_cpu, strict=True):
+            if req.finished:
+                continue
+            self._free(req, held)
+            req.finish_reason = FinishReason.ABORT
+            req.error = error
+            self.finished.append(req)
+            victims.add(req)
+        self.waiting = deque(r for r in self.waiting if r not in victims)
+        self.running = [r for r in self.running if r not in victims]
+
+    def _free(self, req: Req, held: int | None = None) -> None:
+        """Return the row and the first ``held`` (default ``kv_len``) slots of ``req``."""
         if req.req_pool_idx is None:
             return
-        if req.kv_len:
-            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len]
+        held = req.kv_len if held is None else held
+        if held:
+            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :held]
             self.allocator.free(slots.to(torch.int64))
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
+        req.kv_len = 0
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``RuntimeError: CUDA error ...`` or just ``KeyboardInterrupt`` when there is no text."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

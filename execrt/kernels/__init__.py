@@ -5,3 +5,7 @@ oracle) and a Triton implementation imported only when it is used, so importing 
 module never imports triton. Layering: kernels import torch, triton and ``execrt.core``
 only; models and backends may import kernels, the core never does.
 """
+
+from execrt.kernels._triton import KernelMode, use_triton
+
+__all__ = ["KernelMode", "use_triton"]

@@ -9,6 +9,7 @@ import torch
 
 from execrt.core.interfaces import (
     AttentionCapabilities,
+    DispatchFormat,
     GraphCapabilities,
     MoEDispatcherCapabilities,
 )
@@ -34,6 +35,22 @@ FLASHINFER_ATTENTION = AttentionCapabilities(
 )
 # Capturable: no host sync, and its one collective (all-reduce) is legal inside a CUDA graph.
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities(graph=True)
+ALL_TO_ALL_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=False, replicated_tokens=False
+)
+ALL_TO_ALL_FIXED_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, graph=True, replicated_tokens=False
+)
+NCCL_EP_DISPATCH = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR,
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.bfloat16}),
+    world_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # NCCL EP: up to 8 nodes x 8 GPUs
+    process_group_backends=frozenset({"none", "nccl"}),
+    max_top_k=32,
+    graph=True,
+    replicated_tokens=False,
+)
 REEXEC_GRAPH = GraphCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     real_capture=False,
@@ -51,6 +68,13 @@ def _triton_check(req: Any) -> list[str]:
     if req.device == "cpu" and req.dtype == torch.bfloat16:
         return ["the Triton interpreter computes bfloat16 wrongly; use float16 or float32 on cpu"]
     return _cuda_check(req)
+
+
+def _nccl_ep_check(req: Any) -> list[str]:
+    # The probe names the NCCL versions found without loading libnccl_ep.so.
+    from execrt.backends.moe_dispatch.nccl_ep_probe import availability_problems
+
+    return availability_problems(req)
 
 
 def _cuda_check(req: Any) -> list[str]:
@@ -99,6 +123,38 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         ALLREDUCE_DISPATCH,
         priority=10,
         description="no dispatch traffic; combine all-reduces partial expert outputs",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all",
+        "execrt.backends.moe_dispatch.all_to_all:AllToAllDispatcher",
+        ALL_TO_ALL_DISPATCH,
+        # Below allreduce: attention is replicated today, so every rank would ship every token
+        # and run P times the expert work that allreduce does; worth it once tokens are per rank.
+        priority=5,
+        description="per-rank tokens to their experts' ranks and back (all_to_all_single)",
+    )
+    registry.register(
+        "moe_dispatch",
+        "all_to_all_fixed",
+        "execrt.backends.moe_dispatch.all_to_all_fixed:FixedCapacityAllToAllDispatcher",
+        ALL_TO_ALL_FIXED_DISPATCH,
+        priority=4,
+        # Its buffers scale with max_tokens_per_rank on every call: chosen by name only.
+        auto_devices=frozenset(),
+        description="all_to_all in fixed-capacity buffers: graph-capturable, drops counted",
+    )
+    registry.register(
+        "moe_dispatch",
+        "nccl_ep",
+        "execrt.backends.moe_dispatch.nccl_ep:NcclEpDispatcher",
+        NCCL_EP_DISPATCH,
+        install_hint="pip install execrt[nccl-ep]",
+        priority=3,
+        # Its LL buffers scale with max_tokens_per_rank (E_local x P*C x H): chosen by name only.
+        auto_devices=frozenset(),
+        check=_nccl_ep_check,
+        description="NCCL EP low-latency dispatch/combine, expert-major; CUDA-graph resources",
     )
     registry.register(
         "graph",

@@ -129,10 +129,10 @@ class GraphBackendSuite(ConformanceSuite):
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         context = RuntimeContext()
         init = GraphBackendInit(
-            spec.capabilities,  # type: ignore[arg-type]
-            torch.device(case.device),
-            context,
-            provider,
+            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            device=torch.device(case.device),
+            context=context,
+            resource_provider=provider,
         )
         backend = spec.create(init)
         try:

@@ -311,9 +311,16 @@ class MoEDispatcherSuite(ConformanceSuite):
 
         context = RuntimeContext()
         init = MoEDispatcherInit(
-            caps, job.num_experts, job.top_k, job.hidden_size, job.dtype,
-            torch.device(case.device), job.num_tokens, ParallelState.single(), context,
-        )  # fmt: skip
+            capabilities=caps,
+            num_experts=job.num_experts,
+            top_k=job.top_k,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            device=torch.device(case.device),
+            max_tokens_per_rank=job.num_tokens,
+            parallel=ParallelState.single(),
+            context=context,
+        )
         dispatcher = type(self).backend_spec().create(init)
         gen = torch.Generator().manual_seed(job.seed)
         x = torch.randn(job.num_tokens, job.hidden_size, generator=gen).to(job.dtype)
@@ -387,9 +394,16 @@ class MoEDispatcherSuite(ConformanceSuite):
         dev = torch.device(case.device)
         context = RuntimeContext()
         init = MoEDispatcherInit(
-            job.capabilities, job.num_experts, job.top_k, job.hidden_size, job.dtype, dev,
-            job.num_tokens, ParallelState.single(), context,
-        )  # fmt: skip
+            capabilities=job.capabilities,
+            num_experts=job.num_experts,
+            top_k=job.top_k,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            device=dev,
+            max_tokens_per_rank=job.num_tokens,
+            parallel=ParallelState.single(),
+            context=context,
+        )
         dispatcher = type(self).backend_spec().create(init)
         w13, w2 = expert_weights(
             job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed

@@ -32,6 +32,7 @@ from execrt.testing.oracles import compare, moe_oracle
 #: Routing scenarios every world size runs (see ``routing``).
 ROUTINGS = (
     "random",
+    "balanced",
     "some_masked",
     "hot_expert",
     "empty_rank",
@@ -93,7 +94,10 @@ def routing(
     ids = torch.zeros(t, k, dtype=torch.int64)
     for row in range(t):
         ids[row] = torch.randperm(e, generator=gen)[:k]
-    if name == "some_masked":
+    if name == "balanced":  # every expert gets floor or ceil of T*K/E rows (K <= E)
+        perm = torch.randperm(e, generator=gen)
+        ids = perm[torch.arange(t * k).view(t, k) % e]
+    elif name == "some_masked":
         ids[torch.rand(t, k, generator=gen) < 0.4] = -1
     elif name == "hot_expert":  # every token picks the last expert (on the last rank)
         for row in range(t):
@@ -102,7 +106,8 @@ def routing(
     elif name == "empty_rank":  # nothing reaches the last rank's experts (or the upper half)
         allowed = per_rank * (world - 1) if world > 1 else max(e // 2, k)
         for row in range(t):
-            ids[row] = torch.randperm(allowed, generator=gen)[:k]
+            pick = torch.randperm(allowed, generator=gen)[:k]
+            ids[row] = torch.cat([pick, torch.full((k - pick.numel(),), -1)])
     elif name == "all_masked":
         ids.fill_(-1)
     elif name == "duplicates_within_rank":  # a token's experts all live on one rank

@@ -73,3 +73,42 @@ def test_config_is_frozen() -> None:
     with pytest.raises(AttributeError):
         cfg.strict = True  # type: ignore[misc]
     assert cfg.replace(strict=True).strict is True
+
+
+@pytest.mark.parametrize(
+    "key, value, accepted",
+    [
+        ("max_running_requests", "abc", "int"),
+        ("max_running_requests", 2.5, "int"),
+        ("max_running_requests", True, "int"),
+        ("max_prefill_tokens", 1.5, "int"),
+        ("strict", "no", "bool"),
+        ("strict", 1, "bool"),
+        ("kv_cache_memory_fraction", "0.5", "float or int"),
+        ("kv_cache_memory_fraction", False, "float or int"),
+        ("attention_backend", 3, "str"),
+        ("model", 7, "str, a path or None"),
+    ],
+)
+def test_wrong_types_from_every_source_are_config_errors(tmp_path, key, value, accepted) -> None:
+    message = f"config: {key}={value!r} has type {type(value).__name__} (accepted: {accepted})"
+    with pytest.raises(ConfigError) as direct:
+        RuntimeConfig(**{key: value})
+    with pytest.raises(ConfigError) as replaced:
+        RuntimeConfig().replace(**{key: value})
+    assert str(direct.value) == str(replaced.value) == message
+    toml = {str: f'"{value}"', bool: str(value).lower()}.get(type(value), str(value))
+    file = tmp_path / "c.toml"
+    file.write_text(f"{key} = {toml}\n")
+    with pytest.raises(ConfigError, match=f"config: {key}="):
+        RuntimeConfig.load(file=file, environ={})
+
+
+def test_numbers_paths_and_none_of_the_right_kind_are_accepted(tmp_path) -> None:
+    cfg = RuntimeConfig(model=tmp_path, kv_cache_memory_fraction=0.25)
+    assert cfg.model == str(tmp_path) and isinstance(cfg.model, str)
+    file = tmp_path / "c.toml"
+    file.write_text("kv_cache_memory_fraction = 0\n")  # an int where a float goes
+    with pytest.raises(ConfigError, match="must be in \\(0, 0.95\\], got 0.0"):
+        RuntimeConfig.load(file=file, environ={})
+    assert RuntimeConfig(context_len=0).replace(model=None).model is None

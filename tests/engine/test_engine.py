@@ -68,3 +68,35 @@ def test_bad_model_path_and_bad_config_are_clear(tmp_path) -> None:
         Engine(str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="unknown key.*colour"):
         Engine(colour="blue")
+
+
+def test_engine_config_precedence_env_then_kwargs(monkeypatch) -> None:
+    from execrt.core.config import RuntimeConfig
+
+    monkeypatch.setenv("EXECRT_MAX_RUNNING_REQUESTS", "3")
+    monkeypatch.setenv("EXECRT_KV_CACHE_TOKENS", "64")
+    with Engine(device="cpu") as e:  # environment < keyword arguments
+        assert (e.config.max_running_requests, e.config.kv_cache_tokens) == (3, 64)
+        assert e.worker.model_runner.req_to_token_pool.size == 3
+    with Engine(device="cpu", max_running_requests=5) as e:
+        assert (e.config.max_running_requests, e.config.kv_cache_tokens) == (5, 64)
+    with Engine(config=RuntimeConfig(device="cpu")) as e:  # an explicit config is used as is
+        assert e.config.max_running_requests == 32
+    monkeypatch.setenv("EXECRT_MAX_RUNNING_REQUESTS", "many")
+    with pytest.raises(ConfigError, match="max_running_requests='many' is not a valid int"):
+        Engine(device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_running_requests": "abc"}, {"strict": "no"}, {"max_prefill_tokens": 1.5}]
+)
+def test_wrongly_typed_engine_kwargs_fail_before_any_model_loads(kwargs, monkeypatch) -> None:
+    import execrt.engine.engine as engine_module
+
+    def no_load(*args, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "TpModelWorker", no_load)
+    ((key, value),) = kwargs.items()
+    with pytest.raises(ConfigError, match=f"config: {key}={value!r} has type"):
+        Engine(device="cpu", **kwargs)

@@ -114,3 +114,25 @@ def test_a_request_larger_than_the_whole_cache_is_aborted_not_hung(dense, refere
     assert results[0].finish_reason == "abort" and "KV slots" in results[0].error
     assert results[1].token_ids == reference[0]
     assert end == start
+
+
+def test_requests_that_fit_alone_all_complete_with_their_own_greedy_tokens(dense) -> None:
+    # Prompt + max_new_tokens - 1 slots each (19 and 12..29 here); the caches below hold any
+    # one of them but not all at once, so they take turns through retraction.
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    twins = [[1] * 8, [2] * 8]
+    mixed = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((3, 14, 6, 20, 9))]
+    with Engine(dense, device="cpu") as engine:
+        alone = [engine.generate(p, params).token_ids for p in twins + mixed]
+    results, start, end, stats = _run(
+        dense, twins, params, kv_cache_tokens=17, max_running_requests=2
+    )
+    assert [r.finish_reason for r in results] == ["length"] * 2
+    assert [r.token_ids for r in results] == alone[:2]
+    assert end == start and stats.retractions > 0
+    results, start, end, stats = _run(
+        dense, mixed, params, kv_cache_tokens=30, max_running_requests=4, max_prefill_tokens=8
+    )
+    assert [r.finish_reason for r in results] == ["length"] * 5
+    assert [r.token_ids for r in results] == alone[2:]
+    assert end == start and stats.retractions > 0

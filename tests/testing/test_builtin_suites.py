@@ -33,3 +33,11 @@ class TestReexecGraph(GraphBackendSuite):
 class TestFullCudaGraph(GraphBackendSuite):
     # CUDA only: on a machine without one every case skips, saying so.
     backend = "full_cuda_graph"
+
+
+class TestAllToAllDispatch(MoEDispatcherSuite):
+    backend = "all_to_all"
+
+
+class TestAllToAllFixedDispatch(MoEDispatcherSuite):
+    backend = "all_to_all_fixed"

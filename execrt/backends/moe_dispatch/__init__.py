@@ -1,1 +1,1 @@
-"""MoE token dispatchers: allreduce (no dispatch communication)."""
+"""MoE token dispatchers: allreduce (no dispatch traffic), all_to_all and all_to_all_fixed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from execrt.backends.moe_dispatch._common import check_routing
 from execrt.core.interfaces import (
     DispatchOutput,
     MoEDispatcher,
@@ -27,7 +28,7 @@ class AllReduceDispatcher(MoEDispatcher):
     def dispatch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchOutput:
-        _check_routing(hidden_states, topk_ids, topk_weights, self.init.num_experts)
+        check_routing("allreduce dispatcher", hidden_states, topk_ids, topk_weights, self.init)
         local = topk_ids - self.first  # [T, K]
         on_rank = (topk_ids >= 0) & (local >= 0) & (local < self.num_local)
         local_ids = torch.where(on_rank, local, torch.full_like(local, -1))
@@ -39,17 +40,3 @@ class AllReduceDispatcher(MoEDispatcher):
                 "allreduce dispatcher: combine needs the StandardDispatchOutput it made"
             )
         return self.init.parallel.all_reduce(expert_output)
-
-
-def _check_routing(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
-) -> None:
-    if hidden.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
-        raise ValueError(
-            "moe dispatch: expected hidden [T, H], topk_ids and topk_weights [T, K]; got "
-            f"{tuple(hidden.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
-        )
-    if topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(
-            f"moe dispatch: {topk_ids.shape[0]} routing rows for {hidden.shape[0]} tokens"
-        )

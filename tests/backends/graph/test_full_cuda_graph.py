@@ -14,9 +14,9 @@ import torch
 from execrt.backends.graph.full_cuda_graph import FullCudaGraphBackend
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import GraphBackendInit, GraphRequirements, ShapeKey
-from execrt.plugins.host import PluginHost
 from execrt.core.selection import resolve_backend
 from execrt.plugins.builtin import FULL_CUDA_GRAPH
+from execrt.plugins.host import PluginHost
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -1,0 +1,129 @@
+"""The torch/Triton switch and the launch helpers shared by the fused kernels (lazy triton)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Literal, NoReturn
+
+import torch
+
+KernelMode = Literal["auto", "on", "off"]
+KERNEL_MODES: tuple[KernelMode, ...] = ("auto", "on", "off")
+
+# Triton's own switch for its CPU interpreter (not an execrt setting, hence not in core/envs).
+# triton.jit reads it when a kernel is *defined*, so it must be set before a triton_* kernel
+# module is first imported; tests/conftest.py does that on machines without CUDA.
+TRITON_INTERPRET = "TRITON_INTERPRET"
+
+# The interpreter runs programs one after another, so on CPU the launch heuristics should ask for
+# as few (large) programs as they can: pretend there is one SM.
+INTERPRETER_SM_COUNT = 1
+
+_INSTALL_HINT = "pip install triton (it ships with the CUDA builds of torch)"
+
+
+def fail(component: str, message: str) -> NoReturn:
+    """Raise the ValueError every kernel uses for a bad argument: ``"<component>: <message>"``."""
+    raise ValueError(f"{component}: {message}")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get(TRITON_INTERPRET, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(device: torch.device | str, mode: KernelMode | str) -> bool:
+    """Whether the fused ops should run their Triton kernels on ``device``.
+
+    ``off``: never (torch references). ``auto``: on CUDA devices when triton imports, else
+    torch. ``on``: always; on a CPU device that needs the Triton interpreter
+    (``TRITON_INTERPRET=1``), elsewhere it raises. The answer is passed to each op explicitly
+    (``rmsnorm(..., use_triton=...)``); nothing here is remembered.
+    """
+    if mode not in KERNEL_MODES:
+        fail("kernels", f"mode {mode!r} unsupported (supported: {', '.join(KERNEL_MODES)})")
+    dev = torch.device(device)
+    if mode == "off":
+        return False
+    if mode == "auto":
+        return dev.type == "cuda" and triton_importable()
+    if not triton_importable():
+        raise ImportError(
+            f"kernels: mode 'on' needs triton, which is not installed ({_INSTALL_HINT})"
+        )
+    if dev.type == "cuda" or (dev.type == "cpu" and interpreter_enabled()):
+        return True
+    if dev.type == "cpu":
+        fail(
+            "kernels", "mode 'on' on a CPU device needs the Triton interpreter (TRITON_INTERPRET=1)"
+        )
+    fail(
+        "kernels", f"mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
+    )
+
+
+def import_triton() -> ModuleType:
+    """``triton``, or an ImportError with the install hint (called by the triton_* modules)."""
+    try:
+        import triton
+    except ImportError as exc:
+        raise ImportError(f"kernels: the Triton kernels need triton ({_INSTALL_HINT})") from exc
+    return triton
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def num_warps_for(block: int, elem_per_thread: int = 8) -> int:
+    """Warps for a program streaming ``block`` elements: ~``elem_per_thread`` per thread.
+
+    Eight 16-bit elements are one 16-byte vector load per thread. At most 8 warps (more only
+    adds reduction traffic) unless a row would then need over 64 fp32 registers per thread.
+    """
+    cap = 8 if block <= 8 * 32 * 64 else 16
+    return max(1, min(cap, block // (32 * elem_per_thread)))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (``INTERPRETER_SM_COUNT`` elsewhere)."""
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def check_float(component: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        fail(component, f"{name} dtype {t.dtype} unsupported (supported: fp16, bf16, fp32)")
+
+
+def check_same_device(component: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            fail(component, f"{name} is on {t.device}, expected {ref.device} (one device for all)")
+
+
+def check_last_dim_contiguous(component: str, **tensors: torch.Tensor | None) -> None:
+    # Kernels vectorise along the last dim; every other stride is passed to them.
+    for name, t in tensors.items():
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            fail(
+                component, f"{name} must be contiguous in its last dim, strides {tuple(t.stride())}"
+            )

@@ -1,0 +1,114 @@
+"""Per-head q/k RMSNorm + rotate-half RoPE (+ optional K/V cache store): reference and switch."""
+
+from __future__ import annotations
+
+import torch
+
+from execrt.kernels._triton import fail, import_triton
+from execrt.kernels.norm import rmsnorm_torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """NeoX convention: ``[x1, x2] -> [-x2, x1]`` over the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def qk_norm_rope_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    out_cache_loc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference with the model's roundings: norm as ``RMSNorm``, then RoPE in ``q.dtype``.
+
+    The table rows are cast to ``q.dtype`` before use and ``q * cos``, ``rotate_half(q) * sin``
+    and their sum are each rounded to the dtype, exactly as ``RotaryEmbedding`` does.
+    """
+    store = _store_args(v, k_cache, v_cache, out_cache_loc)
+    if q_norm_weight is not None:
+        q = rmsnorm_torch(q, q_norm_weight, eps)  # [T, Hq, D]
+    if k_norm_weight is not None:
+        k = rmsnorm_torch(k, k_norm_weight, eps)  # [T, Hkv, D]
+    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    if store is not None:
+        v_, k_cache_, v_cache_, loc = store
+        k_cache_[loc] = k.to(k_cache_.dtype)
+        v_cache_[loc] = v_.to(v_cache_.dtype)
+    return q, k
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    out_cache_loc: torch.Tensor | None = None,
+    use_triton: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (and, with weights, per-head RMS-normed) ``(q [T, Hq, D], k [T, Hkv, D])``.
+
+    ``positions [T]`` index the fp32 tables ``cos``/``sin [P, D]`` (rows must be < P; not
+    checked on the device, that would need a sync). ``q``, ``k`` (and ``v``) may be strided views,
+    e.g. of a fused qkv projection ``[T, (Hq + 2 Hkv) D]``; the inputs are never written and
+    the results are new contiguous tensors. With ``v [T, Hkv, Dv]``, ``k_cache [S, Hkv, D]``,
+    ``v_cache [S, Hkv, Dv]`` and ``out_cache_loc [T]``, the rotated k and v are also stored at
+    those cache slots (cast to the cache dtype), so the attention backend need not store them.
+
+    The Triton kernel (``use_triton``) rounds the norm like the reference but computes the
+    rotation in fp32 from the fp32 tables and rounds once: within 1e-6 relative of the
+    reference in fp32 and a few ulps in fp16/bf16 (the reference rounds the table rows, both
+    products and their sum to the dtype), and closer to exact math than the reference.
+    """
+    if not use_triton:
+        return qk_norm_rope_torch(
+            q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
+            v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=out_cache_loc,
+        )  # fmt: skip
+    import_triton()
+    from execrt.kernels.triton_rotary import qk_norm_rope_triton
+
+    return qk_norm_rope_triton(
+        q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
+        store=_store_args(v, k_cache, v_cache, out_cache_loc),
+    )  # fmt: skip
+
+
+StoreArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _store_args(
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    out_cache_loc: torch.Tensor | None,
+) -> StoreArgs | None:
+    """``(v, k_cache, v_cache, out_cache_loc)`` when the K/V store is asked for, else None."""
+    given = [t is not None for t in (v, k_cache, v_cache, out_cache_loc)]
+    if not any(given):
+        return None
+    if not all(given):
+        fail("qk_norm_rope", "the K/V store needs all of v, k_cache, v_cache and out_cache_loc")
+    assert v is not None and k_cache is not None and v_cache is not None
+    assert out_cache_loc is not None
+    return v, k_cache, v_cache, out_cache_loc

@@ -1,0 +1,294 @@
+"""Triton per-head q/k RMSNorm + rotate-half RoPE, optionally storing the rotated k and v."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from execrt.kernels._triton import (
+    check_float,
+    check_last_dim_contiguous,
+    check_same_device,
+    fail,
+    next_power_of_2,
+    num_warps_for,
+    sm_count,
+)
+
+NAME = "qk_norm_rope"
+MAX_HEAD_DIM = 512
+MAX_HEADS_PER_PROGRAM = 16
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr,
+    stride_st,
+    stride_sh,
+    dst_ptr,
+    stride_dt,
+    stride_dh,
+    w_ptr,
+    cos_row,
+    sin_row,
+    cache_ptr,
+    stride_cs,
+    stride_ch,
+    token,
+    slot,
+    head0,
+    num_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write (and store)."""
+    heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
+    d = tl.arange(0, BLOCK_HALF)  # [BD/2]
+    d_mask = d < HALF
+    mask = (heads < num_heads)[:, None] & d_mask[None, :]  # [BH, BD/2]
+    src = src_ptr + token * stride_st + heads[:, None].to(tl.int64) * stride_sh + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)  # first half of each head
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if HAS_NORM:
+        # As RMSNorm: normalise in fp32, round to the input dtype, scale, round again.
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        mean_sq = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)  # [BH]
+        r = tl.rsqrt(mean_sq + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((f1 * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+        x2 = ((f2 * r).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+    c1 = tl.load(cos_row + d, mask=d_mask, other=0.0)[None, :]  # fp32 [1, BD/2]
+    c2 = tl.load(cos_row + HALF + d, mask=d_mask, other=0.0)[None, :]
+    s1 = tl.load(sin_row + d, mask=d_mask, other=0.0)[None, :]
+    s2 = tl.load(sin_row + HALF + d, mask=d_mask, other=0.0)[None, :]
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    # rotate_half([x1, x2]) = [-x2, x1]; fp32 throughout, one rounding at the end.
+    o1 = (f1 * c1 - f2 * s1).to(dst_ptr.dtype.element_ty)
+    o2 = (f2 * c2 + f1 * s2).to(dst_ptr.dtype.element_ty)
+    dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+    if STORE:
+        cache = cache_ptr + slot * stride_cs + heads[:, None].to(tl.int64) * stride_ch + d[None, :]
+        tl.store(cache, o1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache + HALF, o2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    loc_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    num_q_heads,
+    num_kv_heads,
+    q_blocks,
+    eps,
+    HAS_Q_NORM: tl.constexpr,
+    HAS_K_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # Grid (T, q_blocks + kv_blocks): a program rotates BLOCK_H heads of q, or of k (and then
+    # also copies the same heads of v into the cache).
+    token = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_cos
+    sin_row = sin_ptr + pos * stride_sin
+    if hb < q_blocks:
+        _norm_rope_heads(
+            q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr,
+            cos_row, sin_row, q_out_ptr, 0, 0, token, token, hb * BLOCK_H, num_q_heads, eps,
+            HAS_Q_NORM, False, HALF, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+    else:
+        head0 = (hb - q_blocks) * BLOCK_H
+        slot = token
+        if STORE_KV:
+            slot = tl.load(loc_ptr + token).to(tl.int64)
+        _norm_rope_heads(
+            k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr,
+            cos_row, sin_row, k_cache_ptr, stride_kcs, stride_kch, token, slot, head0,
+            num_kv_heads, eps, HAS_K_NORM, STORE_KV, HALF, BLOCK_H, BLOCK_HALF,
+        )  # fmt: skip
+        if STORE_KV:
+            heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
+            dv = tl.arange(0, BLOCK_DV)
+            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)[None, :]
+            heads64 = heads[:, None].to(tl.int64)
+            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv[None, :], mask=mask)
+            dst = v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv[None, :]
+            tl.store(dst, vals.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int) -> int:
+    """Heads per program: grow the tile while the grid still gives every SM four programs.
+
+    At decode (few tokens) one head per program spreads the step over many SMs; at prefill
+    bigger tiles cut the per-program overhead and widen the loads.
+    """
+    cap = min(MAX_HEADS_PER_PROGRAM, next_power_of_2(max(num_q_heads, num_kv_heads)))
+    bh = 1
+    while bh < cap:
+        nxt = 2 * bh
+        programs = tokens * (triton.cdiv(num_q_heads, nxt) + triton.cdiv(num_kv_heads, nxt))
+        if programs < 4 * sms:
+            break
+        bh = nxt
+    return bh
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    """Validate the rotation inputs; return ``(T, Hq, Hkv, D)``."""
+    if q.dim() != 3 or k.dim() != 3:
+        fail(NAME, f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, D]")
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] != t or k.shape[2] != d:
+        fail(NAME, f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in T or D")
+    if d % 2 or not 2 <= d <= MAX_HEAD_DIM:
+        fail(NAME, f"head_dim {d} unsupported (supported: even, 2..{MAX_HEAD_DIM})")
+    check_float(NAME, "q", q)
+    if k.dtype != q.dtype:
+        fail(NAME, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (w.shape != (d,) or w.dtype != q.dtype):
+            fail(NAME, f"{name} {tuple(w.shape)} {w.dtype} must be [{d}] {q.dtype}")
+    if positions.dim() != 1 or positions.shape[0] != t or positions.dtype not in INDEX_DTYPES:
+        fail(NAME, f"positions {tuple(positions.shape)} {positions.dtype} must be [{t}] int32/64")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != d or table.dtype != torch.float32:
+            fail(NAME, f"{name} {tuple(table.shape)} {table.dtype} must be [P, {d}] float32")
+    check_same_device(
+        NAME, q, k=k, positions=positions, cos=cos, sin=sin,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+    )  # fmt: skip
+    check_last_dim_contiguous(
+        NAME, q=q, k=k, cos=cos, sin=sin, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight
+    )
+    return t, hq, hkv, d
+
+
+def _check_store(
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    t: int,
+    hkv: int,
+    d: int,
+) -> int:
+    """Validate ``(v, k_cache, v_cache, out_cache_loc)``; return ``Dv``."""
+    v, k_cache, v_cache, loc = store
+    if v.dim() != 3 or v.shape[:2] != (t, hkv):
+        fail(NAME, f"v {tuple(v.shape)} must be [{t}, {hkv}, Dv]")
+    dv = v.shape[2]
+    if not 1 <= dv <= MAX_HEAD_DIM:
+        fail(NAME, f"v head dim {dv} unsupported (supported: 1..{MAX_HEAD_DIM})")
+    if k_cache.dim() != 3 or k_cache.shape[1:] != (hkv, d):
+        fail(NAME, f"k_cache {tuple(k_cache.shape)} must be [S, {hkv}, {d}]")
+    if v_cache.dim() != 3 or v_cache.shape[1:] != (hkv, dv) or v_cache.shape[0] != k_cache.shape[0]:
+        fail(NAME, f"v_cache {tuple(v_cache.shape)} must be [{k_cache.shape[0]}, {hkv}, {dv}]")
+    if loc.dim() != 1 or loc.shape[0] != t or loc.dtype not in INDEX_DTYPES:
+        fail(NAME, f"out_cache_loc {tuple(loc.shape)} {loc.dtype} must be [{t}] int32/64")
+    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(NAME, name, x)
+    check_same_device(NAME, q, v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=loc)
+    check_last_dim_contiguous(NAME, v=v, k_cache=k_cache, v_cache=v_cache)
+    return dv
+
+
+def qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    heads_per_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch for q and k of every token; see ``rotary.qk_norm_rope``.
+
+    ``heads_per_block`` (a power of two) overrides the tile heuristic, for tests.
+    """
+    t, hq, hkv, d = _check_inputs(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
+    dv = _check_store(store, q, t, hkv, d) if store is not None else 1
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    v, k_cache, v_cache, loc = store if store is not None else (k, k_out, k_out, positions)
+    bh = heads_per_block or heads_per_program(t, hq, hkv, sm_count(q.device))
+    if bh & (bh - 1):
+        fail(NAME, f"heads_per_block {bh} unsupported (supported: a power of two)")
+    q_blocks = triton.cdiv(hq, bh)
+    grid = (t, q_blocks + triton.cdiv(hkv, bh))
+    _qk_norm_rope_kernel[grid](
+        q, k, v, q_out, k_out,
+        q_norm_weight if q_norm_weight is not None else q_out,
+        k_norm_weight if k_norm_weight is not None else k_out,
+        positions, cos, sin, loc, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        hq, hkv, q_blocks, eps,
+        HAS_Q_NORM=q_norm_weight is not None,
+        HAS_K_NORM=k_norm_weight is not None,
+        STORE_KV=store is not None,
+        HALF=d // 2,
+        HEAD_DIM_V=dv,
+        BLOCK_H=bh,
+        BLOCK_HALF=next_power_of_2(d // 2),
+        BLOCK_DV=next_power_of_2(dv),
+        num_warps=num_warps_for(bh * next_power_of_2(d // 2)),  # 16-byte loads per half
+    )  # fmt: skip
+    return q_out, k_out

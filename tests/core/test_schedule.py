@@ -1,0 +1,105 @@
+"""SamplingParams validation and ScheduleBatch allocation when building a batch fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": "hot"}, "temperature 'hot' has type str (accepted: float or int)"),
+        ({"temperature": True}, "temperature True has type bool (accepted: float or int)"),
+        ({"top_p": None}, "top_p None has type NoneType (accepted: float or int)"),
+        ({"top_k": 2.0}, "top_k 2.0 has type float (accepted: int)"),
+        ({"seed": "1"}, "seed '1' has type str (accepted: int or None)"),
+        ({"seed": False}, "seed False has type bool (accepted: int or None)"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens 2.0 has type float (accepted: int)"),
+        ({"max_new_tokens": True}, "max_new_tokens True has type bool (accepted: int)"),
+        ({"ignore_eos": "no"}, "ignore_eos 'no' has type str (accepted: bool)"),
+        ({"ignore_eos": 1}, "ignore_eos 1 has type int (accepted: bool)"),
+        ({"stop_token_ids": 3}, "stop_token_ids 3 has type int (accepted: a tuple or list of int)"),
+        ({"stop_token_ids": "12"}, "stop_token_ids '12' has type str"),
+        ({"stop_token_ids": (1, "2")}, "stop_token_ids (1, '2') has type tuple of int/str"),
+        ({"stop_token_ids": {1, 2}}, "stop_token_ids {1, 2} has type set"),
+        ({"max_new_tokens": 0}, "max_new_tokens 0 must be an integer >= 1"),
+        ({"temperature": -0.5}, "temperature -0.5 must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature nan must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "temperature inf must be a finite number >= 0"),
+        ({"top_p": 0}, "top_p 0 must be in (0, 1]"),
+        ({"seed": 2**63}, f"seed {2**63} must be in [0, 2**63)"),
+    ],
+)
+def test_each_problem_names_field_value_and_what_is_accepted(kwargs, message) -> None:
+    problems = SamplingParams(**kwargs).problems()  # construction itself never raises
+    assert problems == [message] or (len(problems) == 1 and problems[0].startswith(message))
+
+
+def test_types_are_checked_before_values_so_nothing_raises() -> None:
+    sp = SamplingParams(max_new_tokens="9", temperature=None, top_p="x", seed=-1.0)
+    names = [p.split()[0] for p in sp.problems()]
+    assert names == ["max_new_tokens", "temperature", "top_p", "seed"]
+
+
+def test_good_values_of_every_accepted_type() -> None:
+    for sp in (
+        SamplingParams(),
+        SamplingParams(max_new_tokens=1, temperature=0, top_k=5, top_p=1, seed=0),
+        SamplingParams(temperature=0.7, top_p=0.5, seed=2**63 - 1, stop_token_ids=(1, 2)),
+        SamplingParams(stop_token_ids=[4, 5], ignore_eos=True),
+    ):
+        assert sp.problems() == []
+
+
+def test_a_list_of_stop_ids_is_stored_as_a_tuple() -> None:
+    sp = SamplingParams(stop_token_ids=[4, 5])
+    assert sp.stop_token_ids == (4, 5) and sp == SamplingParams(stop_token_ids=(4, 5))
+    assert hash(sp) == hash(SamplingParams(stop_token_ids=(4, 5)))
+
+
+def _pools() -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+    return ReqToTokenPool(4, 32, "cpu"), TokenToKVPoolAllocator(20, "cpu")
+
+
+def _failing_write(pool: ReqToTokenPool, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    original = pool.write
+
+    def write(row: int, start: int, slots: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            raise RuntimeError("device lost")
+        original(row, start, slots)
+
+    monkeypatch.setattr(pool, "write", write)
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_a_failed_extend_build_allocates_nothing(at: int, monkeypatch) -> None:
+    pool, alloc = _pools()
+    held = Req(0, [1, 2, 3, 4], SamplingParams())
+    held.req_pool_idx = pool.alloc()  # mid-prefill: keeps its row
+    reqs = [held, Req(1, [5, 6], SamplingParams()), Req(2, [7, 8, 9], SamplingParams())]
+    _failing_write(pool, at, monkeypatch)
+    with pytest.raises(RuntimeError, match="device lost"):
+        ScheduleBatch.for_extend(reqs, [4, 2, 3], pool, alloc, torch.device("cpu"))
+    assert alloc.available_size() == 20 and pool.available_size() == 3
+    assert held.req_pool_idx is not None
+    assert [r.req_pool_idx for r in reqs[1:]] == [None, None]
+
+
+def test_a_failed_decode_build_allocates_nothing(monkeypatch) -> None:
+    pool, alloc = _pools()
+    reqs = []
+    for i in range(3):
+        req = Req(i, [1, 2], SamplingParams(), output_ids=[3], req_pool_idx=pool.alloc(), kv_len=2)
+        reqs.append(req)
+    _failing_write(pool, 2, monkeypatch)
+    with pytest.raises(RuntimeError, match="device lost"):
+        ScheduleBatch.for_decode(reqs, pool, alloc, torch.device("cpu"))
+    assert alloc.available_size() == 20 and pool.available_size() == 1

@@ -1,0 +1,124 @@
+"""Engine state after an exception inside a step, and badly typed sampling parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.schedule import Req, SamplingParams
+from execrt.engine import Engine
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 9, 13, 2, 40], [7, 7, 1], [100, 3, 8, 21, 64, 9, 30], [11, 12]]
+# 4 requests needing 5..11 KV slots each (prompt + 6 - 1), 24 slots in all: retractions and
+# chunked prefills happen, so failures hit waiting, running and mid-prefill requests.
+CONFIG = dict(device="cpu", kv_cache_tokens=24, max_running_requests=3, max_prefill_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def dense(checkpoint):
+    return checkpoint("dense-tied-hd64")
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(dense):
+    with Engine(dense, **CONFIG) as engine:
+        return [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
+
+
+def _free(engine: Engine) -> tuple[int, int]:
+    mr = engine.worker.model_runner
+    return mr.token_to_kv_pool_allocator.available_size(), mr.req_to_token_pool.available_size()
+
+
+def _fail_on_call(n: int, original: Callable[..., Any], exc: BaseException) -> Callable[..., Any]:
+    calls = 0
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise exc
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+STAGES = {
+    # ScheduleBatch construction, after its slots and rows were allocated.
+    "schedule": lambda e, wrap, mp: mp.setattr(
+        e.worker.model_runner.req_to_token_pool,
+        "write",
+        wrap(e.worker.model_runner.req_to_token_pool.write),
+    ),
+    "forward_batch": lambda e, wrap, mp: mp.setattr(
+        ForwardBatch, "init_new", wrap(ForwardBatch.init_new)
+    ),
+    "forward": lambda e, wrap, mp: mp.setattr(
+        e.worker.model_runner, "forward", wrap(e.worker.model_runner.forward)
+    ),
+    "sample": lambda e, wrap, mp: mp.setattr(
+        e.worker.model_runner, "sample", wrap(e.worker.model_runner.sample)
+    ),
+    # Result processing, part-way through a batch (some requests already updated).
+    "process": lambda e, wrap, mp: mp.setattr(
+        e.scheduler, "_check_finished", wrap(e.scheduler._check_finished)
+    ),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+@pytest.mark.parametrize("call", [1, 6])
+def test_an_exception_in_any_stage_leaves_the_engine_clean(
+    dense, fresh_tokens, stage: str, call: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exc: BaseException = KeyboardInterrupt() if stage == "forward" else RuntimeError("boom")
+    with Engine(dense, **CONFIG) as engine:
+        start = _free(engine)
+        submitted: list[Req] = []
+        add = engine.scheduler.add
+        monkeypatch.setattr(engine.scheduler, "add", lambda r: (submitted.append(r), add(r)))
+        with monkeypatch.context() as mp:
+            STAGES[stage](engine, lambda f: _fail_on_call(call, f, exc), mp)
+            with pytest.raises(type(exc)):
+                engine.generate(PROMPTS, PARAMS)
+        assert len(submitted) == len(PROMPTS) and all(r.finished for r in submitted)
+        unfinished = [r for r in submitted if r.finish_reason.value == "abort"]
+        assert unfinished, "the failure came before any request could finish"
+        assert all(type(exc).__name__ in r.error for r in unfinished)
+        assert all(r.req_pool_idx is None for r in submitted)
+        assert _free(engine) == start
+        sched = engine.scheduler
+        assert not sched.has_work and sched.finished == []
+        again = engine.generate(PROMPTS, PARAMS)
+        assert [r.token_ids for r in again] == fresh_tokens
+        assert _free(engine) == start
+
+
+def test_badly_typed_sampling_params_are_errors_and_the_rest_is_served(dense) -> None:
+    good = SamplingParams(max_new_tokens=3, temperature=0)
+    bad = [
+        (SamplingParams(temperature="hot"), "temperature 'hot' has type str (accepted: float"),
+        (SamplingParams(top_p=None), "top_p None has type NoneType (accepted: float or int)"),
+        (SamplingParams(seed="1"), "seed '1' has type str (accepted: int or None)"),
+        (SamplingParams(max_new_tokens=2.0), "max_new_tokens 2.0 has type float (accepted: int)"),
+        (SamplingParams(max_new_tokens=True), "max_new_tokens True has type bool"),
+        (SamplingParams(ignore_eos="no"), "ignore_eos 'no' has type str (accepted: bool)"),
+        (SamplingParams(stop_token_ids=5), "stop_token_ids 5 has type int (accepted: a tuple"),
+        (SamplingParams(top_k=1.5), "top_k 1.5 has type float (accepted: int)"),
+    ]
+    with Engine(dense, device="cpu") as engine:
+        start = _free(engine)
+        params = (
+            [good] + [p for p, _ in bad] + [SamplingParams(max_new_tokens=2, stop_token_ids=[1])]
+        )
+        out = engine.generate([[1, 2, 3]] * len(params), params)
+        assert out[0].error is None and len(out[0].token_ids) == 3
+        for result, (_, message) in zip(out[1:-1], bad, strict=True):
+            assert result.finish_reason == "error" and result.token_ids == []
+            assert message in result.error
+        assert out[-1].error is None  # a list of stop ids is accepted
+        assert not engine.scheduler.has_work and _free(engine) == start

@@ -1,0 +1,260 @@
+"""q/k norm + RoPE (+ K/V store): Triton kernel vs torch reference vs an fp64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch
+from tests.kernels.helpers import (
+    DEVICE,
+    max_rel,
+    needs_cuda,
+    replay_matches_eager,
+)
+
+EPS = 1e-6
+POSITIONS = 512  # table rows; high positions give large angles
+
+
+def tables(head_dim: int, theta: float = 1e6) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin ``[P, D]`` laid out as the model's (frequencies repeated over both halves)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(POSITIONS, dtype=torch.float64), inv_freq)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().float().to(DEVICE), emb.sin().float().to(DEVICE)
+
+
+def oracle(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half RoPE in fp64, written out element by half."""
+    xd = x.double()
+    if weight is not None:
+        xd = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    half = x.shape[-1] // 2
+    c = cos.double()[positions][:, None, :]  # [T, 1, D]
+    s = sin.double()[positions][:, None, :]
+    x1, x2 = xd[..., :half], xd[..., half:]
+    first = x1 * c[..., :half] - x2 * s[..., :half]
+    second = x2 * c[..., half:] + x1 * s[..., half:]
+    return torch.cat([first, second], dim=-1)
+
+
+def fused_qkv(
+    tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views of one ``[T, (Hq + 2 Hkv) D]`` projection output."""
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype).to(DEVICE)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    assert tokens == 1 or not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    return q, k, v
+
+
+def random_positions(tokens: int, gen: torch.Generator) -> torch.Tensor:
+    # Unsorted, with repeats and the last table row.
+    pos = torch.randint(0, POSITIONS, (tokens,), generator=gen)
+    pos[-1] = POSITIONS - 1
+    return pos.to(DEVICE)
+
+
+def norm_weight(d: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(d, generator=gen) * 0.3 + 1.0).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+def test_norm_rope_on_fused_qkv_views(dtype: torch.dtype, head_dim: int, tokens: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim * 100 + tokens)
+    q, k, _ = fused_qkv(tokens, 8, 2, head_dim, dtype, gen)
+    pos = random_positions(tokens, gen)
+    cos, sin = tables(head_dim)
+    qw, kw = norm_weight(head_dim, dtype, gen), norm_weight(head_dim, dtype, gen)
+    q_before, k_before = q.clone(), k.clone()
+    q_out, k_out = qk_norm_rope(q, k, pos, cos, sin, qw, kw, EPS, use_triton=True)
+    q_ref, k_ref = qk_norm_rope_torch(q, k, pos, cos, sin, qw, kw, EPS)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert q_out.is_contiguous() and k_out.is_contiguous() and q_out.dtype == dtype
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    for out, ref, x, w in ((q_out, q_ref, q, qw), (k_out, k_ref, k, kw)):
+        exact = oracle(x, pos, cos, sin, w)
+        if dtype == torch.float32:
+            assert max_rel(out, ref) <= 1e-6
+            assert max_rel(out, exact) <= 1e-6
+        else:
+            assert max_rel(out, ref) <= 1e-2
+            assert max_rel(out, exact) <= 1e-2
+            # One rounding of the rotation instead of three (and fp32 tables): never worse.
+            assert max_rel(out, exact) <= max_rel(ref, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_without_norm_is_rounded_once(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    q = (torch.randn(7, 4, 128, generator=gen) * 2).to(dtype).to(DEVICE)
+    k = (torch.randn(7, 2, 128, generator=gen) * 2).to(dtype).to(DEVICE)
+    pos = random_positions(7, gen)
+    cos, sin = tables(128)
+    outs = qk_norm_rope(q, k, pos, cos, sin, None, None, EPS, use_triton=True)
+    for out, x in zip(outs, (q, k), strict=True):
+        exact = oracle(x, pos, cos, sin, None)
+        # Half an ulp of the result from the final rounding, plus fp32 error of the products.
+        half_ulp = 2.0 ** -(24 if dtype == torch.float32 else 11)
+        bound = half_ulp * exact.abs() + 2.0**-22 * x.abs().max().double()
+        assert ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("head_dim_v", [64, 96])
+def test_kv_store_writes_exactly_the_given_slots(use_triton: bool, head_dim_v: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim_v)
+    tokens, hq, hkv, d, slots = 7, 8, 2, 64, 40
+    q = torch.randn(tokens, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(tokens, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(tokens, hkv, 2 * head_dim_v, generator=gen).to(DEVICE)[..., ::2]  # strided
+    v = v.contiguous().view(tokens, hkv, head_dim_v)
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(DEVICE)  # unsorted, distinct
+    pos = random_positions(tokens, gen)
+    cos, sin = tables(d)
+    kw = norm_weight(d, torch.float32, gen)
+    # The cache is fp16 under fp32 activations, so the store must cast.
+    k_cache = torch.full((slots, hkv, d), float("nan"), dtype=torch.float16, device=DEVICE)
+    v_cache = torch.full((slots, hkv, head_dim_v), float("nan"), dtype=torch.float16, device=DEVICE)
+    _, k_out = qk_norm_rope(
+        q, k, pos, cos, sin, None, kw, EPS,
+        v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=loc, use_triton=use_triton,
+    )  # fmt: skip
+    written = torch.zeros(slots, dtype=torch.bool, device=DEVICE)
+    written[loc] = True
+    assert k_cache[~written].isnan().all() and v_cache[~written].isnan().all()
+    assert torch.equal(v_cache[loc], v.half())
+    assert torch.equal(k_cache[loc], k_out.half())
+    assert max_rel(k_cache[loc], oracle(k, pos, cos, sin, kw)) <= 1e-3
+
+
+@pytest.mark.parametrize("heads_per_block", [1, 4])
+def test_head_tiles_that_do_not_divide_the_head_count(heads_per_block: int) -> None:
+    from execrt.kernels.triton_rotary import qk_norm_rope_triton
+
+    gen = torch.Generator().manual_seed(heads_per_block)
+    tokens, hq, hkv, d = 3, 6, 3, 64
+    q, k, v = fused_qkv(tokens, hq, hkv, d, torch.float32, gen)
+    pos = random_positions(tokens, gen)
+    loc = torch.tensor([5, 0, 2], device=DEVICE)
+    cos, sin = tables(d)
+    qw, kw = norm_weight(d, torch.float32, gen), norm_weight(d, torch.float32, gen)
+    k_cache = torch.full((6, hkv, d), float("nan"), device=DEVICE)
+    v_cache = torch.full((6, hkv, d), float("nan"), device=DEVICE)
+    q_out, k_out = qk_norm_rope_triton(
+        q, k, pos, cos, sin, qw, kw, EPS,
+        store=(v, k_cache, v_cache, loc), heads_per_block=heads_per_block,
+    )  # fmt: skip
+    assert max_rel(q_out, oracle(q, pos, cos, sin, qw)) <= 1e-6
+    assert max_rel(k_out, oracle(k, pos, cos, sin, kw)) <= 1e-6
+    assert torch.equal(v_cache[loc], v) and torch.equal(k_cache[loc], k_out)
+    assert v_cache[[1, 3, 4]].isnan().all() and k_cache[[1, 3, 4]].isnan().all()
+
+
+def _inputs(d: int = 64) -> dict[str, torch.Tensor]:
+    cos, sin = tables(d)
+    return {
+        "q": torch.zeros(2, 4, d, device=DEVICE),
+        "k": torch.zeros(2, 2, d, device=DEVICE),
+        "positions": torch.zeros(2, dtype=torch.int64, device=DEVICE),
+        "cos": cos,
+        "sin": sin,
+    }
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"k": torch.zeros(2, 2, 32)}, "does not match q"),
+        ({"positions": torch.zeros(3, dtype=torch.int64)}, "positions"),
+        ({"positions": torch.zeros(2)}, "positions"),
+        ({"cos": torch.zeros(8, 64, dtype=torch.float64)}, "cos"),
+        ({"q": torch.zeros(2, 4, 63), "k": torch.zeros(2, 2, 63)}, "head_dim 63 unsupported"),
+    ],
+)
+def test_rejects_bad_inputs(change: dict[str, torch.Tensor], match: str) -> None:
+    args = _inputs() | {name: t.to(DEVICE) for name, t in change.items()}
+    with pytest.raises(ValueError, match=f"qk_norm_rope: .*{match}"):
+        qk_norm_rope(
+            args["q"], args["k"], args["positions"], args["cos"], args["sin"], None, None, EPS,
+            use_triton=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_store_needs_every_store_argument(use_triton: bool) -> None:
+    args = _inputs()
+    with pytest.raises(ValueError, match="qk_norm_rope: the K/V store needs all of"):
+        qk_norm_rope(
+            args["q"], args["k"], args["positions"], args["cos"], args["sin"], None, None, EPS,
+            v=args["k"], use_triton=use_triton,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16 at model sizes, CUDA-graph capture
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_bf16_model_sizes(heads: tuple[int, int], tokens: int) -> None:
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(tokens * hq)
+    q, k, v = fused_qkv(tokens, hq, hkv, 128, torch.bfloat16, gen)
+    pos = random_positions(tokens, gen)
+    cos, sin = tables(128)
+    qw, kw = norm_weight(128, torch.bfloat16, gen), norm_weight(128, torch.bfloat16, gen)
+    slots = 4 * tokens
+    loc = torch.randperm(slots, generator=gen)[:tokens].cuda()
+    caches = [torch.zeros(slots, hkv, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    q_out, k_out = qk_norm_rope(
+        q, k, pos, cos, sin, qw, kw, EPS,
+        v=v, k_cache=caches[0], v_cache=caches[1], out_cache_loc=loc, use_triton=True,
+    )  # fmt: skip
+    q_ref, k_ref = qk_norm_rope_torch(
+        q, k, pos, cos, sin, qw, kw, EPS,
+        v=v, k_cache=caches[2], v_cache=caches[3], out_cache_loc=loc,
+    )  # fmt: skip
+    assert max_rel(q_out, q_ref) <= 1e-2 and max_rel(k_out, k_ref) <= 1e-2
+    assert max_rel(caches[0], caches[2]) <= 1e-2 and torch.equal(caches[1], caches[3])
+
+
+@needs_cuda
+def test_capturable_in_a_cuda_graph() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = fused_qkv(4, 16, 8, 128, torch.bfloat16, gen)
+    pos = random_positions(4, gen)
+    loc = torch.tensor([3, 1, 7, 5], device="cuda")
+    cos, sin = tables(128)
+    qw, kw = norm_weight(128, torch.bfloat16, gen), norm_weight(128, torch.bfloat16, gen)
+    k_cache = torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+
+    def step() -> list[torch.Tensor]:
+        q_out, k_out = qk_norm_rope(
+            q, k, pos, cos, sin, qw, kw, EPS,
+            v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=loc, use_triton=True,
+        )  # fmt: skip
+        return [q_out, k_out, k_cache[loc], v_cache[loc]]
+
+    fresh_pos = (pos + 17) % POSITIONS
+    replay_matches_eager(
+        step,
+        [q, k, v, pos],
+        [torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), fresh_pos],
+    )
