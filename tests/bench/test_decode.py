@@ -260,14 +260,20 @@ def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-de
 @requires_cuda
 def test_gpu_quick_run_times_eager_and_graph(tmp_path) -> None:  # type: ignore[no-untyped-def]
     argv = ["bench", "decode", "--quick", "--layers", "2", "--hf-compile-timeout", "0"]
-    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--profile", "--out", str(tmp_path)]) == 0
     (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
     rows = json.loads((tmp_path / saved).read_text())
     for mode in ("eager", "graph"):
-        for path in ("generate", "forward"):
-            got = [r for r in rows if (r["mode"], r["path"]) == (mode, path)]
-            assert {r["bs"] for r in got} == {1, 32}
-            assert all(r["step_ms"] and r["step_ms"] > 0 and r["note"] == "" for r in got), got
+        forward = [r for r in rows if (r["mode"], r["path"]) == (mode, "forward")]
+        generate = [r for r in rows if (r["mode"], r["path"]) == (mode, "generate")]
+        assert {r["bs"] for r in forward} == {r["bs"] for r in generate} == {1, 32}
+        # The forward path must have run (through a graph in graph mode: note "").
+        assert all(r["step_ms"] and r["step_ms"] > 0 and r["note"] == "" for r in forward), forward
+        assert all(r["prefill_ms"] and r["prefill_ms"] > 0 for r in generate), generate
+    eager_profile = next(
+        r["profile"] for r in rows if (r["mode"], r["path"], r["bs"]) == ("eager", "forward", 1)
+    )
+    assert eager_profile["kernels_per_step"] > 10 and eager_profile["wall_ms_per_step"] > 0
 
 
 def _worker(loader: RandomWeightsLoader, ctx: RuntimeContext) -> TpModelWorker:
