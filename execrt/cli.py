@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--impls", help="comma-separated: triton, grouped_mm, dense (default: all)")
     moe.add_argument("--iters", type=int, default=10)
     moe.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    ext = bench_sub.add_parser("extend", help="extend (prefill) attention: TFLOP/s vs peers")
+    ext.add_argument("--backends", help="comma-separated names (default: triton,flashinfer,sdpa)")
+    ext.add_argument(
+        "--shapes", help="bs:new:prefix triples, e.g. 1:8192:0,16:512:2048 (default: the issue's)"
+    )
+    ext.add_argument("--iters", type=int, default=10)
+    ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -108,9 +115,33 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         raise ExecrtError(f"conformance: {exc}") from None
 
 
+def cmd_bench_extend(args: argparse.Namespace) -> int:
+    from execrt.bench import extend
+
+    shapes: tuple[tuple[int, int, int], ...] = extend.DEFAULT_SHAPES
+    if args.shapes:
+        try:
+            shapes = tuple(
+                (int(bs), int(new), int(prefix))
+                for bs, new, prefix in (s.split(":") for s in args.shapes.split(","))
+            )
+        except ValueError:
+            raise ExecrtError(
+                f"bench: --shapes {args.shapes!r} must look like 1:8192:0,16:512:2048"
+            ) from None
+    backends = args.backends.split(",") if args.backends else None
+    try:
+        extend.run(backends, shapes, iters=args.iters, out_dir=args.out)
+    except RuntimeError as exc:
+        raise ExecrtError(str(exc)) from None
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "moe":
         return cmd_bench_moe(args)
+    if args.bench == "extend":
+        return cmd_bench_extend(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
