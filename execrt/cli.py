@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--impls", help="comma-separated: triton, grouped_mm, dense (default: all)")
     moe.add_argument("--iters", type=int, default=10)
     moe.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    ext = bench_sub.add_parser("extend", help="extend (prefill) attention: TFLOP/s vs peers")
+    ext.add_argument("--backends", help="comma-separated names (default: triton,flashinfer,sdpa)")
+    ext.add_argument(
+        "--shapes", help="bs:new:prefix triples, e.g. 1:8192:0,16:512:2048 (default: the issue's)"
+    )
+    ext.add_argument("--iters", type=int, default=10)
+    ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
@@ -128,6 +135,12 @@ def _add_bench_decode(bench_sub: Any) -> None:
         help="seconds for transformers' compiled run at bs 1, 0 skips it (default: 180)",
     )
     dec.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap scheduling on the generate path (default: on)",
+    )
+    dec.add_argument(
         "--profile", action="store_true", help="profile the first bs of each mode (default: off)"
     )
     dec.add_argument(
@@ -158,6 +171,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         hf=args.hf,
         hf_compile_timeout=args.hf_compile_timeout,
         profile=args.profile,
+        overlap=args.overlap,
         reps=1 if args.quick else 2,
         out_dir=args.out,
     )
@@ -176,9 +190,33 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         raise ExecrtError(f"conformance: {exc}") from None
 
 
+def cmd_bench_extend(args: argparse.Namespace) -> int:
+    from execrt.bench import extend
+
+    shapes: tuple[tuple[int, int, int], ...] = extend.DEFAULT_SHAPES
+    if args.shapes:
+        try:
+            shapes = tuple(
+                (int(bs), int(new), int(prefix))
+                for bs, new, prefix in (s.split(":") for s in args.shapes.split(","))
+            )
+        except ValueError:
+            raise ExecrtError(
+                f"bench: --shapes {args.shapes!r} must look like 1:8192:0,16:512:2048"
+            ) from None
+    backends = args.backends.split(",") if args.backends else None
+    try:
+        extend.run(backends, shapes, iters=args.iters, out_dir=args.out)
+    except RuntimeError as exc:
+        raise ExecrtError(str(exc)) from None
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "moe":
         return cmd_bench_moe(args)
+    if args.bench == "extend":
+        return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
     from execrt.bench import attention

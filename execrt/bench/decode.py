@@ -74,6 +74,7 @@ class Options:
     hf: bool = True
     hf_compile_timeout: float = 180.0  # seconds; 0 skips the compiled peer
     profile: bool = False
+    overlap: bool = True  # RuntimeConfig.overlap_schedule of the generate path
     reps: int = 2
     out_dir: str | None = "benchmarks/results"
     seed: int = 0
@@ -119,6 +120,7 @@ class Record:
     attention: str
     vs_hf_eager: float | None = None  # hf-eager step_ms / this step_ms (> 1: this is faster)
     vs_hf_compile: float | None = None
+    overlap: bool | None = None  # execrt's overlap_schedule (None for the peer)
     note: str = ""
     profile: dict[str, float] | None = None
 
@@ -223,33 +225,37 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
             context_len=context_len,
             max_prefill_tokens=max(opts.ctx, PREFILL_CHUNK),
             seed=opts.seed,
+            overlap_schedule=opts.overlap,
             **graph,
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
         for bs in opts.batch_sizes:
-            ctx.add(mode, "generate", bs, None, opts.attention, note=_reason(exc))
+            ctx.add(
+                mode, "generate", bs, None, opts.attention, note=_reason(exc), overlap=opts.overlap
+            )
         return
     attention = _chosen(engine, "attention")
+    ov = {"overlap": opts.overlap}
     with engine:
         for i, bs in enumerate(opts.batch_sizes):
             prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)
             try:
                 generate = functools.partial(_generate_s, engine, prompts)
                 t = difference_timing(generate, opts.steps, opts.reps)
-                rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note)
+                rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
                 rec.prefill_ms = t.prefill_s * 1e3
             except Exception as exc:
-                ctx.add(mode, "generate", bs, None, attention, note=_reason(exc))
+                ctx.add(mode, "generate", bs, None, attention, note=_reason(exc), **ov)
             try:
                 label = f"{mode}-bs{bs}" if opts.profile and i == 0 else None
                 fwd = _time_forward(engine, prompts, opts, profile=label)
                 note = "" if fwd.graphed or mode == "eager" else "graph not used"
-                rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note)
+                rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note, **ov)
                 if fwd.profile:
                     rec.profile = asdict(fwd.profile) | {"gpu_busy_pct": fwd.profile.gpu_busy_pct}
                     print(f"    profile: {fwd.profile.describe()}", flush=True)
             except Exception as exc:
-                ctx.add(mode, "forward", bs, None, attention, note=_reason(exc))
+                ctx.add(mode, "forward", bs, None, attention, note=_reason(exc), **ov)
 
 
 def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:
@@ -298,7 +304,7 @@ def _time_forward(
             if batch is None:
                 raise RuntimeError("the KV cache cannot hold the prompts")
             result = worker.forward_batch_generation(batch)
-            for req, token in zip(chunk, result.next_token_ids.tolist(), strict=True):
+            for req, token in zip(chunk, result.token_ids(), strict=True):
                 req.kv_len = req.seq_len
                 req.output_ids.append(int(token))
                 held[id(req)] = req.kv_len

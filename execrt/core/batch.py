@@ -100,7 +100,7 @@ class ForwardBatch:
             extend_prefix_lens_cpu=list(sb.prefix_lens),
             extend_seq_lens_cpu=list(sb.extend_lens),
             attn_backend=attn_backend,
-            sampling_info=SamplingBatchInfo.from_reqs(sb.reqs, device),
+            sampling_info=sb.sampling_info,
             return_full_logits=sb.return_full_logits,
         )
 

@@ -54,6 +54,7 @@ class RuntimeConfig:
     seed: int = 0
     cuda_graph_max_bs: int = 0
     cuda_graph_bs: str = ""
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -52,6 +52,16 @@ class ReqToTokenPool:
             )
         self.req_to_token[row, start:end] = slots.to(torch.int32)
 
+    def write_tokens(
+        self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """``req_to_token[rows[i], positions[i]] = slots[i]`` for every i, in one device op.
+
+        ``rows`` / ``positions`` / ``slots`` are ``[T]`` int64 on the pool's device; no host
+        sync (positions are not range-checked here: the scheduler sizes them)."""
+        if slots.numel():
+            self.req_to_token.index_put_((rows, positions), slots.to(torch.int32))
+
 
 class TokenToKVPoolAllocator:
     """Hands out KV slots ``1..size``; slot 0 is reserved for the writes of padded tokens.

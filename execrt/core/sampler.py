@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from execrt.core.schedule import Req
+    from execrt.core.staging import HostToDevice
 
 _M32 = 0xFFFFFFFF
 
@@ -26,17 +27,32 @@ class SamplingBatchInfo:
     all_greedy: bool
 
     @classmethod
-    def from_reqs(cls, reqs: Sequence[Req], device: torch.device) -> SamplingBatchInfo:
+    def from_reqs(
+        cls, reqs: Sequence[Req], device: torch.device, stager: HostToDevice | None = None
+    ) -> SamplingBatchInfo:
+        """One row per request. ``steps`` counts tokens still in flight too, so a seeded draw
+        is the same whether or not the host has seen the previous token yet. An all-greedy
+        batch needs no tensors: argmax is all the sampler does."""
         params = [r.sampling_params for r in reqs]
+        b = len(reqs)
+        if all(p.greedy for p in params):
+            none = torch.empty(0)  # host-side placeholders: no device work per step
+            return cls(none, none.long(), none, none.long(), none.long(), all_greedy=True)
+        ints = [p.top_k for p in params] + [r.sampling_seed for r in reqs]
+        ints += [len(r.output_ids) + r.num_pending for r in reqs]
+        floats = [float(p.temperature) for p in params] + [float(p.top_p) for p in params]
+        if stager is not None:
+            dev_i, dev_f = stager(ints), stager.floats(floats)
+        else:
+            dev_i = torch.tensor(ints, dtype=torch.int64, device=device)
+            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)
         return cls(
-            temperatures=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=device
-            ),
-            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=device),
-            steps=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device),
-            all_greedy=all(p.greedy for p in params),
+            temperatures=dev_f[:b],
+            top_ks=dev_i[:b],
+            top_ps=dev_f[b:],
+            seeds=dev_i[b : 2 * b],
+            steps=dev_i[2 * b :],
+            all_greedy=False,
         )
 
 

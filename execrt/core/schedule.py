@@ -10,6 +10,8 @@ from enum import Enum, IntEnum
 import torch
 
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.sampler import SamplingBatchInfo
+from execrt.core.staging import HostToDevice
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class Req:
     """One generation request and its progress.
 
     Tokens ``fill_ids[:kv_len]`` have their K/V in the cache, at slots
-    ``req_to_token[req_pool_idx, :kv_len]``.
+    ``req_to_token[req_pool_idx, :kv_len]``. ``num_pending`` tokens were sampled on the device
+    but are not in ``output_ids`` yet (overlap scheduling); ``scheduled_len`` counts them.
     """
 
     rid: int
@@ -120,14 +123,25 @@ class Req:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_retractions: int = 0
+    num_pending: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
+
+    @property
     def seq_len(self) -> int:
+        """Prompt plus the output tokens known on the host."""
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def scheduled_len(self) -> int:
+        """Prompt plus every sampled token, including those still in flight."""
+        return self.seq_len + self.num_pending
 
     @property
     def finished(self) -> bool:
@@ -154,7 +168,10 @@ class ScheduleBatch:
 
     Tensors live on the runtime device. For EXTEND, request ``i`` processes
     ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones; for DECODE, one token
-    each. ``seq_lens`` counts the cached tokens plus this step's.
+    each. ``seq_lens`` counts the cached tokens plus this step's. ``samples[i]`` says whether
+    request ``i``'s sampled token is real (a prefill chunk that does not end the prompt
+    samples nothing). Built with a ``HostToDevice`` stager, every host list reaches the device
+    in one non-blocking copy.
     """
 
     reqs: list[Req]
@@ -166,6 +183,8 @@ class ScheduleBatch:
     seq_lens_cpu: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
+    sampling_info: SamplingBatchInfo
+    samples: list[bool]
     return_full_logits: bool = False
 
     @property
@@ -180,6 +199,7 @@ class ScheduleBatch:
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         device: torch.device,
+        stager: HostToDevice | None = None,
     ) -> ScheduleBatch | None:
         """Prefill ``extend_lens[i]`` tokens of each request after its cached ``kv_len``.
 
@@ -194,7 +214,7 @@ class ScheduleBatch:
         assert slots is not None
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         try:
-            return cls._build_extend(reqs, extend_lens, slots, req_to_token_pool, allocator, device)
+            return cls._build_extend(reqs, extend_lens, slots, req_to_token_pool, device, stager)
         except BaseException:
             # The caller never sees this batch: leave nothing allocated (device error, ^C).
             allocator.free(slots)
@@ -211,31 +231,38 @@ class ScheduleBatch:
         extend_lens: list[int],
         slots: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
         device: torch.device,
+        stager: HostToDevice | None,
     ) -> ScheduleBatch:
         for req in reqs:
+            assert req.num_pending == 0, "a prefill needs every sampled token on the host"
             if req.req_pool_idx is None:
                 req.req_pool_idx = req_to_token_pool.alloc()
         input_ids: list[int] = []
-        offset = 0
+        token_rows: list[int] = []
+        token_pos: list[int] = []
         for req, n in zip(reqs, extend_lens, strict=True):
-            assert req.req_pool_idx is not None
             input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
-            req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
-            offset += n
+            token_rows.extend([_row(req)] * n)
+            token_pos.extend(range(req.kv_len, req.kv_len + n))
         prefix = [r.kv_len for r in reqs]
         seq = [p + n for p, n in zip(prefix, extend_lens, strict=True)]
+        t, b = len(input_ids), len(reqs)
+        rows = [_row(r) for r in reqs]
+        dev = stage_ints(stager, device, input_ids + rows + seq + token_rows + token_pos)
+        req_to_token_pool.write_tokens(dev[2 * b + t : 2 * b + 2 * t], dev[2 * b + 2 * t :], slots)
         return cls(
             reqs=reqs,
             mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            req_pool_indices=_rows(reqs, device),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            input_ids=dev[:t],
+            req_pool_indices=dev[t : t + b],
+            seq_lens=dev[t + b : t + 2 * b],
             out_cache_loc=slots,
             seq_lens_cpu=seq,
             prefix_lens=prefix,
             extend_lens=list(extend_lens),
+            sampling_info=SamplingBatchInfo.from_reqs(reqs, device, stager),
+            samples=[s == r.seq_len for s, r in zip(seq, reqs, strict=True)],
         )
 
     @classmethod
@@ -245,13 +272,17 @@ class ScheduleBatch:
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         device: torch.device,
+        stager: HostToDevice | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> ScheduleBatch | None:
-        """One new token per request (its last sampled one). None when slots are short."""
+        """One new token per request: its last sampled one, or ``input_ids`` (``[B]`` on the
+        device) when some were sampled but not yet copied back (overlap scheduling).
+        None when slots are short."""
         slots = allocator.alloc(len(reqs))
         if slots is None:
             return None
         try:
-            return cls._build_decode(reqs, slots, req_to_token_pool, allocator, device)
+            return cls._build_decode(reqs, slots, req_to_token_pool, device, stager, input_ids)
         except BaseException:
             allocator.free(slots)  # the caller never sees this batch
             raise
@@ -262,27 +293,44 @@ class ScheduleBatch:
         reqs: list[Req],
         slots: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
         device: torch.device,
+        stager: HostToDevice | None,
+        input_ids: torch.Tensor | None,
     ) -> ScheduleBatch:
-        for i, req in enumerate(reqs):
-            assert req.req_pool_idx is not None and req.kv_len == req.seq_len - 1
-            req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
-        seq = [r.seq_len for r in reqs]
+        b = len(reqs)
+        seq = [r.scheduled_len for r in reqs]
+        for req, n in zip(reqs, seq, strict=True):
+            assert req.req_pool_idx is not None and req.kv_len == n - 1
+        last = [] if input_ids is not None else [r.last_token_id for r in reqs]
+        rows = [_row(r) for r in reqs]
+        dev = stage_ints(stager, device, last + rows + seq)
+        off = len(last)
+        pos = dev[off + b : off + 2 * b] - 1  # [B] where this step's K/V goes in each row
+        req_to_token_pool.write_tokens(dev[off : off + b], pos, slots)
         return cls(
             reqs=reqs,
             mode=ForwardMode.DECODE,
-            input_ids=torch.tensor(
-                [r.fill_ids[-1] for r in reqs], dtype=torch.int64, device=device
-            ),
-            req_pool_indices=_rows(reqs, device),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            input_ids=dev[:b] if input_ids is None else input_ids,
+            req_pool_indices=dev[off : off + b],
+            seq_lens=dev[off + b : off + 2 * b],
             out_cache_loc=slots,
             seq_lens_cpu=seq,
             prefix_lens=[s - 1 for s in seq],
-            extend_lens=[1] * len(reqs),
+            extend_lens=[1] * b,
+            sampling_info=SamplingBatchInfo.from_reqs(reqs, device, stager),
+            samples=[True] * b,
         )
 
 
-def _rows(reqs: list[Req], device: torch.device) -> torch.Tensor:
-    return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+def _row(req: Req) -> int:
+    assert req.req_pool_idx is not None
+    return req.req_pool_idx
+
+
+def stage_ints(
+    stager: HostToDevice | None, device: torch.device, values: list[int]
+) -> torch.Tensor:
+    """``values`` as int64 on ``device``, through ``stager`` when there is one."""
+    if stager is not None:
+        return stager(values)
+    return torch.tensor(values, dtype=torch.int64, device=device)

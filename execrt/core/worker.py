@@ -13,13 +13,24 @@ from execrt.core.model_runner import ModelRunner
 from execrt.core.model_spec import ModelLoader
 from execrt.core.plugins import BackendRegistry
 from execrt.core.schedule import ScheduleBatch
+from execrt.core.staging import DeviceToHost, HostCopy, HostToDevice
 
 
 @dataclass
 class GenerationBatchResult:
+    """One step's outcome. ``next_token_ids`` stay on the device; their copy to the host is
+    already under way, and ``token_ids()`` waits for that copy only. With graphs the logits
+    view static memory the next step overwrites: read them before launching another step."""
+
     logits_output: LogitsOutput
     next_token_ids: torch.Tensor  # [B] int64
     can_run_graph: bool
+    host_copy: HostCopy | None = None
+
+    def token_ids(self) -> list[int]:
+        if self.host_copy is None:
+            return list(self.next_token_ids.tolist())
+        return self.host_copy.tolist()
 
 
 class TpModelWorker:
@@ -33,12 +44,18 @@ class TpModelWorker:
         registry: BackendRegistry,
     ) -> None:
         self.model_runner = ModelRunner(loader, config, context, registry)
+        device = self.model_runner.device
+        #: Stages a step's host-built integers to the device (pinned, non-blocking on CUDA).
+        self.stager = HostToDevice(device)
+        self._to_host = DeviceToHost(device, torch.int64)
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
+        """Launch one step; returns at once on CUDA (the host never waits for the GPU here)."""
         fb = ForwardBatch.init_new(schedule_batch, self.model_runner.attn_backend)
         out = self.model_runner.forward(fb)
         next_ids = self.model_runner.sample(out.logits_output, fb)
-        return GenerationBatchResult(out.logits_output, next_ids, out.can_run_graph)
+        copy = self._to_host.start(next_ids)
+        return GenerationBatchResult(out.logits_output, next_ids, out.can_run_graph, copy)
 
     def close(self) -> None:
         self.model_runner.close()

@@ -86,6 +86,7 @@ class Engine:
             self.worker,
             max_prefill_tokens=cfg.max_prefill_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
+            overlap=cfg.overlap_schedule,
         )
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)

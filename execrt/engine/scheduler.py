@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from execrt.core.schedule import FinishReason, Req, ScheduleBatch
+from execrt.core.schedule import FinishReason, Req, ScheduleBatch, stage_ints
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Launched:
+    """A step on the device whose results the scheduler has not processed yet."""
+
+    batch: ScheduleBatch
+    result: GenerationBatchResult
 
 
 @dataclass
@@ -79,6 +89,7 @@ class Scheduler:
         *,
         max_prefill_tokens: int,
         eos_token_ids: Iterable[int] = (),
+        overlap: bool = False,
     ) -> None:
         mr = worker.model_runner
         self.worker = worker
@@ -95,6 +106,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Set by a retraction, cleared when a request finishes (see _schedule_extend).
         self._hold_admission = False
+        self.overlap = overlap
+        self._inflight: Launched | None = None  # launched, results not yet processed
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -120,24 +133,37 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def step(self) -> None:
-        """Run one forward pass (extend if possible, else decode).
+        """Launch one forward pass (extend if possible, else decode) and process the results
+        of the step before it.
 
-        If the forward pass or the processing of its results raises (any BaseException, a
-        KeyboardInterrupt too), the requests of that batch are aborted with the error, their
-        slots and rows (including this step's) are freed, and the exception propagates. The
-        other queued requests stay consistent; ``abort`` finishes them if the caller wants.
+        Overlap (``overlap=True``): while the GPU runs step N the host builds step N+1 and
+        only then reads step N's tokens. Step N+1 is then a decode of the running requests
+        whose tokens of step N are still on the device (they feed step N+1 directly); a
+        request that reaches ``max_new_tokens`` or the context with step N is left out, one
+        that samples EOS at step N wastes one decode whose token is dropped. Anything else
+        (an extend to admit, a retraction to make room) waits for step N's results first, so
+        outputs are the same with and without overlap.
+
+        If a step raises (any BaseException, a KeyboardInterrupt too), the requests of the
+        batches in flight are aborted with the error, their slots and rows are freed, and the
+        exception propagates. The other queued requests stay consistent.
         """
-        batch = self._schedule_extend() or self._schedule_decode()
-        assert batch is not None, "a step can always run something (see the class docstring)"
-        try:
-            result = self.worker.forward_batch_generation(batch)
-            self._process(batch, result)
-        except BaseException as exc:
-            self._abort_batch(batch, f"step failed: {describe_exception(exc)}")
-            raise
+        batch = self._guarded(self._schedule_overlapped)
+        if batch is None:
+            self._process_inflight()
+            if not (self.waiting or self.running):
+                return
+            batch = self._schedule_extend() or self._schedule_decode()
+            assert batch is not None, "a step can always run something (see the class docstring)"
+        launched = self._launch(batch)
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._guarded(self._process, previous)
+        if not self.overlap:
+            self._process_inflight()
 
     def run(self) -> list[Req]:
         """Step until every request finished; returns them in completion order."""
@@ -150,6 +176,8 @@ class Scheduler:
         """Finish every unfinished request of ``reqs`` with ``abort`` and ``error``, free what
         it holds, and drop all of ``reqs`` from the queues and the finished list."""
         targets = set(reqs)
+        if self._inflight is not None and targets & set(self._inflight.batch.reqs):
+            self._inflight = None  # its results belong to requests that no longer exist
         for req in targets:
             if not req.finished:
                 self._free(req)
@@ -202,7 +230,7 @@ class Scheduler:
         if not picked:
             return None
         batch = ScheduleBatch.for_extend(
-            picked, lens, self.req_to_token_pool, self.allocator, self.device
+            picked, lens, self.req_to_token_pool, self.allocator, self.device, self.worker.stager
         )
         assert batch is not None, "admission checked rows and slots"
         for _ in picked:
@@ -212,6 +240,38 @@ class Scheduler:
         if req.kv_len + n < req.seq_len:
             self.waiting.appendleft(req)
         return batch
+
+    def _schedule_overlapped(self) -> ScheduleBatch | None:
+        """The decode that may start before the step in flight is processed, or None."""
+        prev = self._inflight
+        if not self.overlap or prev is None:
+            return None
+        if self.waiting and len(self.running) < self.max_running:
+            return None  # an extend may be due: decide with step N's results in hand
+        reqs = [r for r in self.running if not self._done_after_pending(r)]
+        if not reqs or self.allocator.available_size() < len(reqs):
+            return None  # nothing left to run, or a retraction is due
+        sampled = zip(prev.batch.reqs, prev.batch.samples, strict=True)
+        rows = {id(r): i for i, (r, s) in enumerate(sampled) if s}
+        if any(r.num_pending != int(id(r) in rows) for r in reqs):
+            return None  # tokens in flight from an older step: not this simple case
+        stage = self.worker.stager
+        b = len(reqs)
+        host = [0 if r.num_pending else r.last_token_id for r in reqs]
+        src = [rows.get(id(r), -1) for r in reqs]
+        staged = stage_ints(stage, self.device, host + src)
+        prev_ids = prev.result.next_token_ids  # [B_prev] on the device
+        take = prev_ids[staged[b:].clamp(min=0)]
+        input_ids = torch.where(staged[b:] >= 0, take, staged[:b])
+        pools = (self.req_to_token_pool, self.allocator, self.device)
+        return ScheduleBatch.for_decode(reqs, *pools, stage, input_ids=input_ids)
+
+    def _done_after_pending(self, req: Req) -> bool:
+        """True when the tokens already in flight end ``req`` by length (predictable)."""
+        generated = len(req.output_ids) + req.num_pending
+        return (
+            generated >= req.sampling_params.max_new_tokens or req.scheduled_len >= self.context_len
+        )
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
@@ -225,7 +285,11 @@ class Scheduler:
                 self._retract(self.running.pop(), requeue=True)
                 self._hold_admission = True
         batch = ScheduleBatch.for_decode(
-            list(self.running), self.req_to_token_pool, self.allocator, self.device
+            list(self.running),
+            self.req_to_token_pool,
+            self.allocator,
+            self.device,
+            self.worker.stager,
         )
         assert batch is not None, "room for one token per running request was made"
         return batch
@@ -239,29 +303,57 @@ class Scheduler:
             self.waiting.appendleft(req)
         logger.info("retracted request %s (KV cache full; %d tokens to redo)", req.rid, redo)
 
-    # -- results ------------------------------------------------------------------------------
-    def _process(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        is_decode = batch.mode.is_decode()
-        tokens = result.next_token_ids.tolist()
+    # -- launching and results ----------------------------------------------------------------
+    def _launch(self, batch: ScheduleBatch) -> Launched:
+        """Start ``batch`` on the device and account for it: K/V positions it writes, and a
+        token in flight for every request whose sample is real."""
+        result = self._guarded(self.worker.forward_batch_generation, batch, extra=batch)
+        for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.samples, strict=True):
+            req.kv_len += n
+            if sampled:
+                req.num_pending += 1
+                if batch.mode.is_extend():
+                    self.running.append(req)
+        return Launched(batch, result)
+
+    def _process_inflight(self) -> None:
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self._guarded(self._process, launched)
+
+    def _process(self, launched: Launched) -> None:
+        batch = launched.batch
+        tokens = launched.result.token_ids()  # waits for this step's copy only
         self.stats.steps += 1
-        if is_decode:
+        if batch.mode.is_decode():
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
-        for req, n, token in zip(batch.reqs, batch.extend_lens, tokens, strict=True):
-            req.kv_len += n
-            if req.kv_len < req.seq_len:
-                continue  # mid-prefill chunk: its sample is meaningless
+        for req, sampled, token in zip(batch.reqs, batch.samples, tokens, strict=True):
+            if not sampled or req.finished:
+                continue  # a chunk's meaningless sample, or a step past the request's end
+            req.num_pending -= 1
             req.output_ids.append(int(token))
             self._check_finished(req)
             if req.finished:
                 self._free(req)
                 self.finished.append(req)
                 self._hold_admission = False
-            elif not is_decode:
-                self.running.append(req)
-        if is_decode:
-            self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if not r.finished]
+
+    def _guarded(self, fn: Callable[..., T], *args: Any, extra: ScheduleBatch | None = None) -> T:
+        """Run ``fn``; on any exception abort every batch in flight (and ``extra``), then
+        re-raise."""
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            batches = [b for b in (extra, self._inflight and self._inflight.batch) if b]
+            for arg in args:
+                if isinstance(arg, Launched):
+                    batches.append(arg.batch)
+            self._inflight = None
+            self._abort_batches(batches, f"step failed: {describe_exception(exc)}")
+            raise
 
     def _check_finished(self, req: Req) -> None:
         params = req.sampling_params
@@ -271,14 +363,19 @@ class Scheduler:
         elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
             req.finish_reason = FinishReason.LENGTH
 
-    def _abort_batch(self, batch: ScheduleBatch, error: str) -> None:
-        # Building the batch wrote slots for tokens [0, seq_len) of each request, whether or
-        # not _process got to it; a request _process finished has already freed them.
+    def _abort_batches(self, batches: list[ScheduleBatch], error: str) -> None:
+        # Building a batch wrote slots for tokens [0, seq_len) of each request, whether or not
+        # it was launched or processed; a request already finished has freed them.
+        held: dict[int, tuple[Req, int]] = {}
+        for batch in batches:
+            for req, n in zip(batch.reqs, batch.seq_lens_cpu, strict=True):
+                most = max(n, req.kv_len, held.get(id(req), (req, 0))[1])
+                held[id(req)] = (req, most)
         victims = set()
-        for req, held in zip(batch.reqs, batch.seq_lens_cpu, strict=True):
+        for req, n in held.values():
             if req.finished:
                 continue
-            self._free(req, held)
+            self._free(req, n)
             req.finish_reason = FinishReason.ABORT
             req.error = error
             self.finished.append(req)
@@ -297,6 +394,7 @@ class Scheduler:
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_len = 0
+        req.num_pending = 0
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -223,6 +223,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     monkeypatch.setattr(decode, "run", seen.append)
     argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
     argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
+    argv += ["--no-overlap"]
     assert main(["bench", "decode", *argv]) == 0
     assert main(["bench", "decode", "--quick"]) == 0
     full, quick = seen
@@ -233,13 +234,15 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
         128,
         32,
     )
-    assert (full.modes, full.hf, full.profile, full.attention, full.out_dir) == (
+    assert (full.modes, full.hf, full.profile, full.attention, full.out_dir, full.overlap) == (
         ("graph",),
         False,
         True,
         "triton",
         "x",
+        False,
     )
+    assert quick.overlap
     assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
         "qwen3-0.6b",
         (1, 32),

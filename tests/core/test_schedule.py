@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import execrt.core.schedule as schedule_module
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 
 
@@ -65,27 +67,30 @@ def _pools() -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
     return ReqToTokenPool(4, 32, "cpu"), TokenToKVPoolAllocator(20, "cpu")
 
 
-def _failing_write(pool: ReqToTokenPool, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = 0
-    original = pool.write
+def _fail_in(where: str, pool: ReqToTokenPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make one stage of building a batch raise, after its slots and rows were allocated."""
 
-    def write(row: int, start: int, slots: torch.Tensor) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == at:
-            raise RuntimeError("device lost")
-        original(row, start, slots)
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device lost")
 
-    monkeypatch.setattr(pool, "write", write)
+    if where == "write_tokens":
+        monkeypatch.setattr(pool, "write_tokens", boom)
+    elif where == "sampling_info":
+        monkeypatch.setattr(SamplingBatchInfo, "from_reqs", boom)
+    else:
+        monkeypatch.setattr(schedule_module, "stage_ints", boom)
 
 
-@pytest.mark.parametrize("at", [1, 2, 3])
-def test_a_failed_extend_build_allocates_nothing(at: int, monkeypatch) -> None:
+STAGES = ["stage_ints", "write_tokens", "sampling_info"]
+
+
+@pytest.mark.parametrize("at", STAGES)
+def test_a_failed_extend_build_allocates_nothing(at: str, monkeypatch) -> None:
     pool, alloc = _pools()
     held = Req(0, [1, 2, 3, 4], SamplingParams())
     held.req_pool_idx = pool.alloc()  # mid-prefill: keeps its row
     reqs = [held, Req(1, [5, 6], SamplingParams()), Req(2, [7, 8, 9], SamplingParams())]
-    _failing_write(pool, at, monkeypatch)
+    _fail_in(at, pool, monkeypatch)
     with pytest.raises(RuntimeError, match="device lost"):
         ScheduleBatch.for_extend(reqs, [4, 2, 3], pool, alloc, torch.device("cpu"))
     assert alloc.available_size() == 20 and pool.available_size() == 3
@@ -93,13 +98,14 @@ def test_a_failed_extend_build_allocates_nothing(at: int, monkeypatch) -> None:
     assert [r.req_pool_idx for r in reqs[1:]] == [None, None]
 
 
-def test_a_failed_decode_build_allocates_nothing(monkeypatch) -> None:
+@pytest.mark.parametrize("at", STAGES)
+def test_a_failed_decode_build_allocates_nothing(at: str, monkeypatch) -> None:
     pool, alloc = _pools()
     reqs = []
     for i in range(3):
         req = Req(i, [1, 2], SamplingParams(), output_ids=[3], req_pool_idx=pool.alloc(), kv_len=2)
         reqs.append(req)
-    _failing_write(pool, 2, monkeypatch)
+    _fail_in(at, pool, monkeypatch)
     with pytest.raises(RuntimeError, match="device lost"):
         ScheduleBatch.for_decode(reqs, pool, alloc, torch.device("cpu"))
     assert alloc.available_size() == 20 and pool.available_size() == 1

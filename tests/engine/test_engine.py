@@ -100,3 +100,26 @@ def test_wrongly_typed_engine_kwargs_fail_before_any_model_loads(kwargs, monkeyp
     ((key, value),) = kwargs.items()
     with pytest.raises(ConfigError, match=f"config: {key}={value!r} has type"):
         Engine(device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2"])
+def test_overlap_scheduling_changes_no_output(checkpoint, name) -> None:  # type: ignore[no-untyped-def]
+    """Greedy, seeded and stop-token requests give the same tokens with overlap on and off."""
+    prompts = [[5, 17, 33, 2, 90], [250, 3, 77], [9] * 11, [4, 4]]
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=15, temperature=0, stop_token_ids=(17, 44, 90)),
+        SamplingParams(max_new_tokens=7, temperature=1.0, top_k=20, seed=11),
+    ]
+    out = {}
+    for overlap in (False, True):
+        with Engine(checkpoint(name), device="cpu", overlap_schedule=overlap) as e:
+            results = e.generate(prompts, params)
+            out[overlap] = [(r.token_ids, r.finish_reason) for r in results]
+            mr = e.worker.model_runner
+            assert (
+                mr.token_to_kv_pool_allocator.available_size() == mr.token_to_kv_pool_allocator.size
+            )
+            assert e.scheduler.stats.decode_steps > 0
+    assert out[True] == out[False]

@@ -51,8 +51,8 @@ STAGES = {
     # ScheduleBatch construction, after its slots and rows were allocated.
     "schedule": lambda e, wrap, mp: mp.setattr(
         e.worker.model_runner.req_to_token_pool,
-        "write",
-        wrap(e.worker.model_runner.req_to_token_pool.write),
+        "write_tokens",
+        wrap(e.worker.model_runner.req_to_token_pool.write_tokens),
     ),
     "forward_batch": lambda e, wrap, mp: mp.setattr(
         ForwardBatch, "init_new", wrap(ForwardBatch.init_new)

@@ -62,6 +62,10 @@ class FakeWorker:
         self.kv = torch.full((cache + 1,), -1, dtype=torch.int64)  # token id per slot
         self.calls = 0
         self.fail_at: int | None = None
+        self.stager = None  # host lists go to the device as plain tensors
+        # Every token sampled per request, in order, whether or not the scheduler has
+        # appended it yet (with overlap it learns of it one step later).
+        self.produced: dict[int, list[int]] = {}
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         self.calls += 1
@@ -74,8 +78,11 @@ class FakeWorker:
         tokens = []
         for i, req in enumerate(batch.reqs):
             seen = self.kv[table[req.req_pool_idx, : batch.seq_lens_cpu[i]].long()].tolist()
-            assert seen == req.fill_ids[: batch.seq_lens_cpu[i]], "model saw the wrong context"
+            truth = req.origin_input_ids + self.produced.setdefault(req.rid, [])
+            assert seen == truth[: batch.seq_lens_cpu[i]], "model saw the wrong context"
             tokens.append(next_token(seen))
+            if batch.samples[i]:
+                self.produced[req.rid] = truth[len(req.origin_input_ids) : len(seen)] + [tokens[-1]]
         next_ids = torch.tensor(tokens, dtype=torch.int64)  # [B]
         return GenerationBatchResult(LogitsOutput(torch.zeros(len(tokens), VOCAB)), next_ids, False)
 
@@ -118,9 +125,14 @@ def workloads(draw: st.DrawFn) -> Workload:
     )
 
 
-def _setup(w: Workload) -> tuple[FakeWorker, Scheduler, list[Req]]:
+def _setup(w: Workload, overlap: bool) -> tuple[FakeWorker, Scheduler, list[Req]]:
     worker = FakeWorker(w.cache, w.max_running, w.context_len)
-    sched = Scheduler(worker, max_prefill_tokens=w.max_prefill, eos_token_ids=(EOS,))  # type: ignore[arg-type]
+    sched = Scheduler(
+        worker,  # type: ignore[arg-type]
+        max_prefill_tokens=w.max_prefill,
+        eos_token_ids=(EOS,),
+        overlap=overlap,
+    )
     reqs = [Req(i, list(p), sp) for i, (p, sp) in enumerate(w.requests)]
     return worker, sched, reqs
 
@@ -146,10 +158,13 @@ def _step_bound(reqs: list[Req], w: Workload) -> int:
     return d + (d + 1) * w.cache + needed
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @SETTINGS
-@given(workloads())
-def test_every_request_that_fits_alone_completes_with_its_own_tokens(w: Workload) -> None:
-    worker, sched, reqs = _setup(w)
+@given(w=workloads())
+def test_every_request_that_fits_alone_completes_with_its_own_tokens(
+    w: Workload, overlap: bool
+) -> None:
+    worker, sched, reqs = _setup(w, overlap)
     start = _free_counts(worker)
     for req in reqs:
         sched.add(req)
@@ -167,12 +182,13 @@ def test_every_request_that_fits_alone_completes_with_its_own_tokens(w: Workload
             assert "context" in req.error and req.num_retractions == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @SETTINGS
-@given(workloads(), st.integers(1, 30))
+@given(w=workloads(), fail_at=st.integers(1, 30))
 def test_a_failed_step_aborts_its_batch_and_the_rest_still_complete(
-    w: Workload, fail_at: int
+    w: Workload, fail_at: int, overlap: bool
 ) -> None:
-    worker, sched, reqs = _setup(w)
+    worker, sched, reqs = _setup(w, overlap)
     start = _free_counts(worker)
     worker.fail_at = fail_at
     for req in reqs:
@@ -191,10 +207,11 @@ def test_a_failed_step_aborts_its_batch_and_the_rest_still_complete(
             assert req.output_ids == tokens, req.rid
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @SETTINGS
-@given(workloads(), st.integers(0, 30))
-def test_abort_from_outside_frees_everything(w: Workload, steps: int) -> None:
-    worker, sched, reqs = _setup(w)
+@given(w=workloads(), steps=st.integers(0, 30))
+def test_abort_from_outside_frees_everything(w: Workload, steps: int, overlap: bool) -> None:
+    worker, sched, reqs = _setup(w, overlap)
     start = _free_counts(worker)
     for req in reqs:
         sched.add(req)
@@ -210,7 +227,7 @@ def test_two_requests_that_fit_only_one_at_a_time_both_complete() -> None:
     # The case: 8 + 12 - 1 = 19 slots each, 24 in the cache.
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     w = Workload(24, 2, 4096, 256, [([1] * 8, params), ([2] * 8, params)])
-    worker, sched, reqs = _setup(w)
+    worker, sched, reqs = _setup(w, overlap=False)
     for req in reqs:
         sched.add(req)
     sched.run()
@@ -229,7 +246,7 @@ def test_admission_rule_is_exact(prompt_len: int, max_new: int, cache: int, expe
     # a context of 40. One slot less is refused up front; exactly enough runs to the end.
     params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
     w = Workload(cache, 1, 4096, 40, [(list(range(1, prompt_len + 1)), params)])
-    worker, sched, (req,) = _setup(w)
+    worker, sched, (req,) = _setup(w, overlap=False)
     sched.add(req)
     assert sched.stats.steps == 0
     sched.run()

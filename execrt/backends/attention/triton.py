@@ -26,6 +26,7 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [B+1] int32 offsets of each request's new tokens
     prefix_lens: torch.Tensor | None = None  # [B] int32
     max_extend_len: int = 0  # host int
+    max_kv_len: int = 0  # host int: longest context, sizes the extend schedule's L2 chunks
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -78,6 +79,7 @@ class TritonAttnBackend(AttentionBackend):
                 self.device, non_blocking=True
             ),
             max_extend_len=max(ext, default=0),
+            max_kv_len=max(fb.seq_lens_cpu, default=0),
         )
 
     def _max_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -145,6 +147,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.prefix_lens,
             meta.max_extend_len,
             layer.scaling,
+            max_kv_len=meta.max_kv_len,
         )
         return o
 

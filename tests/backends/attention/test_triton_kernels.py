@@ -1,4 +1,7 @@
-"""Triton decode/extend attention kernels checked against a float64 torch oracle."""
+"""Triton decode attention and index kernels checked against a float64 torch oracle.
+
+The cache builders and the oracle here are shared with test_triton_extend.py.
+"""
 
 from __future__ import annotations
 
@@ -197,49 +200,6 @@ def run_decode(
         last = torch.tensor([seq_lens[b] - 1])
         ref[b] = ref_attention(q[b : b + 1], *cache.context(b), last, sm_scale)[0]
     return o, ref
-
-
-def run_extend(
-    prefix_lens: list[int],
-    extend_lens: list[int],
-    *,
-    num_q_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    head_dim_v: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device = SMALL,
-    extra_grid: int = 0,
-    block_m: int | None = 16,
-    block_n: int | None = 16,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run extend_attention on a fresh random case; return (output, float64 reference).
-
-    ``extra_grid`` over-sizes max_extend_len so that whole query blocks have nothing to do.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    cache = make_cache(seq_lens, num_kv_heads, head_dim, head_dim_v, dtype, device, gen)
-    total = sum(extend_lens)
-    q = torch.randn(total, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
-    qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(torch.tensor(extend_lens), 0)
-    kv_indptr, kv_indices = flat_indices(cache)
-    o = torch.full((total, num_q_heads, head_dim_v), float("nan"), dtype=dtype, device=device)
-    sm_scale = head_dim**-0.5
-    tk.extend_attention(
-        q, cache.k, cache.v, o, qo_indptr.to(device), kv_indptr, kv_indices,
-        torch.tensor(prefix_lens, dtype=torch.int32, device=device),
-        max(extend_lens) + extra_grid, sm_scale, block_m=block_m, block_n=block_n,
-    )  # fmt: skip
-    refs = []
-    for b, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        positions = prefix + torch.arange(ext)
-        refs.append(ref_attention(q[rows], *cache.context(b), positions, sm_scale))
-    return o, torch.cat(refs)
 
 
 FLOATS_CPU = [torch.float32, torch.float16]
@@ -474,55 +434,6 @@ def test_decode_rejects_bad_input() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# extend_attention on the interpreter
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", FLOATS_CPU)
-def test_extend_without_prefix(dtype: torch.dtype) -> None:
-    o, ref = run_extend([0, 0, 0], [17, 40, 1], dtype=dtype, seed=100)
-    assert_close(o, ref, SMALL_TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", FLOATS_CPU)
-def test_extend_with_mixed_prefixes(dtype: torch.dtype) -> None:
-    o, ref = run_extend([0, 5, 40], [23, 1, 37], dtype=dtype, extra_grid=20, seed=110)
-    assert_close(o, ref, SMALL_TOL[dtype])
-
-
-def test_extend_single_token_each() -> None:
-    o, ref = run_extend([30, 0, 7], [1, 1, 1], seed=120)
-    assert_close(o, ref, SMALL_TOL[torch.float32])
-
-
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 1), (8, 8)])
-def test_extend_gqa(num_q_heads: int, num_kv_heads: int) -> None:
-    o, ref = run_extend(
-        [19, 0], [20, 9], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=130
-    )
-    assert_close(o, ref, SMALL_TOL[torch.float32])
-
-
-@pytest.mark.parametrize("dtype", FLOATS_CPU)
-def test_extend_head_dim_96_default_blocks(dtype: torch.dtype) -> None:
-    # block sizes left to the kernel's defaults (64x64 here): one query block per request.
-    o, ref = run_extend(
-        [3, 70], [50, 21], head_dim=96, dtype=dtype, block_m=None, block_n=None, seed=140
-    )
-    assert_close(o, ref, SMALL_TOL[dtype])
-
-
-def test_extend_rejects_bad_input() -> None:
-    q = torch.zeros(3, 4, 64)
-    k = torch.zeros(10, 2, 64)
-    i32 = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"o shape \(3, 4, 32\) unsupported"):
-        tk.extend_attention(q, k, k, torch.zeros(3, 4, 32), i32, i32, i32, i32[:1], 3, 0.1)
-    with pytest.raises(ValueError, match="block_m 8 unsupported"):
-        tk.extend_attention(q, k, k, q.clone(), i32, i32, i32, i32[:1], 3, 0.1, block_m=8)
-
-
-# ----------------------------------------------------------------------------------------------
 # GPU (compiled) cases at real sizes
 # ----------------------------------------------------------------------------------------------
 
@@ -582,55 +493,6 @@ def test_gpu_decode_shapes(
         num_splits=[16, 1, 5, 7],
         block_n=64,
         seed=210,
-    )
-    assert_close(o, ref, GPU_TOL[dtype])
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_FLOATS + [torch.float32])
-@pytest.mark.parametrize(
-    ("prefix_lens", "extend_lens"),
-    [([0, 0], [1000, 333]), ([0, 5, 2000, 4000], [700, 1, 1024, 77]), ([100] * 8, [1] * 8)],
-    ids=["no-prefix", "mixed-prefix", "single-token"],
-)
-def test_gpu_extend(dtype: torch.dtype, prefix_lens: list[int], extend_lens: list[int]) -> None:
-    o, ref = run_extend(
-        prefix_lens,
-        extend_lens,
-        num_q_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=dtype,
-        device=torch.device("cuda"),
-        block_m=None,
-        block_n=None,
-        seed=220,
-    )
-    assert_close(o, ref, GPU_TOL[dtype])
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 64), (32, 32, 96), (16, 1, 256)]
-)
-def test_gpu_extend_shapes(
-    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
-    # Default block sizes shrink with the row width (fp32 x 256 is the largest tile).
-    o, ref = run_extend(
-        [0, 300, 1],
-        [500, 129, 64],
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        device=torch.device("cuda"),
-        block_m=None,
-        block_n=None,
-        seed=230,
     )
     assert_close(o, ref, GPU_TOL[dtype])
 

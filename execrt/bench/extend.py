@@ -1,0 +1,320 @@
+"""Extend (prefill) attention benchmark: ms, causal TFLOP/s and the ratio to the best peer.
+
+Every request has ``prefix`` cached tokens and ``new`` tokens to prefill; all of them sit at
+random slots of a page-size-1 cache (a random permutation, so no two neighbouring tokens are
+neighbours in memory). Registered backends run ``forward_extend`` over that cache, timed
+eagerly with CUDA events (each call is a millisecond-scale kernel, far above launch cost),
+layers rotated so consecutive calls do not find their K/V in L2. The ``sdpa`` peer is torch's
+``scaled_dot_product_attention`` on contiguous ``[bs, Hq, L, D]`` copies of the same K/V (kv
+heads expanded to Hq, copies made outside the timing) with a bottom-right-aligned causal
+mask (``causal_lower_right``), which torch runs with its flash kernel.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import cast
+
+import torch
+
+from execrt.core.batch import ForwardBatch, ForwardMode
+from execrt.core.context import RuntimeContext
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionRequirements,
+)
+from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.plugins.host import PluginHost
+
+# (requests, new tokens each, cached prefix each): the rows of issue 16.
+DEFAULT_SHAPES = ((1, 8192, 0), (4, 2048, 0), (16, 512, 2048), (64, 128, 1024), (8, 1024, 8192))
+DEFAULT_BACKENDS = ("triton", "flashinfer", "sdpa")
+SDPA = "sdpa"
+L2_BYTES = 60 << 20
+
+
+@dataclass
+class Record:
+    backend: str
+    bs: int
+    new: int
+    prefix: int
+    ms: float
+    tflops: float
+    vs_best_peer: float  # over the row's best TFLOP/s, itself included (as in bench attention)
+    vs_flashinfer: float  # over flashinfer's TFLOP/s (issue 16's target); 0 without flashinfer
+    max_rel_err: float
+    timed_on: str  # "paged cache" or "contiguous K/V"
+    gpu: str
+    date: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def causal_flops(bs: int, new: int, prefix: int, num_q_heads: int, head_dim: int) -> float:
+    """2 GEMMs x 2 FLOP per visible (query, key) pair: token i sees prefix + i + 1 keys."""
+    visible = bs * (new * prefix + new * (new + 1) // 2)
+    return 4.0 * head_dim * num_q_heads * visible
+
+
+class ExtendProblem:
+    """``bs`` requests of ``prefix`` cached + ``new`` new tokens over a permuted slot cache."""
+
+    def __init__(
+        self,
+        bs: int,
+        new: int,
+        prefix: int,
+        hq: int,
+        hkv: int,
+        d: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        device: str = "cuda",
+    ) -> None:
+        self.device = dev = torch.device(device)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.bs, self.new, self.prefix, self.ctx = bs, new, prefix, prefix + new
+        self.hq, self.hkv, self.d, self.dtype = hq, hkv, d, dtype
+        tokens = bs * self.ctx
+        layer_bytes = 2 * tokens * hkv * d * torch.empty((), dtype=dtype).element_size()
+        self.num_layers = max(1, min(8, math.ceil(3 * L2_BYTES / layer_bytes)))
+        self.kv_cache = KVCache(tokens, self.num_layers, hkv, d, dtype, dev)
+        for layer in range(self.num_layers):
+            self.kv_cache.k_buffers[layer].normal_(generator=g)
+            self.kv_cache.v_buffers[layer].normal_(generator=g)
+        self.pool = ReqToTokenPool(bs, self.ctx, dev)
+        perm = torch.randperm(tokens, generator=g, device=dev) + 1
+        self.pool.req_to_token[1:] = perm.view(bs, self.ctx).to(torch.int32)
+        self.q = torch.randn(bs * new, hq, d, dtype=dtype, device=dev, generator=g)
+        self.layers = [AttentionLayer(i, hq, hkv, d, d, d**-0.5) for i in range(self.num_layers)]
+        self.flops = causal_flops(bs, new, prefix, hq, d)
+
+    def slots(self, b: int) -> torch.Tensor:
+        return self.pool.req_to_token[1 + b].long()  # [ctx]
+
+    def forward_batch(self) -> ForwardBatch:
+        bs, new, prefix, dev = self.bs, self.new, self.prefix, self.device
+        positions = (prefix + torch.arange(new, device=dev)).repeat(bs)  # [T]
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=bs,
+            input_ids=torch.zeros(bs * new, dtype=torch.int64, device=dev),
+            positions=positions,
+            req_pool_indices=torch.arange(1, bs + 1, device=dev),
+            seq_lens=torch.full((bs,), self.ctx, dtype=torch.int64, device=dev),
+            out_cache_loc=self.pool.req_to_token[1:, prefix:].reshape(-1).long(),
+            seq_lens_cpu=[self.ctx] * bs,
+            extend_prefix_lens_cpu=[prefix] * bs,
+            extend_seq_lens_cpu=[new] * bs,
+        )
+
+    def reference(self, b: int) -> torch.Tensor:
+        """fp32 attention of request b's new tokens in layer 0: ``[new, Hq, D]``."""
+        slots, group = self.slots(b), self.hq // self.hkv
+        k = self.kv_cache.k_buffers[0][slots].float().repeat_interleave(group, dim=1)
+        v = self.kv_cache.v_buffers[0][slots].float().repeat_interleave(group, dim=1)
+        q = self.q[b * self.new : (b + 1) * self.new].float()  # [new, Hq, D]
+        pos = torch.arange(self.ctx, device=self.device)
+        out = torch.empty_like(q)
+        for lo in range(0, self.new, 1024):  # chunks keep the score matrix near 1 GB
+            s = torch.einsum("nhd,lhd->hnl", q[lo : lo + 1024], k) * self.d**-0.5
+            rows = self.prefix + lo + torch.arange(s.shape[1], device=self.device)
+            s.masked_fill_(pos[None, None, :] > rows[None, :, None], float("-inf"))
+            out[lo : lo + 1024] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+        return out
+
+    def rel_err(self, out: torch.Tensor) -> float:
+        """Worst norm-relative error of the first and last request against fp32."""
+        errs = []
+        for b in sorted({0, self.bs - 1}):
+            ref = self.reference(b)
+            got = out[b * self.new : (b + 1) * self.new].float()
+            errs.append(float((got - ref).norm() / ref.norm()))
+        return max(errs)
+
+
+def time_calls(calls: Sequence[Callable[[], object]], iters: int, reps: int) -> float:
+    """Median ms per call over ``reps`` samples of ``iters`` rounds of every call."""
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            for call in calls:
+                call()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / (iters * len(calls)))
+    return statistics.median(samples)
+
+
+def backend_calls(
+    host: PluginHost, name: str, p: ExtendProblem, context: RuntimeContext
+) -> tuple[list[Callable[[], torch.Tensor]], AttentionBackend]:
+    """One ``forward_extend`` call per layer of a registered backend, metadata built once."""
+    spec = host.registry.get("attention", name)
+    reasons = spec.refusals(AttentionRequirements(p.device.type, p.dtype, p.d, p.hq, p.hkv))
+    if reasons:
+        raise RuntimeError("; ".join(reasons))
+    init = AttentionBackendInit(
+        capabilities=cast(AttentionCapabilities, spec.capabilities),
+        num_q_heads=p.hq,
+        num_kv_heads=p.hkv,
+        head_dim=p.d,
+        v_head_dim=p.d,
+        num_layers=p.num_layers,
+        dtype=p.dtype,
+        device=p.device,
+        req_to_token_pool=p.pool,
+        kv_cache=p.kv_cache,
+        max_batch_size=p.bs,
+        max_context_len=p.ctx,
+        context=context,
+    )
+    backend: AttentionBackend = spec.create(init)
+    fb = p.forward_batch()
+    backend.init_forward_metadata(fb)
+    calls: list[Callable[[], torch.Tensor]] = [
+        functools.partial(backend.forward_extend, p.q, None, None, layer, fb) for layer in p.layers
+    ]
+    return calls, backend
+
+
+def sdpa_calls(p: ExtendProblem) -> list[Callable[[], torch.Tensor]]:
+    """torch SDPA per layer on contiguous, head-expanded K/V; outputs ``[T, Hq, D]``."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = p.hq // p.hkv
+    slots = torch.stack([p.slots(b) for b in range(p.bs)])  # [bs, ctx]
+
+    def contiguous(buf: torch.Tensor) -> torch.Tensor:
+        x = buf[slots].repeat_interleave(group, dim=2)  # [bs, ctx, Hq, D]
+        return x.transpose(1, 2).contiguous()  # [bs, Hq, ctx, D]
+
+    q = p.q.view(p.bs, p.new, p.hq, p.d).transpose(1, 2).contiguous()  # [bs, Hq, new, D]
+    mask = causal_lower_right(p.new, p.ctx)  # query i sees keys <= prefix + i
+
+    def call(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.d**-0.5)
+        return out.transpose(1, 2).reshape(p.bs * p.new, p.hq, p.d)  # a view: no copy
+
+    cache = p.kv_cache
+    return [
+        functools.partial(call, contiguous(cache.k_buffers[i]), contiguous(cache.v_buffers[i]))
+        for i in range(p.num_layers)
+    ]
+
+
+def measure(
+    calls: Sequence[Callable[[], torch.Tensor]], p: ExtendProblem, iters: int, reps: int
+) -> tuple[float, float]:
+    """(ms per call, relative error of layer 0): the first calls also warm up (JIT, plans)."""
+    err = p.rel_err(calls[0]())
+    for call in calls:
+        call()
+    return time_calls(calls, iters, reps), err
+
+
+def run(
+    backends: Sequence[str] | None = None,
+    shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
+    *,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    iters: int = 10,
+    reps: int = 5,
+    out_dir: str | None = "benchmarks/results",
+) -> list[Record]:
+    """Benchmark every requested backend on every shape; print a table; save JSON."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench extend: needs a CUDA device")
+    host = PluginHost()
+    names = list(backends or DEFAULT_BACKENDS)
+    gpu = torch.cuda.get_device_name()
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
+    records: list[Record] = []
+    for bs, new, prefix in shapes:
+        p = ExtendProblem(bs, new, prefix, num_q_heads, num_kv_heads, head_dim, dtype)
+        row = []
+        for name in names:
+            context = RuntimeContext()
+            try:
+                if name == SDPA:
+                    ms, err = measure(sdpa_calls(p), p, iters, reps)
+                else:
+                    calls, backend = backend_calls(host, name, p, context)
+                    ms, err = measure(calls, p, iters, reps)
+                    backend.close()
+            except Exception as exc:  # report it and keep benchmarking the rest
+                print(f"  {name:<12} {bs}x{new}+{prefix} skipped: {exc}")
+                continue
+            finally:
+                context.close()
+            row.append(
+                Record(
+                    backend=name,
+                    bs=bs,
+                    new=new,
+                    prefix=prefix,
+                    ms=ms,
+                    tflops=p.flops / (ms * 1e-3) / 1e12,
+                    vs_best_peer=0.0,
+                    vs_flashinfer=0.0,
+                    max_rel_err=err,
+                    timed_on="contiguous K/V" if name == SDPA else "paged cache",
+                    gpu=gpu,
+                    date=date,
+                    num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    dtype=str(dtype).replace("torch.", ""),
+                )
+            )
+        best = max((r.tflops for r in row), default=0.0)
+        flashinfer = next((r.tflops for r in row if r.backend == "flashinfer"), 0.0)
+        for r in row:
+            r.vs_best_peer = r.tflops / best if best else 0.0
+            r.vs_flashinfer = r.tflops / flashinfer if flashinfer else 0.0
+        records += row
+        del p
+        torch.cuda.empty_cache()
+    print(format_table(records))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(out_dir, f"extend-{stamp}.json")
+        with open(path, "w") as fh:
+            json.dump([asdict(r) for r in records], fh, indent=2)
+        print(f"# saved {path}")
+    return records
+
+
+def format_table(records: Sequence[Record]) -> str:
+    """One line per (shape, backend): TFLOP/s over the row's best backend and over flashinfer."""
+    lines = [
+        f"{'backend':<12} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} {'TFLOP/s':>8} "
+        f"{'vs best':>7} {'vs fi':>6} {'rel err':>8}"
+    ]
+    for r in records:
+        lines.append(
+            f"{r.backend:<12} {r.bs:>4} {r.new:>6} {r.prefix:>6} {r.ms:>8.3f} {r.tflops:>8.1f} "
+            f"{r.vs_best_peer:>7.2f} {r.vs_flashinfer:>6.2f} {r.max_rel_err:>8.1e}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Host <-> device transfers of one step's small integers: pinned buffers, non-blocking copies.
+
+A pageable host->device copy waits for the stream to drain, which would serialise the host's
+preparation of step N+1 with the GPU's work on step N. Pinned slots make both directions
+asynchronous; each slot is reused only after the copy that used it has completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class _Slot:
+    def __init__(self, capacity: int, dtype: torch.dtype, pinned: bool) -> None:
+        self.host = torch.empty(capacity, dtype=dtype, pin_memory=pinned)
+        self.event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class _Ring:
+    def __init__(self, device: torch.device, dtype: torch.dtype, slots: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.pinned = device.type == "cuda"
+        self.slots = [_Slot(1024, dtype, self.pinned) for _ in range(slots)]
+        self.next = 0
+
+    def take(self, n: int) -> _Slot:
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        slot.wait()  # the previous copy through this slot has finished with it
+        if n > slot.host.numel():
+            slot.host = torch.empty(
+                max(n, 2 * slot.host.numel()), dtype=self.dtype, pin_memory=True
+            )
+        return slot
+
+
+class HostToDevice:
+    """Copies host lists to the device through alternating pinned slots, one copy per call:
+    ``stager(ints)`` gives int64, ``stager.floats(values)`` float32."""
+
+    def __init__(self, device: torch.device, slots: int = 3) -> None:
+        self.device = device
+        self._ints = _Ring(device, torch.int64, slots)
+        self._floats = _Ring(device, torch.float32, slots)
+
+    def __call__(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as a new int64 ``[n]`` tensor on the device (the copy may be in flight)."""
+        return self._copy(self._ints, values)
+
+    def floats(self, values: Sequence[float]) -> torch.Tensor:
+        return self._copy(self._floats, values)
+
+    def _copy(self, ring: _Ring, values: Sequence[int] | Sequence[float]) -> torch.Tensor:
+        if not ring.pinned:
+            return torch.tensor(values, dtype=ring.dtype, device=self.device)
+        n = len(values)
+        slot = ring.take(n)
+        slot.host[:n] = torch.tensor(values, dtype=ring.dtype)
+        out = torch.empty(n, dtype=ring.dtype, device=self.device)
+        out.copy_(slot.host[:n], non_blocking=True)
+        slot.event = torch.cuda.Event()
+        slot.event.record()
+        return out
+
+
+class DeviceToHost:
+    """Starts a non-blocking copy of a small device tensor into a pinned slot; ``result``
+    waits for that copy only (not for the whole stream) and returns the values as a list."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, slots: int = 3) -> None:
+        self._ring = _Ring(device, dtype, slots)
+
+    def start(self, tensor: torch.Tensor) -> HostCopy:
+        """Slots are reused round-robin: read a copy before ``slots`` more have started."""
+        if not self._ring.pinned:
+            return HostCopy(tensor, None)
+        n = tensor.numel()
+        slot = self._ring.take(n)
+        host = slot.host[:n]
+        host.copy_(tensor.flatten(), non_blocking=True)
+        slot.event = torch.cuda.Event()
+        slot.event.record()
+        return HostCopy(host, slot.event)
+
+
+class HostCopy:
+    """One in-flight device->host copy."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self._host = host
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return list(self._host.tolist())
