@@ -3,8 +3,9 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [tune-moe] [tune-extend] [tune-decode] [probe-nccl-ep]
-# Environment: TESTS (pytest selection, default tests/), WORKERS (pytest-xdist, default 8),
-#   DECODE_MODELS (default "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), BENCH_ARGS (extra flags).
+# Environment: TESTS (pytest selection, default tests/ and the example plugin), WORKERS
+#   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
+#   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -23,12 +24,15 @@ python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || t
 summary="$OUT/summary.txt"
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
+# Every step is cut to what is left of BUDGET_S (default 560 s: a device call allows 600).
+deadline=$(( $(date +%s) + ${BUDGET_S:-560} ))
+cap() { local left=$(( deadline - $(date +%s) - 10 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" ${TESTS:-tests examples/execrt-example-plugin/tests} \
-        2>&1 | tee "$OUT/tests.log" | tail -40
+      timeout "$(cap "${TESTS_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE \
+        ${TESTS:-tests examples/execrt-example-plugin/tests} 2>&1 | tee "$OUT/tests.log" | tail -40
       note "tests: $(tail -1 "$OUT/tests.log")" ;;
     conformance)
       for kb in ${CONF:-attention:triton attention:flashinfer attention:torch_native moe_dispatch:allreduce moe_dispatch:all_to_all moe_dispatch:all_to_all_fixed graph:full_cuda_graph}; do
@@ -38,24 +42,24 @@ for step in "$@"; do
         note "conformance $k $b: $(tail -1 "$OUT/conformance-$k-$b.log")"
       done ;;
     bench-attention)
-      python3 -m execrt bench attention --out "$OUT" 2>&1 | tee "$OUT/bench-attention.log" | tail -12 ;;
+      timeout "$(cap 200)" python3 -m execrt bench attention --out "$OUT" 2>&1 | tee "$OUT/bench-attention.log" | tail -12 ;;
     bench-extend)
-      python3 -m execrt bench extend --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-extend.log" | tail -12 ;;
+      timeout "$(cap 240)" python3 -m execrt bench extend --out "$OUT" ${EXTEND_ARGS:-} 2>&1 | tee "$OUT/bench-extend.log" | tail -12 ;;
     bench-moe)
-      python3 -m execrt bench moe --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-moe.log" | tail -16 ;;
+      timeout "$(cap 240)" python3 -m execrt bench moe --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench-moe.log" | tail -16 ;;
     bench-decode)
       for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
         name=${m%%:*}; layers=""
         [ "$name" != "$m" ] && layers="--layers ${m#*:}"
-        timeout 400 python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${BENCH_ARGS:-} \
+        timeout "$(cap 400)" python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${DECODE_ARGS:-} \
           2>&1 | tee "$OUT/bench-decode-$name.log" | tail -14
       done ;;
     tune-moe)
-      timeout 330 python3 benchmarks/tune_fused_moe.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20 ;;
+      timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20 ;;
     tune-extend)
-      timeout 300 python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
     tune-decode)
-      timeout 300 python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
