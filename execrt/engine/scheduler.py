@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.finished: list[Req] = []
         self.stats = SchedulerStats()
+        #: Called as ``hook(req, token_id)`` for every token a request gains (for streaming).
+        self.on_token: list[Callable[[Req, int], None]] = []
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -159,6 +161,8 @@ class Scheduler:
             if req.kv_len < req.seq_len:
                 continue  # mid-prefill chunk: its sample is meaningless
             req.output_ids.append(int(token))
+            for hook in self.on_token:
+                hook(req, int(token))
             self._check_finished(req)
             if req.finished:
                 self._free(req)
