@@ -87,7 +87,10 @@ def test_f32_file_matches_the_original_weights(arch, llama, qwen2, tmp_path, plu
 
 
 QUANTS = {
-    "llama-f16-q8_0": ("llama", {"token_embd": "Q8_0", "attn": "F16", "ffn": "Q8_0"}),
+    "llama-f16-bf16-q8_0": (
+        "llama",
+        {"token_embd": "Q8_0", "attn_output": "BF16", "attn": "F16", "ffn": "Q8_0"},
+    ),
     "llama-q4_0-q5_1": ("llama", {"token_embd": "Q8_0", "attn": "Q4_0", "ffn": "Q5_1"}),
     "qwen2-kquants": (
         "qwen2",
