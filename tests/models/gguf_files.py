@@ -43,6 +43,24 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
 
 
+def _gguf_tensors(model: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """(HF name, GGUF name, tensor); fused experts become llama.cpp's stacked halves."""
+    out = []
+    for hf, tensor in model.state_dict().items():
+        if hf.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> gate, up [E, I, H]
+            layer = hf.split(".")[2]
+            gate, up = tensor.chunk(2, dim=1)
+            out += [(hf, f"blk.{layer}.ffn_gate_exps.weight", gate)]
+            out += [(hf, f"blk.{layer}.ffn_up_exps.weight", up)]
+        elif hf.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            out.append((hf, f"blk.{hf.split('.')[2]}.ffn_down_exps.weight", tensor))
+        elif hf.endswith("mlp.gate.weight"):  # router [E, H]
+            out.append((hf, f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight", tensor))
+        else:
+            out.append((hf, gguf_name(hf), tensor))
+    return out
+
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter order for Llama q/k: per head, rows of the two rotary halves
     interleaved (row i of the first half, then row i of the second half, ...)."""
@@ -120,6 +138,10 @@ def write_gguf(
     if arch != "llama":
         w.add_uint32(f"{arch}.attention.key_length", head_dim)
         w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if getattr(c, "num_experts", 0):
+        w.add_uint32(f"{arch}.expert_count", c.num_experts)
+        w.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
     tokens, merges, types = byte_level_vocab(c.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tokenizer_pre)
@@ -129,10 +151,9 @@ def write_gguf(
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(CHAT_TEMPLATE)
-    for hf, tensor in model.state_dict().items():
+    for hf, name, tensor in _gguf_tensors(model):
         if hf == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        name = gguf_name(hf)
         if name in skip:
             continue
         array = tensor.detach().float().numpy()

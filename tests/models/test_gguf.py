@@ -86,6 +86,20 @@ def test_f32_file_matches_the_original_weights(arch, llama, qwen2, tmp_path, plu
     assert (cfg.attention_bias, cfg.o_proj_bias, cfg.qk_norm) == (arch == "qwen2", False, False)
 
 
+@pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2"])
+def test_qwen3_and_qwen3_moe_files_match_the_original_weights(name, tmp_path, plugin_host) -> None:
+    from tests.checkpoints import build_hf_model
+
+    model = build_hf_model(name)
+    arch = "qwen3moe" if "moe" in name else "qwen3"
+    path = write_gguf(model, str(tmp_path / f"{name}.gguf"), arch=arch)
+    ours = prefill_logits(path, PROMPTS, plugin_host)
+    ref = reference_logits(model, PROMPTS)
+    assert max(rel_err(a, b) for a, b in zip(ours, ref, strict=True)) <= 1e-5
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.qk_norm and cfg.num_experts == (8 if arch == "qwen3moe" else 0)
+
+
 QUANTS = {
     "llama-f16-bf16-q8_0": (
         "llama",
