@@ -178,10 +178,10 @@ class Engine:
         """Generate for one prompt, yielding text pieces as tokens are produced.
 
         Pieces never split a UTF-8 character; their concatenation is the result's text.
-        Raises RequestError for an invalid request, and RuntimeError without a tokenizer.
+        Raises RequestError at once for an invalid request (and while iterating if the request
+        cannot be served), RuntimeError without a tokenizer. Closing the iterator early
+        releases the request.
         """
-        from execrt.models.tokenizer import IncrementalDetokenizer
-
         if self._closed:
             raise RuntimeError("engine: stream() after close()")
         if self.tokenizer is None:
@@ -191,7 +191,11 @@ class Engine:
         if error is not None:
             raise RequestError(error)
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-        req = Req(next(self._rids), ids, sp, sampling_seed=seed)
+        return self._stream(Req(next(self._rids), ids, sp, sampling_seed=seed))
+
+    def _stream(self, req: Req) -> Iterator[str]:
+        from execrt.models.tokenizer import IncrementalDetokenizer
+
         detok = IncrementalDetokenizer(self.tokenizer)
         pieces: list[str] = []
 
@@ -211,12 +215,15 @@ class Engine:
             tail = detok.flush()
             if tail:
                 yield tail
+            if req.finish_reason == FinishReason.ABORT and req.error:
+                raise RequestError(req.error)
         finally:
             self.scheduler.on_token.remove(on_token)
             if not req.finished:  # the caller stopped early: give the request's slots back
                 self._abandon(req)
 
     def _abandon(self, req: Req) -> None:
+        # The scheduler has no cancel yet; take the request out and free what it holds.
         sched = self.scheduler
         if req in sched.waiting:
             sched.waiting.remove(req)

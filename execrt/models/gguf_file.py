@@ -111,9 +111,9 @@ def convert(file: str, out: str) -> None:
     config = gguf_config(meta, tensors, file)
     ModelConfig.from_dict(config, source=file)  # refuse early, naming the GGUF file
     _write_json(os.path.join(out, "config.json"), config)
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id",) if k in meta]
-    if eos:
-        _write_json(os.path.join(out, "generation_config.json"), {"eos_token_id": eos})
+    if "tokenizer.ggml.eos_token_id" in meta:
+        eos = {"eos_token_id": [meta["tokenizer.ggml.eos_token_id"]]}
+        _write_json(os.path.join(out, "generation_config.json"), eos)
     _write_tokenizer(meta, file, out)
     _write_weights(gguf, config, meta["general.architecture"], tensors, file, out)
 
@@ -164,11 +164,17 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], file: str) -> dic
         rope |= {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling != "none":
         rope["rope_type"] = scaling  # refused by ModelConfig with the value named
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    # The embedding's row count is the vocabulary the weights have; the token list may differ.
+    embd = tensors.get("token_embd.weight")
+    vocab = (
+        int(embd.shape[-1])
+        if embd is not None
+        else meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    )
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens) or None,
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads,

@@ -55,7 +55,7 @@ def test_stream_pieces_concatenate_to_the_generated_text(engine, seed) -> None:
 
 def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
     with pytest.raises(RequestError, match="empty prompt"):
-        next(engine.stream([], SamplingParams()))
+        engine.stream([], SamplingParams())  # at once, before iterating
     free = engine.scheduler.allocator.available_size()
     gen = engine.stream(
         "abandon me", SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
