@@ -1,4 +1,5 @@
-"""A checkpoint's text side: tokenizer.json, its chat template, and streaming detokenisation."""
+"""A checkpoint's text side: tokenizer.json (or one rebuilt from GGUF metadata), its chat
+template, and streaming detokenisation."""
 
 from __future__ import annotations
 
@@ -15,6 +16,25 @@ from execrt.models.config import read_json
 #: End-of-turn markers of common chat formats; a template that writes one stops on it.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
+# Pre-tokenizer split patterns by ``tokenizer.ggml.pre``; others use GPT-2's byte-level regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
 
 def load_tokenizer(path: str) -> Any:
     """The ``tokenizers.Tokenizer`` of checkpoint directory ``path``, or None without one."""
@@ -27,6 +47,80 @@ def load_tokenizer(path: str) -> Any:
         return Tokenizer.from_file(file)
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         raise ModelLoadError(f"model: {file} is not a valid tokenizer.json ({exc})") from None
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
+    """A ``tokenizers`` Tokenizer from the GGUF vocabulary (byte-level BPE, ``gpt2`` model)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"model: {file}: GGUF tokenizer model {kind!r} unsupported (supported: gpt2)"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+
+    def spell(token: str) -> str:  # byte-level vocabularies spell every byte as one character
+        if set(token) <= alphabet:
+            return token
+        return "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {spell(t): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", fuse_unk=False)
+    )
+    split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_end|>, ...) match whole and are special; user-defined ones
+    # (<think>, ...) match whole but are ordinary text. A control token spelled outside the
+    # byte alphabet is a mislabel and stays out, so the vocabulary keeps the model's size.
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind_ in zip(tokens, types, strict=False)
+        if kind_ == _CONTROL and set(t) <= alphabet
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, kind_ in zip(tokens, types, strict=False)
+        if kind_ == _USER_DEFINED and t in vocab
+    ]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = TemplateProcessing(
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    return tok
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> character map: printable bytes stand for themselves, the others are
+    moved to code points 256 and up, so every byte is one visible character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 @dataclass(frozen=True)
