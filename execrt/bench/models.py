@@ -20,8 +20,8 @@ from torch import nn
 from execrt.core.errors import ModelLoadError
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
 from execrt.models.config import ModelConfig
+from execrt.models.decoder import DecoderForCausalLM
 from execrt.models.loader import ARCHITECTURES, build_empty
-from execrt.models.qwen3 import Qwen3ForCausalLM
 
 INIT_STD = 0.02
 
@@ -174,7 +174,7 @@ class RandomWeightsLoader:
     def spec(self) -> ModelSpec:
         return self.config.spec()
 
-    def load(self, request: ModelLoadRequest) -> Qwen3ForCausalLM:
+    def load(self, request: ModelLoadRequest) -> DecoderForCausalLM:
         cls = ARCHITECTURES.get(self.config.architecture)
         if cls is None:
             raise ModelLoadError(

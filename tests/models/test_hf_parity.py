@@ -1,4 +1,4 @@
-"""Our Qwen3 / Qwen3-MoE logits and greedy tokens match Hugging Face transformers (fp32)."""
+"""Our Llama / Qwen2 / Qwen3 / Qwen3-MoE logits and greedy tokens match transformers (fp32)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def test_logits_match_transformers(
     assert max(errors) <= MAX_REL_ERR, f"max relative error {max(errors):.2e}"
 
 
-@pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2"])
+@pytest.mark.parametrize(
+    "name", ["dense-tied-hd64", "moe-8x2", "llama-untied-bias-llama3", "qwen2-untied"]
+)
 def test_greedy_generation_matches_transformers(checkpoint, name: str, plugin_host) -> None:
     path = checkpoint(name)
     hf = build_hf_model(name)

