@@ -66,7 +66,16 @@ for step in "$@"; do
   esac
   note "step $step: $(( $(date +%s) - start )) s"
 done
-# Bring the FlashInfer JIT cache home so the next session can carry it instead of compiling.
-tar -C "$FLASHINFER_WORKSPACE_BASE" -czf "$OUT/fi-cache.tgz" . 2>/dev/null || true
 echo "===== summary ====="
 cat "$summary"
+# At most 8 files come back: results stay as JSON; logs, the summary and profiler traces travel
+# in two archives; the FlashInfer JIT cache comes home so the next session can carry it.
+if [ "${FI_CACHE_BACK:-1}" = 1 ]; then
+  tar -C "$FLASHINFER_WORKSPACE_BASE" -czf "$OUT/fi-cache.tgz" . 2>/dev/null || true
+fi
+cd "$OUT" || exit 0
+traces=$(ls decode-trace-*.json 2>/dev/null)
+[ -n "$traces" ] && tar -czf traces.tgz --remove-files $traces
+logs=$(ls | grep -v -e '\.json$' -e '\.tgz$')
+[ -n "$logs" ] && tar -czf logs.tgz --remove-files $logs
+ls -la "$OUT"

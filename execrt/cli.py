@@ -153,6 +153,12 @@ def _add_bench_decode(bench_sub: Any) -> None:
         help="overlap scheduling on the generate path (default: on)",
     )
     dec.add_argument(
+        "--fused-kernels",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="Triton layer kernels in the model: auto is on for CUDA (default: auto)",
+    )
+    dec.add_argument(
         "--profile", action="store_true", help="profile the first bs of each mode (default: off)"
     )
     dec.add_argument(
@@ -184,6 +190,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         hf_compile_timeout=args.hf_compile_timeout,
         profile=args.profile,
         overlap=args.overlap,
+        fused_kernels=args.fused_kernels,
         reps=1 if args.quick else 2,
         out_dir=args.out,
     )

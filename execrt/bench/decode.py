@@ -75,6 +75,7 @@ class Options:
     hf_compile_timeout: float = 180.0  # seconds; 0 skips the compiled peer
     profile: bool = False
     overlap: bool = True  # RuntimeConfig.overlap_schedule of the generate path
+    fused_kernels: str = "auto"  # RuntimeConfig.fused_kernels
     reps: int = 2
     out_dir: str | None = "benchmarks/results"
     seed: int = 0
@@ -121,6 +122,7 @@ class Record:
     vs_hf_eager: float | None = None  # hf-eager step_ms / this step_ms (> 1: this is faster)
     vs_hf_compile: float | None = None
     overlap: bool | None = None  # execrt's overlap_schedule (None for the peer)
+    fused_kernels: str | None = None  # execrt's fused_kernels setting (None for the peer)
     note: str = ""
     profile: dict[str, float] | None = None
 
@@ -226,6 +228,7 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
             max_prefill_tokens=max(opts.ctx, PREFILL_CHUNK),
             seed=opts.seed,
             overlap_schedule=opts.overlap,
+            fused_kernels=opts.fused_kernels,
             **graph,
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
@@ -235,7 +238,7 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
             )
         return
     attention = _chosen(engine, "attention")
-    ov = {"overlap": opts.overlap}
+    ov: dict[str, Any] = {"overlap": opts.overlap, "fused_kernels": opts.fused_kernels}
     with engine:
         for i, bs in enumerate(opts.batch_sizes):
             prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)

@@ -19,6 +19,7 @@ from torch import nn
 
 from execrt.core.errors import ModelLoadError
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
+from execrt.kernels import use_triton
 from execrt.models.config import ModelConfig
 from execrt.models.decoder import DecoderForCausalLM
 from execrt.models.loader import ARCHITECTURES, build_empty
@@ -196,6 +197,7 @@ class RandomWeightsLoader:
         missing = sorted(model.expected_weights() - loaded)
         if missing:  # the shape table and the model disagree: a bug here, not a user error
             raise ModelLoadError(f"random weights: parameters left unfilled: {missing[:5]}")
+        model.set_fused_kernels(use_triton(request.device, request.fused_kernels))
         return model.eval()
 
 

@@ -19,6 +19,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch elsewhere
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -55,6 +56,7 @@ class RuntimeConfig:
     cuda_graph_max_bs: int = 0
     cuda_graph_bs: str = ""
     overlap_schedule: bool = True
+    fused_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -81,6 +83,11 @@ class RuntimeConfig:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in (0, 0.95], "
                 f"got {self.kv_cache_memory_fraction}"
+            )
+        if self.fused_kernels not in FUSED_KERNELS:
+            raise ConfigError(
+                f"config: fused_kernels {self.fused_kernels!r} unsupported "
+                f"(supported: {', '.join(FUSED_KERNELS)})"
             )
         self.graph_batch_sizes()  # validates cuda_graph_bs
 

@@ -92,6 +92,7 @@ class ModelRunner:
                 max_positions=self.context_len,
                 dispatcher=self.moe_dispatcher,
                 parallel=self.parallel,
+                fused_kernels=config.fused_kernels,
             )
         )
         kv_tokens = config.kv_cache_tokens or self.auto_kv_tokens()

@@ -48,7 +48,7 @@ class ModelLoadRequest:
     max_positions: int
     dispatcher: MoEDispatcher | None
     parallel: ParallelState
-    fused_kernels: bool = False
+    fused_kernels: str = "off"  # "auto" | "on" | "off": Triton kernels in the model's layers
 
 
 class Model(Protocol):

@@ -247,17 +247,8 @@ class Engine:
         finally:
             self.scheduler.on_token.remove(on_token)
             if not req.finished:  # the caller stopped early: give the request's slots back
-                self._abandon(req)
-
-    def _abandon(self, req: Req) -> None:
-        # The scheduler has no cancel yet; take the request out and free what it holds.
-        sched = self.scheduler
-        if req in sched.waiting:
-            sched.waiting.remove(req)
-        if req in sched.running:
-            sched.running.remove(req)
-        sched._free(req)
-        req.finish_reason = FinishReason.ABORT
+                self.scheduler.abort([req], "abandoned: the stream was closed early")
+            self.scheduler.drain()
 
     def _validate(self, prompt: Prompt, sp: SamplingParams) -> tuple[list[int], str | None]:
         problems = (

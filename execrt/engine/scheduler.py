@@ -167,6 +167,10 @@ class Scheduler:
         if not self.overlap:
             self._process_inflight()
 
+    def drain(self) -> None:
+        """Process the results of the step still in flight, if any (overlap scheduling)."""
+        self._process_inflight()
+
     def run(self) -> list[Req]:
         """Step until every request finished; returns them in completion order."""
         while self.has_work:
@@ -178,8 +182,7 @@ class Scheduler:
         """Finish every unfinished request of ``reqs`` with ``abort`` and ``error``, free what
         it holds, and drop all of ``reqs`` from the queues and the finished list."""
         targets = set(reqs)
-        if self._inflight is not None and targets & set(self._inflight.batch.reqs):
-            self._inflight = None  # its results belong to requests that no longer exist
+        self.drain()  # tokens in flight belong to their requests first
         for req in targets:
             if not req.finished:
                 self._free(req)

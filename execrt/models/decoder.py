@@ -57,10 +57,19 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, fb) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor | None, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h`` is the residual stream and ``delta`` the previous layer's MLP output, not yet
+        added (None for the first layer): each residual add is fused into the norm after it.
+        Returns ``(h, mlp_out)``."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add_forward(delta, h)  # h += delta; x = norm(h)
+        a = self.self_attn(positions, x, fb)
+        x, h = self.post_attention_layernorm.add_forward(a, h)
+        return h, (self.mlp(x, fb) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
 
 
 class DecoderModel(nn.Module):
@@ -96,15 +105,23 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
     ) -> LogitsOutput:
         h = self.model.embed_tokens(input_ids)  # [T, H]
+        delta = None
         for layer in self.model.layers:
-            h = layer(positions, h, fb)
-        h = self.model.norm(h)
+            h, delta = layer(positions, h, delta, fb)
+        h = self.model.norm(h) if delta is None else self.model.norm.add_forward(delta, h)[0]
         if fb.forward_mode.is_extend():
             last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
             full = self.lm_head(h).float() if fb.return_full_logits else None
             next_logits = full[last] if full is not None else self.lm_head(h[last]).float()
             return LogitsOutput(next_token_logits=next_logits, full_logits=full)
         return LogitsOutput(next_token_logits=self.lm_head(h).float())
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Run norms, rotary (+ K/V store), SwiGLU and experts through the Triton kernels of
+        ``execrt.kernels`` (True) or their torch references (False)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP, SparseMoE)):
+                module.fused = enabled
 
     # -- weights ------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
@@ -166,6 +183,16 @@ def _map_weight(
     """
     if name.endswith("rotary_emb.inv_freq"):
         return []
+    q_size = config.num_q_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    for proj, start, size in (
+        ("q_proj", 0, q_size),
+        ("k_proj", q_size, kv_size),
+        ("v_proj", q_size + kv_size, kv_size),
+    ):
+        if f".self_attn.{proj}." in name:  # q, k and v rows of the fused projection
+            target = name.replace(f"self_attn.{proj}", "self_attn.qkv_proj")
+            return [(target, (slice(start, start + size),), tensor)]
     if ".mlp.experts." not in name:
         for proj, half in (("gate_proj", 0), ("up_proj", 1)):
             if f".mlp.{proj}." in name:

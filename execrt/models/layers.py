@@ -5,31 +5,43 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
 from execrt.core.interfaces import AttentionLayer, MoEDispatcher
+from execrt.kernels.activation import silu_and_mul
+from execrt.kernels.fused_moe import fused_experts
+from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
+from execrt.kernels.rotary import qk_norm_rope
 from execrt.models.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation computed in fp32, scaled in the input dtype (as Hugging Face does)."""
+    """RMS normalisation computed in fp32, scaled in the input dtype (as Hugging Face does).
+
+    ``fused`` (set by the model) runs the one-launch Triton kernels of ``execrt.kernels``.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rmsnorm(x, self.weight, self.eps, use_triton=self.fused)
+
+    def add_forward(
+        self, delta: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + delta`` (in the model dtype) and its norm: ``(normed, new_residual)``."""
+        return fused_add_rmsnorm(delta, residual, self.weight, self.eps, use_triton=self.fused)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed fp32 cos/sin table indexed by position."""
+    """The fp32 cos/sin tables of rotate-half RoPE, indexed by position (``qk_norm_rope``
+    applies them)."""
 
     cos: torch.Tensor  # [P, D] fp32
     sin: torch.Tensor  # [P, D] fp32
@@ -59,14 +71,6 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, Hq, D]``, ``k [T, Hkv, D]`` rotated by ``positions [T]``."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies ``[D/2]`` (fp32) of RoPE, scaled as the config asks."""
@@ -90,14 +94,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(wavelen < high_wavelen, inv_freq, out)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 class Attention(nn.Module):
     """GQA self-attention, per-head q/k RMSNorm optional (Qwen3 has it, Llama and Qwen2 do not);
-    the kernel is the backend's."""
+    the kernel is the backend's.
+
+    q, k and v come from one fused projection ``qkv_proj [(Hq + 2 Hkv) D, H]``. Fused, one
+    kernel normalises and rotates q and k and stores this step's K/V in the cache (the backend
+    is then told not to store them again); unfused, the torch reference does the same math.
+    """
 
     def __init__(
         self,
@@ -113,13 +117,14 @@ class Attention(nn.Module):
         qk_norm: bool = True,
     ) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(hidden_size, num_q_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.q_size, self.kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(num_q_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.eps = rms_norm_eps
         self.rotary = rotary
+        self.fused = False
         self.spec = AttentionLayer(
             layer_id=layer_id,
             num_q_heads=num_q_heads,
@@ -132,14 +137,31 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        q = self.q_proj(x).view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        assert fb.attn_backend is not None
-        o = fb.attn_backend.forward(q, k, v, s, fb)  # [T, Hq, D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q = qkv[:, : self.q_size].view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D] (strided)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        backend = fb.attn_backend
+        assert backend is not None
+        # Store K/V inside the rotary kernel unless the backend stores them itself.
+        store = self.fused and not backend.capabilities.stores_kv
+        cache = backend.kv_cache if store else None
+        q, k = qk_norm_rope(
+            q,
+            k,
+            positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.eps,
+            v=v if cache is not None else None,
+            k_cache=None if cache is None else cache.k_buffers[s.layer_id],
+            v_cache=None if cache is None else cache.v_buffers[s.layer_id],
+            out_cache_loc=fb.out_cache_loc if cache is not None else None,
+            use_triton=self.fused,
+        )
+        o = backend.forward(q, k, v, s, fb, save_kv_cache=not store)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -151,9 +173,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+        self.fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), use_triton=self.fused))
 
 
 class SparseMoE(nn.Module):
@@ -180,6 +203,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.dispatcher = dispatcher
+        self.fused = False  # Triton fused_experts instead of the core's torch expert compute
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(topk_ids [T, K] int64, topk_weights [T, K] fp32)``."""
@@ -197,5 +221,6 @@ class SparseMoE(nn.Module):
             padded = torch.arange(x.shape[0], device=x.device)[:, None] >= real  # [T, 1]
             ids = ids.masked_fill(padded, -1)
         dispatched = self.dispatcher.dispatch(x, ids, weights)
-        out = run_experts(dispatched, self.w13, self.w2)
+        experts = fused_experts if self.fused else run_experts
+        out = experts(dispatched, self.w13, self.w2)
         return self.dispatcher.combine(out, dispatched)

@@ -11,6 +11,7 @@ import torch
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
+from execrt.kernels import use_triton
 from execrt.models.config import FAMILIES, ModelConfig, checkpoint_dir, read_json
 from execrt.models.decoder import DecoderForCausalLM
 from execrt.models.gguf_file import find_gguf, gguf_name
@@ -78,9 +79,11 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     dispatcher: MoEDispatcher | None,
+    fused_kernels: bool = False,
 ) -> DecoderForCausalLM:
     """Build the model for ``config.architecture`` on ``device`` and fill it from ``path``
-    (a checkpoint directory, a ``.gguf`` file or a directory holding one).
+    (a checkpoint directory, a ``.gguf`` file or a directory holding one). ``fused_kernels``
+    runs the Triton kernels of ``execrt.kernels`` (see ``DecoderForCausalLM.set_fused_kernels``).
 
     Raises ModelLoadError for an unknown architecture, a missing or mis-shaped tensor.
     """
@@ -103,6 +106,7 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelLoadError(f"model: checkpoint {os.fspath(path)!r} lacks tensor(s) {shown}")
+    model.set_fused_kernels(fused_kernels)
     return model.eval()
 
 
@@ -152,4 +156,5 @@ class CheckpointLoader:
             dtype=request.dtype,
             max_positions=request.max_positions,
             dispatcher=request.dispatcher,
+            fused_kernels=use_triton(request.device, request.fused_kernels),
         )

@@ -71,16 +71,16 @@ def test_random_loader_runs_through_engine_with_token_id_prompts(plugin_host) ->
 
 
 def test_same_seed_same_weights_other_seed_other_weights() -> None:
-    def q_proj(seed: int) -> torch.Tensor:
+    def qkv_proj(seed: int) -> torch.Tensor:
         ctx = RuntimeContext()
         worker = _worker(RandomWeightsLoader(TINY, seed), ctx)
         model: Any = worker.model_runner.model
-        w = model.model.layers[1].self_attn.q_proj.weight.detach().clone()
+        w = model.model.layers[1].self_attn.qkv_proj.weight.detach().clone()
         worker.close()
         ctx.close()
         return w
 
-    a, b, c = q_proj(0), q_proj(0), q_proj(1)
+    a, b, c = qkv_proj(0), qkv_proj(0), qkv_proj(1)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
 

@@ -182,26 +182,13 @@ def write_gguf(
 
 def prefill_logits(path: str, prompts: list[list[int]], plugin_host: Any) -> list[torch.Tensor]:
     """execrt's fp32 logits ``[n, V]`` for each prompt, all prefilled in one batch."""
-    from execrt.core.config import RuntimeConfig
     from execrt.core.context import RuntimeContext
-    from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
-    from execrt.core.worker import TpModelWorker
+    from tests.drivers import make_worker, prefill_then_decode
 
     ctx = RuntimeContext()
-    worker = TpModelWorker(path, RuntimeConfig(device="cpu"), ctx, plugin_host)
+    worker = make_worker(path, ctx, plugin_host)
     try:
-        mr = worker.model_runner
-        reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-        batch = ScheduleBatch.for_extend(
-            reqs,
-            [len(p) for p in prompts],
-            mr.req_to_token_pool,
-            mr.token_to_kv_pool_allocator,
-            mr.device,
-        )
-        assert batch is not None
-        batch.return_full_logits = True
-        full = worker.forward_batch_generation(batch).logits_output.full_logits
+        full = prefill_then_decode(worker, prompts, 0, full_logits=True).prefill_full_logits
         assert full is not None
         return list(full.split([len(p) for p in prompts]))
     finally:
