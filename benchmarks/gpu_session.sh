@@ -31,7 +31,8 @@ for step in "$@"; do
   start=$(date +%s)
   case "$step" in
     tests)
-      timeout "$(cap "${TESTS_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE \
+      EXECRT_TEST_FAILLOG="$OUT/test-failures.log" timeout "$(cap "${TESTS_TIMEOUT:-420}")" \
+        python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE --durations=25 \
         ${TESTS:-tests examples/execrt-example-plugin/tests} 2>&1 | tee "$OUT/tests.log" | tail -40
       note "tests: $(tail -1 "$OUT/tests.log")" ;;
     conformance)

@@ -59,3 +59,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
 @pytest.fixture(params=sorted(CHECKPOINTS))
 def checkpoint_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With EXECRT_TEST_FAILLOG set, append every failure's report to that file as it happens
+    (GPU sessions have a hard time limit: a run cut short still leaves its failures behind)."""
+    path = os.environ.get("EXECRT_TEST_FAILLOG")
+    if path and report.failed:
+        with open(path, "a") as fh:
+            fh.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
