@@ -34,9 +34,18 @@ class Trace:
 
 
 def prefill_then_decode(
-    worker: TpModelWorker, prompts: list[list[int]], steps: int, *, full_logits: bool = False
+    worker: TpModelWorker,
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    full_logits: bool = False,
+    follow: list[list[int]] | None = None,
 ) -> Trace:
-    """Prefill all ``prompts`` in one extend, then ``steps`` greedy decode steps."""
+    """Prefill all ``prompts`` in one extend, then ``steps`` greedy decode steps.
+
+    ``follow`` (per request, the tokens of another run) feeds those tokens instead of this
+    run's samples, so two backends compared step by step always see the same inputs (bf16
+    near-ties would otherwise send them down different continuations)."""
     mr = worker.model_runner
     pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
     reqs = [Req(i, list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]

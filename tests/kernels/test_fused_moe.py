@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,20 +16,44 @@ from hypothesis import strategies as st
 from execrt.core.interfaces import ExpertMajorDispatchOutput, StandardDispatchOutput
 from execrt.kernels.fused_moe import (
     GemmTile,
+    MoEAlignment,
     MoEConfig,
     config_file_name,
     default_config,
-    fused_experts,
     get_config,
     max_padded_pairs,
-    moe_align,
 )
 from execrt.kernels.fused_moe import config as config_module
+from execrt.kernels.fused_moe import fused_experts as _fused_experts
+from execrt.kernels.fused_moe import moe_align as _moe_align
 from execrt.testing.oracles import compare, moe_oracle
 from tests.conftest import requires_cuda
 from tests.kernels.moe_cases import ROUTINGS, expert_weights, routing
 
 pytest.importorskip("triton")
+
+# The small cases run under the Triton interpreter on CPU machines and compiled on CUDA ones:
+# inputs go to the kernels' device, results come back to the caller's.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    align = _moe_align(ids.to(DEVICE), num_experts, block_m)
+    return MoEAlignment(*(t.to(ids.device) for t in align))
+
+
+def fused_experts(d, w13: torch.Tensor, w2: torch.Tensor, config=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    home = d.hidden_states.device
+    moved = dataclasses.replace(
+        d,
+        **{
+            f.name: getattr(d, f.name).to(DEVICE)
+            for f in dataclasses.fields(d)
+            if isinstance(getattr(d, f.name), torch.Tensor)
+        },
+    )
+    return _fused_experts(moved, w13.to(DEVICE), w2.to(DEVICE), config).to(home)
+
 
 # Small tiles so tiny shapes still span several M-blocks and N-tiles, with ragged K (H=48 over
 # BLOCK_K 32, I=40 over 16) and N (I=40 over BLOCK_N 16 wraps) edges.

@@ -105,17 +105,24 @@ class FullCudaGraphBackend(GraphBackend):
         allocated = torch.cuda.memory_allocated(self.device)
         started = time.perf_counter()
         self._session = _progress_bar()
-        # Unfreeze only what we froze: an application that froze its heap keeps it frozen.
-        unfreeze = gc.get_freeze_count() == 0
-        gc.freeze()
+        # gc.unfreeze() would thaw everything, an application's own frozen heap too: freeze
+        # only from a clean state, and otherwise just keep the collector off for the session.
+        freeze = gc.get_freeze_count() == 0
+        collecting = gc.isenabled()
+        if freeze:
+            gc.freeze()
+        else:
+            gc.disable()
         try:
             yield
         finally:
             self._session.close()
             self._session = None
-            if unfreeze:
+            if freeze:
                 gc.unfreeze()
                 gc.collect()
+            elif collecting:
+                gc.enable()
             captured = len(self._graphs) - before
             if captured > 0:
                 logger.info(

@@ -7,7 +7,7 @@ import torch
 
 from execrt.core.context import RuntimeContext
 from execrt.plugins.host import PluginHost
-from tests.drivers import make_worker, prefill_then_decode
+from tests.drivers import Trace, make_worker, prefill_then_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 FAST_BACKENDS = ["triton", "flashinfer"]
@@ -41,7 +41,9 @@ def _available(name: str) -> None:
         pytest.skip("; ".join(missing))
 
 
-def _decode_logits(path: str, backend: str, dtype: str, steps: int = 6) -> list[torch.Tensor]:
+def _decode_trace(
+    path: str, backend: str, dtype: str, follow: list[list[int]] | None = None, steps: int = 6
+) -> Trace:
     ctx = RuntimeContext()
     worker = make_worker(
         path,
@@ -54,19 +56,19 @@ def _decode_logits(path: str, backend: str, dtype: str, steps: int = 6) -> list[
     )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (700, 33, 1, 1500)]
-    trace = prefill_then_decode(worker, prompts, steps)
+    trace = prefill_then_decode(worker, prompts, steps, follow=follow)
     worker.close()
     ctx.close()
-    return trace.logits
+    return trace
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_model_logits_match_torch_native(qwen3_gpu_checkpoint, backend, dtype) -> None:
     _available(backend)
-    ref = _decode_logits(qwen3_gpu_checkpoint, "torch_native", dtype)
-    got = _decode_logits(qwen3_gpu_checkpoint, backend, dtype)
-    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+    ref = _decode_trace(qwen3_gpu_checkpoint, "torch_native", dtype)
+    got = _decode_trace(qwen3_gpu_checkpoint, backend, dtype, follow=ref.tokens)
+    for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
         err = float((a - b).norm() / b.norm())
         assert err < 2e-2, f"{backend} {dtype} step {step}: relative error {err:.2e}"
 
