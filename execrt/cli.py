@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from execrt.core.errors import ExecrtError
+from execrt.core.errors import ConfigError, ExecrtError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
+    gen.add_argument(
+        "--tp",
+        dest="tp_size",
+        type=int,
+        help="tensor-parallel ranks: the torchrun --nproc-per-node count (default: 1)",
+    )
+    gen.add_argument(
+        "--ep",
+        dest="ep_size",
+        type=int,
+        help="expert-parallel ranks of a MoE model: --tp's value, or 1 to replicate the "
+        "experts (default: as --tp)",
+    )
     gen.add_argument(
         "--strict", action="store_true", default=None, help="no silent fallback (default: off)"
     )
@@ -289,7 +302,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from execrt.core.schedule import SamplingParams
     from execrt.engine import Engine
 
-    keys = ("attention_backend", "moe_dispatcher", "graph_backend", "device", "dtype", "strict")
+    keys = (
+        "attention_backend",
+        "moe_dispatcher",
+        "graph_backend",
+        "device",
+        "dtype",
+        "strict",
+        "tp_size",
+        "ep_size",
+    )
     cli: dict[str, Any] = {k: getattr(args, k) for k in keys} | {"model": args.model}
     config = RuntimeConfig.load(file=args.config, cli=cli)
     prompts: list[Any] = list(args.prompts)
@@ -309,10 +331,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with Engine(config=config) as engine:
-        if args.verbose:
+        # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.
+        show = engine.parallel.rank == 0
+        if args.verbose and show:
             print(engine.model_note, file=sys.stderr)
             print(engine.resolution.describe(), file=sys.stderr)
-        if engine.random_weights:
+        if engine.random_weights and show:
             from execrt.models.builtin import DEMO_HINT
 
             print(
@@ -322,10 +346,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]
         if len(requests) == 1 and not args.json and engine.tokenizer is not None:
-            return _stream(engine, *requests[0])
+            return _stream(engine, *requests[0], show=show)
         results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
     # Exit status 2 when any request was rejected or aborted, in text and JSON mode alike.
     status = 2 if any(r.error for r in results) else 0
+    if not show:
+        return status
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
         return status
@@ -348,18 +374,23 @@ def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
         raise ExecrtError(str(exc)) from None
 
 
-def _stream(engine: Any, prompt: Any, params: Any) -> int:
-    """Print one request's text as it is generated."""
+def _stream(engine: Any, prompt: Any, params: Any, *, show: bool) -> int:
+    """Print one request's text as it is generated (``show``: this rank prints)."""
     from execrt.core.errors import RequestError
 
+    out = sys.stdout if show else open(os.devnull, "w")  # other ranks step along silently
     try:
         for piece in engine.stream(prompt, params):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            out.write(piece)
+            out.flush()
+        out.write("\n")
     except RequestError as exc:
-        print(f"execrt: request {prompt!r} rejected: {exc}", file=sys.stderr)
+        if show:
+            print(f"execrt: request {prompt!r} rejected: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write("\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
     return 0
 
 
@@ -383,7 +414,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return status
     except ExecrtError as exc:
-        print(f"execrt: error: {exc}", file=sys.stderr)
+        from execrt.core.parallel import launch_rank
+
+        rank = launch_rank()
+        # A configuration error is the same on every torchrun rank: rank 0 reports it. Any
+        # other error is reported by each rank that hit it.
+        if isinstance(exc, ConfigError) and rank:
+            return 2
+        print(f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,

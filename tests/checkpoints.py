@@ -97,6 +97,23 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    # One kv head for four query heads (two tensor-parallel ranks each hold a copy of it), and
+    # biases on q/k/v, o_proj and the MLP (row-parallel biases must be added once).
+    "llama-bias-kv1": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+        {},
+    ),
     "llama-tied-linear": (
         "llama",
         dict(

@@ -189,6 +189,7 @@ class RandomWeightsLoader:
             dtype=request.dtype,
             max_positions=request.max_positions,
             dispatcher=request.dispatcher,
+            parallel=request.parallel,
         )
         with torch.no_grad():
             loaded = model.load_weights(

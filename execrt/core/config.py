@@ -57,6 +57,8 @@ class RuntimeConfig:
     cuda_graph_bs: str = ""
     overlap_schedule: bool = True
     fused_kernels: str = "auto"
+    tp_size: int = 1  # tensor-parallel ranks: 1, or the world size under torchrun
+    ep_size: int = 0  # expert-parallel ranks of a MoE model: 0 = tp_size, 1 = replicated
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -70,11 +72,11 @@ class RuntimeConfig:
             raise ConfigError(
                 f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
             )
-        positive = ("max_running_requests", "max_prefill_tokens")
+        positive = ("max_running_requests", "max_prefill_tokens", "tp_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "context_len", "seed", "cuda_graph_max_bs"):
+        for name in ("kv_cache_tokens", "context_len", "seed", "cuda_graph_max_bs", "ep_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"

@@ -69,9 +69,14 @@ class ModelRunner:
         self.config = config
         self.context = context
         self.registry = registry
-        self.parallel = context.parallel or ParallelState.single()
-        self.device = resolve_device(config.device)
         self.model_spec = spec = loader.spec
+        # The context holds the world; the config says how TP and EP split it.
+        world = context.parallel or ParallelState.single()
+        self.parallel = world.with_layout(config.tp_size, config.ep_size, is_moe=spec.is_moe)
+        #: This rank's share of the model (its attention heads): sizes the KV cache and the
+        #: attention backend.
+        self.local_spec = local = spec.local(self.parallel)
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
         self.context_len = min(
             config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
@@ -104,9 +109,9 @@ class ModelRunner:
             "kv_cache",
             KVCache(
                 kv_tokens,
-                spec.num_layers,
-                spec.num_kv_heads,
-                spec.head_dim,
+                local.num_layers,
+                local.num_kv_heads,
+                local.head_dim,
                 self.dtype,
                 self.device,
             ),
@@ -134,8 +139,8 @@ class ModelRunner:
         requirements = MoERequirements(
             device=self.device.type,
             dtype=self.dtype,
-            world_size=self.parallel.world_size,
-            process_group_backend=self.parallel.backend,
+            world_size=self.parallel.ep_size,
+            process_group_backend=self.parallel.backend if self.parallel.ep_size > 1 else "none",
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             hidden_size=spec.hidden_size,
@@ -162,7 +167,7 @@ class ModelRunner:
         )
 
     def _build_attention(self) -> AttentionBackend:
-        spec = self.model_spec
+        spec = self.local_spec  # this rank's heads
         requirements = AttentionRequirements(
             device=self.device.type,
             dtype=self.dtype,
@@ -253,7 +258,7 @@ class ModelRunner:
     def auto_kv_tokens(self) -> int:
         """KV slots when ``kv_cache_tokens`` is 0: every request at full context, capped by a
         share of free GPU memory (a fixed budget on CPU)."""
-        spec = self.model_spec
+        spec = self.local_spec
         per_token = KVCache.bytes_per_token_for(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype
         )
@@ -263,7 +268,10 @@ class ModelRunner:
         else:
             budget = CPU_KV_BUDGET_BYTES
         wanted = self.max_running_requests * self.context_len
-        return max(1, min(wanted, budget // per_token))
+        tokens = max(1, min(wanted, budget // per_token))
+        # Every rank runs the same schedule, so every rank must have the same number of slots:
+        # the smallest (free memory differs from GPU to GPU).
+        return min(self.parallel.all_gather_counts(tokens, self.device, self.parallel.world))
 
     # -- running ------------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
@@ -276,7 +284,10 @@ class ModelRunner:
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> torch.Tensor:
         """Next token id per request ``[B]`` int64."""
         assert fb.sampling_info is not None
-        return self.sampler(logits_output.next_token_logits, fb.sampling_info)
+        ids = self.sampler(logits_output.next_token_logits, fb.sampling_info)
+        # Every rank holds the full logits and samples alike; rank 0's tokens are taken anyway,
+        # so that a last-bit difference between ranks can never split their schedules.
+        return self.parallel.broadcast(ids, self.parallel.world)
 
     def close(self) -> None:
         """Release the backends and KV storage this runner registered. Idempotent."""

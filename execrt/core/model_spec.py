@@ -6,20 +6,23 @@ The model classes live in ``execrt.models``; the edge (Engine, tests) hands Mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from execrt.core.errors import ConfigError
+from execrt.core.parallel import ParallelState, shard_heads
+
 if TYPE_CHECKING:
     from execrt.core.batch import ForwardBatch, LogitsOutput
     from execrt.core.interfaces import MoEDispatcher
-    from execrt.core.parallel import ParallelState
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shapes ModelRunner needs before any weight is loaded (global, unsharded counts)."""
+    """The shapes ModelRunner needs before any weight is loaded (global, unsharded counts;
+    ``local`` gives one rank's)."""
 
     architecture: str
     vocab_size: int
@@ -37,6 +40,18 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def local(self, parallel: ParallelState) -> ModelSpec:
+        """The shapes one rank holds: its share of the attention heads under tensor
+        parallelism (``core.parallel.shard_heads``); everything else is global. Raises
+        ConfigError, one line, when the heads or the experts do not split over the groups."""
+        if self.is_moe and self.num_experts % parallel.ep_size:
+            raise ConfigError(
+                f"expert parallel: num_experts {self.num_experts} not divisible by ep_size "
+                f"{parallel.ep_size} (supported: an ep_size dividing the experts)"
+            )
+        heads = shard_heads(self.num_q_heads, self.num_kv_heads, parallel.tp_size, parallel.tp_rank)
+        return replace(self, num_q_heads=heads.num_q, num_kv_heads=heads.num_kv)
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,127 @@
-"""ParallelState: this rank's place in the process group (gloo on CPU, NCCL on GPU)."""
+"""ParallelState: this rank's place in the process group (gloo on CPU, NCCL on GPU), its tensor-
+and expert-parallel groups, and the one place where heads and rows are split across TP ranks."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from execrt.core.errors import ConfigError
 
-@dataclass
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A communicator this rank belongs to: its size, this rank's index in it and the
+    torch.distributed group (None: the default group). At size 1 no collective runs."""
+
+    size: int = 1
+    rank: int = 0
+    handle: Any = None
+
+
+@dataclass(frozen=True)
 class ParallelState:
-    """World size, rank and the expert-parallel group of this process.
+    """World size, rank, and how the world is split into tensor- and expert-parallel groups.
 
-    Attention and dense layers are replicated; experts are sharded over the EP group, which is
-    the whole world for now. At world size 1 every collective is a no-op.
+    ``tp_size`` ranks share each layer's attention heads and dense MLP rows; ``ep_size`` ranks
+    share the experts. Each is 1 or the whole world (no data parallelism yet), so each group is
+    either this rank alone or the world group. ``ep_size`` 0 means the world (experts over every
+    rank, attention replicated: what ``ParallelState(world, rank, backend)`` builds). At world
+    size 1 every collective is a no-op.
     """
 
     world_size: int = 1
     rank: int = 0
     backend: str = "none"  # "none" (single process), "gloo" or "nccl"
-    group: Any = None  # torch.distributed ProcessGroup of the EP group; None = default group
+    group: Any = None  # torch.distributed ProcessGroup of the world; None = default group
+    tp_size: int = 1
+    ep_size: int = 0  # 0: the world size
+
+    def __post_init__(self) -> None:
+        if self.ep_size == 0:
+            object.__setattr__(self, "ep_size", self.world_size)
+        for name in ("tp_size", "ep_size"):
+            size = getattr(self, name)
+            if size not in (1, self.world_size):
+                raise ConfigError(
+                    f"parallel: {name} {size} unsupported in a world of {self.world_size} "
+                    f"(supported: 1 or {self.world_size})"
+                )
 
     @property
-    def ep_size(self) -> int:
-        return self.world_size
+    def tp_rank(self) -> int:
+        return self.tp_group.rank
 
     @property
     def ep_rank(self) -> int:
-        return self.rank
+        return self.ep_group.rank
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the EP group, in place; returns it."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+    @property
+    def world(self) -> CommGroup:
+        return CommGroup(self.world_size, self.rank, self.group)
+
+    @property
+    def tp_group(self) -> CommGroup:
+        return self.world if self.tp_size > 1 else CommGroup()
+
+    @property
+    def ep_group(self) -> CommGroup:
+        return self.world if self.ep_size > 1 else CommGroup()
+
+    def with_layout(self, tp_size: int, ep_size: int, *, is_moe: bool) -> ParallelState:
+        """This world split as the run configuration asks (``ep_size`` 0: same as ``tp_size``).
+
+        Every rank must do some share of the work: a world of N runs tp_size N, or (MoE models)
+        tp_size 1 with ep_size N. Raises ConfigError, one line, when the flags and the world
+        size disagree.
+        """
+        ep = ep_size or tp_size
+        world = self.world_size
+        launch = f"launch {tp_size} processes with torchrun --nproc-per-node {tp_size}"
+        if tp_size > world:
+            raise ConfigError(
+                f"parallel: tp_size {tp_size} needs {tp_size} processes, this world has "
+                f"{world} ({launch})"
+            )
+        if tp_size not in (1, world) or ep not in (1, world):
+            raise ConfigError(
+                f"parallel: tp_size {tp_size} / ep_size {ep} unsupported in a world of {world} "
+                f"(supported: tp_size {world} with ep_size 1 or {world}, or tp_size 1 with "
+                f"ep_size {world} for a MoE model)"
+            )
+        if world > 1 and tp_size == 1 and (ep == 1 or not is_moe):
+            wanted = f"tp_size {world}" + (f" or ep_size {world}" if is_moe else "")
+            raise ConfigError(
+                f"parallel: a world of {world} processes but tp_size 1"
+                + (f" and ep_size {ep}" if is_moe else "")
+                + f": every rank would repeat the same work (supported: {wanted})"
+            )
+        return replace(self, tp_size=tp_size, ep_size=ep if is_moe else 1)
+
+    def all_reduce(self, tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """Sum ``tensor`` over ``group`` (``tp_group`` or ``ep_group``), in place; returns it."""
+        if group.size > 1:
+            dist.all_reduce(tensor, group=group.handle)
         return tensor
 
-    def all_gather_counts(self, count: int, device: torch.device) -> list[int]:
-        """Every rank's ``count``, in rank order."""
-        if self.world_size == 1:
+    def broadcast(self, tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """``tensor`` of the group's first rank, copied in place on every rank; returns it."""
+        if group.size > 1:
+            src = dist.get_global_rank(group.handle, 0) if group.handle is not None else 0
+            dist.broadcast(tensor, src=src, group=group.handle)
+        return tensor
+
+    def all_gather_counts(self, count: int, device: torch.device, group: CommGroup) -> list[int]:
+        """Every rank's ``count`` in ``group``, in rank order."""
+        if group.size == 1:
             return [count]
         local = torch.tensor([count], dtype=torch.int64, device=device)
-        out = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=self.group)
+        out = [torch.zeros_like(local) for _ in range(group.size)]
+        dist.all_gather(out, local, group=group.handle)
         return [int(t.item()) for t in out]
 
     def barrier(self) -> None:
@@ -65,16 +143,77 @@ class ParallelState:
         )
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """One TP rank's attention heads: q heads ``[q_start, q_start + num_q)`` and kv heads
+    ``[kv_start, kv_start + num_kv)`` of the checkpoint."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+def shard_heads(num_q_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Split query heads evenly; kv heads too, or, when there are fewer kv heads than ranks,
+    give each rank the one kv head its query heads read (rank r: kv head r * Hkv // tp)."""
+    if num_q_heads % tp_size:
+        raise ConfigError(
+            f"tensor parallel: num_q_heads {num_q_heads} not divisible by tp_size {tp_size} "
+            "(supported: a tp_size dividing the query heads)"
+        )
+    num_q = num_q_heads // tp_size
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ConfigError(
+                f"tensor parallel: num_kv_heads {num_kv_heads} not divisible by tp_size "
+                f"{tp_size} (supported: a tp_size dividing, or a multiple of, the kv heads)"
+            )
+        num_kv = num_kv_heads // tp_size
+        return HeadShard(tp_rank * num_q, num_q, tp_rank * num_kv, num_kv)
+    if tp_size % num_kv_heads:
+        raise ConfigError(
+            f"tensor parallel: tp_size {tp_size} not a multiple of num_kv_heads {num_kv_heads} "
+            "(supported: a tp_size dividing, or a multiple of, the kv heads)"
+        )
+    # Each kv head is replicated on tp / Hkv ranks; rank r's query heads all read kv head
+    # r * Hkv // tp because the query groups are contiguous.
+    return HeadShard(tp_rank * num_q, num_q, tp_rank * num_kv_heads // tp_size, 1)
+
+
+def shard_rows(size: int, tp_size: int, tp_rank: int, what: str) -> slice:
+    """This rank's contiguous block of ``size`` rows (an MLP's intermediate size, say)."""
+    if size % tp_size:
+        raise ConfigError(
+            f"tensor parallel: {what} {size} not divisible by tp_size {tp_size} "
+            f"(supported: a tp_size dividing the {what})"
+        )
+    block = size // tp_size
+    return slice(tp_rank * block, (tp_rank + 1) * block)
+
+
+def launch_rank() -> int:
+    """This process's rank as torchrun set it (0 outside torchrun), before any group exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_parallel(device: torch.device) -> ParallelState:
     """Join the process group ``torchrun`` described in the environment, if any.
 
-    Uses NCCL for CUDA devices and gloo otherwise. A single process needs no group.
+    Uses NCCL for CUDA devices (each rank on ``cuda:LOCAL_RANK``) and gloo otherwise. A single
+    process needs no group. The returned state is the world; ModelRunner lays TP and EP over it.
     """
     if dist.is_available() and dist.is_initialized():
         return ParallelState.from_process_group()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or not dist.is_available():
         return ParallelState.single()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        # NCCL binds a communicator to the current device: one GPU per local rank.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl")
+    else:
+        dist.init_process_group(backend="gloo")
     return ParallelState.from_process_group()

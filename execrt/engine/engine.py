@@ -9,12 +9,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_runner import resolve_device
 from execrt.core.model_spec import ModelLoader
-from execrt.core.parallel import init_parallel
+from execrt.core.parallel import ParallelState, init_parallel
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
@@ -51,6 +53,11 @@ class Engine:
     which and why; ``random_weights`` is True for the latter). ``loader`` replaces the
     checkpoint altogether (e.g. random weights for a benchmark); the engine then has no
     tokenizer, so prompts are token ids.
+
+    Under ``torchrun`` every rank builds an Engine with the same arguments (``tp_size`` = the
+    number of processes; ``ep_size`` for a MoE model) and makes the same calls: the ranks step
+    in lockstep and every rank returns the same results. ``parallel.rank`` says which rank
+    this is (print on rank 0 only).
     """
 
     def __init__(
@@ -86,7 +93,8 @@ class Engine:
             loader = checkpoint = CheckpointLoader(path)
         self.model_path = path
         registry = (plugin_host or get_plugin_host()).registry
-        self.context = RuntimeContext(parallel=init_parallel(resolve_device(cfg.device)))
+        self.context = self._join_world(resolve_device(cfg.device))
+        cfg = self.config  # on CUDA under torchrun, with this rank's device
         try:
             self.worker = TpModelWorker(loader, cfg, self.context, registry)
         except BaseException:
@@ -111,6 +119,29 @@ class Engine:
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
+
+    def _join_world(self, device: torch.device) -> RuntimeContext:
+        """The context over the torchrun world (one process: a world of 1). A process group
+        this engine created is destroyed when it closes."""
+        joined = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = init_parallel(device)
+        context = RuntimeContext(parallel=world)
+        if world.world_size > 1 and device.type == "cuda" and device.index is None:
+            # One GPU per rank: init_parallel made this rank's GPU the current device.
+            self.config = self.config.replace(device=f"cuda:{torch.cuda.current_device()}")
+        if world.world_size > 1 and not joined:
+            context.register(
+                "process_group",
+                world,
+                owner="engine",
+                close=lambda _: torch.distributed.destroy_process_group(),
+            )
+        return context
+
+    @property
+    def parallel(self) -> ParallelState:
+        """This rank's place in the run: world size, rank, TP and EP groups."""
+        return self.worker.model_runner.parallel
 
     @property
     def resolution(self) -> ResolutionReport:

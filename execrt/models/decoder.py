@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
+from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.models.config import ModelConfig
 from execrt.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, SparseMoE
 
@@ -25,6 +27,7 @@ class DecoderLayer(nn.Module):
         layer_id: int,
         rotary: RotaryEmbedding,
         dispatcher: MoEDispatcher | None,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
         c = config
@@ -40,6 +43,7 @@ class DecoderLayer(nn.Module):
             bias=c.attention_bias,
             o_bias=c.o_proj_bias,
             qk_norm=c.qk_norm,
+            parallel=parallel,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp: nn.Module
@@ -55,7 +59,7 @@ class DecoderLayer(nn.Module):
                 dispatcher,
             )
         else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, parallel=parallel)
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor | None, fb: ForwardBatch
@@ -74,28 +78,46 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, max_positions: int, dispatcher: MoEDispatcher | None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dispatcher: MoEDispatcher | None,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given storage, the embedding skips its random init: on the meta device normal_ alone
+        # imports ~900 torch modules (a second at every start), and importing them after
+        # init_process_group keeps the process group alive past destroy_process_group.
+        weight = torch.empty(config.vocab_size, config.hidden_size)  # filled by load_weights
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, dispatcher) for i in range(config.num_layers)
+            DecoderLayer(config, i, rotary, dispatcher, parallel) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
-    """Embedding -> decoder layers -> final norm -> LM head (tied or untied)."""
+    """Embedding -> decoder layers -> final norm -> LM head (tied or untied).
+
+    Under tensor parallelism (``parallel``) attention heads and dense MLP rows are sharded
+    (see ``Attention`` and ``MLP``); the embedding, norms, router and LM head are replicated,
+    so every rank ends with the full logits.
+    """
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, dispatcher: MoEDispatcher | None = None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dispatcher: MoEDispatcher | None = None,
+        parallel: ParallelState | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, dispatcher)
+        self.parallel = parallel = parallel or ParallelState.single()
+        self.model = DecoderModel(config, max_positions, dispatcher, parallel)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -132,7 +154,8 @@ class DecoderForCausalLM(nn.Module):
         """Copy checkpoint tensors into parameters; returns the parameter names fully filled.
 
         Handles the fused gate/up projection, per-expert and fused expert layouts, and keeps
-        only this rank's experts. A mis-shaped tensor raises ModelLoadError naming it.
+        only this rank's experts and (tensor parallel) its heads and MLP rows. A mis-shaped
+        tensor raises ModelLoadError naming it.
         """
         params = dict(self.named_parameters())
         experts = {
@@ -140,10 +163,11 @@ class DecoderForCausalLM(nn.Module):
             for name, mod in self.named_modules()
             if isinstance(mod, SparseMoE)
         }
+        shard = _TpShard.of(self.config, self.parallel)
         filled: dict[str, int] = {}
         unexpected: list[str] = []
         for name, tensor in weights:
-            for target, index, value in _map_weight(name, tensor, self.config, experts):
+            for target, index, value in _map_weight(name, tensor, self.config, experts, shard):
                 if target not in params:
                     unexpected.append(name)
                     continue
@@ -174,17 +198,86 @@ Qwen3ForCausalLM = LlamaForCausalLM = Qwen2ForCausalLM = DecoderForCausalLM
 Index = tuple[slice | int, ...]
 
 
+@dataclass(frozen=True)
+class _TpShard:
+    """Which part of each checkpoint tensor this TP rank keeps, and the full extents."""
+
+    q: slice  # rows of q_proj (and its bias), columns of o_proj
+    kv: slice  # rows of k_proj and v_proj (and their biases)
+    mlp: slice  # rows of gate_proj and up_proj (and biases), columns of down_proj
+    q_size: int  # Hq * D of the checkpoint
+    kv_size: int  # Hkv * D
+    mlp_size: int  # the dense intermediate size
+
+    @classmethod
+    def of(cls, config: ModelConfig, parallel: ParallelState) -> _TpShard | None:
+        """None at tp_size 1 (every tensor whole)."""
+        tp, rank, d = parallel.tp_size, parallel.tp_rank, config.head_dim
+        if tp == 1:
+            return None
+        heads = shard_heads(config.num_q_heads, config.num_kv_heads, tp, rank)
+        q = slice(heads.q_start * d, (heads.q_start + heads.num_q) * d)
+        kv = slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d)
+        inter = config.intermediate_size
+        # A MoE model without dense layers need not have an intermediate size that splits.
+        dense = _has_dense_mlp(config)
+        mlp = shard_rows(inter, tp, rank, "intermediate_size") if dense else slice(0, inter)
+        return cls(q, kv, mlp, config.num_q_heads * d, config.num_kv_heads * d, inter)
+
+
+def _has_dense_mlp(config: ModelConfig) -> bool:
+    return any(not config.is_moe_layer(i) for i in range(config.num_layers))
+
+
+def _take(name: str, tensor: torch.Tensor, dim: int, part: slice, full: int) -> torch.Tensor:
+    """``part`` of ``tensor`` along ``dim``, after checking that dim has the checkpoint's size
+    (slicing would hide a mis-shaped tensor)."""
+    if tensor.dim() <= dim or tensor.shape[dim] != full:
+        raise ModelLoadError(
+            f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {full} "
+            f"along dim {dim}"
+        )
+    return tensor[part] if dim == 0 else tensor[:, part]
+
+
+def _tp_slice(name: str, tensor: torch.Tensor, shard: _TpShard) -> torch.Tensor:
+    """This TP rank's part of a checkpoint tensor: q/k/v and gate/up rows (weights and
+    biases), o_proj and down_proj input columns; any other tensor whole (replicated)."""
+    if ".mlp.experts." in name:
+        return tensor
+    for key, dim, part, full in (
+        (".self_attn.q_proj.", 0, shard.q, shard.q_size),
+        (".self_attn.k_proj.", 0, shard.kv, shard.kv_size),
+        (".self_attn.v_proj.", 0, shard.kv, shard.kv_size),
+        (".self_attn.o_proj.weight", 1, shard.q, shard.q_size),
+        (".mlp.gate_proj.", 0, shard.mlp, shard.mlp_size),
+        (".mlp.up_proj.", 0, shard.mlp, shard.mlp_size),
+        (".mlp.down_proj.weight", 1, shard.mlp, shard.mlp_size),
+    ):
+        if key in name:
+            return _take(name, tensor, dim, part, full)
+    return tensor
+
+
 def _map_weight(
-    name: str, tensor: torch.Tensor, config: ModelConfig, experts: dict[str, tuple[int, int]]
+    name: str,
+    tensor: torch.Tensor,
+    config: ModelConfig,
+    experts: dict[str, tuple[int, int]],
+    shard: _TpShard | None = None,
 ) -> list[tuple[str, Index | None, torch.Tensor]]:
     """Checkpoint name -> [(parameter name, index into it or None, value)].
 
-    ``experts`` maps each MoE block (``model.layers.N.mlp``) to (first local expert, count).
+    ``experts`` maps each MoE block (``model.layers.N.mlp``) to (first local expert, count);
+    ``shard`` says which attention and dense-MLP rows this TP rank keeps (None: all).
     """
     if name.endswith("rotary_emb.inv_freq"):
         return []
     q_size = config.num_q_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
+    if shard is not None:
+        tensor = _tp_slice(name, tensor, shard)
+        q_size, kv_size = shard.q.stop - shard.q.start, shard.kv.stop - shard.kv.start
     for proj, start, size in (
         ("q_proj", 0, q_size),
         ("k_proj", q_size, kv_size),

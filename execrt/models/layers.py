@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
 from execrt.core.interfaces import AttentionLayer, MoEDispatcher
+from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.fused_moe import fused_experts
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -94,6 +96,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(wavelen < high_wavelen, inv_freq, out)
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """``linear(x)`` when ``linear`` holds this rank's input columns: the partial products are
+    summed over the TP group, and the (replicated) bias is added once, after the sum."""
+    if parallel.tp_size == 1:
+        return linear(x)
+    out = F.linear(x, linear.weight)  # [T, H_out] this rank's share of the sum
+    parallel.all_reduce(out, parallel.tp_group)
+    return out if linear.bias is None else out + linear.bias
+
+
 class Attention(nn.Module):
     """GQA self-attention, per-head q/k RMSNorm optional (Qwen3 has it, Llama and Qwen2 do not);
     the kernel is the backend's.
@@ -101,6 +113,10 @@ class Attention(nn.Module):
     q, k and v come from one fused projection ``qkv_proj [(Hq + 2 Hkv) D, H]``. Fused, one
     kernel normalises and rotates q and k and stores this step's K/V in the cache (the backend
     is then told not to store them again); unfused, the torch reference does the same math.
+
+    Under tensor parallelism (``parallel.tp_size`` > 1) the module holds this rank's heads only
+    (``shard_heads``): ``qkv_proj`` its q rows, then its kv heads' k and v rows, ``o_proj`` the
+    matching input columns; the output is summed over the TP group.
     """
 
     def __init__(
@@ -115,8 +131,12 @@ class Attention(nn.Module):
         bias: bool = False,
         o_bias: bool = False,
         qk_norm: bool = True,
+        parallel: ParallelState | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel = parallel or ParallelState.single()
+        heads = shard_heads(num_q_heads, num_kv_heads, parallel.tp_size, parallel.tp_rank)
+        num_q_heads, num_kv_heads = heads.num_q, heads.num_kv  # this rank's
         self.q_size, self.kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(num_q_heads * head_dim, hidden_size, bias=o_bias)
@@ -162,21 +182,38 @@ class Attention(nn.Module):
             use_triton=self.fused,
         )
         o = backend.forward(q, k, v, s, fb, save_kv_cache=not store)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, -1))
+        return row_parallel(self.o_proj, o.reshape(t, -1), self.parallel)  # [T, H]
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matrix ``[2I, H]``."""
+    """SwiGLU MLP with gate and up projections fused into one matrix ``[2I, H]``.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    Under tensor parallelism each rank holds a contiguous block of the intermediate rows
+    (``gate_up_proj``: its gate rows, then its up rows; ``down_proj``: those input columns) and
+    the output is summed over the TP group.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        parallel: ParallelState | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.parallel = parallel = parallel or ParallelState.single()
+        rows = shard_rows(
+            intermediate_size, parallel.tp_size, parallel.tp_rank, "intermediate_size"
+        )
+        local = rows.stop - rows.start
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=bias)
+        self.down_proj = nn.Linear(local, hidden_size, bias=bias)
 
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), use_triton=self.fused))
+        h = silu_and_mul(self.gate_up_proj(x), use_triton=self.fused)  # [T, I / tp]
+        return row_parallel(self.down_proj, h, self.parallel)  # [T, H]
 
 
 class SparseMoE(nn.Module):

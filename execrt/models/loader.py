@@ -11,6 +11,7 @@ import torch
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
+from execrt.core.parallel import ParallelState
 from execrt.kernels import use_triton
 from execrt.models.config import FAMILIES, ModelConfig, checkpoint_dir, read_json
 from execrt.models.decoder import DecoderForCausalLM
@@ -80,10 +81,12 @@ def load_model(
     max_positions: int,
     dispatcher: MoEDispatcher | None,
     fused_kernels: bool = False,
+    parallel: ParallelState | None = None,
 ) -> DecoderForCausalLM:
     """Build the model for ``config.architecture`` on ``device`` and fill it from ``path``
     (a checkpoint directory, a ``.gguf`` file or a directory holding one). ``fused_kernels``
     runs the Triton kernels of ``execrt.kernels`` (see ``DecoderForCausalLM.set_fused_kernels``).
+    ``parallel`` (tensor parallel): only this rank's heads and MLP rows are built and read.
 
     Raises ModelLoadError for an unknown architecture, a missing or mis-shaped tensor.
     """
@@ -95,7 +98,13 @@ def load_model(
         )
     files = checkpoint_files(checkpoint_dir(path))
     model = build_empty(
-        cls, config, device=device, dtype=dtype, max_positions=max_positions, dispatcher=dispatcher
+        cls,
+        config,
+        device=device,
+        dtype=dtype,
+        max_positions=max_positions,
+        dispatcher=dispatcher,
+        parallel=parallel,
     )
     loaded = model.load_weights(iter_weights(files))
     missing = sorted(model.expected_weights() - loaded)
@@ -118,13 +127,14 @@ def build_empty(
     dtype: torch.dtype,
     max_positions: int,
     dispatcher: MoEDispatcher | None,
+    parallel: ParallelState | None = None,
 ) -> DecoderForCausalLM:
     """The model with uninitialised parameters in ``dtype`` on ``device`` (no random init)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(config, max_positions, dispatcher)
+            model = cls(config, max_positions, dispatcher, parallel)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -157,4 +167,5 @@ class CheckpointLoader:
             max_positions=request.max_positions,
             dispatcher=request.dispatcher,
             fused_kernels=use_triton(request.device, request.fused_kernels),
+            parallel=request.parallel,
         )

@@ -18,10 +18,10 @@ STEPS = 4
 
 
 def run_steps(
-    path: str, context: RuntimeContext
+    path: str, context: RuntimeContext, ep_size: int = 0
 ) -> tuple[list[torch.Tensor], list[list[int]], int]:
     """Prefill then decode STEPS times; returns the logits, the tokens and the local experts."""
-    worker = make_worker(path, context)
+    worker = make_worker(path, context, ep_size=ep_size)
     model = worker.model_runner.model
     local_experts = next(p.shape[0] for n, p in model.named_parameters() if n.endswith("w13"))
     trace = prefill_then_decode(worker, PROMPTS, STEPS)
@@ -33,7 +33,7 @@ def _rank_main(rank: int, world: int, path: str, init_file: str, out_dir: str) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         ctx = RuntimeContext(parallel=ParallelState.from_process_group())
-        logits, tokens, local = run_steps(path, ctx)
+        logits, tokens, local = run_steps(path, ctx, ep_size=world)  # attention replicated
         torch.save(
             {"logits": logits, "tokens": tokens, "local_experts": local},
             os.path.join(out_dir, f"rank{rank}.pt"),

@@ -124,7 +124,7 @@ class AllGatherDispatcher(MoEDispatcher):
 
     def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
         par = self.init.parallel
-        counts = par.all_gather_counts(hidden_states.shape[0], hidden_states.device)
+        counts = par.all_gather_counts(hidden_states.shape[0], hidden_states.device, par.ep_group)
         cap = max(counts)
         parts = [_gather(t, counts, cap, par) for t in (hidden_states, topk_ids, topk_weights)]
         local = parts[1] - self.first
@@ -137,7 +137,7 @@ class AllGatherDispatcher(MoEDispatcher):
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         par = self.init.parallel
         counts: list[int] = dispatch_output.counts  # type: ignore[union-attr]
-        total = par.all_reduce(expert_output.clone())
+        total = par.all_reduce(expert_output.clone(), par.ep_group)
         start = sum(counts[: par.rank])
         return total[start : start + counts[par.rank]]
 

@@ -60,7 +60,7 @@ def check_sharding(component: str, init: MoEDispatcherInit) -> None:
     if init.num_experts < world or init.num_experts % world:
         raise ValueError(
             f"{component}: num_experts {init.num_experts} unsupported (supported: a positive "
-            f"multiple of the world size {world})"
+            f"multiple of the EP size {world})"
         )
 
 
@@ -94,5 +94,6 @@ def exchange(
         return rows
     num_out = rows.shape[0] if out_splits is None else sum(out_splits)
     out = rows.new_empty(num_out, *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=parallel.group)
+    group = parallel.ep_group.handle
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
     return out

@@ -39,4 +39,5 @@ class AllReduceDispatcher(MoEDispatcher):
             raise TypeError(
                 "allreduce dispatcher: combine needs the StandardDispatchOutput it made"
             )
-        return self.init.parallel.all_reduce(expert_output)
+        parallel = self.init.parallel
+        return parallel.all_reduce(expert_output, parallel.ep_group)

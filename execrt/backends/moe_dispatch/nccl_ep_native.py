@@ -67,13 +67,14 @@ class Communicator:
 
 
 def open_communicator(api: NcclApi, parallel: ParallelState, device: torch.device) -> Communicator:
-    """The ranks' existing NCCL communicator (torch's ProcessGroupNCCL), or at world size 1
-    without a process group a one-rank communicator of our own."""
+    """The EP group's existing NCCL communicator (torch's ProcessGroupNCCL), or, when the EP
+    group is this rank alone (no process group, or experts replicated over TP ranks), a
+    one-rank communicator of our own."""
     if api.is_capturing():
         raise ResourceError(f"{COMPONENT}: cannot open a communicator inside CUDA-graph capture")
-    if parallel.backend == "none":
-        if parallel.world_size != 1:
-            raise ValueError(f"{COMPONENT}: world size {parallel.world_size} needs NCCL")
+    if parallel.backend == "none" or parallel.ep_size == 1 < parallel.world_size:
+        if parallel.ep_size != 1:
+            raise ValueError(f"{COMPONENT}: EP size {parallel.ep_size} needs NCCL")
         comm = api.core.Communicator.init(1, 0, api.core.get_unique_id())
         return _checked(Communicator(comm, owned=True))
     if parallel.backend != "nccl":
@@ -88,18 +89,19 @@ def open_communicator(api: NcclApi, parallel: ParallelState, device: torch.devic
         raise BackendUnavailableError(
             "moe_dispatch", "nccl_ep", ["torch does not expose its NCCL communicator"]
         )
-    return _checked(Communicator(api.comm_from_group(parallel.group), owned=True))
+    return _checked(Communicator(api.comm_from_group(parallel.ep_group.handle), owned=True))
 
 
 def _torch_comm_ptr(parallel: ParallelState, device: torch.device) -> int:
-    group = parallel.group if parallel.group is not None else dist.group.WORLD
+    handle = parallel.ep_group.handle
+    group = handle if handle is not None else dist.group.WORLD
     backend = group._get_backend(device)  # type: ignore[union-attr]
     getter = getattr(backend, "_comm_ptr", None)
     if not callable(getter):
         return 0
     ptr = int(getter())
     if ptr == 0:  # ProcessGroupNCCL creates its communicator at the first collective
-        dist.all_reduce(torch.zeros(1, device=device), group=parallel.group)
+        dist.all_reduce(torch.zeros(1, device=device), group=handle)
         ptr = int(getter())
     return ptr
 
