@@ -336,6 +336,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.verbose and show:
             print(engine.model_note, file=sys.stderr)
             print(engine.resolution.describe(), file=sys.stderr)
+            par = engine.parallel
+            if par.world_size > 1:
+                print(
+                    f"parallel: world {par.world_size} ({par.backend}), tp_size {par.tp_size}, "
+                    f"ep_size {par.ep_size}",
+                    file=sys.stderr,
+                )
         if engine.random_weights and show:
             from execrt.models.builtin import DEMO_HINT
 

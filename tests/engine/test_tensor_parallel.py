@@ -33,6 +33,7 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[int, int], int]] = {
     # Qwen3-MoE, EP over the TP ranks under each dispatcher: 4 of 8 experts per rank.
     "moe-allreduce": ("moe-8x2", {"moe_dispatcher": "allreduce"}, (2, 1), 4),
     "moe-all_to_all": ("moe-8x2", {"moe_dispatcher": "all_to_all"}, (2, 1), 4),
+    "moe-all_to_all_fixed": ("moe-8x2", {"moe_dispatcher": "all_to_all_fixed"}, (2, 1), 4),
     # EP 1: experts replicated; 1 kv head replicated; layer 3 is a dense (sharded) MLP.
     "moe-ep1": ("moe-mixed-layers", {"ep_size": 1, "moe_dispatcher": "allreduce"}, (2, 1), 8),
     # The Triton kernels on local shapes (q/k norm + RoPE + K/V store into this rank's cache,
