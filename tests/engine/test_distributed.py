@@ -30,6 +30,9 @@ def run_steps(
 
 
 def _rank_main(rank: int, world: int, path: str, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(
+        1
+    )  # two ranks spinning OpenMP threads on a small CPU stall at collectives
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         ctx = RuntimeContext(parallel=ParallelState.from_process_group())
