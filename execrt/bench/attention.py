@@ -10,19 +10,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
-from execrt.bench.common import L2_BYTES, copy_bandwidth_gbps, median_us, save_records, utc_now
+from execrt.bench.common import (
+    L2_BYTES,
+    build_attention_backend,
+    copy_bandwidth_gbps,
+    median_us,
+    save_records,
+    utc_now,
+)
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
-    AttentionBackendInit,
-    AttentionCapabilities,
     AttentionLayer,
-    AttentionRequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
@@ -104,27 +107,16 @@ class DecodeProblem:
 def build_backend(
     host: PluginHost, name: str, p: DecodeProblem, ctx: RuntimeContext
 ) -> AttentionBackend:
-    spec = host.registry.get("attention", name)
-    reasons = spec.refusals(AttentionRequirements("cuda", p.dtype, p.d, p.hq, p.hkv))
-    if reasons:
-        raise RuntimeError("; ".join(reasons))
-    init = AttentionBackendInit(
-        capabilities=cast(AttentionCapabilities, spec.capabilities),
-        num_q_heads=p.hq,
-        num_kv_heads=p.hkv,
-        head_dim=p.d,
-        v_head_dim=p.d,
-        num_layers=p.num_layers,
-        dtype=p.dtype,
-        device=torch.device("cuda"),
-        req_to_token_pool=p.pool,
+    return build_attention_backend(
+        host,
+        name,
+        pool=p.pool,
         kv_cache=p.kv_cache,
+        num_q_heads=p.hq,
         max_batch_size=p.bs,
         max_context_len=p.ctx,
         context=ctx,
     )
-    backend: AttentionBackend = spec.create(init)
-    return backend
 
 
 def time_backend(

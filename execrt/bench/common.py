@@ -8,9 +8,19 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+from execrt.core.context import RuntimeContext
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionCapabilities,
+    AttentionRequirements,
+)
+from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.plugins.host import PluginHost
 
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
 
@@ -52,3 +62,41 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
     with open(path, "w") as fh:
         json.dump([asdict(r) for r in records], fh, indent=2)
     return path
+
+
+def build_attention_backend(
+    host: PluginHost,
+    name: str,
+    *,
+    pool: ReqToTokenPool,
+    kv_cache: KVCache,
+    num_q_heads: int,
+    max_batch_size: int,
+    max_context_len: int,
+    context: RuntimeContext,
+) -> AttentionBackend:
+    """A registered attention backend over a benchmark's own pools (shapes from the cache);
+    RuntimeError with the backend's reasons when it cannot serve them here."""
+    spec = host.registry.get("attention", name)
+    d, hkv, dtype = kv_cache.head_dim, kv_cache.num_kv_heads, kv_cache.dtype
+    requirements = AttentionRequirements(kv_cache.device.type, dtype, d, num_q_heads, hkv)
+    reasons = spec.refusals(requirements)
+    if reasons:
+        raise RuntimeError("; ".join(reasons))
+    init = AttentionBackendInit(
+        capabilities=cast(AttentionCapabilities, spec.capabilities),
+        num_q_heads=num_q_heads,
+        num_kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=kv_cache.v_head_dim,
+        num_layers=kv_cache.num_layers,
+        dtype=dtype,
+        device=kv_cache.device,
+        req_to_token_pool=pool,
+        kv_cache=kv_cache,
+        max_batch_size=max_batch_size,
+        max_context_len=max_context_len,
+        context=context,
+    )
+    backend: AttentionBackend = spec.create(init)
+    return backend

@@ -12,26 +12,19 @@ mask (``causal_lower_right``), which torch runs with its flash kernel.
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
-import json
 import math
-import os
-import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import cast
+from dataclasses import dataclass
 
 import torch
 
+from execrt.bench.common import build_attention_backend, median_us, save_records, utc_now
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
-    AttentionBackendInit,
-    AttentionCapabilities,
     AttentionLayer,
-    AttentionRequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
@@ -148,43 +141,28 @@ class ExtendProblem:
 
 def time_calls(calls: Sequence[Callable[[], object]], iters: int, reps: int) -> float:
     """Median ms per call over ``reps`` samples of ``iters`` rounds of every call."""
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            for call in calls:
-                call()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / (iters * len(calls)))
-    return statistics.median(samples)
+
+    def every_call() -> None:
+        for call in calls:
+            call()
+
+    return median_us(every_call, iters, reps) / 1e3 / len(calls)
 
 
 def backend_calls(
     host: PluginHost, name: str, p: ExtendProblem, context: RuntimeContext
 ) -> tuple[list[Callable[[], torch.Tensor]], AttentionBackend]:
     """One ``forward_extend`` call per layer of a registered backend, metadata built once."""
-    spec = host.registry.get("attention", name)
-    reasons = spec.refusals(AttentionRequirements(p.device.type, p.dtype, p.d, p.hq, p.hkv))
-    if reasons:
-        raise RuntimeError("; ".join(reasons))
-    init = AttentionBackendInit(
-        capabilities=cast(AttentionCapabilities, spec.capabilities),
-        num_q_heads=p.hq,
-        num_kv_heads=p.hkv,
-        head_dim=p.d,
-        v_head_dim=p.d,
-        num_layers=p.num_layers,
-        dtype=p.dtype,
-        device=p.device,
-        req_to_token_pool=p.pool,
+    backend = build_attention_backend(
+        host,
+        name,
+        pool=p.pool,
         kv_cache=p.kv_cache,
+        num_q_heads=p.hq,
         max_batch_size=p.bs,
         max_context_len=p.ctx,
         context=context,
     )
-    backend: AttentionBackend = spec.create(init)
     fb = p.forward_batch()
     backend.init_forward_metadata(fb)
     calls: list[Callable[[], torch.Tensor]] = [
@@ -247,7 +225,7 @@ def run(
     host = PluginHost()
     names = list(backends or DEFAULT_BACKENDS)
     gpu = torch.cuda.get_device_name()
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    date = utc_now()
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
     records: list[Record] = []
     for bs, new, prefix in shapes:
@@ -297,12 +275,7 @@ def run(
         torch.cuda.empty_cache()
     print(format_table(records))
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"extend-{stamp}.json")
-        with open(path, "w") as fh:
-            json.dump([asdict(r) for r in records], fh, indent=2)
-        print(f"# saved {path}")
+        print(f"# saved {save_records(records, out_dir, 'extend')}")
     return records
 
 

@@ -79,8 +79,8 @@ class DeviceToHost:
 
     def start(self, tensor: torch.Tensor) -> HostCopy:
         """Slots are reused round-robin: read a copy before ``slots`` more have started."""
-        if not self._ring.pinned:
-            return HostCopy(tensor, None)
+        if not self._ring.pinned:  # a snapshot, flat, as the pinned copy would be
+            return HostCopy(tensor.detach().flatten().clone(), None)
         n = tensor.numel()
         slot = self._ring.take(n)
         host = slot.host[:n]

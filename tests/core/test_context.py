@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from execrt.core.context import RuntimeContext
@@ -79,3 +81,122 @@ def test_unregister_checks_owner_and_borrower() -> None:
     ctx.release("r", "x")
     ctx.unregister("r", owner="a")
     assert closed == [1] and not ctx.has("r")
+
+
+def test_unknown_names_are_errors_listing_what_is_registered() -> None:
+    ctx = RuntimeContext()
+    with pytest.raises(ResourceError, match=r"no resource 'x' \(registered: none\)"):
+        ctx.borrow("x", "layer0")
+    ctx.register("b", 1, owner="o")
+    ctx.register("a", 2, owner="o")
+    for call in (
+        lambda: ctx.owner_of("x"),
+        lambda: ctx.borrower_of("x"),
+        lambda: ctx.release("x", "layer0"),
+        lambda: ctx.unregister("x", owner="o"),
+    ):
+        with pytest.raises(ResourceError) as info:
+            call()
+        assert str(info.value) == "runtime context: no resource 'x' (registered: a, b)"
+    assert ctx.has("a") and not ctx.has("x")
+
+
+def test_releasing_what_nobody_holds_is_an_error() -> None:
+    ctx = RuntimeContext()
+    ctx.register("buf", 1, owner="o")
+    with pytest.raises(
+        ResourceError, match="^runtime context: layer0 released 'buf', which is held by nobody$"
+    ):
+        ctx.release("buf", "layer0")
+
+
+def test_borrowed_releases_even_when_the_block_raises() -> None:
+    ctx = RuntimeContext()
+    obj = ["handle"]
+    ctx.register("h", obj, owner="o")
+    with pytest.raises(KeyError), ctx.borrowed("h", "layer3") as got:
+        assert got is obj and ctx.borrower_of("h") == "layer3"
+        raise KeyError("inside")
+    assert ctx.borrower_of("h") is None
+    assert ctx.borrow("h", "layer4") is obj  # free for the next borrower
+
+
+def test_get_or_create_with_a_failing_factory_registers_nothing() -> None:
+    ctx = RuntimeContext()
+
+    def broken() -> object:
+        raise OSError("no memory")
+
+    with pytest.raises(OSError):
+        ctx.get_or_create("ws", broken, owner="o")
+    assert not ctx.has("ws")
+    closed: list[str] = []
+    assert ctx.get_or_create("ws", lambda: "made", owner="o", close=closed.append) == "made"
+    assert ctx.owner_of("ws") == "o"
+    ctx.close()
+    assert closed == ["made"]
+
+
+def test_open_resources_are_listed_newest_first() -> None:
+    ctx = RuntimeContext()
+    assert ctx.open_resources() == []
+    ctx.register("pool", 1, owner="runner")
+    ctx.register("workspace", 2, owner="attn")
+    ctx.borrow("pool", "graph")
+    assert ctx.open_resources() == [
+        "workspace (owner attn)",
+        "pool (owner runner, borrowed by graph)",
+    ]
+
+
+def test_a_re_registered_name_closes_by_its_new_registration_order() -> None:
+    ctx = RuntimeContext()
+    closed: list[str] = []
+    ctx.register("a", "a1", owner="o", close=closed.append)
+    ctx.register("b", "b", owner="o", close=closed.append)
+    ctx.unregister("a", owner="o")
+    ctx.register("a", "a2", owner="o", close=closed.append)
+    ctx.close()
+    assert closed == ["a1", "a2", "b"]  # a1 at unregister; then newest first
+
+
+def test_close_logs_the_leak_report_and_a_borrowed_resource_closes_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = RuntimeContext()
+    closed: list[int] = []
+    ctx.register("held", 1, owner="o", close=closed.append)
+    ctx.borrow("held", "dispatcher")
+    with caplog.at_level(logging.WARNING, logger="execrt.core.context"):
+        report = ctx.close()
+    assert report == ["left open: held (owner o, borrowed by dispatcher)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "runtime context: left open: held (owner o, borrowed by dispatcher)"
+    ]
+    assert ctx.closed and closed == []
+    ctx.release("held", "dispatcher")
+    assert ctx.close() == [] and closed == [1] and ctx.open_resources() == []
+
+
+def test_a_failing_closer_does_not_stop_the_others() -> None:
+    ctx = RuntimeContext()
+    closed: list[str] = []
+
+    def fail(_: object) -> None:
+        raise RuntimeError("driver gone")
+
+    ctx.register("first", "first", owner="o", close=closed.append)
+    ctx.register("broken", "broken", owner="o", close=fail)
+    ctx.register("last", "last", owner="o", close=closed.append)
+    assert ctx.close() == ["closing broken failed: RuntimeError('driver gone')"]
+    assert closed == ["last", "first"] and not ctx.has("broken")
+
+
+def test_the_context_manager_closes_on_exit_and_keeps_the_parallel_state() -> None:
+    closed: list[int] = []
+    marker = object()
+    with RuntimeContext(parallel=marker) as ctx:  # type: ignore[arg-type]
+        assert ctx.parallel is marker and not ctx.closed
+        ctx.register("r", 5, owner="o", close=closed.append)
+    assert ctx.closed and closed == [5]
+    assert RuntimeContext().parallel is None

@@ -72,3 +72,104 @@ def test_kv_cache_writes_only_the_given_slots() -> None:
     untouched = [0, 1, 2, 4, 6]
     assert not cache.k_buffers[1][untouched].any() and not cache.k_buffers[0].any()
     assert cache.bytes_per_token() == 2 * 2 * (4 + 4) * 2
+
+
+def test_req_to_token_pool_validates_its_size_and_hands_out_low_rows_first() -> None:
+    with pytest.raises(ValueError, match="max_reqs 0 and max_context_len 4 must be >= 1"):
+        ReqToTokenPool(max_reqs=0, max_context_len=4, device="cpu")
+    with pytest.raises(ValueError, match="max_reqs 2 and max_context_len 0 must be >= 1"):
+        ReqToTokenPool(max_reqs=2, max_context_len=0, device="cpu")
+    pool = ReqToTokenPool(max_reqs=3, max_context_len=4, device="cpu")
+    assert [pool.alloc(), pool.alloc()] == [1, 2]
+    with pytest.raises(ValueError, match=r"row 4 out of range \(1..3\)"):
+        pool.free(4)
+
+
+def test_write_may_fill_a_row_to_its_last_position() -> None:
+    pool = ReqToTokenPool(max_reqs=1, max_context_len=4, device="cpu")
+    pool.write(1, 2, torch.tensor([8, 9], dtype=torch.int64))
+    pool.write(1, 0, torch.tensor([], dtype=torch.int64))  # nothing to record
+    assert pool.req_to_token[1].tolist() == [0, 0, 8, 9]
+    with pytest.raises(ValueError, match="token 4 beyond max_context_len 4"):
+        pool.write(1, 4, torch.tensor([1]))
+
+
+def test_write_tokens_scatters_each_slot_to_its_row_and_position() -> None:
+    pool = ReqToTokenPool(max_reqs=2, max_context_len=5, device="cpu")
+    pool.req_to_token.fill_(-1)  # poison: only the three targets may change
+    rows = torch.tensor([1, 2, 1])
+    positions = torch.tensor([0, 3, 4])
+    pool.write_tokens(rows, positions, torch.tensor([11, 12, 2**20], dtype=torch.int64))
+    assert pool.req_to_token.dtype == torch.int32
+    assert pool.req_to_token.tolist() == [
+        [-1, -1, -1, -1, -1],
+        [11, -1, -1, -1, 2**20],
+        [-1, -1, -1, 12, -1],
+    ]
+
+
+def test_write_tokens_with_no_tokens_changes_nothing() -> None:
+    pool = ReqToTokenPool(max_reqs=1, max_context_len=2, device="cpu")
+    empty = torch.zeros(0, dtype=torch.int64)
+    pool.write_tokens(empty, empty, empty)
+    assert not pool.req_to_token.any()
+
+
+def test_allocator_size_zero_alloc_zero_and_free_nothing() -> None:
+    with pytest.raises(ValueError, match="size 0 must be >= 1"):
+        TokenToKVPoolAllocator(size=0, device="cpu")
+    alloc = TokenToKVPoolAllocator(size=3, device="cpu")
+    none = alloc.alloc(0)
+    assert none is not None and none.numel() == 0 and alloc.available_size() == 3
+    alloc.free(torch.zeros(0, dtype=torch.int64))
+    assert alloc.available_size() == 3
+
+
+def test_allocator_hands_out_ascending_slots_and_reuses_freed_ones_last() -> None:
+    alloc = TokenToKVPoolAllocator(size=5, device="cpu")
+    first = alloc.alloc(3)
+    assert first is not None and first.tolist() == [1, 2, 3] and first.dtype == torch.int64
+    alloc.free(torch.tensor([[3], [1]], dtype=torch.int32))  # any int dtype or shape
+    rest = alloc.alloc(4)
+    assert rest is not None and rest.tolist() == [4, 5, 3, 1]
+
+
+def test_a_rejected_free_returns_nothing_to_the_pool() -> None:
+    alloc = TokenToKVPoolAllocator(size=4, device="cpu")
+    taken = alloc.alloc(4)
+    assert taken is not None
+    with pytest.raises(ValueError, match=r"slot ids must be in 1..4"):
+        alloc.free(torch.tensor([2, 0, 3]))  # one bad id spoils the whole call
+    assert alloc.available_size() == 0
+
+
+def test_kv_cache_with_a_distinct_v_head_dim() -> None:
+    bf16 = torch.bfloat16
+    cache = KVCache(
+        5, num_layers=3, num_kv_heads=2, head_dim=8, dtype=bf16, device="cpu", v_head_dim=4
+    )
+    assert cache.k_buffers[2].shape == (6, 2, 8) and cache.v_buffers[2].shape == (6, 2, 4)
+    assert len(cache.k_buffers) == len(cache.v_buffers) == 3
+    # 3 layers * 2 heads * (8 + 4) values * 2 bytes
+    assert cache.bytes_per_token() == 144
+    k, v = torch.ones(1, 2, 8), torch.full((1, 2, 4), 2.0)
+    cache.set_kv(0, torch.tensor([5]), k, v)
+    assert (cache.v_buffers[0][5] == 2.0).all() and not cache.v_buffers[0][:5].any()
+
+
+def test_bytes_per_token_for_known_shapes() -> None:
+    # A Qwen3-0.6B-like cache: 28 layers, 8 KV heads, head_dim 128, bf16.
+    assert KVCache.bytes_per_token_for(28, 8, 128, torch.bfloat16) == 28 * 8 * 256 * 2
+    assert KVCache.bytes_per_token_for(2, 4, 64, torch.float32) == 2 * 4 * 128 * 4
+    assert KVCache.bytes_per_token_for(2, 4, 64, torch.float32, v_head_dim=32) == 2 * 4 * 96 * 4
+    assert KVCache.bytes_per_token_for(1, 1, 16, torch.float8_e4m3fn) == 32
+
+
+def test_set_kv_casts_to_the_cache_dtype() -> None:
+    cache = KVCache(2, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.bfloat16, device="cpu")
+    # 1 + 2**-9 is exact in fp32 but rounds to 1.0 in bf16 (8 mantissa bits); 1 + 2**-7 is exact.
+    k = torch.tensor([[[1 + 2**-9, 1 + 2**-7]]], dtype=torch.float32)
+    cache.set_kv(0, torch.tensor([1]), k, -k)
+    assert cache.k_buffers[0].dtype == torch.bfloat16
+    assert cache.k_buffers[0][1, 0].float().tolist() == [1.0, 1 + 2**-7]
+    assert cache.v_buffers[0][1, 0].float().tolist() == [-1.0, -(1 + 2**-7)]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from execrt.core.sampler import Sampler, SamplingBatchInfo, uniform_noise
+from execrt.core.schedule import Req, SamplingParams
+from execrt.core.staging import HostToDevice
+
+CPU = torch.device("cpu")
 
 
 def info(
@@ -87,3 +93,173 @@ def test_uniform_noise_is_open_interval_and_deterministic() -> None:
     assert torch.equal(u[0], u[1])
     assert 0 < u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.01
+
+
+# -- SamplingBatchInfo.from_reqs ------------------------------------------------------------------
+def req(params: SamplingParams, seed: int = 0, outputs: int = 0, pending: int = 0) -> Req:
+    r = Req(0, [1, 2], params, sampling_seed=seed, output_ids=[5] * outputs)
+    r.num_pending = pending
+    return r
+
+
+def test_an_all_greedy_batch_needs_no_tensors() -> None:
+    reqs = [req(SamplingParams(temperature=0.0)), req(SamplingParams(temperature=0.8, top_k=1))]
+    got = SamplingBatchInfo.from_reqs(reqs, CPU)
+    assert got.all_greedy
+    for t in (got.temperatures, got.top_ks, got.top_ps, got.seeds, got.steps):
+        assert t.numel() == 0
+    logits = torch.randn(2, 16)
+    assert torch.equal(Sampler()(logits, got), logits.argmax(-1))
+
+
+def test_a_mixed_batch_carries_every_parameter_per_row() -> None:
+    reqs = [
+        req(SamplingParams(temperature=0.5, top_k=5, top_p=0.75), 2**40 + 1, 3, pending=2),
+        req(SamplingParams(temperature=0.0), seed=7),
+        req(SamplingParams(temperature=2, top_p=1), seed=0, outputs=1),
+    ]
+    got = SamplingBatchInfo.from_reqs(reqs, CPU)
+    assert not got.all_greedy
+    assert got.temperatures.dtype == got.top_ps.dtype == torch.float32
+    assert got.top_ks.dtype == got.seeds.dtype == got.steps.dtype == torch.int64
+    assert got.temperatures.tolist() == [0.5, 0.0, 2.0]
+    assert got.top_ks.tolist() == [5, -1, -1]
+    assert got.top_ps.tolist() == [0.75, 1.0, 1.0]
+    assert got.seeds.tolist() == [2**40 + 1, 7, 0]
+    assert got.steps.tolist() == [5, 0, 1]  # outputs on the host + tokens still in flight
+
+
+class CountingStager(HostToDevice):
+    def __init__(self) -> None:
+        super().__init__(CPU)
+        self.calls: list[str] = []
+
+    def __call__(self, values: Sequence[int]) -> torch.Tensor:
+        self.calls.append("ints")
+        return super().__call__(values)
+
+    def floats(self, values: Sequence[float]) -> torch.Tensor:
+        self.calls.append("floats")
+        return super().floats(values)
+
+
+def test_from_reqs_stages_ints_and_floats_in_one_copy_each() -> None:
+    reqs = [req(SamplingParams(top_k=3), seed=1, outputs=2), req(SamplingParams(top_p=0.5))]
+    stager = CountingStager()
+    got = SamplingBatchInfo.from_reqs(reqs, CPU, stager)
+    assert sorted(stager.calls) == ["floats", "ints"]
+    assert got.top_ks.tolist() == [3, -1] and got.seeds.tolist() == [1, 0]
+    assert got.steps.tolist() == [2, 0] and got.top_ps.tolist() == [1.0, 0.5]
+    assert SamplingBatchInfo.from_reqs([req(SamplingParams(temperature=0))], CPU, stager).all_greedy
+    assert len(stager.calls) == 2  # a greedy batch stages nothing
+
+
+def test_a_greedy_row_stays_argmax_inside_a_sampled_batch() -> None:
+    reqs = [req(SamplingParams(temperature=0.0)), req(SamplingParams(temperature=1.0))]
+    logits = torch.tensor([[0.0, 0.1, 0.2], [0.2, 0.1, 0.0]])
+    for seed in range(10):
+        reqs[0].sampling_seed = reqs[1].sampling_seed = seed
+        ids = Sampler()(logits, SamplingBatchInfo.from_reqs(reqs, CPU))
+        assert ids[0].item() == 2
+
+
+# -- filtered_probs against hand-computed values --------------------------------------------------
+# p = [0.2, 0.4, 0.1, 0.3] in deliberately unsorted positions: sorted 0.4 (id 1), 0.3 (id 3),
+# 0.2 (id 0), 0.1 (id 2); mass before each in that order: 0, 0.4, 0.7, 0.9.
+P = torch.tensor([[0.2, 0.4, 0.1, 0.3]], dtype=torch.float64)
+
+
+def filtered(temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> list[float]:
+    params = info(1, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = Sampler.filtered_probs(torch.log(P).float(), params)
+    return [round(x, 5) for x in probs[0].tolist()]
+
+
+def test_filtered_probs_without_filters_are_the_softmax() -> None:
+    assert filtered() == [0.2, 0.4, 0.1, 0.3]
+    assert filtered(top_k=0) == filtered(top_k=-1) == filtered(top_k=10) == [0.2, 0.4, 0.1, 0.3]
+
+
+def test_top_k_zeroes_all_but_the_k_largest_without_renormalising() -> None:
+    assert filtered(top_k=2) == [0.0, 0.4, 0.0, 0.3]
+    assert filtered(top_k=3) == [0.2, 0.4, 0.0, 0.3]
+
+
+def test_top_p_keeps_tokens_while_the_mass_before_them_is_below_p() -> None:
+    assert filtered(top_p=0.5) == [0.0, 0.4, 0.0, 0.3]  # 0.4 < 0.5 still admits id 3
+    assert filtered(top_p=0.35) == [0.0, 0.4, 0.0, 0.0]
+    assert filtered(top_p=1e-6) == [0.0, 0.4, 0.0, 0.0]  # the top token always stays
+    assert filtered(top_p=0.8) == [0.2, 0.4, 0.0, 0.3]
+
+
+def test_top_k_and_top_p_combine_as_the_smaller_set() -> None:
+    assert filtered(top_k=1, top_p=0.95) == [0.0, 0.4, 0.0, 0.0]
+    assert filtered(top_k=3, top_p=0.5) == [0.0, 0.4, 0.0, 0.3]
+
+
+def test_temperature_scales_the_logits_before_filtering() -> None:
+    # T = 0.5 squares the probabilities: [0.04, 0.16, 0.01, 0.09] / 0.30.
+    assert filtered(temperature=0.5) == [round(x / 0.3, 5) for x in (0.04, 0.16, 0.01, 0.09)]
+    # Sharpened, top_p=0.5 keeps one token: 0.16 / 0.3 = 0.533 of the mass sits before id 3.
+    assert filtered(temperature=0.5, top_p=0.5) == [0.0, round(0.16 / 0.3, 5), 0.0, 0.0]
+    assert filtered(temperature=0.0) == filtered()  # greedy rows use T = 1 here (no 0 division)
+
+
+def test_filtered_probs_treat_each_row_with_its_own_parameters() -> None:
+    logits = torch.log(P).float().repeat(2, 1)
+    two = SamplingBatchInfo(
+        temperatures=torch.tensor([1.0, 1.0]),
+        top_ks=torch.tensor([1, -1]),
+        top_ps=torch.tensor([1.0, 0.5]),
+        seeds=torch.zeros(2, dtype=torch.int64),
+        steps=torch.zeros(2, dtype=torch.int64),
+        all_greedy=False,
+    )
+    probs = Sampler.filtered_probs(logits, two)
+    assert probs.dtype == torch.float32
+    assert torch.allclose(probs, torch.tensor([[0.0, 0.4, 0.0, 0.0], [0.0, 0.4, 0.0, 0.3]]))
+
+
+def test_filtered_probs_accept_half_precision_logits() -> None:
+    logits = torch.log(P).to(torch.bfloat16)
+    probs = Sampler.filtered_probs(logits, info(1, top_k=2))
+    assert probs.dtype == torch.float32
+    assert (probs[0] > 0).tolist() == [False, True, False, True]
+
+
+# -- uniform_noise --------------------------------------------------------------------------------
+def noise(seeds: list[int], steps: list[int], vocab: int) -> torch.Tensor:
+    return uniform_noise(torch.tensor(seeds), torch.tensor(steps), vocab)
+
+
+def test_uniform_noise_sits_on_a_23_bit_grid_strictly_inside_0_1() -> None:
+    seeds = [0, 1, 2**31, 2**32, 2**63 - 1, 12345]
+    u = noise(seeds, [0, 7, 2**31, 2**40, 2**63 - 1, 3], 4096)
+    assert u.dtype == torch.float32 and u.shape == (6, 4096)
+    grid = u.double() * 2**23 - 0.5  # (h + 0.5) / 2**23 with an integer h in [0, 2**23)
+    assert torch.equal(grid, grid.round()) and grid.min() >= 0 and grid.max() <= 2**23 - 1
+    assert u.min() > 0 and u.max() < 1
+
+
+def test_uniform_noise_depends_on_the_token_id_not_the_vocab_size() -> None:
+    assert torch.equal(noise([9], [4], 1000)[:, :300], noise([9], [4], 300))
+
+
+def test_uniform_noise_rows_follow_their_seed_and_step_not_their_position() -> None:
+    pairs = [(1, 0), (2, 5), (3, 9), (1, 1)]
+    rows = noise([s for s, _ in pairs], [t for _, t in pairs], 64)
+    order = [2, 0, 3, 1]
+    swapped = noise([pairs[i][0] for i in order], [pairs[i][1] for i in order], 64)
+    assert torch.equal(swapped, rows[order])
+    alone = [noise([s], [t], 64)[0] for s, t in pairs]
+    assert all(torch.equal(a, r) for a, r in zip(alone, rows, strict=True))
+
+
+def test_uniform_noise_changes_with_every_part_of_the_key() -> None:
+    base = noise([5], [3], 256)
+    for seeds, steps in (([6], [3]), ([5], [4]), ([5 + 2**32], [3])):  # high seed bits count
+        other = noise(seeds, steps, 256)
+        # Independent draws agree on a token only by chance (about 256 / 2**23 expected).
+        assert (other == base).sum() <= 2, (seeds, steps)
+    ids = base[0]
+    assert len(set(ids.tolist())) > 250  # distinct per token id too

@@ -44,7 +44,7 @@ def hf():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
     from execrt import Engine
-    from execrt.core.plugins import PluginHost
+    from execrt.plugins.host import PluginHost
 
     with Engine(GGUF, device="cpu", plugin_host=PluginHost(autoload=False)) as e:
         yield e

@@ -1,0 +1,519 @@
+"""Capability records, the single K/V store door of AttentionBackend.forward, graph checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from execrt.core.batch import ForwardBatch
+from execrt.core.context import RuntimeContext
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionRequirements,
+    DispatchFormat,
+    ExpertMajorDispatchOutput,
+    GraphCapabilities,
+    GraphRequirements,
+    MoEDispatcher,
+    MoEDispatcherCapabilities,
+    MoEDispatcherInit,
+    MoERequirements,
+    ShapeKey,
+    StandardDispatchOutput,
+)
+from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.core.parallel import ParallelState
+from execrt.core.schedule import ForwardMode
+
+CPU = torch.device("cpu")
+FP32 = torch.float32
+
+
+def attn_req(**overrides: Any) -> AttentionRequirements:
+    fields: dict[str, Any] = dict(
+        device="cpu", dtype=FP32, head_dim=64, num_q_heads=8, num_kv_heads=2
+    )
+    return AttentionRequirements(**(fields | overrides))
+
+
+def moe_req(**overrides: Any) -> MoERequirements:
+    fields: dict[str, Any] = dict(
+        device="cpu",
+        dtype=FP32,
+        world_size=2,
+        process_group_backend="gloo",
+        num_experts=8,
+        top_k=2,
+        hidden_size=64,
+    )
+    return MoERequirements(**(fields | overrides))
+
+
+# -- AttentionCapabilities.refusals ---------------------------------------------------------------
+def test_default_attention_capabilities_accept_a_plain_request() -> None:
+    assert AttentionCapabilities().refusals(attn_req()) == []
+    assert AttentionCapabilities().refusals(attn_req(dtype=torch.bfloat16, device="cuda")) == []
+
+
+def test_attention_device_and_dtype_refusals_list_what_is_supported() -> None:
+    caps = AttentionCapabilities()
+    assert caps.refusals(attn_req(device="xpu")) == [
+        "device xpu unsupported (supported: cpu, cuda)"
+    ]
+    # dtypes are shown without the "torch." prefix, sorted by name.
+    assert caps.refusals(attn_req(dtype=torch.float64)) == [
+        "dtype float64 unsupported (supported: bfloat16, float16, float32)"
+    ]
+
+
+def test_head_dims_are_listed_in_numeric_not_string_order() -> None:
+    caps = AttentionCapabilities(head_dims=frozenset({256, 8, 128, 16, 64}))
+    assert caps.refusals(attn_req(head_dim=80)) == [
+        "head_dim 80 unsupported (supported: 8, 16, 64, 128, 256)"
+    ]
+    assert caps.refusals(attn_req(head_dim=128)) == []
+
+
+def test_any_means_no_restriction_on_head_dim_and_gqa_ratio() -> None:
+    caps = AttentionCapabilities(head_dims=None, gqa_ratios=None)
+    assert caps.refusals(attn_req(head_dim=7, num_q_heads=48, num_kv_heads=1)) == []
+
+
+def test_gqa_ratio_is_checked_against_the_declared_ratios() -> None:
+    caps = AttentionCapabilities(gqa_ratios=frozenset({1, 2, 4}))
+    assert caps.refusals(attn_req(num_q_heads=8, num_kv_heads=2)) == []  # ratio 4
+    assert caps.refusals(attn_req(num_q_heads=8, num_kv_heads=8)) == []  # ratio 1 (MHA)
+    assert caps.refusals(attn_req(num_q_heads=32, num_kv_heads=4)) == [
+        "GQA ratio 8 unsupported (supported: 1, 2, 4)"
+    ]
+
+
+@pytest.mark.parametrize(("num_q", "num_kv"), [(8, 3), (2, 4), (8, 0), (8, -2)])
+def test_heads_that_do_not_divide_are_refused_without_a_ratio_check(
+    num_q: int, num_kv: int
+) -> None:
+    caps = AttentionCapabilities(gqa_ratios=frozenset({1}))
+    # One reason only: the ratio is meaningless when the heads do not divide (and no
+    # ZeroDivisionError for 0 KV heads).
+    assert caps.refusals(attn_req(num_q_heads=num_q, num_kv_heads=num_kv)) == [
+        f"num_q_heads {num_q} not a multiple of num_kv_heads {num_kv}"
+    ]
+
+
+def test_graph_requirement_needs_the_graph_flag() -> None:
+    assert AttentionCapabilities(graph=False).refusals(attn_req(graph=True)) == [
+        "graph capture unsupported"
+    ]
+    assert AttentionCapabilities(graph=True).refusals(attn_req(graph=True)) == []
+    assert AttentionCapabilities(graph=True).refusals(attn_req(graph=False)) == []
+
+
+def test_every_attention_refusal_is_reported_in_field_order() -> None:
+    caps = AttentionCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16}),
+        head_dims=frozenset({128}),
+        gqa_ratios=frozenset({1}),
+    )
+    reasons = caps.refusals(attn_req(graph=True))
+    assert [r.split(" ")[0] for r in reasons] == ["device", "dtype", "head_dim", "GQA", "graph"]
+
+
+# -- MoEDispatcherCapabilities.refusals -----------------------------------------------------------
+def test_default_moe_capabilities_accept_any_world_size_and_hidden_size() -> None:
+    caps = MoEDispatcherCapabilities()
+    assert caps.refusals(moe_req(world_size=8, hidden_size=7168, top_k=8, num_experts=256)) == []
+    assert caps.refusals(moe_req(world_size=1, process_group_backend="none")) == []
+
+
+def test_moe_field_refusals_name_the_value_and_the_supported_set() -> None:
+    caps = MoEDispatcherCapabilities(
+        world_sizes=frozenset({8, 1, 2}),
+        process_group_backends=frozenset({"nccl"}),
+        hidden_sizes=frozenset({4096, 2048}),
+    )
+    assert caps.refusals(moe_req(world_size=4, hidden_size=1024)) == [
+        "world size 4 unsupported (supported: 1, 2, 8)",
+        "process group backend gloo unsupported (supported: nccl)",
+        "hidden size 1024 unsupported (supported: 2048, 4096)",
+    ]
+    ok = moe_req(world_size=2, process_group_backend="nccl", hidden_size=2048)
+    assert caps.refusals(ok) == []
+
+
+def test_moe_default_backends_are_none_gloo_nccl() -> None:
+    assert MoEDispatcherCapabilities().refusals(moe_req(process_group_backend="mpi")) == [
+        "process group backend mpi unsupported (supported: gloo, nccl, none)"
+    ]
+
+
+def test_moe_top_k_limit_is_inclusive() -> None:
+    caps = MoEDispatcherCapabilities(max_top_k=8)
+    assert caps.refusals(moe_req(top_k=8)) == []
+    assert caps.refusals(moe_req(top_k=9)) == ["top_k 9 unsupported (supported: <= 8)"]
+    assert MoEDispatcherCapabilities(max_top_k=None).refusals(moe_req(top_k=64)) == []
+
+
+def test_moe_experts_must_divide_over_the_world() -> None:
+    caps = MoEDispatcherCapabilities()
+    assert caps.refusals(moe_req(num_experts=6, world_size=4)) == [
+        "num_experts 6 not divisible by world size 4"
+    ]
+    assert caps.refusals(moe_req(num_experts=12, world_size=4)) == []
+    # A world size of 0 is treated as 1 rather than dividing by zero.
+    assert caps.refusals(moe_req(num_experts=6, world_size=0)) == []
+
+
+def test_moe_graph_flag() -> None:
+    assert MoEDispatcherCapabilities().refusals(moe_req(graph=True)) == [
+        "graph capture unsupported"
+    ]
+    assert MoEDispatcherCapabilities(graph=True).refusals(moe_req(graph=True)) == []
+
+
+def test_moe_device_and_dtype_refusals() -> None:
+    caps = MoEDispatcherCapabilities(devices=frozenset({"cuda"}), dtypes=frozenset({FP32}))
+    assert caps.refusals(moe_req(dtype=torch.float16)) == [
+        "device cpu unsupported (supported: cuda)",
+        "dtype float16 unsupported (supported: float32)",
+    ]
+
+
+# -- GraphCapabilities ----------------------------------------------------------------------------
+def test_graph_capabilities_default_to_cuda_only() -> None:
+    assert GraphCapabilities().refusals(GraphRequirements("cuda")) == []
+    assert GraphCapabilities().refusals(GraphRequirements("cpu")) == [
+        "device cpu unsupported (supported: cuda)"
+    ]
+    assert (
+        GraphCapabilities(devices=frozenset({"cpu", "cuda"})).refusals(GraphRequirements("cpu"))
+        == []
+    )
+
+
+def test_capability_records_are_frozen_and_name_their_kind() -> None:
+    assert AttentionCapabilities.kind == "attention"
+    assert MoEDispatcherCapabilities.kind == "moe_dispatch"
+    assert GraphCapabilities.kind == "graph"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        AttentionCapabilities().graph = True  # type: ignore[misc]
+
+
+# -- Capabilities.as_dict -------------------------------------------------------------------------
+def test_attention_as_dict_sorts_ints_numerically_and_dtypes_by_name() -> None:
+    caps = AttentionCapabilities(
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dims=frozenset({256, 64, 128}),
+        gqa_ratios=None,
+        graph=True,
+    )
+    assert caps.as_dict() == {
+        "devices": ["cpu", "cuda"],
+        "dtypes": ["bfloat16", "float16"],
+        "head_dims": [64, 128, 256],
+        "gqa_ratios": None,
+        "decode": True,
+        "extend": True,
+        "graph": True,
+        "stores_kv": False,
+    }
+
+
+def test_moe_as_dict_gives_enum_values_and_is_json_serialisable() -> None:
+    caps = MoEDispatcherCapabilities(
+        output_format=DispatchFormat.EXPERT_MAJOR,
+        world_sizes=frozenset({16, 2, 4}),
+        max_top_k=8,
+        replicated_tokens=False,
+    )
+    out = caps.as_dict()
+    assert out["output_format"] == "expert_major" and type(out["output_format"]) is str
+    assert out["world_sizes"] == [2, 4, 16]
+    assert out["process_group_backends"] == ["gloo", "nccl", "none"]
+    assert out["hidden_sizes"] is None and out["max_top_k"] == 8
+    assert out["replicated_tokens"] is False
+    assert "kind" not in out  # a class constant, not a field
+    assert json.loads(json.dumps(out)) == out
+
+
+def test_graph_as_dict_lists_every_field() -> None:
+    assert GraphCapabilities(real_capture=False).as_dict() == {
+        "devices": ["cuda"],
+        "real_capture": False,
+        "shared_memory_pool": True,
+        "graph_resources": False,
+    }
+
+
+# -- AttentionBackend.forward: the single K/V store door ------------------------------------------
+HQ, HKV, D, DV = 4, 2, 4, 3  # Dv != D, so a swapped k/v would not even fit
+SIZE = 8
+SENTINEL = -7.0  # the cache is poisoned with this before each test
+
+
+class Recorder(AttentionBackend):
+    """Records which forward_* ran with which k/v; returns a constant per path."""
+
+    def __init__(self, init: AttentionBackendInit) -> None:
+        super().__init__(init)
+        self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        fb.attn_metadata = "meta"
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        self.calls.append(("decode", k, v))
+        return torch.full((q.shape[0], layer.num_q_heads, layer.v_head_dim), 1.0)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        self.calls.append(("extend", k, v))
+        return torch.full((q.shape[0], layer.num_q_heads, layer.v_head_dim), 2.0)
+
+
+def make_backend(stores_kv: bool = False) -> Recorder:
+    cache = KVCache(SIZE, 2, HKV, D, FP32, CPU, v_head_dim=DV)
+    for buf in cache.k_buffers + cache.v_buffers:
+        buf.fill_(SENTINEL)
+    init = AttentionBackendInit(
+        capabilities=AttentionCapabilities(stores_kv=stores_kv),
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        v_head_dim=DV,
+        num_layers=2,
+        dtype=FP32,
+        device=CPU,
+        req_to_token_pool=ReqToTokenPool(2, 16, CPU),
+        kv_cache=cache,
+        max_batch_size=2,
+        max_context_len=16,
+        context=RuntimeContext(),
+    )
+    return Recorder(init)
+
+
+def batch(mode: ForwardMode, slots: list[int], batch_size: int | None = None) -> ForwardBatch:
+    t = len(slots)
+    b = t if batch_size is None else batch_size
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=b,
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.zeros(t, dtype=torch.int64),
+        req_pool_indices=torch.ones(b, dtype=torch.int64),
+        seq_lens=torch.ones(b, dtype=torch.int64),
+        out_cache_loc=torch.tensor(slots, dtype=torch.int64),
+        seq_lens_cpu=[1] * b,
+        extend_prefix_lens_cpu=[0] * b,
+        extend_seq_lens_cpu=[1] * b,
+    )
+
+
+LAYER = AttentionLayer(1, HQ, HKV, D, DV, scaling=0.5)
+
+
+def qkv(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    base = torch.arange(1, t + 1, dtype=FP32)[:, None, None]  # token i holds values ~ i + 1
+    q = torch.zeros(t, HQ, D)
+    k = base + torch.arange(HKV * D, dtype=FP32).reshape(1, HKV, D) / 100  # [T, Hkv, D]
+    v = -base - torch.arange(HKV * DV, dtype=FP32).reshape(1, HKV, DV) / 100  # [T, Hkv, Dv]
+    return q, k, v
+
+
+def untouched(backend: Recorder, layer: int, except_slots: list[int]) -> bool:
+    keep = [s for s in range(SIZE + 1) if s not in except_slots]
+    cache = backend.kv_cache
+    return bool(
+        (cache.k_buffers[layer][keep] == SENTINEL).all()
+        and (cache.v_buffers[layer][keep] == SENTINEL).all()
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "path", "value"),
+    [(ForwardMode.DECODE, "decode", 1.0), (ForwardMode.EXTEND, "extend", 2.0)],
+)
+def test_forward_stores_kv_at_out_cache_loc_then_attends_without_kv(
+    mode: ForwardMode, path: str, value: float
+) -> None:
+    backend = make_backend()
+    slots = [5, 2, 7]
+    q, k, v = qkv(3)
+    out = backend.forward(q, k, v, LAYER, batch(mode, slots))
+    assert backend.calls == [(path, None, None)]
+    assert out.shape == (3, HQ, DV) and (out == value).all()
+    cache = backend.kv_cache
+    assert torch.equal(cache.k_buffers[1][slots], k) and torch.equal(cache.v_buffers[1][slots], v)
+    assert untouched(backend, 1, slots) and untouched(backend, 0, [])  # only layer_id 1
+
+
+def test_forward_without_save_kv_cache_stores_nothing() -> None:
+    backend = make_backend()
+    q, k, v = qkv(2)
+    backend.forward(q, k, v, LAYER, batch(ForwardMode.DECODE, [1, 2]), save_kv_cache=False)
+    assert backend.calls == [("decode", None, None)]
+    assert untouched(backend, 0, []) and untouched(backend, 1, [])
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_a_backend_that_stores_kv_itself_receives_k_and_v(mode: ForwardMode) -> None:
+    backend = make_backend(stores_kv=True)
+    q, k, v = qkv(2)
+    backend.forward(q, k, v, LAYER, batch(mode, [3, 4]))
+    [(_, got_k, got_v)] = backend.calls
+    assert got_k is k and got_v is v  # the very tensors, no copy
+    assert untouched(backend, 1, [])  # the base stored nothing
+
+
+def test_a_storing_backend_gets_no_kv_when_the_caller_already_stored_them() -> None:
+    backend = make_backend(stores_kv=True)
+    q, k, v = qkv(2)
+    backend.forward(q, k, v, LAYER, batch(ForwardMode.EXTEND, [3, 4]), save_kv_cache=False)
+    assert backend.calls == [("extend", None, None)]
+    assert untouched(backend, 1, [])
+
+
+def test_idle_forward_returns_an_empty_tensor_and_calls_nothing() -> None:
+    backend = make_backend()
+    q = torch.zeros(0, HQ, D, dtype=torch.float64)
+    k, v = torch.zeros(0, HKV, D), torch.zeros(0, HKV, DV)
+    out = backend.forward(q, k, v, LAYER, batch(ForwardMode.IDLE, [], batch_size=0))
+    assert out.shape == (0, HQ, DV) and out.dtype == torch.float64
+    assert backend.calls == [] and untouched(backend, 1, [])
+
+
+def test_the_base_keeps_what_its_init_record_holds() -> None:
+    backend = make_backend()
+    init = backend.init
+    assert backend.kv_cache is init.kv_cache and backend.req_to_token_pool is init.req_to_token_pool
+    assert (backend.num_q_heads, backend.num_kv_heads, backend.head_dim, backend.v_head_dim) == (
+        HQ,
+        HKV,
+        D,
+        DV,
+    )
+    assert backend.capabilities is init.capabilities and backend.graph_seq_len_fill_value == 1
+
+
+def test_graph_hooks_are_unsupported_by_default_and_name_the_backend() -> None:
+    backend = make_backend()
+    with pytest.raises(NotImplementedError, match="^Recorder: graph capture unsupported$"):
+        backend.init_graph_state(4, 4)
+    with pytest.raises(NotImplementedError, match="^Recorder: graph capture unsupported$"):
+        backend.init_forward_metadata_graph(batch(ForwardMode.DECODE, [1]))
+    backend.close()
+    backend.close()  # idempotent no-op
+
+
+# -- check_graph_batch ----------------------------------------------------------------------------
+def test_check_graph_batch_requires_init_graph_state_first() -> None:
+    # Reported before anything about the batch itself.
+    with pytest.raises(RuntimeError, match=r"^triton: init_graph_state\(\) was not called$"):
+        AttentionBackend.check_graph_batch("triton", None, batch(ForwardMode.EXTEND, [1]))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.IDLE])
+def test_check_graph_batch_refuses_non_decode_batches(mode: ForwardMode) -> None:
+    with pytest.raises(ValueError, match=f"^fi: graphs capture decode only, got {mode.name}$"):
+        AttentionBackend.check_graph_batch("fi", 8, batch(mode, [1]))
+
+
+def test_check_graph_batch_bounds_the_batch_size_inclusively() -> None:
+    AttentionBackend.check_graph_batch("x", 4, batch(ForwardMode.DECODE, [1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="^x: batch 5 exceeds graph max_bs 4$"):
+        AttentionBackend.check_graph_batch("x", 4, batch(ForwardMode.DECODE, [1, 2, 3, 4, 5]))
+
+
+# -- MoE dispatch records -------------------------------------------------------------------------
+def moe_init(num_experts: int, world_size: int, rank: int) -> MoEDispatcherInit:
+    return MoEDispatcherInit(
+        capabilities=MoEDispatcherCapabilities(),
+        num_experts=num_experts,
+        top_k=2,
+        hidden_size=16,
+        dtype=FP32,
+        device=CPU,
+        max_tokens_per_rank=4,
+        parallel=ParallelState(world_size=world_size, rank=rank, backend="gloo"),
+        context=RuntimeContext(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "world", "rank", "local", "first"),
+    [(12, 4, 0, 3, 0), (12, 4, 2, 3, 6), (12, 4, 3, 3, 9), (12, 1, 0, 12, 0), (64, 8, 7, 8, 56)],
+)
+def test_dispatcher_init_shards_experts_in_contiguous_blocks(
+    num_experts: int, world: int, rank: int, local: int, first: int
+) -> None:
+    init = moe_init(num_experts, world, rank)
+    assert (init.num_local_experts, init.first_local_expert) == (local, first)
+
+
+def test_dispatcher_base_has_no_graph_resources_and_a_noop_close() -> None:
+    class Passthrough(MoEDispatcher):
+        def dispatch(
+            self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        ) -> StandardDispatchOutput:
+            return StandardDispatchOutput(hidden_states, topk_ids, topk_weights)
+
+        def combine(self, expert_output: torch.Tensor, dispatch_output: Any) -> torch.Tensor:
+            return expert_output
+
+    init = moe_init(4, 1, 0)
+    d = Passthrough(init)
+    assert d.init is init and d.capabilities is init.capabilities
+    assert d.graph_resource_provider() is None
+    d.close()
+    d.close()
+
+
+def test_dispatch_outputs_declare_their_format_as_a_class_constant() -> None:
+    h = torch.zeros(2, 4)
+    std = StandardDispatchOutput(h, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1))
+    em = ExpertMajorDispatchOutput(torch.zeros(3, 5, 4), torch.zeros(3, dtype=torch.int32), 2)
+    assert std.format is DispatchFormat.STANDARD and em.format is DispatchFormat.EXPERT_MAJOR
+    assert em.state is None and em.num_tokens == 2
+    # ``format`` is not a field: it cannot be overridden per instance.
+    assert "format" not in {f.name for f in dataclasses.fields(em)}
+    with pytest.raises(TypeError):
+        StandardDispatchOutput(h, h, h, format=DispatchFormat.EXPERT_MAJOR)  # type: ignore[call-arg]
+
+
+def test_dispatch_format_is_a_string_enum() -> None:
+    assert DispatchFormat("expert_major") is DispatchFormat.EXPERT_MAJOR
+    assert DispatchFormat.STANDARD == "standard"
+    with pytest.raises(ValueError):
+        DispatchFormat("dense")
+
+
+# -- ShapeKey -------------------------------------------------------------------------------------
+def test_shape_keys_compare_and_hash_by_batch_size_and_variant() -> None:
+    assert ShapeKey(8) == ShapeKey(8, "") and hash(ShapeKey(8)) == hash(ShapeKey(8, ""))
+    assert ShapeKey(8) != ShapeKey(16) and ShapeKey(8) != ShapeKey(8, "moe")
+    graphs = {ShapeKey(8): "a", ShapeKey(8, "moe"): "b"}
+    assert graphs[ShapeKey(8, "")] == "a" and graphs[ShapeKey(8, "moe")] == "b"
+    assert len({ShapeKey(1), ShapeKey(1), ShapeKey(2)}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ShapeKey(1).batch_size = 2  # type: ignore[misc]
