@@ -39,6 +39,8 @@ from execrt.bench.timing import (
     TimeLimitExceeded,
     difference_timing,
     host_copy_gbps,
+    host_hotspots,
+    profile_run,
     profile_steps,
     step_seconds,
     synchronize,
@@ -125,6 +127,7 @@ class Record:
     fused_kernels: str | None = None  # execrt's fused_kernels setting (None for the peer)
     note: str = ""
     profile: dict[str, float] | None = None
+    hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
 
 
 @dataclass
@@ -247,6 +250,8 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
                 t = difference_timing(generate, opts.steps, opts.reps)
                 rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
                 rec.prefill_ms = t.prefill_s * 1e3
+                if opts.profile and i == 0:
+                    _profile_generate(engine, prompts, opts, rec, f"{mode}-generate-bs{bs}")
             except Exception as exc:
                 ctx.add(mode, "generate", bs, None, attention, note=_reason(exc), **ov)
             try:
@@ -278,6 +283,34 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps:
                     f"{r.num_retractions} retractions ({r.error or r.finish_reason})"
                 )
     return best
+
+
+def _profile_generate(
+    engine: Engine, prompts: list[list[int]], opts: Options, rec: Record, label: str
+) -> None:
+    """Profile a whole generate of ``opts.steps`` tokens (prefill included): kernels and
+    GPU-busy vs wall per step, and where the host's own time goes (cProfile)."""
+    steps = opts.steps
+    device = engine.worker.model_runner.device
+
+    def run() -> None:
+        _generate_s(engine, prompts, steps, 1)
+
+    report = profile_run(run, steps, device, _trace_path(opts, label))
+    rec.profile = asdict(report) | {"gpu_busy_pct": report.gpu_busy_pct}
+    rec.hotspots = [(where, round(us, 1)) for where, us in host_hotspots(run, steps)]
+    print(f"    profile: {report.describe()}", flush=True)
+    print("    host hotspots (us/step, own time): " + ", ".join(
+        f"{where} {us:.0f}" for where, us in rec.hotspots[:8]
+    ), flush=True)  # fmt: skip
+
+
+def _trace_path(opts: Options, label: str) -> str | None:
+    if not opts.out_dir:
+        return None
+    os.makedirs(opts.out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return os.path.join(opts.out_dir, f"decode-trace-{opts.model}-{label}-{stamp}.json")
 
 
 @dataclass
@@ -327,13 +360,7 @@ def _time_forward(
         step_s = step_seconds(step, opts.steps, opts.reps, mr.device)
         report = None
         if profile:
-            trace = None
-            if opts.out_dir:
-                os.makedirs(opts.out_dir, exist_ok=True)
-                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-                name = f"decode-trace-{opts.model}-{profile}-{stamp}.json"
-                trace = os.path.join(opts.out_dir, name)
-            report = profile_steps(step, PROFILE_STEPS, mr.device, trace)
+            report = profile_steps(step, PROFILE_STEPS, mr.device, _trace_path(opts, profile))
         return _ForwardTiming(step_s, graphed, report)
     finally:
         for req in reqs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import statistics
 import threading
@@ -48,6 +49,18 @@ def profile_steps(
     step: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None
 ) -> StepProfile:
     """Run ``step`` ``steps`` times under torch.profiler; save a Chrome trace when asked."""
+
+    def run() -> None:
+        for _ in range(steps):
+            step()
+
+    return profile_run(run, steps, device, trace_path)
+
+
+def profile_run(
+    run: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None
+) -> StepProfile:
+    """Profile one call of ``run`` that performs ``steps`` steps (e.g. a whole generate)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -57,8 +70,7 @@ def profile_steps(
     synchronize(device)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
-            step()
+        run()
         synchronize(device)
         wall = time.perf_counter() - start
     events = list(prof.events())
@@ -77,6 +89,26 @@ def profile_steps(
         gpu_busy_ms_per_step=busy_us / steps / 1e3,
         wall_ms_per_step=wall / steps * 1e3,
     )
+
+
+def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> list[tuple[str, float]]:
+    """The Python functions where ``run`` spends its own host time, as (where, µs per step),
+    most first (cProfile ``tottime``: time in the function itself, callees excluded)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, name), (_, _, tottime, _, _) in stats.items():
+        rows.append((f"{os.path.basename(path)}:{line}({name})", tottime / steps * 1e6))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
 
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:

@@ -187,6 +187,12 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         profile = by_key[("eager", "forward", bs)].profile
         assert (profile is not None) == (bs == 1)  # the first batch size of each mode
         assert profile is None or profile["steps"] == decode.PROFILE_STEPS
+        gen = by_key[("eager", "generate", bs)]
+        assert (gen.profile is not None) == (bs == 1)
+        if gen.profile is not None:  # the whole generate path, host time broken down
+            assert gen.profile["steps"] == opts.steps
+            assert gen.profile["wall_ms_per_step"] > 0
+            assert gen.hotspots and all(us >= 0 for _, us in gen.hotspots)
         # CPU has no CUDA graphs: the graph mode is reported, not silently dropped.
         assert "graph" in by_key[("graph", "generate", bs)].note
         if has_hf:
@@ -195,6 +201,7 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         assert by_key[("hf-compile", "generate", 1)].note == "disabled"
     (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
     assert [f for f in os.listdir(tmp_path) if f.startswith("decode-trace-tiny-eager-bs1-")]
+    assert [f for f in os.listdir(tmp_path) if f.startswith("decode-trace-tiny-eager-generate-")]
     rows = json.loads((tmp_path / saved).read_text())
     required = {"model", "layers", "mode", "path", "bs", "ctx", "step_ms", "prefill_ms"}
     required |= {"tokens_per_s", "pct_roofline", "roofline_ms", "copy_gbps", "gpu", "date"}
