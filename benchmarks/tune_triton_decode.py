@@ -1,6 +1,8 @@
 """Sweep the Triton decode kernel's tile and split parameters on the GPU (one-off tuning aid).
 
 Prints % of copy bandwidth per configuration and shape; writes every row as JSON to argv[1].
+``argv[2] == "short"`` sweeps the split policy over the short contexts of a decode step
+(``execrt bench decode`` runs ctx 512) instead of the tiles over long ones.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from execrt.backends.attention.kv_indices import build_kv_indices
 from execrt.bench.attention import DecodeProblem, copy_bandwidth_gbps
 
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384)]
+SHORT_SHAPES = [(1, 512), (1, 2048), (8, 512), (32, 512), (128, 512), (1, 32768), (64, 4096)]
+# (min_split_len, block_n, programs_per_sm) with target 2048, 4 warps, 2 stages
+SHORT_GRID = [
+    (256, 128, 2), (128, 128, 2), (128, 64, 2), (128, 64, 4), (64, 64, 2), (64, 64, 4),
+    (64, 32, 4), (32, 32, 4), (32, 32, 8),
+]  # fmt: skip
 
 
 def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, stages: int) -> float:
@@ -74,11 +82,19 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
 
 def main() -> None:
     copy_bw = copy_bandwidth_gbps()
-    problems = {s: DecodeProblem(*s, 32, 8, 128, torch.bfloat16) for s in SHAPES}
+    short = len(sys.argv) > 2 and sys.argv[2] == "short"
+    shapes = SHORT_SHAPES if short else SHAPES
+    problems = {s: DecodeProblem(*s, 32, 8, 128, torch.bfloat16) for s in shapes}
     rows = []
-    grid = itertools.product([512, 1024, 2048], [128, 256], [64, 128], [4, 8], [2, 3])
-    for target, min_len, block_n, warps, stages in grid:
-        policy = K.SplitPolicy(min_split_len=min_len, target_split_len=target)
+    if short:
+        grid = [(2048, m, n, 4, 2, ppsm) for m, n, ppsm in SHORT_GRID]
+    else:
+        tiles = itertools.product([512, 1024, 2048], [128, 256], [64, 128], [4, 8], [2, 3])
+        grid = [(*t, K.DEFAULT_PROGRAMS_PER_SM) for t in tiles]
+    for target, min_len, block_n, warps, stages, ppsm in grid:
+        policy = K.SplitPolicy(
+            min_split_len=min_len, target_split_len=target, programs_per_sm=ppsm, block_n=block_n
+        )
         cells = []
         for shape, p in problems.items():
             us = bench(p, policy, block_n, warps, stages)
@@ -92,13 +108,14 @@ def main() -> None:
                     block_n=block_n,
                     warps=warps,
                     stages=stages,
+                    programs_per_sm=ppsm,
                     us=us,
                     pct=pct,
                 )
             )
             cells.append(f"{pct:5.1f}")
         print(
-            f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages}: "
+            f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages} p{ppsm}: "
             + " ".join(cells),
             flush=True,
         )

@@ -63,9 +63,9 @@ def prefill_then_decode(
             assert result.logits_output.full_logits is not None
             full = result.logits_output.full_logits.clone()
         logits.append(result.logits_output.next_token_logits.clone())
-        for req, n, tok in zip(
-            reqs, batch.extend_lens, result.next_token_ids.tolist(), strict=True
-        ):
+        sampled = result.next_token_ids.tolist()
+        fed = sampled if follow is None else [tokens[step] for tokens in follow]
+        for req, n, tok in zip(reqs, batch.extend_lens, fed, strict=True):
             req.kv_len += n
             req.output_ids.append(int(tok))
     return Trace(logits, [r.output_ids for r in reqs], full)

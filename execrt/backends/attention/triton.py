@@ -122,6 +122,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.partial_lse,
             layer.scaling,
             meta.max_splits,
+            block_n=self.split_policy.block_n,
         )
         return o
 
