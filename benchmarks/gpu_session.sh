@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
-#   bash benchmarks/gpu_session.sh [tests] [conformance] [bench-attention] [bench-extend]
+#   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [tune-moe] [tune-extend] [tune-decode] [probe-nccl-ep]
-# Environment: TESTS (pytest selection, default tests/ and the example plugin), WORKERS
+# Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
-#   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS.
+#   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
+#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -30,11 +31,13 @@ cap() { local left=$(( deadline - $(date +%s) - 10 )); [ "$left" -lt "$1" ] && e
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    tests)
-      EXECRT_TEST_FAILLOG="$OUT/test-failures.log" timeout "$(cap "${TESTS_TIMEOUT:-420}")" \
+    tests|tests2)  # tests2: a second selection (TESTS2), e.g. what a first one did not reach
+      sel=${TESTS:-tests examples/execrt-example-plugin/tests}
+      [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection}
+      TESTS_FAILLOG="$OUT/test-failures.log" timeout "$(cap "${TESTS_TIMEOUT:-420}")" \
         python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE --durations=25 \
-        ${TESTS:-tests examples/execrt-example-plugin/tests} 2>&1 | tee "$OUT/tests.log" | tail -40
-      note "tests: $(tail -1 "$OUT/tests.log")" ;;
+        $sel 2>&1 | tee "$OUT/$step.log" | tail -40
+      note "$step: $(tail -1 "$OUT/$step.log")" ;;
     conformance)
       for kb in ${CONF:-attention:triton attention:flashinfer attention:torch_native moe_dispatch:allreduce moe_dispatch:all_to_all moe_dispatch:all_to_all_fixed graph:full_cuda_graph}; do
         k=${kb%%:*}; b=${kb#*:}
@@ -56,11 +59,13 @@ for step in "$@"; do
           2>&1 | tee "$OUT/bench-decode-$name.log" | tail -14
       done ;;
     tune-moe)
-      timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20 ;;
+      timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20
+      # The table's name (E=..,N=..) has characters the device tool does not bring back.
+      for f in "$OUT"/E=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-moe-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
     tune-extend)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
     tune-decode)
-      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;

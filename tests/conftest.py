@@ -62,9 +62,9 @@ def checkpoint_name(request: pytest.FixtureRequest) -> str:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """With EXECRT_TEST_FAILLOG set, append every failure's report to that file as it happens
+    """With TESTS_FAILLOG set, append every failure's report to that file as it happens
     (GPU sessions have a hard time limit: a run cut short still leaves its failures behind)."""
-    path = os.environ.get("EXECRT_TEST_FAILLOG")
+    path = os.environ.get("TESTS_FAILLOG")
     if path and report.failed:
         with open(path, "a") as fh:
             fh.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

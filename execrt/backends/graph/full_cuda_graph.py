@@ -6,6 +6,7 @@ import gc
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -222,7 +223,20 @@ class FullCudaGraphBackend(GraphBackend):
             torch._C._cuda_releasePool(self.index, pool)
             _INVALIDATED_CAPTURES.append(graph)
         self._pool = None
+        self._end_generator_capture()
         logger.warning("%s: a capture was invalidated; its pool is retired", NAME)
+
+    def _end_generator_capture(self) -> None:
+        """A failed cudaStreamEndCapture skips torch's end of capture for the CUDA RNG, which
+        then refuses every later random op ("Offset increment outside graph capture"). An
+        empty capture, begun and ended normally, closes the RNG's capture state again."""
+        empty = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                empty.capture_begin()
+                empty.capture_end()
+        empty.reset()
 
     # -- replay and cleanup ---------------------------------------------------------------------
     def replay(self, key: ShapeKey) -> Any:

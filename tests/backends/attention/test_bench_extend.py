@@ -34,7 +34,8 @@ def test_problem_peers_agree_with_the_fp32_reference(name: str) -> None:
             calls, backend = bench.backend_calls(PluginHost(autoload=False), name, p, context)
         # Every layer holds different K/V: the check reads layer 0, so call 0 must be layer 0.
         outs = [call() for call in calls[:2]]
-        assert p.rel_err(outs[0]) < 1e-5
+        # fp32 runs in TF32 on a GPU (as the backend documents), exactly under the interpreter.
+        assert p.rel_err(outs[0]) < (5e-3 if device == "cuda" else 1e-5)
         if len(outs) > 1:
             assert p.rel_err(outs[1]) > 1e-2
     finally:
