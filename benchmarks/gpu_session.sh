@@ -33,8 +33,9 @@ for step in "$@"; do
   case "$step" in
     tests|tests2)  # tests2: a second selection (TESTS2), e.g. what a first one did not reach
       sel=${TESTS:-tests examples/execrt-example-plugin/tests}
-      [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection}
-      TESTS_FAILLOG="$OUT/test-failures.log" timeout "$(cap "${TESTS_TIMEOUT:-420}")" \
+      limit=${TESTS_TIMEOUT:-420}
+      [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection} && limit=${TESTS2_TIMEOUT:-$limit}
+      TESTS_FAILLOG="$OUT/test-failures.log" timeout "$(cap "$limit")" \
         python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE --durations=25 \
         $sel 2>&1 | tee "$OUT/$step.log" | tail -40
       note "$step: $(tail -1 "$OUT/$step.log")" ;;
