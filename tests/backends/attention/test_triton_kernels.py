@@ -281,14 +281,14 @@ def test_decode_num_splits_rejects_bad_input() -> None:
 
 
 def test_default_split_policy_matches_the_h200_measurements() -> None:
-    # docs/kernels.md: ~2k-token splits, shortened (to >= 64 tokens) until an H200 (132 SMs)
+    # docs/kernels.md: ~2k-token splits, shortened (to >= 128 tokens) until an H200 (132 SMs)
     # holds 2 programs/SM.
     policy = tk.SplitPolicy()
     want = {
-        (1, 512): 8,
+        (1, 512): 4,
         (32, 512): 2,
         (128, 512): 1,
-        (1, 4096): 33,
+        (1, 4096): 32,
         (1, 32768): 33,
         (16, 4096): 3,
         (64, 4096): 2,

@@ -13,10 +13,10 @@ MAX_HEAD_DIM = 256
 
 # Stage 1 of decode processes one (request, kv head, split) per program. A program must be
 # worth its fixed cost (loading q, writing a partial row per head, one more merge step in stage
-# 2), so a split should not be shorter than this many tokens. Short contexts decide it: at
-# 1 x 512 with 8 KV heads, 256-token splits leave 16 programs for 132 SMs (6.9 us per layer on
-# an H200, 7% of an 8B model's bs-1 step); 64-token splits give 64.
-DEFAULT_MIN_SPLIT_LEN = 64
+# 2), so a split should not be shorter than this many tokens. Measured on an H200 (8 KV heads,
+# % of copy bandwidth at 1x512 / 1x2k / 32x512 / 1x32k / 64x4k): 256 gave 6.4/19.7/61.5/72.1/
+# 97.4, 128 gave 7.8/20.0/61.9/72.0/97.3, 64 (with 64-token blocks) 7.8/17.1/63.5/63.9/95.1.
+DEFAULT_MIN_SPLIT_LEN = 128
 
 # Split length that streamed best on an H200 once the GPU holds enough programs: 2k-token
 # splits beat 1k-token ones at 16 x 4k (89% vs 78% of copy bandwidth) and 64 x 4k (99.8% vs
@@ -34,7 +34,7 @@ DEFAULT_MAX_SPLITS_CAP = 64
 
 # Tokens per stage-1 loop step of decode (a split is a whole number of these, so it must not
 # exceed the shortest split).
-DEFAULT_DECODE_BLOCK_N = 64
+DEFAULT_DECODE_BLOCK_N = 128
 
 LOG2E = 1.4426950408889634
 
