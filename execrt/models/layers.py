@@ -16,6 +16,7 @@ from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.fused_moe import fused_experts
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 from execrt.kernels.rotary import qk_norm_rope
+from execrt.kernels.router import topk_softmax
 from execrt.models.config import RopeScaling
 
 
@@ -242,21 +243,23 @@ class SparseMoE(nn.Module):
         self.dispatcher = dispatcher
         self.fused = False  # Triton fused_experts instead of the core's torch expert compute
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` -> ``(topk_ids [T, K] int64, topk_weights [T, K] fp32)``."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        # Hugging Face rounds the weights to the model dtype before applying them.
-        return ids, weights.to(x.dtype).float()
+    def route(
+        self, x: torch.Tensor, num_token_non_padded: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(topk_ids [T, K] int64, topk_weights [T, K] fp32)``: softmax
+        top-k, weights rounded to the model dtype as Hugging Face applies them; rows at or past
+        ``num_token_non_padded`` (graph padding) route nowhere (id -1)."""
+        return topk_softmax(
+            self.gate(x),
+            self.top_k,
+            self.norm_topk_prob,
+            num_token_non_padded,
+            use_triton=self.fused,  # one launch instead of ~10 small ones
+        )
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        ids, weights = self.route(x)
-        real = fb.num_token_non_padded_device  # [1]; set whenever rows may be graph padding
-        if real is not None:  # padded rows route nowhere: a device-side mask, capture-safe
-            padded = torch.arange(x.shape[0], device=x.device)[:, None] >= real  # [T, 1]
-            ids = ids.masked_fill(padded, -1)
+        # num_token_non_padded_device is set whenever rows may be graph padding.
+        ids, weights = self.route(x, fb.num_token_non_padded_device)
         dispatched = self.dispatcher.dispatch(x, ids, weights)
         experts = fused_experts if self.fused else run_experts
         out = experts(dispatched, self.w13, self.w2)

@@ -29,6 +29,8 @@ class AllReduceDispatcher(MoEDispatcher):
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchOutput:
         check_routing("allreduce dispatcher", hidden_states, topk_ids, topk_weights, self.init)
+        if self.num_local == self.init.num_experts:  # one EP rank: every id is already local
+            return StandardDispatchOutput(hidden_states, topk_ids, topk_weights)
         local = topk_ids - self.first  # [T, K]
         on_rank = (topk_ids >= 0) & (local >= 0) & (local < self.num_local)
         local_ids = torch.where(on_rank, local, torch.full_like(local, -1))
