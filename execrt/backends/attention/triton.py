@@ -57,18 +57,18 @@ class TritonAttnBackend(AttentionBackend):
         b = fb.batch_size
         kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
-        fill_kv_index(
-            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
-            kv_indices,
-        )  # fmt: skip
         if fb.forward_mode.is_decode():
             max_splits = self._max_splits(b, fb.max_seq_len)
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
-            self._num_splits(fb, num_splits, max_splits)
+            self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits)
             fb.attn_metadata = TritonMetadata(
                 kv_indptr, kv_indices, num_splits, max_splits, *self._partials(b, max_splits)
             )
             return
+        fill_kv_index(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
+            kv_indices,
+        )  # fmt: skip
         ext = fb.extend_seq_lens_cpu
         qo = host_indptr(ext)
         fb.attn_metadata = TritonMetadata(
@@ -87,9 +87,20 @@ class TritonAttnBackend(AttentionBackend):
             batch_size, max_seq_len, self.num_kv_heads, self.num_sms
         )
 
-    def _num_splits(self, fb: ForwardBatch, out: torch.Tensor, max_splits: int) -> None:
+    def _decode_metadata(
+        self,
+        fb: ForwardBatch,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        num_splits: torch.Tensor,
+        max_splits: int,
+    ) -> None:
+        """kv_indptr, kv_indices and the split counts in one launch."""
         fill = self.split_policy.min_splits(fb.batch_size, self.num_kv_heads, self.num_sms)
-        self.kernels.decode_num_splits(fb.seq_lens, out, max_splits, self.split_policy, fill)
+        self.kernels.decode_metadata(
+            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
+            kv_indices, num_splits, max_splits, self.split_policy, fill,
+        )  # fmt: skip
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (b, self.num_q_heads, max_splits)
@@ -180,12 +191,8 @@ class TritonAttnBackend(AttentionBackend):
         self.check_graph_batch("triton attention", max_bs, fb)
         assert g is not None
         kv_indptr = g["kv_indptr"][: b + 1]
-        fill_kv_index(
-            self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
-            g["kv_indices"],
-        )  # fmt: skip
         max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
-        self._num_splits(fb, g["num_splits"], max_splits)
+        self._decode_metadata(fb, kv_indptr, g["kv_indices"], g["num_splits"], max_splits)
         fb.attn_metadata = TritonMetadata(
             kv_indptr,
             g["kv_indices"],

@@ -565,3 +565,48 @@ def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
     assert torch.equal(indices[: want.numel()], want) and indices[want.numel() :].eq(-7).all()
     assert host_indptr([3, 40, 1]).tolist() == [0, 3, 43, 44]
     assert host_indptr([]).tolist() == [0]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("min_splits", [1, 5])
+def test_decode_metadata_equals_the_separate_builds(
+    index_dtype: torch.dtype, min_splits: int
+) -> None:
+    """One launch writes exactly what fill_kv_index + decode_num_splits write, and nothing else."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [1, 7, 600, 33, 0, 1030, 129, 2]
+    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
+    lens = torch.tensor(seq_lens, dtype=index_dtype, device=SMALL)
+    rows = cache.rows.to(index_dtype)
+    policy = tk.SplitPolicy(min_split_len=32, target_split_len=256)
+    n, tail = sum(seq_lens), 5
+    want_indptr = torch.full((len(seq_lens) + 4,), 99, dtype=torch.int32, device=SMALL)
+    want_indices = torch.full((n + tail,), -7, dtype=torch.int32, device=SMALL)
+    want_splits = torch.full((len(seq_lens) + 2,), -9, dtype=torch.int32, device=SMALL)
+    got = [want_indptr.clone(), want_indices.clone(), want_splits.clone()]
+    fill_kv_index(cache.req_to_token, rows, lens, want_indptr, want_indices)
+    tk.decode_num_splits(lens, want_splits, 16, policy, min_splits)
+    tk.decode_metadata(cache.req_to_token, rows, lens, *got, 16, policy, min_splits)
+    want = (want_indptr, want_indices, want_splits)
+    for name, a, b in zip(("kv_indptr", "kv_indices", "num_splits"), got, want, strict=True):
+        assert torch.equal(a, b), name
+    assert got[0][len(seq_lens) + 1 :].eq(99).all() and got[2][len(seq_lens) :].eq(-9).all()
+
+
+def test_decode_metadata_rejects_bad_input() -> None:
+    table = torch.zeros(3, 8, dtype=torch.int32, device=SMALL)
+    one = torch.ones(1, dtype=torch.int32, device=SMALL)
+    splits = torch.zeros(1, dtype=torch.int32, device=SMALL)
+    policy = tk.SplitPolicy()
+    with pytest.raises(ValueError, match="kv_indptr has 1 entries, need at least 2"):
+        tk.decode_metadata(table, one, one, one, one, splits, 4, policy)
+    with pytest.raises(ValueError, match="num_splits_out dtype"):
+        tk.decode_metadata(table, one, one, one.repeat(2), one, splits.long(), 4, policy)
+    with pytest.raises(ValueError, match="max_splits 0"):
+        tk.decode_metadata(table, one, one, one.repeat(2), one, splits, 0, policy)
+    with pytest.raises(ValueError, match="req_to_token must be a 2-D"):
+        tk.decode_metadata(table.float(), one, one, one.repeat(2), one, splits, 4, policy)
+    empty = torch.zeros(0, dtype=torch.int32, device=SMALL)
+    indptr = torch.full((1,), 5, dtype=torch.int32, device=SMALL)
+    tk.decode_metadata(table, empty, empty, indptr, one, empty, 4, policy)
+    assert indptr.tolist() == [0]

@@ -11,7 +11,11 @@ from execrt.backends.attention.triton_kernels.common import (
 )
 from execrt.backends.attention.triton_kernels.decode import decode_attention
 from execrt.backends.attention.triton_kernels.extend import extend_attention
-from execrt.backends.attention.triton_kernels.indices import SplitPolicy, decode_num_splits
+from execrt.backends.attention.triton_kernels.indices import (
+    SplitPolicy,
+    decode_metadata,
+    decode_num_splits,
+)
 
 __all__ = [
     "DEFAULT_MAX_SPLITS_CAP",
@@ -21,6 +25,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "SplitPolicy",
     "decode_attention",
+    "decode_metadata",
     "decode_num_splits",
     "extend_attention",
 ]

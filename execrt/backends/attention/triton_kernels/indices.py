@@ -35,10 +35,28 @@ def _build_kv_indices_kernel(
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
-    # int64 row offset: R * max_ctx can exceed 2**31 for large pools.
-    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     out_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    _copy_request_slots(
+        req_to_token_ptr, req_pool_indices_ptr, kv_indices_ptr, stride_req_row, b, seq_len,
+        out_start, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _copy_request_slots(
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    kv_indices_ptr,
+    stride_req_row,
+    b,
+    seq_len,
+    out_start,
+    BLOCK: tl.constexpr,
+):
+    """Request b's first ``seq_len`` slot ids -> ``kv_indices[out_start:]``."""
+    # int64 row offset: R * max_ctx can exceed 2**31 for large pools.
+    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
     src = req_to_token_ptr + row * stride_req_row
     dst = kv_indices_ptr + out_start
     for start in range(0, seq_len, BLOCK):
@@ -159,3 +177,104 @@ def decode_num_splits(
 
 def _cdiv(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.div(x + (d - 1), d, rounding_mode="floor")
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole decode metadata in one launch
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_metadata_kernel(
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    num_splits_ptr,
+    stride_req_row,
+    batch,
+    min_splits,
+    max_splits,
+    TARGET: tl.constexpr,
+    MIN_LEN: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    # This request's offset: the sum of the lengths before it (B is at most a few hundred at
+    # decode, so every program summing its prefix is cheaper than a separate scan launch).
+    offs_b = tl.arange(0, BLOCK_B)
+    before = tl.load(seq_lens_ptr + offs_b, mask=offs_b < b, other=0).to(tl.int64)
+    out_start = tl.sum(before, axis=0)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    if b == 0:
+        tl.store(kv_indptr_ptr, out_start.to(kv_indptr_ptr.dtype.element_ty))  # 0
+    tl.store(kv_indptr_ptr + b + 1, (out_start + seq_len).to(kv_indptr_ptr.dtype.element_ty))
+    # Split count: decode_num_splits' rule.
+    by_len = tl.maximum((seq_len + TARGET - 1) // TARGET, min_splits)
+    splits = tl.minimum(by_len, (seq_len + MIN_LEN - 1) // MIN_LEN)
+    splits = tl.minimum(tl.maximum(splits, 1), max_splits)
+    tl.store(num_splits_ptr + b, splits.to(tl.int32))
+    _copy_request_slots(
+        req_to_token_ptr, req_pool_indices_ptr, kv_indices_ptr, stride_req_row, b,
+        seq_len.to(tl.int32), out_start, BLOCK,
+    )  # fmt: skip
+
+
+def decode_metadata(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_splits_out: torch.Tensor,
+    max_splits: int,
+    policy: SplitPolicy,
+    min_splits: int = 1,
+) -> None:
+    """``kv_indices.fill_kv_index`` and :func:`decode_num_splits` in one launch (no sync, no
+    allocation: capturable). A decode step's metadata used to take a scan (two kernels and a
+    costly host path), the gather and ~6 small torch ops for the split counts.
+
+    Args are those of the two functions it replaces; ``req_to_token`` is int32/int64
+    ``[R, max_ctx]`` with a contiguous last dim.
+
+    Raises:
+        ValueError: on bad ranks, dtypes, lengths, devices or counts.
+    """
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check_index("seq_lens", seq_lens, 0, INDEX_DTYPES)
+    check_index("req_pool_indices", req_pool_indices, batch, INDEX_DTYPES)
+    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
+    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
+    check_index("num_splits_out", num_splits_out, batch, (torch.int32,))
+    if req_to_token.dim() != 2 or req_to_token.dtype not in INDEX_DTYPES:
+        fail(f"req_to_token must be a 2-D int32/int64 table, got {req_to_token.dtype} "
+             f"{tuple(req_to_token.shape)}")  # fmt: skip
+    if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
+        fail(f"req_to_token must be contiguous in its last dim, got {tuple(req_to_token.stride())}")
+    tensors = (req_pool_indices, seq_lens, kv_indptr, kv_indices, num_splits_out)
+    if any(t.device != req_to_token.device for t in tensors):
+        fail("decode metadata: every input must be on req_to_token's device")
+    if max_splits < 1 or min_splits < 1:
+        fail(f"max_splits {max_splits} / min_splits {min_splits} unsupported (need >= 1)")
+    if batch == 0:
+        kv_indptr[:1].zero_()
+        return
+    _decode_metadata_kernel[(batch,)](
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_indptr,
+        kv_indices,
+        num_splits_out,
+        req_to_token.stride(0),
+        batch,
+        min_splits,
+        max_splits,
+        TARGET=policy.target_split_len,
+        MIN_LEN=policy.min_split_len,
+        BLOCK_B=max(16, triton.next_power_of_2(batch)),
+        BLOCK=512,
+    )
