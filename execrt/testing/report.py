@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -18,6 +18,8 @@ import torch
 from execrt.core.errors import ConfigError
 from execrt.inventory import conformance_report_path
 from execrt.plugins.host import PluginHost
+
+_RUNS = itertools.count()  # suite runs in this process
 
 #: kind -> (module, suite class) the generated test module subclasses.
 SUITES = {
@@ -150,10 +152,14 @@ def run_suite_source(
 
     out = out or sys.stdout
     collector = ResultCollector()
-    with tempfile.TemporaryDirectory(prefix="execrt-conformance-") as tmp:
-        # A unique module name: pytest may run in-process several times (each run must import
-        # its own module, not find an earlier one in sys.modules).
-        safe = re.sub(r"\W", "_", f"{kind}_{name}_{uuid.uuid4().hex[:8]}")
+    with tempfile.TemporaryDirectory(prefix="execrt-conformance-") as scratch:
+        # pytest matches `-k` expressions against every parent node's name too, so nothing
+        # random may appear in them: the random scratch directory stays above the rootdir, and
+        # the module's name is unique by pid and counter (each in-process run must import its
+        # own module, not find an earlier one in sys.modules).
+        tmp = os.path.join(scratch, "conformance")
+        os.mkdir(tmp)
+        safe = re.sub(r"\W", "_", f"{kind}_{name}_{os.getpid()}_{next(_RUNS)}")
         module = os.path.join(tmp, f"test_conformance_{safe}.py")
         ini = os.path.join(tmp, "pytest.ini")
         with open(module, "w") as fh:
