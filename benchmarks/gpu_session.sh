@@ -2,11 +2,11 @@
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
-#        [bench-moe] [bench-decode] [tune-moe] [tune-extend] [tune-decode] [probe-nccl-ep]
+#        [bench-moe] [bench-decode] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
-#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TESTS_FAILLOG.
+#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -63,6 +63,9 @@ for step in "$@"; do
       timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20
       # The table's name (E=..,N=..) has characters the device tool does not bring back.
       for f in "$OUT"/E=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-moe-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
+    tune-linear)
+      timeout "$(cap 330)" python3 benchmarks/tune_skinny_linear.py --out "$OUT" ${TUNE_LINEAR_ARGS:-} 2>&1 | tee "$OUT/tune-linear.log" | tail -80
+      for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-linear-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
     tune-extend)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
     tune-decode)

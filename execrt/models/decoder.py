@@ -15,7 +15,7 @@ from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import MoEDispatcher
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.models.config import ModelConfig
-from execrt.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, SparseMoE
+from execrt.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel = parallel or ParallelState.single()
         self.model = DecoderModel(config, max_positions, dispatcher, parallel)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -139,10 +139,11 @@ class DecoderForCausalLM(nn.Module):
         return LogitsOutput(next_token_logits=self.lm_head(h).float())
 
     def set_fused_kernels(self, enabled: bool) -> None:
-        """Run norms, rotary (+ K/V store), SwiGLU and experts through the Triton kernels of
-        ``execrt.kernels`` (True) or their torch references (False)."""
+        """Run norms, rotary (+ K/V store), decode-size projections (with SwiGLU fused into
+        down's), the router and experts through the Triton kernels of ``execrt.kernels`` (True)
+        or their torch references and cuBLAS (False)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP, SparseMoE)):
+            if isinstance(module, (RMSNorm, Attention, Linear, SparseMoE)):
                 module.fused = enabled
 
     # -- weights ------------------------------------------------------------------------------

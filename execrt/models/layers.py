@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
 from execrt.core.interfaces import AttentionLayer, MoEDispatcher
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
-from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.fused_moe import fused_experts
+from execrt.kernels.linear import linear
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 from execrt.kernels.rotary import qk_norm_rope
 from execrt.kernels.router import topk_softmax
@@ -40,6 +39,16 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + delta`` (in the model dtype) and its norm: ``(normed, new_residual)``."""
         return fused_add_rmsnorm(delta, residual, self.weight, self.eps, use_triton=self.fused)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose decode-size calls run the Triton skinny GEMM when ``fused`` is set
+    (``execrt.kernels.linear``); the parameters and checkpoint names are nn.Linear's."""
+
+    fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, use_triton=self.fused)
 
 
 class RotaryEmbedding(nn.Module):
@@ -97,14 +106,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(wavelen < high_wavelen, inv_freq, out)
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """``linear(x)`` when ``linear`` holds this rank's input columns: the partial products are
-    summed over the TP group, and the (replicated) bias is added once, after the sum."""
+def row_parallel(
+    proj: Linear, x: torch.Tensor, parallel: ParallelState, *, swiglu: bool = False
+) -> torch.Tensor:
+    """``proj(x)`` when ``proj`` holds this rank's input columns: the partial products are
+    summed over the TP group, and the (replicated) bias is added once, after the sum.
+    ``swiglu``: ``x`` is the gate/up output and ``silu(gate) * up`` is the input."""
     if parallel.tp_size == 1:
-        return linear(x)
-    out = F.linear(x, linear.weight)  # [T, H_out] this rank's share of the sum
+        return linear(x, proj.weight, proj.bias, swiglu=swiglu, use_triton=proj.fused)
+    out = linear(x, proj.weight, swiglu=swiglu, use_triton=proj.fused)  # [T, H_out] a share
     parallel.all_reduce(out, parallel.tp_group)
-    return out if linear.bias is None else out + linear.bias
+    return out if proj.bias is None else out + proj.bias
 
 
 class Attention(nn.Module):
@@ -139,8 +151,8 @@ class Attention(nn.Module):
         heads = shard_heads(num_q_heads, num_kv_heads, parallel.tp_size, parallel.tp_rank)
         num_q_heads, num_kv_heads = heads.num_q, heads.num_kv  # this rank's
         self.q_size, self.kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(num_q_heads * head_dim, hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(num_q_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.eps = rms_norm_eps
@@ -207,14 +219,13 @@ class MLP(nn.Module):
             intermediate_size, parallel.tp_size, parallel.tp_rank, "intermediate_size"
         )
         local = rows.stop - rows.start
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=bias)
-        self.down_proj = nn.Linear(local, hidden_size, bias=bias)
-
-        self.fused = False
+        self.gate_up_proj = Linear(hidden_size, 2 * local, bias=bias)
+        self.down_proj = Linear(local, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = silu_and_mul(self.gate_up_proj(x), use_triton=self.fused)  # [T, I / tp]
-        return row_parallel(self.down_proj, h, self.parallel)  # [T, H]
+        gate_up = self.gate_up_proj(x)  # [T, 2I / tp]
+        # SwiGLU runs inside down's skinny GEMM at decode sizes, else as its own kernel.
+        return row_parallel(self.down_proj, gate_up, self.parallel, swiglu=True)  # [T, H]
 
 
 class SparseMoE(nn.Module):
@@ -235,7 +246,7 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         local = dispatcher.init.num_local_experts
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
         self.top_k = top_k

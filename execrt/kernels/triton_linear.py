@@ -1,0 +1,249 @@
+"""Triton skinny GEMM: ``y [M, N] = x [M, K] @ W [N, K]^T`` for M <= 16, streaming W once.
+
+One program per ``BLOCK_N`` weight rows walks the whole K dimension (no split-K, so the sum
+order is fixed and there is no second launch or atomic): it loads a ``[BLOCK_N, BLOCK_K]`` weight
+tile (16-byte loads along K) and the matching ``[BLOCK_M, BLOCK_K]`` activations, and
+accumulates in fp32 either on the CUDA cores (``use_dot=False``: elementwise products kept per
+lane and reduced once at the end, for one to a few rows) or on the tensor cores (``tl.dot`` with
+the rows padded to 16). Narrow ``BLOCK_N`` keeps enough programs in flight for the small N of a
+small model's projections. With ``SWIGLU`` the activations are ``silu(gate) * up`` computed from
+the gate/up output as they are loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from execrt.kernels._triton import check_same_device, fail, interpreter_enabled, sm_count
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class SkinnyTile:
+    """Launch shape of one call. ``use_dot`` needs ``block_n >= 16`` (rows padded to 16)."""
+
+    block_n: int
+    block_k: int
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                fail("linear", f"{name} {value} unsupported (a power of two)")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            fail("linear", f"tile {self} uses tl.dot, which needs block_n and block_k >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            fail("linear", f"tile {self}: num_warps 1..16 (a power of two), num_stages >= 1")
+
+
+def block_m_for(m: int, use_dot: bool) -> int:
+    """Rows per program: ``m`` padded to a power of two (16 for the tensor-core path)."""
+    return 16 if use_dot else triton.next_power_of_2(m)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_ok = rn < N
+    # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
+    # need no row mask and stay full 16-byte vectors.
+    rn_ld = tl.minimum(rn, N - 1).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rm_ok = rm < M
+    rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xa = tl.load(x_ptrs)
+            xb = tl.load(x_ptrs + K) if SWIGLU else xa
+        else:
+            kmask = (k0 + rk)[None, :] < K
+            w = tl.load(w_ptrs, mask=kmask, other=0.0)
+            xa = tl.load(x_ptrs, mask=kmask, other=0.0)
+            xb = tl.load(x_ptrs + K, mask=kmask, other=0.0) if SWIGLU else xa
+        if SWIGLU:  # silu(gate) * up in fp32, rounded once to the dtype (as silu_and_mul)
+            gate = xa.to(tl.float32)
+            xa = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(w.dtype)
+        if USE_DOT:
+            if IEEE:
+                acc = tl.dot(xa, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xa, tl.trans(w), acc)
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * xa.to(tl.float32)  # [BN, BK] * [1, BK]
+        else:
+            acc += xa.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        out = acc  # [BM, BN]
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=rm_ok[:, None] & rn_ok[None, :])
+
+
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tile: SkinnyTile,
+    *,
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the kernel with ``tile`` (the tuner calls this directly); see ``skinny_linear``."""
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
+    grid = (triton.cdiv(n, tile.block_n),)
+    _skinny_linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
+        USE_DOT=tile.use_dot,
+        IEEE=x.dtype == torch.float32,
+        EVEN_K=k % tile.block_k == 0,
+        BLOCK_M=block_m_for(m, tile.use_dot),
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return y
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool = False
+) -> torch.Tensor | None:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` with the tile this device's table or the default
+    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``).
+    The caller has checked ``linear.skinny_eligible``."""
+    check_same_device("linear", x, weight=weight, bias=bias)
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    tile = pick_tile(m, n, k, x.dtype, x.device)
+    if tile is None:
+        return None
+    return launch(x, weight, bias, tile, swiglu=swiglu)
+
+
+# -- tiles ---------------------------------------------------------------------------------------
+
+
+def default_tile(m: int, n: int, k: int, sms: int) -> SkinnyTile:
+    """Untuned shapes: CUDA-core lanes for up to 4 rows, tensor cores above.
+
+    Weight rows per program shrink until the grid gives every SM two programs (a small
+    model's o/down projections have N = 1024: 16-row tiles would leave most SMs idle), and
+    each program keeps ~16 KB of weights per K step in flight.
+    """
+    if interpreter_enabled():  # programs run one by one: few, wide ones
+        bn = max(16, min(128, triton.next_power_of_2(n)))
+        return SkinnyTile(block_n=bn, block_k=max(16, min(256, triton.next_power_of_2(k))))
+    if m <= 4:
+        bn = 16
+        while bn > 4 and triton.cdiv(n, bn) < 2 * sms:
+            bn //= 2
+        bm = triton.next_power_of_2(m)
+        # ~32 fp32 accumulators per lane at 4 warps: BM * BN * BK = 128 * 32.
+        bk = max(64, min(1024, 4096 // (bm * bn), triton.next_power_of_2(k)))
+        return SkinnyTile(block_n=bn, block_k=bk, num_warps=4, num_stages=3)
+    bn = 64
+    while bn > 16 and triton.cdiv(n, bn) < 2 * sms:
+        bn //= 2
+    return SkinnyTile(block_n=bn, block_k=256 if bn <= 32 else 128, use_dot=True, num_stages=3)
+
+
+def table_file_name(device_name: str, dtype: torch.dtype) -> str:
+    return f"device_name={device_name.replace(' ', '_')},dtype={_DTYPE_NAMES[dtype]}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> dict[tuple[int, int], dict[int, SkinnyTile | None]] | None:
+    """``{(N, K): {M: tile, or None for cuBLAS}}`` from a tuned table, or None if absent."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        data = json.load(fh)
+    table: dict[tuple[int, int], dict[int, SkinnyTile | None]] = {}
+    for shape, by_m in data["shapes"].items():
+        n, k = (int(v) for v in shape.split(","))
+        table[(n, k)] = {
+            int(m): None if t == "cublas" else SkinnyTile(**t) for m, t in by_m.items()
+        }
+    return table
+
+
+def tile_to_json(tile: SkinnyTile | None) -> dict[str, Any] | str:
+    return "cublas" if tile is None else asdict(tile)
+
+
+def pick_tile(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+) -> SkinnyTile | None:
+    """The tuned entry for (N, K) at the nearest tuned M (None: cuBLAS), else the default."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = load_table(os.path.join(CONFIG_DIR, table_file_name(name, dtype)))
+        by_m = table.get((n, k)) if table else None
+        if by_m:
+            nearest = min(by_m, key=lambda key: (abs(key - m), key))
+            return by_m[nearest]
+    return default_tile(m, n, k, sm_count(device))

@@ -1,0 +1,198 @@
+"""Skinny GEMM (decode-size linear, optional SwiGLU prologue): Triton vs an fp64 oracle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.kernels import linear as linear_mod
+from execrt.kernels.linear import MAX_SKINNY_ROWS, linear, linear_torch, skinny_eligible
+from tests.kernels.helpers import DEVICE, max_rel, needs_cuda, replay_matches_eager
+
+# Every accumulation path of the kernel: CUDA-core lanes for one row (2-D accumulator) and for
+# several rows (3-D), tensor cores; narrow and wide weight tiles; K steps that do and do not
+# divide K.
+TILES = [
+    dict(block_n=4, block_k=32),
+    dict(block_n=16, block_k=64),
+    dict(block_n=16, block_k=32, use_dot=True),
+    dict(block_n=32, block_k=64, use_dot=True),
+]
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    """fp64 math; with swiglu the activations are rounded to the dtype first, as the kernel
+    (and silu_and_mul) round them."""
+    if swiglu:
+        k = w.shape[1]
+        gate, up = x[:, :k].double(), x[:, k:].double()
+        x = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, swiglu: bool, bias: bool, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k if swiglu else k, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+def bound(dtype: torch.dtype) -> float:
+    # fp32: summation order only; 16-bit: one rounding of the output (and of the SwiGLU input).
+    return 1e-5 if dtype == torch.float32 else 4e-3
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_every_tile_matches_the_oracle(
+    tile: dict, dtype: torch.dtype, m: int, swiglu: bool
+) -> None:
+    from execrt.kernels.triton_linear import SkinnyTile, launch
+
+    n, k = 37, 200  # N not a multiple of any block_n, K not of any block_k
+    x, w, b = make(m, n, k, dtype, swiglu, bias=True, seed=m * 10 + len(tile))
+    out = launch(x, w, b, SkinnyTile(**tile), swiglu=swiglu)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert max_rel(out, oracle(x, w, b, swiglu)) <= bound(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (2, 50, 72), (5, 130, 64), (16, 16, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_picks_the_kernel_and_matches(
+    dtype: torch.dtype, m: int, n: int, k: int, bias: bool
+) -> None:
+    x, w, b = make(m, n, k, dtype, False, bias, seed=n + k)
+    assert skinny_eligible(x, w)
+    out = linear(x, w, b, use_triton=True)
+    assert max_rel(out, oracle(x, w, b, False)) <= bound(dtype)
+    assert max_rel(out, linear_torch(x, w, b)) <= bound(dtype)
+
+
+def test_leading_dims_and_swiglu_through_linear() -> None:
+    x, w, b = make(3, 24, 40, torch.float32, True, True, seed=5)
+    out = linear(x.view(3, 1, 80), w, b, swiglu=True, use_triton=True)
+    assert out.shape == (3, 1, 24)
+    assert max_rel(out.view(3, 24), oracle(x, w, b, True)) <= 1e-5
+
+
+def test_calls_the_kernel_does_not_take_run_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    from execrt.kernels import triton_linear
+
+    calls: list[tuple[int, ...]] = []
+    real = triton_linear.skinny_linear
+
+    def spy(x, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(tuple(x.shape))
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(triton_linear, "skinny_linear", spy)
+    big, w, _ = make(MAX_SKINNY_ROWS + 1, 16, 32, torch.float32, False, False, seed=1)
+    assert not skinny_eligible(big, w)
+    torch.testing.assert_close(linear(big, w, use_triton=True), linear_torch(big, w))
+    strided_w = torch.randn(32, 16, device=DEVICE).T  # [16, 32], not contiguous
+    small = big[:2]
+    assert not skinny_eligible(small, strided_w)
+    linear(small, strided_w, use_triton=True)
+    assert calls == []
+    linear(small, w, use_triton=True)
+    assert calls == [(2, 32)]
+    # Off, nothing reaches the kernel module either (and SwiGLU is the reference).
+    gate_up, w2, _ = make(2, 8, 16, torch.float32, True, False, seed=2)
+    torch.testing.assert_close(
+        linear(gate_up, w2, swiglu=True), linear_torch(gate_up, w2, swiglu=True)
+    )
+    assert calls == [(2, 32)]
+
+
+def test_swiglu_width_is_checked() -> None:
+    w = torch.ones(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"linear: swiglu input \(2, 8\) must be \[\.\.\., 2K\]"):
+        linear(torch.ones(2, 8, device=DEVICE), w, swiglu=True, use_triton=True)
+
+
+def test_tile_records_refuse_bad_values() -> None:
+    from execrt.kernels.triton_linear import SkinnyTile
+
+    with pytest.raises(ValueError, match="block_n 12 unsupported"):
+        SkinnyTile(block_n=12, block_k=64)
+    with pytest.raises(ValueError, match="needs block_n and block_k >= 16"):
+        SkinnyTile(block_n=8, block_k=64, use_dot=True)
+    with pytest.raises(ValueError, match="num_warps"):
+        SkinnyTile(block_n=8, block_k=64, num_warps=3)
+
+
+def test_default_tiles_fill_the_gpu_and_stay_valid() -> None:
+    from execrt.kernels import triton_linear as tl_mod
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tl_mod, "interpreter_enabled", lambda: False)
+        for m in (1, 2, 4, 5, 16):
+            for n, k in ((1024, 2048), (4096, 1024), (151936, 4096), (7, 24)):
+                tile = tl_mod.default_tile(m, n, k, sms=132)
+                assert tile.use_dot == (m > 4)
+                # Narrow tiles where N is small: two programs per SM when N allows it.
+                if n >= 2 * 132 * 16:
+                    assert -(-n // tile.block_n) >= 2 * 132
+        assert tl_mod.default_tile(1, 1024, 2048, sms=132).block_n == 4
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from execrt.kernels import triton_linear as tl_mod
+
+    table = {
+        "shapes": {
+            "1024,2048": {
+                "1": {
+                    "block_n": 8,
+                    "block_k": 512,
+                    "use_dot": False,
+                    "num_warps": 4,
+                    "num_stages": 3,
+                },
+                "8": "cublas",
+            }
+        }
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    loaded = tl_mod.load_table(str(path))
+    assert loaded is not None
+    by_m = loaded[(1024, 2048)]
+    assert by_m[1] == tl_mod.SkinnyTile(8, 512, False, 4, 3) and by_m[8] is None
+    assert tl_mod.load_table(str(tmp_path / "absent.json")) is None
+    assert tl_mod.tile_to_json(None) == "cublas"
+    # No table on CPU: the default (interpreter) tile.
+    assert tl_mod.pick_tile(1, 1024, 2048, torch.float32, torch.device("cpu")) is not None
+
+
+def test_a_cublas_verdict_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    from execrt.kernels import triton_linear as tl_mod
+
+    monkeypatch.setattr(tl_mod, "pick_tile", lambda *a: None)
+    x, w, b = make(1, 16, 32, torch.float32, True, True, seed=3)
+    assert tl_mod.skinny_linear(x, w, b, swiglu=True) is None
+    torch.testing.assert_close(
+        linear(x, w, b, swiglu=True, use_triton=True), linear_torch(x, w, b, swiglu=True)
+    )
+    assert linear_mod.MAX_SKINNY_ROWS == MAX_SKINNY_ROWS
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_bf16_on_gpu_and_graph_replay_is_bitwise(m: int, swiglu: bool) -> None:
+    n, k = 1024, 3072  # a small model's down projection
+    x, w, b = make(m, n, k, torch.bfloat16, swiglu, bias=True, seed=m)
+    out = linear(x, w, b, swiglu=swiglu, use_triton=True)
+    assert max_rel(out, oracle(x, w, b, swiglu)) <= 8e-3
+    fresh = torch.randn_like(x)
+    replay_matches_eager(lambda: [linear(x, w, b, swiglu=swiglu, use_triton=True)], [x], [fresh])
