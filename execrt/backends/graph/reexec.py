@@ -21,7 +21,9 @@ class ReexecGraphBackend(GraphBackend):
     tensors, so callers see exactly what a real graph gives them: the same objects, overwritten.
     It records nothing and saves nothing; it exists so the graph runner's bucket, pad and trim
     logic runs on any device, including CPU in CI. A dispatcher's graph resources follow the
-    same lifecycle as under real graphs (``GraphResourceOwner``), so it can be tested on CPU.
+    same lifecycle as under real graphs (``GraphResourceOwner``), so it can be tested on CPU;
+    before each replay they are warmed up for the key again, outside any capture, so that the
+    re-run forward uses the graph state of that key as the recorded kernels would.
     """
 
     def __init__(self, init: GraphBackendInit) -> None:
@@ -53,6 +55,10 @@ class ReexecGraphBackend(GraphBackend):
                 f"reexec graph backend: shape key {key} not captured (captured: {captured})"
             ) from None
         output = self._outputs[key]
+        if self._resources is not None:
+            # A real replay relaunches kernels recorded on this key's bucket; a re-run forward
+            # sees the dispatcher's graph state only once the resources are back on it.
+            self._resources.before_replay(key.batch_size)
         _copy_into(output, fn(), f"replay({key})")
         return output
 

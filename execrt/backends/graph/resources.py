@@ -15,7 +15,8 @@ class GraphResourceOwner:
     ``ensure(n)`` creates the resources (empty) on the first capture of a generation, with
     capacity ``n``: graph runners capture the largest key first, so the first key sizes them
     for all. They are registered in the RuntimeContext under ``provider.resource_name``, the
-    very object the provider returned. ``warm_up(n)`` runs outside capture, once per key.
+    very object the provider returned. ``warm_up(n)`` runs outside capture, once per key;
+    ``before_replay(n)`` warms key n up again before a re-executed (not relaunched) replay.
     ``close()`` must come after the backend has reset its graphs; it unregisters and closes
     the resources once (the context refuses while a dispatcher borrows them) and is idempotent.
 
@@ -67,6 +68,14 @@ class GraphResourceOwner:
     def warm_up(self, num_tokens: int) -> None:
         """Prepare the resources for ``num_tokens`` tokens; never call it inside a capture."""
         assert self.resources is not None, "ensure() comes first"
+        self.provider.warm_up_graph_resources(self.resources, num_tokens)
+
+    def before_replay(self, num_tokens: int) -> None:
+        """Make ``num_tokens``'s bucket current again before a replay that re-runs the forward
+        (reexec): a real graph's recorded kernels carry their own bucket's routing, a re-run
+        forward finds it only if the provider is back on that bucket. The provider's warm-up
+        of a bucket it already ran only rebinds; real graph backends never call this."""
+        assert self.resources is not None, "a replay comes after a capture"
         self.provider.warm_up_graph_resources(self.resources, num_tokens)
 
     def close(self) -> None:

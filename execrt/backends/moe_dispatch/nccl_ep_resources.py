@@ -39,6 +39,9 @@ class NcclEpGraphResources:
     ``topk_ids[:T]``; a later ``warm_up(T')`` rebinds that handle to ``topk_ids[:T']``, the
     same base pointer, so captured kernels keep reading the routing they were recorded with.
     ``bucket`` is the last warmed T: forwards of exactly ``bucket`` tokens use this state.
+    The first warm-up of a bucket also runs it once (kernels loaded before capture); warming
+    an already-run bucket up again, as a re-executing graph backend does before each replay,
+    only rebinds the handle.
 
     Buffers (C = capacity): ``send_tokens`` bf16 [C, H]; ``topk_ids`` int64 [C, K], rows past
     the bucket hold -1; ``topk_weights`` fp32 [C, K]; ``recv_tokens`` bf16 [E_local, P*C, H];
@@ -68,6 +71,7 @@ class NcclEpGraphResources:
         self._api = api
         self._communicator = communicator
         self.bucket: int | None = None
+        self._run_buckets: set[int] = set()  # buckets whose kernels ran once (this generation)
         self.borrower: str | None = None
         self.closed = False
         self.group: Any = None
@@ -94,8 +98,10 @@ class NcclEpGraphResources:
 
     # -- warm-up, outside capture ---------------------------------------------------------------
     def warm_up(self, num_tokens: int) -> None:
-        """Graph mode on for bucket ``num_tokens``: build on first use, rebind the routing,
-        and run one dispatch + combine so that every kernel is loaded before capture."""
+        """Graph mode on for bucket ``num_tokens``: build on first use, rebind the routing
+        (an update outside capture) when the handle is bound to another bucket, and on the
+        bucket's first warm-up run one dispatch + combine so every kernel is loaded before
+        capture. Nothing is created after the build."""
         self._refuse_if_closed("warm up")
         if self._api.is_capturing():
             raise ResourceError(
@@ -119,7 +125,9 @@ class NcclEpGraphResources:
             native.update_handle(self._api, self.handle, routing, stream)
             self._routing = routing
         self.bucket = num_tokens
-        self._prime(num_tokens, stream)
+        if num_tokens not in self._run_buckets:
+            self._prime(num_tokens, stream)
+            self._run_buckets.add(num_tokens)
 
     def _build(self, num_tokens: int, stream: int) -> None:
         lay, cap = self.layout, self.capacity

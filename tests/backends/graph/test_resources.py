@@ -86,6 +86,20 @@ def test_created_once_sized_by_the_first_key_and_warmed_before_each_capture() ->
         assert context.owner_of(NAME) == "reexec graph backend"
 
 
+def test_each_replay_warms_its_key_up_again_before_re_running_it() -> None:
+    # A real graph's kernels carry their key's bucket; a re-run forward must find the
+    # provider back on that bucket, whichever key was warmed (or replayed) last.
+    with RuntimeContext() as context:
+        backend, provider, log = make(context)
+        capture(backend, log, 8, 4)
+        log.clear()
+        for bs in (8, 4, 8, 4):
+            out = backend.replay(ShapeKey(bs))
+            assert bool((out == float(bs)).all())
+        assert log == [("warm", 0, 8), ("fn", 8), ("warm", 0, 4), ("fn", 4)] * 2
+        assert len(provider.created) == 1 and provider.closed == []
+
+
 def test_cleanup_closes_once_after_the_graphs_and_recapture_makes_a_new_generation() -> None:
     with RuntimeContext() as context:
         backend, provider, log = make(context)

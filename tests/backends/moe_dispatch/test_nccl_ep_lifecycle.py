@@ -107,13 +107,33 @@ def test_full_lifecycle(world: World, eager_run_first: bool) -> None:
     assert model.after_combine == [None] * len(model.after_combine)
     assert res.borrower is None and context.borrower_of(NAME) is None
 
-    # Replays (reexec re-runs the forward) read new inputs, padding rows included.
-    for num_tokens in BUCKETS:
-        for num_real in {num_tokens, max(1, num_tokens - 3)}:
-            model.refill(num_real)
-            out = driver.replay(num_tokens)
-            assert out is driver.outputs[num_tokens]
-            check_against_oracle(model, out, num_tokens)
+    # Replays (reexec re-runs the forward) read new inputs, padding rows included, and run
+    # exactly what the recorded graph would: every layer on the persistent graph handle,
+    # nothing created, no eager handle; only a rebind (update outside capture, same base)
+    # when the handle is bound to another bucket.
+    eager_group = world.dispatcher._group
+    for num_tokens, num_real in [(8, 8), (8, 5), (4, 4), (2, 1), (1, 1), (8, 3), (1, 1), (4, 1)]:
+        model.refill(num_real)
+        bound, start, mid = res.bucket, len(fake.events), len(model.mid_layer)
+        out = driver.replay(num_tokens)
+        assert out is driver.outputs[num_tokens]
+        check_against_oracle(model, out, num_tokens)
+        ran = [(e.op, e.target, e.num_tokens, e.capturing) for e in fake.events[start:]]
+        rebind = [] if bound == num_tokens else [("update", graph_handle, num_tokens, False)]
+        layer = [
+            (op, graph_handle, num_tokens, False)
+            for op in ("dispatch", "complete", "combine", "complete")
+        ]
+        assert ran == rebind + layer * LAYERS, f"replay of {num_tokens}: {ran}"
+        assert all(e.base_ptr == base for e in fake.events[start:] if e.op == "update")
+        assert res.bucket == num_tokens
+        borrowers = model.mid_layer[mid:]
+        assert len(borrowers) == LAYERS and None not in borrowers
+        assert len(set(borrowers)) == LAYERS, "one borrow per layer"
+        assert model.after_combine[mid:] == [None] * LAYERS
+    assert world.dispatcher._group is eager_group, "a replay must never go eager"
+    if not eager_run_first:
+        assert eager_group is None
 
     # Cleanup: graphs reset, then handle before group; idempotent.
     before = len(fake.events)
