@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_same_device, fail, interpreter_enabled, sm_count
+from execrt.kernels._triton import check_same_device, fail, interpreter_enabled
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -187,28 +187,22 @@ def skinny_linear(
 # -- tiles ---------------------------------------------------------------------------------------
 
 
-def default_tile(m: int, n: int, k: int, sms: int) -> SkinnyTile:
-    """Untuned shapes: CUDA-core lanes for up to 4 rows, tensor cores above.
+def default_tile(m: int, n: int, k: int) -> SkinnyTile | None:
+    """Untuned shapes: the kernel for one row, cuBLAS (None) for more.
 
-    Weight rows per program shrink until the grid gives every SM two programs (a small
-    model's o/down projections have N = 1024: 16-row tiles would leave most SMs idle), and
-    each program keeps ~16 KB of weights per K step in flight.
+    At one row the CUDA-core tile won on every shape the H200 tuner tried (1.1-3.7x over
+    cuBLAS: four weight rows per program, 1024-wide K steps); with more rows the best tile
+    depends on the shape and a wrong guess can lose 3x (the tensor-core tiles of a narrow-N,
+    deep-K down projection), so only a tuned table enables them. Four rows per program keep
+    two programs per SM down to N = 1056 on 132 SMs.
     """
-    if interpreter_enabled():  # programs run one by one: few, wide ones
+    if interpreter_enabled():  # programs run one by one: few, wide ones (every path tested)
         bn = max(16, min(128, triton.next_power_of_2(n)))
         return SkinnyTile(block_n=bn, block_k=max(16, min(256, triton.next_power_of_2(k))))
-    if m <= 4:
-        bn = 16
-        while bn > 4 and triton.cdiv(n, bn) < 2 * sms:
-            bn //= 2
-        bm = triton.next_power_of_2(m)
-        # ~32 fp32 accumulators per lane at 4 warps: BM * BN * BK = 128 * 32.
-        bk = max(64, min(1024, 4096 // (bm * bn), triton.next_power_of_2(k)))
-        return SkinnyTile(block_n=bn, block_k=bk, num_warps=4, num_stages=3)
-    bn = 64
-    while bn > 16 and triton.cdiv(n, bn) < 2 * sms:
-        bn //= 2
-    return SkinnyTile(block_n=bn, block_k=256 if bn <= 32 else 128, use_dot=True, num_stages=3)
+    if m > 1:
+        return None
+    bk = max(64, min(1024, triton.next_power_of_2(k)))
+    return SkinnyTile(block_n=4, block_k=bk, num_warps=4, num_stages=3)
 
 
 def table_file_name(device_name: str, dtype: torch.dtype) -> str:
@@ -238,12 +232,18 @@ def tile_to_json(tile: SkinnyTile | None) -> dict[str, Any] | str:
 def pick_tile(
     m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 ) -> SkinnyTile | None:
-    """The tuned entry for (N, K) at the nearest tuned M (None: cuBLAS), else the default."""
+    """The tuned entry for (N, K) at the smallest tuned M >= m (None: cuBLAS; also past the
+    largest tuned M), else ``default_tile``. Rounding up keeps a CUDA-core tile tuned for
+    M = 4 from being stretched over more rows than its accumulators were sized for."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         table = load_table(os.path.join(CONFIG_DIR, table_file_name(name, dtype)))
         by_m = table.get((n, k)) if table else None
         if by_m:
-            nearest = min(by_m, key=lambda key: (abs(key - m), key))
-            return by_m[nearest]
-    return default_tile(m, n, k, sm_count(device))
+            return lookup(by_m, m)
+    return default_tile(m, n, k)
+
+
+def lookup(by_m: dict[int, SkinnyTile | None], m: int) -> SkinnyTile | None:
+    above = [key for key in by_m if key >= m]
+    return by_m[min(above)] if above else None

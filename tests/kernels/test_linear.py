@@ -130,19 +130,16 @@ def test_tile_records_refuse_bad_values() -> None:
         SkinnyTile(block_n=8, block_k=64, num_warps=3)
 
 
-def test_default_tiles_fill_the_gpu_and_stay_valid() -> None:
+def test_untuned_shapes_take_the_kernel_at_one_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from execrt.kernels import triton_linear as tl_mod
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tl_mod, "interpreter_enabled", lambda: False)
-        for m in (1, 2, 4, 5, 16):
-            for n, k in ((1024, 2048), (4096, 1024), (151936, 4096), (7, 24)):
-                tile = tl_mod.default_tile(m, n, k, sms=132)
-                assert tile.use_dot == (m > 4)
-                # Narrow tiles where N is small: two programs per SM when N allows it.
-                if n >= 2 * 132 * 16:
-                    assert -(-n // tile.block_n) >= 2 * 132
-        assert tl_mod.default_tile(1, 1024, 2048, sms=132).block_n == 4
+    monkeypatch.setattr(tl_mod, "interpreter_enabled", lambda: False)
+    for n, k in ((1024, 2048), (151936, 4096), (7, 24), (960, 576)):
+        tile = tl_mod.default_tile(1, n, k)
+        assert tile is not None and not tile.use_dot and tile.block_n == 4
+        assert tile.block_k >= min(k, 64) and tile.block_k <= 1024
+        for m in (2, 4, 16):
+            assert tl_mod.default_tile(m, n, k) is None  # cuBLAS unless tuned
 
 
 def test_tuned_table_lookup(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -168,6 +165,11 @@ def test_tuned_table_lookup(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None: 
     assert loaded is not None
     by_m = loaded[(1024, 2048)]
     assert by_m[1] == tl_mod.SkinnyTile(8, 512, False, 4, 3) and by_m[8] is None
+    # The smallest tuned M at or above the call's: 1 -> 1, 2..8 -> 8 (cuBLAS), past 8: cuBLAS.
+    assert tl_mod.lookup(by_m, 1) == by_m[1]
+    assert tl_mod.lookup(by_m, 2) is None and tl_mod.lookup(by_m, 9) is None
+    by_m = {1: by_m[1], 4: tl_mod.SkinnyTile(4, 1024), 16: tl_mod.SkinnyTile(32, 128, True)}
+    assert tl_mod.lookup(by_m, 3) == by_m[4] and tl_mod.lookup(by_m, 5) == by_m[16]
     assert tl_mod.load_table(str(tmp_path / "absent.json")) is None
     assert tl_mod.tile_to_json(None) == "cublas"
     # No table on CPU: the default (interpreter) tile.
@@ -196,3 +198,21 @@ def test_bf16_on_gpu_and_graph_replay_is_bitwise(m: int, swiglu: bool) -> None:
     assert max_rel(out, oracle(x, w, b, swiglu)) <= 8e-3
     fresh = torch.randn_like(x)
     replay_matches_eager(lambda: [linear(x, w, b, swiglu=swiglu, use_triton=True)], [x], [fresh])
+
+
+def test_shipped_tables_load_and_keep_cuda_core_tiles_to_few_rows() -> None:
+    import glob
+    import os
+
+    from execrt.kernels import triton_linear as tl_mod
+
+    paths = glob.glob(os.path.join(tl_mod.CONFIG_DIR, "*.json"))
+    assert any("NVIDIA_H200" in p for p in paths)
+    for path in paths:
+        table = tl_mod.load_table(path)
+        assert table
+        for (n, k), by_m in table.items():
+            assert n > 0 and k > 0 and by_m
+            for m, tile in by_m.items():
+                # A CUDA-core tile holds BLOCK_M x BLOCK_N x BLOCK_K accumulators per program.
+                assert tile is None or tile.use_dot or m <= 4, (path, n, k, m, tile)
