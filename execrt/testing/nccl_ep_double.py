@@ -1,8 +1,9 @@
 """FakeNccl: a CPU test double of ``nccl.ep`` (nccl-extensions 0.1.0) and the ``nccl.core`` bits.
 
 The double follows the public surface of the real modules name for name and signature for
-signature (``tests/backends/moe_dispatch/test_nccl_ep_probe.py`` compares them when the real
-package is importable), so a backend written against it runs unchanged on the real library.
+signature (``tests/backends/moe_dispatch/test_nccl_ep_real_api.py`` compares them with the real
+package, which the test extra installs), so a backend written against it runs unchanged on the
+real library.
 It emulates the low-latency (LL) expert-major path at world size 1 with torch on any device:
 
 - ``dispatch`` places each routed (token, k) copy in a slot of ``recv[e]`` drawn at random, as
@@ -17,6 +18,8 @@ Where the real library aborts the process (a C ``assert``), the double raises ``
 and records it in ``violations``: a test asserts that the backend refused first. Every create,
 update, dispatch, combine, complete and destroy is recorded in ``events`` with whether a capture
 was active (``FakeNccl.capture()`` marks one on CPU; a real CUDA capture counts too).
+Public members the real classes lack are the double's own helpers, listed (and checked) in
+``DOUBLE_ONLY``.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from packaging.version import Version
 
-__all__ = ["EpEvent", "FakeNccl", "FakeNcclAbort"]
+__all__ = ["DOUBLE_ONLY", "EpEvent", "FakeNccl", "FakeNcclAbort"]
 
+#: Members of the double's classes that the real ones lack: test helpers a backend must not use.
+DOUBLE_ONLY = {"Group": frozenset({"live"}), "Handle": frozenset({"live"})}
 _TENSOR_MAGIC = 0xCAFECAFE
 _MAX_TOPK = 32  # MAX_NUM_TOPK of NCCL EP 0.2
 _IDS = itertools.count(0x1000, 0x40)  # fake native addresses
@@ -106,8 +112,8 @@ class CombineQuantizationRecipe(IntEnum):
     NVFP4 = 1
 
 
-class DataType(IntEnum):
-    """ncclDataType_t values (what ``Tensor.datatype`` reports)."""
+class NcclDataType(IntEnum):
+    """``nccl.core.NcclDataType``: ncclDataType_t values (what ``Tensor.datatype`` reports)."""
 
     INT8 = 0
     UINT8 = 1
@@ -119,18 +125,35 @@ class DataType(IntEnum):
     FLOAT32 = 7
     FLOAT64 = 8
     BFLOAT16 = 9
+    FLOAT8E4M3 = 10
+    FLOAT8E5M2 = 11
 
 
-_DTYPES = {
-    torch.int8: DataType.INT8,
-    torch.uint8: DataType.UINT8,
-    torch.int32: DataType.INT32,
-    torch.int64: DataType.INT64,
-    torch.float16: DataType.FLOAT16,
-    torch.float32: DataType.FLOAT32,
-    torch.float64: DataType.FLOAT64,
-    torch.bfloat16: DataType.BFLOAT16,
-}
+def _torch_dtypes() -> dict[torch.dtype, NcclDataType]:
+    """The torch dtypes nccl4py maps, and to what (bool travels as its byte)."""
+    out = {
+        torch.bool: NcclDataType.UINT8,
+        torch.int8: NcclDataType.INT8,
+        torch.uint8: NcclDataType.UINT8,
+        torch.int32: NcclDataType.INT32,
+        torch.int64: NcclDataType.INT64,
+        torch.float16: NcclDataType.FLOAT16,
+        torch.float32: NcclDataType.FLOAT32,
+        torch.float64: NcclDataType.FLOAT64,
+        torch.bfloat16: NcclDataType.BFLOAT16,
+    }
+    for name, value in (
+        ("uint32", NcclDataType.UINT32),
+        ("uint64", NcclDataType.UINT64),
+        ("float8_e4m3fn", NcclDataType.FLOAT8E4M3),
+        ("float8_e5m2", NcclDataType.FLOAT8E5M2),
+    ):
+        if hasattr(torch, name):  # newer torch only
+            out[getattr(torch, name)] = value
+    return out
+
+
+_DTYPES = _torch_dtypes()
 
 AllocFn = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p
@@ -241,8 +264,8 @@ class Tensor:
             raise NotImplementedError("nccl.ep double: window-backed tensors are not emulated")
         if buffer.dim() == 0:
             raise ValueError("Tensor requires at least one dimension")
-        if buffer.dtype not in _DTYPES:
-            raise FakeNcclAbort(f"nccl.ep: unsupported tensor dtype {buffer.dtype}")
+        if buffer.dtype not in _DTYPES:  # nccl4py refuses it in Python (NcclInvalid)
+            raise ValueError(f"nccl.ep double: no NCCL data type for {buffer.dtype}")
         if not buffer.is_contiguous():
             # The descriptor holds a pointer and sizes only: a strided view would be read as
             # if it were dense, i.e. the wrong elements.
@@ -265,7 +288,7 @@ class Tensor:
         return self._sizes
 
     @property
-    def datatype(self) -> DataType:
+    def datatype(self) -> NcclDataType:
         return self._datatype
 
     @property
@@ -283,9 +306,33 @@ class Tensor:
 # ---------------------------------------------------------------------------------------------
 # nccl.core: the communicator
 # ---------------------------------------------------------------------------------------------
+_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+
 class UniqueId:
-    def __init__(self, value: bytes = b"") -> None:
-        self.as_bytes = value
+    """``nccl.core.UniqueId``: 128 opaque bytes; ``UniqueId()`` is the empty (zero) id."""
+
+    def __init__(self, _internal: bytes | None = None) -> None:
+        self._bytes = bytes(_UNIQUE_ID_BYTES) if _internal is None else bytes(_internal)
+        if len(self._bytes) != _UNIQUE_ID_BYTES:
+            raise ValueError(f"a UniqueId holds {_UNIQUE_ID_BYTES} bytes, got {len(self._bytes)}")
+
+    def __bytes__(self) -> bytes:
+        return self._bytes
+
+    @staticmethod
+    def from_bytes(b: bytes | bytearray | memoryview) -> UniqueId:
+        return UniqueId(bytes(b))
+
+    @property
+    def as_bytes(self) -> bytes:
+        return self._bytes
+
+
+def _get_unique_id(empty: bool = False) -> UniqueId:
+    if empty:
+        return UniqueId()
+    return UniqueId(b"fake-nccl-uid".ljust(_UNIQUE_ID_BYTES, b"\0"))
 
 
 @dataclass(frozen=True)
@@ -455,8 +502,8 @@ class _Handle:
         self._base_ptr = 0
         self._staged: _Staged | None = None
         self._routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert
-        self.num_tokens = 0
-        self.top_k = 0
+        self._num_tokens = 0
+        self._top_k = 0
 
     def _name(self) -> str:
         return f"handle#{self._ptr:x}"
@@ -476,9 +523,8 @@ class _Handle:
         assert group is not None and group._config is not None
         cfg = group._config
         world.require(topk_idx.ndim == 2, f"topk_idx must be 2-D, got {topk_idx.sizes}")
-        world.require(
-            topk_idx.datatype in (DataType.INT64, DataType.INT32), "topk_idx must be int32/int64"
-        )
+        int_ids = (NcclDataType.INT64, NcclDataType.INT32)
+        world.require(topk_idx.datatype in int_ids, "topk_idx must be int32/int64")
         rows, k = topk_idx.sizes
         world.require(
             rows <= cfg.max_dispatch_tokens_per_rank,
@@ -487,14 +533,14 @@ class _Handle:
         world.require(1 <= k <= _MAX_TOPK, f"top_k {k} outside [1, {_MAX_TOPK}]")
         world.require(cfg.num_topk == 0 or k <= cfg.num_topk, f"top_k {k} > num_topk")
         if not first:
-            world.require(k == self.top_k, f"update changed top_k {self.top_k} -> {k}")
+            world.require(k == self._top_k, f"update changed top_k {self._top_k} -> {k}")
             # Captured kernels hold the routing pointer: a new base would go unseen on replay.
             world.require(
                 topk_idx.data == self._base_ptr,
                 f"update moved topk_idx from {self._base_ptr:#x} to {topk_idx.data:#x}",
             )
         self._topk, self._base_ptr = topk_idx, topk_idx.data
-        self.num_tokens, self.top_k = rows, k
+        self._num_tokens, self._top_k = rows, k
 
     def update(
         self, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None, stream: Any
@@ -518,7 +564,7 @@ class _Handle:
         stream: Any,
     ) -> None:
         world, group = self._world, self._group
-        world.record("dispatch", self._name(), self.num_tokens)
+        world.record("dispatch", self._name(), self._num_tokens)
         world.require(bool(self._ptr), "dispatch on a destroyed handle")
         world.require(self._staged is None, "dispatch while a staged operation is pending")
         assert group is not None and group._config is not None and self._topk is not None
@@ -528,23 +574,23 @@ class _Handle:
         world.require(x is not None and recv is not None, "dispatch tokens are required")
         assert x is not None and recv is not None
         e_local = cfg.num_experts // group._nranks
-        world.require(x.ndim == 2 and x.sizes[0] == self.num_tokens, "x.sizes[0] != num_tokens")
-        world.require(x.datatype == DataType.BFLOAT16, "LL dispatch tokens must be bf16")
+        world.require(x.ndim == 2 and x.sizes[0] == self._num_tokens, "x.sizes[0] != num_tokens")
+        world.require(x.datatype == NcclDataType.BFLOAT16, "LL dispatch tokens must be bf16")
         hidden = x.sizes[1]
         row_bytes = hidden * 2
         world.require(row_bytes % 16 == 0, f"token row of {row_bytes} bytes not 16-byte aligned")
         world.require(row_bytes <= cfg.max_token_bytes, "token row exceeds max_token_bytes")
         want = (e_local, group._nranks * cfg.max_dispatch_tokens_per_rank, hidden)
         world.require(recv.sizes == want, f"recv tokens {recv.sizes} != {want}")
-        world.require(recv.datatype == DataType.BFLOAT16, "recv tokens must be bf16")
+        world.require(recv.datatype == NcclDataType.BFLOAT16, "recv tokens must be bf16")
         counters = layout_info.expert_counters if layout_info is not None else None
         world.require(counters is not None, "LL expert-major dispatch needs expert_counters")
         assert counters is not None
         world.require(counters.sizes == (e_local,), f"expert_counters {counters.sizes}")
-        world.require(counters.datatype == DataType.INT32, "expert_counters must be int32")
+        world.require(counters.datatype == NcclDataType.INT32, "expert_counters must be int32")
 
         # The kernel reads routing and tokens now, through the handle's stored pointer.
-        ids = self._topk.buffer[: self.num_tokens].long().cpu()  # [T, K]
+        ids = self._topk.buffer[: self._num_tokens].long().cpu()  # [T, K]
         tokens = x.buffer.clone()  # [T, H]
         first = group._rank * e_local
         routes = []
@@ -577,7 +623,7 @@ class _Handle:
         stream: Any,
     ) -> None:
         world, group = self._world, self._group
-        world.record("combine", self._name(), self.num_tokens)
+        world.record("combine", self._name(), self._num_tokens)
         world.require(bool(self._ptr), "combine on a destroyed handle")
         world.require(self._staged is None, "combine while a staged operation is pending")
         world.require(self._routes is not None, "combine without a completed dispatch")
@@ -591,17 +637,17 @@ class _Handle:
         e_local = cfg.num_experts // group._nranks
         rows = group._nranks * cfg.max_dispatch_tokens_per_rank
         world.require(y.ndim == 3 and y.sizes[:2] == (e_local, rows), f"combine input {y.sizes}")
-        world.require(y.datatype == DataType.BFLOAT16, "combine input must be bf16")
+        world.require(y.datatype == NcclDataType.BFLOAT16, "combine input must be bf16")
         hidden = y.sizes[2]
-        world.require(out.sizes == (self.num_tokens, hidden), f"combine output {out.sizes}")
-        world.require(out.datatype == DataType.BFLOAT16, "combine output must be bf16")
-        world.require(w.sizes == (self.num_tokens, self.top_k), f"topk_weights {w.sizes}")
-        world.require(w.datatype == DataType.FLOAT32, "topk_weights must be fp32")
+        world.require(out.sizes == (self._num_tokens, hidden), f"combine output {out.sizes}")
+        world.require(out.datatype == NcclDataType.BFLOAT16, "combine output must be bf16")
+        world.require(w.sizes == (self._num_tokens, self._top_k), f"topk_weights {w.sizes}")
+        world.require(w.datatype == NcclDataType.FLOAT32, "topk_weights must be fp32")
         routes = self._routes
         expert_rows = y.buffer.clone()  # [E_local, P*C, H]
         weights = w.buffer.clone().float()  # [T, K]
 
-        target, num_tokens = out.buffer, self.num_tokens
+        target, num_tokens = out.buffer, self._num_tokens
 
         def finish() -> None:
             acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=target.device)
@@ -626,7 +672,7 @@ class _Handle:
     def complete(self, *, config: int = 0, stream: Any) -> None:
         world = self._world
         staged = self._staged
-        world.record("complete", self._name(), self.num_tokens)
+        world.record("complete", self._name(), self._num_tokens)
         world.require(bool(self._ptr), "complete on a destroyed handle")
         world.require(config == 0, "complete: config must be 0")
         world.require(staged is not None, "complete without a staged (send_only) operation")
@@ -654,7 +700,8 @@ class _Handle:
 # The world: one fake process with its modules, events and capture flag
 # ---------------------------------------------------------------------------------------------
 class FakeNccl:
-    """One fake process: ``.ep`` and ``.core`` module objects, the event log, a capture flag.
+    """One fake process: ``.ep``, ``.core`` and ``.interop`` (``nccl.ep.interop.torch``) module
+    objects, the event log, a capture flag.
 
     ``nccl_version`` is what ``core.get_version()`` reports for the loaded libnccl.
     """
@@ -673,6 +720,7 @@ class FakeNccl:
         self._capturing = False
         self.ep = self._ep_module()
         self.core = self._core_module()
+        self.interop = self._interop_module()  # nccl.ep.interop.torch
 
     # -- capture ------------------------------------------------------------------------------
     @contextmanager
@@ -749,8 +797,9 @@ class FakeNccl:
     def _core_module(self) -> ModuleType:
         mod = ModuleType("nccl.core", "nccl.core test double (execrt.testing.nccl_ep_double)")
         mod.Communicator = type("Communicator", (_Communicator,), {"_world": self})  # type: ignore[attr-defined]
+        mod.NcclDataType = NcclDataType  # type: ignore[attr-defined]
         mod.UniqueId = UniqueId  # type: ignore[attr-defined]
-        mod.get_unique_id = lambda empty=False: UniqueId(b"" if empty else b"fake-nccl-uid")  # type: ignore[attr-defined]
+        mod.get_unique_id = _get_unique_id  # type: ignore[attr-defined]
         version = self.nccl_version
 
         def get_version() -> VersionInfo:
@@ -758,4 +807,29 @@ class FakeNccl:
             return VersionInfo(Version("0.6.0"), Version("2.30.4"), lib)
 
         mod.get_version = get_version  # type: ignore[attr-defined]
+        return mod
+
+    def _interop_module(self) -> ModuleType:
+        mod = ModuleType(
+            "nccl.ep.interop.torch", "nccl.ep.interop.torch test double (nccl_ep_double)"
+        )
+        core = self.core
+
+        def get_nccl_comm_from_group(group: Any = None) -> Any:
+            """A fresh communicator over ``group``'s ranks (None: the default group), as the
+            real one builds by broadcasting a unique id; the double knows world size 1 only."""
+            if group is None:
+                if not dist.is_initialized():
+                    raise RuntimeError(
+                        "PyTorch distributed is not initialized. "
+                        "Call torch.distributed.init_process_group(...) first."
+                    )
+                size, rank = dist.get_world_size(), dist.get_rank()
+            else:
+                size, rank = group.size(), group.rank()
+            self.record("comm_from_group", f"process group of {size}")
+            uid = core.UniqueId.from_bytes(core.get_unique_id(empty=rank != 0).as_bytes)
+            return core.Communicator.init(size, rank, uid)
+
+        mod.get_nccl_comm_from_group = get_nccl_comm_from_group  # type: ignore[attr-defined]
         return mod

@@ -47,9 +47,16 @@ def load_nccl_api() -> NcclApi:
     problems = probe.environment_problems(probe.probe_environment())
     if problems:
         raise BackendUnavailableError("moe_dispatch", "nccl_ep", problems)
-    ep = importlib.import_module("nccl.ep")
-    core = importlib.import_module("nccl.core")
-    interop = importlib.import_module("nccl.ep.interop.torch")
+    try:
+        ep = importlib.import_module("nccl.ep")
+        core = importlib.import_module("nccl.core")
+        interop = importlib.import_module("nccl.ep.interop.torch")
+    except ImportError as exc:  # the probe imports nccl.ep too; this is the last line
+        raise BackendUnavailableError(
+            "moe_dispatch",
+            "nccl_ep",
+            [f"nccl.ep cannot be imported ({type(exc).__name__}: {exc}; {probe.INSTALL_HINT})"],
+        ) from exc
     return NcclApi(ep, core, _cuda_capturing, interop.get_nccl_comm_from_group)
 
 
