@@ -10,7 +10,7 @@ import torch
 
 from execrt.backends.moe_dispatch import nccl_ep_native as native
 from execrt.backends.moe_dispatch.nccl_ep_native import COMPONENT, NcclApi, load_nccl_api
-from execrt.backends.moe_dispatch.nccl_ep_probe import requirement_problems
+from execrt.backends.moe_dispatch.nccl_ep_probe import MAX_LOCAL_EXPERTS, requirement_problems
 from execrt.backends.moe_dispatch.nccl_ep_resources import (
     GRAPH_RESOURCE_NAME,
     EpLayout,
@@ -67,6 +67,12 @@ class NcclEpDispatcher(MoEDispatcher):
             problems.append(f"dtype {init.dtype} unsupported (supported: bfloat16)")
         if init.num_experts % init.parallel.ep_size:
             problems.append(f"num_experts {init.num_experts} not divisible by the EP size")
+        elif init.num_experts // init.parallel.ep_size > MAX_LOCAL_EXPERTS:
+            problems.append(
+                f"{init.num_experts // init.parallel.ep_size} local experts per rank "
+                f"({init.num_experts} over EP size {init.parallel.ep_size}) unsupported "
+                f"(supported: up to {MAX_LOCAL_EXPERTS}, NCCL EP's limit)"
+            )
         if init.max_tokens_per_rank < 1:
             problems.append(f"max_tokens_per_rank {init.max_tokens_per_rank} must be >= 1")
         if problems:
@@ -354,6 +360,10 @@ class NcclEpDispatcher(MoEDispatcher):
         )
         native.check_tensor("topk_ids", ids, (t, k), torch.int64, self.device)
         native.check_tensor("topk_weights", weights, (t, k), torch.float32, self.device)
+        if t and not self.api.is_capturing():
+            # One host sync per layer. Under capture it would break the capture, and a replay
+            # runs no Python: the recorded graph trusts the router's ids.
+            native.check_expert_ids(ids, self.layout.num_experts)
         return t
 
 

@@ -187,6 +187,19 @@ def check_tensor(
         )
 
 
+def check_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError unless every id of ``ids [T, K]`` is in [-1, num_experts): NCCL EP
+    indexes its per-expert buffers with them unchecked. Reads the range back to the host."""
+    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one sync for both
+    if low >= -1 and high < num_experts:
+        return
+    bad = ids[(ids < -1) | (ids >= num_experts)]
+    raise ValueError(
+        f"{COMPONENT}: expert id {int(bad[0])} in topk_ids unsupported (supported: -1, routed "
+        f"nowhere, or 0..{num_experts - 1}; {bad.numel()} ids out of range)"
+    )
+
+
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from execrt.backends.moe_dispatch.nccl_ep import NcclEpDispatcher
+from execrt.backends.moe_dispatch.nccl_ep_native import NcclApi
 from execrt.backends.moe_dispatch.nccl_ep_resources import NcclEpGraphResources
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ResourceError
@@ -18,6 +20,7 @@ from tests.backends.moe_dispatch.nccl_ep_driver import (
     BUCKETS,
     HIDDEN,
     LAYERS,
+    NUM_EXPERTS,
     TOP_K,
     GraphDriver,
     StepOutput,
@@ -181,6 +184,47 @@ def test_eager_forward_of_a_warmed_bucket_uses_the_graph_state(world: World) -> 
 # ---------------------------------------------------------------------------------------------
 # Refusals
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["eager", "graph"])
+@pytest.mark.parametrize("bad", [NUM_EXPERTS, 99, -2])
+def test_an_expert_id_out_of_range_is_named_with_the_accepted_range(
+    world: World, path: str, bad: int
+) -> None:
+    if path == "graph":
+        world.dispatcher.warm_up_graph_resources(registered(world), 4)
+    x, ids, w = inputs(4)
+    ids[2, 1] = bad
+    before = len(world.fake.events)
+    with pytest.raises(ValueError) as refused:
+        world.dispatcher.dispatch(x, ids, w)
+    assert str(refused.value) == (
+        f"nccl_ep dispatcher: expert id {bad} in topk_ids unsupported (supported: -1, routed "
+        "nowhere, or 0..7; 1 ids out of range)"
+    )
+    assert len(world.fake.events) == before, "nothing reached the library"
+    if path == "graph":
+        assert world.context.borrower_of(NAME) is None
+    ids[2, 1] = -1  # the boundary values themselves are fine
+    ids[0, 0] = NUM_EXPERTS - 1
+    d = world.dispatcher.dispatch(x, ids, w)
+    world.dispatcher.combine(torch.zeros_like(d.hidden_states), d)
+    assert not world.fake.violations
+
+
+@pytest.mark.parametrize(("experts", "ep_ok"), [(1024, True), (1032, False)])
+def test_local_experts_are_capped_at_construction(experts: int, ep_ok: bool) -> None:
+    fake, context = FakeNccl(), RuntimeContext()
+    probe = make_dispatcher(fake, context)  # builds nothing native: only its init is wanted
+    init = dataclasses.replace(probe.init, num_experts=experts)
+    probe.close()
+    if ep_ok:
+        NcclEpDispatcher(init, NcclApi(fake.ep, fake.core, fake.is_capturing)).close()
+    else:
+        with pytest.raises(ValueError, match=r"1032 local experts per rank .*up to 1024"):
+            NcclEpDispatcher(init, NcclApi(fake.ep, fake.core, fake.is_capturing))
+    assert not fake.events
+    context.close()
+
+
 def registered(world: World, capacity: int = 8) -> NcclEpGraphResources:
     res = world.dispatcher.create_graph_resources(capacity, world.context)
     world.context.register(NAME, res, owner=OWNER, close=world.dispatcher.close_graph_resources)
@@ -281,6 +325,8 @@ def test_dispatcher_close_closes_a_generation_left_open(world: World) -> None:
         "flat_hidden",
         "non_contiguous_hidden",
         "non_contiguous_ids",
+        "expert_id_too_large",
+        "expert_id_below_minus_one",
         "expert_output_shape",
         "expert_output_dtype",
         "expert_output_non_contiguous",
@@ -330,6 +376,10 @@ def test_bad_arguments_raise_before_the_library(world: World, case: str, path: s
             x = torch.zeros(HIDDEN, t, dtype=torch.bfloat16).t()
         elif case == "non_contiguous_ids":
             ids = ids.t().contiguous().t()
+        elif case == "expert_id_too_large":
+            ids[t - 1, 0] = NUM_EXPERTS
+        elif case == "expert_id_below_minus_one":
+            ids[0, 1] = -2
         call = lambda: dispatcher.dispatch(x, ids, w)  # noqa: E731
     with pytest.raises(ValueError, match="nccl_ep dispatcher: "):
         call()
