@@ -1,10 +1,12 @@
 """Linear layers at decode sizes: ``x @ W^T (+ b)``, optionally with SwiGLU fused into the load.
 
 At a few tokens a projection is a weight stream: cuBLAS's M = 1 kernels read the 2-13 MB
-matrices of a small model at 1.2-1.6 TB/s on an H200, and the SwiGLU between gate/up and down is
-one more launch per layer. ``linear`` sends such calls to a Triton kernel that streams the
-weight at close to copy bandwidth (``triton_linear.py``) and, with ``swiglu=True``, computes
-``silu(gate) * up`` while it loads the activations; everything else goes to ``F.linear``.
+matrices of a small model at 1.2-1.6 TB/s on an H200, and the SwiGLU between gate/up and down
+and the RMSNorm before q/k/v and gate/up are one more launch each. ``linear`` sends such calls
+to a Triton kernel that streams the weight at close to copy bandwidth (``triton_linear.py``)
+and, with ``swiglu=True``, computes ``silu(gate) * up`` while it loads the activations;
+``norm_linear`` does the same with a residual add + RMSNorm. Everything else goes to
+``F.linear`` (after the separate norm / SwiGLU kernels).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from execrt.kernels._triton import fail, import_triton
 from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch
+from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 
 #: Rows (tokens) up to which the Triton kernel may take a call; larger batches are GEMMs.
 MAX_SKINNY_ROWS = 16
@@ -77,3 +80,69 @@ def linear(
     if swiglu:
         x = silu_and_mul(x, use_triton=use_triton)
     return F.linear(x, weight, bias)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    use_triton: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(rmsnorm(x + residual))`` and ``x + residual``: a norm in front of a projection.
+
+    ``x [T, K]`` is the residual stream itself when ``residual`` is None (the first layer), else
+    the delta added to ``residual`` first (in the dtype, as ``fused_add_rmsnorm``). Returns
+    ``(out [T, N], new_residual [T, K])`` (``new_residual`` is ``x`` when nothing was added).
+    With ``use_triton``, decode-size calls run one kernel that normalises the rows while it
+    streams the weight (``skinny_eligible`` plus one dtype for the norm weight and a residual of
+    x's layout); others run ``fused_add_rmsnorm`` / ``rmsnorm``, then ``linear``.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # [T, K]
+    if use_triton and _norm_eligible(rows, weight, norm_weight, residual):
+        import_triton()
+        from execrt.kernels.triton_linear import NormIn, skinny_linear
+
+        res_rows = None if residual is None else residual.reshape(rows.shape)
+        new_res = torch.empty_like(rows) if res_rows is not None else None
+        norm = NormIn(norm_weight, eps, res_rows, new_res)
+        out = skinny_linear(rows, weight, bias, norm=norm)  # None: cuBLAS is faster here
+        if out is not None:
+            out_shape = (*x.shape[:-1], weight.shape[0])
+            return out.view(out_shape), (x if new_res is None else new_res.view(x.shape))
+    if residual is None:
+        normed, new_residual = rmsnorm(x, norm_weight, eps, use_triton=use_triton), x
+    else:
+        normed, new_residual = fused_add_rmsnorm(
+            x, residual, norm_weight, eps, use_triton=use_triton
+        )
+    return linear(normed, weight, bias, use_triton=use_triton), new_residual
+
+
+def _norm_eligible(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> bool:
+    return (
+        skinny_eligible(rows, weight)
+        and rows.is_contiguous()
+        and norm_weight.dtype == rows.dtype
+        and norm_weight.shape == (rows.shape[1],)
+        and norm_weight.is_contiguous()
+        and norm_weight.device == rows.device
+        and (
+            residual is None
+            or (
+                residual.numel() == rows.numel()
+                and residual.shape[-1] == rows.shape[1]
+                and residual.dtype == rows.dtype
+                and residual.is_contiguous()
+                and residual.device == rows.device
+            )
+        )
+    )

@@ -55,18 +55,44 @@ def block_m_for(m: int, use_dot: bool) -> int:
 
 
 @triton.jit
+def _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """First pass of a fused RMSNorm: ``1 / rms`` of each row of ``x (+ r)`` (fp32), and
+    program 0 stores the rows of ``x + r`` (the new residual stream)."""
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    first = tl.program_id(0) == 0
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + rk)[None, :] < K
+        h = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
+        if ADD:
+            r = tl.load(r_ptrs + k0, mask=kmask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            if first:
+                tl.store(nr_ptrs + k0, h, mask=kmask & rm_ok[:, None])
+        hf = h.to(tl.float32)
+        sq += hf * hf
+    return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)  # [BM]
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
     y_ptr,
+    r_ptr,
+    nw_ptr,
+    nr_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_ym,
+    eps,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -84,7 +110,13 @@ def _skinny_linear_kernel(
     rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
-    x_ptrs = x_ptr + rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
+    x_off = rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
+    x_ptrs = x_ptr + x_off
+    r_ptrs = r_ptr + x_off
+    if NORM:  # every program normalises the (few) rows itself: one extra pass, from L2
+        rstd = _norm_rows(x_ptrs, r_ptrs, nr_ptr + rm[:, None] * K + rk[None, :], rm_ok, rk, K,
+                          eps, ADD, BLOCK_M, BLOCK_K)  # fmt: skip
+        nw_ptrs = nw_ptr + rk
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -96,14 +128,27 @@ def _skinny_linear_kernel(
             w = tl.load(w_ptrs)
             xa = tl.load(x_ptrs)
             xb = tl.load(x_ptrs + K) if SWIGLU else xa
+            if NORM:
+                nw = tl.load(nw_ptrs)
+                r = tl.load(r_ptrs) if ADD else xa
         else:
             kmask = (k0 + rk)[None, :] < K
             w = tl.load(w_ptrs, mask=kmask, other=0.0)
             xa = tl.load(x_ptrs, mask=kmask, other=0.0)
             xb = tl.load(x_ptrs + K, mask=kmask, other=0.0) if SWIGLU else xa
+            if NORM:
+                nw = tl.load(nw_ptrs, mask=(k0 + rk) < K, other=0.0)
+                r = tl.load(r_ptrs, mask=kmask, other=0.0) if ADD else xa
         if SWIGLU:  # silu(gate) * up in fp32, rounded once to the dtype (as silu_and_mul)
             gate = xa.to(tl.float32)
             xa = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(w.dtype)
+        if NORM:  # the rmsnorm kernel's roundings: x + r, then x / rms, then times the weight
+            if ADD:
+                xa = (xa.to(tl.float32) + r.to(tl.float32)).to(w.dtype)
+            xa = (xa.to(tl.float32) * rstd[:, None]).to(w.dtype)
+            xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
+            nw_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
         if USE_DOT:
             if IEEE:
                 acc = tl.dot(xa, tl.trans(w), acc, input_precision="ieee")
@@ -127,6 +172,17 @@ def _skinny_linear_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=rm_ok[:, None] & rn_ok[None, :])
 
 
+@dataclass(frozen=True)
+class NormIn:
+    """An RMSNorm fused in front of the GEMM: ``x`` is ``delta`` (added to ``residual`` first
+    when given) and the product reads ``rmsnorm(x (+ residual)) * weight``."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # [M, K], same strides as x
+    new_residual: torch.Tensor | None = None  # [M, K] contiguous, written when residual is given
+
+
 def launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -134,6 +190,7 @@ def launch(
     tile: SkinnyTile,
     *,
     swiglu: bool = False,
+    norm: NormIn | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the kernel with ``tile`` (the tuner calls this directly); see ``skinny_linear``."""
@@ -144,18 +201,25 @@ def launch(
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
     grid = (triton.cdiv(n, tile.block_n),)
+    residual = norm.residual if norm is not None else None
     _skinny_linear_kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,
         y,
+        residual if residual is not None else x,
+        norm.weight if norm is not None else weight,
+        norm.new_residual if norm is not None and norm.new_residual is not None else x,
         m,
         n,
         k,
         x.stride(0),
         y.stride(0),
+        norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
+        NORM=norm is not None,
+        ADD=residual is not None,
         USE_DOT=tile.use_dot,
         IEEE=x.dtype == torch.float32,
         EVEN_K=k % tile.block_k == 0,
@@ -169,11 +233,16 @@ def launch(
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    swiglu: bool = False,
+    norm: NormIn | None = None,
 ) -> torch.Tensor | None:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` with the tile this device's table or the default
     gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``).
-    The caller has checked ``linear.skinny_eligible``."""
+    The caller has checked ``linear.skinny_eligible`` (and ``norm_eligible`` for ``norm``)."""
     check_same_device("linear", x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
@@ -181,7 +250,7 @@ def skinny_linear(
     tile = pick_tile(m, n, k, x.dtype, x.device)
     if tile is None:
         return None
-    return launch(x, weight, bias, tile, swiglu=swiglu)
+    return launch(x, weight, bias, tile, swiglu=swiglu, norm=norm)
 
 
 # -- tiles ---------------------------------------------------------------------------------------

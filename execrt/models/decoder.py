@@ -67,13 +67,17 @@ class DecoderLayer(nn.Module):
         """``h`` is the residual stream and ``delta`` the previous layer's MLP output, not yet
         added (None for the first layer): each residual add is fused into the norm after it.
         Returns ``(h, mlp_out)``."""
-        if delta is None:
-            x = self.input_layernorm(h)
-        else:
-            x, h = self.input_layernorm.add_forward(delta, h)  # h += delta; x = norm(h)
-        a = self.self_attn(positions, x, fb)
-        x, h = self.post_attention_layernorm.add_forward(a, h)
-        return h, (self.mlp(x, fb) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
+        # Each norm runs inside the projection after it where that projection is a decode-size
+        # skinny GEMM (fused kernels), else as its own kernel.
+        qkv, h = self.input_layernorm.project(self.self_attn.qkv_proj, h, delta)  # h += delta
+        a = self.self_attn.attend(positions, qkv, fb)
+        if isinstance(self.mlp, SparseMoE):
+            x, h = self.post_attention_layernorm.add_forward(a, h)
+            return h, self.mlp(x, fb)
+        mlp = self.mlp
+        assert isinstance(mlp, MLP)
+        gate_up, h = self.post_attention_layernorm.project(mlp.gate_up_proj, h, a)
+        return h, mlp.down(gate_up)
 
 
 class DecoderModel(nn.Module):
@@ -130,13 +134,15 @@ class DecoderForCausalLM(nn.Module):
         delta = None
         for layer in self.model.layers:
             h, delta = layer(positions, h, delta, fb)
-        h = self.model.norm(h) if delta is None else self.model.norm.add_forward(delta, h)[0]
+        norm = self.model.norm
         if fb.forward_mode.is_extend():
             last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
-            full = self.lm_head(h).float() if fb.return_full_logits else None
-            next_logits = full[last] if full is not None else self.lm_head(h[last]).float()
-            return LogitsOutput(next_token_logits=next_logits, full_logits=full)
-        return LogitsOutput(next_token_logits=self.lm_head(h).float())
+            if fb.return_full_logits:
+                full = norm.project(self.lm_head, h, delta)[0].float()
+                return LogitsOutput(next_token_logits=full[last], full_logits=full)
+            # The norm is per row: normalise only the rows whose logits are wanted.
+            h, delta = h[last], None if delta is None else delta[last]
+        return LogitsOutput(next_token_logits=norm.project(self.lm_head, h, delta)[0].float())
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run norms, rotary (+ K/V store), decode-size projections (with SwiGLU fused into

@@ -12,7 +12,7 @@ from execrt.core.experts import run_experts
 from execrt.core.interfaces import AttentionLayer, MoEDispatcher
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.kernels.fused_moe import fused_experts
-from execrt.kernels.linear import linear
+from execrt.kernels.linear import linear, norm_linear
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 from execrt.kernels.rotary import qk_norm_rope
 from execrt.kernels.router import topk_softmax
@@ -39,6 +39,25 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + delta`` (in the model dtype) and its norm: ``(normed, new_residual)``."""
         return fused_add_rmsnorm(delta, residual, self.weight, self.eps, use_triton=self.fused)
+
+    def project(
+        self, proj: Linear, residual: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj(norm(residual + delta))`` and ``residual + delta`` (``residual`` itself when
+        ``delta`` is None); fused, decode-size calls normalise inside the projection's kernel."""
+        if delta is None:
+            return norm_linear(
+                residual, proj.weight, proj.bias, self.weight, self.eps, use_triton=self.fused
+            )
+        return norm_linear(
+            delta,
+            proj.weight,
+            proj.bias,
+            self.weight,
+            self.eps,
+            residual=residual,
+            use_triton=self.fused,
+        )
 
 
 class Linear(nn.Linear):
@@ -168,9 +187,13 @@ class Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Everything after the q/k/v projection ``qkv [T, (Hq + 2 Hkv) D]`` (the decoder
+        layer projects itself, with the norm fused in): -> ``[T, H]``."""
         s = self.spec
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D] (strided)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
@@ -223,9 +246,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(local, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I / tp]
-        # SwiGLU runs inside down's skinny GEMM at decode sizes, else as its own kernel.
-        return row_parallel(self.down_proj, gate_up, self.parallel, swiglu=True)  # [T, H]
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [T, 2I / tp]`` -> ``[T, H]``. SwiGLU runs inside down's skinny GEMM at
+        decode sizes, else as its own kernel."""
+        return row_parallel(self.down_proj, gate_up, self.parallel, swiglu=True)
 
 
 class SparseMoE(nn.Module):

@@ -216,3 +216,73 @@ def test_shipped_tables_load_and_keep_cuda_core_tiles_to_few_rows() -> None:
             for m, tile in by_m.items():
                 # A CUDA-core tile holds BLOCK_M x BLOCK_N x BLOCK_K accumulators per program.
                 assert tile is None or tile.use_dot or m <= 4, (path, n, k, m, tile)
+
+
+def norm_oracle(x, residual, norm_w, eps, w, b):  # type: ignore[no-untyped-def]
+    """The reference roundings of ``fused_add_rmsnorm`` (exact), then an fp64 product."""
+    from execrt.kernels.norm import fused_add_rmsnorm_torch, rmsnorm_torch
+
+    if residual is None:
+        normed, new_residual = rmsnorm_torch(x, norm_w, eps), x
+    else:
+        normed, new_residual = fused_add_rmsnorm_torch(x, residual, norm_w, eps)
+    return oracle(normed, w, b, False), new_residual
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_prologue_matches_the_oracle(
+    tile: dict, dtype: torch.dtype, m: int, add: bool
+) -> None:
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, launch
+
+    n, k = 37, 200
+    x, w, b = make(m, n, k, dtype, False, bias=True, seed=m + 7 * len(tile))
+    residual = (torch.randn(m, k) * 4).to(dtype).to(DEVICE) if add else None
+    norm_w = (torch.rand(k) + 0.5).to(dtype).to(DEVICE)
+    new_residual = torch.full_like(x, float("nan")) if add else None
+    norm = NormIn(norm_w, 1e-6, residual, new_residual)
+    out = launch(x, w, b, SkinnyTile(**tile), norm=norm)
+    expected, expected_residual = norm_oracle(x, residual, norm_w, 1e-6, w, b)
+    assert max_rel(out, expected) <= bound(dtype)
+    if add:
+        assert new_residual is not None and torch.equal(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("m", [1, 5, MAX_SKINNY_ROWS + 3])  # the last one: separate kernels
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_linear_returns_the_new_residual(m: int, add: bool) -> None:
+    from execrt.kernels.linear import norm_linear
+
+    x, w, b = make(m, 24, 40, torch.float16, False, bias=False, seed=m)
+    residual = torch.randn(m, 40).to(torch.float16).to(DEVICE) if add else None
+    norm_w = (torch.rand(40) + 0.5).to(torch.float16).to(DEVICE)
+    out, new_residual = norm_linear(x, w, b, norm_w, 1e-5, residual=residual, use_triton=True)
+    expected, expected_residual = norm_oracle(x, residual, norm_w, 1e-5, w, b)
+    assert out.shape == (m, 24) and max_rel(out, expected) <= 4e-3
+    assert torch.equal(new_residual, expected_residual)
+    if not add:
+        assert new_residual is x
+    ref, ref_residual = norm_linear(x, w, b, norm_w, 1e-5, residual=residual)  # torch path
+    assert max_rel(out, ref) <= 4e-3 and torch.equal(ref_residual, expected_residual)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4])
+def test_norm_prologue_bf16_on_gpu_and_graph_replay_is_bitwise(m: int) -> None:
+    from execrt.kernels.linear import norm_linear
+
+    x, w, b = make(m, 4096, 1024, torch.bfloat16, False, bias=False, seed=m)
+    residual = torch.randn(m, 1024, device=DEVICE).to(torch.bfloat16)
+    norm_w = (torch.rand(1024, device=DEVICE) + 0.5).to(torch.bfloat16)
+    out, new_residual = norm_linear(x, w, None, norm_w, 1e-6, residual=residual, use_triton=True)
+    expected, expected_residual = norm_oracle(x, residual, norm_w, 1e-6, w, None)
+    assert max_rel(out, expected) <= 8e-3 and torch.equal(new_residual, expected_residual)
+    fresh = [torch.randn_like(x), torch.randn_like(residual)]
+    replay_matches_eager(
+        lambda: list(norm_linear(x, w, None, norm_w, 1e-6, residual=residual, use_triton=True)),
+        [x, residual],
+        fresh,
+    )
