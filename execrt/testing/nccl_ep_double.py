@@ -591,8 +591,9 @@ class _Handle:
 
         # The kernel reads routing and tokens now, through the handle's stored pointer.
         ids = self._topk.buffer[: self._num_tokens].long().cpu()  # [T, K]
-        in_range = bool(((ids >= -1) & (ids < cfg.num_experts)).all())
-        world.require(in_range, f"expert id outside [-1, {cfg.num_experts}) indexes past buffers")
+        # The LL kernel sends to rank id // E_local unchecked (any negative id routes nowhere).
+        in_range = bool((ids < cfg.num_experts).all())
+        world.require(in_range, f"expert id >= num_experts {cfg.num_experts}: no such rank")
         tokens = x.buffer.clone()  # [T, H]
         first = group._rank * e_local
         routes = []

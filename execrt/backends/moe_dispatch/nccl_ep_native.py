@@ -188,8 +188,9 @@ def check_tensor(
 
 
 def check_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError unless every id of ``ids [T, K]`` is in [-1, num_experts): NCCL EP
-    indexes its per-expert buffers with them unchecked. Reads the range back to the host."""
+    """Raise ValueError unless every id of ``ids [T, K]`` is in [-1, num_experts): NCCL EP's
+    kernel sends to rank ``id // E_local`` unchecked, and -1 is the one "routed nowhere".
+    Reads the range back to the host."""
     low, high = torch.stack(torch.aminmax(ids)).tolist()  # one sync for both
     if low >= -1 and high < num_experts:
         return

@@ -107,6 +107,22 @@ def test_where_the_real_library_would_abort() -> None:
     )
     with pytest.raises(FakeNcclAbort, match="freed before complete"):
         handle.complete(stream=0)
+    ids[1, 0] = E  # rank E // E_local does not exist; a negative id only routes nowhere
+    with pytest.raises(FakeNcclAbort, match="expert id >= num_experts 4"):
+        handle.dispatch(
+            ep.DispatchInputs(tokens=ep.Tensor(x[:2])),
+            ep.DispatchOutputs(tokens=ep.Tensor(recv)),
+            layout_info=ep.LayoutInfo(expert_counters=ep.Tensor(counters)),
+            stream=0,
+        )
+    ids[1, 0] = -5
+    handle.dispatch(
+        ep.DispatchInputs(tokens=ep.Tensor(x[:2])),
+        ep.DispatchOutputs(tokens=ep.Tensor(recv)),
+        layout_info=ep.LayoutInfo(expert_counters=ep.Tensor(counters)),
+        stream=0,
+    )
+    assert counters.tolist() == [3, 0, 0, 0]
     with pytest.raises(FakeNcclAbort, match="before its 1 live handle"):
         group.destroy()
     with pytest.raises(FakeNcclAbort, match="non-contiguous"):
@@ -114,7 +130,7 @@ def test_where_the_real_library_would_abort() -> None:
     handle.destroy()
     group.destroy()
     assert not fake.live_groups() and not fake.live_handles()
-    assert len(fake.violations) == 6
+    assert len(fake.violations) == 7
     assert [e.capturing for e in fake.ops("create_handle")] == [False, True]
 
 
