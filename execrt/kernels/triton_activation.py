@@ -11,15 +11,20 @@ from execrt.kernels._triton import (
     check_last_dim_contiguous,
     next_power_of_2,
     num_warps_for,
+    pdl_kwargs,
     sm_count,
 )
+from execrt.kernels.triton_pdl import pdl_prologue
 
 MIN_BLOCK = 256  # 32 lanes x one 16-byte vector of 16-bit values
 MAX_BLOCK = 2048
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -53,6 +58,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = block_for(t, inter, sm_count(x.device))
     grid = (t, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
-        rows, out, rows.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps_for(block)
+        rows,
+        out,
+        rows.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=num_warps_for(block),
+        **pdl_kwargs(rows.device),
     )
     return out.view(*x.shape[:-1], inter)

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_same_device, fail, interpreter_enabled
+from execrt.kernels._triton import check_same_device, fail, interpreter_enabled, pdl_kwargs
+from execrt.kernels.triton_pdl import pdl_prologue
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -99,7 +100,9 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
     # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
@@ -228,6 +231,7 @@ def launch(
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl_kwargs(x.device),
     )
     return y
 

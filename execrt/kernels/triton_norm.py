@@ -13,7 +13,9 @@ from execrt.kernels._triton import (
     fail,
     next_power_of_2,
     num_warps_for,
+    pdl_kwargs,
 )
+from execrt.kernels.triton_pdl import pdl_prologue
 
 # A row lives in registers as one block (no loop over H), which keeps a single pass over x;
 # 32k fp32 values over 16 warps is 64 per thread. Real models stop at 16k (Llama 405B).
@@ -35,7 +37,9 @@ def _rmsnorm_kernel(
     eps,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -98,6 +102,7 @@ def _launch(
         ADD_RESIDUAL=res is not None,
         BLOCK=block,
         num_warps=num_warps_for(block),
+        **pdl_kwargs(x.device),
     )
 
 

@@ -13,8 +13,10 @@ from execrt.kernels._triton import (
     fail,
     next_power_of_2,
     num_warps_for,
+    pdl_kwargs,
     sm_count,
 )
+from execrt.kernels.triton_pdl import pdl_prologue
 
 NAME = "qk_norm_rope"
 MAX_HEAD_DIM = 512
@@ -126,9 +128,11 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (T, q_blocks + kv_blocks): a program rotates BLOCK_H heads of q, or of k (and then
     # also copies the same heads of v into the cache).
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -290,5 +294,6 @@ def qk_norm_rope_triton(
         BLOCK_HALF=next_power_of_2(d // 2),
         BLOCK_DV=next_power_of_2(dv),
         num_warps=num_warps_for(bh * next_power_of_2(d // 2)),  # 16-byte loads per half
+        **pdl_kwargs(q.device),
     )  # fmt: skip
     return q_out, k_out

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_float, next_power_of_2
+from execrt.kernels._triton import check_float, next_power_of_2, pdl_kwargs
+from execrt.kernels.triton_pdl import pdl_prologue
 
 
 @triton.jit
@@ -22,7 +23,9 @@ def _topk_softmax_kernel(
     HAS_REAL: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < num_experts, other=-float("inf"))
@@ -79,5 +82,6 @@ def topk_softmax_triton(
         BLOCK_E=block_e,
         BLOCK_K=max(2, next_power_of_2(top_k)),
         num_warps=1 if block_e <= 256 else 4,
+        **pdl_kwargs(logits.device),
     )
     return ids, weights

@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.kernels._triton import pdl_kwargs
 from execrt.kernels.fused_moe.config import GemmTile
+from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
 # Alignment: (token, slot) pairs grouped by expert, each segment padded to a multiple of BLOCK_M
@@ -28,10 +30,12 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program holds every per-expert quantity in registers ([BLOCK_E] vectors), so the
     # whole alignment is a single launch with no scratch memory and no barriers. Its cost is
     # O(pairs x (experts + BLOCK_S)) lane operations: ~2% of the GEMMs' at any batch.
+    pdl_prologue(PDL)
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, BLOCK_S)
     expert_ok = experts < num_experts
@@ -103,6 +107,7 @@ def launch_align(
         BLOCK_E=block_e,
         BLOCK_S=block_s,
         num_warps=num_warps,
+        **pdl_kwargs(topk_ids.device),
     )
 
 
@@ -144,9 +149,11 @@ def _moe_gemm_kernel(
     EXPERT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # GROUP_M consecutive M-blocks (same expert, mostly) sweep the N-tiles together, so an
     # expert's weight tile is read from HBM once and served to the others from L2.
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
@@ -300,6 +307,7 @@ def launch_gemm(
         IEEE_FP32=a.dtype == torch.float32,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl_kwargs(a.device),
     )
 
 
@@ -319,7 +327,9 @@ def _moe_sum_kernel(
     stride_out,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -342,4 +352,5 @@ def launch_sum(
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         y, topk_ids, out, h, num_experts, y.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        **pdl_kwargs(y.device),
     )  # fmt: skip

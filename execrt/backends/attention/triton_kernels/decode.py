@@ -17,6 +17,8 @@ from execrt.backends.attention.triton_kernels.common import (
     fail,
     pow2_at_least,
 )
+from execrt.kernels._triton import pdl_kwargs
+from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
 # Decode: split-KV flash decoding
@@ -53,7 +55,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,7 +153,9 @@ def _decode_merge_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
@@ -314,6 +320,7 @@ def decode_attention(
         BLOCK_DV=pow2_at_least(head_dim_v),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_kwargs(q.device),
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         o,
@@ -332,4 +339,5 @@ def decode_attention(
         BLOCK_S=pow2_at_least(max_splits, 2),
         BLOCK_DV=pow2_at_least(head_dim_v),
         num_warps=4 if head_dim_v > 128 else 2,
+        **pdl_kwargs(o.device),
     )

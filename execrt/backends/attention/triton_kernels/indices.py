@@ -18,6 +18,8 @@ from execrt.backends.attention.triton_kernels.common import (
     check_index,
     fail,
 )
+from execrt.kernels._triton import pdl_kwargs
+from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
 # KV index construction
@@ -33,7 +35,9 @@ def _build_kv_indices_kernel(
     kv_indices_ptr,
     stride_req_row,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     out_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
@@ -82,6 +86,7 @@ def launch_build_kv_indices(
         kv_indices,
         req_to_token.stride(0),
         BLOCK=512,
+        **pdl_kwargs(req_to_token.device),
     )
 
 
@@ -200,7 +205,9 @@ def _decode_metadata_kernel(
     MIN_LEN: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     # This request's offset: the sum of the lengths before it (B is at most a few hundred at
     # decode, so every program summing its prefix is cheaper than a separate scan launch).
@@ -277,4 +284,5 @@ def decode_metadata(
         MIN_LEN=policy.min_split_len,
         BLOCK_B=max(16, triton.next_power_of_2(batch)),
         BLOCK=512,
+        **pdl_kwargs(req_to_token.device),
     )

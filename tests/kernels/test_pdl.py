@@ -1,0 +1,73 @@
+"""Programmatic dependent launch: when it is asked for, and that it changes no result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.core import envs
+from execrt.kernels import _triton
+from tests.kernels.helpers import DEVICE, needs_cuda
+
+
+def test_never_on_cpu_or_under_the_interpreter() -> None:
+    assert not _triton.use_pdl(torch.device("cpu"))
+    assert _triton.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+
+
+def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_triton, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(_triton, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = torch.device("cuda", 0)
+    assert _triton.use_pdl(cuda)
+    assert _triton.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(envs.DISABLE_PDL, "1")
+    assert not _triton.use_pdl(cuda)
+    monkeypatch.delenv(envs.DISABLE_PDL)
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 0))  # before Hopper
+    assert not _triton.use_pdl(cuda)
+
+
+def test_the_variable_is_not_a_config_key() -> None:
+    assert envs.config_overrides({envs.DISABLE_PDL: "1"}) == {}
+
+
+@needs_cuda
+def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """norm + projection, SwiGLU + projection, back to back and graph-replayed: PDL only moves
+    launches earlier, every kernel still waits for the one ahead before touching memory."""
+    from execrt.kernels.linear import linear, norm_linear
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    h = torch.randn(1, 1024, generator=gen, device=DEVICE).to(torch.bfloat16)
+    norm_w = torch.rand(1024, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5
+    w1 = (torch.randn(6144, 1024, generator=gen, device=DEVICE) * 0.03).to(torch.bfloat16)
+    w2 = (torch.randn(1024, 3072, generator=gen, device=DEVICE) * 0.03).to(torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        x = h
+        for _ in range(4):
+            gate_up, res = norm_linear(x, w1, None, norm_w, 1e-6, residual=h, use_triton=True)
+            x = linear(gate_up, w2, swiglu=True, use_triton=True) + res
+        return x
+
+    results = {}
+    for disabled in ("1", "0"):
+        monkeypatch.setenv(envs.DISABLE_PDL, disabled)
+        eager = chain()
+        graph = torch.cuda.CUDAGraph()
+        chain()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        results[disabled] = eager
+    assert torch.equal(results["0"], results["1"])
