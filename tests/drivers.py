@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
+from execrt.core.plugins import hookimpl
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.core.worker import TpModelWorker
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost
+
+#: A graph-capable CPU attention backend (torch_native with static graph metadata), so that
+#: decode graphs run on CPU under ``graph_backend="reexec"``; workers get it from
+#: ``graph_attention_host()``.
+STATIC_GRAPH = "static_graph"
+
+
+class _GraphAttentionPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):  # type: ignore[no-untyped-def]
+        from tests.testing import fake_backends
+
+        factory = f"{fake_backends.__name__}:StaticGraphAttention"
+        registry.register("attention", STATIC_GRAPH, factory, fake_backends.GRAPH_CAPS)
+
+
+def graph_attention_host() -> PluginHost:
+    """A fresh plugin host: the built-in plugin plus the ``static_graph`` attention backend."""
+    host = PluginHost(autoload=False)
+    assert host.add_plugin(_GraphAttentionPlugin(), "graph-attention")
+    return host
 
 
 def make_worker(
@@ -31,6 +53,50 @@ class Trace:
     logits: list[torch.Tensor]  # per step: next-token logits [B, V] (cloned)
     tokens: list[list[int]]  # per request: every generated token
     prefill_full_logits: torch.Tensor | None  # [T, V] of the prefill, when asked for
+    graphed: list[bool] = field(default_factory=list)  # per step: replayed a captured graph
+
+
+def _pools(worker: TpModelWorker) -> tuple[Any, ...]:
+    mr = worker.model_runner
+    return mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device
+
+
+def _extend(worker: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req], ScheduleBatch]:
+    reqs = [Req(i, list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    batch = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *_pools(worker))
+    assert batch is not None, "the test's KV cache is too small for its prompts"
+    return reqs, batch
+
+
+def _decode(worker: TpModelWorker, reqs: list[Req]) -> ScheduleBatch:
+    batch = ScheduleBatch.for_decode(reqs, *_pools(worker))
+    assert batch is not None, "the test's KV cache is too small for its decode steps"
+    return batch
+
+
+def _advance(reqs: list[Req], batch: ScheduleBatch, tokens: list[int]) -> None:
+    """Each request has cached what ``batch`` computed and takes its next token."""
+    for req, n, tok in zip(reqs, batch.extend_lens, tokens, strict=True):
+        req.kv_len += n
+        req.output_ids.append(int(tok))
+
+
+def prefill(worker: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req], ScheduleBatch]:
+    """Prefill all ``prompts`` in one greedy extend; the requests and their next decode batch
+    (its KV slots allocated, not yet run). ``release`` frees what the requests hold."""
+    reqs, batch = _extend(worker, prompts)
+    _advance(reqs, batch, worker.forward_batch_generation(batch).next_token_ids.tolist())
+    return reqs, _decode(worker, reqs)
+
+
+def release(worker: TpModelWorker, reqs: list[Req]) -> None:
+    """Free the request rows and every KV slot they hold (a decode batch's new slots too)."""
+    mr = worker.model_runner
+    for req in reqs:
+        assert req.req_pool_idx is not None
+        slots = mr.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seq_len].long()
+        mr.token_to_kv_pool_allocator.free(slots)
+        mr.req_to_token_pool.free(req.req_pool_idx)
 
 
 def prefill_then_decode(
@@ -46,26 +112,18 @@ def prefill_then_decode(
     ``follow`` (per request, the tokens of another run) feeds those tokens instead of this
     run's samples, so two backends compared step by step always see the same inputs (bf16
     near-ties would otherwise send them down different continuations)."""
-    mr = worker.model_runner
-    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
-    reqs = [Req(i, list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    batch = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *pools)
-    assert batch is not None, "the test's KV cache is too small for its prompts"
+    reqs, batch = _extend(worker, prompts)
     batch.return_full_logits = full_logits
-    logits: list[torch.Tensor] = []
-    full = None
+    trace = Trace([], [r.output_ids for r in reqs], None)
     for step in range(steps + 1):
         if step:
-            batch = ScheduleBatch.for_decode(reqs, *pools)
-            assert batch is not None, "the test's KV cache is too small for its decode steps"
+            batch = _decode(worker, reqs)
         result = worker.forward_batch_generation(batch)
         if step == 0 and full_logits:
             assert result.logits_output.full_logits is not None
-            full = result.logits_output.full_logits.clone()
-        logits.append(result.logits_output.next_token_logits.clone())
+            trace.prefill_full_logits = result.logits_output.full_logits.clone()
+        trace.logits.append(result.logits_output.next_token_logits.clone())
+        trace.graphed.append(result.can_run_graph)
         sampled = result.next_token_ids.tolist()
-        fed = sampled if follow is None else [tokens[step] for tokens in follow]
-        for req, n, tok in zip(reqs, batch.extend_lens, fed, strict=True):
-            req.kv_len += n
-            req.output_ids.append(int(tok))
-    return Trace(logits, [r.output_ids for r in reqs], full)
+        _advance(reqs, batch, sampled if follow is None else [t[step] for t in follow])
+    return trace

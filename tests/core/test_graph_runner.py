@@ -11,42 +11,29 @@ import logging
 import pytest
 import torch
 
+from execrt.backends.graph.reexec import ReexecGraphBackend
 from execrt.core.batch import ForwardBatch
+from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
+from execrt.core.errors import BackendUnavailableError, ConfigError
 from execrt.core.interfaces import ShapeKey
-from execrt.core.plugins import hookimpl
 from execrt.core.runners import capture_batch_sizes
-from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.core.worker import TpModelWorker
-from execrt.plugins.host import PluginHost
-from tests.drivers import make_worker
-from tests.testing import fake_backends
-
-STATIC = f"{fake_backends.__name__}:StaticGraphAttention"
-
-
-class GraphAttentionPlugin:
-    @hookimpl
-    def execrt_register_backends(self, registry):  # type: ignore[no-untyped-def]
-        registry.register("attention", "static_graph", STATIC, fake_backends.GRAPH_CAPS)
-
-
-def host() -> PluginHost:
-    h = PluginHost(autoload=False)
-    assert h.add_plugin(GraphAttentionPlugin(), "graph-attention")
-    return h
+from tests.drivers import STATIC_GRAPH, graph_attention_host, make_worker, prefill, release
 
 
 def worker(path: str, context: RuntimeContext, graph: str, **config) -> TpModelWorker:  # type: ignore[no-untyped-def]
     return make_worker(
         path,
         context,
-        host(),
-        attention_backend="static_graph",
-        graph_backend=graph,
-        max_running_requests=6,
-        kv_cache_tokens=512,
-        **config,
+        graph_attention_host(),
+        **{
+            "attention_backend": STATIC_GRAPH,
+            "graph_backend": graph,
+            "max_running_requests": 6,
+            "kv_cache_tokens": 512,
+        }
+        | config,
     )
 
 
@@ -59,61 +46,108 @@ def test_capture_batch_sizes() -> None:
         capture_batch_sizes(10, (0, 2))
 
 
-def decode_batches(w: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req], ScheduleBatch]:
-    mr = w.model_runner
-    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
-    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    batch = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *pools)
-    assert batch is not None
-    result = w.forward_batch_generation(batch)
-    for req, tok in zip(reqs, result.next_token_ids.tolist(), strict=True):
-        req.kv_len = req.seq_len
-        req.output_ids.append(int(tok))
-    decode = ScheduleBatch.for_decode(reqs, *pools)
-    assert decode is not None
-    return reqs, decode
+@pytest.mark.parametrize("value", ["1,x", "0,2", "-1", "1;2", "2.5"])
+def test_cuda_graph_bs_that_does_not_parse_is_refused_with_an_example(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RuntimeConfig(cuda_graph_bs=value)
+    assert str(info.value) == (
+        f"config: cuda_graph_bs {value!r} must be comma-separated integers >= 1, e.g. '1,2,4,8'"
+    )
+    assert RuntimeConfig(cuda_graph_bs=" 8, 1,,2 ").graph_batch_sizes() == (8, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("config", "capture_bs"),
+    [
+        ({}, [1, 2, 4, 6]),  # the default list, capped at max_running_requests 6
+        ({"cuda_graph_max_bs": 16}, [1, 2, 4, 6]),  # more than can ever run: capped
+        ({"cuda_graph_bs": "16,3,1,8"}, [1, 3, 6]),  # larger than the cap: dropped, cap added
+    ],
+)
+def test_capture_sizes_are_capped_by_max_running_requests(checkpoint, config, capture_bs) -> None:  # type: ignore[no-untyped-def]
+    with RuntimeContext() as ctx:
+        w = worker(checkpoint("dense-tied-hd64"), ctx, "reexec", **config)
+        runner = w.model_runner.decode_graph_runner
+        assert runner is not None and runner.capture_bs == capture_bs
+        assert all(runner.backend.has(ShapeKey(b)) for b in capture_bs)
+        w.close()
+
+
+def test_buckets_are_captured_largest_first_and_recaptured_alike(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    order: list[int] = []
+    capture = ReexecGraphBackend.capture
+
+    def recording(self, key, fn):  # type: ignore[no-untyped-def]
+        order.append(key.batch_size)
+        return capture(self, key, fn)
+
+    monkeypatch.setattr(ReexecGraphBackend, "capture", recording)
+    with RuntimeContext() as ctx:
+        w = worker(checkpoint("dense-tied-hd64"), ctx, "reexec")
+        runner = w.model_runner.decode_graph_runner
+        assert runner is not None
+        assert order == [6, 4, 2, 1]
+        runner.recapture()
+        assert order == [6, 4, 2, 1] * 2
+        w.close()
 
 
 @pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2"])
 def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint, name) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint(name)
+    contexts = {graph: RuntimeContext() for graph in ("reexec", "none")}
+    workers = {graph: worker(path, ctx, graph) for graph, ctx in contexts.items()}
+    mr = workers["reexec"].model_runner
+    runner = mr.decode_graph_runner
+    assert runner is not None and runner.capture_bs == [1, 2, 4, 6]
+    assert workers["none"].model_runner.decode_graph_runner is None
     g = torch.Generator().manual_seed(0)
     for bs in range(1, 7):
         prompts = [
             torch.randint(1, 200, (int(n),), generator=g).tolist()
             for n in torch.randint(1, 9, (bs,), generator=g)
         ]
-        results = {}
-        for graph in ("reexec", "none"):
-            ctx = RuntimeContext()
-            w = worker(path, ctx, graph)
-            mr = w.model_runner
-            assert (mr.decode_graph_runner is not None) == (graph == "reexec")
-            reqs, decode = decode_batches(w, prompts)
-            k_before = [k.clone() for k in mr.kv_cache.k_buffers]
-            fb = ForwardBatch.init_new(decode, mr.attn_backend)
-            out = mr.forward(fb)
-            assert out.can_run_graph == (graph == "reexec")
-            results[graph] = out.logits_output.next_token_logits.clone()
-            if graph == "reexec":
-                runner = mr.decode_graph_runner
-                assert runner is not None
-                bucket = runner.bucket(bs)
-                assert bucket == min(b for b in runner.capture_bs if b >= bs)
-                written = set(decode.out_cache_loc.tolist())
-                for layer, (before, after) in enumerate(
-                    zip(k_before, mr.kv_cache.k_buffers, strict=True)
-                ):
-                    changed = set((before != after).flatten(1).any(1).nonzero().flatten().tolist())
-                    assert changed <= written | {0}, (
-                        f"layer {layer}: padding wrote slots {sorted(changed - written - {0})}"
-                    )
-                    assert written <= changed
-                assert out.logits_output.next_token_logits.shape[0] == bs  # trimmed
-            w.close()
-            ctx.close()
-        assert torch.allclose(results["reexec"], results["none"], rtol=1e-5, atol=1e-5), bs
-        assert torch.equal(results["reexec"].argmax(-1), results["none"].argmax(-1))
+        # Unpadded eager: the same prompts through a worker without graphs.
+        eager_worker = workers["none"]
+        reqs, decode = prefill(eager_worker, prompts)
+        eager_mr = eager_worker.model_runner
+        out = eager_mr.forward(ForwardBatch.init_new(decode, eager_mr.attn_backend))
+        assert not out.can_run_graph
+        eager = out.logits_output.next_token_logits.clone()
+        release(eager_worker, reqs)
+
+        reqs, decode = prefill(workers["reexec"], prompts)
+        kv = {"K": mr.kv_cache.k_buffers, "V": mr.kv_cache.v_buffers}
+        before = {kind: [b.clone() for b in buffers] for kind, buffers in kv.items()}
+        fb = ForwardBatch.init_new(decode, mr.attn_backend)
+        out = mr.forward(fb)
+        assert out.can_run_graph
+        replayed = out.logits_output.next_token_logits.clone()
+        assert replayed.shape[0] == bs  # trimmed
+        bucket = runner.bucket(bs)
+        assert bucket == min(b for b in runner.capture_bs if b >= bs)
+        # Padded rows write K and V at slot 0 only; every real row writes its own slot.
+        written = set(decode.out_cache_loc.tolist())
+        for kind, buffers in kv.items():
+            for layer, (old, new) in enumerate(zip(before[kind], buffers, strict=True)):
+                where = f"bs {bs} {kind} layer {layer}"
+                changed = set((old != new).flatten(1).any(1).nonzero().flatten().tolist())
+                assert changed <= written | {0}, f"{where}: padding wrote {changed - written - {0}}"
+                assert written <= changed, f"{where}: slots {written - changed} not written"
+        # The replay is the eager run of the same padded batch with the same graph metadata,
+        # bit for bit; the unpadded eager run (other metadata) agrees within rounding.
+        with torch.inference_mode():
+            padded = mr.input_buffers.load_padded(fb, bucket, runner.fill)
+            mr.attn_backend.init_forward_metadata_graph(padded)
+            ref = mr.model(padded.input_ids, padded.positions, padded).next_token_logits[:bs]
+        diff = (replayed - ref).abs().max().item()
+        assert torch.equal(replayed, ref), f"bs {bs} (bucket {bucket}): max |diff| {diff:.3g}"
+        assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-5), bs
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1)), bs
+        release(workers["reexec"], reqs)
+    for graph, w in workers.items():
+        w.close()
+        contexts[graph].close()
 
 
 def test_larger_batches_and_extends_run_eagerly_and_say_so_once(checkpoint, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -123,17 +157,14 @@ def test_larger_batches_and_extends_run_eagerly_and_say_so_once(checkpoint, capl
     assert mr.decode_graph_runner is not None and mr.decode_graph_runner.capture_bs == [1, 2, 4]
     with caplog.at_level(logging.INFO, logger="execrt.core.runners"):
         for _ in range(2):
-            reqs, decode = decode_batches(w, [[1, 2, 3]] * 5)
+            reqs, decode = prefill(w, [[1, 2, 3]] * 5)
             out = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend))
             assert not out.can_run_graph
-            for req in reqs:
-                w.model_runner.token_to_kv_pool_allocator.free(
-                    mr.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seq_len].long()
-                )
-                mr.req_to_token_pool.free(req.req_pool_idx)
+            release(w, reqs)
     fallbacks = [r.message for r in caplog.records if "falling back to eager" in r.message]
     assert len(fallbacks) == 2, fallbacks  # one extend notice, one too-large notice
-    assert any("exceeds the largest graph (4)" in m for m in fallbacks)
+    assert any("extend batches run eagerly (graphs capture decode)" in m for m in fallbacks)
+    assert any("decode batch of 5 exceeds the largest graph (4)" in m for m in fallbacks)
     w.close()
     ctx.close()
 
@@ -144,7 +175,7 @@ def test_cleanup_then_recapture_replays_correctly(checkpoint) -> None:  # type: 
     mr = w.model_runner
     runner = mr.decode_graph_runner
     assert runner is not None
-    reqs, decode = decode_batches(w, [[5, 6, 7], [8, 9]])
+    reqs, decode = prefill(w, [[5, 6, 7], [8, 9]])
     first = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend)).logits_output
     first_logits = first.next_token_logits.clone()
     runner.cleanup()
@@ -159,12 +190,14 @@ def test_cleanup_then_recapture_replays_correctly(checkpoint) -> None:  # type: 
 
 
 def test_auto_and_explicit_graphs_with_a_backend_that_cannot_capture(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    from execrt.core.errors import BackendUnavailableError
-
     ctx = RuntimeContext()
     w = make_worker(checkpoint("dense-tied-hd64"), ctx, attention_backend="torch_native")
-    graph = next(r for r in w.model_runner.resolution.resolutions if r.kind == "graph")
-    assert graph.chosen is None
+    resolution = w.model_runner.resolution
+    graph = next(r for r in resolution.resolutions if r.kind == "graph")
+    assert (graph.requested, graph.chosen) == ("auto", None)
+    reason = "attention backend 'torch_native' is not graph-capable: decode runs eagerly"
+    assert graph.note == reason
+    assert f"graph: requested 'auto' -> none ({reason})" in resolution.describe()
     assert w.model_runner.decode_graph_runner is None
     w.close()
     with pytest.raises(BackendUnavailableError, match="'torch_native' is not graph-capable"):

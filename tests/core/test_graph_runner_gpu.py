@@ -13,10 +13,9 @@ import torch
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.context import RuntimeContext
-from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.core.worker import TpModelWorker
 from execrt.plugins.host import PluginHost
-from tests.drivers import make_worker
+from tests.drivers import make_worker, prefill, release
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BACKENDS = ["triton", "flashinfer"]
@@ -76,33 +75,10 @@ def _graph_worker(path: str, ctx: RuntimeContext, backend: str, **extra) -> TpMo
     )
 
 
-def _decode_batch(w: TpModelWorker, bs: int, seed: int) -> tuple[list[Req], ScheduleBatch]:
-    mr = w.model_runner
-    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
+def _prompts(bs: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(1, 2000, (int(n),), generator=g).tolist()
-        for n in torch.randint(1, 300, (bs,), generator=g)
-    ]
-    reqs = [Req(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    sb = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *pools)
-    assert sb is not None
-    res = w.forward_batch_generation(sb)
-    for r, t in zip(reqs, res.next_token_ids.tolist(), strict=True):
-        r.kv_len = r.seq_len
-        r.output_ids.append(int(t))
-    dec = ScheduleBatch.for_decode(reqs, *pools)
-    assert dec is not None
-    return reqs, dec
-
-
-def _release(w: TpModelWorker, reqs: list[Req]) -> None:
-    mr = w.model_runner
-    for r in reqs:
-        assert r.req_pool_idx is not None
-        slots = mr.req_to_token_pool.req_to_token[r.req_pool_idx, : r.seq_len].long()
-        mr.token_to_kv_pool_allocator.free(slots)
-        mr.req_to_token_pool.free(r.req_pool_idx)
+    lens = torch.randint(1, 300, (bs,), generator=g)
+    return [torch.randint(1, 2000, (int(n),), generator=g).tolist() for n in lens]
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -115,7 +91,7 @@ def test_replay_equals_eager_bitwise_for_every_bucket(gpu_checkpoints, backend, 
     runner = mr.decode_graph_runner
     assert runner is not None, mr.resolution.describe()
     for bs in sorted({*runner.capture_bs, 3, 7, 19}):
-        reqs, dec = _decode_batch(w, bs, seed=bs)
+        reqs, dec = prefill(w, _prompts(bs, seed=bs))
         fb = ForwardBatch.init_new(dec, mr.attn_backend)
         out = mr.forward(fb)
         assert out.can_run_graph
@@ -128,7 +104,7 @@ def test_replay_equals_eager_bitwise_for_every_bucket(gpu_checkpoints, backend, 
         eager = mr.eager_runner.execute(ForwardBatch.init_new(dec, mr.attn_backend))
         err = float((got - eager.next_token_logits).norm() / eager.next_token_logits.norm())
         assert err < 2e-2, f"bs {bs}: graph vs unpadded eager relative error {err:.3g}"
-        _release(w, reqs)
+        release(w, reqs)
     w.close()
     ctx.close()
 

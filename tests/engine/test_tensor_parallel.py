@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError
 from execrt.core.parallel import ParallelState
-from tests.drivers import make_worker, prefill_then_decode
+from tests.drivers import STATIC_GRAPH, graph_attention_host, make_worker, prefill_then_decode
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77], [9] * 13]
 STEPS = 4
@@ -38,7 +38,7 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[int, int], int]] = {
     "moe-ep1": ("moe-mixed-layers", {"ep_size": 1, "moe_dispatcher": "allreduce"}, (2, 1), 8),
     # The Triton kernels on local shapes (q/k norm + RoPE + K/V store into this rank's cache,
     # SwiGLU) and decode through the graph runner (the re-execution backend replays the TP
-    # all-reduces).
+    # all-reduces). The ranks run Triton on CPU tensors: the test gives them the interpreter.
     "dense-fused-graph": (
         "dense-tied-hd64",
         {
@@ -50,11 +50,26 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[int, int], int]] = {
         (2, 1),
         0,
     ),
+    # Qwen3-MoE decode through the graph runner at TP 2 / EP 2: the allreduce dispatcher's
+    # combine runs inside every replay, and 3 requests in the bucket of 4 bring a padding row
+    # that must route to no expert on either rank (a graph-capable torch attention: fast).
+    "moe-allreduce-graph": (
+        "moe-8x2",
+        {
+            "moe_dispatcher": "allreduce",
+            "attention_backend": STATIC_GRAPH,
+            "graph_backend": "reexec",
+            "cuda_graph_max_bs": 4,
+        },
+        (2, 1),
+        4,
+    ),
 }
 
 
 def run_case(path: str, context: RuntimeContext, **config: Any) -> dict[str, Any]:
-    worker = make_worker(path, context, **config)
+    host = graph_attention_host() if config.get("attention_backend") == STATIC_GRAPH else None
+    worker = make_worker(path, context, host, **config)
     mr = worker.model_runner
     w13 = [p for n, p in mr.model.named_parameters() if n.endswith("w13")]
     trace = prefill_then_decode(worker, PROMPTS, STEPS, full_logits=True)
@@ -64,6 +79,7 @@ def run_case(path: str, context: RuntimeContext, **config: Any) -> dict[str, Any
         "prefill": trace.prefill_full_logits,
         "heads": (mr.attn_backend.init.num_q_heads, mr.kv_cache.k_buffers[0].shape[1]),
         "graph": mr.decode_graph_runner is not None,
+        "graphed": trace.graphed,
         "experts": w13[0].shape[0] if w13 else 0,
     }
     worker.close()
@@ -97,13 +113,19 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_two_tp_ranks_match_one_process(checkpoint, tmp_path) -> None:
     paths = {case: checkpoint(spec[0]) for case, spec in CASES.items()}
-    mp.start_processes(
-        _rank_main,
-        args=(paths, str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    with pytest.MonkeyPatch.context() as env:
+        # "dense-fused-graph" runs Triton kernels on CPU tensors in the ranks: they need the
+        # interpreter, which tests/conftest.py sets only where CUDA is absent. A spawned rank
+        # starts with this environment, before it imports any kernel; this process (whose
+        # reference runs no Triton) keeps its own.
+        env.setenv("TRITON_INTERPRET", "1")
+        mp.start_processes(
+            _rank_main,
+            args=(paths, str(tmp_path / "init"), str(tmp_path)),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
     for case, (_, overrides, heads, experts) in CASES.items():
         ref = run_case(paths[case], RuntimeContext(), moe_dispatcher="allreduce")
         for rank in range(2):
@@ -111,7 +133,10 @@ def test_two_tp_ranks_match_one_process(checkpoint, tmp_path) -> None:
             where = f"{case} rank {rank}"
             assert got["heads"] == heads, f"{where}: attention/KV heads {got['heads']}"
             assert got["experts"] == experts, f"{where}: {got['experts']} local experts"
-            assert got["graph"] == ("graph_backend" in overrides), where
+            graph = "graph_backend" in overrides
+            assert got["graph"] == graph, where
+            # The prefill runs eagerly; every decode step (3 requests) replays a graph.
+            assert got["graphed"] == [False] + [graph] * STEPS, f"{where}: {got['graphed']}"
             assert got["tokens"] == ref["tokens"], where
             err = _relative(got["prefill"], ref["prefill"])
             assert err <= 1e-4, f"{where} prefill: relative error {err:.2e}"

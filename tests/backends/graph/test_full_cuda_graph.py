@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import io
+import logging
+import re
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from execrt.backends.graph import full_cuda_graph
 from execrt.backends.graph.full_cuda_graph import FullCudaGraphBackend
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import GraphBackendInit, GraphRequirements, ShapeKey
@@ -274,3 +280,85 @@ def test_graph_resources_are_warmed_outside_capture_and_closed_after_the_graphs(
         for bs in (big, small)
     ]
     assert log == [("create", big), *per_key[0], *per_key[1], ("close", [])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar and capture logs
+# ---------------------------------------------------------------------------------------------
+class _Terminal(io.StringIO):
+    """A stderr that says it is an interactive terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("tty", "level", "shown"),
+    [(True, logging.INFO, True), (True, logging.WARNING, False), (False, logging.INFO, False)],
+)
+def test_the_progress_bar_shows_on_a_terminal_at_info_only(
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tty: bool,
+    level: int,
+    shown: bool,
+) -> None:
+    monkeypatch.setattr(sys, "stderr", _Terminal() if tty else io.StringIO())
+    caplog.set_level(level, logger=full_cuda_graph.logger.name)
+    bar = full_cuda_graph._progress_bar()
+    assert bar.disable == (not shown)
+    bar.update(1)
+    bar.close()
+    text = sys.stderr.getvalue()
+    assert ("full_cuda_graph graph backend: capturing" in text) == shown, text
+
+
+@requires_cuda
+def test_capture_logs_its_time_and_graph_memory_and_shows_progress(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with RuntimeContext() as context:
+        backend = make_backend(context)
+        model = TinyModel(torch.float32)
+        with caplog.at_level(logging.DEBUG, logger=full_cuda_graph.logger.name):
+            started = time.perf_counter()
+            capture_all(backend, model)
+            elapsed = time.perf_counter() - started
+            with backend.capture_session():
+                pass  # captures nothing: logs nothing
+        messages = [r.getMessage() for r in caplog.records]
+        per_key = [
+            m for m in messages if re.fullmatch(r".*: captured ShapeKey\(.*\) in [\d.]+ s", m)
+        ]
+        assert len(per_key) == len(BUCKETS), messages
+        for message, bs in zip(per_key, BUCKETS, strict=True):  # largest first, as captured
+            assert f"ShapeKey(batch_size={bs}," in message, per_key
+        summary = [m for m in messages if "graphs in" in m]
+        assert len(summary) == 1, messages
+        match = re.fullmatch(
+            r"full_cuda_graph graph backend: captured 4 graphs in (\d+\.\d\d) s; graph memory "
+            r"\+(-?\d+\.\d) MiB reserved, \+(-?\d+\.\d) MiB allocated "
+            r"\(generation 0, 4 graphs in all\)",
+            summary[0],
+        )
+        assert match, summary[0]
+        seconds, reserved, allocated = map(float, match.groups())
+        assert 0 <= seconds <= elapsed + 0.01
+        # The pool holds every graph's static outputs: it reserved and still allocates memory.
+        assert 0 < reserved < 256 and 0 < allocated < 256, summary[0]
+        assert "full_cuda_graph graph backend: capturing" in sys.stderr.getvalue()
+        backend.cleanup()
+
+
+@requires_cuda
+def test_a_larger_key_after_a_smaller_one_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with RuntimeContext() as context:
+        backend = make_backend(context)
+        model = TinyModel(torch.float32)
+        with caplog.at_level(logging.WARNING, logger=full_cuda_graph.logger.name):
+            capture_all(backend, model, (1, 8))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "ShapeKey(batch_size=8" in warnings[0], warnings
+        assert "captured after a smaller key (largest so far 1)" in warnings[0]
+        backend.cleanup()
