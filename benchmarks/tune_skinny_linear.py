@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -35,8 +35,10 @@ if "--dry-run" in sys.argv:  # triton.jit reads the switch when the kernel modul
 from execrt.bench.common import copy_bandwidth_gbps, median_us, utc_now
 from execrt.bench.models import MODELS
 from execrt.kernels.activation import silu_and_mul
+from execrt.kernels.norm import fused_add_rmsnorm
 from execrt.kernels.triton_linear import (
     CONFIG_DIR,
+    NormIn,
     SkinnyTile,
     launch,
     table_file_name,
@@ -56,6 +58,7 @@ class Shape:
     n: int
     k: int
     swiglu: bool = False
+    norm: bool = False  # the model runs an RMSNorm (with its residual add) in front of it
 
 
 def model_shapes(names: list[str]) -> list[Shape]:
@@ -65,15 +68,18 @@ def model_shapes(names: list[str]) -> list[Shape]:
         h, d = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
         hq, hkv = c["num_attention_heads"], c["num_key_value_heads"]
         shapes = [
-            Shape(f"{model}.qkv", (hq + 2 * hkv) * d, h),
+            Shape(f"{model}.qkv", (hq + 2 * hkv) * d, h, norm=True),
             Shape(f"{model}.o", h, hq * d),
-            Shape(f"{model}.lm_head", c["vocab_size"], h),
+            Shape(f"{model}.lm_head", c["vocab_size"], h, norm=True),
         ]
         if c.get("num_experts"):
             shapes.append(Shape(f"{model}.router", c["num_experts"], h))
         else:
             i = c["intermediate_size"]
-            shapes += [Shape(f"{model}.gate_up", 2 * i, h), Shape(f"{model}.down", h, i, True)]
+            shapes += [
+                Shape(f"{model}.gate_up", 2 * i, h, norm=True),
+                Shape(f"{model}.down", h, i, swiglu=True),
+            ]
         for s in shapes:
             seen.setdefault((s.n, s.k, s.swiglu), s)
     return list(seen.values())
@@ -141,6 +147,32 @@ def time_us(fn: Any, copies: int) -> float:
     return median_us(graph.replay, 5, 3) / copies
 
 
+def time_norm(
+    x: torch.Tensor, ws: list[torch.Tensor], tile: SkinnyTile, copies: int, device: str
+) -> tuple[float, float]:
+    """µs of residual add + RMSNorm + this tile: fused into the kernel, and as the norm kernel
+    followed by the kernel (checked to agree)."""
+    gen = torch.Generator(device=device).manual_seed(x.shape[1])
+    residual = torch.randn(x.shape, generator=gen, device=device).to(x.dtype)
+    norm_w = (torch.rand(x.shape[1], generator=gen, device=device) + 0.5).to(x.dtype)
+    new_res = torch.empty_like(x)
+
+    def fused(i: int) -> torch.Tensor:
+        return launch(x, ws[i], None, tile, norm=NormIn(norm_w, 1e-6, residual, new_res))
+
+    def separate(i: int) -> torch.Tensor:
+        normed, _ = fused_add_rmsnorm(x, residual, norm_w, 1e-6, use_triton=True)
+        return launch(normed, ws[i], None, tile)
+
+    a, b = fused(0).float(), separate(0).float()
+    err = float((a - b).abs().max() / b.abs().max())
+    if err > TOLERANCE:
+        raise AssertionError(f"fused norm disagrees with the separate kernels: {err:.3g}")
+    if device != "cuda":
+        return 0.0, 1.0
+    return time_us(fused, copies), time_us(separate, copies)
+
+
 def tune_one(shape: Shape, m: int, device: str, margin: float) -> dict[str, Any]:
     n, k = shape.n, shape.k
     copies = max(2, min(64, ROTATE_BYTES // (n * k * 2)))
@@ -182,6 +214,11 @@ def tune_one(shape: Shape, m: int, device: str, margin: float) -> dict[str, Any]
     cublas_us = results[0][0] if device == "cuda" else float("nan")
     best_us, best = min(((us, t) for us, t in results if t is not None), key=lambda r: r[0])
     verdict = best if device != "cuda" or best_us * (1 + margin) < cublas_us else None
+    fused_us = separate_us = None
+    if shape.norm and verdict is not None:
+        fused_us, separate_us = time_norm(x, ws, verdict, copies, device)
+        if fused_us > separate_us:
+            verdict = replace(verdict, fuse_norm=False)
     nbytes = n * k * 2
     return {
         "shape": shape.name,
@@ -194,6 +231,8 @@ def tune_one(shape: Shape, m: int, device: str, margin: float) -> dict[str, Any]
         "best_tile": asdict(best),
         "choice": tile_to_json(verdict),
         "speedup": cublas_us / best_us if best_us else float("nan"),
+        "norm_fused_us": fused_us,
+        "norm_separate_us": separate_us,
         "cublas_gbps": nbytes / cublas_us / 1e3 if device == "cuda" else None,
         "best_gbps": nbytes / best_us / 1e3 if device == "cuda" else None,
         "all": [
@@ -214,7 +253,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(v) for v in args.rows.split(",")]
     if args.dry_run:
-        device, shapes = "cpu", [Shape("tiny.o", 24, 40), Shape("tiny.down", 16, 48, True)]
+        device = "cpu"
+        shapes = [Shape("tiny.o", 24, 40, norm=True), Shape("tiny.down", 16, 48, swiglu=True)]
     else:
         device, shapes = "cuda", model_shapes(args.models.split(","))
     start = time.perf_counter()
@@ -231,9 +271,12 @@ def main() -> None:
                 break
             r = tune_one(shape, m, device, args.margin)
             records.append(r)
+            norm = ""
+            if r["norm_fused_us"] is not None:
+                norm = f"  norm fused {r['norm_fused_us']:.2f} / apart {r['norm_separate_us']:.2f}"
             print(
                 f"{r['shape']:<24} m={m:<3} cublas {r['cublas_us']:8.2f} us"
-                f"  best {r['best_us']:8.2f} us  x{r['speedup']:.2f}  -> {r['choice']}",
+                f"  best {r['best_us']:8.2f} us  x{r['speedup']:.2f}{norm}  -> {r['choice']}",
                 flush=True,
             )
     os.makedirs(args.out, exist_ok=True)

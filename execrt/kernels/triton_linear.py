@@ -31,13 +31,16 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 @dataclass(frozen=True)
 class SkinnyTile:
-    """Launch shape of one call. ``use_dot`` needs ``block_n >= 16`` (rows padded to 16)."""
+    """Launch shape of one call. ``use_dot`` needs ``block_n >= 16`` (rows padded to 16).
+    ``fuse_norm``: a norm in front (``NormIn``) runs inside this kernel; False where the tuner
+    measured the separate norm kernel + this tile faster."""
 
     block_n: int
     block_k: int
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 2
+    fuse_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -245,15 +248,17 @@ def skinny_linear(
     norm: NormIn | None = None,
 ) -> torch.Tensor | None:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` with the tile this device's table or the default
-    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``).
+    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``) or,
+    for ``norm``, that the norm is better run by its own kernel (the caller then normalises and
+    calls ``linear``).
     The caller has checked ``linear.skinny_eligible`` (and ``norm_eligible`` for ``norm``)."""
     check_same_device("linear", x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     tile = pick_tile(m, n, k, x.dtype, x.device)
-    if tile is None:
-        return None
+    if tile is None or (norm is not None and not tile.fuse_norm):
+        return None  # cuBLAS; or the norm kernel, then this tile (linear.norm_linear)
     return launch(x, weight, bias, tile, swiglu=swiglu, norm=norm)
 
 

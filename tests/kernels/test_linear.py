@@ -286,3 +286,25 @@ def test_norm_prologue_bf16_on_gpu_and_graph_replay_is_bitwise(m: int) -> None:
         [x, residual],
         fresh,
     )
+
+
+def test_a_tile_that_keeps_the_norm_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from execrt.kernels import triton_linear as tl_mod
+    from execrt.kernels.linear import norm_linear
+
+    launches: list[bool] = []
+    real = tl_mod.launch
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        launches.append(kw.get("norm") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tl_mod, "launch", spy)
+    monkeypatch.setattr(tl_mod, "pick_tile", lambda *a: tl_mod.SkinnyTile(16, 64, fuse_norm=False))
+    x, w, _ = make(2, 24, 40, torch.float32, False, False, seed=4)
+    residual = torch.randn(2, 40, device=DEVICE)
+    norm_w = torch.rand(40, device=DEVICE) + 0.5
+    out, new_res = norm_linear(x, w, None, norm_w, 1e-6, residual=residual, use_triton=True)
+    expected, expected_res = norm_oracle(x, residual, norm_w, 1e-6, w, None)
+    assert launches == [False]  # the norm ran by itself, the product on the same tile
+    assert max_rel(out, expected) <= 1e-5 and torch.equal(new_res, expected_res)
