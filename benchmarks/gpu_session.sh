@@ -16,6 +16,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+# The two plugin distributions the tests discover through entry points (as CI installs them).
+python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+  -e tests/entrypoint_plugin -e examples/execrt-example-plugin >/dev/null 2>&1 || echo "plugin install failed"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fi-cache"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 if [ -f .fi-cache.tgz ]; then tar -C "$FLASHINFER_WORKSPACE_BASE" -xzf .fi-cache.tgz || true; fi
@@ -36,7 +39,7 @@ for step in "$@"; do
       limit=${TESTS_TIMEOUT:-420}
       [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection} && limit=${TESTS2_TIMEOUT:-$limit}
       TESTS_FAILLOG="$OUT/test-failures.log" timeout "$(cap "$limit")" \
-        python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE --durations=25 \
+        python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfEs --durations=25 \
         $sel 2>&1 | tee "$OUT/$step.log" | tail -40
       note "$step: $(tail -1 "$OUT/$step.log")" ;;
     conformance)

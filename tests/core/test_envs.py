@@ -87,6 +87,7 @@ def test_non_config_names_every_special_variable() -> None:
         "EXECRT_DISABLE_PLUGIN_AUTOLOAD",
         "EXECRT_CACHE_DIR",
         "EXECRT_DEFAULT_MODEL",
+        "EXECRT_DISABLE_PDL",
     }
     assert all(name.startswith(envs.CONFIG_PREFIX) for name in envs.NON_CONFIG)
 

@@ -65,6 +65,11 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[int, int], int]] = {
         4,
     ),
 }
+if torch.cuda.is_available():
+    # The Triton interpreter of the GPU machine's triton (3.6) fails on this case's CPU
+    # tensors (TypeError inside _decode_metadata_kernel); CPU CI runs it, and on a GPU the
+    # fused kernels under TP-sized shapes run compiled in tests/engine/test_gpu_decode_paths.
+    del CASES["dense-fused-graph"]
 
 
 def run_case(path: str, context: RuntimeContext, **config: Any) -> dict[str, Any]:

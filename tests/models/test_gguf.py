@@ -150,7 +150,12 @@ def test_tokenizer_and_chat_template_match_transformers(llama, tmp_path) -> None
     for text in texts:
         ids = ours.encode(text).ids
         assert ids == ref.encode(text, add_special_tokens=False), text
-        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+        decoded = ours.decode(ids, skip_special_tokens=False)
+        assert decoded == text  # byte-level BPE round-trips exactly
+        # Some transformers versions drop the leading space of a llama-architecture GGUF
+        # tokenizer's decode; compare where theirs round-trips too.
+        if ref.decode(ids) == text:
+            assert decoded == ref.decode(ids)
         assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
             ids, skip_special_tokens=True
         )
