@@ -11,6 +11,9 @@ and, with ``swiglu=True``, computes ``silu(gate) * up`` while it loads the activ
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +23,15 @@ from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 
 #: Rows (tokens) up to which the Triton kernel may take a call; larger batches are GEMMs.
 MAX_SKINNY_ROWS = 16
+
+
+@functools.cache
+def _triton_linear() -> ModuleType:
+    """``triton_linear``, imported on first use (eager decoding calls this per projection)."""
+    import_triton()
+    from execrt.kernels import triton_linear
+
+    return triton_linear
 
 
 def linear_torch(
@@ -71,10 +83,8 @@ def linear(
         )
     rows = x.reshape(-1, x.shape[-1])  # [T, K]
     if use_triton and skinny_eligible(rows, weight, swiglu):
-        import_triton()
-        from execrt.kernels.triton_linear import skinny_linear
-
-        out = skinny_linear(rows, weight, bias, swiglu=swiglu)  # [T, N]; None: cuBLAS is faster
+        # [T, N]; None where cuBLAS is faster
+        out = _triton_linear().skinny_linear(rows, weight, bias, swiglu=swiglu)
         if out is not None:
             return out.view(*x.shape[:-1], weight.shape[0])
     if swiglu:
@@ -103,13 +113,11 @@ def norm_linear(
     """
     rows = x.reshape(-1, x.shape[-1])  # [T, K]
     if use_triton and _norm_eligible(rows, weight, norm_weight, residual):
-        import_triton()
-        from execrt.kernels.triton_linear import NormIn, skinny_linear
-
+        tlin = _triton_linear()
         res_rows = None if residual is None else residual.reshape(rows.shape)
         new_res = torch.empty_like(rows) if res_rows is not None else None
-        norm = NormIn(norm_weight, eps, res_rows, new_res)
-        out = skinny_linear(rows, weight, bias, norm=norm)  # None: cuBLAS is faster here
+        norm = tlin.NormIn(norm_weight, eps, res_rows, new_res)
+        out = tlin.skinny_linear(rows, weight, bias, norm=norm)  # None: cuBLAS is faster here
         if out is not None:
             out_shape = (*x.shape[:-1], weight.shape[0])
             return out.view(out_shape), (x if new_res is None else new_res.view(x.shape))

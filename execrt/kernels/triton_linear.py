@@ -312,7 +312,15 @@ def pick_tile(
 ) -> SkinnyTile | None:
     """The tuned entry for (N, K) at the smallest tuned M >= m (None: cuBLAS; also past the
     largest tuned M), else ``default_tile``. Rounding up keeps a CUDA-core tile tuned for
-    M = 4 from being stretched over more rows than its accumulators were sized for."""
+    M = 4 from being stretched over more rows than its accumulators were sized for. Cached:
+    eager decoding calls this for every projection of every step."""
+    return _pick_tile(m, n, k, dtype, device, interpreter_enabled())
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_tile(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, interpreter: bool
+) -> SkinnyTile | None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         table = load_table(os.path.join(CONFIG_DIR, table_file_name(name, dtype)))
