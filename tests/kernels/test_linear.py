@@ -43,14 +43,19 @@ def make(m: int, n: int, k: int, dtype: torch.dtype, swiglu: bool, bias: bool, s
     return x, w, b
 
 
+def every_tile_dtype_and_rows(test):  # type: ignore[no-untyped-def]
+    for name, values in (("m", [1, 3, 16]), ("dtype", [torch.float32, torch.float16])):
+        test = pytest.mark.parametrize(name, values)(test)
+    ids = lambda t: "-".join(f"{v}" for v in t.values())  # noqa: E731
+    return pytest.mark.parametrize("tile", TILES, ids=ids)(test)
+
+
 def bound(dtype: torch.dtype) -> float:
     # fp32: summation order only; 16-bit: one rounding of the output (and of the SwiGLU input).
     return 1e-5 if dtype == torch.float32 else 4e-3
 
 
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@every_tile_dtype_and_rows
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_every_tile_matches_the_oracle(
     tile: dict, dtype: torch.dtype, m: int, swiglu: bool
@@ -229,9 +234,7 @@ def norm_oracle(x, residual, norm_w, eps, w, b):  # type: ignore[no-untyped-def]
     return oracle(normed, w, b, False), new_residual
 
 
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@every_tile_dtype_and_rows
 @pytest.mark.parametrize("add", [False, True])
 def test_norm_prologue_matches_the_oracle(
     tile: dict, dtype: torch.dtype, m: int, add: bool
