@@ -6,7 +6,8 @@
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
-#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TESTS_FAILLOG.
+#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
+#   (e.g. "--head-dim 64 --dtype float16"), TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -70,7 +71,7 @@ for step in "$@"; do
       timeout "$(cap 330)" python3 benchmarks/tune_skinny_linear.py --out "$OUT" ${TUNE_LINEAR_ARGS:-} 2>&1 | tee "$OUT/tune-linear.log" | tail -80
       for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-linear-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
     tune-extend)
-      timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" ${TUNE_EXTEND_ARGS:-} 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
     tune-decode)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
     probe-nccl-ep)

@@ -5,19 +5,20 @@ schedule on the issue's shapes; phase 2 takes the two best tiles and varies head
 (1 = no GQA packing) and pairs_per_chunk (1 = request by request, "all" = one global
 longest-first order). Each configuration compiles once (~5-10 s); a time guard keeps the
 whole run under 4 minutes on an H200. Prints TFLOP/s per configuration and shape, then the
-best per shape, and writes every row as JSON to argv[1] (default benchmarks/results/).
+best per shape, and writes every row as JSON to the output path (default benchmarks/results/).
+Tiles that do not fit the head dim (shared memory, registers) are reported and skipped.
 
-    python benchmarks/tune_triton_extend.py [out.json]
+    python benchmarks/tune_triton_extend.py [out.json] [--head-dim 64|128|256] [--dtype float16]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -59,8 +60,8 @@ class Config:
 class Case:
     """A benchmark problem plus the kernel-level index tensors of its one extend step."""
 
-    def __init__(self, bs: int, new: int, prefix: int) -> None:
-        self.p = p = ExtendProblem(bs, new, prefix, 32, 8, 128, torch.bfloat16)
+    def __init__(self, bs: int, new: int, prefix: int, d: int, dtype: torch.dtype) -> None:
+        self.p = p = ExtendProblem(bs, new, prefix, 32, 8, d, dtype)
         dev = torch.device("cuda")
         seq = torch.full((bs,), p.ctx, dtype=torch.int64, device=dev)
         self.kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
@@ -110,8 +111,14 @@ class Case:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("out", nargs="?", help="JSON file for every row")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = ap.parse_args()
     start = time.time()
-    cases = [Case(*shape) for shape in DEFAULT_SHAPES]
+    dtype = getattr(torch, args.dtype)
+    cases = [Case(*shape, args.head_dim, dtype) for shape in DEFAULT_SHAPES]
     names = [f"{c.p.bs}x{c.p.new}+{c.p.prefix}" for c in cases]
     rows: list[dict[str, object]] = []
     results: dict[str, list[float]] = {}
@@ -158,13 +165,14 @@ def main() -> None:
         label = max(results, key=lambda k: results[k][i])
         dflt = results.get(default, [float("nan")] * len(names))[i]
         print(f"{name:<16} {best_per_shape[i]:>12.1f}  {label} / {dflt:.1f}")
-    out = sys.argv[1] if len(sys.argv) > 1 else None
+    out = args.out
     if out is None:
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         os.makedirs("benchmarks/results", exist_ok=True)
         out = f"benchmarks/results/triton-extend-tune-{stamp}.json"
     with open(out, "w") as fh:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1, default=str)
+        meta = {"gpu": torch.cuda.get_device_name(), "head_dim": args.head_dim, "dtype": args.dtype}
+        json.dump(meta | {"rows": rows}, fh, indent=1, default=str)
     print(f"# saved {out}")
 
 
