@@ -165,6 +165,8 @@ class BackendRegistry:
         self._specs: dict[tuple[str, str], BackendSpec] = {}
         # A name claimed twice stays with its first registrant; the newcomer is refused whole.
         self._conflicts: dict[tuple[str, str], tuple[str, str]] = {}
+        # plugin -> its first refused registration, kept even if its hook caught the error
+        self._refused: dict[str, PluginError] = {}
         self._plugin = "<direct>"
         self._version = ""
 
@@ -192,7 +194,35 @@ class BackendRegistry:
         description: str = "",
         check: Callable[[Any], list[str]] | None = None,
     ) -> BackendSpec:
-        """Register a backend factory. Raises PluginError for an invalid or clashing entry."""
+        """Register a backend factory. Raises PluginError for an invalid or clashing entry;
+        the first one per plugin is also recorded (``refusal``), so a hook that catches it
+        cannot keep the rest of its backends."""
+        try:
+            self._validate(kind, name, factory, capabilities)
+        except PluginError as exc:
+            self._refused.setdefault(self._plugin, exc)
+            raise
+        spec = BackendSpec(
+            kind=kind,
+            name=name,
+            factory=factory,
+            capabilities=capabilities,
+            plugin=self._plugin,
+            version=self._version,
+            requires=tuple(requires),
+            install_hint=install_hint,
+            priority=priority,
+            auto_devices=auto_devices,
+            description=description,
+            check=check,
+        )
+        self._specs[(kind, name)] = spec
+        return spec
+
+    def _validate(
+        self, kind: str, name: str, factory: str | Callable[[Any], Any], capabilities: Capabilities
+    ) -> None:
+        """Raise PluginError (attributed to the current plugin) for an invalid or taken name."""
         if kind not in KINDS:
             raise PluginError(
                 self._plugin, f"unknown backend kind {kind!r} (kinds: {', '.join(KINDS)})"
@@ -220,27 +250,17 @@ class BackendRegistry:
                 f"{kind} backend {name!r} is already registered by plugin {first!r}, "
                 "which keeps it",
             )
-        spec = BackendSpec(
-            kind=kind,
-            name=name,
-            factory=factory,
-            capabilities=capabilities,
-            plugin=self._plugin,
-            version=self._version,
-            requires=tuple(requires),
-            install_hint=install_hint,
-            priority=priority,
-            auto_devices=auto_devices,
-            description=description,
-            check=check,
-        )
-        self._specs[key] = spec
-        return spec
 
     def remove_plugin(self, plugin: str) -> None:
-        """Forget everything ``plugin`` registered (after its hook failed half-way)."""
+        """Forget everything ``plugin`` registered (after its hook failed half-way), and its
+        recorded refusal."""
+        self._refused.pop(plugin, None)
         for key in [k for k, s in self._specs.items() if s.plugin == plugin]:
             del self._specs[key]
+
+    def refusal(self, plugin: str) -> PluginError | None:
+        """The first registration of ``plugin`` that was refused, None if none was."""
+        return self._refused.get(plugin)
 
     def get(self, kind: str, name: str) -> BackendSpec:
         try:

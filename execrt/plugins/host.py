@@ -105,23 +105,31 @@ class PluginHost:
         for impl in impls:
             kwargs = {"registry": self.registry} if "registry" in impl.argnames else {}
             with self.registry.attributed_to(name, version):
+                raised: Exception | None = None
                 try:
                     impl.function(**kwargs)
                 except Exception as exc:
-                    # Rejected whole: nothing it registered stays, and built-ins are untouched.
-                    self.registry.remove_plugin(name)
-                    message = (
-                        str(exc)
-                        if isinstance(exc, PluginError)
-                        else f"execrt_register_backends raised {exc!r}"
-                    )
-                    self._fail(name, message)
-                    return False
+                    raised = exc
+            # A hook that caught the PluginError of a refused registration is rejected all the
+            # same, with that first refusal.
+            error = self.registry.refusal(name) or raised
+            if error is not None:
+                # Rejected whole: nothing it registered stays, and built-ins are untouched.
+                self.registry.remove_plugin(name)
+                self._fail(name, _failure_message(name, error))
+                return False
         return True
 
     def _fail(self, plugin: str, message: str) -> None:
         self.failures.append(PluginFailure(plugin, message))
         logger.warning("plugin %r skipped: %s", plugin, message)
+
+
+def _failure_message(plugin: str, exc: Exception) -> str:
+    """What went wrong, without the ``plugin 'x':`` prefix the report adds itself."""
+    if isinstance(exc, PluginError):
+        return str(exc).removeprefix(f"plugin {plugin!r}: ")
+    return f"execrt_register_backends raised {exc!r}"
 
 
 _HOST: PluginHost | None = None

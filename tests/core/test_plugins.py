@@ -330,6 +330,21 @@ def test_remove_plugin_forgets_only_that_plugins_backends() -> None:
         assert reg.register("attention", "x", factory, AttentionCapabilities()).plugin == "retry"
 
 
+def test_the_first_refusal_per_plugin_is_recorded_until_the_plugin_is_removed() -> None:
+    reg = BackendRegistry()
+    with reg.attributed_to("first", "1"):
+        reg.register("attention", "same", factory, AttentionCapabilities())
+    assert reg.refusal("first") is None
+    with reg.attributed_to("second", "1"):
+        for name in ("same", "auto"):  # a clash, then an invalid name: the clash is kept
+            with pytest.raises(PluginError):
+                reg.register("attention", name, factory, AttentionCapabilities())
+    refusal = reg.refusal("second")
+    assert refusal is not None and "already registered by plugin 'first'" in str(refusal)
+    reg.remove_plugin("second")
+    assert reg.refusal("second") is None
+
+
 def test_specs_order_by_kind_then_priority_then_name() -> None:
     reg = BackendRegistry()
     reg.register("graph", "g", factory, GraphCapabilities(), priority=100)

@@ -71,6 +71,31 @@ def test_a_plugin_cannot_take_a_builtin_name(plugin_host: PluginHost) -> None:
     )
 
 
+def test_a_plugin_that_swallows_its_refusal_is_still_rejected_whole(
+    plugin_host: PluginHost,
+) -> None:
+    assert not plugin_host.add_plugin(fakes.SwallowingClashPlugin(), "swallower")
+    assert [f.plugin for f in plugin_host.failures] == ["swallower"]
+    assert plugin_host.failures[0].error == (
+        "moe_dispatch backend 'allreduce' is already registered by plugin 'execrt.builtin', "
+        "which keeps it"
+    )
+    names = plugin_host.registry.names("attention")
+    assert "swallow_extra" not in names and "swallow_late" not in names
+    assert plugin_host.registry.get("moe_dispatch", "allreduce").plugin == "execrt.builtin"
+    assert plugin_host.add_plugin(fakes.GoodPlugin(), "good"), "a later plugin is unaffected"
+
+
+def test_the_skip_report_names_the_plugin_once(plugin_host: PluginHost, caplog) -> None:
+    with caplog.at_level("WARNING", logger="execrt.plugins.host"):
+        plugin_host.add_plugin(fakes.BuiltinClashPlugin(), "evil")
+    assert not plugin_host.failures[0].error.startswith("plugin ")
+    assert caplog.messages == [
+        "plugin 'evil' skipped: attention backend 'torch_native' is already registered by "
+        "plugin 'execrt.builtin', which keeps it"
+    ]
+
+
 def test_broken_factories_are_unusable_and_auto_falls_through(
     plugin_host: PluginHost, runtime_context
 ) -> None:
