@@ -149,7 +149,8 @@ class RuntimeConfig:
         merged: dict[str, Any] = {}
         if file is not None:
             merged.update(_read_toml(file))
-        merged.update(_coerce_all(envs.config_overrides(environ), source="environment"))
+        env = _coerce_all(envs.config_overrides(environ), source="environment")
+        merged.update(_validated(env, "environment"))
         if cli:
             given = {k: v for k, v in cli.items() if v is not None}
             _check_keys(given, "command line")
@@ -178,8 +179,19 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     # Accept both a flat file and one whose settings sit under an [execrt] table.
     if isinstance(data.get("execrt"), dict):
         data = data["execrt"]
-    _check_keys(data, f"file {os.fspath(path)}")
-    return data
+    source = f"file {os.fspath(path)}"
+    _check_keys(data, source)
+    return _validated(data, source)
+
+
+def _validated(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """``values`` after checking them alone (each check is per key, the defaults pass), so a
+    bad value is reported with the source it came from."""
+    try:
+        RuntimeConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("config: ", f"config ({source}): ", 1)) from None
+    return values
 
 
 def _coerce_all(raw: Mapping[str, str], source: str) -> dict[str, Any]:

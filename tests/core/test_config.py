@@ -100,8 +100,19 @@ def test_wrong_types_from_every_source_are_config_errors(tmp_path, key, value, a
     toml = {str: f'"{value}"', bool: str(value).lower()}.get(type(value), str(value))
     file = tmp_path / "c.toml"
     file.write_text(f"{key} = {toml}\n")
-    with pytest.raises(ConfigError, match=f"config: {key}="):
+    with pytest.raises(ConfigError) as loaded:
         RuntimeConfig.load(file=file, environ={})
+    assert str(loaded.value) == message.replace("config:", f"config (file {file}):")
+
+
+def test_bad_values_from_a_file_or_the_environment_name_their_source(tmp_path) -> None:
+    file = tmp_path / "execrt.toml"
+    file.write_text("max_running_requests = 0\n")
+    with pytest.raises(ConfigError) as info:
+        RuntimeConfig.load(file=file, environ={})
+    assert str(info.value) == f"config (file {file}): max_running_requests must be >= 1, got 0"
+    with pytest.raises(ConfigError, match=r"^config \(environment\): device 'tpu' unsupported"):
+        RuntimeConfig.load(environ={"EXECRT_DEVICE": "tpu"})
 
 
 def test_numbers_paths_and_none_of_the_right_kind_are_accepted(tmp_path) -> None:
