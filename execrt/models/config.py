@@ -131,7 +131,7 @@ class ModelConfig:
         num_experts = r.get_int("num_experts", 0) or r.get_int("num_local_experts", 0)
         if num_experts and not family.moe:
             raise ModelLoadError(f"{source}: {arch} with num_experts {num_experts} unsupported")
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=r.get_int("vocab_size"),
             hidden_size=hidden,
@@ -162,6 +162,8 @@ class ModelConfig:
             mlp_only_layers=r.int_list("mlp_only_layers"),
             raw=cfg,
         )
+        _check_sizes(config, cfg, source)
+        return config
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -274,6 +276,47 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
         p.get_float("high_freq_factor"),
         p.get_int("original_max_position_embeddings", r.get_int("max_position_embeddings", 8192)),
     )
+
+
+def _check_sizes(c: ModelConfig, cfg: dict[str, Any], source: str) -> None:
+    """Every size a positive integer and the heads and experts consistent, so a bad config
+    fails here, naming the field, rather than as a tensor error (or a 0-layer model) later."""
+
+    def at_least_1(key: str, value: int, note: str = "") -> None:
+        if value < 1:
+            raise ModelLoadError(
+                f"{source}: field {key!r} must be an integer >= 1, got {value}{note}"
+            )
+
+    at_least_1("vocab_size", c.vocab_size)
+    at_least_1("hidden_size", c.hidden_size)
+    at_least_1("num_hidden_layers", c.num_layers)
+    at_least_1("num_attention_heads", c.num_q_heads)
+    at_least_1("num_key_value_heads", c.num_kv_heads)
+    derived = "" if "head_dim" in cfg else " (hidden_size // num_attention_heads)"
+    at_least_1("head_dim", c.head_dim, derived)
+    at_least_1("max_position_embeddings", c.max_position_embeddings)
+    if c.num_q_heads % c.num_kv_heads:
+        raise ModelLoadError(
+            f"{source}: field 'num_attention_heads' {c.num_q_heads} must be a multiple of "
+            f"'num_key_value_heads' {c.num_kv_heads}"
+        )
+    if c.num_experts < 0:
+        raise ModelLoadError(
+            f"{source}: field 'num_experts' must be an integer >= 0 (0: dense), got {c.num_experts}"
+        )
+    at_least_1("decoder_sparse_step", c.decoder_sparse_step)
+    if c.is_moe:
+        if not 1 <= c.top_k <= c.num_experts:
+            raise ModelLoadError(
+                f"{source}: field 'num_experts_per_tok' must be an integer in "
+                f"[1, num_experts {c.num_experts}], got {c.top_k}"
+            )
+        at_least_1("moe_intermediate_size", c.moe_intermediate_size)
+    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):  # a dense MLP is built
+        if "intermediate_size" not in cfg:
+            raise ModelLoadError(f"{source}: required field 'intermediate_size' missing")
+        at_least_1("intermediate_size", c.intermediate_size)
 
 
 def _refuse_unsupported_math(r: _Reader, family: Family) -> None:

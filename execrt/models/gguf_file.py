@@ -125,7 +125,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], file: str) -> dic
             )
         kv_heads = kv_heads[0]
     hidden = key("embedding_length")
-    head_dim = key("attention.key_length", hidden // heads)
+    head_dim = key("attention.key_length", hidden // heads if heads else 0)  # 0: refused later
     if key("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"model: {file}: value head size != key head size unsupported")
     rotary = key("rope.dimension_count", head_dim)

@@ -98,6 +98,7 @@ def test_unsupported_config_features_are_refused() -> None:
         "architectures": ["Qwen3ForCausalLM"],
         "vocab_size": 8,
         "hidden_size": 8,
+        "intermediate_size": 16,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
     }
@@ -150,6 +151,7 @@ def test_rope_scaling_frequencies_match_transformers() -> None:
             "architectures": ["LlamaForCausalLM"],
             "vocab_size": 8,
             "hidden_size": 1024,
+            "intermediate_size": 16,
             "num_hidden_layers": 1,
             "num_attention_heads": 8,
             "rope_theta": 500000.0,
