@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -154,8 +154,26 @@ class DecoderForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
-        """Checkpoint names this model needs (before the MoE / fused-projection mapping)."""
+        """Parameter names to fill: execrt's fused and stacked names (``qkv_proj``,
+        ``gate_up_proj``, ``w13``), not the checkpoint's; see ``missing_weights``."""
         return {name for name, _ in self.named_parameters()}
+
+    def missing_weights(self, loaded: set[str], seen: Collection[str]) -> list[str]:
+        """The checkpoint tensors that would fill the parameters not in ``loaded``, named as
+        a Hugging Face checkpoint names them (``...self_attn.k_proj.weight``, not the fused
+        ``qkv_proj``). ``seen`` is every name the checkpoint had: it rules out the parts that
+        were there and tells which expert layout the checkpoint uses."""
+        experts = {
+            name: (mod.dispatcher.init.first_local_expert, mod.w13.shape[0])
+            for name, mod in self.named_modules()
+            if isinstance(mod, SparseMoE)
+        }
+        layout = _expert_layout(seen)
+        missing: list[str] = []
+        for param in sorted(self.expected_weights() - loaded):
+            names = [n for n in _sources(param, experts, layout) if n not in seen]
+            missing += names or [param]
+        return missing
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the parameter names fully filled.
@@ -320,3 +338,38 @@ def _map_weight(
     if proj == "up_proj":
         return [(f"{block}.w13", (expert, slice(inter, 2 * inter)), tensor)]
     return [(f"{block}.w2", (expert,), tensor)]
+
+
+def _expert_layout(seen: Collection[str]) -> str:
+    """How the checkpoint stores experts: ``fused`` (``experts.gate_up_proj`` [E, 2I, H]),
+    ``stacked`` (GGUF's ``experts.gate_proj`` and ``experts.up_proj`` [E, I, H]) or
+    ``per_expert`` (the Hub's ``experts.N.gate_proj.weight``, also the guess with none seen)."""
+    rests = {n.split(".mlp.experts.", 1)[1] for n in seen if ".mlp.experts." in n}
+    if "gate_up_proj" in rests:
+        return "fused"
+    if rests & {"gate_proj", "up_proj"}:
+        return "stacked"
+    return "per_expert"
+
+
+def _sources(param: str, experts: dict[str, tuple[int, int]], layout: str) -> list[str]:
+    """The checkpoint names that fill ``param`` (the inverse of ``_map_weight``)."""
+    for fused, parts in (
+        ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    ):
+        if f".{fused}." in param:
+            block = fused.split(".")[0]
+            return [param.replace(fused, f"{block}.{part}") for part in parts]
+    block, _, stacked = param.rpartition(".")
+    if block not in experts or stacked not in ("w13", "w2"):
+        return [param]
+    if layout == "fused":
+        return [f"{block}.experts.{'gate_up_proj' if stacked == 'w13' else 'down_proj'}"]
+    projs = ("gate_proj", "up_proj") if stacked == "w13" else ("down_proj",)
+    if layout == "stacked":
+        return [f"{block}.experts.{proj}" for proj in projs]
+    first, count = experts[block]
+    return [
+        f"{block}.experts.{e}.{proj}.weight" for e in range(first, first + count) for proj in projs
+    ]

@@ -240,7 +240,8 @@ def hf_name(name: str) -> str | None:
 
 
 def gguf_name(hf: str) -> str:
-    """The GGUF name of a Hugging Face parameter name (inverse of ``hf_name``, best effort)."""
+    """The GGUF name of a Hugging Face checkpoint name (inverse of ``hf_name``; one expert's
+    tensor maps to the stacked tensor holding it); ``hf`` itself when it has none."""
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
     if hf in inverse:
         return inverse[hf]
@@ -248,11 +249,12 @@ def gguf_name(hf: str) -> str:
     if len(parts) != 4 or parts[:2] != ["model", "layers"]:
         return hf
     layer, rest = parts[2], parts[3]
-    stacked = {"mlp.w13": "ffn_gate_exps/ffn_up_exps", "mlp.w2": "ffn_down_exps"}
-    if rest in stacked:  # the decoder's stacked expert parameters
-        return f"blk.{layer}.{stacked[rest]}.weight"
-    if rest.startswith("mlp.gate_up_proj."):
-        return f"blk.{layer}.ffn_gate/ffn_up.{rest.rpartition('.')[2]}"
+    for gg, ours in _EXPERT_NAMES.items():
+        stacked, _, proj = ours.rpartition(".")
+        if rest == ours or (
+            rest.startswith(f"{stacked}.") and rest.endswith(f".{proj}.weight")
+        ):  # mlp.experts.gate_proj or mlp.experts.N.gate_proj.weight
+            return f"blk.{layer}.{gg}"
     base, _, suffix = rest.rpartition(".")
     for gg, ours in _BLOCK_NAMES.items():
         if ours == base:

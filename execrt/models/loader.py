@@ -72,6 +72,14 @@ def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             ) from None
 
 
+def _noting_names(
+    weights: Iterator[tuple[str, torch.Tensor]], seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        seen.add(name)
+        yield name, tensor
+
+
 def load_model(
     path: str | os.PathLike[str],
     config: ModelConfig,
@@ -106,10 +114,11 @@ def load_model(
         dispatcher=dispatcher,
         parallel=parallel,
     )
-    loaded = model.load_weights(iter_weights(files))
-    missing = sorted(model.expected_weights() - loaded)
+    seen: set[str] = set()
+    loaded = model.load_weights(_noting_names(iter_weights(files), seen))
+    missing = model.missing_weights(loaded, seen)
     if missing and find_gguf(path) is not None:  # name them as the GGUF file does
-        missing = [gguf_name(m) for m in missing]
+        missing = list(dict.fromkeys(gguf_name(m) for m in missing))
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""

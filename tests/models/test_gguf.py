@@ -226,6 +226,12 @@ def test_bad_gguf_files_are_named(llama, tmp_path) -> None:
     with pytest.raises(ModelLoadError, match=r"missing.gguf.*blk\.1\.ffn_down\.weight"):
         _load(missing)
 
+    # Parts of execrt's fused q/k/v and gate/up parameters are named as the file names them.
+    skip = ("blk.0.attn_k.weight", "blk.1.ffn_up.weight")
+    fused = write_gguf(llama, str(tmp_path / "fused.gguf"), arch="llama", skip=skip)
+    with pytest.raises(ModelLoadError, match=r"fused.gguf' lacks tensor\(s\) " + ", ".join(skip)):
+        _load(fused)
+
     unknown = write_gguf(llama, str(tmp_path / "gpt2.gguf"), arch="gpt2")
     with pytest.raises(ModelLoadError, match="gpt2.gguf.*architecture 'gpt2' unsupported"):
         _load(unknown)
@@ -233,6 +239,20 @@ def test_bad_gguf_files_are_named(llama, tmp_path) -> None:
     f64 = write_gguf(llama, str(tmp_path / "f64.gguf"), arch="llama", quant={"output_norm": "F64"})
     with pytest.raises(ModelLoadError, match=r"f64.gguf.*'output_norm.weight'.*F64"):
         _load(f64)
+
+
+def test_a_missing_stacked_expert_tensor_is_named(tmp_path) -> None:
+    from tests.checkpoints import build_hf_model
+    from tests.models.test_loader import _moe_load
+
+    skip = ("blk.1.ffn_up_exps.weight",)
+    path = write_gguf(
+        build_hf_model("moe-8x2"), str(tmp_path / "moe.gguf"), arch="qwen3moe", skip=skip
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"moe.gguf' lacks tensor\(s\) blk\.1\.ffn_up_exps\.weight$"
+    ):
+        _moe_load(path)
 
 
 def test_a_gguf_directory_and_the_missing_package_hint(llama, tmp_path, monkeypatch) -> None:

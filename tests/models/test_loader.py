@@ -60,6 +60,94 @@ def test_missing_tensor_is_named(checkpoint, tmp_path) -> None:
         _load(path)
 
 
+def _moe_load(path: str, experts: int = 8, top_k: int = 2):  # type: ignore[no-untyped-def]
+    from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
+    from execrt.core.context import RuntimeContext
+    from execrt.core.interfaces import MoEDispatcherInit
+    from execrt.core.parallel import ParallelState
+    from execrt.plugins.builtin import ALLREDUCE_DISPATCH
+
+    cfg = ModelConfig.from_pretrained(path)
+    init = MoEDispatcherInit(
+        ALLREDUCE_DISPATCH,
+        experts,
+        top_k,
+        cfg.hidden_size,
+        torch.float32,
+        torch.device("cpu"),
+        16,
+        ParallelState(),
+        RuntimeContext(),
+    )
+    kwargs = dict(device=torch.device("cpu"), dtype=torch.float32, max_positions=64)
+    return load_model(path, cfg, dispatcher=AllReduceDispatcher(init), **kwargs)
+
+
+def _fused_expert_copy(src: str, dst) -> str:  # type: ignore[no-untyped-def]
+    """A copy of the 2-layer, 8-expert checkpoint ``src`` in transformers 5's fused expert
+    layout: ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]."""
+    path = _copy(src, dst)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = [
+            torch.cat(
+                [tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")]
+            )
+            for e in range(8)
+        ]
+        down = [tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)]
+        tensors[p + "gate_up_proj"] = torch.stack(gate_up)
+        tensors[p + "down_proj"] = torch.stack(down)
+    save_file(tensors, file)
+    return path
+
+
+def _lacks(names: list[str]) -> str:
+    return "lacks tensor\\(s\\) " + re.escape(", ".join(names)) + "$"
+
+
+@pytest.mark.parametrize(
+    "deleted",
+    [
+        ["model.layers.1.self_attn.k_proj.weight"],
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"],
+        ["model.layers.0.mlp.up_proj.weight"],
+    ],
+)
+def test_a_missing_part_of_a_fused_projection_is_named_as_the_checkpoint_names_it(
+    checkpoint, tmp_path, deleted
+) -> None:
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name in deleted:
+        del tensors[name]
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=_lacks(deleted)):
+        _load(path)
+
+
+def test_a_missing_expert_tensor_is_named_in_the_checkpoints_layout(checkpoint, tmp_path) -> None:
+    per_expert = _copy(checkpoint("moe-8x2"), tmp_path / "hub")
+    file = os.path.join(per_expert, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, file)
+    with pytest.raises(
+        ModelLoadError, match=_lacks(["model.layers.1.mlp.experts.5.up_proj.weight"])
+    ):
+        _moe_load(per_expert)
+
+    fused = _fused_expert_copy(checkpoint("moe-8x2"), tmp_path / "fused")
+    file = os.path.join(fused, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.experts.down_proj"]
+    save_file(tensors, file)
+    with pytest.raises(ModelLoadError, match=_lacks(["model.layers.1.mlp.experts.down_proj"])):
+        _moe_load(fused)
+
+
 def test_misshaped_tensor_is_named(checkpoint, tmp_path) -> None:
     path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
     tensors = load_file(os.path.join(path, "model.safetensors"))
@@ -233,44 +321,8 @@ def test_a_damaged_builtin_checkpoint_is_regenerated() -> None:
 
 
 def test_fused_expert_layout_loads_like_the_hub_layout(checkpoint, tmp_path) -> None:
-    from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
-    from execrt.core.context import RuntimeContext
-    from execrt.core.interfaces import MoEDispatcherInit
-    from execrt.core.parallel import ParallelState
-    from execrt.plugins.builtin import ALLREDUCE_DISPATCH
-
     hub = checkpoint("moe-8x2")
-    fused = _copy(hub, tmp_path / "fused")
-    tensors = load_file(os.path.join(fused, "model.safetensors"))
-    for layer in range(2):
-        p = f"model.layers.{layer}.mlp.experts."
-        gate_up = [
-            torch.cat(
-                [tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")]
-            )
-            for e in range(8)
-        ]
-        down = [tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)]
-        tensors[p + "gate_up_proj"] = torch.stack(gate_up)
-        tensors[p + "down_proj"] = torch.stack(down)
-    save_file(tensors, os.path.join(fused, "model.safetensors"))
-    cfg = ModelConfig.from_pretrained(hub)
-    disp = AllReduceDispatcher(
-        MoEDispatcherInit(
-            ALLREDUCE_DISPATCH,
-            8,
-            2,
-            cfg.hidden_size,
-            torch.float32,
-            torch.device("cpu"),
-            16,
-            ParallelState(),
-            RuntimeContext(),
-        )
-    )
-    kwargs = dict(
-        device=torch.device("cpu"), dtype=torch.float32, max_positions=64, dispatcher=disp
-    )
-    a = load_model(hub, cfg, **kwargs).state_dict()
-    b = load_model(fused, cfg, **kwargs).state_dict()
+    fused = _fused_expert_copy(hub, tmp_path / "fused")
+    a = _moe_load(hub).state_dict()
+    b = _moe_load(fused).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
