@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -13,8 +14,11 @@ from execrt.core import envs
 
 logger = logging.getLogger(__name__)
 
-#: Written last into a finished directory: every file's size, so truncation shows.
+#: Written last into a finished directory: every file's size, so truncation shows, and the
+#: SHA-256 of the small ones (config, tokenizer), so a same-size corruption of those shows too.
 MANIFEST = ".execrt-complete.json"
+#: Files up to this size are hashed (a few ms per use); weights are only sized.
+HASHED_BYTES = 8 << 20
 
 
 def cached_dir(name: str, build: Callable[[str], None]) -> str:
@@ -38,13 +42,11 @@ def cached_dir(name: str, build: Callable[[str], None]) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=parent)
     try:
         build(tmp)
-        sizes = {
-            f: os.path.getsize(os.path.join(tmp, f))
-            for f in sorted(os.listdir(tmp))
-            if os.path.isfile(os.path.join(tmp, f))
-        }
+        files = [f for f in sorted(os.listdir(tmp)) if os.path.isfile(os.path.join(tmp, f))]
+        sizes = {f: os.path.getsize(os.path.join(tmp, f)) for f in files}
+        hashes = {f: _sha256(os.path.join(tmp, f)) for f in files if sizes[f] <= HASHED_BYTES}
         with open(os.path.join(tmp, MANIFEST), "w") as fh:
-            json.dump(sizes, fh)
+            json.dump({"sizes": sizes, "sha256": hashes}, fh)
         try:
             os.replace(tmp, root)
         except OSError:  # another process won the race; its copy is equivalent
@@ -56,12 +58,29 @@ def cached_dir(name: str, build: Callable[[str], None]) -> str:
 
 
 def is_complete(root: str) -> bool:
-    """True when ``root`` has a manifest and every file it lists has the recorded size."""
+    """True when ``root`` has a manifest, every file it lists has the recorded size and each
+    hashed file its recorded SHA-256. (A manifest of sizes alone, from before hashes were
+    recorded, is checked by size.)"""
     try:
         with open(os.path.join(root, MANIFEST)) as fh:
-            sizes = json.load(fh)
-        return isinstance(sizes, dict) and all(
-            os.path.getsize(os.path.join(root, f)) == n for f, n in sizes.items()
+            manifest = json.load(fh)
+        if not isinstance(manifest, dict):
+            return False
+        sizes = manifest.get("sizes", manifest)
+        hashes = manifest.get("sha256", {})
+        return (
+            isinstance(sizes, dict)
+            and isinstance(hashes, dict)
+            and all(os.path.getsize(os.path.join(root, f)) == n for f, n in sizes.items())
+            and all(_sha256(os.path.join(root, f)) == h for f, h in hashes.items())
         )
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return False
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
