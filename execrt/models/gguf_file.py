@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,9 +14,7 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.models.cache import cached_dir
-from execrt.models.tokenizer import tokenizer_from_gguf
-
-logger = logging.getLogger(__name__)
+from execrt.models.tokenizer import NO_TOKENIZER_NOTE, tokenizer_from_gguf
 
 INSTALL_HINT = "pip install execrt[gguf]"
 #: Bump when the conversion changes, so old cache entries are not reused.
@@ -272,14 +269,16 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 # -- tokenizer ----------------------------------------------------------------------------------
 def _write_tokenizer(meta: dict[str, Any], file: str, out: str) -> None:
+    """tokenizer.json and tokenizer_config.json, or, where the vocabulary cannot be rebuilt,
+    a note saying why (``load_tokenizer`` logs it at every load, not only this first one)."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        logger.warning("model: %s has no vocabulary; text prompts will be refused", file)
-        return
     try:
+        if not tokens:
+            raise ModelLoadError(f"model: {file}: GGUF file has no vocabulary")
         tokenizer_from_gguf(meta, file).save(os.path.join(out, "tokenizer.json"))
     except ModelLoadError as exc:
-        logger.warning("%s; text prompts will be refused (pass token ids)", exc)
+        with open(os.path.join(out, NO_TOKENIZER_NOTE), "w", encoding="utf-8") as fh:
+            fh.write(f"{exc}\n")
         return
 
     def token(key: str) -> str | None:

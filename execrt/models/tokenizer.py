@@ -4,6 +4,7 @@ template, and streaming detokenisation."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Any
 
 from execrt.core.errors import ModelLoadError
 from execrt.models.config import read_json
+
+logger = logging.getLogger(__name__)
 
 #: End-of-turn markers of common chat formats; a template that writes one stops on it.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -34,12 +37,27 @@ _SPLITS = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+#: Written instead of tokenizer.json into a converted GGUF directory when its vocabulary
+#: cannot be rebuilt: why, so each load can say so (the conversion runs only once).
+NO_TOKENIZER_NOTE = "execrt-no-tokenizer.txt"
+_SUPPORTED_GGUF_TOKENIZERS = "'gpt2', byte-level BPE as in Llama 3, Qwen2 and SmolLM2"
+#: llama.cpp's ``tokenizer.ggml.model`` values, named for the refusal
+_GGUF_TOKENIZER_KINDS = {
+    "llama": "SentencePiece, as in Llama 2, Mistral and TinyLlama",
+    "bert": "WordPiece",
+    "t5": "Unigram",
+    "rwkv": "RWKV",
+}
 
 
 def load_tokenizer(path: str) -> Any:
-    """The ``tokenizers.Tokenizer`` of checkpoint directory ``path``, or None without one."""
+    """The ``tokenizers.Tokenizer`` of checkpoint directory ``path``, or None without one
+    (logging why when a GGUF conversion left a note)."""
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
+        reason = no_tokenizer_reason(path)
+        if reason is not None:
+            logger.warning("%s; text prompts will be refused (pass token ids)", reason)
         return None
     from tokenizers import Tokenizer
 
@@ -49,15 +67,30 @@ def load_tokenizer(path: str) -> Any:
         raise ModelLoadError(f"model: {file} is not a valid tokenizer.json ({exc})") from None
 
 
+def no_tokenizer_reason(path: str) -> str | None:
+    """Why the converted GGUF directory ``path`` has no tokenizer.json (None: no note, e.g. a
+    Hugging Face checkpoint without one)."""
+    note = os.path.join(path, NO_TOKENIZER_NOTE)
+    if not os.path.isfile(note):
+        return None
+    with open(note, encoding="utf-8") as fh:
+        return fh.read().strip() or None
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
-    """A ``tokenizers`` Tokenizer from the GGUF vocabulary (byte-level BPE, ``gpt2`` model)."""
+    """A ``tokenizers`` Tokenizer from the GGUF vocabulary (byte-level BPE, ``gpt2`` model).
+
+    Raises ModelLoadError naming the file's tokenizer model for any other (SentencePiece
+    ``llama`` vocabularies of Llama 2, Mistral and TinyLlama included)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.processors import TemplateProcessing
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
+        what = f" ({_GGUF_TOKENIZER_KINDS[kind]})" if kind in _GGUF_TOKENIZER_KINDS else ""
         raise ModelLoadError(
-            f"model: {file}: GGUF tokenizer model {kind!r} unsupported (supported: gpt2)"
+            f"model: {file}: GGUF tokenizer model {kind!r}{what} unsupported "
+            f"(supported: {_SUPPORTED_GGUF_TOKENIZERS})"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)

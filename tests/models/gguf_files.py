@@ -113,12 +113,14 @@ def write_gguf(
     quant: dict[str, str] | None = None,
     skip: tuple[str, ...] = (),
     tokenizer_pre: str = "default",
+    tokenizer_model: str = "gpt2",
     seed: int = 0,
 ) -> str:
     """Write ``model`` (a transformers Llama / Qwen2 / Qwen3) as a GGUF file.
 
     ``quant`` maps a substring of the GGUF name to a type name (first match wins; 1-D tensors
-    stay F32). ``skip`` leaves tensors out.
+    stay F32). ``skip`` leaves tensors out. ``tokenizer_model`` only labels the (byte-level)
+    vocabulary: ``"llama"`` makes it look like a SentencePiece one.
     """
     import gguf
 
@@ -143,7 +145,7 @@ def write_gguf(
         w.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
         w.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
     tokens, merges, types = byte_level_vocab(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(tokens)
     w.add_token_types(types)

@@ -241,6 +241,23 @@ def test_bad_gguf_files_are_named(llama, tmp_path) -> None:
         _load(f64)
 
 
+def test_a_sentencepiece_vocabulary_is_named_at_every_load(llama, tmp_path, caplog) -> None:
+    from execrt.models.config import checkpoint_dir
+    from execrt.models.tokenizer import load_tokenizer
+
+    path = write_gguf(llama, str(tmp_path / "spm.gguf"), arch="llama", tokenizer_model="llama")
+    expected = (
+        f"model: {path}: GGUF tokenizer model 'llama' (SentencePiece, as in Llama 2, Mistral and "
+        "TinyLlama) unsupported (supported: 'gpt2', byte-level BPE as in Llama 3, Qwen2 and "
+        "SmolLM2); text prompts will be refused (pass token ids)"
+    )
+    for _ in range(2):  # the conversion, then a cache hit: both say why
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert load_tokenizer(checkpoint_dir(path)) is None
+        assert caplog.messages == [expected]
+
+
 def test_a_missing_stacked_expert_tensor_is_named(tmp_path) -> None:
     from tests.checkpoints import build_hf_model
     from tests.models.test_loader import _moe_load
