@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -160,6 +160,10 @@ class Engine:
         request is validated before any is queued. If anything raises while they run (a device
         error, a backend bug, KeyboardInterrupt), every request of this call is aborted and
         freed before the exception propagates, and the engine stays usable.
+
+        Requests of open ``stream()`` iterators share the batches of this call and progress
+        with it; their text waits in their streams (see ``stream``). The call returns when its
+        own requests are done, not theirs.
         """
         if self._closed:
             raise RuntimeError("engine: generate() after close()")
@@ -180,12 +184,13 @@ class Engine:
         try:
             for req in reqs.values():
                 self.scheduler.add(req)
-            self.scheduler.run()
+            self._run_until_finished(reqs.values())
         except BaseException as exc:
             # Nothing of this call may stay queued or hold KV slots: the next call would run
             # these requests and drop their results.
             self.scheduler.abort(reqs.values(), f"generate() failed: {describe_exception(exc)}")
             raise
+        self._forget(reqs.values())
         for i, req in reqs.items():
             assert req.finish_reason is not None
             results[i] = GenerationResult(
@@ -236,9 +241,15 @@ class Engine:
         """Generate for one prompt, yielding text pieces as tokens are produced.
 
         Pieces never split a UTF-8 character; their concatenation is the result's text.
-        Raises RequestError at once for an invalid request (and while iterating if the request
-        cannot be served), RuntimeError without a tokenizer. Closing the iterator early
-        releases the request.
+        Raises RequestError at once for an invalid request, and while iterating (after the
+        text it has) if the request cannot be served or a step that carried it failed;
+        RuntimeError without a tokenizer. The request is queued at the first ``next()``. Closing the iterator early (``close()``, ``break``, garbage collection)
+        aborts the request and frees its KV slots and request row.
+
+        Open streams and ``generate()`` / ``chat()`` calls may be interleaved freely: the
+        engine steps every queued request together, whichever call drives it, and tokens that
+        another call produced for this stream are kept for it, so the remaining iteration
+        yields them (and the rest) with nothing lost. Iterating after ``close()`` raises.
         """
         if self._closed:
             raise RuntimeError("engine: stream() after close()")
@@ -255,6 +266,8 @@ class Engine:
         from execrt.models.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer)
+        # Filled by the scheduler's token hook whoever steps it: this stream, another one, or
+        # a generate() call made while this one was suspended.
         pieces: list[str] = []
 
         def on_token(r: Req, token_id: int) -> None:
@@ -264,12 +277,18 @@ class Engine:
         self.scheduler.on_token.append(on_token)
         try:
             self.scheduler.add(req)
-            while not req.finished and self.scheduler.has_work:
+            while True:
+                if self._closed:
+                    raise RuntimeError("engine: stream iterated after the engine was closed")
+                if pieces:  # checked again after each yield: other calls may have added some
+                    text = "".join(pieces)
+                    pieces.clear()
+                    if text:
+                        yield text
+                    continue
+                if req.finished:
+                    break
                 self.scheduler.step()
-                text = "".join(pieces)
-                pieces.clear()
-                if text:
-                    yield text
             tail = detok.flush()
             if tail:
                 yield tail
@@ -277,9 +296,25 @@ class Engine:
                 raise RequestError(req.error)
         finally:
             self.scheduler.on_token.remove(on_token)
-            if not req.finished:  # the caller stopped early: give the request's slots back
-                self.scheduler.abort([req], "abandoned: the stream was closed early")
-            self.scheduler.drain()
+            if not self._closed:
+                if not req.finished:  # the caller stopped early: give the request's slots back
+                    self.scheduler.abort([req], "abandoned: the stream was closed early")
+                self.scheduler.drain()
+                self._forget([req])
+
+    def _run_until_finished(self, reqs: Collection[Req]) -> None:
+        """Step until every request of ``reqs`` finished (open streams' requests ride along),
+        then process the step still in flight, so none is left between calls."""
+        while not all(r.finished for r in reqs):
+            assert self.scheduler.has_work, "an unfinished request is always queued"
+            self.scheduler.step()
+        self.scheduler.drain()
+
+    def _forget(self, reqs: Iterable[Req]) -> None:
+        """Drop finished ``reqs`` from the scheduler's finished list: their caller holds them,
+        and a list that only grows would keep every streamed request alive."""
+        done = set(reqs)
+        self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
     def _validate(self, prompt: Prompt, sp: SamplingParams) -> tuple[list[int], str | None]:
         problems = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -65,6 +66,100 @@ def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
     assert engine.scheduler.allocator.available_size() == free
     assert not engine.scheduler.has_work
     assert len(engine.generate("after", SamplingParams(max_new_tokens=3)).token_ids) == 3
+
+
+def _free(engine) -> tuple[int, int]:
+    s = engine.scheduler
+    return s.allocator.available_size(), s.req_to_token_pool.available_size()
+
+
+LONG = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("generate_tokens", [4, 40], ids=["stream-outlives", "generate-outlives"])
+def test_generate_while_a_stream_is_open_loses_none_of_its_text(engine, generate_tokens) -> None:
+    # "three" streams in many pieces on the built-in model (some prompts give one at the end).
+    alone = engine.generate(["three", "a call"], [LONG, replace(LONG, max_new_tokens=40)])
+    free = _free(engine)
+    stream = engine.stream("three", LONG)
+    first = next(stream)
+    # This call steps the stream's request too; with 40 tokens it finishes it.
+    other = engine.generate("a call", replace(LONG, max_new_tokens=generate_tokens))
+    assert other.token_ids == alone[1].token_ids[:generate_tokens]
+    assert other.finish_reason == "length"
+    # A short call returns with its own tokens, not after the stream's.
+    assert engine.scheduler.has_work == (generate_tokens == 4)
+    rest = "".join(stream)
+    assert rest and first + rest == alone[0].text
+    assert _free(engine) == free and not engine.scheduler.has_work
+    assert engine.scheduler.finished == []  # nothing of either call lingers
+
+
+def test_streams_and_calls_interleave_in_any_order(engine) -> None:
+    alone = engine.generate(["three", "one", "two"], [LONG, SHORT, LONG])
+    free = _free(engine)
+    a, b = engine.stream("three", LONG), engine.stream("one", SHORT)
+    got = {"a": next(a), "b": next(b)}
+    got["a"] += next(a)
+    chat_like = engine.generate("two", LONG)  # drives a and b; b ends inside this call
+    got["b"] += "".join(b)
+    got["a"] += "".join(a)
+    assert [got["a"], got["b"], chat_like.text] == [r.text for r in alone]
+    assert _free(engine) == free and not engine.scheduler.has_work
+
+
+def test_a_stream_closed_early_after_another_call_frees_its_request(engine) -> None:
+    free = _free(engine)
+    stream = engine.stream("closed early", LONG)
+    next(stream)
+    engine.generate("meanwhile", SHORT)
+    assert _free(engine) != free  # the open stream holds slots and a row
+    stream.close()
+    assert _free(engine) == free and not engine.scheduler.has_work
+    assert engine.scheduler.finished == []
+
+
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["call's-prefill", "shared-decode"])
+def test_a_failed_call_ends_an_open_stream_only_if_it_shared_the_step(
+    engine, monkeypatch, fail_at
+) -> None:
+    alone = engine.generate("three", LONG).text
+    free = _free(engine)
+    stream = engine.stream("three", LONG)
+    text = next(stream)
+    real, calls = engine.worker.forward_batch_generation, 0
+
+    def fail(batch):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == fail_at:
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(engine.worker, "forward_batch_generation", fail)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate("a call", SHORT)  # step 1 prefills it alone, step 2 decodes both
+    monkeypatch.setattr(engine.worker, "forward_batch_generation", real)
+    if fail_at == 1:  # the stream was not in the failed step: it goes on, whole
+        assert text + "".join(stream) == alone
+    else:  # it was: it yields what it had, then the error, never a silent end
+        with pytest.raises(RequestError, match="step failed: KeyboardInterrupt"):
+            for piece in stream:
+                text += piece
+        assert text and alone.startswith(text)
+    assert _free(engine) == free and not engine.scheduler.has_work
+    assert len(engine.generate("after", SHORT).token_ids) == 4
+
+
+def test_a_stream_iterated_after_close_raises() -> None:
+    with Engine("builtin", device="cpu", overlap_schedule=False) as e:
+        stream = e.stream("x", LONG)
+        next(stream)
+        interleaved = e.generate("y", SHORT)  # the synchronous scheduler too
+        assert len(interleaved.token_ids) == 4
+    with pytest.raises(RuntimeError, match="after the engine was closed"):
+        next(stream)
 
 
 def test_chat_without_a_template_is_a_clear_error(engine) -> None:
