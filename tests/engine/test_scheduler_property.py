@@ -8,7 +8,7 @@ oracle runs each request alone in plain Python, without pools.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -62,6 +62,7 @@ class FakeWorker:
         self.kv = torch.full((cache + 1,), -1, dtype=torch.int64)  # token id per slot
         self.calls = 0
         self.fail_at: int | None = None
+        self.on_launch: Callable[[ScheduleBatch], None] | None = None
         self.stager = None  # host lists go to the device as plain tensors
         # Every token sampled per request, in order, whether or not the scheduler has
         # appended it yet (with overlap it learns of it one step later).
@@ -71,6 +72,8 @@ class FakeWorker:
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected device error")
+        if self.on_launch is not None:
+            self.on_launch(batch)
         loc = batch.out_cache_loc
         assert len(set(loc.tolist())) == loc.numel() and int(loc.min()) >= 1
         self.kv[loc] = batch.input_ids  # [T]
@@ -158,6 +161,72 @@ def _step_bound(reqs: list[Req], w: Workload) -> int:
     return d + (d + 1) * w.cache + needed
 
 
+@dataclass
+class Launch:
+    """What the scheduler had done by the time it launched one batch."""
+
+    extend: bool
+    rids: list[int]  # the batch's requests
+    finished: int  # requests finished so far
+    oldest: int | None  # rid of the oldest unfinished request
+    retracted: list[int]  # rids retracted since the previous launch (running or mid-prefill)
+    from_running: list[int]  # those of them that were running
+
+
+class LaunchLog:
+    """Records every launch through the worker. Between two launches the scheduler first
+    processes results (requests finish), then schedules (retractions happen), then launches;
+    so a launch sees the finishes and retractions that decided it."""
+
+    def __init__(self, sched: Scheduler, reqs: list[Req]) -> None:
+        self.sched, self.reqs = sched, reqs
+        self.counts = [0] * len(reqs)
+        self.running: set[int] = set()  # rids running once the last launch was accounted
+        self.launches: list[Launch] = []
+
+    def __call__(self, batch: ScheduleBatch) -> None:
+        retracted = [r.rid for r in self.reqs if r.num_retractions > self.counts[r.rid]]
+        self.counts = [r.num_retractions for r in self.reqs]
+        unfinished = [r.rid for r in self.reqs if not r.finished]
+        self.launches.append(
+            Launch(
+                extend=batch.mode.is_extend(),
+                rids=[r.rid for r in batch.reqs],
+                finished=len(self.reqs) - len(unfinished),
+                oldest=min(unfinished, default=None),
+                retracted=retracted,
+                from_running=[rid for rid in retracted if rid in self.running],
+            )
+        )
+        # An extend's requests with a real sample join the running ones at this launch.
+        joined = {r.rid for r, s in zip(batch.reqs, batch.samples, strict=True) if s}
+        self.running = {r.rid for r in self.sched.running} | (
+            joined if batch.mode.is_extend() else set()
+        )
+
+    def check_progress_rules(self) -> None:
+        """The rules the step bound in Scheduler's docstring rests on."""
+        hold_since: int | None = None  # finished count when a running request was retracted
+        admitted: set[int] = set()  # requests prefilled since then
+        for prev, launch in zip([None, *self.launches], self.launches, strict=False):
+            # The oldest unfinished request is never a victim.
+            assert launch.oldest not in launch.retracted, launch
+            # The decode right after an extend finds the slot each running request needs
+            # (the extend kept them back): it never retracts.
+            if launch.retracted and prev is not None and prev.extend:
+                assert launch.extend, (prev, launch)
+            # After a running request is retracted, and until a request finishes, only
+            # requests that fit at full growth are admitted: none of them is retracted
+            # again before that finish (no ping-pong).
+            if hold_since is not None and launch.finished > hold_since:
+                hold_since, admitted = None, set()
+            assert not admitted.intersection(launch.retracted), (admitted, launch)
+            if launch.from_running and hold_since is None:
+                hold_since = launch.finished
+            if hold_since is not None and launch.extend:
+                admitted.update(launch.rids)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @SETTINGS
 @given(w=workloads())
@@ -166,10 +235,12 @@ def test_every_request_that_fits_alone_completes_with_its_own_tokens(
 ) -> None:
     worker, sched, reqs = _setup(w, overlap)
     start = _free_counts(worker)
+    log = worker.on_launch = LaunchLog(sched, reqs)
     for req in reqs:
         sched.add(req)
     done = sched.run()
     target(float(sched.stats.retractions), label="retractions")  # steer toward KV pressure
+    log.check_progress_rules()
     assert sorted(r.rid for r in done) == list(range(len(reqs)))
     assert _free_counts(worker) == start and not sched.has_work
     assert sched.stats.steps <= _step_bound(reqs, w)
@@ -233,7 +304,9 @@ def test_two_requests_that_fit_only_one_at_a_time_both_complete() -> None:
     sched.run()
     for req in reqs:
         assert req.output_ids == alone(req.origin_input_ids, params, 256)[0]
-    assert sched.stats.retractions > 0
+    # The newer one gives way once; the older one is never retracted, and the newer one is
+    # not let back in until the older one is done (that would only retract it again).
+    assert [r.num_retractions for r in reqs] == [0, 1] and sched.stats.retractions == 1
     assert _free_counts(worker) == (24, 2)
 
 
