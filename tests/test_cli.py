@@ -170,3 +170,39 @@ def test_generate_exit_status_is_the_same_in_json_and_text_mode(capsys) -> None:
     assert main([*bad, "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert out[0]["finish_reason"] == "error" and "max_new_tokens 0" in out[0]["error"]
+
+
+def test_generate_writes_one_prompt_as_it_is_produced(monkeypatch) -> None:
+    import io
+
+    from execrt.engine.scheduler import Scheduler
+
+    steps = 0
+    real_step = Scheduler.step
+
+    def counted_step(self: Scheduler) -> None:
+        nonlocal steps
+        steps += 1
+        real_step(self)
+
+    class Stdout(io.StringIO):
+        """Records how many scheduler steps had run at each write."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[tuple[int, str]] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append((steps, text))
+            return super().write(text)
+
+    out = Stdout()
+    monkeypatch.setattr(Scheduler, "step", counted_step)
+    monkeypatch.setattr(sys, "stdout", out)
+    # "three" gives a text piece at almost every token on the built-in model.
+    argv = ["generate", "three", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu"]
+    assert main(argv) == 0
+    texts = [(n, t) for n, t in out.writes if t.strip("\n")]
+    assert len({n for n, _ in texts}) >= 4, out.writes  # written at several points in the run
+    assert texts[0][0] < steps // 2  # the first text long before the last step
+    assert out.getvalue() == "".join(t for _, t in texts) + "\n"
