@@ -243,8 +243,9 @@ class Engine:
         Pieces never split a UTF-8 character; their concatenation is the result's text.
         Raises RequestError at once for an invalid request, and while iterating (after the
         text it has) if the request cannot be served or a step that carried it failed;
-        RuntimeError without a tokenizer. The request is queued at the first ``next()``. Closing the iterator early (``close()``, ``break``, garbage collection)
-        aborts the request and frees its KV slots and request row.
+        RuntimeError without a tokenizer. The request is queued at the first ``next()``.
+        Closing the iterator early (``close()``, ``break``, garbage collection) aborts the
+        request and frees its KV slots and request row.
 
         Open streams and ``generate()`` / ``chat()`` calls may be interleaved freely: the
         engine steps every queued request together, whichever call drives it, and tokens that
