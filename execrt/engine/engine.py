@@ -17,6 +17,7 @@ from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_runner import resolve_device
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState, init_parallel
+from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
@@ -167,11 +168,8 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("engine: generate() after close()")
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
-        )
-        batch = cast("list[Prompt]", [prompts] if single else list(prompts))
-        params = _broadcast(sampling_params, len(batch))
+        batch, single = split_prompts(prompts)
+        params = broadcast_sampling_params(sampling_params, len(batch))
         checked = [self._validate(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
         results: dict[int, GenerationResult] = {}
         reqs: dict[int, Req] = {}
@@ -317,7 +315,7 @@ class Engine:
         done = set(reqs)
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
-    def _validate(self, prompt: Prompt, sp: SamplingParams) -> tuple[list[int], str | None]:
+    def _validate(self, prompt: object, sp: SamplingParams) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
             if isinstance(sp, SamplingParams)
@@ -329,14 +327,10 @@ class Engine:
                 problems.append("text prompt but the model has no tokenizer.json; pass token ids")
             else:
                 ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = [int(t) for t in prompt]
         else:
-            problems.append(
-                f"prompt must be text or a list of token ids, got {type(prompt).__name__}"
-            )
+            ids, problem = prompt_token_ids(prompt)
+            if problem is not None:
+                problems.append(problem)
         vocab = self.model_config.vocab_size
         if not ids and not problems:
             problems.append("empty prompt")
@@ -366,16 +360,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _broadcast(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise ValueError(f"engine: {len(params)} sampling_params for {n} prompts")
-    return params

@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from execrt.core.schedule import (
-    SamplingParams,
-    broadcast_sampling_params,
-    prompt_token_ids,
-    split_prompts,
-)
+from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
+from execrt.core.schedule import SamplingParams
 
 np = pytest.importorskip("numpy", reason="numpy prompts need numpy")
 KINDS = "prompt must be text, a sequence of int token ids or a 1-D integer array / tensor, got"
@@ -76,3 +72,19 @@ def test_sampling_params_are_shared_per_prompt_or_reported_with_their_own_type()
     assert broadcast_sampling_params({"temperature": 0}, 2) == [{"temperature": 0}] * 2
     with pytest.raises(ValueError, match="engine: 3 sampling_params for 2 prompts"):
         broadcast_sampling_params((sp, sp, sp), 2)
+
+
+def test_engine_takes_numpy_and_tensor_prompts_and_names_a_bad_params_type() -> None:
+    from execrt import Engine
+
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    with Engine(device="cpu") as engine:
+        ref = engine.generate([5, 6, 7], greedy)
+        assert engine.generate(np.array([5, 6, 7]), greedy).token_ids == ref.token_ids
+        assert engine.generate(torch.tensor([5, 6, 7]), greedy).token_ids == ref.token_ids
+        both = engine.generate([[np.int64(5), 6, 7], torch.tensor([5, 6, 7])], greedy)
+        assert [r.token_ids for r in both] == [ref.token_ids] * 2
+        bad = engine.generate(np.zeros((2, 3), dtype=np.int64), greedy)
+        assert bad.finish_reason == "error" and "2-D ndarray" in (bad.error or "")
+        wrong = engine.generate([5, 6, 7], {"temperature": 0.0})  # type: ignore[arg-type]
+        assert wrong.finish_reason == "error" and "dict" in (wrong.error or "")
