@@ -114,11 +114,12 @@ def norm_linear(
     rows = x.reshape(-1, x.shape[-1])  # [T, K]
     if use_triton and _norm_eligible(rows, weight, norm_weight, residual):
         tlin = _triton_linear()
-        res_rows = None if residual is None else residual.reshape(rows.shape)
-        new_res = torch.empty_like(rows) if res_rows is not None else None
-        norm = tlin.NormIn(norm_weight, eps, res_rows, new_res)
-        out = tlin.skinny_linear(rows, weight, bias, norm=norm)  # None: cuBLAS is faster here
-        if out is not None:
+        tile = tlin.tile_for(rows, weight, bias, norm=True)  # None: cuBLAS or the norm apart
+        if tile is not None:
+            res_rows = None if residual is None else residual.reshape(rows.shape)
+            new_res = None if res_rows is None else torch.empty_like(rows)
+            norm = tlin.NormIn(norm_weight, eps, res_rows, new_res)
+            out = tlin.launch(rows, weight, bias, tile, norm=norm)
             out_shape = (*x.shape[:-1], weight.shape[0])
             return out.view(out_shape), (x if new_res is None else new_res.view(x.shape))
     if residual is None:

@@ -252,14 +252,22 @@ def skinny_linear(
     for ``norm``, that the norm is better run by its own kernel (the caller then normalises and
     calls ``linear``).
     The caller has checked ``linear.skinny_eligible`` (and ``norm_eligible`` for ``norm``)."""
+    tile = tile_for(x, weight, bias, norm=norm is not None)
+    if tile is None:
+        return None  # cuBLAS; or the norm kernel, then this tile (linear.norm_linear)
+    return launch(x, weight, bias, tile, swiglu=swiglu, norm=norm)
+
+
+def tile_for(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, norm: bool = False
+) -> SkinnyTile | None:
+    """Check the arguments and pick the tile; None where cuBLAS is faster or, with ``norm``,
+    where this shape runs its norm better as a kernel of its own."""
     check_same_device("linear", x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    tile = pick_tile(m, n, k, x.dtype, x.device)
-    if tile is None or (norm is not None and not tile.fuse_norm):
-        return None  # cuBLAS; or the norm kernel, then this tile (linear.norm_linear)
-    return launch(x, weight, bias, tile, swiglu=swiglu, norm=norm)
+    tile = pick_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device)
+    return None if tile is None or (norm and not tile.fuse_norm) else tile
 
 
 # -- tiles ---------------------------------------------------------------------------------------

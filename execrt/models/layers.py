@@ -45,18 +45,9 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``proj(norm(residual + delta))`` and ``residual + delta`` (``residual`` itself when
         ``delta`` is None); fused, decode-size calls normalise inside the projection's kernel."""
-        if delta is None:
-            return norm_linear(
-                residual, proj.weight, proj.bias, self.weight, self.eps, use_triton=self.fused
-            )
+        x, res = (residual, None) if delta is None else (delta, residual)
         return norm_linear(
-            delta,
-            proj.weight,
-            proj.bias,
-            self.weight,
-            self.eps,
-            residual=residual,
-            use_triton=self.fused,
+            x, proj.weight, proj.bias, self.weight, self.eps, residual=res, use_triton=self.fused
         )
 
 
