@@ -4,10 +4,11 @@
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
+#   (TESTS_SKIP_DONE: a tests-done.txt an earlier call brought back; its tests are deselected)
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
-#   (e.g. "--head-dim 64 --dtype float16"), TESTS_FAILLOG.
+#   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set), TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -39,7 +40,10 @@ for step in "$@"; do
       sel=${TESTS:-tests examples/execrt-example-plugin/tests}
       limit=${TESTS_TIMEOUT:-420}
       [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection} && limit=${TESTS2_TIMEOUT:-$limit}
-      TESTS_FAILLOG="$OUT/test-failures.log" timeout "$(cap "$limit")" \
+      # SIGINT at the limit: pytest still prints its summary and slowest tests; the time log
+      # lists every finished test, and TESTS_SKIP_DONE=<that log> runs only the rest next call.
+      TESTS_FAILLOG="$OUT/test-failures.log" TESTS_TIMELOG="$OUT/tests-done.txt" \
+        timeout -s INT -k 30 "$(cap "$limit")" \
         python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfEs --durations=25 \
         $sel 2>&1 | tee "$OUT/$step.log" | tail -40
       note "$step: $(tail -1 "$OUT/$step.log")" ;;
@@ -70,8 +74,13 @@ for step in "$@"; do
     tune-linear)
       timeout "$(cap 330)" python3 benchmarks/tune_skinny_linear.py --out "$OUT" ${TUNE_LINEAR_ARGS:-} 2>&1 | tee "$OUT/tune-linear.log" | tail -80
       for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-linear-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
-    tune-extend)
-      timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend.json" ${TUNE_EXTEND_ARGS:-} 2>&1 | tee "$OUT/tune-extend.log" | tail -20 ;;
+    tune-extend)  # TUNE_EXTEND_ARGS: argument sets separated by ';', one sweep each
+      IFS=';' read -ra sets <<< "${TUNE_EXTEND_ARGS:- }"
+      for args in "${sets[@]}"; do
+        tag=$(echo "$args" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//; s/_*$//')
+        timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend${tag:+-$tag}.json" $args \
+          2>&1 | tee "$OUT/tune-extend${tag:+-$tag}.log" | tail -9
+      done ;;
     tune-decode)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
     probe-nccl-ep)

@@ -68,3 +68,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path and report.failed:
         with open(path, "a") as fh:
             fh.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+    # With TESTS_TIMELOG set, one line per finished test ("seconds outcome nodeid"): what a run
+    # cut short did reach, and where its time went, for the next call to pick up the rest.
+    timelog = os.environ.get("TESTS_TIMELOG")
+    if timelog and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        with open(timelog, "a") as fh:
+            fh.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With TESTS_SKIP_DONE naming an earlier TESTS_TIMELOG, deselect the tests it lists: a GPU
+    session's second call runs only what the first one's time limit cut off."""
+    path = os.environ.get("TESTS_SKIP_DONE")
+    if not path:
+        return
+    with open(path) as fh:
+        done = {line.split(" ", 2)[2].strip() for line in fh if line.count(" ") >= 2}
+    kept = [item for item in items if item.nodeid not in done]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = kept

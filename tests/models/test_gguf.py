@@ -156,9 +156,9 @@ def test_tokenizer_and_chat_template_match_transformers(llama, tmp_path) -> None
         # tokenizer's decode; compare where theirs round-trips too.
         if ref.decode(ids) == text:
             assert decoded == ref.decode(ids)
-        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
-            ids, skip_special_tokens=True
-        )
+            assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+                ids, skip_special_tokens=True
+            )
     messages = [
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hey"},
