@@ -147,6 +147,8 @@ class RuntimeContext:
         """
         problems: list[str] = []
         for record in sorted(self._records.values(), key=lambda r: r.order, reverse=True):
+            if self._records.get(record.name) is not record:
+                continue  # an earlier closer already closed it (unregister of what it used)
             if record.borrower is not None:
                 problems.append(f"left open: {record.describe()}")
                 continue

@@ -192,6 +192,23 @@ def test_a_failing_closer_does_not_stop_the_others() -> None:
     assert closed == ["last", "first"] and not ctx.has("broken")
 
 
+def test_a_closer_that_unregisters_what_it_used_is_not_closed_twice() -> None:
+    # The FlashInfer backend's closer unregisters its workspace; when a failed Engine start
+    # closes the whole context, the workspace is then already gone (was a KeyError that hid
+    # the error that failed the start).
+    ctx = RuntimeContext()
+    closed: list[str] = []
+    ctx.register("workspace", "workspace", owner="attn", close=closed.append)
+
+    def close_backend(_: object) -> None:
+        closed.append("backend")
+        ctx.unregister("workspace", owner="attn")
+
+    ctx.register("backend", "backend", owner="attn", close=close_backend)
+    assert ctx.close() == []
+    assert closed == ["backend", "workspace"] and ctx.open_resources() == []
+
+
 def test_the_context_manager_closes_on_exit_and_keeps_the_parallel_state() -> None:
     closed: list[int] = []
     marker = object()

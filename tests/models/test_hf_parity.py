@@ -71,6 +71,10 @@ def test_fused_kernels_change_no_greedy_token(checkpoint, name: str, plugin_host
     """The Triton layer kernels (interpreted on CPU) against their torch references: fp32 logits
     within 1e-5 and the same greedy tokens, prefill and decode."""
     pytest.importorskip("triton")
+    from execrt.kernels._triton import interpreter_enabled
+
+    if not interpreter_enabled():  # a CUDA machine: the GPU suites compare the kernels there
+        pytest.skip("runs on CPU under the Triton interpreter, which is off where CUDA is")
     traces = {}
     for mode in ("off", "on"):
         ctx = RuntimeContext()

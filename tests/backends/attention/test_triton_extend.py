@@ -187,6 +187,20 @@ def test_extend_default_tiles(dtype: torch.dtype) -> None:
     assert_close(o, ref, SMALL_TOL[dtype])
 
 
+@pytest.mark.parametrize("key", sorted(ext._GPU_TILES), ids=lambda k: f"{8 * k[0]}bit-d{k[1]}")
+def test_extend_gpu_table_tiles_under_the_interpreter(key: tuple[int, int]) -> None:
+    # The GPU table's block shapes (the CPU interpreter runs the same program logic; warps and
+    # stages only shape the compiled code): 32 query heads over 8 KV heads pack 4 heads per
+    # tile, a prefix spans several unmasked K/V blocks, one request is a single token.
+    elem, d = key
+    t = ext._GPU_TILES[key]
+    o, ref = run_extend(
+        [70, 0, 5], [2 * t.block_m // 4 + 3, 1, 9], num_q_heads=32, num_kv_heads=8, head_dim=d,
+        block_m=t.block_m, block_n=t.block_n, seed=250 + d,
+    )  # fmt: skip
+    assert_close(o, ref, F32)
+
+
 @pytest.mark.parametrize("pairs_per_chunk", [1, 3, 1000])
 def test_extend_schedule_chunk_sizes(pairs_per_chunk: int) -> None:
     # 5 requests x 2 head blocks = 10 pairs: chunks of 1 (pair after pair), 3 (the last

@@ -41,15 +41,16 @@ class ExtendTiles:
 # flash-attention kernels: 128-row query tiles over two warpgroups (8 warps), 64-token K/V
 # blocks, 3 stages (K/V gathered two blocks ahead into 3 shared-memory buffers). At bf16
 # D=128 that is 128 KB of shared memory and ~200 registers per thread (no spills), from an
-# AOT compile for sm90; D=256 halves block_n to stay near 128 KB. fp32 runs in TF32 and is
-# not a fast path: small tiles keep it far from the shared-memory limit.
-# benchmarks/tune_triton_extend.py sweeps the alternatives on the GPU; see docs/kernels.md.
+# AOT compile for sm90; D=256 halves block_n (160 KB). fp32 runs in TF32 and is not a fast
+# path: small tiles keep it far from the shared-memory limit. The 16-bit rows for D 64, 128
+# and 256 are the best of benchmarks/tune_triton_extend.py's sweep on an H200 (bf16 and fp16
+# measured; at D=256 the 128-row tile is 2.3x the 64-row one); see docs/kernels.md.
 _GPU_TILES: dict[tuple[int, int], ExtendTiles] = {
     (2, 16): ExtendTiles(128, 64, 8, 3),
     (2, 32): ExtendTiles(128, 64, 8, 3),
     (2, 64): ExtendTiles(128, 64, 8, 3),
     (2, 128): ExtendTiles(128, 64, 8, 3),
-    (2, 256): ExtendTiles(64, 32, 8, 3),
+    (2, 256): ExtendTiles(128, 32, 8, 3),
     (4, 16): ExtendTiles(64, 32, 4, 2),
     (4, 32): ExtendTiles(64, 32, 4, 2),
     (4, 64): ExtendTiles(64, 32, 4, 2),
