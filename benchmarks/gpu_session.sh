@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
-#   (TESTS_SKIP_DONE: a tests-done.txt an earlier call brought back; its tests are deselected)
+#   (TESTS_SKIP_DONE: a tests-done.txt an earlier call brought back, or a file of node ids such
+#   as benchmarks/results/gpu-tests-done-<date>.txt; what it lists as passed or skipped is
+#   deselected)
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS

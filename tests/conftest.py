@@ -77,13 +77,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With TESTS_SKIP_DONE naming an earlier TESTS_TIMELOG, deselect the tests it lists: a GPU
-    session's second call runs only what the first one's time limit cut off."""
+    """With TESTS_SKIP_DONE naming an earlier TESTS_TIMELOG (or a file of node ids, one per
+    line), deselect the tests it lists as passed or skipped: a GPU session's next call runs
+    only what an earlier one's time limit cut off, and what failed."""
     path = os.environ.get("TESTS_SKIP_DONE")
     if not path:
         return
+    done = set()
     with open(path) as fh:
-        done = {line.split(" ", 2)[2].strip() for line in fh if line.count(" ") >= 2}
+        for line in fh:
+            parts = line.rstrip("\n").split(" ", 2)
+            if len(parts) == 3 and parts[1] in ("passed", "skipped", "failed"):
+                if parts[1] != "failed":
+                    done.add(parts[2])
+            elif line.strip():
+                done.add(line.strip())
     kept = [item for item in items if item.nodeid not in done]
     config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
     items[:] = kept
