@@ -15,6 +15,12 @@ from execrt.core.worker import TpModelWorker
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost
 
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-relative error ``||got - ref|| / ||ref||`` of two logit (or output) tensors."""
+    return float((got - ref).norm() / ref.norm())
+
+
 #: A graph-capable CPU attention backend (torch_native with static graph metadata), so that
 #: decode graphs run on CPU under ``graph_backend="reexec"``; workers get it from
 #: ``graph_attention_host()``.

@@ -47,7 +47,7 @@ from execrt.core.parallel import ParallelState
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from execrt.plugins.host import PluginHost
-from tests.drivers import make_worker, prefill_then_decode
+from tests.drivers import make_worker, prefill_then_decode, rel_err
 
 
 def _nccl_missing() -> str | None:
@@ -216,10 +216,6 @@ def _spawn(paths: dict[str, str], init_file: str, out_file: str) -> None:
             pytest.fail(f"the NCCL world-1 process ran past {CHILD_TIMEOUT_S:.0f} s (hung?)")
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_nccl_world_of_one_matches_no_process_group(
     checkpoint: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -250,10 +246,10 @@ def test_nccl_world_of_one_matches_no_process_group(
                 captured = graph != "none"
                 assert run["graphed"] == [False] + [captured] * STEPS, f"{where}: {run['graphed']}"
             assert a["tokens"] == b["tokens"], f"{where}: greedy tokens differ"
-            err = _relative(a["prefill"], b["prefill"])
+            err = rel_err(a["prefill"], b["prefill"])
             assert err < 2e-2, f"{where} prefill: relative error {err:.2e}"
             for step, (x, y) in enumerate(zip(a["logits"], b["logits"], strict=True)):
-                err = _relative(x, y)
+                err = rel_err(x, y)
                 assert err < 2e-2, f"{where} step {step}: relative error {err:.2e}"
     assert got["engine"]["parallel"] == (1, "nccl", 1, 1), got["engine"]["parallel"]
     assert ref["engine"]["parallel"] == (1, "none", 1, 1), ref["engine"]["parallel"]

@@ -18,7 +18,13 @@ import torch.multiprocessing as mp
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError
 from execrt.core.parallel import ParallelState
-from tests.drivers import STATIC_GRAPH, graph_attention_host, make_worker, prefill_then_decode
+from tests.drivers import (
+    STATIC_GRAPH,
+    graph_attention_host,
+    make_worker,
+    prefill_then_decode,
+    rel_err,
+)
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77], [9] * 13]
 STEPS = 4
@@ -112,10 +118,6 @@ def _rank_main(rank: int, paths: dict[str, str], init_file: str, out_dir: str) -
     assert not [t for t in threads if "gloo" in t], threads
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_two_tp_ranks_match_one_process(checkpoint, tmp_path) -> None:
     paths = {case: checkpoint(spec[0]) for case, spec in CASES.items()}
     with pytest.MonkeyPatch.context() as env:
@@ -143,10 +145,10 @@ def test_two_tp_ranks_match_one_process(checkpoint, tmp_path) -> None:
             # The prefill runs eagerly; every decode step (3 requests) replays a graph.
             assert got["graphed"] == [False] + [graph] * STEPS, f"{where}: {got['graphed']}"
             assert got["tokens"] == ref["tokens"], where
-            err = _relative(got["prefill"], ref["prefill"])
+            err = rel_err(got["prefill"], ref["prefill"])
             assert err <= 1e-4, f"{where} prefill: relative error {err:.2e}"
             for step, (a, b) in enumerate(zip(got["logits"], ref["logits"], strict=True)):
-                err = _relative(a, b)
+                err = rel_err(a, b)
                 assert err <= 1e-4, f"{where} step {step}: relative error {err:.2e}"
 
 

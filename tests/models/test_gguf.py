@@ -12,16 +12,13 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.models import ModelConfig, load_model
+from tests.drivers import rel_err
 from tests.models.gguf_files import CHAT_TEMPLATE, hf_gguf_model, prefill_logits, write_gguf
 
 gguf = pytest.importorskip("gguf", reason="GGUF tests need the 'gguf' package")
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77, 300, 301]]
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / ref.norm())
 
 
 def small_model(arch: str, seed: int) -> object:

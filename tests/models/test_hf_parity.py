@@ -9,16 +9,12 @@ from execrt.core.context import RuntimeContext
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from tests.checkpoints import build_hf_model
-from tests.drivers import make_worker, prefill_then_decode
+from tests.drivers import make_worker, prefill_then_decode, rel_err
 
 pytest.importorskip("transformers")
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77], [9] * 13 + [100, 101]]
 MAX_REL_ERR = 1e-4
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / ref.norm())
 
 
 def test_logits_match_transformers(

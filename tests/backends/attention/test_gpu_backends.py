@@ -7,7 +7,7 @@ import torch
 
 from execrt.core.context import RuntimeContext
 from execrt.plugins.host import PluginHost
-from tests.drivers import Trace, make_worker, prefill_then_decode
+from tests.drivers import Trace, make_worker, prefill_then_decode, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 FAST_BACKENDS = ["triton", "flashinfer"]
@@ -69,7 +69,7 @@ def test_model_logits_match_torch_native(qwen3_gpu_checkpoint, backend, dtype) -
     ref = _decode_trace(qwen3_gpu_checkpoint, "torch_native", dtype)
     got = _decode_trace(qwen3_gpu_checkpoint, backend, dtype, follow=ref.tokens)
     for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
-        err = float((a - b).norm() / b.norm())
+        err = rel_err(a, b)
         assert err < 2e-2, f"{backend} {dtype} step {step}: relative error {err:.2e}"
 
 
@@ -103,7 +103,7 @@ def test_graph_replay_equals_eager(backend) -> None:
         attn.init_forward_metadata(eager_fb)
         eager = attn.forward_decode(p.q, None, None, layer, eager_fb)
         torch.cuda.synchronize()
-        err = float((out.float() - eager.float()).norm() / eager.float().norm())
+        err = rel_err(out.float(), eager.float())
         assert err < 1e-2, f"{backend} replay {step}: relative error vs eager {err:.2e}"
     attn.close()
     ctx.close()
