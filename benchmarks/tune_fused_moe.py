@@ -30,13 +30,9 @@ import torch.nn.functional as F
 
 from execrt.bench.moe import ExpertsFn, MoELayerProblem, make_weight_sets, time_impl
 from execrt.core.experts import standard_experts
+from execrt.kernels._triton import DTYPE_NAMES
 from execrt.kernels.fused_moe import GemmTile, MoEConfig, fused_experts, get_config, moe_align
-from execrt.kernels.fused_moe.config import (
-    CONFIG_DIR,
-    DTYPE_NAMES,
-    config_file_name,
-    load_config_table,
-)
+from execrt.kernels.fused_moe.config import CONFIG_DIR, config_file_name, load_config_table
 from execrt.testing.oracles import compare
 
 TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)

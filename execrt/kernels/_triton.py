@@ -148,6 +148,18 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
+#: How tuned tables name a dtype in their file names.
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def tuned_table_name(device_name: str, dtype: torch.dtype, keys: str = "") -> str:
+    """File name of a per-GPU tuned table, vLLM's scheme:
+    ``[keys,]device_name=NVIDIA_H200,dtype=bfloat16.json`` (e.g. keys ``E=128,N=768``)."""
+    dev = device_name.replace(" ", "_")
+    name = f"device_name={dev},dtype={DTYPE_NAMES.get(dtype, dtype)}.json"
+    return f"{keys},{name}" if keys else name
+
+
 def check_float(component: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         fail(component, f"{name} dtype {t.dtype} unsupported (supported: fp16, bf16, fp32)")

@@ -22,11 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_same_device, fail, interpreter_enabled, pdl_kwargs
+from execrt.kernels._triton import (
+    check_same_device,
+    fail,
+    interpreter_enabled,
+    pdl_kwargs,
+    tuned_table_name,
+)
 from execrt.kernels.triton_pdl import pdl_prologue
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -292,7 +297,7 @@ def default_tile(m: int, n: int, k: int) -> SkinnyTile | None:
 
 
 def table_file_name(device_name: str, dtype: torch.dtype) -> str:
-    return f"device_name={device_name.replace(' ', '_')},dtype={_DTYPE_NAMES[dtype]}.json"
+    return tuned_table_name(device_name, dtype)
 
 
 @functools.lru_cache(maxsize=16)

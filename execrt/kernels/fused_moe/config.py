@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from execrt.kernels._triton import tuned_table_name
+
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,7 @@ class MoEConfig:
 
 def config_file_name(num_experts: int, n: int, device_name: str, dtype: torch.dtype) -> str:
     """``E=128,N=768,device_name=NVIDIA_H200,dtype=bfloat16.json``; ``n`` = intermediate size."""
-    dev = device_name.replace(" ", "_")
-    return f"E={num_experts},N={n},device_name={dev},dtype={DTYPE_NAMES.get(dtype, dtype)}.json"
+    return tuned_table_name(device_name, dtype, f"E={num_experts},N={n}")
 
 
 @functools.lru_cache(maxsize=64)
