@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,6 +26,7 @@ import torch
 from execrt.backends.attention import triton_kernels as K
 from execrt.backends.attention.kv_indices import fill_kv_index
 from execrt.backends.attention.triton_kernels.extend import ExtendTiles, default_extend_tiles
+from execrt.bench.common import median_us
 from execrt.bench.extend import DEFAULT_SHAPES, ExtendProblem
 
 TILES = [
@@ -112,16 +112,8 @@ class Case:
 
     def tflops(self, cfg: Config, reps: int = 3, iters: int = 3) -> float:
         self.run(cfg)  # compile / warm up
-        samples = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                self.run(cfg)
-            e.record()
-            torch.cuda.synchronize()
-            samples.append(s.elapsed_time(e) / (iters * len(self.p.layers)))
-        return self.p.flops / (statistics.median(samples) * 1e-3) / 1e12
+        us_per_layer = median_us(lambda: self.run(cfg), iters, reps) / len(self.p.layers)
+        return self.p.flops / (us_per_layer * 1e-6) / 1e12
 
 
 def main() -> None:
