@@ -49,11 +49,18 @@ def test_sharded_checkpoint_is_read_through_its_index(checkpoint, tmp_path) -> N
     assert torch.equal(model.model.norm.weight, reference.model.norm.weight)
 
 
+def _drop(path: str, names: list[str]) -> None:
+    """Delete tensors ``names`` from the checkpoint's one safetensors file."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in names:
+        del tensors[name]
+    save_file(tensors, file)
+
+
 def test_missing_tensor_is_named(checkpoint, tmp_path) -> None:
     path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    del tensors["model.layers.1.self_attn.k_norm.weight"]
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    _drop(path, ["model.layers.1.self_attn.k_norm.weight"])
     with pytest.raises(
         ModelLoadError, match="lacks tensor.*model.layers.1.self_attn.k_norm.weight"
     ):
@@ -120,30 +127,21 @@ def test_a_missing_part_of_a_fused_projection_is_named_as_the_checkpoint_names_i
     checkpoint, tmp_path, deleted
 ) -> None:
     path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    for name in deleted:
-        del tensors[name]
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    _drop(path, deleted)
     with pytest.raises(ModelLoadError, match=_lacks(deleted)):
         _load(path)
 
 
 def test_a_missing_expert_tensor_is_named_in_the_checkpoints_layout(checkpoint, tmp_path) -> None:
     per_expert = _copy(checkpoint("moe-8x2"), tmp_path / "hub")
-    file = os.path.join(per_expert, "model.safetensors")
-    tensors = load_file(file)
-    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
-    save_file(tensors, file)
+    _drop(per_expert, ["model.layers.1.mlp.experts.5.up_proj.weight"])
     with pytest.raises(
         ModelLoadError, match=_lacks(["model.layers.1.mlp.experts.5.up_proj.weight"])
     ):
         _moe_load(per_expert)
 
     fused = _fused_expert_copy(checkpoint("moe-8x2"), tmp_path / "fused")
-    file = os.path.join(fused, "model.safetensors")
-    tensors = load_file(file)
-    del tensors["model.layers.1.mlp.experts.down_proj"]
-    save_file(tensors, file)
+    _drop(fused, ["model.layers.1.mlp.experts.down_proj"])
     with pytest.raises(ModelLoadError, match=_lacks(["model.layers.1.mlp.experts.down_proj"])):
         _moe_load(fused)
 

@@ -91,13 +91,17 @@ def test_where_the_real_library_would_abort() -> None:
             group.create_handle(ep.Layout.EXPERT_MAJOR, ep.Tensor(ids), stream=0)
     x = torch.zeros(3, H, dtype=torch.bfloat16)  # the handle holds 2 rows
     recv, counters = torch.zeros(E, C, H, dtype=torch.bfloat16), torch.zeros(E, dtype=torch.int32)
-    with pytest.raises(FakeNcclAbort, match="num_tokens"):
+
+    def dispatch(tokens: torch.Tensor) -> None:  # a complete (not staged) dispatch
         handle.dispatch(
-            ep.DispatchInputs(tokens=ep.Tensor(x)),
+            ep.DispatchInputs(tokens=ep.Tensor(tokens)),
             ep.DispatchOutputs(tokens=ep.Tensor(recv)),
             layout_info=ep.LayoutInfo(expert_counters=ep.Tensor(counters)),
             stream=0,
         )
+
+    with pytest.raises(FakeNcclAbort, match="num_tokens"):
+        dispatch(x)
     handle.dispatch(  # descriptors made inline and dropped: gone before complete
         ep.DispatchInputs(tokens=ep.Tensor(x[:2].clone())),
         ep.DispatchOutputs(tokens=ep.Tensor(recv)),
@@ -109,19 +113,9 @@ def test_where_the_real_library_would_abort() -> None:
         handle.complete(stream=0)
     ids[1, 0] = E  # rank E // E_local does not exist; a negative id only routes nowhere
     with pytest.raises(FakeNcclAbort, match="expert id >= num_experts 4"):
-        handle.dispatch(
-            ep.DispatchInputs(tokens=ep.Tensor(x[:2])),
-            ep.DispatchOutputs(tokens=ep.Tensor(recv)),
-            layout_info=ep.LayoutInfo(expert_counters=ep.Tensor(counters)),
-            stream=0,
-        )
+        dispatch(x[:2])
     ids[1, 0] = -5
-    handle.dispatch(
-        ep.DispatchInputs(tokens=ep.Tensor(x[:2])),
-        ep.DispatchOutputs(tokens=ep.Tensor(recv)),
-        layout_info=ep.LayoutInfo(expert_counters=ep.Tensor(counters)),
-        stream=0,
-    )
+    dispatch(x[:2])
     assert counters.tolist() == [3, 0, 0, 0]
     with pytest.raises(FakeNcclAbort, match="before its 1 live handle"):
         group.destroy()
