@@ -9,6 +9,7 @@
 #   deselected)
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
+#   TESTS_ORDER=reverse (collection back to front),
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
 #   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set), TESTS_FAILLOG.
 set -u -o pipefail

@@ -79,7 +79,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With TESTS_SKIP_DONE naming an earlier TESTS_TIMELOG (or a file of node ids, one per
     line), deselect the tests it lists as passed or skipped: a GPU session's next call runs
-    only what an earlier one's time limit cut off, and what failed."""
+    only what an earlier one's time limit cut off, and what failed. TESTS_ORDER=reverse runs
+    the collection back to front (a call cut short whose log was lost reached the front)."""
+    if os.environ.get("TESTS_ORDER") == "reverse":
+        items.reverse()
     path = os.environ.get("TESTS_SKIP_DONE")
     if not path:
         return
