@@ -64,6 +64,8 @@ def checkpoint_name(request: pytest.FixtureRequest) -> str:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With TESTS_FAILLOG set, append every failure's report to that file as it happens
     (GPU sessions have a hard time limit: a run cut short still leaves its failures behind)."""
+    if getattr(report, "node", None) is not None:
+        return  # under xdist the controller sees each worker's report again: log it once
     path = os.environ.get("TESTS_FAILLOG")
     if path and report.failed:
         with open(path, "a") as fh:
