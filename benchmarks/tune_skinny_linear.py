@@ -34,16 +34,10 @@ if "--dry-run" in sys.argv:  # triton.jit reads the switch when the kernel modul
 
 from execrt.bench.common import copy_bandwidth_gbps, median_us, utc_now
 from execrt.bench.models import MODELS
+from execrt.kernels._triton import tuned_table_name
 from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.norm import fused_add_rmsnorm
-from execrt.kernels.triton_linear import (
-    CONFIG_DIR,
-    NormIn,
-    SkinnyTile,
-    launch,
-    table_file_name,
-    tile_to_json,
-)
+from execrt.kernels.triton_linear import CONFIG_DIR, NormIn, SkinnyTile, launch, tile_to_json
 
 ROWS = (1, 2, 4, 8, 16)
 # bf16 on the GPU; the interpreter computes bf16 dots wrongly, so a dry run uses fp16.
@@ -98,6 +92,12 @@ def candidates(m: int) -> list[SkinnyTile]:
         for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4)):
             out.append(SkinnyTile(bn, bk, True, 4, st))
     return out
+
+
+def max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest magnitude (fp32)."""
+    ref = ref.float()
+    return float((got.float() - ref).abs().max() / ref.abs().max())
 
 
 # -- compiling in parallel ---------------------------------------------------------------------
@@ -164,8 +164,7 @@ def time_norm(
         normed, _ = fused_add_rmsnorm(x, residual, norm_w, 1e-6, use_triton=True)
         return launch(normed, ws[i], None, tile)
 
-    a, b = fused(0).float(), separate(0).float()
-    err = float((a - b).abs().max() / b.abs().max())
+    err = max_rel(fused(0), separate(0))
     if err > TOLERANCE:
         raise AssertionError(f"fused norm disagrees with the separate kernels: {err:.3g}")
     if device != "cuda":
@@ -199,7 +198,7 @@ def tune_one(shape: Shape, m: int, device: str, margin: float) -> dict[str, Any]
         except Exception as exc:  # a tile the compiler refuses (shared memory, registers)
             print(f"#   {shape.name} m={m} {tile}: {type(exc).__name__}", file=sys.stderr)
             continue
-        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        err = max_rel(out, ref)
         if err > TOLERANCE:
             raise AssertionError(f"{shape.name} m={m} {tile}: relative error {err:.3g}")
         if device != "cuda":
@@ -285,7 +284,7 @@ def main() -> None:
         table.setdefault(f"{r['n']},{r['k']}", {})[str(r["m"])] = r["choice"]
     name = torch.cuda.get_device_name() if device == "cuda" else "interpreter"
     meta = {"device_name": name, "date": utc_now(), "torch": torch.__version__}
-    path = os.path.join(args.out, table_file_name(name, torch.bfloat16))
+    path = os.path.join(args.out, tuned_table_name(name, torch.bfloat16))
     with open(path, "w") as fh:
         json.dump(meta | {"shapes": table}, fh, indent=1)
     rec_path = os.path.join(args.out, f"tune-skinny-linear-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -250,17 +250,13 @@ def skinny_linear(
     bias: torch.Tensor | None,
     *,
     swiglu: bool = False,
-    norm: NormIn | None = None,
 ) -> torch.Tensor | None:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` with the tile this device's table or the default
-    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``) or,
-    for ``norm``, that the norm is better run by its own kernel (the caller then normalises and
-    calls ``linear``).
-    The caller has checked ``linear.skinny_eligible`` (and ``norm_eligible`` for ``norm``)."""
-    tile = tile_for(x, weight, bias, norm=norm is not None)
-    if tile is None:
-        return None  # cuBLAS; or the norm kernel, then this tile (linear.norm_linear)
-    return launch(x, weight, bias, tile, swiglu=swiglu, norm=norm)
+    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``).
+    The caller has checked ``linear.skinny_eligible``; a norm in front goes through
+    ``tile_for`` and ``launch`` (``linear.norm_linear``)."""
+    tile = tile_for(x, weight, bias)
+    return None if tile is None else launch(x, weight, bias, tile, swiglu=swiglu)
 
 
 def tile_for(
@@ -294,10 +290,6 @@ def default_tile(m: int, n: int, k: int) -> SkinnyTile | None:
         return None
     bk = max(64, min(1024, triton.next_power_of_2(k)))
     return SkinnyTile(block_n=4, block_k=bk, num_warps=4, num_stages=3)
-
-
-def table_file_name(device_name: str, dtype: torch.dtype) -> str:
-    return tuned_table_name(device_name, dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -336,7 +328,7 @@ def _pick_tile(
 ) -> SkinnyTile | None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        table = load_table(os.path.join(CONFIG_DIR, table_file_name(name, dtype)))
+        table = load_table(os.path.join(CONFIG_DIR, tuned_table_name(name, dtype)))
         by_m = table.get((n, k)) if table else None
         if by_m:
             return lookup(by_m, m)
