@@ -4,10 +4,12 @@ and rank 0 alone prints."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -111,11 +113,24 @@ def _rank_main(rank: int, paths: dict[str, str], init_file: str, out_dir: str) -
     finally:
         dist.destroy_process_group()
     # The group is gone, its threads joined: none is left to run into interpreter shutdown
-    # (building the model once imported torch modules that kept the group alive).
-    threads = [
+    # (building the model once imported torch modules that kept the group alive). A leaked
+    # group keeps all its threads for good; a freed one loses its pt_gloo_runloop workers at
+    # once, but gloo's transport thread (gloo_tcp_loop) can end a moment later on a loaded
+    # machine (CI saw it alone, still there), and a garbage cycle can hold the group until the
+    # collector runs. So wait up to a few seconds, which a leak outlives.
+    deadline = time.monotonic() + 10.0
+    while (threads := gloo_threads()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert not threads, threads
+
+
+def gloo_threads() -> list[str]:
+    """This process's threads whose name says gloo (Linux: /proc/self/task/*/comm)."""
+    names = [
         open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
     ]
-    assert not [t for t in threads if "gloo" in t], threads
+    return [name for name in names if "gloo" in name]
 
 
 def test_two_tp_ranks_match_one_process(checkpoint, tmp_path) -> None:
