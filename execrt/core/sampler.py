@@ -80,7 +80,10 @@ class Sampler:
         temps = torch.where(
             info.temperatures > 0, info.temperatures, torch.ones_like(info.temperatures)
         )
-        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
+        # Shift by the row maximum before dividing: a tiny temperature would otherwise turn the
+        # logits into inf and the softmax into NaN (the row's top logit becomes 0, the rest <= 0).
+        shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+        probs = torch.softmax(shifted / temps[:, None], dim=-1)  # [B, V]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]
         k = torch.where(info.top_ks > 0, info.top_ks, torch.full_like(info.top_ks, probs.shape[-1]))

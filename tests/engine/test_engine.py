@@ -47,6 +47,16 @@ def test_lists_text_and_ids_and_per_request_params(engine) -> None:
         engine.generate(["x"], [SamplingParams(), SamplingParams()])
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-44])
+def test_a_tiny_positive_temperature_samples_the_greedy_tokens(engine, temperature) -> None:
+    # Valid (finite, > 0) yet small enough that logits / temperature overflow fp32: the
+    # distribution must still collapse onto the argmax, not turn into NaN and pick token 0.
+    prompt = [10, 20, 30]
+    greedy = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0))
+    cold = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=temperature))
+    assert cold.token_ids == greedy.token_ids
+
+
 def test_resolution_report_names_the_choices(engine) -> None:
     text = engine.resolution.describe()
     assert "attention: requested 'auto' -> torch_native" in text
