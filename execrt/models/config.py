@@ -77,7 +77,7 @@ class ModelConfig:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -157,7 +157,7 @@ class ModelConfig:
             num_experts=num_experts,
             top_k=r.get_int("num_experts_per_tok", 0),
             moe_intermediate_size=r.get_int("moe_intermediate_size", 0),
-            norm_topk_prob=r.get_bool("norm_topk_prob", True),
+            norm_topk_prob=r.get_bool("norm_topk_prob", False),  # Qwen3MoeConfig's default
             decoder_sparse_step=r.get_int("decoder_sparse_step", 1) or 1,
             mlp_only_layers=r.int_list("mlp_only_layers"),
             raw=cfg,

@@ -86,3 +86,11 @@ def test_a_bad_size_fails_from_the_directory_without_a_warning(tmp_path, caplog)
         f"{tmp_path / 'config.json'}: field 'vocab_size' must be an integer >= 1, got -5"
     )
     assert caplog.records == []
+
+
+def test_moe_routing_fields_left_out_default_as_in_transformers() -> None:
+    # Qwen3MoeConfig's defaults: a config.json without norm_topk_prob routes with the raw
+    # softmax weights (not renormalised over the top k), every layer sparse.
+    c = ModelConfig.from_dict(MOE)
+    assert (c.norm_topk_prob, c.decoder_sparse_step, c.mlp_only_layers) == (False, 1, ())
+    assert ModelConfig.from_dict(MOE | {"norm_topk_prob": True}).norm_topk_prob is True
