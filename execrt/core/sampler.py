@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from execrt.core.staging import HostToDevice
 
 _M32 = 0xFFFFFFFF
+_I64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -38,7 +39,10 @@ class SamplingBatchInfo:
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
             return cls(none, none.long(), none, none.long(), none.long(), all_greedy=True)
-        ints = [p.top_k for p in params] + [r.sampling_seed for r in reqs]
+        # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
+        # it so that one outside int64 still fits the device tensor and means the same.
+        ints = [max(-_I64_MAX, min(p.top_k, _I64_MAX)) for p in params]
+        ints += [r.sampling_seed for r in reqs]
         ints += [len(r.output_ids) + r.num_pending for r in reqs]
         floats = [float(p.temperature) for p in params] + [float(p.top_p) for p in params]
         if stager is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from execrt import Engine, SamplingParams
@@ -55,6 +57,19 @@ def test_a_tiny_positive_temperature_samples_the_greedy_tokens(engine, temperatu
     greedy = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0))
     cold = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=temperature))
     assert cold.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("top_k", [2**63, 2**64, -(2**64)])
+def test_a_top_k_beyond_int64_means_no_filter_and_fails_no_step(engine, top_k) -> None:
+    # Any int is accepted: beyond the vocabulary it keeps every token, <= 0 is off. Staging it
+    # as int64 used to raise inside the step and take the other request of the call with it.
+    prompts = [[10, 20, 30], [40, 50]]
+    unfiltered = SamplingParams(max_new_tokens=5, seed=3)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0)
+    want = engine.generate(prompts, [unfiltered, greedy])
+    got = engine.generate(prompts, [replace(unfiltered, top_k=top_k), greedy])
+    assert [r.finish_reason for r in got] == ["length", "length"]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 def test_resolution_report_names_the_choices(engine) -> None:
