@@ -92,9 +92,10 @@ class Sampler:
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]
         k = torch.where(info.top_ks > 0, info.top_ks, torch.full_like(info.top_ks, probs.shape[-1]))
         keep = rank < k[:, None]
-        # Keep a token while the mass before it is below top_p: the first token always stays.
+        # Keep a token while the mass before it is below top_p: the first token always stays,
+        # even for a top_p that fp32 rounds to 0 (below ~1.4e-45).
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep &= mass_before < info.top_ps[:, None]
+        keep &= (mass_before < info.top_ps[:, None]) | (rank == 0)
         kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         return torch.zeros_like(probs).scatter_(-1, order, kept)
 

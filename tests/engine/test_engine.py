@@ -59,6 +59,16 @@ def test_a_tiny_positive_temperature_samples_the_greedy_tokens(engine, temperatu
     assert cold.token_ids == greedy.token_ids
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300])
+def test_a_tiny_positive_top_p_keeps_the_top_token(engine, top_p) -> None:
+    # Valid (> 0) yet 0 in fp32: the top token must stay (top_p keeps at least one), not every
+    # probability go to 0 and token 0 be drawn.
+    prompt = [10, 20, 30]
+    greedy = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0))
+    nucleus = engine.generate(prompt, SamplingParams(max_new_tokens=6, top_p=top_p, seed=1))
+    assert nucleus.token_ids == greedy.token_ids
+
+
 @pytest.mark.parametrize("top_k", [2**63, 2**64, -(2**64)])
 def test_a_top_k_beyond_int64_means_no_filter_and_fails_no_step(engine, top_k) -> None:
     # Any int is accepted: beyond the vocabulary it keeps every token, <= 0 is off. Staging it
