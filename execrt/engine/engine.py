@@ -225,7 +225,9 @@ class Engine:
             )
         text = self.chat_template.render(messages, add_generation_prompt=True)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        sp = sampling_params or SamplingParams()
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sp, SamplingParams) or sp.problems():
+            return ids, sp  # generate() / stream() reject them, naming the caller's values
         stops = tuple(
             dict.fromkeys(
                 tuple(sp.stop_token_ids) + self.chat_template.stop_token_ids(self.tokenizer)

@@ -236,6 +236,23 @@ def test_chat_stops_at_the_end_of_turn_token(engine, monkeypatch) -> None:
     assert result.prompt_token_ids == ids and result.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        ({"max_new_tokens": 3}, "sampling_params must be SamplingParams, got dict"),
+        (SamplingParams(stop_token_ids=5), "stop_token_ids 5 has type int (accepted: a tuple"),
+        (SamplingParams(stop_token_ids="ab"), "stop_token_ids 'ab' has type str (accepted"),
+    ],
+)
+def test_chat_with_bad_params_is_an_error_result(engine, monkeypatch, params, error) -> None:
+    # chat adds the template's stop ids to the caller's: that must not crash on (or rewrite)
+    # parameters that generate() would reject with a clear error.
+    template = ChatTemplate(TEMPLATE, "<|im_start|>", "<|endoftext|>", ("<|im_end|>",))
+    monkeypatch.setattr(engine, "chat_template", template)
+    result = engine.chat([{"role": "user", "content": "hi"}], params)
+    assert result.finish_reason == "error" and error in result.error
+
+
 def test_default_model_choice(monkeypatch) -> None:
     from execrt.models import builtin
 
