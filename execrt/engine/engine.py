@@ -256,7 +256,7 @@ class Engine:
             raise RuntimeError("engine: stream() after close()")
         if self.tokenizer is None:
             raise RuntimeError("engine: stream() needs the model's tokenizer.json")
-        sp = sampling_params or SamplingParams()
+        sp = SamplingParams() if sampling_params is None else sampling_params
         ids, error = self._validate(prompt, sp)
         if error is not None:
             raise RequestError(error)

@@ -57,6 +57,8 @@ def test_stream_pieces_concatenate_to_the_generated_text(engine, seed) -> None:
 def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
     with pytest.raises(RequestError, match="empty prompt"):
         engine.stream([], SamplingParams())  # at once, before iterating
+    with pytest.raises(RequestError, match="sampling_params must be SamplingParams, got dict"):
+        engine.stream("x", {})  # not taken for the defaults
     free = engine.scheduler.allocator.available_size()
     gen = engine.stream(
         "abandon me", SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
