@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
@@ -53,7 +53,8 @@ class SamplingParams:
             return out
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens {self.max_new_tokens!r} must be an integer >= 1")
-        if not 0.0 <= self.temperature < math.inf:
+        # An int beyond the largest float is finite but cannot be sampled with (float() fails).
+        if not 0.0 <= self.temperature <= sys.float_info.max:
             out.append(f"temperature {self.temperature!r} must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             out.append(f"top_p {self.top_p!r} must be in (0, 1]")

@@ -82,6 +82,15 @@ def test_a_top_k_beyond_int64_means_no_filter_and_fails_no_step(engine, top_k) -
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
+def test_an_int_temperature_beyond_float_is_an_error_and_the_rest_is_served(engine) -> None:
+    # Accepted by type (int) and "finite", it used to pass validation and then fail float()
+    # while the batch was built, raising out of generate() for every request of the call.
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    out = engine.generate([[10, 20], [30, 40]], [SamplingParams(temperature=10**400), greedy])
+    assert out[0].finish_reason == "error" and "must be a finite number >= 0" in out[0].error
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 3
+
+
 def test_resolution_report_names_the_choices(engine) -> None:
     text = engine.resolution.describe()
     assert "attention: requested 'auto' -> torch_native" in text
