@@ -76,11 +76,13 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "context_len", "seed", "cuda_graph_max_bs", "ep_size"):
+        for name in ("kv_cache_tokens", "context_len", "cuda_graph_max_bs", "ep_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
                 )
+        if self.seed < 0:  # 0 is a seed like any other
+            raise ConfigError(f"config: seed must be >= 0, got {self.seed}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in (0, 0.95], "

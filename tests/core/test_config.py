@@ -41,6 +41,8 @@ def test_toml_execrt_table_is_accepted(tmp_path) -> None:
         ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
         ({"attention_backend": ""}, "attention_backend must be a backend name"),
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in"),
+        ({"seed": -1}, r"seed must be >= 0, got -1$"),
+        ({"kv_cache_tokens": -1}, r"kv_cache_tokens must be >= 0 \(0 = auto\), got -1$"),
     ],
 )
 def test_invalid_values_name_key_and_value(kwargs, message) -> None:
