@@ -238,7 +238,11 @@ class BackendRegistry:
             or name in {"auto", NO_GRAPH}
             or not name.replace("_", "").replace("-", "").replace(".", "").isalnum()
         ):
-            raise PluginError(self._plugin, f"invalid backend name {name!r}")
+            raise PluginError(
+                self._plugin,
+                f"invalid backend name {name!r} (use letters, digits, '_', '-' and '.'; "
+                f"{'auto'!r} and {NO_GRAPH!r} are reserved)",
+            )
         if isinstance(factory, str) and ":" not in factory:
             raise PluginError(self._plugin, f"factory {factory!r} must look like 'module:attr'")
         key = (kind, name)
