@@ -77,7 +77,18 @@ class PluginHost:
     def load_entry_points(self) -> None:
         """Load the ``execrt`` entry-point group, honouring EXECRT_PLUGINS."""
         allow = envs.plugin_allow_list(self._environ)
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if allow is not None:
+            # A misspelt name would otherwise leave its backends silently unregistered.
+            installed = sorted({ep.name for ep in entry_points})
+            for name in sorted(allow - set(installed) - {BUILTIN_PLUGIN}):
+                self._fail(
+                    name,
+                    f"named in {envs.PLUGINS}, but no installed entry point of group "
+                    f"{ENTRY_POINT_GROUP!r} has that name "
+                    f"(installed: {', '.join(installed) or 'none'})",
+                )
+        for ep in entry_points:
             if allow is not None and ep.name not in allow:
                 continue
             dist = getattr(ep, "dist", None)

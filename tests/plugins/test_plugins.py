@@ -199,6 +199,19 @@ def test_allow_list_and_autoload_switch(tmp_path, monkeypatch) -> None:
     ).registry.names("attention")
 
 
+def test_allow_list_reports_a_name_no_entry_point_has(tmp_path, monkeypatch) -> None:
+    _fake_distribution(tmp_path, monkeypatch, {"goodone": "tests.plugins.fakes:good"})
+    host = PluginHost(environ={"EXECRT_PLUGINS": "goodnoe,goodone,execrt.builtin"})
+    assert "fake_attn" in host.registry.names("attention")
+    [failure] = host.failures  # the built-in plugin is always loaded: naming it is no typo
+    assert failure.plugin == "goodnoe"
+    assert failure.error.startswith(
+        "named in EXECRT_PLUGINS, but no installed entry point of group 'execrt' has that name "
+        "(installed: "
+    )
+    assert "goodone" in failure.error.split("(installed: ", 1)[1]
+
+
 def test_installed_test_distribution_is_discovered() -> None:
     """The tiny distribution in tests/entrypoint_plugin is pip-installed by CI (see README)."""
     import importlib.metadata
