@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -205,6 +206,14 @@ class StaleReplayGraph(ReexecGraphBackend):
 
     def replay(self, key: ShapeKey) -> Any:
         return self._outputs[key]
+
+
+class RecapturingGraph(ReexecGraphBackend):
+    """Broken: capturing a key that is already captured silently records it again."""
+
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        self._fns.pop(key, None)
+        return super().capture(key, fn)
 
 
 class ResourceReexecGraph(ReexecGraphBackend):

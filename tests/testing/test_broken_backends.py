@@ -150,3 +150,20 @@ class TestBroken(GraphBackendSuite):
     }
     assert "replay 0 of ShapeKey(batch_size=8" in failed["test_replay_matches_eager[cpu]"]
     assert "differs from eager" in failed["test_replay_matches_eager[cpu]"]
+
+
+def test_graph_backend_accepting_a_duplicate_capture_fails_saying_so(tmp_path: Path) -> None:
+    body = """
+class TestBroken(GraphBackendSuite):
+    factory = "tests.testing.fake_backends:RecapturingGraph"
+    capabilities = fakes.REEXEC_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "graph", "test_has_and_duplicate_capture")
+    assert code == 1
+    assert failures(report) == {
+        "test_has_and_duplicate_capture[cpu]": (
+            "Failed: cpu: capture(ShapeKey(batch_size=4, variant='')) a second time did not "
+            "raise; a captured key must be refused until cleanup(), not silently re-recorded"
+        )
+    }
