@@ -42,6 +42,7 @@ def test_passing_run_writes_both_reports_and_backends_shows_it(
         json.loads(Path(conformance_report_path("attention", "torch_native")).read_text())["date"]
         == report["date"]
     )
+    assert report["summary"].endswith(" (partial run: pytest -k single)")
     assert last_conformance("attention", "torch_native")["summary"] == report["summary"]
     rows = backend_inventory(host=PluginHost(autoload=False))["backends"]
     shown = next(r for r in rows if r["name"] == "torch_native")["last_conformance"]
