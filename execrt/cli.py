@@ -316,12 +316,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = RuntimeConfig.load(file=args.config, cli=cli)
     prompts: list[Any] = list(args.prompts)
     if args.token_ids:
-        try:
-            prompts = [[int(t) for t in p.split(",") if t.strip()] for p in prompts]
-        except ValueError:
-            raise ExecrtError(
-                "generate: --token-ids prompts must be comma-separated integers"
-            ) from None
+        prompts = [_token_ids(p) for p in prompts]
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -368,6 +363,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     return status
+
+
+def _token_ids(prompt: str) -> list[int]:
+    try:
+        return [int(t) for t in prompt.split(",") if t.strip()]
+    except ValueError:
+        raise ExecrtError(
+            f"generate: --token-ids prompt {prompt!r} must be comma-separated integers, e.g. 1,2,3"
+        ) from None
 
 
 def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
@@ -420,7 +424,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return status
-    except ExecrtError as exc:
+    except KeyboardInterrupt:
+        # Ctrl-C: the engine has already aborted and freed the call's requests; stop quietly
+        # with the status of a process killed by SIGINT.
+        return 128 + 2
+    except BrokenPipeError:
+        # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
+        # with the status of a process killed by SIGPIPE. Point stdout at /dev/null so the
+        # final flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
+    except (ExecrtError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise  # not about a path the user gave (cache dir, report file): keep the trace
         from execrt.core.parallel import launch_rank
 
         rank = launch_rank()
@@ -430,14 +448,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
-        # with the status of a process killed by SIGPIPE. Point stdout at /dev/null so the
-        # final flush at exit does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 128 + 13
 
 
 if __name__ == "__main__":  # pragma: no cover

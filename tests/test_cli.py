@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import execrt
-from execrt.cli import build_parser, main
+from execrt.cli import COMMANDS, build_parser, main
 
 
 def test_backends_json_lists_every_backend_with_usability(capsys) -> None:
@@ -206,3 +206,31 @@ def test_generate_writes_one_prompt_as_it_is_produced(monkeypatch) -> None:
     assert len({n for n, _ in texts}) >= 4, out.writes  # written at several points in the run
     assert texts[0][0] < steps // 2  # the first text long before the last step
     assert out.getvalue() == "".join(t for _, t in texts) + "\n"
+
+
+def test_ctrl_c_stops_quietly_with_the_sigint_status(monkeypatch, capsys) -> None:
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(COMMANDS, "backends", interrupted)
+    try:
+        status = main(["backends"])
+    except KeyboardInterrupt:  # would stop the whole pytest run
+        pytest.fail("KeyboardInterrupt escaped main(): a traceback for the user's Ctrl-C")
+    assert status == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_a_path_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(not_a_dir / "cache"))
+    assert main(["generate", "--model", "builtin", "--token-ids", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("execrt: error: ") and str(not_a_dir) in err[0]
+
+
+def test_a_bad_token_ids_prompt_is_named(capsys) -> None:
+    assert main(["generate", "1,2", "3,x", "--token-ids", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--token-ids prompt '3,x' must be comma-separated integers" in err
