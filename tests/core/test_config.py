@@ -63,6 +63,13 @@ def test_unknown_keys_and_unparsable_env_are_errors(tmp_path) -> None:
         RuntimeConfig.load(file=bad, environ={})
     with pytest.raises(ConfigError, match="not found"):
         RuntimeConfig.load(file=tmp_path / "missing.toml", environ={})
+    # Bytes that are not UTF-8, and a path that is not a file, are one-line errors too.
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="binary.toml' is not valid TOML"):
+        RuntimeConfig.load(file=binary, environ={})
+    with pytest.raises(ConfigError, match="cannot be read: Is a directory"):
+        RuntimeConfig.load(file=tmp_path, environ={})
 
 
 def test_plugin_env_vars_are_not_config_keys() -> None:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from execrt.core import envs
+from execrt.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", " on ", "on\n"])
@@ -57,6 +58,15 @@ def test_default_model_is_lower_cased_and_auto_when_unset() -> None:
     assert envs.default_model({}) == "auto"
     assert envs.default_model({"EXECRT_DEFAULT_MODEL": ""}) == "auto"
     assert envs.default_model({"EXECRT_DEFAULT_MODEL": " BuiltIn "}) == "builtin"
+
+
+@pytest.mark.parametrize("value", ["bulitin", "smollm2", "1"])
+def test_an_unknown_default_model_is_an_error_not_auto(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        envs.default_model({"EXECRT_DEFAULT_MODEL": value})
+    assert f"EXECRT_DEFAULT_MODEL={value!r} unsupported (supported: auto, builtin)" in str(
+        info.value
+    )
 
 
 def test_config_overrides_take_prefixed_fields_only() -> None:
