@@ -205,6 +205,8 @@ class ModelRunner:
         can be captured; an explicitly named one fails with the reason when they cannot.
         """
         requested = self.config.graph_backend
+        if requested not in ("auto", NO_GRAPH):
+            self.registry.get("graph", requested)  # an unknown name fails as "not registered"
         blockers = [
             f"{kind} backend {name!r} is not graph-capable"
             for kind, name, capable in (

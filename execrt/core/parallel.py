@@ -81,11 +81,12 @@ class ParallelState:
         """
         ep = ep_size or tp_size
         world = self.world_size
-        launch = f"launch {tp_size} processes with torchrun --nproc-per-node {tp_size}"
-        if tp_size > world:
+        # Too few processes for tp_size (or, for experts over the world, for ep_size).
+        name, size = ("tp_size", tp_size) if tp_size > 1 else ("ep_size", ep)
+        if size > world:
             raise ConfigError(
-                f"parallel: tp_size {tp_size} needs {tp_size} processes, this world has "
-                f"{world} ({launch})"
+                f"parallel: {name} {size} needs {size} processes, this world has {world} "
+                f"(launch {size} processes with torchrun --nproc-per-node {size})"
             )
         if tp_size not in (1, world) or ep not in (1, world):
             raise ConfigError(

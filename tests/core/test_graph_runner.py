@@ -208,3 +208,13 @@ def test_auto_and_explicit_graphs_with_a_backend_that_cannot_capture(checkpoint)
             graph_backend="reexec",
         )
     ctx.close()
+    # An unknown name is reported as such, not as a capture problem of the attention backend.
+    ctx = RuntimeContext()
+    with pytest.raises(BackendUnavailableError, match=r"'nope' unavailable: not registered \("):
+        make_worker(
+            checkpoint("dense-tied-hd64"),
+            ctx,
+            attention_backend="torch_native",
+            graph_backend="nope",
+        )
+    ctx.close()

@@ -93,6 +93,7 @@ def test_shard_rows_splits_evenly_or_fails() -> None:
         (2, 1, 2, True, (1, 2)),  # attention replicated, experts sharded
         (2, 2, 0, False, (2, 1)),  # a dense model has no EP group
         (1, 2, 0, False, "tp_size 2 needs 2 processes, this world has 1"),
+        (1, 1, 2, True, "ep_size 2 needs 2 processes, this world has 1 (launch 2 processes"),
         (2, 1, 0, False, "a world of 2 processes but tp_size 1: every rank would repeat"),
         (2, 1, 0, True, "tp_size 1 and ep_size 1"),
         (2, 1, 2, False, "supported: tp_size 2)"),
