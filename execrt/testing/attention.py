@@ -248,9 +248,13 @@ class AttentionBackendSuite(ConformanceSuite):
             harness.close()
         return total
 
-    def finish(self, case: Case, outcome: Outcome, record_property: Record) -> None:
+    def record(self, case: Case, outcome: Outcome, record_property: Record) -> None:
+        """Put the case's worst error and its tolerance in the report."""
         record_property("max_error", outcome.max_error)
         record_property("tolerance", type(self).tolerance(case.device, case.dtype or torch.float32))
+
+    def finish(self, case: Case, outcome: Outcome, record_property: Record) -> None:
+        self.record(case, outcome, record_property)
         if outcome.problems:
             pytest.fail("\n".join(outcome.problems), pytrace=False)
 
@@ -312,11 +316,13 @@ class AttentionBackendSuite(ConformanceSuite):
                 )
             outcome = self.run_steps(case, self.geometry(case), [step], _seed(case, repr(step)))
             worst.max_error = max(worst.max_error, outcome.max_error)
-            if outcome.problems:
-                raise AssertionError(f"{step}:\n" + "\n".join(outcome.problems))
+            if outcome.problems:  # the problem first: a report's one-line reason shows it
+                raise AssertionError("\n".join(outcome.problems) + f"\nin {step}")
 
-        run()
-        self.finish(case, worst, record_property)
+        try:
+            run()
+        finally:  # the worst error of every drawn example, the failing one too
+            self.record(case, worst, record_property)
 
     @cases("primary_cases")
     def test_multi_layer_multi_step(self, case: Case, record_property: Record) -> None:

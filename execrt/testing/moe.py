@@ -246,9 +246,13 @@ class MoEDispatcherSuite(ConformanceSuite):
             process_group_backend=self.group_backend(case.device, world),
         )
 
-    def finish(self, case: Case, results: list[RankResult], record: Record, extra=()) -> None:
+    def record(self, case: Case, results: list[RankResult], record: Record) -> None:
+        """Put the worst error of ``results`` and the case's tolerance in the report."""
         record("max_error", max((r.max_error for r in results), default=0.0))
         record("tolerance", type(self).tolerance(case.device, case.dtype or torch.float32))
+
+    def finish(self, case: Case, results: list[RankResult], record: Record, extra=()) -> None:
+        self.record(case, results, record)
         problems = [
             f"{case.id} rank {r.rank} routing {r.routing} ({r.num_tokens} tokens): {p}"
             for r in results
@@ -377,9 +381,14 @@ class MoEDispatcherSuite(ConformanceSuite):
             results = run_rank(job, ParallelState.single())
             worst.extend(results)
             problems = [p for r in results for p in r.problems]
-            assert not problems, f"T={num_tokens} top_k={top_k} {scenario}: " + "; ".join(problems)
+            # The problem first: a report's one-line reason shows it.
+            assert not problems, "; ".join(problems) + f" (T={num_tokens} top_k={top_k} {scenario})"
 
-        run()
+        try:
+            run()
+        except BaseException:  # the worst error of every drawn example, the failing one too
+            self.record(case, worst, record_property)
+            raise
         self.finish(case, worst, record_property)
 
     @cases("graph_cases")

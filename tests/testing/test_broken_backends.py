@@ -68,10 +68,16 @@ class TestBroken(AttentionBackendSuite):
 """
     code, report = run_suite(tmp_path, body, "attention", "test_generated")
     assert code == 1
-    assert set(failures(report)) == {
-        "test_generated[cpu-float32-decode]",
-        "test_generated[cpu-float32-extend]",
-    }
+    failed = failures(report)
+    assert set(failed) == {f"test_generated[cpu-float32-{m}]" for m in ("decode", "extend")}
+    # The one-line reason of the table is the error; the drawn step (and Hypothesis's example)
+    # follow it.
+    for mode in ("decode", "extend"):
+        first, *rest = failed[f"test_generated[cpu-float32-{mode}]"].splitlines()
+        assert f"cpu-float32-{mode}, layer 0: max relative error" in first, first
+        assert any(line.startswith(f"in Step(mode='{mode}'") for line in rest), rest
+    for row in (r for r in report["results"] if r["outcome"] == "failed"):
+        assert row["max_error"] > row["tolerance"], row
 
 
 @pytest.mark.parametrize(
@@ -115,6 +121,24 @@ class TestBroken(MoEDispatcherSuite):
     assert "rank 1 routing hot_expert" in w2 and "rank 0 routing hot_expert" in w2
     passed = {r["id"] for r in report["results"] if r["outcome"] == "passed"}
     assert "test_routing[cpu-float32-w1-all_masked]" in passed  # nothing to drop there
+
+
+def test_dispatcher_dropping_a_token_fails_generated_cases_with_the_error_first(
+    tmp_path: Path,
+) -> None:
+    body = """
+class TestBroken(MoEDispatcherSuite):
+    factory = "tests.testing.fake_backends:DropLastTokenDispatcher"
+    capabilities = fakes.ALLREDUCE_LIKE_CAPS
+    devices = ("cpu",)
+    max_examples = 3
+"""
+    code, report = run_suite(tmp_path, body, "moe_dispatch", "test_generated and float32")
+    assert code == 1
+    row = next(r for r in report["results"] if r["id"] == "test_generated[cpu-float32-w1]")
+    assert row["outcome"] == "failed" and row["max_error"] > row["tolerance"], row
+    first = row["reason"].splitlines()[0]
+    assert first.startswith("AssertionError: max relative error") and "(T=" in first, first
 
 
 def test_a_rank_that_raises_fails_the_world_test_without_hanging(tmp_path: Path) -> None:
