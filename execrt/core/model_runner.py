@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -69,6 +70,22 @@ class ModelRunner:
         self.config = config
         self.context = context
         self.registry = registry
+        #: What this runner registered in the context, oldest first: close() releases exactly
+        #: these (another runner's resources of the same names are not this one's to close).
+        self._owned: list[tuple[str, Any]] = []
+        try:
+            self._setup(loader)
+        except BaseException:
+            # A runner that fails to build leaves nothing registered behind; the build error
+            # is what the caller sees, a failure while undoing it only a warning.
+            try:
+                self.close()
+            except Exception as exc:
+                logger.warning("model runner: releasing after a failed build failed: %r", exc)
+            raise
+
+    def _setup(self, loader: ModelLoader) -> None:
+        config, context = self.config, self.context
         self.model_spec = spec = loader.spec
         # The context holds the world; the config says how TP and EP split it.
         world = context.parallel or ParallelState.single()
@@ -105,7 +122,7 @@ class ModelRunner:
             self.max_running_requests, self.context_len, self.device
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, self.device)
-        self.kv_cache = context.register(
+        self.kv_cache = self._own(
             "kv_cache",
             KVCache(
                 kv_tokens,
@@ -115,7 +132,6 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             ),
-            owner=OWNER,
         )
         self.attn_backend = self._build_attention()
         self.sampler = Sampler()
@@ -127,6 +143,17 @@ class ModelRunner:
         logger.info("backends:\n%s", self.resolution.describe())
 
     # -- building -----------------------------------------------------------------------------
+    def _own(self, name: str, obj: Any, close: Callable[[Any], None] | None = None) -> Any:
+        """Register ``obj`` under ``name`` as this runner's; closed here if that fails."""
+        try:
+            self.context.register(name, obj, owner=OWNER, close=close)
+        except BaseException:
+            if close is not None:
+                close(obj)  # built but never registered: nobody else would release it
+            raise
+        self._owned.append((name, obj))
+        return obj
+
     def _build(self, kind: str, requested: str, requirements: Any, make_init: Any) -> Any:
         backend, resolution = build_backend(
             self.registry, kind, requested, requirements, make_init, strict=self.config.strict
@@ -162,9 +189,7 @@ class ModelRunner:
         dispatcher = self._build(
             "moe_dispatch", self.config.moe_dispatcher, requirements, make_init
         )
-        return self.context.register(
-            "moe_dispatcher", dispatcher, owner=OWNER, close=lambda d: d.close()
-        )
+        return self._own("moe_dispatcher", dispatcher, close=lambda d: d.close())
 
     def _build_attention(self) -> AttentionBackend:
         spec = self.local_spec  # this rank's heads
@@ -194,9 +219,7 @@ class ModelRunner:
             )
 
         backend = self._build("attention", self.config.attention_backend, requirements, make_init)
-        return self.context.register(
-            "attn_backend", backend, owner=OWNER, close=lambda b: b.close()
-        )
+        return self._own("attn_backend", backend, close=lambda b: b.close())
 
     def _build_graph_runner(self) -> DecodeCudaGraphRunner | None:
         """Resolve the graph backend and capture every decode bucket; None runs eagerly.
@@ -240,9 +263,7 @@ class ModelRunner:
         )
         if graph_backend is None:
             return None
-        self.context.register(
-            "graph_backend", graph_backend, owner=OWNER, close=lambda g: g.cleanup()
-        )
+        self._own("graph_backend", graph_backend, close=lambda g: g.cleanup())
         max_bs = min(self.config.cuda_graph_max_bs or MAX_GRAPH_BS, self.max_running_requests)
         runner = DecodeCudaGraphRunner(
             self.model,
@@ -293,9 +314,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the backends and KV storage this runner registered. Idempotent."""
-        # Graphs first: they hold pointers into the KV cache and the dispatcher's buffers.
-        for name in ("graph_backend", "attn_backend", "kv_cache", "moe_dispatcher"):
-            if self.context.has(name) and self.context.owner_of(name) == OWNER:
+        # Newest first: graphs hold pointers into the KV cache and the dispatcher's buffers.
+        while self._owned:
+            name, obj = self._owned.pop()
+            if self.context.has(name) and self.context.get(name) is obj:
                 self.context.unregister(name, owner=OWNER)
 
 

@@ -10,7 +10,7 @@ import torch
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
-from execrt.core.errors import BackendUnavailableError, ConfigError
+from execrt.core.errors import BackendUnavailableError, ConfigError, ResourceError
 from execrt.core.memory import KVCache
 from execrt.core.model_runner import (
     CPU_KV_BUDGET_BYTES,
@@ -108,7 +108,22 @@ def test_forward_runs_extend_and_decode_through_the_eager_runner(runtime_context
     assert mr.input_buffers.buffers["input_ids"][:4].tolist() == [1, 2, 3, 4]
 
 
-def test_an_unusable_explicit_backend_fails_before_anything_loads(runtime_context) -> None:  # type: ignore[no-untyped-def]
-    loader = ToyLoader()
+def test_a_runner_that_fails_to_build_leaves_nothing_registered(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    # The attention backend is built after the KV cache was registered: that goes again, so
+    # the same context serves the next runner.
     with pytest.raises(BackendUnavailableError, match="flashinfer"):
-        runner(runtime_context, loader, attention_backend="flashinfer")
+        runner(runtime_context, attention_backend="flashinfer")
+    assert runtime_context.open_resources() == []
+    mr = runner(runtime_context)
+    assert runtime_context.get("kv_cache") is mr.kv_cache
+
+
+def test_a_second_runner_on_one_context_fails_without_closing_the_first(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    first = runner(runtime_context)
+    held = runtime_context.open_resources()
+    with pytest.raises(ResourceError, match="'kv_cache' already registered"):
+        runner(runtime_context)
+    assert runtime_context.open_resources() == held
+    assert runtime_context.get("kv_cache") is first.kv_cache
+    first.close()
+    assert runtime_context.open_resources() == []
