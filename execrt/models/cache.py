@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 
 from execrt.core import envs
+from execrt.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,14 @@ def cached_dir(name: str, build: Callable[[str], None]) -> str:
         log("cache: %s is %s; rebuilding it", root, "damaged" if damaged else "incomplete")
         shutil.rmtree(root, ignore_errors=True)
     parent = os.path.dirname(root)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=parent)
+    except OSError as exc:
+        raise ConfigError(
+            f"cache: cannot build {name} under {parent!r} ({exc.strerror or exc}); "
+            f"set {envs.CACHE_DIR} to a writable directory"
+        ) from exc
     try:
         build(tmp)
         files = [f for f in sorted(os.listdir(tmp)) if os.path.isfile(os.path.join(tmp, f))]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
+from execrt.core.errors import ConfigError
 from execrt.models.cache import MANIFEST, cached_dir
 
 
@@ -52,3 +55,15 @@ def test_a_truncated_file_is_rebuilt_and_a_sizes_only_manifest_still_counts() ->
             fh,
         )
     assert cached_dir("sizes", _builder(calls)) == root and len(calls) == 2
+
+
+def test_an_unwritable_cache_is_one_error_naming_the_directory_and_the_variable(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(blocker / "cache"))  # under a regular file
+    with pytest.raises(
+        ConfigError, match=r"cannot build ck under '.*a-file/cache' .*EXECRT_CACHE_DIR"
+    ):
+        cached_dir("ck", _builder([]))
