@@ -104,6 +104,8 @@ class ModelRunner:
 
         self.moe_dispatcher = self._build_moe_dispatcher() if spec.is_moe else None
         if not spec.is_moe:
+            if config.moe_dispatcher != "auto":  # unused here, but a misspelt name still fails
+                self.registry.get("moe_dispatch", config.moe_dispatcher)
             self.resolution.resolutions.append(
                 Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model")
             )

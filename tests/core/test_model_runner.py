@@ -127,3 +127,10 @@ def test_a_second_runner_on_one_context_fails_without_closing_the_first(runtime_
     assert runtime_context.get("kv_cache") is first.kv_cache
     first.close()
     assert runtime_context.open_resources() == []
+
+
+def test_a_dense_model_ignores_the_dispatcher_but_not_an_unknown_name(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(BackendUnavailableError, match=r"'alreduce' unavailable: not registered"):
+        runner(runtime_context, moe_dispatcher="alreduce")
+    mr = runner(runtime_context, moe_dispatcher="allreduce")
+    assert mr.moe_dispatcher is None and not runtime_context.has("moe_dispatcher")
