@@ -219,11 +219,21 @@ class AttentionBackend(ABC):
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static metadata buffers graph capture and replay write into."""
-        raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
+        raise NotImplementedError(self._no_graph("init_graph_state"))
 
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
         """Write decode metadata into the static buffers: no allocation, no host sync."""
-        raise NotImplementedError(f"{type(self).__name__}: graph capture unsupported")
+        raise NotImplementedError(self._no_graph("init_forward_metadata_graph"))
+
+    def _no_graph(self, method: str) -> str:
+        name = type(self).__name__
+        if not self.capabilities.graph:
+            return f"{name}: graph capture unsupported"
+        return (
+            f"{name}: graph capture unsupported: it declares capabilities.graph = True but does "
+            f"not implement {method} (implement init_graph_state and "
+            "init_forward_metadata_graph, or declare graph = False)"
+        )
 
     @staticmethod
     def check_graph_batch(component: str, max_bs: int | None, fb: ForwardBatch) -> None:

@@ -424,6 +424,15 @@ def test_graph_hooks_are_unsupported_by_default_and_name_the_backend() -> None:
         backend.init_forward_metadata_graph(batch(ForwardMode.DECODE, [1]))
     backend.close()
     backend.close()  # idempotent no-op
+    # One that declares graph capture without the hooks is told what to implement.
+    liar = make_backend()
+    liar.capabilities = dataclasses.replace(liar.capabilities, graph=True)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"declares capabilities.graph = True but does "
+        r"not implement init_forward_metadata_graph \(implement init_graph_state",
+    ):
+        liar.init_forward_metadata_graph(batch(ForwardMode.DECODE, [1]))
 
 
 # -- check_graph_batch ----------------------------------------------------------------------------
