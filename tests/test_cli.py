@@ -234,3 +234,20 @@ def test_a_bad_token_ids_prompt_is_named(capsys) -> None:
     assert main(["generate", "1,2", "3,x", "--token-ids", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--token-ids prompt '3,x' must be comma-separated integers" in err
+
+
+def test_conformance_refuses_an_unwritable_report_path_before_running(
+    tmp_path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    import execrt.testing.report as report
+
+    ran: list[object] = []
+    monkeypatch.setattr(report, "ResultCollector", lambda: ran.append(1))  # the suite would start
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    for path in (not_a_dir / "r.json", tmp_path):
+        code = main(["conformance", "attention", "torch_native", "--json", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "cannot write the report" in err[0], err
+        assert str(path) in err[0]
+    assert ran == []

@@ -150,6 +150,8 @@ def run_suite_source(
             f"execrt conformance needs pytest ({exc}); pip install execrt[test]"
         ) from exc
 
+    if json_path:
+        _check_writable(json_path)  # before the suite runs, not after
     out = out or sys.stdout
     collector = ResultCollector()
     with tempfile.TemporaryDirectory(prefix="execrt-conformance-") as scratch:
@@ -226,6 +228,18 @@ def build_report(
         "summary": summary,
         "results": [asdict(r) for r in results],
     }
+
+
+def _check_writable(path: str) -> None:
+    """Raise ConfigError unless a report can be written at ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"conformance: cannot write the report {path!r}: {exc}") from exc
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        what = "is a directory" if os.path.isdir(path) else f"{folder!r} is not writable"
+        raise ConfigError(f"conformance: cannot write the report {path!r}: {what}")
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
