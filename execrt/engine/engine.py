@@ -33,7 +33,11 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class GenerationResult:
-    """One request's outcome. ``error`` is set (and nothing generated) for a rejected request."""
+    """One request's outcome. ``error`` is set (and nothing generated) for a rejected request.
+
+    ``text`` is ``token_ids`` decoded ("" when nothing was generated, as for a rejected or an
+    aborted request), None when the engine has no tokenizer.
+    """
 
     token_ids: list[int]
     text: str | None
@@ -175,7 +179,9 @@ class Engine:
         reqs: dict[int, Req] = {}
         for i, ((ids, error), sp) in enumerate(zip(checked, params, strict=True)):
             if error is not None:
-                results[i] = GenerationResult([], None, ids, FinishReason.ERROR.value, error)
+                results[i] = GenerationResult(
+                    [], self._decode([]), ids, FinishReason.ERROR.value, error
+                )
                 continue
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
             reqs[i] = Req(next(self._rids), ids, sp, sampling_seed=seed)

@@ -89,6 +89,7 @@ def test_an_int_temperature_beyond_float_is_an_error_and_the_rest_is_served(engi
     out = engine.generate([[10, 20], [30, 40]], [SamplingParams(temperature=10**400), greedy])
     assert out[0].finish_reason == "error" and "must be a finite number >= 0" in out[0].error
     assert out[1].finish_reason == "length" and len(out[1].token_ids) == 3
+    assert out[0].text == "" and out[0].token_ids == []  # a str like every other result's
 
 
 def test_resolution_report_names_the_choices(engine) -> None:
