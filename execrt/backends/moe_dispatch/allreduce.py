@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from execrt.backends.moe_dispatch._common import check_routing
+from execrt.backends.moe_dispatch._common import check_routing, check_sharding
 from execrt.core.interfaces import (
     DispatchOutput,
     MoEDispatcher,
@@ -22,6 +22,8 @@ class AllReduceDispatcher(MoEDispatcher):
 
     def __init__(self, init: MoEDispatcherInit) -> None:
         super().__init__(init)
+        # An uneven split would leave the last experts on no rank: their tokens would vanish.
+        check_sharding("allreduce dispatcher", init)
         self.first = init.first_local_expert
         self.num_local = init.num_local_experts
 
