@@ -190,6 +190,16 @@ def test_standard_zero_tokens_int32_ids_and_strided_hidden() -> None:
     assert compare(out, moe_oracle(x, ids, w, w13, w2)).ok(1e-5)
 
 
+def test_standard_column_major_hidden() -> None:
+    # A transposed [T, H] view (unit stride along T): the result must still be the right rows,
+    # not the sum kernel's row-major writes through the view's column-major strides.
+    w13, w2 = expert_weights(4, H, I, torch.float32)
+    ids, w = routing("shuffled", 5, 4, 2)
+    x = torch.randn(H, 5, generator=torch.Generator().manual_seed(3)).t()  # strides (1, 5)
+    out = fused_experts(StandardDispatchOutput(x, ids, w), w13, w2, SMALL)
+    assert compare(out, moe_oracle(x, ids, w, w13, w2)).ok(1e-5)
+
+
 @pytest.mark.parametrize(("dtype", "poison"), [(torch.float32, 1e30), (torch.float16, 6e4)])
 def test_expert_major_ignores_rows_past_count(dtype: torch.dtype, poison: float) -> None:
     e, slots = 4, 20  # two M-blocks per expert

@@ -103,7 +103,8 @@ def fused_experts(
         weights = d.topk_weights.reshape(-1).float().contiguous()  # [S]
         y = torch.empty(t * top_k, hidden, dtype=x.dtype, device=x.device)  # [S, H] per pair
         tk.launch_gemm(act, w2, y, rows, cfg.down, n=hidden, top_k=1, swiglu=False, weights=weights)
-        out = torch.empty_like(x)
+        # Row-major whatever x's layout: the sum kernel writes each row with unit stride.
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, H]
         ids = d.topk_ids if d.topk_ids.is_contiguous() else d.topk_ids.contiguous()
         tk.launch_sum(y, ids, num_experts, out)
         return out
