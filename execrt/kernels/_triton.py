@@ -165,6 +165,18 @@ def check_float(component: str, name: str, t: torch.Tensor) -> None:
         fail(component, f"{name} dtype {t.dtype} unsupported (supported: fp16, bf16, fp32)")
 
 
+def check_device(component: str, name: str, t: torch.Tensor) -> None:
+    """The kernels run on CUDA tensors, and on CPU ones only under the Triton interpreter
+    (elsewhere Triton fails with an error about its drivers that names neither)."""
+    if t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_enabled()):
+        return
+    fail(
+        component,
+        f"{name} is on {t.device}, unsupported by the Triton kernels (supported: cuda, or cpu "
+        f"with the Triton interpreter, {TRITON_INTERPRET}=1; use_triton() picks)",
+    )
+
+
 def check_same_device(component: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != ref.device:

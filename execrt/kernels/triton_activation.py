@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    check_device,
     check_float,
     check_last_dim_contiguous,
     next_power_of_2,
@@ -46,6 +47,7 @@ def block_for(tokens: int, inter: int, sms: int) -> int:
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """One launch over ``x [..., 2I]``; see ``activation.silu_and_mul``."""
     check_float("silu_and_mul", "x", x)
+    check_device("silu_and_mul", "x", x)
     check_last_dim_contiguous("silu_and_mul", x=x)
     inter = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])  # [T, 2I]

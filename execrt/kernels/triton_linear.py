@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    check_device,
     check_same_device,
     fail,
     interpreter_enabled,
@@ -264,6 +265,7 @@ def tile_for(
 ) -> SkinnyTile | None:
     """Check the arguments and pick the tile; None where cuBLAS is faster or, with ``norm``,
     where this shape runs its norm better as a kernel of its own."""
+    check_device("linear", "x", x)
     check_same_device("linear", x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")

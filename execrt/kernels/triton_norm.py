@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    check_device,
     check_float,
     check_last_dim_contiguous,
     check_same_device,
@@ -61,6 +62,7 @@ def _rmsnorm_kernel(
 def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
     check_float(name, "x", x)
     check_float(name, "weight", weight)
+    check_device(name, "x", x)
     check_same_device(name, x, weight=weight)
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         fail(name, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., H] and [H]")

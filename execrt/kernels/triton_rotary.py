@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    check_device,
     check_float,
     check_last_dim_contiguous,
     check_same_device,
@@ -210,6 +211,7 @@ def _check_inputs(
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() != 2 or table.shape[1] != d or table.dtype != torch.float32:
             fail(NAME, f"{name} {tuple(table.shape)} {table.dtype} must be [P, {d}] float32")
+    check_device(NAME, "q", q)
     check_same_device(
         NAME, q, k=k, positions=positions, cos=cos, sin=sin,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,

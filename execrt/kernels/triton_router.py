@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_float, next_power_of_2, pdl_kwargs
+from execrt.kernels._triton import check_device, check_float, next_power_of_2, pdl_kwargs
 from execrt.kernels.triton_pdl import pdl_prologue
 
 
@@ -60,6 +60,7 @@ def topk_softmax_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over ``logits [T, E]``; see ``router.topk_softmax``."""
     check_float("topk_softmax", "logits", logits)
+    check_device("topk_softmax", "logits", logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     t, e = logits.shape

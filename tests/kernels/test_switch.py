@@ -48,3 +48,55 @@ def test_public_modules_do_not_import_triton() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not triton_importable(), reason="needs triton")
+def test_kernels_refuse_a_device_triton_cannot_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Called with use_triton=True on CPU tensors without the interpreter, Triton itself failed
+    # with "0 active drivers ([]). There should only be one.", naming neither tensor nor fix.
+    from execrt.backends.attention.triton_kernels import decode_attention
+    from execrt.core.interfaces import StandardDispatchOutput
+    from execrt.kernels import (  # noqa: F401 - loaded while the interpreter flag is set
+        triton_activation,
+        triton_linear,
+        triton_norm,
+        triton_rotary,
+        triton_router,
+    )
+    from execrt.kernels.activation import silu_and_mul
+    from execrt.kernels.fused_moe import fused_experts, moe_align
+    from execrt.kernels.linear import linear
+    from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
+    from execrt.kernels.rotary import qk_norm_rope
+    from execrt.kernels.router import topk_softmax
+
+    monkeypatch.delenv(TRITON_INTERPRET, raising=False)  # the kernel modules are loaded above
+    x, w, q = torch.randn(2, 8), torch.randn(8), torch.randn(2, 2, 8)
+    pos, table, ids = torch.zeros(2, dtype=torch.int64), torch.randn(4, 8), torch.zeros(2, 1)
+    i32, part_o, part_lse = (
+        torch.zeros(3, dtype=torch.int32),
+        torch.empty(2, 2, 1, 8),
+        torch.empty(2, 2, 1),
+    )
+    calls = {
+        "rmsnorm: x": lambda: rmsnorm(x, w, 1e-6, use_triton=True),
+        "fused_add_rmsnorm: x": lambda: fused_add_rmsnorm(x, x, w, 1e-6, use_triton=True),
+        "silu_and_mul: x": lambda: silu_and_mul(x, use_triton=True),
+        "topk_softmax: logits": lambda: topk_softmax(x, 2, True, use_triton=True),
+        "qk_norm_rope: q": lambda: qk_norm_rope(
+            q, q, pos, table, table, None, None, 1e-6, use_triton=True
+        ),
+        "linear: x": lambda: linear(x[:1], torch.randn(4, 8), use_triton=True),
+        "fused_moe: hidden": lambda: fused_experts(
+            StandardDispatchOutput(x, ids.long(), ids), torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+        ),
+        "fused_moe: topk_ids": lambda: moe_align(ids.long(), 2, 16),
+        "triton attention: q": lambda: decode_attention(
+            q, q, q, torch.empty_like(q), i32, i32, i32[:2], part_o, part_lse, 1.0, 1
+        ),
+    }
+    for prefix, call in calls.items():
+        with pytest.raises(
+            ValueError, match=f"^{prefix} is on cpu, unsupported .*cuda.*{TRITON_INTERPRET}=1"
+        ):
+            call()

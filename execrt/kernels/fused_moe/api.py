@@ -11,6 +11,7 @@ from execrt.core.interfaces import (
     ExpertMajorDispatchOutput,
     StandardDispatchOutput,
 )
+from execrt.kernels._triton import check_device
 from execrt.kernels.fused_moe.config import MoEConfig, get_config
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,6 +45,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     """Group ``topk_ids [T, K]`` (int32/int64 local ids, -1 = nowhere) by expert; see
     ``MoEAlignment``. One Triton launch, no host synchronisation, sizes from T, K, E only."""
     _check_ids(topk_ids)
+    check_device("fused_moe", "topk_ids", topk_ids)
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(
             f"fused_moe: num_experts {num_experts} unsupported (supported: 1..{MAX_EXPERTS})"
@@ -173,4 +175,5 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tupl
             f"fused_moe: hidden on {x.device}, w13 on {w13.device}, w2 on {w2.device} "
             "(all on one device)"
         )
+    check_device("fused_moe", "hidden", x)
     return num_experts, hidden, inter

@@ -8,6 +8,7 @@ import torch
 import triton
 
 from execrt.backends.attention import kv_indices
+from execrt.kernels._triton import check_device
 
 MAX_HEAD_DIM = 256
 
@@ -80,6 +81,7 @@ def check_qkvo(
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
         if t.dim() != 3:
             fail(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+    check_device(COMPONENT, "q", q)
     if q.dtype not in FLOAT_DTYPES:
         fail(f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
     for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
