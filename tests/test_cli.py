@@ -251,3 +251,16 @@ def test_conformance_refuses_an_unwritable_report_path_before_running(
         assert code == 2 and len(err) == 1 and "cannot write the report" in err[0], err
         assert str(path) in err[0]
     assert ran == []
+
+
+def test_conformance_with_an_option_pytest_refuses_runs_nothing_and_exits_2(
+    tmp_path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    from execrt.inventory import conformance_report_path
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path))  # no other test's report here
+    code = main(["conformance", "attention", "torch_native", "--no-such-pytest-option"])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "no report written" in captured.out
+    assert not os.path.exists(conformance_report_path("attention", "torch_native"))

@@ -108,7 +108,8 @@ def run_conformance(
     *,
     extra_pytest_args: Sequence[str] = (),
 ) -> int:
-    """Run the ``kind`` suite for the registered backend ``name``; 0 if nothing failed, else 1.
+    """Run the ``kind`` suite for the registered backend ``name``; 0 if nothing failed, else 1
+    (2 when pytest refused ``extra_pytest_args``: nothing ran).
 
     Prints a table (test id, result, max error vs the oracle, reason) and writes the JSON
     report to ``json_path`` when given and always to ``conformance_report_path(kind, name)``,
@@ -194,7 +195,7 @@ def run_suite_source(
         # pytest did not run the suite (usage error, interrupted, nothing collected): a report
         # of zero results would read as a clean run in `execrt backends`, so none is written.
         print(f"pytest stopped with exit code {exit_code}; no report written", file=out)
-        return 1
+        return 2 if exit_code == pytest.ExitCode.USAGE_ERROR else 1
     for path in filter(None, (json_path, conformance_report_path(kind, name))):
         write_report(report, path)
     if json_path:
