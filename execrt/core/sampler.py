@@ -86,7 +86,8 @@ class Sampler:
         )
         # Shift by the row maximum before dividing: a tiny temperature would otherwise turn the
         # logits into inf and the softmax into NaN (the row's top logit becomes 0, the rest <= 0).
-        shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+        scores = logits.float()
+        shifted = scores - scores.amax(dim=-1, keepdim=True)
         probs = torch.softmax(shifted / temps[:, None], dim=-1)  # [B, V]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]

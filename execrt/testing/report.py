@@ -238,9 +238,12 @@ def _check_writable(path: str) -> None:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"conformance: cannot write the report {path!r}: {exc}") from exc
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        what = "is a directory" if os.path.isdir(path) else f"{folder!r} is not writable"
-        raise ConfigError(f"conformance: cannot write the report {path!r}: {what}")
+    if os.path.isdir(path):
+        raise ConfigError(f"conformance: cannot write the report {path!r}: is a directory")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(
+            f"conformance: cannot write the report {path!r}: {folder!r} is not writable"
+        )
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
