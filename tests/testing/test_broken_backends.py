@@ -104,26 +104,7 @@ class TestBroken(AttentionBackendSuite):
     assert expect in failed["test_graph_metadata[cpu-float32]"]
 
 
-def test_dispatcher_dropping_a_token_fails_at_world_1_and_2(tmp_path: Path) -> None:
-    body = """
-class TestBroken(MoEDispatcherSuite):
-    factory = "tests.testing.fake_backends:DropLastTokenDispatcher"
-    capabilities = fakes.ALLREDUCE_LIKE_CAPS
-    devices = ("cpu",)
-"""
-    code, report = run_suite(tmp_path, body, "moe_dispatch", "w1-random or w2 or all_masked")
-    assert code == 1
-    failed = failures(report)
-    reason = failed["test_routing[cpu-float32-w1-random]"]
-    assert "rank 0 routing random (9 tokens): max relative error" in reason
-    assert "worst at token 8" in reason  # the dropped one
-    w2 = failed["test_world_size[cpu-float32-w2-replicated]"]
-    assert "rank 1 routing hot_expert" in w2 and "rank 0 routing hot_expert" in w2
-    passed = {r["id"] for r in report["results"] if r["outcome"] == "passed"}
-    assert "test_routing[cpu-float32-w1-all_masked]" in passed  # nothing to drop there
-
-
-def test_dispatcher_dropping_a_token_fails_generated_cases_with_the_error_first(
+def test_dispatcher_dropping_a_token_fails_at_world_1_and_2_and_in_generated_cases(
     tmp_path: Path,
 ) -> None:
     body = """
@@ -133,8 +114,18 @@ class TestBroken(MoEDispatcherSuite):
     devices = ("cpu",)
     max_examples = 3
 """
-    code, report = run_suite(tmp_path, body, "moe_dispatch", "test_generated and float32")
+    select = "w1-random or w2 or all_masked or test_generated"
+    code, report = run_suite(tmp_path, body, "moe_dispatch", select)
     assert code == 1
+    failed = failures(report)
+    reason = failed["test_routing[cpu-float32-w1-random]"]
+    assert "rank 0 routing random (9 tokens): max relative error" in reason
+    assert "worst at token 8" in reason  # the dropped one
+    w2 = failed["test_world_size[cpu-float32-w2-replicated]"]
+    assert "rank 1 routing hot_expert" in w2 and "rank 0 routing hot_expert" in w2
+    passed = {r["id"] for r in report["results"] if r["outcome"] == "passed"}
+    assert "test_routing[cpu-float32-w1-all_masked]" in passed  # nothing to drop there
+    # A generated case's one-line reason is the error, the drawn counts after it.
     row = next(r for r in report["results"] if r["id"] == "test_generated[cpu-float32-w1]")
     assert row["outcome"] == "failed" and row["max_error"] > row["tolerance"], row
     first = row["reason"].splitlines()[0]
