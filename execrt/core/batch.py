@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from execrt.core.sampler import SamplingBatchInfo
-from execrt.core.schedule import ForwardMode, ScheduleBatch
+from execrt.core.schedule import ScheduleBatch
+from execrt.core.step import ForwardMode, extend_positions
 
 if TYPE_CHECKING:
     from execrt.core.interfaces import AttentionBackend
@@ -194,14 +195,3 @@ class PaddedContext:
             mask = torch.arange(prefix + n, device=device)[None, :] <= q_pos  # [n, L]
             yield slice(start, start + n), self.slots[b, : prefix + n], mask
             start += n
-
-
-def extend_positions(
-    prefix_lens: list[int], extend_lens: list[int], device: torch.device
-) -> torch.Tensor:
-    """Absolute positions of the new tokens: ``prefix .. prefix + n - 1`` per request. [T] int64."""
-    if not extend_lens:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    lens = torch.tensor(extend_lens, dtype=torch.int64)
-    starts = torch.tensor(prefix_lens, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)
-    return (torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)).to(device)

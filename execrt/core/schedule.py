@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from enum import Enum, IntEnum
+from enum import Enum
 
 import torch
 
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.staging import HostToDevice
+from execrt.core.step import ForwardMode
 
 
 @dataclass(frozen=True)
@@ -147,20 +148,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class ForwardMode(IntEnum):
-    """What one step processes; shared by ScheduleBatch and ForwardBatch."""
-
-    EXTEND = 1  # prefill of new tokens, possibly after a cached prefix (T >= B)
-    DECODE = 2  # one new token per request (T == B)
-    IDLE = 3  # no tokens on this rank; still joins collectives
-
-    def is_extend(self) -> bool:
-        return self == ForwardMode.EXTEND
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
 
 
 @dataclass

@@ -11,9 +11,21 @@ from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.model_runner import ModelRunner
 from execrt.core.model_spec import ModelLoader
+from execrt.core.parallel import ParallelState
 from execrt.core.plugins import BackendRegistry
 from execrt.core.schedule import ScheduleBatch
+from execrt.core.selection import ResolutionReport
 from execrt.core.staging import DeviceToHost, HostCopy, HostToDevice
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the scheduling side may ask of one worker: the sizes it was built with."""
+
+    context_len: int  # tokens per request, prompt and output together
+    max_running_requests: int
+    max_prefill_tokens: int
+    device: torch.device
 
 
 @dataclass
@@ -44,10 +56,27 @@ class TpModelWorker:
         registry: BackendRegistry,
     ) -> None:
         self.model_runner = ModelRunner(loader, config, context, registry)
-        device = self.model_runner.device
+        mr = self.model_runner
+        device = mr.device
+        self.limits = WorkerLimits(
+            context_len=mr.context_len,
+            max_running_requests=mr.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            device=device,
+        )
         #: Stages a step's host-built integers to the device (pinned, non-blocking on CUDA).
         self.stager = HostToDevice(device)
         self._to_host = DeviceToHost(device, torch.int64)
+
+    @property
+    def parallel(self) -> ParallelState:
+        """This rank's place in the run: world size, rank, TP and EP groups."""
+        return self.model_runner.parallel
+
+    @property
+    def resolution(self) -> ResolutionReport:
+        """Which backends were requested, chosen and rejected, with reasons."""
+        return self.model_runner.resolution
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
         """Launch one step; returns at once on CUDA (the host never waits for the GPU here)."""

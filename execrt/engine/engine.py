@@ -146,12 +146,12 @@ class Engine:
     @property
     def parallel(self) -> ParallelState:
         """This rank's place in the run: world size, rank, TP and EP groups."""
-        return self.worker.model_runner.parallel
+        return self.worker.parallel
 
     @property
     def resolution(self) -> ResolutionReport:
         """Which backends were requested, chosen and rejected, with reasons."""
-        return self.worker.model_runner.resolution
+        return self.worker.resolution
 
     def generate(
         self,
@@ -345,7 +345,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             problems.append(f"token id {bad[0]} out of range (vocab size {vocab})")
-        limit = self.worker.model_runner.context_len
+        limit = self.worker.limits.context_len
         if len(ids) >= limit:
             problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
         return ids, ("; ".join(problems) if problems else None)

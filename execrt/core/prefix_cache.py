@@ -1,0 +1,129 @@
+"""The prefix-cache interface: KV slots of token prefixes kept for reuse across requests.
+
+A prefix cache is the fourth backend kind (``prefix_cache``). It sits behind ``KVMemory``:
+KVMemory hands a finished or chunk-computed request's slots to the cache (``insert``), asks
+it for the longest cached prefix of a new prompt (``match``), locks what running requests
+read (``lock`` / ``unlock``), and has it free unlocked entries when slots run short
+(``evict``). Every slot is in exactly one state: free (in the allocator), owned by one
+request, or owned by the cache (protected while locked, evictable otherwise).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from execrt.core.interfaces import Capabilities
+
+
+@dataclass(frozen=True)
+class PrefixCacheRequirements:
+    """What KVMemory asks of its prefix cache."""
+
+    device: str  # "cpu" or "cuda": where the slot-id tensors live
+    page_size: int = 1
+
+
+@dataclass(frozen=True)
+class PrefixCacheCapabilities(Capabilities):
+    """A prefix cache's claims. ``reuses`` False: it never matches (e.g. ``none``)."""
+
+    kind: ClassVar[str] = "prefix_cache"
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    page_sizes: frozenset[int] = frozenset({1})
+    reuses: bool = True
+
+    def refusals(self, req: PrefixCacheRequirements) -> list[str]:
+        out: list[str] = []
+        self._check("device", req.device, self.devices, out)
+        self._check("page size", req.page_size, self.page_sizes, out)
+        return out
+
+
+@dataclass(frozen=True)
+class PrefixCacheInit:
+    """Everything a prefix cache is built from.
+
+    ``free_slots(slots)`` returns slot ids ``[n]`` int64 to the allocator: the only way a
+    cache gives slots back (eviction, flush). ``force_miss``: keep every code path but report
+    no match, to measure the cache's overhead.
+    """
+
+    capabilities: PrefixCacheCapabilities
+    device: torch.device
+    free_slots: Callable[[torch.Tensor], None]
+    force_miss: bool = False
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a key: its slots and the node to lock while they are used.
+
+    ``slots`` is int64 ``[length]`` on the cache's device; ``node`` is opaque to the caller
+    (pass it to ``lock`` / ``unlock``); an empty match has ``length == 0`` and a node that
+    locking is a no-op for.
+    """
+
+    slots: torch.Tensor
+    node: Any
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+class PrefixCache(ABC):
+    """Token-id prefixes -> KV slots, with lock counts and eviction.
+
+    Contract (page size 1; every key is a sequence of token ids):
+
+    - ``match(key)`` returns the longest prefix of ``key`` that is cached, and marks it used
+      (for LRU). The caller decides how much of a prompt to match (never its last token).
+    - ``insert(key, slots)`` records ``slots[i]`` as the KV of ``key[:i+1]`` and returns
+      ``n``, how many leading tokens of ``key`` were already cached before the call. The cache
+      takes ownership of ``slots[n:]``; ``slots[:n]`` stay the caller's (duplicates of the
+      cached ones unless the caller got them from ``match``), and the caller frees the
+      duplicates itself, after pointing its readers at the cached slots.
+    - ``lock(node)`` protects the path from the root to ``node`` from eviction; ``unlock``
+      undoes one ``lock``. Locks nest (counts).
+    - ``evict(n)`` frees at least ``n`` slots of unlocked entries, least recently used leaves
+      first, through ``init.free_slots``, or as many as are evictable; returns how many.
+    - ``evictable_size()`` + ``protected_size()`` == slots the cache owns.
+    - ``reset()`` forgets everything without freeing (the caller reclaims the whole pool).
+    """
+
+    def __init__(self, init: PrefixCacheInit) -> None:
+        self.init = init
+        self.capabilities = init.capabilities
+        self.device = init.device
+
+    @abstractmethod
+    def match(self, key: Sequence[int]) -> PrefixMatch: ...
+
+    @abstractmethod
+    def insert(self, key: Sequence[int], slots: torch.Tensor) -> int: ...
+
+    @abstractmethod
+    def lock(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def unlock(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_slots: int) -> int: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release what the cache allocated. Idempotent."""
