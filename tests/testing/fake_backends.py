@@ -35,18 +35,31 @@ CPU = frozenset({"cpu"})
 # ---------------------------------------------------------------------------------------------
 NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
 GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
+STORES_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, stores_kv=True)
 
 
 class WrongScaleAttention(TorchNativeAttnBackend):
     """Broken: uses head_dim ** -0.5 instead of the layer's scaling."""
 
-    def forward_decode(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_decode(q, k, v, own, fb)
+        return super().attend(q, own, step, kv)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
-        own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_extend(q, k, v, own, fb)
+
+class StoringAttention(TorchNativeAttnBackend):
+    """Correct: declares ``stores_kv`` and stores the K/V it is handed before reading."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        assert kv is not None, "a stores_kv backend is always handed this step's K/V"
+        self.kv_cache.set_kv(layer.layer_id, step.out_cache_loc, *kv)
+        return super().attend(q, layer, step)
+
+
+class ForgetfulStoringAttention(TorchNativeAttnBackend):
+    """Broken: declares ``stores_kv`` but never stores what it is handed."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        return super().attend(q, layer, step)
 
 
 class StaticGraphAttention(TorchNativeAttnBackend):
@@ -59,34 +72,33 @@ class StaticGraphAttention(TorchNativeAttnBackend):
         self.valid = torch.zeros(max_bs, width, dtype=torch.bool, device=dev)  # [B, C]
         self.positions = torch.arange(width, device=dev)
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
         b = fb.batch_size
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]  # [b, C]
         torch.lt(self.positions[None, :], fb.seq_lens[:, None], out=self.valid[:b])
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
+        return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
 class FreshBuffersGraphAttention(StaticGraphAttention):
-    """Broken: claims graphs, but its graph metadata is freshly allocated on every call."""
+    """Broken: claims graphs, but its graph plan is freshly allocated on every call."""
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
-        self.init_forward_metadata(fb)
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        return self.plan(fb)
 
 
 class StaleSeqLensGraphAttention(StaticGraphAttention):
     """Broken: computes the context mask once per bucket and ignores later seq_lens."""
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
         seen: set[int] = self.__dict__.setdefault("_seen", set())
         b = fb.batch_size
         if b not in seen:
             seen.add(b)
-            super().init_forward_metadata_graph(fb)
-            return
+            return super().plan_graph(fb)
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
+        return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
 # ---------------------------------------------------------------------------------------------

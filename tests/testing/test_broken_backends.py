@@ -58,6 +58,24 @@ class TestBroken(AttentionBackendSuite):
     assert row["max_error"] > row["tolerance"]
 
 
+def test_a_storing_backend_that_stores_nothing_fails_naming_the_slots(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:ForgetfulStoringAttention"
+    capabilities = fakes.STORES_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "decode-single or extend-single")
+    assert code == 1
+    failed = failures(report)
+    assert set(failed) == {
+        "test_scenario[cpu-float32-decode-single]",
+        "test_scenario[cpu-float32-extend-single]",
+    }, failed
+    for reason in failed.values():
+        assert "K at out_cache_loc not stored exactly (slots [" in reason, reason
+
+
 def test_wrong_scale_is_caught_by_generated_cases_too(tmp_path: Path) -> None:
     body = """
 class TestBroken(AttentionBackendSuite):
