@@ -71,6 +71,16 @@ class AttentionRequirements:
     num_q_heads: int
     num_kv_heads: int
     graph: bool = False
+    kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: ``dtype``
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+
+#: The KV cache dtypes a backend reads unless it declares others: the model dtypes.
+MODEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 @dataclass(frozen=True)
@@ -88,12 +98,16 @@ class AttentionCapabilities(Capabilities):
     # True: attend receives this step's K/V and stores them itself (e.g. fused into its kernel).
     # False: the model stores them before attend (the runner decides this once, at build time).
     stores_kv: bool = False
+    # KV cache storage dtypes it reads (an fp8 cache needs a backend that lists it).
+    kv_dtypes: frozenset[torch.dtype] = MODEL_DTYPES
 
     def refusals(self, req: AttentionRequirements) -> list[str]:
         """Reasons this backend cannot serve ``req`` (empty list: it can)."""
         out: list[str] = []
         self._check("device", req.device, self.devices, out)
         self._check("dtype", req.dtype, self.dtypes, out)
+        if req.cache_dtype != req.dtype:  # a cache in the model dtype is the dtype check's
+            self._check("KV cache dtype", req.cache_dtype, self.kv_dtypes, out)
         self._check("head_dim", req.head_dim, self.head_dims, out)
         if req.num_kv_heads < 1 or req.num_q_heads % req.num_kv_heads:
             out.append(

@@ -194,6 +194,14 @@ class AttentionBackendSuite(ConformanceSuite):
         return cls.primary_cases(graph=True)
 
     @classmethod
+    def kv_writer_cases(cls) -> list[Case]:
+        """The primary cases, named by who writes this step's K/V (``stores_kv``)."""
+        writer = "backend_stores" if cls.caps().stores_kv else "model_stores"
+        return [
+            dataclasses.replace(case, id=f"{case.id}-{writer}") for case in cls.primary_cases()
+        ]
+
+    @classmethod
     def cuda_graph_cases(cls) -> list[Case]:
         return cls.cuda_capture_only(cls.primary_cases(graph=True))
 
@@ -326,6 +334,32 @@ class AttentionBackendSuite(ConformanceSuite):
             steps = [_scaled(s, 20) for s in steps]
         outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
         self.finish(case, outcome, record_property)
+
+    @cases("kv_writer_cases")
+    def test_attend_twice_with_one_plan(self, case: Case, record_property: Record) -> None:
+        """``attend`` twice per layer on one plan (as a graph's warm-up and capture do): the
+        cache still holds exactly this step's K/V (a ``stores_kv`` backend stores the same
+        values again at the same slots, any other backend writes nothing) and both outputs
+        equal the oracle."""
+        self.begin(case)
+        caps = type(self).caps()
+        steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
+        tol = type(self).tolerance(case.device, case.dtype or torch.float32)
+        harness = self.harness(case, self.geometry(case, num_layers=2), steps, _seed(case))
+        total = Outcome()
+        try:
+            for i, step in enumerate(steps):
+                prepared = harness.prepare(step)
+                plan = harness.plan(prepared)
+                for call in ("first", "second"):
+                    outs = harness.attend_layers(prepared, plan)
+                    label = f"{case.id} step {i} ({step.mode}), {call} attend"
+                    result = harness.check(prepared, outs, tol, label)
+                    total.max_error = max(total.max_error, result.max_error)
+                    total.problems += result.problems
+        finally:
+            harness.close()
+        self.finish(case, total, record_property)
 
     @cases("graph_cases")
     def test_graph_metadata(self, case: Case, record_property: Record) -> None:

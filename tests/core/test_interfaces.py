@@ -208,6 +208,20 @@ def test_capability_records_are_frozen_and_name_their_kind() -> None:
 
 
 # -- Capabilities.as_dict -------------------------------------------------------------------------
+def test_an_fp8_cache_is_refused_by_a_backend_that_does_not_list_it() -> None:
+    fp8 = attn_req(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.cache_dtype == torch.float8_e4m3fn and attn_req().cache_dtype == FP32
+    assert AttentionCapabilities().refusals(fp8) == [
+        "KV cache dtype float8_e4m3fn unsupported (supported: bfloat16, float16, float32)"
+    ]
+    reads_fp8 = AttentionCapabilities(kv_dtypes=frozenset({torch.float8_e4m3fn, torch.bfloat16}))
+    assert reads_fp8.refusals(fp8) == []
+    e5m2 = attn_req(dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2)
+    assert reads_fp8.refusals(e5m2) == [
+        "KV cache dtype float8_e5m2 unsupported (supported: bfloat16, float8_e4m3fn)"
+    ]
+
+
 def test_attention_as_dict_sorts_ints_numerically_and_dtypes_by_name() -> None:
     caps = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
@@ -224,6 +238,7 @@ def test_attention_as_dict_sorts_ints_numerically_and_dtypes_by_name() -> None:
         "extend": True,
         "graph": True,
         "stores_kv": False,
+        "kv_dtypes": ["bfloat16", "float16", "float32"],
     }
 
 

@@ -50,6 +50,7 @@ RECORDS: dict[type[Capabilities], tuple[type[ConformanceSuite], str, Any, dict[s
             "extend": False,
             "graph": False,
             "stores_kv": True,
+            "kv_dtypes": frozenset({torch.bfloat16, torch.float8_e4m3fn}),
         },
     ),
     MoEDispatcherCapabilities: (
