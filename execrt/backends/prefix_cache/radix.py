@@ -73,7 +73,7 @@ class RadixCache(PrefixCache):
     Children are keyed by their first token, so a walk costs one dict lookup and one
     vectorised compare per node: O(depth + len(key)), whatever the tree holds. A match or
     insert that ends inside a node splits it; the new parent takes the first part of the key
-    and slots, the lock count and the access time. The root is always locked.
+    and slots and the lock count, and only it is marked used. The root is always locked.
 
     Evictable leaves (unlocked, childless) sit in a heap by access time, with stale entries
     skipped lazily and compacted when they outnumber the nodes, so eviction costs O(log n) per
