@@ -72,6 +72,20 @@ def not_declared(field_name: str, value: Any, declared: Iterable[Any] | None) ->
     return f"capability {field_name} does not include {shown}"
 
 
+def generated_settings(max_examples: int, **overrides: Any) -> Any:
+    """The Hypothesis settings of a suite's generated test: derandomized (a run is repeatable),
+    no example database, no deadline, no health checks; ``overrides`` add to them."""
+    hypothesis = pytest.importorskip("hypothesis")
+    return hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        **overrides,
+    )
+
+
 _COLLECTION_SPECS: weakref.WeakKeyDictionary[type, BackendSpec] = weakref.WeakKeyDictionary()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from execrt.backends.attention.torch_native import TorchNativeAttnBackend
 from execrt.backends.graph.reexec import ReexecGraphBackend
 from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
+from execrt.backends.prefix_cache.radix import RadixCache, _as_key
 from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import (
     AttentionCapabilities,
@@ -26,6 +28,7 @@ from execrt.core.interfaces import (
     ShapeKey,
     StandardDispatchOutput,
 )
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit, PrefixMatch
 
 F32 = frozenset({torch.float32})
 CPU = frozenset({"cpu"})
@@ -233,3 +236,83 @@ class ResourceReexecGraph(ReexecGraphBackend):
 
 
 RESOURCE_CAPS = dataclasses.replace(REEXEC_CAPS, graph_resources=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix caches
+# ---------------------------------------------------------------------------------------------
+RADIX_CAPS = PrefixCacheCapabilities(devices=CPU)
+
+
+class LockBlindRadix(RadixCache):
+    """Broken: lock and unlock do nothing, so locked paths are evictable."""
+
+    def lock(self, node: Any) -> None:
+        pass
+
+    def unlock(self, node: Any) -> None:
+        pass
+
+
+class EvictsLockedRadix(RadixCache):
+    """Broken: lock counts the path as protected but leaves its nodes evictable."""
+
+    def lock(self, node: Any) -> None:
+        super().lock(node)
+        self._shift(node, -1)
+
+    def unlock(self, node: Any) -> None:
+        self._shift(node, +1)
+        super().unlock(node)
+
+    def _shift(self, node: Any, delta: int) -> None:
+        while node is not self._root:
+            node.lock_ref += delta
+            node = node.parent
+
+
+class AliasingRadix(RadixCache):
+    """Broken: keeps the caller's slot tensor (a view of its row) instead of a copy."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        n = super().insert(key, slots)
+        tokens = _as_key(key, "insert")
+        leaf, end = self._descend(tokens, next(self._clock))
+        if end == tokens.size and leaf is not self._root:
+            leaf.value = slots[end - leaf.key.size : end]
+        return n
+
+
+class MostRecentFirstRadix(RadixCache):
+    """Broken: evicts the most recently used leaf first."""
+
+    def _queue_if_evictable(self, node: Any) -> None:
+        if node.lock_ref or node.children or node is self._root:
+            return
+        node.queued = -node.last_access
+        heapq.heappush(self._heap, (node.queued, node.uid, node))
+
+
+class ShortMatchRadix(RadixCache):
+    """Broken: a match reports one token less than is cached."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        m = super().match(key)
+        return PrefixMatch(m.slots[:-1], m.node) if m.length > 1 else m
+
+
+class ForceMissIgnoredRadix(RadixCache):
+    """Broken: matches even when built with force_miss."""
+
+    def __init__(self, init: PrefixCacheInit) -> None:
+        super().__init__(dataclasses.replace(init, force_miss=False))
+
+
+class DuplicateFreeingRadix(RadixCache):
+    """Broken: insert frees the caller's duplicate slots itself (they are the caller's)."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        n = super().insert(key, slots)
+        if n:
+            self.init.free_slots(slots[:n].clone())
+        return n
