@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from execrt.core.errors import OutOfKVCacheError
-
 
 class ReqToTokenPool:
     """Maps a request row to the KV slot of each of its tokens.
@@ -31,6 +29,10 @@ class ReqToTokenPool:
 
     def available_size(self) -> int:
         return len(self._free)
+
+    def free_rows(self) -> list[int]:
+        """The rows not handed out (a copy)."""
+        return list(self._free)
 
     def alloc(self) -> int | None:
         """One free row, or None when every row is in use."""
@@ -80,6 +82,10 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return int(self._free.numel())
 
+    def free_slot_ids(self) -> torch.Tensor:
+        """The slots not handed out, int64 ``[available_size()]`` on the device (read only)."""
+        return self._free
+
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` free slot ids as int64 ``[n]`` on the device, or None if fewer are free."""
         if n < 0:
@@ -87,14 +93,6 @@ class TokenToKVPoolAllocator:
         if n > self._free.numel():
             return None
         out, self._free = self._free[:n], self._free[n:]
-        return out
-
-    def alloc_or_raise(self, n: int) -> torch.Tensor:
-        out = self.alloc(n)
-        if out is None:
-            raise OutOfKVCacheError(
-                f"KV cache: {n} slots requested, {self.available_size()} of {self.size} free"
-            )
         return out
 
     def free(self, slots: torch.Tensor) -> None:
