@@ -11,7 +11,7 @@ import torch
 
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.schedule import ScheduleBatch
-from execrt.core.step import ForwardMode, extend_positions
+from execrt.core.step import ForwardMode
 
 if TYPE_CHECKING:
     from execrt.core.interfaces import AttentionBackend
@@ -82,24 +82,20 @@ class ForwardBatch:
     def init_new(
         cls, schedule_batch: ScheduleBatch, attn_backend: AttentionBackend | None
     ) -> ForwardBatch:
-        """Build from a ScheduleBatch: tensors by reference, positions computed here."""
+        """Build from a ScheduleBatch: its StepInputs' tensors by reference."""
         sb = schedule_batch
-        device = sb.input_ids.device
-        if sb.mode.is_decode():
-            positions = sb.seq_lens - 1  # [B]
-        else:
-            positions = extend_positions(sb.prefix_lens, sb.extend_lens, device)
+        inputs = sb.inputs
         return cls(
-            forward_mode=sb.mode,
-            batch_size=sb.batch_size,
-            input_ids=sb.input_ids,
-            positions=positions,
-            req_pool_indices=sb.req_pool_indices,
-            seq_lens=sb.seq_lens,
-            out_cache_loc=sb.out_cache_loc,
-            seq_lens_cpu=list(sb.seq_lens_cpu),
-            extend_prefix_lens_cpu=list(sb.prefix_lens),
-            extend_seq_lens_cpu=list(sb.extend_lens),
+            forward_mode=inputs.mode,
+            batch_size=inputs.batch_size,
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            req_pool_indices=inputs.req_pool_indices,
+            seq_lens=inputs.seq_lens,
+            out_cache_loc=inputs.out_cache_loc,
+            seq_lens_cpu=list(inputs.seq_lens_cpu),
+            extend_prefix_lens_cpu=list(inputs.prefix_lens_cpu),
+            extend_seq_lens_cpu=list(inputs.extend_lens_cpu),
             attn_backend=attn_backend,
             sampling_info=sb.sampling_info,
             return_full_logits=sb.return_full_logits,
