@@ -66,14 +66,14 @@ class SlotHolders:
 
     def claim(self, slots: Sequence[int], holders: Sequence[str]) -> None:
         """``holders[i]`` takes ``slots[i]``."""
-        seen: set[int] = set()
+        seen: dict[int, str] = {}
         for slot, holder in zip(slots, holders, strict=True):
-            held = self._holder.get(slot, holder if slot in seen else None)
+            held = self._holder.get(slot) or seen.get(slot)
             if slot == 0 or held is not None:
                 by = "the padding slot" if slot == 0 else f"held by {held}"
                 raise KVOwnershipError(f"KV ownership: slot {slot} handed to {holder}, {by}")
-            seen.add(slot)
-        self._holder.update(zip(slots, holders, strict=True))
+            seen[slot] = holder
+        self._holder.update(seen)
 
     def drop(self, slots: Sequence[int], holder: str) -> None:
         """``holder`` frees ``slots``."""
