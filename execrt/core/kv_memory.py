@@ -12,7 +12,7 @@ import torch
 
 from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
-from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.memory import ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
 
@@ -48,54 +48,6 @@ class Reclaimed:
 
     slots: int
     rows: int
-
-
-class SlotHolders:
-    """The debug map (``EXECRT_DEBUG_KV_OWNERSHIP=1``): the holder of every handed-out slot.
-
-    Each call checks all its slots before it changes anything, and raises KVOwnershipError on
-    a slot handed to a second holder, on freeing slot 0 (the padding slot, never handed out),
-    on freeing a free slot (a double free) and on freeing another holder's slot.
-    """
-
-    def __init__(self) -> None:
-        self._holder: dict[int, str] = {}
-
-    def __len__(self) -> int:
-        return len(self._holder)
-
-    def claim(self, slots: Sequence[int], holders: Sequence[str]) -> None:
-        """``holders[i]`` takes ``slots[i]``."""
-        seen: dict[int, str] = {}
-        for slot, holder in zip(slots, holders, strict=True):
-            held = self._holder.get(slot) or seen.get(slot)
-            if slot == 0 or held is not None:
-                by = "the padding slot" if slot == 0 else f"held by {held}"
-                raise KVOwnershipError(f"KV ownership: slot {slot} handed to {holder}, {by}")
-            seen[slot] = holder
-        self._holder.update(seen)
-
-    def drop(self, slots: Sequence[int], holder: str) -> None:
-        """``holder`` frees ``slots``."""
-        seen: set[int] = set()
-        for slot in slots:
-            held = None if slot in seen else self._holder.get(slot)
-            if slot == 0:
-                raise KVOwnershipError(f"KV ownership: {holder} frees slot 0, the padding slot")
-            if held != holder:
-                state = "already free (a double free)" if held is None else f"held by {held}"
-                raise KVOwnershipError(f"KV ownership: {holder} frees slot {slot}, {state}")
-            seen.add(slot)
-        for slot in slots:
-            del self._holder[slot]
-
-    def forget(self, slots: Iterable[int]) -> None:
-        """Undo a ``claim`` whose reservation failed."""
-        for slot in slots:
-            self._holder.pop(slot, None)
-
-    def reset(self, holders: dict[int, str]) -> None:
-        self._holder = dict(holders)
 
 
 class KVMemory:
@@ -137,16 +89,14 @@ class KVMemory:
         self.stager = stager
         self.prefix_cache = prefix_cache
         self.device = req_to_token_pool.device
+        self.total_slots = allocator.size  # sizes are fixed at build
+        self.total_rows = req_to_token_pool.size
         self._held: dict[Req, Holding] = {}
         if debug_ownership is None:
             debug_ownership = envs.flag(envs.DEBUG_KV_OWNERSHIP)
         self._holders = SlotHolders() if debug_ownership else None
 
     # -- counts -------------------------------------------------------------------------------
-    @property
-    def total_slots(self) -> int:
-        return self.allocator.size
-
     @property
     def free_slots(self) -> int:
         return self.allocator.available_size()
@@ -155,10 +105,6 @@ class KVMemory:
     def owned_slots(self) -> int:
         """Slots held by requests as their own (not the prefix cache's)."""
         return sum(h.owned for h in self._held.values())
-
-    @property
-    def total_rows(self) -> int:
-        return self.req_to_token_pool.size
 
     @property
     def available_rows(self) -> int:
@@ -200,18 +146,20 @@ class KVMemory:
                 f"KVMemory: extend lengths {list(lens)} must be >= 1, one per request "
                 f"({len(reqs)} requests)"
             )
-        for req, n in zip(reqs, lens, strict=True):
+        found = [self._held.get(r) for r in reqs]
+        for req, holding, n in zip(reqs, found, lens, strict=True):
             assert req.num_pending == 0, "a prefill needs every sampled token on the host"
             if req.kv_len + n > req.seq_len:
                 raise ValueError(
                     f"KVMemory: request {req.rid} has {req.seq_len - req.kv_len} tokens to "
                     f"prefill, {n} requested"
                 )
-            self._check_room(req, req.kv_len + n)
-        new = [r for r in reqs if r not in self._held]
-        if len(new) > self.available_rows or sum(lens) > self.free_slots:
+            self._check_room(req, holding, req.kv_len + n)
+        if found.count(None) > self.available_rows or sum(lens) > self.free_slots:
             return None
-        return self._reserve(reqs, lens, new, lambda slots: self._extend_inputs(reqs, lens, slots))
+        return self._reserve(
+            reqs, found, lens, lambda slots, rows: self._extend_inputs(reqs, rows, lens, slots)
+        )
 
     def reserve_decode(
         self, reqs: Sequence[Req], input_ids: torch.Tensor | None = None
@@ -221,24 +169,27 @@ class KVMemory:
         scheduling). None, with nothing changed, when slots are short."""
         if not reqs:
             raise ValueError("KVMemory: a decode step needs at least one request")
-        for req in reqs:
-            if req not in self._held:
+        found = [self._held.get(r) for r in reqs]
+        for req, holding in zip(reqs, found, strict=True):
+            if holding is None:
                 raise ValueError(f"KVMemory: request {req.rid} decodes but holds no row")
             if req.kv_len != req.scheduled_len - 1:
                 raise ValueError(
                     f"KVMemory: request {req.rid} has {req.scheduled_len - req.kv_len} tokens "
                     "without K/V; a decode step computes one"
                 )
-            self._check_room(req, req.scheduled_len)
+            self._check_room(req, holding, req.scheduled_len)
         if len(reqs) > self.free_slots:
             return None
-        ones = [1] * len(reqs)
         return self._reserve(
-            reqs, ones, [], lambda slots: self._decode_inputs(reqs, slots, input_ids)
+            reqs,
+            found,
+            [1] * len(reqs),
+            lambda slots, rows: self._decode_inputs(reqs, rows, slots, input_ids),
         )
 
-    def _check_room(self, req: Req, seq_len: int) -> None:
-        held = self.held_tokens(req)
+    def _check_room(self, req: Req, holding: Holding | None, seq_len: int) -> None:
+        held = 0 if holding is None else holding.tokens
         assert held == req.kv_len, f"request {req.rid} holds {held} tokens, kv_len {req.kv_len}"
         limit = self.req_to_token_pool.max_context_len
         if seq_len > limit:
@@ -249,39 +200,43 @@ class KVMemory:
     def _reserve(
         self,
         reqs: Sequence[Req],
+        found: list[Holding | None],
         lens: Sequence[int],
-        new: list[Req],
-        build: Callable[[torch.Tensor], StepInputs],
+        build: Callable[[torch.Tensor, list[int]], StepInputs],
     ) -> StepInputs:
-        """Allocate, write the rows and stage (``build``), then commit the counts; any
-        exception undoes all of it."""
-        before = {r: self._held[r].owned for r in reqs if r in self._held}
+        """Take slots and rows for requests without one (``found[i]`` None), write the rows
+        and stage (``build(slots, rows)``), then commit the counts; any exception undoes all
+        of it."""
+        before = [0 if h is None else h.owned for h in found]
         slots: torch.Tensor | None = None
         rows: list[int] = []
         claimed: list[int] = []
         try:
             slots = self.allocator.alloc(sum(lens))  # [T]
             assert slots is not None, "the caller counted the free slots"
-            for req in new:
-                row = self.req_to_token_pool.alloc()
-                assert row is not None, "the caller counted the free rows"
-                rows.append(row)
-                self._held[req] = Holding(row, f"request {req.rid}")
-            inputs = build(slots)
+            held: list[Holding] = []
+            for req, holding in zip(reqs, found, strict=True):
+                if holding is None:
+                    row = self.req_to_token_pool.alloc()
+                    assert row is not None, "the caller counted the free rows"
+                    rows.append(row)
+                    holding = self._held[req] = Holding(row, f"request {req.rid}")
+                held.append(holding)
+            inputs = build(slots, [h.row for h in held])
             if self._holders is not None:
                 ids = slots.tolist()
-                holders = [self._held[r].holder for r in reqs]
-                each = [h for h, n in zip(holders, lens, strict=True) for _ in range(n)]
+                each = [h.holder for h, n in zip(held, lens, strict=True) for _ in range(n)]
                 self._holders.claim(ids, each)
                 claimed = ids
-            for req, n in zip(reqs, lens, strict=True):
-                self._held[req].owned += n
+            for holding, n in zip(held, lens, strict=True):
+                holding.owned += n
             return inputs
         except BaseException:
-            for req in new:  # ownership first, then the frees (see the class docstring)
-                self._held.pop(req, None)
-            for req, owned in before.items():
-                self._held[req].owned = owned
+            for req, holding, owned in zip(reqs, found, before, strict=True):
+                if holding is None:  # ownership first, then the frees (see the class docstring)
+                    self._held.pop(req, None)
+                else:
+                    holding.owned = owned
             if self._holders is not None:
                 self._holders.forget(claimed)
             for row in rows:
@@ -291,9 +246,8 @@ class KVMemory:
             raise
 
     def _extend_inputs(
-        self, reqs: Sequence[Req], lens: Sequence[int], slots: torch.Tensor
+        self, reqs: Sequence[Req], rows: list[int], lens: Sequence[int], slots: torch.Tensor
     ) -> StepInputs:
-        rows = [self._held[r].row for r in reqs]
         ids: list[int] = []
         token_rows: list[int] = []
         positions: list[int] = []
@@ -321,12 +275,16 @@ class KVMemory:
         )
 
     def _decode_inputs(
-        self, reqs: Sequence[Req], slots: torch.Tensor, input_ids: torch.Tensor | None
+        self,
+        reqs: Sequence[Req],
+        rows: list[int],
+        slots: torch.Tensor,
+        input_ids: torch.Tensor | None,
     ) -> StepInputs:
         b = len(reqs)
         seq = [r.scheduled_len for r in reqs]
         last = [] if input_ids is not None else [r.last_token_id for r in reqs]
-        dev = self.stager(last + [self._held[r].row for r in reqs] + seq)  # one copy
+        dev = self.stager(last + rows + seq)  # one host->device copy
         k = len(last)
         req_pool_indices, seq_lens = dev[k : k + b], dev[k + b :]  # [B], [B]
         positions = seq_lens - 1  # [B]: where each request's new token goes

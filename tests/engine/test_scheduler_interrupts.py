@@ -23,7 +23,9 @@ PROMPTS = [[5, 9, 13, 2, 40], [7, 7, 1], [100, 3, 8, 21, 64, 9, 30]]
 # 7..11 KV slots each (prompt + max_new_tokens - 1), 16 in the cache, prefill chunks of 6:
 # chunked prefills, retractions (3 per call) and finishes all happen, so an interrupt can
 # land in any of them.
-CONFIG = dict(device="cpu", kv_cache_tokens=16, max_running_requests=3, max_prefill_tokens=6)
+CONFIG: dict[str, Any] = dict(
+    device="cpu", kv_cache_tokens=16, max_running_requests=3, max_prefill_tokens=6
+)
 
 
 class Flaky:
