@@ -102,10 +102,8 @@ class Scheduler:
     ) -> None:
         self.worker = worker
         self.memory = worker.memory
-        limits = worker.limits
-        self.device = limits.device
-        self.context_len = limits.context_len
-        self.max_running = limits.max_running_requests
+        self.context_len = worker.limits.context_len
+        self.max_running = worker.limits.max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
