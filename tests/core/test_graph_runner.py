@@ -127,7 +127,7 @@ def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint
         bucket = runner.bucket(bs)
         assert bucket == min(b for b in runner.capture_bs if b >= bs)
         # Padded rows write K and V at slot 0 only; every real row writes its own slot.
-        written = set(decode.out_cache_loc.tolist())
+        written = set(decode.inputs.out_cache_loc.tolist())
         for kind, buffers in kv.items():
             for layer, (old, new) in enumerate(zip(before[kind], buffers, strict=True)):
                 where = f"bs {bs} {kind} layer {layer}"

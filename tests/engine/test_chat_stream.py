@@ -59,20 +59,20 @@ def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
         engine.stream([], SamplingParams())  # at once, before iterating
     with pytest.raises(RequestError, match="sampling_params must be SamplingParams, got dict"):
         engine.stream("x", {})  # not taken for the defaults
-    free = engine.scheduler.allocator.available_size()
+    free = engine.worker.memory.free_slots
     gen = engine.stream(
         "abandon me", SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
     )
     next(gen)
     gen.close()
-    assert engine.scheduler.allocator.available_size() == free
+    assert engine.worker.memory.free_slots == free
     assert not engine.scheduler.has_work
     assert len(engine.generate("after", SamplingParams(max_new_tokens=3)).token_ids) == 3
 
 
 def _free(engine) -> tuple[int, int]:
-    s = engine.scheduler
-    return s.allocator.available_size(), s.req_to_token_pool.available_size()
+    memory = engine.worker.memory
+    return memory.free_slots, memory.available_rows
 
 
 LONG = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

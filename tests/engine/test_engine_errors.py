@@ -30,8 +30,7 @@ def fresh_tokens(dense):
 
 
 def _free(engine: Engine) -> tuple[int, int]:
-    mr = engine.worker.model_runner
-    return mr.token_to_kv_pool_allocator.available_size(), mr.req_to_token_pool.available_size()
+    return engine.worker.memory.free_slots, engine.worker.memory.available_rows
 
 
 def _fail_on_call(n: int, original: Callable[..., Any], exc: BaseException) -> Callable[..., Any]:
@@ -48,11 +47,11 @@ def _fail_on_call(n: int, original: Callable[..., Any], exc: BaseException) -> C
 
 
 STAGES = {
-    # ScheduleBatch construction, after its slots and rows were allocated.
+    # KV reservation, after its slots and rows were allocated.
     "schedule": lambda e, wrap, mp: mp.setattr(
-        e.worker.model_runner.req_to_token_pool,
+        e.worker.memory.req_to_token_pool,
         "write_tokens",
-        wrap(e.worker.model_runner.req_to_token_pool.write_tokens),
+        wrap(e.worker.memory.req_to_token_pool.write_tokens),
     ),
     "forward_batch": lambda e, wrap, mp: mp.setattr(
         ForwardBatch, "init_new", wrap(ForwardBatch.init_new)
@@ -89,7 +88,7 @@ def test_an_exception_in_any_stage_leaves_the_engine_clean(
         unfinished = [r for r in submitted if r.finish_reason.value == "abort"]
         assert unfinished, "the failure came before any request could finish"
         assert all(type(exc).__name__ in r.error for r in unfinished)
-        assert all(r.req_pool_idx is None for r in submitted)
+        assert not any(engine.worker.memory.holds(r) for r in submitted)
         assert _free(engine) == start
         sched = engine.scheduler
         assert not sched.has_work and sched.finished == []
