@@ -36,7 +36,8 @@ class GenerationResult:
     """One request's outcome. ``error`` is set (and nothing generated) for a rejected request.
 
     ``text`` is ``token_ids`` decoded ("" when nothing was generated, as for a rejected or an
-    aborted request), None when the engine has no tokenizer.
+    aborted request), None when the engine has no tokenizer. ``cached_tokens``: prompt tokens
+    whose K/V came from the prefix cache instead of being computed.
     """
 
     token_ids: list[int]
@@ -45,6 +46,7 @@ class GenerationResult:
     finish_reason: str
     error: str | None = None
     num_retractions: int = 0
+    cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -200,6 +202,7 @@ class Engine:
                 finish_reason=req.finish_reason.value,
                 error=req.error,
                 num_retractions=req.num_retractions,
+                cached_tokens=req.cached_tokens,
             )
         ordered = [results[i] for i in range(len(batch))]
         return ordered[0] if single else ordered
@@ -350,6 +353,24 @@ class Engine:
         if self.tokenizer is None:
             return None
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def flush_cache(self) -> int:
+        """Free every prefix-cache slot that no running request reads; returns how many."""
+        return self.worker.memory.flush_cache()
+
+    def stats(self) -> dict[str, int]:
+        """KV slots (total, free, held by the prefix cache), requests (running, waiting) and
+        prefix-cache traffic (prompt tokens queried at admission, tokens found cached)."""
+        memory, sched = self.worker.memory, self.scheduler
+        return {
+            "kv_slots_total": memory.total_slots,
+            "kv_slots_free": memory.free_slots,
+            "kv_slots_cached": memory.cached_slots,
+            "requests_running": len(sched.running),
+            "requests_waiting": len(sched.waiting),
+            "prefix_hit_tokens": sched.stats.prefix_hit_tokens,
+            "prefix_query_tokens": sched.stats.prefix_query_tokens,
+        }
 
     def close(self) -> list[str]:
         """Release the model, KV cache and backends. Returns what was left open (ideally [])."""
