@@ -54,13 +54,28 @@ class Scheduler:
 
     Each step is either an extend (prefill, chunked to ``max_prefill_tokens``) of waiting
     requests, preferred while slots and rows allow, or a decode of every running request.
-    A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and its
-    slots are freed at once. Rows and slots come from ``worker.memory`` (a ``KVMemory``) and
-    go back to it; the sizes from ``worker.limits``.
+    A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and
+    gives its K/V to the prefix cache (without one, frees it) at once. Rows and slots come
+    from ``worker.memory`` (a ``KVMemory``) and go back to it; the sizes from
+    ``worker.limits``. "Available" slots are the free ones plus those the prefix cache holds
+    unlocked (a reservation evicts what it is short of): the cache never takes room from a
+    request.
 
     Admission. ``add`` aborts a request at once when it could not run even in an empty cache:
     ``kv_slots_needed(prompt, max_new_tokens, context_len) > cache size`` (or a prompt that
-    fills the context). Every other request completes (unless a step raises).
+    fills the context). Every other request completes (unless a step raises), whatever the
+    prefix cache holds.
+
+    Prefix cache. A request that holds nothing is admitted on the longest cached prefix of
+    its tokens but the last (``memory.admit``: locked, in its row, ``kv_len`` set to it); only
+    the rest is charged to the prefill budget and to the slots. Locking shrinks what is
+    available, so the room is re-read after each admission; a request that then does not fit
+    lets go of its prefix again. In-batch dedup: a request that shares at least
+    ``dedup_min_tokens`` uncached tokens with a request picked for the same extend ends the
+    batch there, and finds them cached in a later step. Once an extend's results are in (its
+    K/V written: with overlap, never earlier), each chunk's K/V goes to the cache
+    (``memory.cache_prefix``); a finished request's K/V goes too (``release(keep=...)``).
+    Retraction and aborts free only what a request owns; its cached prefix stays cached.
 
     Order. Requests are served oldest first (the order of ``add``). Invariants: ``running``
     is sorted by age and every running request is older than every waiting one; ``waiting``
@@ -68,34 +83,44 @@ class Scheduler:
     the head of ``waiting``. Extends take requests from the head of ``waiting`` only, and a
     chunked (partial) prefill is always the last one picked, so both hold.
 
-    Retraction. When a decode lacks slots, victims are taken youngest first: first the
-    partial prefill of the waiting head (its slots and row are freed; it stays queued), then
-    running requests from the newest (freed and put back at the head of ``waiting``, to be
-    re-prefilled with what they generated so far). The oldest running request O is never a
-    victim: with everything else freed, O holds ``seq_len - 1 <= kv_slots_needed - 1`` slots
-    (an unfinished request has ``seq_len <= kv_slots_needed``), so at least one is free.
-    After a retraction, until some request finishes, extends admit only requests that fit
-    even if they and every running request grow to their full need (no ping-pong).
+    Retraction. When a decode lacks available slots, victims are taken youngest first: first
+    the partial prefill of the waiting head (it lets go of its slots, its lock and its row;
+    it stays queued), then running requests from the newest (the same, and put back at the
+    head of ``waiting``, to be re-prefilled with what they generated so far). The oldest
+    running request O is never a victim: with everything else let go, O's cached and owned
+    slots, ``seq_len - 1 <= kv_slots_needed - 1``, are all that is not available (no other
+    lock remains), so at least one slot is. After a retraction, until some request finishes,
+    extends admit only requests that fit even if they and every running request grow to
+    their full need (no ping-pong): nothing but growth and admissions makes fewer slots
+    available (eviction moves evictable to free, and handing K/V to the cache keeps it
+    locked or frees duplicates), and both are counted.
 
     Progress (why ``run`` terminates). (1) A step always runs a batch: with requests running,
     the decode above succeeds; with none running, the waiting head H is the only holder of
-    slots and rows, and an extend of H gets ``n >= 1`` tokens because H keeps back a decode
-    slot only when it continues after its prefill (``seq_len + 1 <= needed <= cache``).
-    (2) Decode steps: O, the oldest unfinished request, is ``running[0]`` whenever anything
-    runs, gains a token in every decode and is never retracted, so while it is the oldest at
-    most ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
+    rows, slots and locks, so every slot but its ``kv_len`` is available, and an extend of H
+    gets ``n >= 1`` tokens because H keeps back a decode slot only when it continues after
+    its prefill (``seq_len + 1 <= needed <= cache``) and never holds its last token. (2)
+    Decode steps: O, the oldest unfinished request, is ``running[0]`` whenever anything runs,
+    gains a token in every decode and is never retracted, so while it is the oldest at most
+    ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
     ``D <= sum_i (min(M_i, C - P_i) - 1)`` over admitted requests. (3) Extend steps: each
-    takes >= 1 free slot and frees none, except a request that finishes right after its
-    prefill (once per request, <= its ``kv_slots_needed``); so a run of consecutive extends
-    is at most ``S`` (cache slots) long plus what such finishes free, and there are at most
-    ``D + 1`` runs: ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
+    makes >= 1 slot unavailable for good until a finish or a retraction: it reserves ``n >= 1``
+    per pick, and handing the chunks to the cache frees only duplicates of tokens another
+    pick of the same step computed (nothing is inserted between an admission and its
+    step's results), so the first pick to hand over keeps its ``n``. A request that finishes
+    right after its prefill makes at most its ``kv_slots_needed`` available again (once per
+    request). So a run of consecutive extends is at most ``S`` (cache slots) long plus what
+    such finishes return, and there are at most ``D + 1`` runs:
+    ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
 
     Errors. If a step raises (any BaseException, a KeyboardInterrupt too, wherever it comes
-    from: scheduling, the forward, sampling, processing results, freeing), the requests of the
-    batches in flight are aborted with the error and the exception propagates. Before that,
-    the scheduler recovers: only unfinished requests stay queued, a request whose retraction
-    was cut short waits to be prefilled again, and ``memory.reconcile`` frees every slot and
-    row that no queued request holds. The other queued requests stay consistent.
+    from: scheduling, the forward, sampling, processing results, freeing, the prefix cache),
+    the requests of the batches in flight are aborted with the error and the exception
+    propagates. Before that, the scheduler recovers: only unfinished requests stay queued, a
+    request whose retraction was cut short waits to be prefilled again, a waiting request
+    other than the head lets go of a cached prefix an admission cut short left it, and
+    ``memory.reconcile`` frees every slot and row that no queued request (nor the cache)
+    holds. The other queued requests stay consistent.
     """
 
     def __init__(
