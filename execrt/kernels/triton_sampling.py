@@ -149,11 +149,12 @@ def _race(
             s = tl.where(kept, s, float("-inf"))
         block_top = tl.max(s, axis=0)
         top = tl.maximum(top, block_top)
-        # Every key in the block is at most block_top + T * G_BOUND; skip it when that stays
-        # below the best (with a margin for rounding; -inf blocks give NaN and skip).
+        # Every key in the block is at most block_top + T * G_BOUND: skip the block when that
+        # stays below the best so far, with a margin for rounding (a block of -inf logits
+        # reaches -inf: skipped once there is a best).
         reach = block_top + temp * G_BOUND
-        margin = (tl.abs(block_top) + temp * G_BOUND) * 1e-6
-        if (best == float("-inf")) | (reach + margin >= best):
+        margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
+        if reach + margin >= best:
             if greedy:
                 g = tl.zeros([BLOCK], tl.float32)
             else:
