@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from bench_layer_kernels import time_graph  # this folder: run as a script
 
 from execrt.bench.common import L2_BYTES, copy_bandwidth_gbps, median_us, utc_now
 from execrt.core.sampler import Sampler, SamplingBatchInfo
@@ -91,21 +92,6 @@ def round_robin(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def graph_us(calls: Sequence[Callable[[], object]], replays: int, repeats: int) -> float:
-    """µs per call with every call captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return median_us(graph.replay, replays, repeats) / len(calls)
-
-
 def measure(b: int, vocab: int, dtype: torch.dtype, mix: str, shape: str, copy_gbps: float) -> Row:
     gen = torch.Generator(device="cuda").manual_seed(b * 1000 + len(mix) + len(shape))
     nbytes = b * vocab * torch.empty((), dtype=dtype).element_size()
@@ -113,13 +99,15 @@ def measure(b: int, vocab: int, dtype: torch.dtype, mix: str, shape: str, copy_g
     logits = [make_logits(shape, b, vocab, dtype, gen) for _ in range(sets)]
     info = make_info(mix, b)
     today = Sampler()
-    today_calls = [functools.partial(today, x, info) for x in logits]
-    fused_calls = [functools.partial(fused_sample, x, info) for x in logits]
+    today_calls: list[Callable[[], object]] = [functools.partial(today, x, info) for x in logits]
+    fused_calls: list[Callable[[], object]] = [
+        functools.partial(fused_sample, x, info) for x in logits
+    ]
     mismatches = int((today(logits[0], info) != fused_sample(logits[0], info)).sum())
     today_us = median_us(round_robin(today_calls), sets, 5)
     fused_us = median_us(round_robin(fused_calls), sets, 5)
     replays = max(1, 200 // sets)
-    fused_graph = graph_us(fused_calls, replays, 5)
+    fused_graph = time_graph(fused_calls, replays, 5)
     floor = nbytes / (copy_gbps * 1e9) * 1e6
     return Row(
         b,

@@ -15,59 +15,37 @@ from execrt.core.sampler import SampleFn, Sampler, SamplingBatchInfo
 from execrt.kernels._triton import KernelMode, import_triton, use_triton
 
 
-def sample_torch(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-) -> torch.Tensor:
+def sample_torch(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """The reference: the core Sampler's torch draw (a full sort of each sampled row)."""
-    info = SamplingBatchInfo(temperatures, top_ks, top_ps, seeds, steps, all_greedy=False)
     return Sampler.sample_torch(logits, info)
 
 
 def sample(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    use_triton: bool = False,
+    logits: torch.Tensor, info: SamplingBatchInfo, *, use_triton: bool = False
 ) -> torch.Tensor:
-    """Token ids ``[B]`` int64 from ``logits [B, V]`` (fp32, fp16 or bf16) and per-row
-    parameters ``[B]``: temperatures fp32 (0 = greedy), top_ks int64 (<= 0 = off), top_ps fp32
-    (>= 1 = off), seeds and steps int64 (the noise key).
+    """Token ids ``[B]`` int64 from ``logits [B, V]`` (fp32, fp16 or bf16) and the per-row
+    parameters in ``info`` (``[B]`` each): temperatures fp32 (0 = greedy), top_ks int64
+    (<= 0 = off), top_ps fp32 (>= 1 = off), seeds and steps int64 (the noise key).
+    ``info.all_greedy`` is not read: greedy rows need their temperature 0 in the tensors.
 
-    ``use_triton`` (see ``execrt.kernels.use_triton``) picks the two-launch Triton kernels:
-    the same tokens as the reference for the same seeds, except where two candidates' race
-    keys, or a token's mass before it and top_p, are equal within fp32 rounding (the kernel
-    compares ``s + T * G`` where the reference compares ``softmax(s / T) / E``, and it sums the
-    masses in another order). A row's token never depends on the other rows.
+    ``use_triton`` (see ``execrt.kernels.use_triton``) picks the two-launch Triton kernels, which
+    sync nothing with the host and allocate only ``[B]``-sized buffers: capturable in a CUDA
+    graph. They give the reference's tokens for the same seeds, except where two candidates'
+    race keys, or a token's mass before it and top_p, are equal within fp32 rounding (the
+    kernel compares ``s + T * G`` where the reference compares ``softmax(s / T) / E``, and sums
+    the masses in another order). A row's token never depends on the other rows.
     """
     if not use_triton:
-        return sample_torch(logits, temperatures, top_ks, top_ps, seeds, steps)
+        return sample_torch(logits, info)
     import_triton()
     from execrt.kernels.triton_sampling import sample_triton
 
-    return sample_triton(logits, temperatures, top_ks, top_ps, seeds, steps)
+    return sample_triton(logits, info)
 
 
 def fused_sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """The Triton draw on ``info``'s tensors (a ``core.sampler.SampleFn``; ``all_greedy`` is
-    not read, so greedy rows need their temperature 0 in ``info.temperatures``)."""
-    return sample(
-        logits,
-        info.temperatures,
-        info.top_ks,
-        info.top_ps,
-        info.seeds,
-        info.steps,
-        use_triton=True,
-    )
+    """``sample(..., use_triton=True)``: the ``core.sampler.SampleFn`` of the Triton draw."""
+    return sample(logits, info, use_triton=True)
 
 
 def sample_fn(device: torch.device | str, mode: KernelMode | str) -> SampleFn | None:

@@ -1,15 +1,16 @@
 """Triton sampling: the exponential race in one split pass, sort-free top-k / top-p after it.
 
-Two launches, no host sync, shapes fixed by ``[B, V]``: capturable in a CUDA graph.
+Two launches of ``_sample_kernel``, no host sync, shapes fixed by ``[B, V]``: capturable in a
+CUDA graph.
 
-1. ``_race_kernel``, grid (row, part): each program streams a part of a row and keeps the best
+1. The race, grid (row, part): each program streams a part of a row and keeps the best
    race key ``s + T * G`` (``s`` the logit, ``G = -log E`` the Gumbel form of the core's
    Exp(1) noise at (seed, step, token id)), that is ``argmax p / E`` without the softmax: the
    order of ``log p - log E = (s - max) / T - log Z + G`` is that of ``s + T * G`` for T > 0.
    Greedy rows (T == 0 or top_k == 1) use T = 0 and no noise: the key is the logit. It also
    keeps the part's largest logit. A block whose largest logit cannot reach the best key so
    far (``G`` is at most ``G_BOUND``) skips the hash.
-2. ``_finish_kernel``, one program per row: merges the parts. A row without top-k / top-p
+2. The finish (``FINISH``), one program per row: merges the parts. A row without top-k / top-p
    (or greedy) is done: the unfiltered winner is its token. Otherwise the kept set is a prefix
    of the ranking (logit descending, lowest id first among equals), found without sorting:
 
@@ -33,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.core.sampler import SamplingBatchInfo
 from execrt.kernels._triton import (
     check_device,
     check_float,
@@ -51,13 +53,13 @@ ROW_BLOCK = 1024
 MIN_BLOCK = 64
 #: Race programs wanted per SM: rows are split into parts until the grid fills the GPU.
 PROGRAMS_PER_SM = 4
-#: Thresholds one search pass tests: each costs ~4 instructions per token, and a pass is
-#: memory-bound up to about this many.
-SEARCH_THRESHOLDS = 4
+#: Thresholds one search pass tests (NT in shape comments): each costs ~4 instructions per
+#: token, and a pass is memory-bound up to about this many.
+SEARCH_THRESHOLDS = tl.constexpr(4)
 #: Passes after which a search stops: finite logits converge long before (each pass removes at
 #: least one distinct value and typically narrows the bracket SEARCH_THRESHOLDS-fold); only a
 #: row with NaNs can get here, and it then takes its top token.
-MAX_PASSES = 160
+MAX_PASSES = tl.constexpr(160)
 #: Above the largest G = -log(-log u) the noise gives: u <= 1 - 2**-24, G <= 16.635.
 G_BOUND = tl.constexpr(16.7)
 #: Largest 1 / T used (a smaller T is not representable as a finite reciprocal): keeps
@@ -175,41 +177,6 @@ def _race(
 
 
 @triton.jit
-def _race_kernel(
-    logits_ptr,
-    stride_row,
-    vocab,
-    chunk,
-    temps_ptr,
-    top_ks_ptr,
-    seeds_ptr,
-    steps_ptr,
-    part_key_ptr,
-    part_g_ptr,
-    part_id_ptr,
-    part_max_ptr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_prologue(PDL)
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
-    key = _row_key(seeds_ptr, steps_ptr, row)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    start = part * chunk
-    end = tl.minimum(start + chunk, vocab)
-    win_k, win_g, win_i, top = _race(
-        base, start, end, temp, greedy, key, 0.0, 0, FILTER=False, BLOCK=BLOCK
-    )
-    at = row * tl.num_programs(1) + part
-    tl.store(part_key_ptr + at, win_k)
-    tl.store(part_g_ptr + at, win_g)
-    tl.store(part_id_ptr + at, win_i)
-    tl.store(part_max_ptr + at, top)
-
-
-@triton.jit
 def _count(
     base,
     vocab,
@@ -222,15 +189,14 @@ def _count(
     winner,
     use_p,
     BLOCK: tl.constexpr,
-    NT: tl.constexpr,
 ):
     """One pass over a row: count and mass ``exp((s - m) / T)`` of the tokens above each
-    threshold ``thr [NT]``; the total mass; the smallest and largest logit in ``(lo, hi]``;
-    how many are finite; how many equal ``t0``, and how many of those precede ``winner``.
-    Masses are summed only for a top-p row (``use_p``)."""
+    threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
+    ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
+    ``winner``. Masses are summed only for a top-p row (``use_p``)."""
     lanes = tl.arange(0, BLOCK)
-    cnt = tl.zeros([NT, BLOCK], tl.int32)
-    mass = tl.zeros([NT, BLOCK], tl.float32)
+    cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
+    mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
     z = tl.zeros([BLOCK], tl.float32)
     dmin = tl.full([BLOCK], float("inf"), tl.float32)
     dmax = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -292,18 +258,16 @@ def _filtered_token(
     top_p,
     use_p,
     BLOCK: tl.constexpr,
-    NT: tl.constexpr,
-    MAX_PASSES: tl.constexpr,
 ):
     """The race winner among the top-k / top-p kept tokens of a row (see the module doc)."""
     inv_t = tl.minimum(1.0 / temp, MAX_INV_T)
-    j = tl.arange(0, NT)
-    jf = j.to(tl.float32) / NT
+    j = tl.arange(0, SEARCH_THRESHOLDS)
+    jf = j.to(tl.float32) / SEARCH_THRESHOLDS
     s_w = tl.load(base + winner).to(tl.float32)
     # Pass 1: the winner's rank and the mass before it; thresholds from its logit up.
     thr = s_w + (m - s_w) * jf
     cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t, float("-inf"), m, thr, s_w, winner, use_p, BLOCK, NT
+        base, vocab, m, inv_t, float("-inf"), m, thr, s_w, winner, use_p, BLOCK
     )
     zlim = top_p * z
     p_off = use_p == 0
@@ -329,7 +293,7 @@ def _filtered_token(
         b = tl.minimum(hi, dmax)
         thr = a + (b - a) * jf
         cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-            base, vocab, m, inv_t, lo, hi, thr, m, winner, use_p, BLOCK, NT
+            base, vocab, m, inv_t, lo, hi, thr, m, winner, use_p, BLOCK
         )
         single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
         t_star = tl.where(single, dmin, t_star)
@@ -357,54 +321,69 @@ def _filtered_token(
 
 
 @triton.jit
-def _finish_kernel(
+def _sample_kernel(
     logits_ptr,
     stride_row,
     vocab,
+    chunk,
     temps_ptr,
     top_ks_ptr,
     top_ps_ptr,
     seeds_ptr,
     steps_ptr,
-    part_key_ptr,
-    part_g_ptr,
+    part_ptr,
     part_id_ptr,
-    part_max_ptr,
-    num_parts,
     out_ptr,
+    FINISH: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    NT: tl.constexpr,
-    MAX_PASSES: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
+    largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``); then, with FINISH, grid
+    (row,) merges a row's parts and applies its filters (see the module doc)."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
-    p = tl.arange(0, BLOCK_P)
-    valid = p < num_parts
-    at = row * num_parts + p
-    part_k = tl.load(part_key_ptr + at, mask=valid, other=float("-inf"))
-    part_g = tl.load(part_g_ptr + at, mask=valid, other=float("-inf"))
-    part_i = tl.load(part_id_ptr + at, mask=valid, other=2147483647)
-    _k, _g, winner = _first(part_k, part_g, part_i)
     temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
-    top_k = tl.load(top_ks_ptr + row)
-    top_p = tl.load(top_ps_ptr + row)
-    use_k = (top_k > 1) & (top_k < vocab)  # <= 0 or beyond the vocabulary: off; 1: greedy
-    use_p = top_p < 1.0
-    token = winner
-    if (temp > 0) & (use_k | use_p):
-        m = tl.max(tl.load(part_max_ptr + at, mask=valid, other=float("-inf")), axis=0)
-        k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
-        key = _row_key(seeds_ptr, steps_ptr, row)
-        base = logits_ptr + row.to(tl.int64) * stride_row
-        token = _filtered_token(
-            base, vocab, temp, key, m, winner, k_lim, top_p, use_p, BLOCK, NT, MAX_PASSES
+    key = _row_key(seeds_ptr, steps_ptr, row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    num_parts = tl.cdiv(vocab, chunk)
+    plane = tl.num_programs(0) * num_parts
+    if FINISH:
+        p = tl.arange(0, BLOCK_P)
+        valid = p < num_parts
+        at = row * num_parts + p
+        part_k = tl.load(part_ptr + at, mask=valid, other=float("-inf"))
+        part_g = tl.load(part_ptr + plane + at, mask=valid, other=float("-inf"))
+        part_i = tl.load(part_id_ptr + at, mask=valid, other=2147483647)
+        _k, _g, token = _first(part_k, part_g, part_i)
+        top_k = tl.load(top_ks_ptr + row)
+        top_p = tl.load(top_ps_ptr + row)
+        use_k = (top_k > 1) & (top_k < vocab)  # <= 0 or beyond the vocabulary: off; 1: greedy
+        use_p = top_p < 1.0
+        if (temp > 0) & (use_k | use_p):
+            top = tl.load(part_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
+            k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
+            token = _filtered_token(
+                base, vocab, temp, key, tl.max(top, axis=0), token, k_lim, top_p, use_p, BLOCK
+            )
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:
+        part = tl.program_id(1)
+        start = part * chunk
+        end = tl.minimum(start + chunk, vocab)
+        win_k, win_g, win_i, top = _race(
+            base, start, end, temp, greedy, key, 0.0, 0, FILTER=False, BLOCK=BLOCK
         )
-    tl.store(out_ptr + row, token.to(tl.int64))
+        at = row * num_parts + part
+        tl.store(part_ptr + at, win_k)
+        tl.store(part_ptr + plane + at, win_g)
+        tl.store(part_ptr + 2 * plane + at, top)
+        tl.store(part_id_ptr + at, win_i)
 
 
-_PARAM_DTYPES = {
+#: The parameter tensors the kernels read, with the dtype each must have.
+PARAM_DTYPES = {
     "temperatures": torch.float32,
     "top_ks": torch.int64,
     "top_ps": torch.float32,
@@ -413,24 +392,29 @@ _PARAM_DTYPES = {
 }
 
 
-def _check(logits: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
+def _params(logits: torch.Tensor, info: SamplingBatchInfo) -> list[torch.Tensor]:
+    """``info``'s tensors in PARAM_DTYPES order, checked against ``logits``."""
     name = "sample"
     check_float(name, "logits", logits)
     check_device(name, "logits", logits)
-    check_same_device(name, logits, **params)
     if logits.dim() != 2 or logits.shape[1] == 0:
         fail(name, f"logits {tuple(logits.shape)} must be [B, V] with V >= 1")
     if logits.shape[1] >= 2**31 - RACE_BLOCK:
         fail(name, f"vocabulary {logits.shape[1]} unsupported (supported: < 2**31 - 1024)")
-    for key, t in params.items():
-        if t.dtype != _PARAM_DTYPES[key]:
-            fail(name, f"{key} dtype {t.dtype} unsupported (supported: {_PARAM_DTYPES[key]})")
+    out = []
+    for key, dtype in PARAM_DTYPES.items():
+        t = getattr(info, key)
+        check_same_device(name, logits, **{key: t})
+        if t.dtype != dtype:
+            fail(name, f"{key} dtype {t.dtype} unsupported (supported: {dtype})")
         if t.shape != (logits.shape[0],):
             fail(name, f"{key} {tuple(t.shape)} must be [B] for logits {tuple(logits.shape)}")
+        out.append(t.contiguous())  # views of one staging buffer are
+    return out
 
 
 def _blocks(vocab: int) -> tuple[int, int]:
-    """Block sizes of the two kernels: no wider than the vocabulary needs."""
+    """Block sizes of the two launches: no wider than the vocabulary needs."""
     fit = max(MIN_BLOCK, next_power_of_2(vocab))
     return min(RACE_BLOCK, fit), min(ROW_BLOCK, fit)
 
@@ -443,26 +427,11 @@ def _parts(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int
     return triton.cdiv(vocab, chunk), chunk
 
 
-def sample_triton(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-) -> torch.Tensor:
+def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Two launches over ``logits [B, V]``; see ``sampling.sample``."""
-    params = {
-        "temperatures": temperatures,
-        "top_ks": top_ks,
-        "top_ps": top_ps,
-        "seeds": seeds,
-        "steps": steps,
-    }
-    _check(logits, params)
+    params = _params(logits, info)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    params = {k: t.contiguous() for k, t in params.items()}  # views of one staging buffer
     rows, vocab = logits.shape
     device = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=device)
@@ -470,49 +439,17 @@ def sample_triton(
         return out
     race_block, row_block = _blocks(vocab)
     parts, chunk = _parts(rows, vocab, race_block, device)
-    part_key = torch.empty((rows, parts), dtype=torch.float32, device=device)
-    part_g = torch.empty_like(part_key)
-    part_max = torch.empty_like(part_key)
+    part = torch.empty((3, rows, parts), dtype=torch.float32, device=device)  # key, G, top
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
-    temps, ks, ps = params["temperatures"], params["top_ks"], params["top_ps"]
-    seeds, steps = params["seeds"], params["steps"]
-    _race_kernel[(rows, parts)](
-        logits,
-        logits.stride(0),
-        vocab,
-        chunk,
-        temps,
-        ks,
-        seeds,
-        steps,
-        part_key,
-        part_g,
-        part_id,
-        part_max,
-        BLOCK=race_block,
-        num_warps=max(1, min(4, race_block // 256)),
-        **pdl_kwargs(device),
+    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, out)
+    block_p = max(2, next_power_of_2(parts))
+    pdl = pdl_kwargs(device)
+    race_warps = max(1, min(4, race_block // 256))
+    _sample_kernel[(rows, parts)](
+        *args, FINISH=False, BLOCK=race_block, BLOCK_P=block_p, num_warps=race_warps, **pdl
     )
-    _finish_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        vocab,
-        temps,
-        ks,
-        ps,
-        seeds,
-        steps,
-        part_key,
-        part_g,
-        part_id,
-        part_max,
-        parts,
-        out,
-        BLOCK=row_block,
-        BLOCK_P=max(2, next_power_of_2(parts)),
-        NT=SEARCH_THRESHOLDS,
-        MAX_PASSES=MAX_PASSES,
-        num_warps=max(1, min(8, row_block // 128)),
-        **pdl_kwargs(device),
+    row_warps = max(1, min(8, row_block // 128))
+    _sample_kernel[(rows,)](
+        *args, FINISH=True, BLOCK=row_block, BLOCK_P=block_p, num_warps=row_warps, **pdl
     )
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -306,25 +307,9 @@ def test_parameters_of_the_wrong_dtype_or_shape_are_refused() -> None:
     logits = torch.randn(3, 50, device=DEVICE)
     good = params(3)
     with pytest.raises(ValueError, match="sample: top_ks dtype torch.int32 unsupported"):
-        sample(
-            logits,
-            good.temperatures,
-            good.top_ks.int(),
-            good.top_ps,
-            good.seeds,
-            good.steps,
-            use_triton=True,
-        )
+        fused_sample(logits, replace(good, top_ks=good.top_ks.int()))
     with pytest.raises(ValueError, match=r"sample: seeds \(2,\) must be \[B\]"):
-        sample(
-            logits,
-            good.temperatures,
-            good.top_ks,
-            good.top_ps,
-            good.seeds[:2],
-            good.steps,
-            use_triton=True,
-        )
+        sample(logits, replace(good, seeds=good.seeds[:2]), use_triton=True)
     with pytest.raises(ValueError, match=r"sample: logits \(150,\) must be \[B, V\]"):
         fused_sample(logits.flatten(), good)
 
