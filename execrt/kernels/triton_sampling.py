@@ -9,7 +9,8 @@ CUDA graph.
    order of ``log p - log E = (s - max) / T - log Z + G`` is that of ``s + T * G`` for T > 0.
    Greedy rows (T == 0 or top_k == 1) use T = 0 and no noise: the key is the logit. It also
    keeps the part's largest logit. A block whose largest logit cannot reach the best key so
-   far (``G`` is at most ``G_BOUND``) skips the hash.
+   far (``G`` is at most ``G_BOUND``) skips the hash; the parts of a row share their best key
+   through a relaxed atomic max, so the skip works row-wide.
 2. The finish (``FINISH``), one program per row: merges the parts. A row without top-k / top-p
    (or greedy) is done: the unfiltered winner is its token. Otherwise the kept set is a prefix
    of the ranking (logit descending, lowest id first among equals), found without sorting:
@@ -126,12 +127,17 @@ def _race(
     key,
     t_star,
     r_ties,
+    best_ptr,
     FILTER: tl.constexpr,
+    SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """(key, G, id) of the race winner over tokens [start, end) of a row, and their largest
     logit. With FILTER only the kept tokens race: ``s > t_star`` and the first ``r_ties``
-    (by id) with ``s == t_star``; ``start`` must then be 0."""
+    (by id) with ``s == t_star``; ``start`` must then be 0. With SHARE the programs racing
+    parts of one row publish their best key at ``best_ptr`` after every block and skip by the
+    row's best, not only their own (a hint: any key some token has is a lower bound on the
+    winner's, so the skipped blocks never hold it)."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -171,6 +177,8 @@ def _race(
             best_g = tl.where(better, g, best_g)
             best_i = tl.where(better, ids, best_i)
             best = tl.maximum(best, tl.max(k, axis=0))
+        if SHARE:
+            best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
         off += BLOCK
     win_k, win_g, win_i = _first(best_k, best_g, best_i)
     return win_k, win_g, win_i, top
@@ -315,7 +323,7 @@ def _filtered_token(
     t_star = tl.where(done > 0, t_star, m)
     r_ties = tl.where(done > 0, r_ties, 1)
     _k, _g, token, _t = _race(
-        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, FILTER=True, BLOCK=BLOCK
+        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, base, True, False, BLOCK
     )
     return tl.where(inside, winner, token)
 
@@ -333,14 +341,17 @@ def _sample_kernel(
     steps_ptr,
     part_ptr,
     part_id_ptr,
+    best_ptr,
     out_ptr,
     FINISH: tl.constexpr,
+    SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
-    largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``); then, with FINISH, grid
+    largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``), the parts of a row
+    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE; then, with FINISH, grid
     (row,) merges a row's parts and applies its filters (see the module doc)."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
@@ -373,7 +384,7 @@ def _sample_kernel(
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
         win_k, win_g, win_i, top = _race(
-            base, start, end, temp, greedy, key, 0.0, 0, FILTER=False, BLOCK=BLOCK
+            base, start, end, temp, greedy, key, 0.0, 0, best_ptr + row, False, SHARE, BLOCK
         )
         at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
@@ -441,15 +452,23 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     parts, chunk = _parts(rows, vocab, race_block, device)
     part = torch.empty((3, rows, parts), dtype=torch.float32, device=device)  # key, G, top
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
-    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, out)
+    share = parts > 1
+    best = torch.full((rows,), float("-inf"), device=device) if share else part
+    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, out)
     block_p = max(2, next_power_of_2(parts))
     pdl = pdl_kwargs(device)
-    race_warps = max(1, min(4, race_block // 256))
-    _sample_kernel[(rows, parts)](
-        *args, FINISH=False, BLOCK=race_block, BLOCK_P=block_p, num_warps=race_warps, **pdl
+    stages = (
+        (False, (rows, parts), race_block, max(1, min(4, race_block // 256))),
+        (True, (rows,), row_block, max(1, min(8, row_block // 128))),
     )
-    row_warps = max(1, min(8, row_block // 128))
-    _sample_kernel[(rows,)](
-        *args, FINISH=True, BLOCK=row_block, BLOCK_P=block_p, num_warps=row_warps, **pdl
-    )
+    for finish, grid, block, warps in stages:
+        _sample_kernel[grid](
+            *args,
+            FINISH=finish,
+            SHARE=share and not finish,
+            BLOCK=block,
+            BLOCK_P=block_p,
+            num_warps=warps,
+            **pdl,
+        )
     return out

@@ -71,10 +71,13 @@ def _quick_interpreter() -> Iterator[None]:
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks of 128 tokens: small vocabularies still take several blocks per program and
-    several programs (parts) per row, as 152k does with the real sizes."""
+    """Blocks of 128 tokens and more programs per SM: small vocabularies still take several
+    blocks per program and several programs (parts, sharing their best key) per row, as 152k
+    does with the real sizes."""
     monkeypatch.setattr(triton_sampling, "RACE_BLOCK", 128)
     monkeypatch.setattr(triton_sampling, "ROW_BLOCK", 128)
+    # The interpreter counts one SM: 12 rows of 1500 tokens make 4 parts of 3 blocks.
+    monkeypatch.setattr(triton_sampling, "PROGRAMS_PER_SM", 48)
 
 
 def params(
