@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from execrt.core.sampler import Sampler, SamplingBatchInfo, uniform_noise
 from execrt.core.schedule import Req, SamplingParams
 from execrt.kernels import triton_sampling
+from execrt.kernels._triton import interpreter_enabled
 from execrt.kernels.sampling import fused_sample, sample, sample_fn
 from tests.kernels.helpers import CUDA, DEVICE, needs_cuda, replay_matches_eager
 
@@ -30,6 +31,9 @@ def _quick_interpreter() -> Iterator[None]:
     """Under the interpreter every call of a jit helper (tl.max included) re-patches
     triton.language, ~5 ms each, though the launch has already patched it: patch once per
     launch. Only the cost changes; where the internals differ, nothing is changed."""
+    if not interpreter_enabled():
+        yield
+        return
     try:
         import triton.language as tl
         from triton.runtime import interpreter
