@@ -4,13 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from execrt.core.schedule import Req
     from execrt.core.staging import HostToDevice
+
+
+class _Params(Protocol):
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def greedy(self) -> bool: ...
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (``core.schedule.Req`` is one): its parameters, seed
+    and how many tokens it has sampled, in flight included."""
+
+    @property
+    def sampling_params(self) -> _Params: ...
+    @property
+    def sampling_seed(self) -> int: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def num_pending(self) -> int: ...
+
 
 _M32 = 0xFFFFFFFF
 _I64_MAX = 2**63 - 1
@@ -29,7 +54,10 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(
-        cls, reqs: Sequence[Req], device: torch.device, stager: HostToDevice | None = None
+        cls,
+        reqs: Sequence[SamplingRequest],
+        device: torch.device,
+        stager: HostToDevice | None = None,
     ) -> SamplingBatchInfo:
         """One row per request. ``steps`` counts tokens still in flight too, so a seeded draw
         is the same whether or not the host has seen the previous token yet. An all-greedy
