@@ -264,3 +264,13 @@ def test_conformance_with_an_option_pytest_refuses_runs_nothing_and_exits_2(
     assert code == 2, captured
     assert "no report written" in captured.out
     assert not os.path.exists(conformance_report_path("attention", "torch_native"))
+
+
+def test_a_prompt_of_undecodable_bytes_is_one_line_and_exit_2(capsys) -> None:
+    # `execrt generate $'abc\xff'`: Python hands the byte over as the surrogate escape \udcff.
+    assert main(["generate", "abc\udcff", "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "note:" not in ln]
+    assert err == [
+        "execrt: request 'abc\\udcff' rejected: text is not valid Unicode: character 3 is "
+        "byte 0xff, which is not UTF-8"
+    ]

@@ -17,7 +17,12 @@ from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_runner import resolve_device
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState, init_parallel
-from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
+from execrt.core.prompts import (
+    broadcast_sampling_params,
+    prompt_token_ids,
+    split_prompts,
+    text_problem,
+)
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
@@ -102,25 +107,30 @@ class Engine:
         cfg = self.config  # on CUDA under torchrun, with this rank's device
         try:
             self.worker = TpModelWorker(loader, cfg, self.context, registry)
+            self.model_config = checkpoint.config if checkpoint else loader.spec
+            self.tokenizer: Any = None
+            self.chat_template: ChatTemplate | None = None
+            if checkpoint is not None:
+                from execrt.models.config import checkpoint_dir
+                from execrt.models.tokenizer import load_chat_template, load_tokenizer
+
+                converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
+                self.tokenizer = load_tokenizer(converted)
+                self.chat_template = load_chat_template(converted)
+            self.scheduler = Scheduler(
+                self.worker,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                eos_token_ids=self.model_config.eos_token_ids,
+                overlap=cfg.overlap_schedule,
+            )
         except BaseException:
+            # Release the model and KV cache now, not at the next garbage collection: the
+            # half-built engine stays reachable from the traceback (and the context's
+            # registry holds the cache in a reference cycle).
+            if "worker" in self.__dict__:
+                self.__dict__.pop("worker").close()  # no local keeps it alive in the frame
             self.context.close()
             raise
-        self.model_config = checkpoint.config if checkpoint else loader.spec
-        self.tokenizer: Any = None
-        self.chat_template: ChatTemplate | None = None
-        if checkpoint is not None:
-            from execrt.models.config import checkpoint_dir
-            from execrt.models.tokenizer import load_chat_template, load_tokenizer
-
-            converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
-            self.tokenizer = load_tokenizer(converted)
-            self.chat_template = load_chat_template(converted)
-        self.scheduler = Scheduler(
-            self.worker,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
-            overlap=cfg.overlap_schedule,
-        )
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
@@ -333,6 +343,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 problems.append("text prompt but the model has no tokenizer.json; pass token ids")
+            elif (problem := text_problem(prompt)) is not None:
+                problems.append(problem)
             else:
                 ids = self.tokenizer.encode(prompt).ids
         else:
