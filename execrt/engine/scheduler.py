@@ -361,6 +361,8 @@ class Scheduler:
         try:
             return fn(*args)
         except BaseException as exc:
+            if not any(isinstance(a, Launched) for a in args):
+                self._salvage_inflight()
             batches = [b for b in (extra, self._inflight and self._inflight.batch) if b]
             for arg in args:
                 if isinstance(arg, Launched):
@@ -368,6 +370,19 @@ class Scheduler:
             self._inflight = None
             self._abort_batches(batches, f"step failed: {describe_exception(exc)}")
             raise
+
+    def _salvage_inflight(self) -> None:
+        """Keep the tokens of the step in flight when the next one fails to build or launch:
+        they were computed, and a stream has promised every one. If reading them fails too,
+        that step is aborted with the rest."""
+        launched = self._inflight
+        if launched is None:
+            return
+        try:
+            self._process(launched)
+        except BaseException:  # the first failure is the one to report
+            return
+        self._inflight = None
 
     def _check_finished(self, req: Req) -> None:
         params = req.sampling_params

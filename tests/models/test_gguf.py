@@ -255,6 +255,30 @@ def test_a_sentencepiece_vocabulary_is_named_at_every_load(llama, tmp_path, capl
         assert caplog.messages == [expected]
 
 
+def test_chat_on_a_sentencepiece_gguf_names_the_tokenizer_not_the_template(
+    llama, tmp_path, capsys
+) -> None:
+    """The file has a chat template; what is missing is a tokenizer execrt can rebuild."""
+    from execrt.cli import main
+    from execrt.core.errors import RequestError
+    from execrt.engine import Engine
+
+    path = write_gguf(llama, str(tmp_path / "spm.gguf"), arch="llama", tokenizer_model="llama")
+    reason = (
+        f"model: {path}: GGUF tokenizer model 'llama' (SentencePiece, as in Llama 2, Mistral and "
+        "TinyLlama) unsupported (supported: 'gpt2', byte-level BPE as in Llama 3, Qwen2 and "
+        "SmolLM2)"
+    )
+    with Engine(path, device="cpu") as engine:
+        with pytest.raises(RequestError) as info:
+            engine.chat([{"role": "user", "content": "hi"}])
+    assert str(info.value) == f"engine: chat needs a tokenizer: {reason}"
+    assert main(["generate", "--model", path, "--chat", "hi", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"execrt: error: engine: chat needs a tokenizer: {reason}"
+    )
+
+
 def test_a_missing_stacked_expert_tensor_is_named(tmp_path) -> None:
     from tests.checkpoints import build_hf_model
     from tests.models.test_loader import _moe_load
