@@ -30,6 +30,7 @@ from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.model_spec import ModelLoader, ModelLoadRequest
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
+from execrt.core.preflight import check_before_load
 from execrt.core.runners import (
     DecodeCudaGraphRunner,
     EagerRunner,
@@ -98,6 +99,7 @@ class ModelRunner:
         self.context_len = min(
             config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
         )
+        check_before_load(config, local, self.device, self.dtype, self.context_len)
         self.max_running_requests = config.max_running_requests
         self.max_num_tokens = max(config.max_prefill_tokens, config.max_running_requests)
         self.resolution = ResolutionReport()

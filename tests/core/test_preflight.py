@@ -1,0 +1,118 @@
+"""Settings checked before any weight loads: fused kernels and the memory the pools need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execrt.core import preflight
+from execrt.core.config import RuntimeConfig
+from execrt.core.errors import ConfigError
+from execrt.core.model_spec import ModelSpec
+
+SPEC = ModelSpec(
+    architecture="LlamaForCausalLM",
+    vocab_size=1000,
+    hidden_size=256,
+    num_layers=4,
+    num_q_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=8192,
+    dtype=torch.float32,
+)
+CPU = torch.device("cpu")
+GIB = 1 << 30
+
+
+def check(monkeypatch: pytest.MonkeyPatch, available: int | None, **config: object) -> None:
+    monkeypatch.setattr(preflight, "available_memory", lambda device: available)
+    preflight.check_before_load(RuntimeConfig(**config), SPEC, CPU, torch.float32, 8192)
+
+
+def test_a_kv_cache_larger_than_memory_names_key_bytes_and_memory(monkeypatch) -> None:
+    with pytest.raises(ConfigError) as info:
+        check(monkeypatch, 16 * GIB, kv_cache_tokens=99_999_999_999)
+    # 4 layers x 2 heads x (64 + 64) x 4 bytes = 4 KiB per token.
+    assert str(info.value) == (
+        "config: kv_cache_tokens=99999999999 needs 373.3 TiB for the KV cache (4.0 KiB per "
+        "token), before the model's weights, but cpu has 16.0 GiB available; lower "
+        "kv_cache_tokens (0 sizes the KV cache to fit)"
+    )
+
+
+def test_too_many_running_requests_name_the_request_table(monkeypatch) -> None:
+    with pytest.raises(ConfigError) as info:
+        check(monkeypatch, 16 * GIB, max_running_requests=100_000_000)
+    assert str(info.value) == (
+        "config: max_running_requests=100000000 needs 3.0 TiB for the request-to-token table "
+        "(100000001 rows x 8192 tokens, int32), before the model's weights, but cpu has "
+        "16.0 GiB available; lower max_running_requests (or context_len)"
+    )
+
+
+def test_two_keys_that_overflow_together_are_both_named(monkeypatch) -> None:
+    # 1 GiB of request table and 1 GiB of KV cache: each fits in 1.5 GiB, not both.
+    rows = (1 * GIB) // (8192 * 4) - 1
+    with pytest.raises(ConfigError) as info:
+        check(monkeypatch, 3 * GIB // 2, max_running_requests=rows, kv_cache_tokens=GIB // 4096)
+    message = str(info.value)  # the KV cache (slot 0 and the free list too) is the larger
+    assert message.startswith("config: kv_cache_tokens=262144 needs 1.0 GiB for the KV cache")
+    assert f" and max_running_requests={rows} needs 1.0 GiB for the request-to-token" in message
+    assert message.endswith(
+        "1.5 GiB available; lower kv_cache_tokens (0 sizes the KV cache to fit)"
+    )
+
+
+def test_what_fits_passes_and_an_unknown_amount_is_not_refused(monkeypatch) -> None:
+    check(monkeypatch, 16 * GIB, kv_cache_tokens=100_000, max_running_requests=64)
+    check(monkeypatch, 16 * GIB)  # the automatic KV cache is sized to fit later
+    check(monkeypatch, None, kv_cache_tokens=99_999_999_999)  # the platform does not say
+
+
+def test_available_memory_reads_the_machine() -> None:
+    free = preflight.available_memory(CPU)
+    assert free is None or free > 0
+
+
+def test_fused_kernels_on_needs_the_interpreter_on_cpu(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ConfigError) as info:
+        preflight.fused_kernels_check("on", CPU)
+    assert str(info.value) == (
+        "config: fused_kernels='on' on cpu needs the Triton interpreter (TRITON_INTERPRET=1, "
+        "slow); use fused_kernels = 'auto' or 'off' on cpu"
+    )
+    preflight.fused_kernels_check("auto", CPU)
+    preflight.fused_kernels_check("off", CPU)
+    preflight.fused_kernels_check("on", torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    preflight.fused_kernels_check("on", CPU)
+
+
+def test_fused_kernels_on_without_triton_gives_the_install_hint(monkeypatch) -> None:
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="fused_kernels='on' needs triton, which is not"):
+        preflight.fused_kernels_check("on", torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        ({"kv_cache_tokens": 99_999_999_999}, "kv_cache_tokens=99999999999 needs "),
+        ({"max_running_requests": 100_000_000}, "max_running_requests=100000000 needs "),
+        ({"fused_kernels": "on"}, "fused_kernels='on' on cpu needs the Triton interpreter"),
+    ],
+)
+def test_the_engine_refuses_before_loading_any_weight(monkeypatch, setting, error) -> None:
+    from execrt.engine import Engine
+    from execrt.models import CheckpointLoader
+
+    def no_load(self, request):  # type: ignore[no-untyped-def]
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(CheckpointLoader, "load", no_load)
+    with pytest.raises(ConfigError, match=error):
+        Engine("builtin", device="cpu", **setting)
