@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from execrt._version import __version__
 from execrt.core.errors import ConfigError, ExecrtError
 
 
@@ -21,7 +22,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="execrt", description="A pluggable LLM execution runtime.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"execrt {__version__}")
+    # Not required: `execrt` alone prints this help, the list of commands.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     backends = sub.add_parser("backends", help="list every registered backend")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
@@ -413,28 +416,78 @@ COMMANDS = {
 }
 
 
+class _OutputError(Exception):
+    """Standard output refused a write (a full device, an I/O error)."""
+
+
+class _GuardedOutput:
+    """``sys.stdout`` while a command runs: a failed write becomes ``_OutputError``, reported
+    in one line; a closed pipe (BrokenPipeError) still stops quietly."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so the final flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help()
+        return 0
     if extra and args.command != "conformance":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if sys.stdout is None:  # started with file descriptor 1 closed (`execrt backends >&-`)
+        print("execrt: error: cannot write the output: standard output is closed", file=sys.stderr)
+        return 1
+    stdout, sys.stdout = sys.stdout, _GuardedOutput(sys.stdout)
     try:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return status
+    except _OutputError as exc:
+        # `> /dev/full` and the like: one line, and nothing left to fail at exit.
+        print(f"execrt: error: cannot write the output: {exc}", file=sys.stderr)
+        sys.stdout = stdout
+        _discard_stdout()
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: the engine has already aborted and freed the call's requests; stop quietly
         # with the status of a process killed by SIGINT.
         return 128 + 2
     except BrokenPipeError:
         # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
-        # with the status of a process killed by SIGPIPE. Point stdout at /dev/null so the
-        # final flush at exit does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        # with the status of a process killed by SIGPIPE.
+        _discard_stdout()
         return 128 + 13
     except (ExecrtError, OSError) as exc:
         if isinstance(exc, OSError) and exc.filename is None:
@@ -448,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

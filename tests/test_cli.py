@@ -274,3 +274,36 @@ def test_a_prompt_of_undecodable_bytes_is_one_line_and_exit_2(capsys) -> None:
         "execrt: request 'abc\\udcff' rejected: text is not valid Unicode: character 3 is "
         "byte 0xff, which is not UTF-8"
     ]
+
+
+def test_execrt_alone_lists_the_commands_and_version_says_the_version(capsys) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert f"\n    {command}" in out, out
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"execrt {execrt.__version__}"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_or_closed_stdout_is_one_line_not_a_traceback() -> None:
+    def run(**how: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "execrt", "backends"],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=os.getcwd(),
+            **how,  # type: ignore[call-overload]
+        )
+
+    with open("/dev/full", "w") as full:
+        proc = run(stdout=full)
+    assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: No space left on device\n"
+    )
+    proc = run(preexec_fn=lambda: os.close(1))  # started with file descriptor 1 closed
+    assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: standard output is closed\n"
+    )
