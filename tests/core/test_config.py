@@ -35,7 +35,7 @@ def test_toml_execrt_table_is_accepted(tmp_path) -> None:
 
 def test_a_toml_file_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path) -> None:
     file = tmp_path / "windows.toml"
-    file.write_bytes(b"\xef\xbb\xbf" + 'device = "cpu"\nmax_running_requests = 3\n'.encode())
+    file.write_bytes(b"\xef\xbb\xbf" + b'device = "cpu"\nmax_running_requests = 3\n')
     cfg = RuntimeConfig.load(file=file, environ={})
     assert (cfg.device, cfg.max_running_requests) == ("cpu", 3)
     middle = tmp_path / "middle.toml"  # only a leading mark is an encoding signature
