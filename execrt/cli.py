@@ -125,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    cache = sub.add_parser(
+        "cache",
+        help="list the cache (converted GGUF files, the built-in model) or clear it",
+        description="Without an action, list every cache entry with its size and whether it "
+        "is stale (its GGUF file is gone or changed, a build was cut short).",
+    )
+    cache.add_argument(
+        "action", nargs="?", choices=["list", "clear"], default="list", help="(default: list)"
+    )
+    cache.add_argument(
+        "--all", action="store_true", help="clear every entry, not only stale ones (default: off)"
+    )
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -300,6 +312,29 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from execrt.core import envs
+    from execrt.core.preflight import format_bytes
+    from execrt.models.cache import cache_entries, clear_cache
+    from execrt.models.gguf_file import CACHE_PREFIX
+
+    entries = cache_entries([CACHE_PREFIX])
+    if args.action == "clear":
+        removed = clear_cache(entries, everything=args.all)
+        for e in removed:
+            why = f": {e.stale}" if e.stale else ""
+            print(f"removed {e.path} ({format_bytes(e.bytes)}{why})")
+        print(f"freed {format_bytes(sum(e.bytes for e in removed))} in {envs.cache_dir()}")
+        return 0
+    print(f"cache {envs.cache_dir()}:")
+    for e in entries:
+        print(f"{format_bytes(e.bytes):>10}  {e.path}{f'  (stale: {e.stale})' if e.stale else ''}")
+    stale = sum(e.bytes for e in entries if e.stale)
+    total = format_bytes(sum(e.bytes for e in entries))
+    print(f"{len(entries)} entries, {total}; stale: {format_bytes(stale)} (execrt cache clear)")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from execrt.core.config import RuntimeConfig
     from execrt.core.schedule import SamplingParams
@@ -413,6 +448,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "bench": cmd_bench,
     "conformance": cmd_conformance,
+    "cache": cmd_cache,
 }
 
 

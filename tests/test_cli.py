@@ -307,3 +307,32 @@ def test_a_full_or_closed_stdout_is_one_line_not_a_traceback() -> None:
     assert proc.returncode == 1 and proc.stderr == (
         "execrt: error: cannot write the output: standard output is closed\n"
     )
+
+
+def test_cache_lists_entries_and_clear_removes_the_stale_ones(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    from execrt.models.cache import cached_dir
+
+    def build(out: str) -> None:
+        with open(os.path.join(out, "model.safetensors"), "wb") as fh:
+            fh.write(b"w" * 2048)
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "gone.gguf"
+    source.write_text("x")
+    stale = cached_dir("gguf-gone-0123", build, source=str(source))
+    kept = cached_dir("builtin-x", build)
+    source.unlink()
+    assert main(["cache"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == f"cache {tmp_path / 'cache'}:"
+    assert any(line.endswith(f"{stale}  (stale: {source} is gone)") for line in listing)
+    assert any(line.endswith(kept) for line in listing)
+    assert listing[-1].startswith("2 entries, ") and "(execrt cache clear)" in listing[-1]
+    assert main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"removed {stale} (2.") and out[0].endswith(f": {source} is gone)")
+    assert out[-1].startswith("freed 2.") and not os.path.exists(stale) and os.path.isdir(kept)
+    assert main(["cache", "clear", "--all"]) == 0
+    assert not os.path.exists(kept)

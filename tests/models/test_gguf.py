@@ -193,6 +193,20 @@ def test_conversion_is_cached_and_a_damaged_cache_is_rebuilt(llama, tmp_path, mo
     )
 
 
+def test_touching_a_gguf_file_leaves_one_converted_copy(llama, tmp_path, monkeypatch) -> None:
+    """Each touch used to leave another full copy (517 MB for SmolLM2) in the cache."""
+    from execrt.models.config import checkpoint_dir
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(llama, str(tmp_path / "t.gguf"), arch="llama")
+    seen = [checkpoint_dir(path)]
+    for mtime in (10**18, 2 * 10**18):
+        os.utime(path, ns=(mtime, mtime))
+        seen.append(checkpoint_dir(path))
+    assert len(set(seen)) == 3  # each version is converted anew...
+    assert sorted(os.listdir(tmp_path / "cache")) == [os.path.basename(seen[-1])]  # ...once
+
+
 def _load(path: str) -> None:
     cfg = ModelConfig.from_pretrained(path)
     load_model(
