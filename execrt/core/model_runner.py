@@ -30,7 +30,7 @@ from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.model_spec import ModelLoader, ModelLoadRequest
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
-from execrt.core.preflight import check_before_load
+from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
 from execrt.core.runners import (
     DecodeCudaGraphRunner,
     EagerRunner,
@@ -293,7 +293,9 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_cache_memory_fraction)
         else:
-            budget = CPU_KV_BUDGET_BYTES
+            budget = cpu_kv_budget(
+                CPU_KV_BUDGET_BYTES, per_token, self.context_len, available_memory(self.device)
+            )
         wanted = self.max_running_requests * self.context_len
         tokens = max(1, min(wanted, budget // per_token))
         # Every rank runs the same schedule, so every rank must have the same number of slots:

@@ -54,6 +54,19 @@ _LOWER = {
 }
 
 
+#: The most an automatic CPU KV cache grows past its floor to fit one full-context request
+CPU_KV_CEILING_BYTES = 1 << 30
+
+
+def cpu_kv_budget(floor: int, per_token: int, context_len: int, available: int | None) -> int:
+    """Bytes of an automatic KV cache on CPU: ``floor``, raised to fit one request at full
+    context when that takes at most ``CPU_KV_CEILING_BYTES`` and a quarter of the memory
+    ``available`` (SmolLM2's 8,192 tokens need 360 MiB in fp32; 256 MiB held 5,825)."""
+    full = per_token * context_len
+    room = CPU_KV_CEILING_BYTES if available is None else min(CPU_KV_CEILING_BYTES, available // 4)
+    return full if floor < full <= room else floor
+
+
 def fused_kernels_check(mode: str, device: torch.device) -> None:
     """``fused_kernels = "on"`` needs triton, and on CPU the Triton interpreter."""
     if mode != "on":

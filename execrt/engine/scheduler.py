@@ -124,7 +124,8 @@ class Scheduler:
             error = (
                 f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
                 f"{req.sampling_params.max_new_tokens} - 1, capped by the context of "
-                f"{self.context_len}) but the whole cache holds {self.allocator.size}"
+                f"{self.context_len}) but the whole cache holds {self.allocator.size}; raise "
+                f"kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least {needed}"
             )
         else:
             self.waiting.append(req)

@@ -116,3 +116,36 @@ def test_the_engine_refuses_before_loading_any_weight(monkeypatch, setting, erro
     monkeypatch.setattr(CheckpointLoader, "load", no_load)
     with pytest.raises(ConfigError, match=error):
         Engine("builtin", device="cpu", **setting)
+
+
+def test_cpu_kv_budget_grows_to_fit_one_full_context_request_within_limits() -> None:
+    floor, mib = 256 << 20, 1 << 20
+    smollm2 = 30 * 3 * (64 + 64) * 4  # bytes per token in fp32: 8,192 tokens need 360 MiB
+    assert preflight.cpu_kv_budget(floor, smollm2, 8192, 16 * GIB) == smollm2 * 8192
+    assert preflight.cpu_kv_budget(floor, smollm2, 8192, None) == smollm2 * 8192
+    assert preflight.cpu_kv_budget(floor, smollm2, 8192, GIB) == floor  # a quarter is too little
+    assert preflight.cpu_kv_budget(floor, smollm2, 2048, 16 * GIB) == floor  # fits already
+    huge = 4 * GIB // 8192  # 4 GiB for one request: past the ceiling, the floor stays
+    assert preflight.cpu_kv_budget(floor, huge, 8192, 64 * GIB) == floor
+    assert preflight.CPU_KV_CEILING_BYTES == 1024 * mib
+
+
+@pytest.mark.parametrize(("available", "fits"), [(64 * GIB, True), (GIB, False)])
+def test_the_automatic_cpu_cache_holds_one_full_context_request(
+    monkeypatch, runtime_context, available, fits
+) -> None:
+    import dataclasses
+
+    from execrt.core import model_runner
+    from execrt.plugins.host import PluginHost
+    from tests.core.fakes import SPEC, ToyLoader
+
+    # 600 layers x 2 heads x (8 + 8) x 4 bytes = 75 KiB per token: 4,096 tokens are 300 MiB.
+    spec = dataclasses.replace(SPEC, num_layers=600, max_position_embeddings=4096)
+    monkeypatch.setattr(model_runner, "available_memory", lambda device: available)
+    cfg = RuntimeConfig(device="cpu", max_running_requests=1)
+    registry = PluginHost(autoload=False).registry
+    mr = model_runner.ModelRunner(ToyLoader(spec), cfg, runtime_context, registry)
+    size = mr.token_to_kv_pool_allocator.size
+    assert size == (4096 if fits else model_runner.CPU_KV_BUDGET_BYTES // (600 * 2 * 16 * 4))
+    mr.close()

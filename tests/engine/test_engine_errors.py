@@ -184,3 +184,14 @@ def test_a_failed_engine_releases_its_kv_cache_before_any_garbage_collection(
         assert info.value is not None
     finally:
         gc.enable()
+
+
+def test_a_request_larger_than_the_cache_is_told_which_setting_to_raise(dense) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(dense, device="cpu", kv_cache_tokens=16) as engine:
+        result = engine.generate([1, 2, 3, 4, 5, 6, 7, 8], params)
+    assert result.finish_reason == "abort"
+    assert result.error.endswith(
+        "but the whole cache holds 16; raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at "
+        "least 19"
+    ), result.error
