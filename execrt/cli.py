@@ -490,6 +490,25 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+class _ProgressLines(logging.Handler):
+    """Lines of long operations (a slow graph capture) on stderr as ``execrt: ...``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"execrt: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _show_progress() -> None:
+    """Show the ``execrt.progress`` logger's lines, from torchrun's rank 0 only."""
+    from execrt.core.parallel import launch_rank
+
+    progress = logging.getLogger("execrt.progress")
+    if launch_rank() or any(isinstance(h, _ProgressLines) for h in progress.handlers):
+        return
+    progress.addHandler(_ProgressLines())
+    progress.setLevel(logging.INFO)
+    progress.propagate = False  # not again through the root logger's handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -502,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _show_progress()
     if sys.stdout is None:  # started with file descriptor 1 closed (`execrt backends >&-`)
         print("execrt: error: cannot write the output: standard output is closed", file=sys.stderr)
         return 1

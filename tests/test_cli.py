@@ -336,3 +336,14 @@ def test_cache_lists_entries_and_clear_removes_the_stale_ones(
     assert out[-1].startswith("freed 2.") and not os.path.exists(stale) and os.path.isdir(kept)
     assert main(["cache", "clear", "--all"]) == 0
     assert not os.path.exists(kept)
+
+
+def test_progress_lines_of_long_operations_reach_stderr(capsys) -> None:
+    import logging
+
+    from execrt.cli import _show_progress
+
+    _show_progress()
+    _show_progress()  # installed once
+    logging.getLogger("execrt.progress").info("graph capture: bucket %d of %d", 1, 8)
+    assert capsys.readouterr().err == "execrt: graph capture: bucket 1 of 8\n"
