@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from execrt.core import preflight
 from execrt.core.config import RuntimeConfig
 from execrt.core.errors import ConfigError
-from execrt.core.model_spec import ModelSpec
+from tests.core import fakes
 
-SPEC = ModelSpec(
-    architecture="LlamaForCausalLM",
-    vocab_size=1000,
-    hidden_size=256,
-    num_layers=4,
-    num_q_heads=8,
-    num_kv_heads=2,
-    head_dim=64,
-    max_position_embeddings=8192,
-    dtype=torch.float32,
-)
+# 4 layers x 2 kv heads x (64 + 64) x 4 bytes = 4 KiB per token in fp32.
+SPEC = dataclasses.replace(fakes.SPEC, num_layers=4, head_dim=64, max_position_embeddings=8192)
 CPU = torch.device("cpu")
 GIB = 1 << 30
 
@@ -30,25 +23,27 @@ def check(monkeypatch: pytest.MonkeyPatch, available: int | None, **config: obje
     preflight.check_before_load(RuntimeConfig(**config), SPEC, CPU, torch.float32, 8192)
 
 
-def test_a_kv_cache_larger_than_memory_names_key_bytes_and_memory(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        (
+            {"kv_cache_tokens": 99_999_999_999},
+            "config: kv_cache_tokens=99999999999 needs 373.3 TiB for the KV cache (4.0 KiB per "
+            "token), before the model's weights, but cpu has 16.0 GiB available; lower "
+            "kv_cache_tokens (0 sizes the KV cache to fit)",
+        ),
+        (
+            {"max_running_requests": 100_000_000},
+            "config: max_running_requests=100000000 needs 3.0 TiB for the request-to-token "
+            "table (100000001 rows x 8192 tokens, int32), before the model's weights, but cpu "
+            "has 16.0 GiB available; lower max_running_requests (or context_len)",
+        ),
+    ],
+)
+def test_pools_larger_than_memory_name_key_bytes_and_memory(monkeypatch, setting, error) -> None:
     with pytest.raises(ConfigError) as info:
-        check(monkeypatch, 16 * GIB, kv_cache_tokens=99_999_999_999)
-    # 4 layers x 2 heads x (64 + 64) x 4 bytes = 4 KiB per token.
-    assert str(info.value) == (
-        "config: kv_cache_tokens=99999999999 needs 373.3 TiB for the KV cache (4.0 KiB per "
-        "token), before the model's weights, but cpu has 16.0 GiB available; lower "
-        "kv_cache_tokens (0 sizes the KV cache to fit)"
-    )
-
-
-def test_too_many_running_requests_name_the_request_table(monkeypatch) -> None:
-    with pytest.raises(ConfigError) as info:
-        check(monkeypatch, 16 * GIB, max_running_requests=100_000_000)
-    assert str(info.value) == (
-        "config: max_running_requests=100000000 needs 3.0 TiB for the request-to-token table "
-        "(100000001 rows x 8192 tokens, int32), before the model's weights, but cpu has "
-        "16.0 GiB available; lower max_running_requests (or context_len)"
-    )
+        check(monkeypatch, 16 * GIB, **setting)
+    assert str(info.value) == error
 
 
 def test_two_keys_that_overflow_together_are_both_named(monkeypatch) -> None:
