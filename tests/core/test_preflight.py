@@ -131,16 +131,16 @@ def test_the_automatic_cpu_cache_holds_one_full_context_request(
 ) -> None:
     import dataclasses
 
-    from execrt.core import model_runner
+    from execrt.core import assembly, model_runner
     from execrt.plugins.host import PluginHost
     from tests.core.fakes import SPEC, ToyLoader
 
     # 600 layers x 2 heads x (8 + 8) x 4 bytes = 75 KiB per token: 4,096 tokens are 300 MiB.
     spec = dataclasses.replace(SPEC, num_layers=600, max_position_embeddings=4096)
-    monkeypatch.setattr(model_runner, "available_memory", lambda device: available)
+    monkeypatch.setattr(assembly, "available_memory", lambda device: available)
     cfg = RuntimeConfig(device="cpu", max_running_requests=1)
     registry = PluginHost(autoload=False).registry
     mr = model_runner.ModelRunner(ToyLoader(spec), cfg, runtime_context, registry)
     size = mr.token_to_kv_pool_allocator.size
-    assert size == (4096 if fits else model_runner.CPU_KV_BUDGET_BYTES // (600 * 2 * 16 * 4))
+    assert size == (4096 if fits else assembly.CPU_KV_BUDGET_BYTES // (600 * 2 * 16 * 4))
     mr.close()
