@@ -1,4 +1,4 @@
-"""The ``execrt`` command: backends, generate, bench, conformance."""
+"""The ``execrt`` command: backends, generate, serve, bench, conformance."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from execrt.core.errors import ConfigError, ExecrtError
+from execrt.serve.cli import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    add_bench_serve_parser(bench_sub)
+    add_serve_parser(sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -251,6 +254,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "serve":
+        return cmd_bench_serve(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
@@ -410,6 +415,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "bench": cmd_bench,
     "conformance": cmd_conformance,
+    "serve": cmd_serve,
 }
 
 

@@ -151,6 +151,16 @@ class EngineClient(ABC):
     def load_error(self) -> str | None:
         """Why loading failed (None while loading or once ready)."""
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is ready or failed to load, up to ``timeout`` seconds;
+        returns ``ready()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready() and self.load_error() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return self.ready()
+
     @abstractmethod
     def model_info(self) -> ModelInfo: ...
 

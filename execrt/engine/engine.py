@@ -25,7 +25,7 @@ from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.engine.client import EngineStats, RequestOutput
 from execrt.engine.driver import Driver
-from execrt.engine.logprobs import LogprobWorker
+from execrt.engine.logprobs import MAX_TOP_LOGPROBS, LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats
@@ -350,9 +350,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine: submit() after close()")
         sp = SamplingParams() if sampling_params is None else sampling_params
-        ids, error = self._validate(prompt, sp)
-        if error is None and top_logprobs is not None:
-            error = _top_logprobs_problem(top_logprobs)
+        ids, error = self._validate(prompt, sp, top_logprobs)
         if error is not None:
             raise RequestError(error)
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
@@ -422,7 +420,16 @@ class Engine:
         done = set(reqs)
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
-    def _validate(self, prompt: object, sp: SamplingParams) -> tuple[list[int], str | None]:
+    def validate(
+        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
+    ) -> str | None:
+        """Why ``submit`` would refuse this request (the message it raises), or None. Safe
+        from any thread."""
+        return self._validate(prompt, sampling_params, top_logprobs)[1]
+
+    def _validate(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None = None
+    ) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
             if isinstance(sp, SamplingParams)
@@ -447,6 +454,8 @@ class Engine:
         limit = self.worker.limits.context_len
         if len(ids) >= limit:
             problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
+        if top_logprobs is not None:
+            problems += _top_logprobs_problems(top_logprobs)
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:
@@ -469,9 +478,7 @@ class Engine:
         self.close()
 
 
-def _top_logprobs_problem(top: object) -> str | None:
-    from execrt.engine.logprobs import MAX_TOP_LOGPROBS
-
+def _top_logprobs_problems(top: object) -> list[str]:
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        return f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"
-    return None
+        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
+    return []
