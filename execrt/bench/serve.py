@@ -30,7 +30,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -141,6 +141,8 @@ class Timing:
 
 @dataclass
 class Summary:
+    """One run as the clients saw it."""
+
     ttft_ms_p50: float | None
     ttft_ms_p99: float | None
     itl_ms_p50: float | None
@@ -154,7 +156,9 @@ class Summary:
 
 
 @dataclass
-class Record:
+class Record(Summary):
+    """One run through HTTP (the Summary fields), its load, and the Engine's numbers."""
+
     model: str
     gpu: str
     date: str
@@ -164,16 +168,6 @@ class Record:
     num_requests: int
     input_len_mean: float
     output_len_mean: float
-    ttft_ms_p50: float | None
-    ttft_ms_p99: float | None
-    itl_ms_p50: float | None
-    itl_ms_p99: float | None
-    tpot_ms_p50: float | None
-    e2e_ms_p50: float | None
-    request_s: float
-    output_tok_s: float
-    duration_s: float
-    errors: int
     engine_output_tok_s: float | None = None  # the same arrivals through Engine.submit/step
     engine_ttft_ms_p50: float | None = None
     engine_itl_ms_p50: float | None = None  # the engine's step time as each request saw it
@@ -290,15 +284,19 @@ async def _drive_http(url: str, model: str, run: Run) -> tuple[list[Timing], flo
 def _serve_child(opts: Options, pipe: Any) -> None:
     """The server process: build, serve on a free loopback port, send its URL, run."""
     from execrt.engine.threaded import ThreadedEngineClient
-    from execrt.serve.server import UvicornServer, bind
+    from execrt.serve.server import UvicornServer, bind, tune_interpreter
 
+    tune_interpreter()  # as execrt serve does
     client = ThreadedEngineClient(lambda: _build_engine(opts), name=opts.model)
     server = UvicornServer(client, bind("127.0.0.1", 0))
     if not client.wait_ready():
         pipe.send(("error", client.load_error()))
         return
     pipe.send(("ready", server.url))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the parent's SIGINT, re-raised by uvicorn after shutting down
+        pass
 
 
 def _build_engine(opts: Options) -> Engine:
@@ -487,7 +485,7 @@ def _record(opts: Options, gpu: str, date: str, r: Run, s: Summary) -> Record:
         num_requests=len(r.requests),
         input_len_mean=statistics.fmean(len(q.prompt) for q in r.requests),
         output_len_mean=statistics.fmean(q.output_len for q in r.requests),
-        **{k: getattr(s, k) for k in Summary.__dataclass_fields__},
+        **asdict(s),
     )
 
 

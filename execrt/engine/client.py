@@ -139,8 +139,8 @@ class EngineClient(ABC):
     """A handle on an engine for a front end that never touches torch.
 
     Every method may be called from any thread and returns at once: requests and aborts are
-    queued for whoever steps the engine. Outputs arrive through the ``sink`` given to
-    ``submit``, called from the engine's thread.
+    queued for whoever steps the engine. Outputs arrive in the ``OutputHolder`` given to
+    ``submit``.
     """
 
     @abstractmethod
@@ -172,8 +172,8 @@ class EngineClient(ABC):
         """Why ``request`` cannot be served (the engine's validation message), or None."""
 
     @abstractmethod
-    def submit(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
-        """Queue ``request``; ``sink`` receives its outputs, the last one finished."""
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
+        """Queue ``request``; ``holder`` receives its outputs, the last one finished."""
 
     @abstractmethod
     def abort(self, request_id: str, reason: str) -> None:
@@ -192,11 +192,12 @@ class EngineClient(ABC):
 
 
 class Waker:
-    """Wakes one asyncio reader from the engine's thread, at most once until it reads again:
-    however many outputs arrive meanwhile, only one wake-up is scheduled on the loop."""
+    """Wakes one asyncio reader, from any thread, at most once until it reads again: however
+    many outputs arrive meanwhile, only one wake-up is scheduled on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._event = asyncio.Event()
         self._pending = False
         self._lock = threading.Lock()
@@ -206,7 +207,10 @@ class Waker:
             if self._pending:
                 return
             self._pending = True
-        self._loop.call_soon_threadsafe(self._event.set)
+        if threading.get_ident() == self._loop_thread:
+            self._event.set()
+        else:
+            _call_soon(self.loop, self._event.set)
 
     async def wait(self) -> None:
         await self._event.wait()
@@ -238,8 +242,14 @@ class OutputHolder:
         self._pending: RequestOutput | None = None
         self.timing = _Timing(time.perf_counter())
 
-    def put(self, output: RequestOutput) -> None:
-        now = time.perf_counter()
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop of the reader (None: a reader without one)."""
+        return self._waker.loop if self._waker is not None else None
+
+    def put(self, output: RequestOutput, now: float | None = None) -> None:
+        """Add ``output`` (from any thread); ``now`` stamps when it was produced."""
+        now = time.perf_counter() if now is None else now
         with self._lock:
             if output.token_ids:
                 t = self.timing
@@ -279,3 +289,31 @@ def _merge(into: RequestOutput, later: RequestOutput) -> None:
     into.prompt_tokens = later.prompt_tokens or into.prompt_tokens
     into.cached_tokens = later.cached_tokens or into.cached_tokens
     into.num_retractions = later.num_retractions
+
+
+def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
+    """Hand one engine step's outputs to their holders, from the engine's thread: the holders
+    of one asyncio loop get theirs in a single call on that loop (one wake-up of the loop per
+    step, however many requests progressed), the others at once."""
+    now = time.perf_counter()
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHolder, RequestOutput]]] = {}
+    for holder, output in outputs:
+        loop = holder.loop
+        if loop is None:
+            holder.put(output, now)
+        else:
+            by_loop.setdefault(loop, []).append((holder, output))
+    for loop, items in by_loop.items():
+        _call_soon(loop, _put_all, items, now)
+
+
+def _put_all(items: list[tuple[OutputHolder, RequestOutput]], now: float) -> None:
+    for holder, output in items:
+        holder.put(output, now)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: its reader is gone, nothing to deliver
+        pass

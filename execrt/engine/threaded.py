@@ -26,8 +26,10 @@ from execrt.engine.client import (
     EngineRequest,
     EngineStats,
     ModelInfo,
+    OutputHolder,
     RequestOutput,
     TextCodec,
+    deliver,
 )
 from execrt.engine.engine import Engine
 from execrt.engine.scheduler import describe_exception
@@ -157,10 +159,12 @@ def run_commands(
     take: Callable[[bool], list[Command]] | None,
     channel: CommandChannel | None,
     sinks: dict[str, Sink] | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> LoopSummary:
     """Apply commands and step until a ``stop`` command. ``take(block)`` gives the commands
     queued since the last call (rank 0; ``block``: wait for one); without it, the commands
-    come from rank 0 through ``channel``. ``sinks`` (rank 0) receive each request's outputs."""
+    come from rank 0 through ``channel``. ``sinks`` (rank 0) receive each request's outputs;
+    ``after_step`` runs after each round of commands and step."""
     rids: dict[str, int] = {}
     summary = LoopSummary()
 
@@ -198,6 +202,8 @@ def run_commands(
                     summary.aborted += 1
         if engine.step():
             summary.steps += 1
+        if after_step is not None:
+            after_step()
 
 
 def follow(engine: Engine) -> LoopSummary:
@@ -224,6 +230,7 @@ class ThreadedEngineClient(EngineClient):
         self._commands: deque[Command] = deque()
         self._cond = threading.Condition()
         self._sinks: dict[str, Sink] = {}
+        self._outputs: list[tuple[OutputHolder, RequestOutput]] = []  # of this step
         self.summary: LoopSummary | None = None
         self._thread = threading.Thread(target=self._main, name="execrt-engine", daemon=True)
         self._thread.start()
@@ -254,13 +261,20 @@ class ThreadedEngineClient(EngineClient):
         self._engine = engine  # ready from here on
         self._loaded.set()
         try:
-            self.summary = run_commands(engine, self._take, channel, self._sinks)
+            self.summary = run_commands(
+                engine, self._take, channel, self._sinks, after_step=self._deliver
+            )
         except BaseException:
             logger.exception("engine thread: the engine failed; requests are no longer served")
             self._error = "the engine failed (see the server log)"
             raise
         finally:
             engine.close()
+
+    def _deliver(self) -> None:
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            deliver(outputs)
 
     def _take(self, block: bool) -> list[Command]:
         with self._cond:
@@ -303,8 +317,9 @@ class ThreadedEngineClient(EngineClient):
             return f"sampling: {exc}"
         return self._engine.validate(request.prompt_ids, sp, request.top_logprobs)
 
-    def submit(self, request: EngineRequest, sink: Sink) -> None:
-        self._sinks[request.request_id] = sink
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
+        # Outputs gather during a step and go out together after it (see ``deliver``).
+        self._sinks[request.request_id] = lambda out: self._outputs.append((holder, out))
         self._queue(("submit", request))
 
     def abort(self, request_id: str, reason: str) -> None:

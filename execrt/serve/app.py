@@ -187,13 +187,14 @@ class Job:
 
     def submit(self) -> None:
         for choice in self.choices:
-            self.client.submit(choice.request, choice.holder.put)
+            self.client.submit(choice.request, choice.holder)
 
     def abort_unfinished(self, reason: str) -> None:
         for choice in self.choices:
             if not choice.done:
                 choice.finish_reason = "abort"
                 self.client.abort(choice.request.request_id, reason)
+                self._count(choice)
 
     async def updates(self) -> AsyncIterator[_Update]:
         """Each choice's progress, as the engine makes it, until every choice is done."""

@@ -68,29 +68,24 @@ class Metrics:
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(
             P + "request_success",
-            "Finished choices by finish reason (stop, length, abort, error).",
+            "Finished choices by finish reason (stop, length, abort: the client went away, error).",
             ["finished_reason"],
             registry=r,
         )
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds",
-            "From the request's arrival to its first token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = self._latency(
+            "time_to_first_token_seconds", "From the request's arrival to its first token."
         )
-        self.itl = Histogram(
-            P + "inter_token_latency_seconds",
+        self.itl = self._latency(
+            "inter_token_latency_seconds",
             "Between successive outputs of one request (one per engine step that gave it tokens).",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
-            P + "e2e_request_latency_seconds",
-            "From the request's arrival to its last token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = self._latency(
+            "e2e_request_latency_seconds", "From the request's arrival to its last token."
         )
         r.register(_EngineCollector(stats))
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(P + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def finished(
         self,

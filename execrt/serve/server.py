@@ -14,6 +14,16 @@ import uvicorn
 from execrt.engine.client import EngineClient
 from execrt.serve.app import create_app
 
+#: How long a thread may keep the GIL while another waits for it. After each GPU step the
+#: engine thread needs it back at once to launch the next step, while the HTTP thread may be
+#: busy writing chunks: CPython's default, 5 ms, can leave the GPU idle that long per step.
+SWITCH_INTERVAL_S = 0.001
+
+
+def tune_interpreter() -> None:
+    """Settings of a serving process (engine thread and HTTP thread in one interpreter)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free port)."""
@@ -76,6 +86,7 @@ def serve(
     """Serve until interrupted; ``announce`` gets one line with the URL once the model is
     ready. Returns 0, or 2 when the model failed to load (one line on stderr says why)."""
     server = UvicornServer(client, bind(host, port), log_level=log_level)
+    tune_interpreter()
     status = 0
 
     def watch() -> None:

@@ -8,7 +8,14 @@ import subprocess
 import sys
 import threading
 
-from execrt.engine.client import EngineStats, OutputHolder, RequestOutput, TokenLogprobs, Waker
+from execrt.engine.client import (
+    EngineStats,
+    OutputHolder,
+    RequestOutput,
+    TokenLogprobs,
+    Waker,
+    deliver,
+)
 
 
 def test_a_slow_reader_gets_one_merged_output() -> None:
@@ -26,18 +33,22 @@ def test_a_slow_reader_gets_one_merged_output() -> None:
     assert t.arrival <= (t.first_token or 0) <= (t.last_token or 0) <= (t.finished or 0)
 
 
+def counting_calls(waker: Waker) -> list[int]:
+    calls = [0]
+    real = waker.loop.call_soon_threadsafe
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(*args)
+
+    waker.loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    return calls
+
+
 def test_the_waker_schedules_one_wakeup_per_read() -> None:
     async def go() -> int:
         waker = Waker()
-        calls = 0
-        real = waker._loop.call_soon_threadsafe
-
-        def counting(*args):  # type: ignore[no-untyped-def]
-            nonlocal calls
-            calls += 1
-            return real(*args)
-
-        waker._loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        calls = counting_calls(waker)
         holder = OutputHolder(waker)
         thread = threading.Thread(
             target=lambda: [holder.put(RequestOutput([i])) for i in range(50)]
@@ -46,11 +57,29 @@ def test_the_waker_schedules_one_wakeup_per_read() -> None:
         thread.join()
         await asyncio.wait_for(waker.wait(), 5)
         assert holder.take() == RequestOutput(list(range(50)))
-        holder.put(RequestOutput([99]))  # after the read: a new wake-up
+        holder.put(RequestOutput([99]))  # in the loop's own thread: no call needed
         await asyncio.wait_for(waker.wait(), 5)
-        return calls
+        assert holder.take() == RequestOutput([99])
+        return calls[0]
 
-    assert asyncio.run(go()) == 2
+    assert asyncio.run(go()) == 1
+
+
+def test_a_step_of_outputs_reaches_a_loop_in_one_call() -> None:
+    async def go() -> tuple[int, list[list[int]]]:
+        wakers = [Waker() for _ in range(3)]
+        calls = counting_calls(wakers[0])  # one loop: the same object for all three
+        holders = [OutputHolder(w) for w in wakers] + [OutputHolder()]  # one without a loop
+        step = [(h, RequestOutput([i])) for i, h in enumerate(holders)]
+        thread = threading.Thread(target=deliver, args=(step,))
+        thread.start()
+        thread.join()
+        assert holders[3].take() == RequestOutput([3])  # at once
+        for w in wakers:
+            await asyncio.wait_for(w.wait(), 5)
+        return calls[0], [h.take().token_ids for h in holders[:3]]  # type: ignore[union-attr]
+
+    assert asyncio.run(go()) == (1, [[0], [1], [2]])
 
 
 def test_kv_usage_counts_request_slots_only() -> None:

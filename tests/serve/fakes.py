@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from execrt.engine.client import (
-    Detokenizer,
-    EngineClient,
-    EngineRequest,
-    EngineStats,
-    ModelInfo,
-    RequestOutput,
-    TextCodec,
-    TokenLogprobs,
-)
+import execrt.engine.client as seam
+from execrt.engine.client import EngineRequest, OutputHolder, RequestOutput
 
 A = ord("a")
 
 
-class LetterCodec(TextCodec):
+class LetterCodec(seam.TextCodec):
     """Token t is the letter ``chr(97 + t)``; a chat prompt is its messages' letters."""
 
     def encode(self, text: str) -> list[int]:
@@ -36,10 +28,10 @@ class LetterCodec(TextCodec):
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self) -> seam.Detokenizer:
         codec = self
 
-        class _D(Detokenizer):
+        class _D(seam.Detokenizer):
             def push(self, token_ids: Sequence[int]) -> str:
                 return codec.decode(token_ids)
 
@@ -59,13 +51,13 @@ class LetterCodec(TextCodec):
 @dataclass
 class _Live:
     request: EngineRequest
-    sink: Callable[[RequestOutput], None]
+    holder: OutputHolder
     last: int
     made: int = 0
 
 
 @dataclass
-class FakeClient(EngineClient):
+class FakeClient(seam.EngineClient):
     """Each request continues the alphabet from its prompt's last letter, one token per tick
     (``tick`` seconds) for every live request; stops at ``max_new_tokens`` or at token 25
     ("z") when it is a stop token."""
@@ -91,7 +83,7 @@ class FakeClient(EngineClient):
             for r in live:
                 token = (r.last + 1) % 26
                 r.last, r.made = token, r.made + 1
-                lp = [TokenLogprobs(token, -0.5, ((token, -0.5), (0, -2.0)))]
+                lp = [seam.TokenLogprobs(token, -0.5, ((token, -0.5), (0, -2.0)))]
                 out = RequestOutput([token], lp if r.request.top_logprobs is not None else None)
                 sp = r.request.sampling
                 stop = token in sp.get("stop_token_ids", ())
@@ -100,7 +92,7 @@ class FakeClient(EngineClient):
                     out.prompt_tokens = len(r.request.prompt_ids)
                     with self._lock:
                         self._live.pop(r.request.request_id, None)
-                r.sink(out)
+                r.holder.put(out)
 
     def ready(self) -> bool:
         return self.is_ready
@@ -108,10 +100,10 @@ class FakeClient(EngineClient):
     def load_error(self) -> str | None:
         return None
 
-    def model_info(self) -> ModelInfo:
-        return ModelInfo("fake", self.context_len, 26, True, True)
+    def model_info(self) -> seam.ModelInfo:
+        return seam.ModelInfo("fake", self.context_len, 26, True, True)
 
-    def text(self) -> TextCodec:
+    def text(self) -> seam.TextCodec:
         return LetterCodec()
 
     def check(self, request: EngineRequest) -> str | None:
@@ -125,22 +117,22 @@ class FakeClient(EngineClient):
             )
         return None
 
-    def submit(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> None:
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
         self.submitted.append(request)
         with self._lock:
-            self._live[request.request_id] = _Live(request, sink, request.prompt_ids[-1])
+            self._live[request.request_id] = _Live(request, holder, request.prompt_ids[-1])
 
     def abort(self, request_id: str, reason: str) -> None:
         self.aborted.append((request_id, reason))
         with self._lock:
             live = self._live.pop(request_id, None)
         if live is not None:
-            live.sink(RequestOutput([], finish_reason="abort", error=reason))
+            live.holder.put(RequestOutput([], finish_reason="abort", error=reason))
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> seam.EngineStats:
         with self._lock:
             running = len(self._live)
-        return EngineStats(100, 100 - running, 0, running, 0, 0, 0, 0, 0)
+        return seam.EngineStats(100, 100 - running, 0, running, 0, 0, 0, 0, 0)
 
     def close(self) -> None:
         self.closed = True
