@@ -27,23 +27,28 @@ import os
 import random
 import signal
 import statistics
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from execrt.bench.common import save_records, utc_now
+from execrt.bench.load import (
+    Request,
+    Run,
+    Summary,
+    drive_http,
+    generate_tok_s,
+    replay,
+    summarize,
+)
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
 from execrt.core.errors import ExecrtError
-from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
-from execrt.engine.client import RequestOutput
 
 WORKLOADS = ("random", "shared-prefix")
-DEFAULT_CONCURRENCY = (1, 32, 128)
+DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
 DEFAULT_RATES = (8.0, 32.0)
 CONTEXT_MARGIN = 8
 
@@ -112,49 +117,6 @@ class Options:
         return dict(self.config) if self.config else model_config(self.model, self.layers)
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    output_len: int
-
-
-@dataclass(frozen=True)
-class Run:
-    """One load pattern: a closed loop of ``concurrency`` clients, or Poisson arrivals."""
-
-    concurrency: int | None
-    request_rate: float | None
-    requests: tuple[Request, ...]
-    arrivals: tuple[float, ...]  # seconds from the start (all 0 for a closed loop)
-
-
-@dataclass
-class Timing:
-    """One request as a client saw it."""
-
-    sent: float
-    chunks: list[float] = field(default_factory=list)  # arrival time of each chunk with tokens
-    tokens: int = 0
-    done: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class Summary:
-    """One run as the clients saw it."""
-
-    ttft_ms_p50: float | None
-    ttft_ms_p99: float | None
-    itl_ms_p50: float | None
-    itl_ms_p99: float | None
-    tpot_ms_p50: float | None
-    e2e_ms_p50: float | None
-    request_s: float
-    output_tok_s: float
-    duration_s: float
-    errors: int
-
-
 @dataclass
 class Record(Summary):
     """One run through HTTP (the Summary fields), its load, and the Engine's numbers."""
@@ -174,6 +136,7 @@ class Record(Summary):
     engine_tpot_ms_p50: float | None = None
     engine_generate_output_tok_s: float | None = None  # Engine.generate of all requests at once
     throughput_ratio: float | None = None  # output_tok_s / engine_output_tok_s
+    generate_ratio: float | None = None  # output_tok_s / engine_generate_output_tok_s
     ttft_overhead_ms: float | None = None  # ttft_ms_p50 - engine_ttft_ms_p50
     itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
 
@@ -225,62 +188,6 @@ def plan_runs(opts: Options, vocab: int) -> list[Run]:
 
 
 # -- the load generator -------------------------------------------------------------------------
-async def _one(client: Any, url: str, model: str, req: Request, timing: Timing) -> None:
-    import orjson
-
-    body = {
-        "model": model,
-        "prompt": req.prompt,
-        "max_tokens": req.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    timing.error = str(chunk["error"])
-                elif chunk.get("usage"):
-                    timing.tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
-                    timing.chunks.append(now)
-        timing.done = time.perf_counter()
-    except Exception as exc:  # a failed request is counted, the run goes on
-        timing.error = f"{type(exc).__name__}: {exc}"
-
-
-async def _drive_http(url: str, model: str, run: Run) -> tuple[list[Timing], float]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None)
-    timings: list[Timing] = []
-    gate = asyncio.Semaphore(run.concurrency or len(run.requests))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        start = time.perf_counter()
-
-        async def send(req: Request, at: float) -> None:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            async with gate:
-                timing = Timing(time.perf_counter())
-                timings.append(timing)
-                await _one(client, url, model, req, timing)
-
-        await asyncio.gather(*(send(r, a) for r, a in zip(run.requests, run.arrivals, strict=True)))
-        return timings, time.perf_counter() - start
-
-
 def _serve_child(opts: Options, pipe: Any) -> None:
     """The server process: build, serve on a free loopback port, send its URL, run."""
     from execrt.engine.threaded import ThreadedEngineClient
@@ -338,88 +245,6 @@ class _ServerHandle:
                 self.process.kill()
 
 
-# -- the same arrivals through the Engine ----------------------------------------------------------
-def replay(engine: Engine, run: Run) -> tuple[list[Timing], float]:
-    """``run`` through ``engine.submit`` / ``step`` in this thread: the engine's own numbers."""
-    todo = deque(zip(run.requests, run.arrivals, strict=True))
-    timings: list[Timing] = []
-    live = 0
-
-    def sink(timing: Timing) -> Callable[[RequestOutput], None]:
-        def on_output(out: RequestOutput) -> None:
-            nonlocal live
-            now = time.perf_counter()
-            if out.token_ids:
-                timing.chunks.append(now)
-                timing.tokens += len(out.token_ids)
-            if out.finished:
-                timing.done, timing.error, live = now, out.error, live - 1
-
-        return on_output
-
-    start = time.perf_counter()
-    while todo or live:
-        now = time.perf_counter() - start
-        while todo and todo[0][1] <= now and (run.concurrency is None or live < run.concurrency):
-            req, _ = todo.popleft()
-            timing = Timing(time.perf_counter())
-            timings.append(timing)
-            live += 1
-            params = SamplingParams(max_new_tokens=req.output_len, temperature=0, ignore_eos=True)
-            engine.submit(req.prompt, params, on_output=sink(timing))
-        if not engine.step() and todo:
-            time.sleep(max(0.0, min(0.01, todo[0][1] - (time.perf_counter() - start))))
-    return timings, time.perf_counter() - start
-
-
-def generate_tok_s(engine: Engine, run: Run) -> float:
-    prompts = [r.prompt for r in run.requests]
-    params = [
-        SamplingParams(max_new_tokens=r.output_len, temperature=0, ignore_eos=True)
-        for r in run.requests
-    ]
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in results) / seconds
-
-
-# -- numbers ------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summarize(timings: Sequence[Timing], duration: float) -> Summary:
-    ok = [t for t in timings if t.error is None and t.done is not None and t.chunks]
-    ttft = [(t.chunks[0] - t.sent) * 1e3 for t in ok]
-    itl = [(b - a) * 1e3 for t in ok for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
-    tpot = [
-        (t.done - t.chunks[0]) * 1e3 / (t.tokens - 1)  # type: ignore[operator]
-        for t in ok
-        if t.tokens > 1
-    ]
-    e2e = [(t.done - t.sent) * 1e3 for t in ok]  # type: ignore[operator]
-    tokens = sum(t.tokens for t in ok)
-    return Summary(
-        ttft_ms_p50=percentile(ttft, 50),
-        ttft_ms_p99=percentile(ttft, 99),
-        itl_ms_p50=percentile(itl, 50),
-        itl_ms_p99=percentile(itl, 99),
-        tpot_ms_p50=percentile(tpot, 50),
-        e2e_ms_p50=percentile(e2e, 50),
-        request_s=len(ok) / duration if duration else 0.0,
-        output_tok_s=tokens / duration if duration else 0.0,
-        duration_s=duration,
-        errors=len(timings) - len(ok),
-    )
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -440,9 +265,9 @@ def run(opts: Options) -> list[Record]:
     url = server.start()
     try:
         warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
-        asyncio.run(_drive_http(url, opts.model, warm))
+        asyncio.run(drive_http(url, opts.model, warm))
         for r in runs:
-            timings, duration = asyncio.run(_drive_http(url, opts.model, r))
+            timings, duration = asyncio.run(drive_http(url, opts.model, r))
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
@@ -461,6 +286,7 @@ def run(opts: Options) -> list[Record]:
                 rec.engine_tpot_ms_p50 = s.tpot_ms_p50
                 rec.engine_generate_output_tok_s = generate_tok_s(engine, r)
                 rec.throughput_ratio = _ratio(rec.output_tok_s, s.output_tok_s)
+                rec.generate_ratio = _ratio(rec.output_tok_s, rec.engine_generate_output_tok_s)
                 rec.itl_ratio = _ratio(rec.itl_ms_p50, s.itl_ms_p50)
                 if rec.ttft_ms_p50 is not None and s.ttft_ms_p50 is not None:
                     rec.ttft_overhead_ms = rec.ttft_ms_p50 - s.ttft_ms_p50

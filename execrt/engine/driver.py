@@ -61,9 +61,11 @@ class Driver:
                 self._apply()
                 if done() or not self.scheduler.has_work:
                     break
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                finally:  # what the step gave, or the aborts of a step that failed
+                    self._after_step()
                 steps += 1
-                self._after_step()
                 with self._cond:
                     self._cond.notify_all()
         finally:

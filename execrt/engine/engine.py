@@ -27,8 +27,8 @@ from execrt.engine.client import EngineStats, RequestOutput
 from execrt.engine.driver import Driver
 from execrt.engine.logprobs import MAX_TOP_LOGPROBS, LogprobWorker
 from execrt.engine.requests import RequestTable
-from execrt.engine.scheduler import Scheduler, describe_exception
-from execrt.engine.stats import cached_prompt_tokens, engine_stats
+from execrt.engine.scheduler import Scheduler, describe_exception, kv_slots_needed
+from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
 
@@ -350,7 +350,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine: submit() after close()")
         sp = SamplingParams() if sampling_params is None else sampling_params
-        ids, error = self._validate(prompt, sp, top_logprobs)
+        ids, error = self._check_submission(prompt, sp, top_logprobs)
         if error is not None:
             raise RequestError(error)
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
@@ -362,6 +362,27 @@ class Engine:
 
         self._driver.call(add)
         return req.rid
+
+    def validate(
+        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
+    ) -> str | None:
+        """Why ``submit`` would refuse this request (the message it raises), or None. Safe
+        from any thread."""
+        return self._check_submission(prompt, sampling_params, top_logprobs)[1]
+
+    def _check_submission(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None
+    ) -> tuple[list[int], str | None]:
+        """``_validate``, and a request that could not run even in an empty KV cache is
+        refused too (``generate`` instead finishes it with ``abort``)."""
+        ids, error = self._validate(prompt, sp, top_logprobs)
+        if error is None:
+            limit = self.worker.limits.context_len
+            needed = kv_slots_needed(len(ids), sp.max_new_tokens, limit)
+            total = kv_slot_counts(self.scheduler)[0]
+            if needed > total:
+                error = f"request needs up to {needed} KV slots but the whole cache holds {total}"
+        return ids, error
 
     def abort_request(self, rid: int, reason: str = "aborted") -> None:
         """Finish submitted request ``rid`` with ``abort`` and free its KV slots, now or before
@@ -419,13 +440,6 @@ class Engine:
         and a list that only grows would keep every streamed request alive."""
         done = set(reqs)
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
-
-    def validate(
-        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
-    ) -> str | None:
-        """Why ``submit`` would refuse this request (the message it raises), or None. Safe
-        from any thread."""
-        return self._validate(prompt, sampling_params, top_logprobs)[1]
 
     def _validate(
         self, prompt: object, sp: SamplingParams, top_logprobs: int | None = None

@@ -152,6 +152,7 @@ class LoopSummary:
     requests: int = 0
     aborted: int = 0
     steps: int = 0
+    failed_steps: int = 0
 
 
 def run_commands(
@@ -200,8 +201,14 @@ def run_commands(
                 if rid is not None:
                     engine.abort_request(rid, command[2])
                     summary.aborted += 1
-        if engine.step():
-            summary.steps += 1
+        try:
+            if engine.step():
+                summary.steps += 1
+        except Exception:
+            # The step's requests were aborted with the error (their last outputs say so);
+            # the others are consistent and go on.
+            logger.exception("engine thread: a step failed; the requests in it were aborted")
+            summary.failed_steps += 1
         if after_step is not None:
             after_step()
 
@@ -231,6 +238,7 @@ class ThreadedEngineClient(EngineClient):
         self._cond = threading.Condition()
         self._sinks: dict[str, Sink] = {}
         self._outputs: list[tuple[OutputHolder, RequestOutput]] = []  # of this step
+        self._live: dict[str, OutputHolder] = {}  # submitted, not finished
         self.summary: LoopSummary | None = None
         self._thread = threading.Thread(target=self._main, name="execrt-engine", daemon=True)
         self._thread.start()
@@ -264,9 +272,12 @@ class ThreadedEngineClient(EngineClient):
             self.summary = run_commands(
                 engine, self._take, channel, self._sinks, after_step=self._deliver
             )
-        except BaseException:
+        except BaseException as exc:
             logger.exception("engine thread: the engine failed; requests are no longer served")
-            self._error = "the engine failed (see the server log)"
+            self._error = f"the engine failed: {describe_exception(exc)}"
+            self._deliver()
+            for holder in list(self._live.values()):  # nobody waits for an answer forever
+                holder.put(RequestOutput([], finish_reason="error", error=self._error))
             raise
         finally:
             engine.close()
@@ -318,8 +329,15 @@ class ThreadedEngineClient(EngineClient):
         return self._engine.validate(request.prompt_ids, sp, request.top_logprobs)
 
     def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
-        # Outputs gather during a step and go out together after it (see ``deliver``).
-        self._sinks[request.request_id] = lambda out: self._outputs.append((holder, out))
+        rid = request.request_id
+
+        def sink(out: RequestOutput) -> None:  # outputs go out together after each step
+            self._outputs.append((holder, out))
+            if out.finished:
+                self._live.pop(rid, None)
+
+        self._live[rid] = holder
+        self._sinks[rid] = sink
         self._queue(("submit", request))
 
     def abort(self, request_id: str, reason: str) -> None:

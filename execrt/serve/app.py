@@ -102,7 +102,7 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
 
 def _unavailable(client: EngineClient) -> APIError:
     error = client.load_error()
-    message = f"the model failed to load: {error}" if error else "the model is loading"
+    message = f"the engine is not serving: {error}" if error else "the model is loading"
     return APIError(message, status=503, type="service_unavailable", code="model_not_ready")
 
 
@@ -264,10 +264,8 @@ class Job:
             return Response(status_code=499)  # nobody reads it
         run.result()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            status = 500 if failed.text.tokens else 400
-            kind = "server_error" if status == 500 else "invalid_request_error"
-            raise APIError(failed.error or "request failed", status=status, type=kind)
+        if failed is not None:  # check() let it in: the engine failed while running it
+            raise APIError(failed.error or "request failed", status=500, type="server_error")
         return json_response(
             {
                 "id": self.id,

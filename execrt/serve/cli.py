@@ -131,8 +131,8 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
     b.add_argument(
         "--max-concurrency",
-        default="1,32,128",
-        help="closed-loop runs, comma-separated client counts; '' for none (default: 1,32,128)",
+        default="1,32,256",
+        help="closed-loop runs, comma-separated client counts; '' for none (default: 1,32,256)",
     )
     b.add_argument(
         "--request-rate",

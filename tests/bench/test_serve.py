@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from execrt.bench import serve
+from execrt.bench import load, serve
 from tests.bench.test_decode import TINY
 
 
@@ -68,4 +68,4 @@ def test_workloads_have_the_asked_lengths() -> None:
     (run,) = runs
     assert list(run.arrivals) == sorted(run.arrivals) and run.arrivals[0] == 0.0
     assert 3 < run.arrivals[-1] < 20  # 80 requests at 10/s: about 8 s
-    assert serve.percentile([1, 2, 3, 4], 50) == 2.5 and serve.percentile([], 50) is None
+    assert load.percentile([1, 2, 3, 4], 50) == 2.5 and load.percentile([], 50) is None

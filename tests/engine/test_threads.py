@@ -146,6 +146,13 @@ def test_submit_rejects_bad_requests_at_once(engine) -> None:
         engine.submit("x", replace(GREEDY, temperature=-1))
     with pytest.raises(RequestError, match="top_logprobs 21 must be an integer in 0..20"):
         engine.submit("x", GREEDY, top_logprobs=21)
+    # What generate() would finish with "abort" at once is refused up front here.
+    with pytest.raises(
+        RequestError, match="needs up to 300 KV slots but the whole cache holds 256"
+    ):
+        engine.submit("x", replace(GREEDY, max_new_tokens=300))
+    assert "KV slots" in (engine.validate("x", replace(GREEDY, max_new_tokens=300)) or "")
+    assert engine.validate("x", GREEDY) is None
     assert not engine.has_work
 
 

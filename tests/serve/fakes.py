@@ -12,6 +12,7 @@ import execrt.engine.client as seam
 from execrt.engine.client import EngineRequest, OutputHolder, RequestOutput
 
 A = ord("a")
+FAIL = ord("q") - A  # a prompt starting with "q" fails in the engine
 
 
 class LetterCodec(seam.TextCodec):
@@ -87,8 +88,10 @@ class FakeClient(seam.EngineClient):
                 out = RequestOutput([token], lp if r.request.top_logprobs is not None else None)
                 sp = r.request.sampling
                 stop = token in sp.get("stop_token_ids", ())
-                if stop or r.made >= sp["max_new_tokens"]:
-                    out.finish_reason = "stop" if stop else "length"
+                if r.request.prompt_ids[0] == FAIL:  # the engine fails after one token
+                    out.finish_reason, out.error = "abort", "step failed: RuntimeError: boom"
+                if out.finished or stop or r.made >= sp["max_new_tokens"]:
+                    out.finish_reason = out.finish_reason or ("stop" if stop else "length")
                     out.prompt_tokens = len(r.request.prompt_ids)
                     with self._lock:
                         self._live.pop(r.request.request_id, None)

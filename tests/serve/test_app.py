@@ -294,3 +294,20 @@ def test_metrics_parse_and_count_requests(fake) -> None:
         assert f"execrt:{name}{{}}" in b
     for name in ("num_retractions_total", "prefix_cache_hits_total", "prefix_cache_queries_total"):
         assert b[f"execrt:{name}{{}}"] == 0
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": "qa", "max_tokens": 5})
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "step failed: RuntimeError: boom",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    body = {"prompt": ["qa", "ab"], "max_tokens": 3, "stream": True}
+    chunks = events(call(fake, "POST", "/v1/completions", body))
+    errors = [c for c in chunks if "error" in c]
+    assert [e["error"]["message"] for e in errors] == ["step failed: RuntimeError: boom"]
+    ok = [c["choices"][0]["text"] for c in chunks if "choices" in c and c["choices"][0]["index"]]
+    assert "".join(ok) == "cde"  # the other prompt's choice is served whole

@@ -37,7 +37,7 @@ class Served:
     client: ThreadedEngineClient
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,23 @@ def test_engine_validation_is_a_400_with_the_field(served) -> None:
     assert info.value.body["param"] == "presence_penalty"
 
 
+def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> None:
+    worker = served.engine.worker
+    real = worker.forward_batch_generation
+
+    def fail(batch):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(worker, "forward_batch_generation", real)  # once
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(worker, "forward_batch_generation", fail)
+    with pytest.raises(openai.InternalServerError) as info:
+        served.openai().completions.create(model="builtin", prompt="x", max_tokens=3)
+    assert info.value.body["message"] == "step failed: RuntimeError: device lost"
+    again = served.openai().completions.create(model="builtin", prompt="x", max_tokens=3)
+    assert again.choices[0].finish_reason in ("length", "stop")
+    assert served.client.ready() and not served.engine.has_work
+
+
 def wait_until(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not condition():
@@ -239,7 +256,9 @@ def test_256_concurrent_streams_all_match_the_engine(served) -> None:
         return "".join([c.choices[0].text async for c in stream])
 
     async def all_of_them() -> list[str | BaseException]:
-        api = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        api = openai.AsyncOpenAI(
+            base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
         async with api:
             return await asyncio.gather(*(one(api, p) for p in prompts), return_exceptions=True)
 

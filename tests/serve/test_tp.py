@@ -41,7 +41,7 @@ def test_tp2_serves_the_single_process_text_and_aborts_on_both_ranks() -> None:
         ready = lines.get(timeout=240)
         assert "ready at http://127.0.0.1:" in ready, ready
         url = ready.split(" ready at ")[1].split()[0]
-        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         got = api.completions.create(model="builtin", prompt=PROMPTS, max_tokens=8, temperature=0)
         assert [c.text for c in got.choices] == expected
         body = {"prompt": "abandon", "max_tokens": 2000, "stream": True, "ignore_eos": True}
