@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from execrt.core.config import RuntimeConfig
+from execrt.core.context import RuntimeContext
+from execrt.core.model_spec import ModelLoader
+from execrt.core.plugins import BackendRegistry
 from execrt.core.schedule import Req, ScheduleBatch
 from execrt.core.staging import DeviceToHost, HostCopy
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
@@ -47,8 +51,14 @@ class LogprobWorker(TpModelWorker):
     out the token (``take``), so the step's overlap with the next one is kept.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        loader: ModelLoader,
+        config: RuntimeConfig,
+        context: RuntimeContext,
+        registry: BackendRegistry,
+    ) -> None:
+        super().__init__(loader, config, context, registry)
         self._watched: dict[Req, _Pending] = {}
         self._to_host = DeviceToHost(self.limits.device, torch.float32, slots=4)
 
