@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from execrt.core.config import RuntimeConfig
-from execrt.core.context import RuntimeContext
-from execrt.core.model_spec import ModelLoader
-from execrt.core.plugins import BackendRegistry
 from execrt.core.schedule import Req, ScheduleBatch
 from execrt.core.staging import DeviceToHost, HostCopy
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
@@ -51,14 +48,8 @@ class LogprobWorker(TpModelWorker):
     out the token (``take``), so the step's overlap with the next one is kept.
     """
 
-    def __init__(
-        self,
-        loader: ModelLoader,
-        config: RuntimeConfig,
-        context: RuntimeContext,
-        registry: BackendRegistry,
-    ) -> None:
-        super().__init__(loader, config, context, registry)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # TpModelWorker's arguments
+        super().__init__(*args, **kwargs)
         self._watched: dict[Req, _Pending] = {}
         self._to_host = DeviceToHost(self.limits.device, torch.float32, slots=4)
 
