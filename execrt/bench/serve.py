@@ -122,6 +122,7 @@ class Record(Summary):
     """One run through HTTP (the Summary fields), its load, and the Engine's numbers."""
 
     model: str
+    layers: int
     gpu: str
     date: str
     workload: str
@@ -303,6 +304,7 @@ def run(opts: Options) -> list[Record]:
 def _record(opts: Options, gpu: str, date: str, r: Run, s: Summary) -> Record:
     return Record(
         model=opts.model,
+        layers=int(opts.model_shape()["num_hidden_layers"]),
         gpu=gpu,
         date=date,
         workload=opts.workload,
@@ -367,6 +369,8 @@ def plot(records: Sequence[Record], path: str) -> str:
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ys = [getattr(r, f"{metric}_ms_{q}") for r in rated]
             ax.plot([r.request_rate for r in rated], ys, style, label=f"{metric.upper()} {q}")
+        if not rated:
+            ax.text(0.5, 0.5, "no --request-rate runs", ha="center", transform=ax.transAxes)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")
         ax.set_title(f"{metric.upper()} against request rate")
