@@ -10,11 +10,13 @@ receive, so every rank runs the same schedule; a ``stop`` command ends every ran
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from execrt.engine.scheduler import describe_exception
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
-#: ("submit", EngineRequest) | ("abort", request_id, reason) | ("stop",)
+#: ("submit", EngineRequest) | ("abort", request_id, reason) | ("flush", key) | ("stop",)
 Command = tuple[Any, ...]
 #: How long a rank waits for rank 0's next command: an idle server sends none for hours.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
@@ -161,11 +163,13 @@ def run_commands(
     channel: CommandChannel | None,
     sinks: dict[str, Sink] | None = None,
     after_step: Callable[[], None] | None = None,
+    flushed: Callable[[int, bool], None] | None = None,
 ) -> LoopSummary:
     """Apply commands and step until a ``stop`` command. ``take(block)`` gives the commands
     queued since the last call (rank 0; ``block``: wait for one); without it, the commands
     come from rank 0 through ``channel``. ``sinks`` (rank 0) receive each request's outputs;
-    ``after_step`` runs after each round of commands and step."""
+    ``after_step`` runs after each round of commands and step; ``flushed(key, ok)`` gets the
+    result of each ``("flush", key)`` command (the prefix cache emptied between steps)."""
     rids: dict[str, int] = {}
     summary = LoopSummary()
 
@@ -201,6 +205,10 @@ def run_commands(
                 if rid is not None:
                     engine.abort_request(rid, command[2])
                     summary.aborted += 1
+            elif command[0] == "flush":
+                ok = bool(engine.flush_cache())  # type: ignore[attr-defined]
+                if flushed is not None:
+                    flushed(command[1], ok)
         try:
             if engine.step():
                 summary.steps += 1
@@ -239,6 +247,8 @@ class ThreadedEngineClient(EngineClient):
         self._sinks: dict[str, Sink] = {}
         self._outputs: list[tuple[OutputHolder, RequestOutput]] = []  # of this step
         self._live: dict[str, OutputHolder] = {}  # submitted, not finished
+        self._flushes: dict[int, Future[bool]] = {}
+        self._flush_keys = itertools.count()
         self.summary: LoopSummary | None = None
         self._thread = threading.Thread(target=self._main, name="execrt-engine", daemon=True)
         self._thread.start()
@@ -270,7 +280,12 @@ class ThreadedEngineClient(EngineClient):
         self._loaded.set()
         try:
             self.summary = run_commands(
-                engine, self._take, channel, self._sinks, after_step=self._deliver
+                engine,
+                self._take,
+                channel,
+                self._sinks,
+                after_step=self._deliver,
+                flushed=lambda key, ok: self._flushes.pop(key).set_result(ok),
             )
         except BaseException as exc:
             logger.exception("engine thread: the engine failed; requests are no longer served")
@@ -346,6 +361,16 @@ class ThreadedEngineClient(EngineClient):
     def stats(self) -> EngineStats:
         assert self._engine is not None, "stats() before ready()"
         return self._engine.stats()
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache between two steps (on every rank); blocks until done."""
+        if not callable(getattr(self._engine, "flush_cache", None)):
+            return super().flush_cache()  # NotImplementedError: no prefix cache
+        key = next(self._flush_keys)
+        done: Future[bool] = Future()
+        self._flushes[key] = done
+        self._queue(("flush", key))
+        return done.result(timeout=120)
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the engine thread (every rank's loop under torchrun) and close the engine.

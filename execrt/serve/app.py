@@ -81,8 +81,8 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
-        try:
-            flushed = _ready(client).flush_cache()
+        try:  # between two engine steps: wait off the event loop
+            flushed = await asyncio.to_thread(_ready(client).flush_cache)
         except NotImplementedError as exc:
             raise APIError(str(exc), status=501, type="not_implemented") from None
         if not flushed:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,6 +190,21 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> N
     again = served.openai().completions.create(model="builtin", prompt="x", max_tokens=3)
     assert again.choices[0].finish_reason in ("length", "stop")
     assert served.client.ready() and not served.engine.has_work
+
+
+def test_flush_cache_runs_between_steps_once_the_engine_has_one(served, monkeypatch) -> None:
+    r = httpx.post(served.url + "/flush_cache")
+    assert r.status_code == 501 and "no prefix cache" in r.json()["error"]["message"]
+    calls: list[str] = []
+
+    def flush() -> bool:  # what the prefix cache will provide
+        calls.append(threading.current_thread().name)
+        return len(calls) == 1
+
+    monkeypatch.setattr(served.engine, "flush_cache", flush, raising=False)
+    assert httpx.post(served.url + "/flush_cache").json() == {"flushed": True}
+    assert httpx.post(served.url + "/flush_cache").status_code == 409  # requests hold slots
+    assert calls == ["execrt-engine"] * 2  # on the engine thread, between its steps
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
