@@ -1,4 +1,4 @@
-"""The ``execrt`` command: backends, generate, bench, conformance."""
+"""The ``execrt`` command: backends, generate, serve, bench, conformance."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from execrt._version import __version__
 from execrt.core.errors import ConfigError, ExecrtError
+from execrt.serve.cli import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 
 # The backend kinds (execrt.core.plugins.KINDS, spelled out: importing it here would import torch).
 KINDS = ["attention", "moe_dispatch", "graph", "prefix_cache"]
@@ -143,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--all", action="store_true", help="clear every entry, not only stale ones (default: off)"
     )
+    add_bench_serve_parser(bench_sub)
+    add_serve_parser(sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=KINDS)
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -272,6 +275,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "serve":
+        return cmd_bench_serve(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
@@ -456,6 +461,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "conformance": cmd_conformance,
     "cache": cmd_cache,
+    "serve": cmd_serve,
 }
 
 

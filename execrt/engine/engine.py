@@ -1,11 +1,15 @@
-"""Engine: the public generate() API over the scheduler, with text in and out when possible."""
+"""Engine: the public generate() API over the scheduler, with text in and out when possible, safe
+to call from several threads, and a request-level API (submit / abort / step) for a driver
+thread such as the server's."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,8 +29,12 @@ from execrt.core.prompts import (
 )
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
-from execrt.core.worker import TpModelWorker
-from execrt.engine.scheduler import Scheduler, describe_exception
+from execrt.engine.client import EngineStats, RequestOutput
+from execrt.engine.driver import Driver
+from execrt.engine.logprobs import MAX_TOP_LOGPROBS, LogprobWorker
+from execrt.engine.requests import RequestTable
+from execrt.engine.scheduler import Scheduler, describe_exception, kv_slots_needed
+from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
 
@@ -41,7 +49,8 @@ class GenerationResult:
     """One request's outcome. ``error`` is set (and nothing generated) for a rejected request.
 
     ``text`` is ``token_ids`` decoded ("" when nothing was generated, as for a rejected or an
-    aborted request), None when the engine has no tokenizer.
+    aborted request), None when the engine has no tokenizer. ``cached_tokens`` counts the
+    prompt tokens served from the prefix cache.
     """
 
     token_ids: list[int]
@@ -50,6 +59,7 @@ class GenerationResult:
     finish_reason: str
     error: str | None = None
     num_retractions: int = 0
+    cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -68,6 +78,12 @@ class Engine:
     number of processes; ``ep_size`` for a MoE model) and makes the same calls: the ranks step
     in lockstep and every rank returns the same results. ``parallel.rank`` says which rank
     this is (print on rank 0 only).
+
+    Threads. Any number of threads may call ``generate``, ``chat``, ``stream``, ``submit`` and
+    ``abort_request`` on one Engine at once. Steps are serialised: one thread at a time steps
+    the scheduler, and each step carries every queued request, whichever thread queued it.
+    The other threads wait for their own requests, not for the stepping thread's: each call
+    returns as soon as its requests are done. ``close()`` only after every other call returned.
     """
 
     def __init__(
@@ -105,7 +121,7 @@ class Engine:
         registry = (plugin_host or get_plugin_host()).registry
         self.context = self._join_world(resolve_device(cfg.device))
         try:
-            self.worker = TpModelWorker(loader, cfg, self.context, registry)
+            self.worker = LogprobWorker(loader, cfg, self.context, registry)
             self.model_config = checkpoint.config if checkpoint else loader.spec
             self.tokenizer: Any = None
             self.chat_template: ChatTemplate | None = None
@@ -133,6 +149,12 @@ class Engine:
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
+        # Every token goes to its stream, or to its submitted request; generate() reads its
+        # requests' tokens when they are done.
+        self._streams: dict[Req, Callable[[int], None]] = {}
+        self._requests = RequestTable(self.scheduler, self.worker)
+        self.scheduler.on_token.append(self._on_token)
+        self._driver = Driver(self.scheduler, self._requests.deliver)
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
         """The context over the torchrun world (one process: a world of 1). A process group
@@ -191,16 +213,17 @@ class Engine:
                 continue
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
             reqs[i] = Req(next(self._rids), ids, sp, sampling_seed=seed)
+        todo = list(reqs.values())
         try:
-            for req in reqs.values():
-                self.scheduler.add(req)
-            self._run_until_finished(reqs.values())
+            self._driver.call(lambda: self._add(todo))
+            self._run_until_finished(todo)
         except BaseException as exc:
             # Nothing of this call may stay queued or hold KV slots: the next call would run
             # these requests and drop their results.
-            self.scheduler.abort(reqs.values(), f"generate() failed: {describe_exception(exc)}")
+            error = f"generate() failed: {describe_exception(exc)}"
+            self._driver.call(lambda: self.scheduler.abort(todo, error))
             raise
-        self._forget(reqs.values())
+        self._driver.call(lambda: self._forget(todo))
         for i, req in reqs.items():
             assert req.finish_reason is not None
             results[i] = GenerationResult(
@@ -210,6 +233,7 @@ class Engine:
                 finish_reason=req.finish_reason.value,
                 error=req.error,
                 num_retractions=req.num_retractions,
+                cached_tokens=cached_prompt_tokens(req),
             )
         ordered = [results[i] for i in range(len(batch))]
         return ordered[0] if single else ordered
@@ -297,58 +321,154 @@ class Engine:
         from execrt.models.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer)
-        # Filled by the scheduler's token hook whoever steps it: this stream, another one, or
-        # a generate() call made while this one was suspended.
-        pieces: list[str] = []
-
-        def on_token(r: Req, token_id: int) -> None:
-            if r is req:
-                pieces.append(detok.push(token_id))
-
+        # Filled by the token hook whichever thread steps: this stream, another one, or a
+        # generate() call made while this one was suspended.
+        pieces: deque[str] = deque()
+        self._streams[req] = lambda token_id: pieces.append(detok.push(token_id))
         failure: Exception | None = None  # the exception of a failed step this stream drove
-        self.scheduler.on_token.append(on_token)
         try:
-            self.scheduler.add(req)
+            self._driver.call(lambda: self._add([req]))
             while True:
                 if self._closed:
                     raise RuntimeError("engine: stream iterated after the engine was closed")
                 if pieces:  # checked again after each yield: other calls may have added some
-                    text = "".join(pieces)
-                    pieces.clear()
+                    text = "".join(pieces.popleft() for _ in range(len(pieces)))
                     if text:
                         yield text
                     continue
                 if req.finished:
                     break
                 try:
-                    self.scheduler.step()
+                    self._driver.drive(lambda: bool(pieces) or req.finished, max_steps=1)
                 except Exception as exc:
                     # The step this stream drove failed. The scheduler aborted the requests
                     # it carried; this one ends too, after the text it has, with the promised
                     # RequestError (KeyboardInterrupt propagates as it is).
                     failure = exc
                     if not req.finished:
-                        self.scheduler.abort([req], f"step failed: {describe_exception(exc)}")
+                        why = f"step failed: {describe_exception(exc)}"
+                        self._driver.call(functools.partial(self.scheduler.abort, [req], why))
             tail = detok.flush()
             if tail:
                 yield tail
             if req.finish_reason == FinishReason.ABORT and req.error:
                 raise RequestError(req.error) from failure
         finally:
-            self.scheduler.on_token.remove(on_token)
             if not self._closed:
-                if not req.finished:  # the caller stopped early: give the request's slots back
-                    self.scheduler.abort([req], "abandoned: the stream was closed early")
-                self.scheduler.drain()
-                self._forget([req])
+                self._driver.call(lambda: self._end_stream(req))
+            self._streams.pop(req, None)
+
+    def _end_stream(self, req: Req) -> None:
+        if not req.finished:  # the caller stopped early: give the request's slots back
+            self.scheduler.abort([req], "abandoned: the stream was closed early")
+        self.scheduler.drain()
+        self._forget([req])
+
+    # -- the request-level API (a driver thread, e.g. the server's) -----------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        top_logprobs: int | None = None,
+    ) -> int:
+        """Queue one request and return its id; it runs as whichever thread steps the engine
+        (``step``, or any ``generate``) steps it.
+
+        ``on_output`` is called by the stepping thread after each step that gave the request
+        tokens, with those tokens, and once more with ``finish_reason`` set (a callback that
+        raises is logged and ignored). ``top_logprobs`` (0..20) adds each token's
+        log-probability and that many alternatives. Raises RequestError for an invalid
+        request, as ``stream`` does.
+        """
+        if self._closed:
+            raise RuntimeError("engine: submit() after close()")
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        ids, error = self._check_submission(prompt, sp, top_logprobs)
+        if error is not None:
+            raise RequestError(error)
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        req = Req(next(self._rids), ids, sp, sampling_seed=seed)
+
+        def add() -> None:
+            self._requests.track(req, on_output, top_logprobs)
+            self._add([req])
+
+        self._driver.call(add)
+        return req.rid
+
+    def validate(
+        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
+    ) -> str | None:
+        """Why ``submit`` would refuse this request (the message it raises), or None. Safe
+        from any thread."""
+        return self._check_submission(prompt, sampling_params, top_logprobs)[1]
+
+    def _check_submission(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None
+    ) -> tuple[list[int], str | None]:
+        """``_validate``, and a request that could not run even in an empty KV cache is
+        refused too (``generate`` instead finishes it with ``abort``)."""
+        ids, error = self._validate(prompt, sp, top_logprobs)
+        if error is None:
+            limit = self.worker.limits.context_len
+            needed = kv_slots_needed(len(ids), sp.max_new_tokens, limit)
+            total = kv_slot_counts(self.scheduler)[0]
+            if needed > total:
+                error = f"request needs up to {needed} KV slots but the whole cache holds {total}"
+        return ids, error
+
+    def abort_request(self, rid: int, reason: str = "aborted") -> None:
+        """Finish submitted request ``rid`` with ``abort`` and free its KV slots, now or before
+        the next step; its callback gets the last output. An unknown or finished id is
+        ignored."""
+
+        def abort() -> None:
+            req = self._requests.get(rid)
+            if req is not None and not req.finished:
+                self.scheduler.abort([req], reason)
+                self._requests.finish(req)
+
+        self._driver.call(abort)
+
+    def step(self) -> bool:
+        """Run one step if there is work (waiting while another thread steps); returns
+        whether this call ran one."""
+        if self._closed:
+            raise RuntimeError("engine: step() after close()")
+        return self._driver.drive(lambda: not self._driver.has_work, max_steps=1) > 0
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued or running (or changes queued for the next step)."""
+        return self._driver.has_work
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block while there is no work, up to ``timeout`` seconds; returns ``has_work``."""
+        return self._driver.wait_for_work(timeout)
+
+    def stats(self) -> EngineStats:
+        """KV slots, queue lengths and prefix-cache counters; safe from any thread."""
+        return engine_stats(self.scheduler)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _add(self, reqs: Iterable[Req]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+
+    def _on_token(self, req: Req, token_id: int) -> None:
+        stream = self._streams.get(req)
+        if stream is not None:
+            stream(token_id)
+        else:
+            self._requests.on_token(req, token_id)
 
     def _run_until_finished(self, reqs: Collection[Req]) -> None:
-        """Step until every request of ``reqs`` finished (open streams' requests ride along),
-        then process the step still in flight, so none is left between calls."""
-        while not all(r.finished for r in reqs):
-            assert self.scheduler.has_work, "an unfinished request is always queued"
-            self.scheduler.step()
-        self.scheduler.drain()
+        """Step (or wait while another thread steps) until every request of ``reqs``
+        finished, then process the step still in flight, so none is left between calls."""
+        self._driver.drive(lambda: all(r.finished for r in reqs))
+        self._driver.call(self.scheduler.drain)
 
     def _forget(self, reqs: Iterable[Req]) -> None:
         """Drop finished ``reqs`` from the scheduler's finished list: their caller holds them,
@@ -356,7 +476,9 @@ class Engine:
         done = set(reqs)
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
-    def _validate(self, prompt: object, sp: SamplingParams) -> tuple[list[int], str | None]:
+    def _validate(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None = None
+    ) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
             if isinstance(sp, SamplingParams)
@@ -383,6 +505,8 @@ class Engine:
         limit = self.worker.limits.context_len
         if len(ids) >= limit:
             problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
+        if top_logprobs is not None:
+            problems += _top_logprobs_problems(top_logprobs)
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:
@@ -403,3 +527,9 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _top_logprobs_problems(top: object) -> list[str]:
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
+    return []
