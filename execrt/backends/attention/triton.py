@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 
 @dataclass
@@ -40,7 +40,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, init: AttentionBackendInit) -> None:
         super().__init__(init)
-        from execrt.backends.attention import triton_kernels as kernels
+        from execrt.kernels import attention as kernels
 
         self.kernels = kernels
         self.num_sms = (
