@@ -12,6 +12,9 @@ from typing import Any, NoReturn
 
 from execrt.core.errors import ConfigError, ExecrtError
 
+# The backend kinds (execrt.core.plugins.KINDS, spelled out: importing it here would import torch).
+KINDS = ["attention", "moe_dispatch", "graph", "prefix_cache"]
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -25,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     backends = sub.add_parser("backends", help="list every registered backend")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
-    backends.add_argument("--kind", choices=["attention", "moe_dispatch", "graph"])
+    backends.add_argument("--kind", choices=KINDS)
 
     gen = sub.add_parser(
         "generate",
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--graph", dest="graph_backend", help="graph backend, none or auto (default: auto)"
+    )
+    gen.add_argument(
+        "--prefix-cache", dest="prefix_cache", help="prefix cache, none or auto (default: radix)"
     )
     gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
-    conf.add_argument("kind", choices=["attention", "moe_dispatch", "graph"])
+    conf.add_argument("kind", choices=KINDS)
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
     conf.add_argument("--json", help="also write the JSON report to this file")
     conf.epilog = "Other options (e.g. -k EXPR, -x) are passed on to pytest."
@@ -306,6 +312,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "attention_backend",
         "moe_dispatcher",
         "graph_backend",
+        "prefix_cache",
         "device",
         "dtype",
         "strict",

@@ -19,6 +19,7 @@ from execrt.core.interfaces import (
     MoERequirements,
 )
 from execrt.core.plugins import BackendSpec
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequirements
 from execrt.plugins.host import PluginHost, get_plugin_host
 
 
@@ -41,6 +42,8 @@ def probe_requirements(caps: Capabilities, device: str) -> Any:
         top_k = min(2, caps.max_top_k or 2)
         dtype = torch.bfloat16 if torch.bfloat16 in caps.dtypes else sorted(caps.dtypes, key=str)[0]
         return MoERequirements(device, dtype, world, backend, 8 * world, top_k, hidden)
+    if isinstance(caps, PrefixCacheCapabilities):
+        return PrefixCacheRequirements(device, 1 if 1 in caps.page_sizes else min(caps.page_sizes))
     assert isinstance(caps, GraphCapabilities)
     return GraphRequirements(device)
 

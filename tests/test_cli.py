@@ -45,6 +45,18 @@ def test_backends_table_filters_by_kind(capsys) -> None:
     assert "allreduce" in out and "torch_native" not in out
 
 
+def test_backends_lists_the_prefix_cache_kind(capsys) -> None:
+    from execrt.cli import KINDS
+    from execrt.core.plugins import KINDS as REGISTRY_KINDS
+
+    assert KINDS == list(REGISTRY_KINDS)  # the CLI spells them out to stay torch-free
+    assert main(["backends", "--kind", "prefix_cache"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix_cache  radix" in out and "torch_native" not in out
+    assert "devices=cpu/cuda, page_sizes=1, reuses=True" in out
+    assert build_parser().parse_args(["generate", "--prefix-cache", "none"]).prefix_cache == "none"
+
+
 def test_generate_on_the_builtin_model(capsys) -> None:
     assert main(["generate", "Hi", "--max-new-tokens", "4", "-v", "--device", "cpu"]) == 0
     captured = capsys.readouterr()

@@ -27,6 +27,7 @@ from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionLayer,
+    AttentionStep,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
@@ -80,16 +81,15 @@ class DecodeProblem:
         bs = self.bs
         seq = torch.full((bs,), self.ctx, dtype=torch.int64, device="cuda")
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
+            mode=ForwardMode.DECODE,
             input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
             positions=seq - 1,
             req_pool_indices=torch.arange(1, bs + 1, device="cuda"),
             seq_lens=seq,
             out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="cuda"),
             seq_lens_cpu=[self.ctx] * bs,
-            extend_prefix_lens_cpu=[self.ctx - 1] * bs,
-            extend_seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[self.ctx - 1] * bs,
+            extend_lens_cpu=[1] * bs,
         )
 
     def reference(self) -> torch.Tensor:
@@ -128,12 +128,13 @@ def time_backend(
     use_graph = bool(getattr(backend.capabilities, "graph", False))
     if use_graph:
         backend.init_graph_state(p.bs, p.bs)
-        backend.init_forward_metadata_graph(fb)
+        meta = backend.plan_graph(fb)
     else:
-        backend.init_forward_metadata(fb)
+        meta = backend.plan(fb)
+    step = AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
 
     def run_all() -> list[torch.Tensor]:
-        return [backend.forward_decode(p.q, None, None, layer, fb) for layer in p.layers]
+        return [backend.attend(p.q, layer, step) for layer in p.layers]
 
     outs = run_all()  # warm-up: JIT compilation, autotuning
     torch.cuda.synchronize()

@@ -345,7 +345,7 @@ def _time_forward(
         if decode is None:
             raise RuntimeError("the KV cache has no slot left for the decode step")
         held = {id(r): r.seq_len for r in reqs}
-        fb = ForwardBatch.init_new(decode, mr.attn_backend)
+        fb = ForwardBatch.init_new(decode)
 
         def step() -> bool:
             out = mr.forward(fb)

@@ -2,7 +2,7 @@
 
 Every request has ``prefix`` cached tokens and ``new`` tokens to prefill; all of them sit at
 random slots of a page-size-1 cache (a random permutation, so no two neighbouring tokens are
-neighbours in memory). Registered backends run ``forward_extend`` over that cache, timed
+neighbours in memory). Registered backends run ``attend`` over that cache, timed
 eagerly with CUDA events (each call is a millisecond-scale kernel, far above launch cost),
 layers rotated so consecutive calls do not find their K/V in L2. The ``sdpa`` peer is torch's
 ``scaled_dot_product_attention`` on contiguous ``[bs, Hq, L, D]`` copies of the same K/V (kv
@@ -25,6 +25,7 @@ from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionLayer,
+    AttentionStep,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
@@ -102,16 +103,15 @@ class ExtendProblem:
         bs, new, prefix, dev = self.bs, self.new, self.prefix, self.device
         positions = (prefix + torch.arange(new, device=dev)).repeat(bs)  # [T]
         return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=bs,
+            mode=ForwardMode.EXTEND,
             input_ids=torch.zeros(bs * new, dtype=torch.int64, device=dev),
             positions=positions,
             req_pool_indices=torch.arange(1, bs + 1, device=dev),
             seq_lens=torch.full((bs,), self.ctx, dtype=torch.int64, device=dev),
             out_cache_loc=self.pool.req_to_token[1:, prefix:].reshape(-1).long(),
             seq_lens_cpu=[self.ctx] * bs,
-            extend_prefix_lens_cpu=[prefix] * bs,
-            extend_seq_lens_cpu=[new] * bs,
+            prefix_lens_cpu=[prefix] * bs,
+            extend_lens_cpu=[new] * bs,
         )
 
     def reference(self, b: int) -> torch.Tensor:
@@ -152,7 +152,7 @@ def time_calls(calls: Sequence[Callable[[], object]], iters: int, reps: int) -> 
 def backend_calls(
     host: PluginHost, name: str, p: ExtendProblem, context: RuntimeContext
 ) -> tuple[list[Callable[[], torch.Tensor]], AttentionBackend]:
-    """One ``forward_extend`` call per layer of a registered backend, metadata built once."""
+    """One ``attend`` call per layer of a registered backend, planned once."""
     backend = build_attention_backend(
         host,
         name,
@@ -164,9 +164,9 @@ def backend_calls(
         context=context,
     )
     fb = p.forward_batch()
-    backend.init_forward_metadata(fb)
+    step = AttentionStep(backend, backend.plan(fb), fb.out_cache_loc, fb.mode)
     calls: list[Callable[[], torch.Tensor]] = [
-        functools.partial(backend.forward_extend, p.q, None, None, layer, fb) for layer in p.layers
+        functools.partial(backend.attend, p.q, layer, step) for layer in p.layers
     ]
     return calls, backend
 

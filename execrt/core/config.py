@@ -36,14 +36,18 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 class RuntimeConfig:
     """Everything that decides how a model is executed. Immutable; validated on construction.
 
-    Backend fields take a registered backend name or ``"auto"``; ``graph_backend`` also takes
-    ``"none"``. ``strict`` turns any automatic fallback into an error.
+    Backend fields take a registered backend name or ``"auto"``; ``graph_backend`` and
+    ``prefix_cache`` also take ``"none"`` (no graphs; no prefix cache, every prompt prefilled
+    in full). ``prefix_cache_force_miss`` keeps the cache's code path but reports no match, to
+    measure its overhead. ``strict`` turns any automatic fallback into an error.
     """
 
     model: str | None = None
     attention_backend: str = "auto"
     moe_dispatcher: str = "auto"
     graph_backend: str = "auto"
+    prefix_cache: str = "radix"
+    prefix_cache_force_miss: bool = False
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -62,7 +66,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        for name in ("attention_backend", "moe_dispatcher", "graph_backend"):
+        for name in ("attention_backend", "moe_dispatcher", "graph_backend", "prefix_cache"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"config: {name} must be a backend name or 'auto', got {value!r}")

@@ -20,7 +20,8 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
-#: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton.
+#: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton, EXECRT_PREFIX_CACHE=none
+#: or EXECRT_PREFIX_CACHE_FORCE_MISS=1 (the cache runs but reports no match: its overhead).
 CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from execrt.core.step import ForwardMode
+
 if TYPE_CHECKING:
     from execrt.core.batch import ForwardBatch
     from execrt.core.context import RuntimeContext
@@ -69,6 +71,16 @@ class AttentionRequirements:
     num_q_heads: int
     num_kv_heads: int
     graph: bool = False
+    kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: ``dtype``
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+
+#: The KV cache dtypes a backend reads unless it declares others: the model dtypes.
+MODEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 @dataclass(frozen=True)
@@ -82,16 +94,20 @@ class AttentionCapabilities(Capabilities):
     gqa_ratios: frozenset[int] | None = ANY  # num_q_heads // num_kv_heads
     decode: bool = True
     extend: bool = True
-    graph: bool = False  # init_graph_state + init_forward_metadata_graph are capture-safe
-    # True: forward_decode / forward_extend receive this step's K/V and store them themselves
-    # (e.g. fused into the kernel). False: AttentionBackend.forward stores them first.
+    graph: bool = False  # init_graph_state + plan_graph are capture-safe
+    # True: attend receives this step's K/V and stores them itself (e.g. fused into its kernel).
+    # False: the model stores them before attend (the runner decides this once, at build time).
     stores_kv: bool = False
+    # KV cache storage dtypes it reads (an fp8 cache needs a backend that lists it).
+    kv_dtypes: frozenset[torch.dtype] = MODEL_DTYPES
 
     def refusals(self, req: AttentionRequirements) -> list[str]:
         """Reasons this backend cannot serve ``req`` (empty list: it can)."""
         out: list[str] = []
         self._check("device", req.device, self.devices, out)
         self._check("dtype", req.dtype, self.dtypes, out)
+        if req.cache_dtype != req.dtype:  # a cache in the model dtype is the dtype check's
+            self._check("KV cache dtype", req.cache_dtype, self.kv_dtypes, out)
         self._check("head_dim", req.head_dim, self.head_dims, out)
         if req.num_kv_heads < 1 or req.num_q_heads % req.num_kv_heads:
             out.append(
@@ -134,19 +150,63 @@ class AttentionBackendInit:
     max_context_len: int
     context: RuntimeContext
 
+    @classmethod
+    def over_cache(
+        cls,
+        capabilities: AttentionCapabilities,
+        kv_cache: KVCache,
+        req_to_token_pool: ReqToTokenPool,
+        *,
+        num_q_heads: int,
+        max_batch_size: int,
+        context: RuntimeContext,
+    ) -> AttentionBackendInit:
+        """The init record of a backend over ``kv_cache`` and ``req_to_token_pool``: head
+        counts, dims, layers, dtype and device come from the cache, the context length from
+        the pool."""
+        return cls(
+            capabilities=capabilities,
+            num_q_heads=num_q_heads,
+            num_kv_heads=kv_cache.num_kv_heads,
+            head_dim=kv_cache.head_dim,
+            v_head_dim=kv_cache.v_head_dim,
+            num_layers=kv_cache.num_layers,
+            dtype=kv_cache.dtype,
+            device=kv_cache.device,
+            req_to_token_pool=req_to_token_pool,
+            kv_cache=kv_cache,
+            max_batch_size=max_batch_size,
+            max_context_len=req_to_token_pool.max_context_len,
+            context=context,
+        )
+
+
+@dataclass(frozen=True)
+class AttentionStep:
+    """What every attention layer of one forward pass receives: the backend, the plan it made
+    for this step (``plan`` or ``plan_graph``), where this step's K/V go and the step's mode."""
+
+    backend: AttentionBackend
+    meta: Any  # the backend's own plan object; opaque to everyone else
+    out_cache_loc: torch.Tensor  # [T] int64
+    mode: ForwardMode
+
 
 class AttentionBackend(ABC):
-    """Paged attention over the slot-granular KV cache.
+    """Paged attention over the slot-granular KV cache: plan once per step, attend per layer.
 
-    Per step, ``init_forward_metadata(fb)`` runs once (host side, may allocate) and stores the
-    backend's own metadata dataclass in ``fb.attn_metadata``; then, per layer, ``forward``
-    stores this step's K/V at ``fb.out_cache_loc`` (the single place that does, unless the
-    backend declares ``stores_kv``) and calls ``forward_decode`` or ``forward_extend``.
+    ``plan(fb)`` runs once per step (host side, may allocate) and *returns* the backend's own
+    plan object; the runner wraps it in an ``AttentionStep`` and hands that to the model, whose
+    every layer calls ``attend(q, layer, step)``. Nothing is written into the batch.
 
-    Graph support (``capabilities.graph``): ``init_graph_state`` allocates every metadata
-    buffer once; ``init_forward_metadata_graph`` then writes a decode batch's metadata into
-    those buffers only (fixed addresses, no allocation, no host sync), before capture and
-    before each replay.
+    This step's K/V are stored exactly once, by one writer fixed when the runner is built:
+    the model (its fused rotary kernel or ``KVCache.set_kv``) stores them before ``attend``,
+    unless the backend declares ``capabilities.stores_kv``; then only the backend receives them
+    (``attend(..., kv=(k, v))``) and must store them at ``step.out_cache_loc`` itself.
+
+    Graph support (``capabilities.graph``): ``init_graph_state`` allocates every plan buffer
+    once; ``plan_graph`` then writes a decode batch's plan into those buffers only (fixed
+    addresses, no allocation, no host sync), before capture and before each replay.
     """
 
     #: ``seq_lens`` value for padded graph rows; they read request row 0 / slot 0.
@@ -162,68 +222,39 @@ class AttentionBackend(ABC):
         self.head_dim, self.v_head_dim = init.head_dim, init.v_head_dim
 
     @abstractmethod
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Prepare ``fb.attn_metadata`` for every layer of this step. Called once per step."""
+    def plan(self, fb: ForwardBatch) -> Any:
+        """This step's plan for every layer (e.g. CSR indices over ``req_to_token``).
+
+        Called once per step with the batch's device tensors and host mirrors
+        (``fb.seq_lens_cpu`` etc., so planning need not wait for the device). Must not modify
+        the batch, the pools or the cache."""
 
     @abstractmethod
-    def forward_decode(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: AttentionLayer,
-        fb: ForwardBatch,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One token per request. ``q [B, Hq, D]`` in the cache dtype -> ``[B, Hq, Dv]``.
+        """Attention of this step's queries over their requests' cached context.
 
-        ``k [B, Hkv, D]`` / ``v [B, Hkv, Dv]`` are this step's K/V *to store*: given only to a
-        backend that declares ``stores_kv`` and only when they are not yet in the cache;
-        otherwise None (they already sit at ``fb.out_cache_loc``)."""
-
-    @abstractmethod
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        """New tokens of every request, request after request: ``q [T, Hq, D]`` -> ``[T, Hq, Dv]``.
-        Token i of request b sits at position ``prefix_len[b] + i`` and attends causally over
-        the cached prefix and the new tokens. ``k`` / ``v`` as for ``forward_decode``."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        """Store this step's K/V (unless ``save_kv_cache`` is False: the caller stored them,
-        e.g. in a fused rotary kernel) and attend. ``q [T, Hq, D]``, ``k [T, Hkv, D]``,
-        ``v [T, Hkv, Dv]`` -> ``[T, Hq, Dv]``."""
-        to_store: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if save_kv_cache:
-            if self.capabilities.stores_kv:
-                to_store = (k, v)
-            else:
-                self.kv_cache.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        if fb.forward_mode.is_decode():
-            return self.forward_decode(q, *to_store, layer, fb)
-        if fb.forward_mode.is_extend():
-            return self.forward_extend(q, *to_store, layer, fb)
-        return q.new_empty((0, layer.num_q_heads, layer.v_head_dim))
+        ``q [T, Hq, D]`` in the cache dtype -> ``[T, Hq, Dv]`` in q's dtype. Decode
+        (``step.mode``): one token per request. Extend: the new tokens of every request,
+        request after request; token i of request b sits at position ``prefix_len[b] + i`` and
+        attends causally over the cached prefix and the new tokens. This step's K/V are in the
+        cache at ``step.out_cache_loc`` already, except for a backend that declares
+        ``stores_kv``: it receives ``kv = (k [T, Hkv, D], v [T, Hkv, Dv])`` and stores them
+        there first."""
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static metadata buffers graph capture and replay write into."""
+        """Allocate the static plan buffers graph capture and replay write into."""
         raise NotImplementedError(self._no_graph("init_graph_state"))
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
-        """Write decode metadata into the static buffers: no allocation, no host sync."""
-        raise NotImplementedError(self._no_graph("init_forward_metadata_graph"))
+    def plan_graph(self, fb: ForwardBatch) -> Any:
+        """A decode batch's plan written into the static buffers: no allocation, no host sync.
+        The object returned for one bucket must view the same buffers at every call."""
+        raise NotImplementedError(self._no_graph("plan_graph"))
 
     def _no_graph(self, method: str) -> str:
         name = type(self).__name__
@@ -231,18 +262,18 @@ class AttentionBackend(ABC):
             return f"{name}: graph capture unsupported"
         return (
             f"{name}: graph capture unsupported: it declares capabilities.graph = True but does "
-            f"not implement {method} (implement init_graph_state and "
-            "init_forward_metadata_graph, or declare graph = False)"
+            f"not implement {method} (implement init_graph_state and plan_graph, or declare "
+            "graph = False)"
         )
 
     @staticmethod
     def check_graph_batch(component: str, max_bs: int | None, fb: ForwardBatch) -> None:
-        """Refuse what graph metadata cannot serve: ``init_graph_state`` not called yet
+        """Refuse what a graph plan cannot serve: ``init_graph_state`` not called yet
         (``max_bs`` None), a batch that is not decode, or one larger than ``max_bs``."""
         if max_bs is None:
             raise RuntimeError(f"{component}: init_graph_state() was not called")
-        if not fb.forward_mode.is_decode():
-            raise ValueError(f"{component}: graphs capture decode only, got {fb.forward_mode.name}")
+        if not fb.mode.is_decode():
+            raise ValueError(f"{component}: graphs capture decode only, got {fb.mode.name}")
         if fb.batch_size > max_bs:
             raise ValueError(f"{component}: batch {fb.batch_size} exceeds graph max_bs {max_bs}")
 

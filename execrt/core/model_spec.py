@@ -16,7 +16,8 @@ from execrt.core.parallel import ParallelState, shard_heads
 
 if TYPE_CHECKING:
     from execrt.core.batch import ForwardBatch, LogitsOutput
-    from execrt.core.interfaces import MoEDispatcher
+    from execrt.core.interfaces import AttentionStep, MoEDispatcher
+    from execrt.core.memory import KVCache
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,18 @@ class ModelLoadRequest:
 
 
 class Model(Protocol):
-    """A loaded model: ``model(input_ids [T], positions [T], fb) -> LogitsOutput``."""
+    """A loaded model: ``model(fb, attn) -> LogitsOutput``.
 
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
-    ) -> LogitsOutput: ...
+    ``attn`` carries the attention backend and its plan for this step; every attention layer
+    calls ``attn.backend.attend``. ``attach_kv_cache`` fixes the K/V writer once, before the
+    first forward: with a cache the model stores each step's K/V in it (the one store helper,
+    ``KVCache.set_kv`` or a fused kernel doing the same); with None the backend stores them
+    (it declares ``stores_kv`` and receives ``kv`` in ``attend``).
+    """
+
+    def __call__(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput: ...
+
+    def attach_kv_cache(self, kv_cache: KVCache | None) -> None: ...
 
 
 class ModelLoader(Protocol):

@@ -22,11 +22,12 @@ from execrt.core.interfaces import (
     GraphCapabilities,
     MoEDispatcherCapabilities,
 )
+from execrt.core.prefix_cache import PrefixCacheCapabilities
 
 logger = logging.getLogger(__name__)
 
 PROJECT = "execrt"
-NO_GRAPH = "none"  # graph_backend value that disables graphs
+NO_GRAPH = "none"  # graph_backend (and prefix_cache) value: no backend of that kind at all
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -36,6 +37,7 @@ KINDS: dict[str, type[Capabilities]] = {
     "attention": AttentionCapabilities,
     "moe_dispatch": MoEDispatcherCapabilities,
     "graph": GraphCapabilities,
+    "prefix_cache": PrefixCacheCapabilities,
 }
 
 

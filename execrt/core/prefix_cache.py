@@ -50,7 +50,11 @@ class PrefixCacheInit:
 
     ``free_slots(slots)`` returns slot ids ``[n]`` int64 to the allocator: the only way a
     cache gives slots back (eviction, flush). ``force_miss``: keep every code path but report
-    no match, to measure the cache's overhead.
+    no match, to measure the cache's overhead. ``match`` then walks (and splits, and marks
+    used) as usual but returns the empty match, while ``insert``, ``lock`` and ``evict`` work
+    as usual. So under ``force_miss`` a caller never learns the cached slots of a prefix it
+    also computed: it keeps reading its own slots, and inserts a request's KV (freeing its
+    duplicates) only once nothing reads them any more, i.e. when the request finishes.
     """
 
     capabilities: PrefixCacheCapabilities
@@ -63,9 +67,10 @@ class PrefixCacheInit:
 class PrefixMatch:
     """The longest cached prefix of a key: its slots and the node to lock while they are used.
 
-    ``slots`` is int64 ``[length]`` on the cache's device; ``node`` is opaque to the caller
-    (pass it to ``lock`` / ``unlock``); an empty match has ``length == 0`` and a node that
-    locking is a no-op for.
+    ``slots`` is int64 ``[length]`` on the cache's device, the caller's own copy; ``node`` is
+    opaque to the caller (pass it to ``lock`` / ``unlock``) and keeps naming the end of this
+    match while it is locked, whatever later matches and inserts do to the cache; an empty match
+    has ``length == 0`` and a node that locking is a no-op for.
     """
 
     slots: torch.Tensor
@@ -79,20 +84,25 @@ class PrefixMatch:
 class PrefixCache(ABC):
     """Token-id prefixes -> KV slots, with lock counts and eviction.
 
-    Contract (page size 1; every key is a sequence of token ids):
+    Contract (page size 1; every key is a sequence of host token ids):
 
     - ``match(key)`` returns the longest prefix of ``key`` that is cached, and marks it used
       (for LRU). The caller decides how much of a prompt to match (never its last token).
-    - ``insert(key, slots)`` records ``slots[i]`` as the KV of ``key[:i+1]`` and returns
-      ``n``, how many leading tokens of ``key`` were already cached before the call. The cache
-      takes ownership of ``slots[n:]``; ``slots[:n]`` stay the caller's (duplicates of the
-      cached ones unless the caller got them from ``match``), and the caller frees the
-      duplicates itself, after pointing its readers at the cached slots.
+    - ``insert(key, slots)`` records ``slots[i]`` (int64 ``[len(key)]`` on the cache's device)
+      as the KV of ``key[:i+1]`` and returns ``n``, how many leading tokens of ``key`` were
+      already cached before the call. The cache takes ownership of ``slots[n:]`` (it copies
+      the ids: ``slots`` may be a view of the caller's row); ``slots[:n]`` stay the caller's
+      (duplicates of the cached ones unless the caller got them from ``match``), and the
+      caller frees the duplicates itself, after pointing its readers at the cached slots
+      (a ``match`` of the same key returns them). Insert marks the key used, like match.
     - ``lock(node)`` protects the path from the root to ``node`` from eviction; ``unlock``
-      undoes one ``lock``. Locks nest (counts).
+      undoes one ``lock``. Locks nest (counts). Unlocking more often than locking, or passing
+      a node that is not in the cache (evicted, or from before ``reset``), raises ValueError.
     - ``evict(n)`` frees at least ``n`` slots of unlocked entries, least recently used leaves
-      first, through ``init.free_slots``, or as many as are evictable; returns how many.
-    - ``evictable_size()`` + ``protected_size()`` == slots the cache owns.
+      first, through ``init.free_slots``, or as many as are evictable; returns how many (more
+      than ``n`` when it frees whole entries). ``evict(n <= 0)`` frees nothing.
+    - ``evictable_size()`` + ``protected_size()`` == slots the cache owns; ``protected_size``
+      counts the slots of every locked path once.
     - ``reset()`` forgets everything without freeing (the caller reclaims the whole pool).
     """
 

@@ -13,14 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from execrt.core.batch import (
-    INPUT_FIELDS,
-    ForwardBatch,
-    ForwardMode,
-    LogitsOutput,
-    padded_decode_batch,
-)
-from execrt.core.interfaces import ShapeKey
+from execrt.core.batch import ForwardBatch, LogitsOutput, padded_decode_batch
+from execrt.core.interfaces import AttentionStep, ShapeKey
+from execrt.core.step import ForwardMode, StepInputs
 
 if TYPE_CHECKING:
     from execrt.core.interfaces import AttentionBackend, GraphBackend
@@ -28,16 +23,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
-REQUEST_FIELDS = ("req_pool_indices", "seq_lens")
-
 
 class InputBuffers:
     """Static per-step input tensors; the eager and graph paths share their storage.
 
-    Token-axis buffers hold ``max_num_tokens`` entries, request-axis buffers ``max_bs``, and
-    ``num_token_non_padded`` one. ``load`` copies a batch into their prefixes and returns a
-    ForwardBatch viewing them, so the addresses a captured graph reads stay fixed.
+    ``static`` is a StepInputs whose token-axis tensors hold ``max_num_tokens`` entries and
+    request-axis tensors ``max_bs``; ``num_token_non_padded`` holds one. ``load`` copies a
+    batch into their prefixes and returns a ForwardBatch viewing them, so the addresses a
+    captured graph reads stay fixed.
     """
 
     def __init__(self, max_bs: int, max_num_tokens: int, device: torch.device) -> None:
@@ -48,14 +41,17 @@ class InputBuffers:
         self.max_bs = max_bs
         self.max_num_tokens = max_num_tokens
         self.device = device
-        sizes = dict.fromkeys(TOKEN_FIELDS, max_num_tokens) | dict.fromkeys(REQUEST_FIELDS, max_bs)
-        self.buffers = {
-            name: torch.zeros(sizes[name], dtype=torch.int64, device=device)
-            for name in INPUT_FIELDS
-        }
-        self.buffers["num_token_non_padded"] = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def check_fits(self, fb: ForwardBatch, rows: int | None = None) -> None:
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        t, b = max_num_tokens, max_bs
+        self.static = StepInputs(
+            ForwardMode.DECODE, zeros(t), zeros(t), zeros(b), zeros(b), zeros(t), [], [], []
+        )
+        self.num_token_non_padded = zeros(1)
+
+    def check_fits(self, fb: StepInputs, rows: int | None = None) -> None:
         t, b = fb.num_tokens, fb.batch_size if rows is None else rows
         if t > self.max_num_tokens or b > self.max_bs:
             raise ValueError(
@@ -67,21 +63,32 @@ class InputBuffers:
     def load(self, fb: ForwardBatch) -> ForwardBatch:
         """Copy ``fb``'s inputs into the buffers' prefixes; the batch is not padded."""
         self.check_fits(fb)
-        views: dict[str, Any] = {}
-        for name in INPUT_FIELDS:
-            src = getattr(fb, name)
-            views[name] = self.buffers[name][: src.shape[0]]
-            views[name].copy_(src, non_blocking=True)
-        return dataclasses.replace(fb, **views)
+        st = self.static
+
+        def put(buf: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            view = buf[: src.shape[0]]
+            view.copy_(src, non_blocking=True)
+            return view
+
+        return dataclasses.replace(
+            fb,
+            input_ids=put(st.input_ids, fb.input_ids),
+            positions=put(st.positions, fb.positions),
+            req_pool_indices=put(st.req_pool_indices, fb.req_pool_indices),
+            seq_lens=put(st.seq_lens, fb.seq_lens),
+            out_cache_loc=put(st.out_cache_loc, fb.out_cache_loc),
+        )
 
     def load_padded(self, fb: ForwardBatch, padded_bs: int, seq_len_fill: int) -> ForwardBatch:
         """A decode batch padded to ``padded_bs`` rows (the core padding rule), in place."""
         self.check_fits(fb, padded_bs)
-        return padded_decode_batch(fb, padded_bs, seq_len_fill, self.buffers)
+        return padded_decode_batch(
+            fb, padded_bs, seq_len_fill, self.static, self.num_token_non_padded
+        )
 
 
 class EagerRunner:
-    """Runs a batch without graphs: load inputs, prepare attention metadata, run the model."""
+    """Runs a batch without graphs: load inputs, plan attention, run the model."""
 
     def __init__(self, model: Model, attn_backend: AttentionBackend, buffers: InputBuffers) -> None:
         self.model = model
@@ -91,8 +98,12 @@ class EagerRunner:
     @torch.inference_mode()
     def execute(self, fb: ForwardBatch) -> LogitsOutput:
         fb = self.buffers.load(fb)
-        self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        return self.model(fb, attention_step(self.attn_backend, self.attn_backend.plan(fb), fb))
+
+
+def attention_step(backend: AttentionBackend, meta: Any, fb: ForwardBatch) -> AttentionStep:
+    """What the model's attention layers receive for ``fb``, given the backend's plan."""
+    return AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
 
 
 # -- decode CUDA graphs ----------------------------------------------------------------------------
@@ -119,7 +130,7 @@ class DecodeCudaGraphRunner:
     the model on a batch of padding rows written into the static ``InputBuffers`` (shared with
     EagerRunner); a step picks the smallest bucket >= its batch size, writes the real rows and
     the padding (the core rule, ``padded_decode_batch``) into the same buffers, re-plans the
-    attention metadata into its static buffers, replays and trims the outputs to the batch.
+    attention into its static buffers, replays and trims the outputs to the batch.
     """
 
     def __init__(
@@ -151,8 +162,8 @@ class DecodeCudaGraphRunner:
 
     def can_run(self, fb: ForwardBatch) -> bool:
         """True for a decode batch a graph can hold; the first refusal of each kind is logged."""
-        if not fb.forward_mode.is_decode():
-            reason = f"{fb.forward_mode.name.lower()} batches run eagerly (graphs capture decode)"
+        if not fb.mode.is_decode():
+            reason = f"{fb.mode.name.lower()} batches run eagerly (graphs capture decode)"
         elif fb.batch_size > self.max_bs:
             reason = f"decode batch of {fb.batch_size} exceeds the largest graph ({self.max_bs})"
         elif fb.batch_size < 1:
@@ -174,29 +185,17 @@ class DecodeCudaGraphRunner:
 
     def _forward_fn(self, bs: int) -> Callable[[], LogitsOutput]:
         fb = self._padding_batch(bs)
-        self.attn_backend.init_forward_metadata_graph(fb)
+        step = attention_step(self.attn_backend, self.attn_backend.plan_graph(fb), fb)
 
         def forward() -> LogitsOutput:
-            return self.model(fb.input_ids, fb.positions, fb)
+            return self.model(fb, step)
 
         return forward
 
     def _padding_batch(self, bs: int) -> ForwardBatch:
         """A decode batch of ``bs`` padding rows in the static buffers (what capture runs)."""
         empty = torch.zeros(0, dtype=torch.int64, device=self.buffers.device)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=0,
-            input_ids=empty,
-            positions=empty,
-            req_pool_indices=empty,
-            seq_lens=empty,
-            out_cache_loc=empty,
-            seq_lens_cpu=[],
-            extend_prefix_lens_cpu=[],
-            extend_seq_lens_cpu=[],
-            attn_backend=self.attn_backend,
-        )
+        fb = ForwardBatch(ForwardMode.DECODE, empty, empty, empty, empty, empty, [], [], [])
         return self.buffers.load_padded(fb, bs, self.fill)
 
     @torch.inference_mode()
@@ -204,7 +203,7 @@ class DecodeCudaGraphRunner:
         bs = fb.batch_size
         key = ShapeKey(self.bucket(bs))
         padded = self.buffers.load_padded(fb, key.batch_size, self.fill)
-        self.attn_backend.init_forward_metadata_graph(padded)
+        self.attn_backend.plan_graph(padded)  # into the buffers the captured graph reads
         out: LogitsOutput = self.backend.replay(key)
         # The static output is overwritten by the next replay: callers consume it first.
         return LogitsOutput(next_token_logits=out.next_token_logits[:bs])

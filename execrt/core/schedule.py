@@ -12,7 +12,7 @@ import torch
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.staging import HostToDevice
-from execrt.core.step import ForwardMode
+from execrt.core.step import ForwardMode, StepInputs, extend_positions
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,17 @@ class ScheduleBatch:
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    @property
+    def inputs(self) -> StepInputs:
+        if self.mode.is_decode():
+            positions = self.seq_lens - 1  # [B]
+        else:
+            positions = extend_positions(self.prefix_lens, self.extend_lens, self.seq_lens.device)
+        return StepInputs(
+            self.mode, self.input_ids, positions, self.req_pool_indices, self.seq_lens,
+            self.out_cache_loc, self.seq_lens_cpu, self.prefix_lens, self.extend_lens,
+        )  # fmt: skip
 
     @classmethod
     def for_extend(

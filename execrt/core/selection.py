@@ -9,6 +9,10 @@ from typing import Any
 from execrt.core.errors import BackendUnavailableError
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
 
+#: Kinds the runtime can do without: "none" builds nothing and "auto" with no usable candidate
+#: falls back to none (unless strict). Value: what the note calls them.
+OPTIONAL_KINDS = {"graph": "graphs", "prefix_cache": "prefix cache"}
+
 
 @dataclass(frozen=True)
 class Resolution:
@@ -60,7 +64,8 @@ def resolve_backend(
     An explicit name must be usable, else BackendUnavailableError with its reasons. "auto"
     takes the highest-priority usable backend among those that claim the device for auto;
     with ``strict`` a refused higher-priority candidate is an error instead of a fallback.
-    For graphs, "none" disables them and "auto" falls back to none when nothing is usable.
+    For an optional kind (graphs, the prefix cache), "none" disables it and "auto" falls back
+    to none when nothing is usable.
     """
     resolution, _ = _walk(registry, kind, requested, requirements, strict, build=None)
     return resolution
@@ -79,7 +84,7 @@ def build_backend(
 
     Under "auto" (and not ``strict``) a candidate whose factory or constructor fails is
     skipped with the reason in the report and the next one is tried. Returns ``(None,
-    resolution)`` only for graphs when none is chosen.
+    resolution)`` only for an optional kind (``OPTIONAL_KINDS``) when none is chosen.
     """
     resolution, backend = _walk(registry, kind, requested, requirements, strict, build=make_init)
     return backend, resolution
@@ -102,8 +107,8 @@ def _walk(
         except BackendUnavailableError as exc:
             return list(exc.reasons), None
 
-    if kind == "graph" and requested == NO_GRAPH:
-        return Resolution(kind, requested, None, note="graphs disabled"), None
+    if kind in OPTIONAL_KINDS and requested == NO_GRAPH:
+        return Resolution(kind, requested, None, note=f"{OPTIONAL_KINDS[kind]} disabled"), None
     if requested != "auto":
         reasons, backend = attempt(registry.get(kind, requested))
         if reasons:
@@ -124,12 +129,12 @@ def _walk(
         if not reasons:
             return Resolution(kind, requested, spec.name, tuple(rejected)), backend
         rejected.append((spec.name, tuple(reasons)))
-    if kind == "graph":
+    if kind in OPTIONAL_KINDS:
         if strict and rejected:
             raise BackendUnavailableError(
                 kind, "auto", [f"{n}: {'; '.join(r)}" for n, r in rejected]
             )
-        note = f"no graph backend for {device}"
+        note = f"no {kind} backend for {device}"
         return Resolution(kind, requested, None, tuple(rejected), note=note), None
     raise BackendUnavailableError(
         kind,

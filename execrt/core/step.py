@@ -13,7 +13,6 @@ class ForwardMode(IntEnum):
 
     EXTEND = 1  # prefill of new tokens, possibly after a cached prefix (T >= B)
     DECODE = 2  # one new token per request (T == B)
-    IDLE = 3  # no tokens on this rank (kept until the attention seam drops its last use)
 
     def is_extend(self) -> bool:
         return self == ForwardMode.EXTEND
@@ -51,6 +50,18 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return sum(self.seq_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_cpu, default=0)
 
     def token_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input_ids, positions, out_cache_loc)``: the ``[T]`` tensors."""

@@ -80,7 +80,7 @@ class TpModelWorker:
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
         """Launch one step; returns at once on CUDA (the host never waits for the GPU here)."""
-        fb = ForwardBatch.init_new(schedule_batch, self.model_runner.attn_backend)
+        fb = ForwardBatch.init_new(schedule_batch)
         out = self.model_runner.forward(fb)
         next_ids = self.model_runner.sample(out.logits_output, fb)
         copy = self._to_host.start(next_ids)

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from execrt.core.assembly import resolve_device
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError, RequestError
-from execrt.core.model_runner import resolve_device
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState, init_parallel
 from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
@@ -99,7 +99,6 @@ class Engine:
         self.model_path = path
         registry = (plugin_host or get_plugin_host()).registry
         self.context = self._join_world(resolve_device(cfg.device))
-        cfg = self.config  # on CUDA under torchrun, with this rank's device
         try:
             self.worker = TpModelWorker(loader, cfg, self.context, registry)
         except BaseException:
@@ -131,9 +130,6 @@ class Engine:
         joined = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_parallel(device)
         context = RuntimeContext(parallel=world)
-        if world.world_size > 1 and device.type == "cuda" and device.index is None:
-            # One GPU per rank: init_parallel made this rank's GPU the current device.
-            self.config = self.config.replace(device=f"cuda:{torch.cuda.current_device()}")
         if world.world_size > 1 and not joined:
             context.register(
                 "process_group",

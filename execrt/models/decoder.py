@@ -12,7 +12,8 @@ from torch import nn
 
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.errors import ModelLoadError
-from execrt.core.interfaces import MoEDispatcher
+from execrt.core.interfaces import AttentionStep, MoEDispatcher
+from execrt.core.memory import KVCache
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.models.config import ModelConfig
 from execrt.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
@@ -62,7 +63,11 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, parallel=parallel)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor | None, fb: ForwardBatch
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        fb: ForwardBatch,
+        attn: AttentionStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h`` is the residual stream and ``delta`` the previous layer's MLP output, not yet
         added (None for the first layer): each residual add is fused into the norm after it.
@@ -70,7 +75,7 @@ class DecoderLayer(nn.Module):
         # Each norm runs inside the projection after it where that projection is a decode-size
         # skinny GEMM (fused kernels), else as its own kernel.
         qkv, h = self.input_layernorm.project(self.self_attn.qkv_proj, h, delta)  # h += delta
-        a = self.self_attn.attend(positions, qkv, fb)
+        a = self.self_attn.attend(fb.positions, qkv, attn)
         if isinstance(self.mlp, SparseMoE):
             x, h = self.post_attention_layernorm.add_forward(a, h)
             return h, self.mlp(x, fb)
@@ -127,22 +132,27 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
-    ) -> LogitsOutput:
-        h = self.model.embed_tokens(input_ids)  # [T, H]
+    def forward(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
+        h = self.model.embed_tokens(fb.input_ids)  # [T, H]
         delta = None
         for layer in self.model.layers:
-            h, delta = layer(positions, h, delta, fb)
+            h, delta = layer(h, delta, fb, attn)
         norm = self.model.norm
-        if fb.forward_mode.is_extend():
-            last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
+        if fb.mode.is_extend():
+            last = torch.tensor(fb.extend_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
             if fb.return_full_logits:
                 full = norm.project(self.lm_head, h, delta)[0].float()
                 return LogitsOutput(next_token_logits=full[last], full_logits=full)
             # The norm is per row: normalise only the rows whose logits are wanted.
             h, delta = h[last], None if delta is None else delta[last]
         return LogitsOutput(next_token_logits=norm.project(self.lm_head, h, delta)[0].float())
+
+    def attach_kv_cache(self, kv_cache: KVCache | None) -> None:
+        """Make the model the K/V writer into ``kv_cache`` (None: the attention backend
+        stores K/V itself). Called once, before the first forward."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kv_cache = kv_cache
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run norms, rotary (+ K/V store), decode-size projections (with SwiGLU fused into

@@ -9,7 +9,8 @@ from torch import nn
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
-from execrt.core.interfaces import AttentionLayer, MoEDispatcher
+from execrt.core.interfaces import AttentionLayer, AttentionStep, MoEDispatcher
+from execrt.core.memory import KVCache
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.kernels.fused_moe import fused_experts
 from execrt.kernels.linear import linear, norm_linear
@@ -133,9 +134,10 @@ class Attention(nn.Module):
     """GQA self-attention, per-head q/k RMSNorm optional (Qwen3 has it, Llama and Qwen2 do not);
     the kernel is the backend's.
 
-    q, k and v come from one fused projection ``qkv_proj [(Hq + 2 Hkv) D, H]``. Fused, one
-    kernel normalises and rotates q and k and stores this step's K/V in the cache (the backend
-    is then told not to store them again); unfused, the torch reference does the same math.
+    q, k and v come from one fused projection ``qkv_proj [(Hq + 2 Hkv) D, H]``. One call
+    normalises and rotates q and k and, when the model is the K/V writer, stores this step's
+    K/V in the cache: a Triton kernel (fused) or its torch reference, which stores through
+    the same rule as ``KVCache.set_kv``.
 
     Under tensor parallelism (``parallel.tp_size`` > 1) the module holds this rank's heads only
     (``shard_heads``): ``qkv_proj`` its q rows, then its kv heads' k and v rows, ``o_proj`` the
@@ -168,6 +170,9 @@ class Attention(nn.Module):
         self.eps = rms_norm_eps
         self.rotary = rotary
         self.fused = False
+        #: Where the model stores this step's K/V (set by ``attach_kv_cache``); None: the
+        #: attention backend stores them (it declares ``stores_kv``).
+        self.kv_cache: KVCache | None = None
         self.spec = AttentionLayer(
             layer_id=layer_id,
             num_q_heads=num_q_heads,
@@ -177,10 +182,9 @@ class Attention(nn.Module):
             scaling=head_dim**-0.5,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), fb)
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, attn: AttentionStep
+    ) -> torch.Tensor:
         """Everything after the q/k/v projection ``qkv [T, (Hq + 2 Hkv) D]`` (the decoder
         layer projects itself, with the norm fused in): -> ``[T, H]``."""
         s = self.spec
@@ -188,11 +192,7 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D] (strided)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
-        backend = fb.attn_backend
-        assert backend is not None
-        # Store K/V inside the rotary kernel unless the backend stores them itself.
-        store = self.fused and not backend.capabilities.stores_kv
-        cache = backend.kv_cache if store else None
+        cache = self.kv_cache  # the K/V writer, fixed at build: this model or the backend
         q, k = qk_norm_rope(
             q,
             k,
@@ -205,10 +205,11 @@ class Attention(nn.Module):
             v=v if cache is not None else None,
             k_cache=None if cache is None else cache.k_buffers[s.layer_id],
             v_cache=None if cache is None else cache.v_buffers[s.layer_id],
-            out_cache_loc=fb.out_cache_loc if cache is not None else None,
+            out_cache_loc=attn.out_cache_loc if cache is not None else None,
             use_triton=self.fused,
         )
-        o = backend.forward(q, k, v, s, fb, save_kv_cache=not store)  # [T, Hq, D]
+        kv = None if cache is not None else (k, v)
+        o = attn.backend.attend(q, s, attn, kv)  # [T, Hq, D]
         return row_parallel(self.o_proj, o.reshape(t, -1), self.parallel)  # [T, H]
 
 

@@ -13,6 +13,7 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
 )
 from execrt.core.plugins import BackendRegistry, hookimpl
+from execrt.core.prefix_cache import PrefixCacheCapabilities
 from execrt.kernels._triton import INTERPRETER_HINT, runs_on
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -59,6 +60,9 @@ REEXEC_GRAPH = GraphCapabilities(
 )
 FULL_CUDA_GRAPH = GraphCapabilities(
     devices=frozenset({"cuda"}), real_capture=True, shared_memory_pool=True, graph_resources=True
+)
+RADIX_PREFIX_CACHE = PrefixCacheCapabilities(
+    devices=frozenset({"cpu", "cuda"}), page_sizes=frozenset({1})
 )
 
 
@@ -175,4 +179,12 @@ def execrt_register_backends(registry: BackendRegistry) -> None:
         priority=10,
         check=_cuda_check,
         description="one torch.cuda.CUDAGraph per shape key, all in one shared memory pool",
+    )
+    registry.register(
+        "prefix_cache",
+        "radix",
+        "execrt.backends.prefix_cache.radix:RadixCache",
+        RADIX_PREFIX_CACHE,
+        priority=10,
+        description="radix tree over token ids (page size 1); LRU eviction of unlocked leaves",
     )

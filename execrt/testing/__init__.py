@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from execrt.testing.attention import AttentionBackendSuite
     from execrt.testing.graph import GraphBackendSuite
     from execrt.testing.moe import MoEDispatcherSuite
+    from execrt.testing.prefix_cache import PrefixCacheSuite
     from execrt.testing.report import run_conformance
     from execrt.testing.suite import Case, ConformanceSuite
 
@@ -18,6 +19,7 @@ _EXPORTS = {
     "AttentionBackendSuite": "execrt.testing.attention",
     "MoEDispatcherSuite": "execrt.testing.moe",
     "GraphBackendSuite": "execrt.testing.graph",
+    "PrefixCacheSuite": "execrt.testing.prefix_cache",
     "ConformanceSuite": "execrt.testing.suite",
     "Case": "execrt.testing.suite",
     "run_conformance": "execrt.testing.report",
@@ -29,6 +31,7 @@ __all__ = [
     "ConformanceSuite",
     "GraphBackendSuite",
     "MoEDispatcherSuite",
+    "PrefixCacheSuite",
     "run_conformance",
 ]
 

@@ -195,14 +195,12 @@ class AttentionBackendSuite(ConformanceSuite):
         return cls.primary_cases(graph=True)
 
     @classmethod
-    def stores_kv_cases(cls) -> list[Case]:
-        out = []
-        for case in cls.primary_cases():
-            if case.skip is None and not cls.caps().stores_kv:
-                reason = "capability stores_kv is False (AttentionBackend.forward stores K/V)"
-                case = dataclasses.replace(case, skip=reason)
-            out.append(case)
-        return out
+    def kv_writer_cases(cls) -> list[Case]:
+        """The primary cases, named by who writes this step's K/V (``stores_kv``)."""
+        writer = "backend_stores" if cls.caps().stores_kv else "model_stores"
+        return [
+            dataclasses.replace(case, id=f"{case.id}-{writer}") for case in cls.primary_cases()
+        ]
 
     @classmethod
     def cuda_graph_cases(cls) -> list[Case]:
@@ -306,7 +304,7 @@ class AttentionBackendSuite(ConformanceSuite):
 
     @cases("primary_cases")
     def test_multi_layer_multi_step(self, case: Case, record_property: Record) -> None:
-        """One init_forward_metadata serves every layer; a later, different batch is not stale."""
+        """One plan serves every layer; a later, different batch is not stale."""
         self.begin(case)
         caps = type(self).caps()
         steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
@@ -317,40 +315,31 @@ class AttentionBackendSuite(ConformanceSuite):
         outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
         self.finish(case, outcome, record_property)
 
-    @cases("stores_kv_cases")
-    def test_stores_kv_itself(self, case: Case, record_property: Record) -> None:
-        """A backend that declares ``stores_kv``, handed k/v directly (no base ``forward``),
-        stores them exactly at out_cache_loc; handed None it writes nothing."""
+    @cases("kv_writer_cases")
+    def test_attend_twice_with_one_plan(self, case: Case, record_property: Record) -> None:
+        """``attend`` twice per layer on one plan (as a graph's warm-up and capture do): the
+        cache still holds exactly this step's K/V (a ``stores_kv`` backend stores the same
+        values again at the same slots, any other backend writes nothing) and both outputs
+        equal the oracle."""
         self.begin(case)
         caps = type(self).caps()
         steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
-        steps += [dataclasses.replace(s, save_kv_cache=False) for s in steps]
         tol = type(self).tolerance(case.device, case.dtype or torch.float32)
-        harness = self.harness(case, self.geometry(case), steps, _seed(case))
-        worst = Outcome()
+        harness = self.harness(case, self.geometry(case, num_layers=2), steps, _seed(case))
+        total = Outcome()
         try:
             for i, step in enumerate(steps):
                 prepared = harness.prepare(step)
-                harness.init_metadata(prepared)
-                fb, layer = prepared.fb, harness.layers[0]
-                q, k, v = prepared.qkv[0]
-                method = (
-                    harness.backend.forward_decode
-                    if step.mode == "decode"
-                    else harness.backend.forward_extend
-                )
-                if step.save_kv_cache:
-                    out = method(q, k, v, layer, fb)
-                else:
-                    out = method(q, None, None, layer, fb)
-                handed = "given" if step.save_kv_cache else "None"
-                label = f"{case.id} step {i} ({step.mode}, k/v {handed})"
-                result = harness.check(prepared, [out], tol, label)
-                worst.max_error = max(worst.max_error, result.max_error)
-                worst.problems += result.problems
+                plan = harness.plan(prepared)
+                for call in ("first", "second"):
+                    outs = harness.attend_layers(prepared, plan)
+                    label = f"{case.id} step {i} ({step.mode}), {call} attend"
+                    result = harness.check(prepared, outs, tol, label)
+                    total.max_error = max(total.max_error, result.max_error)
+                    total.problems += result.problems
         finally:
             harness.close()
-        self.finish(case, worst, record_property)
+        self.finish(case, total, record_property)
 
     @cases("graph_cases")
     def test_graph_metadata(self, case: Case, record_property: Record) -> None:
@@ -366,13 +355,14 @@ class AttentionBackendSuite(ConformanceSuite):
             for i, step in enumerate(steps):
                 label = f"{case.id} graph step {i} (bucket {step.batch_size + step.padded_rows})"
                 prepared = harness.prepare(step, graph=True)
-                outs = harness.run(prepared)
-                leaves = tensor_fields(prepared.fb.attn_metadata)
+                plan = harness.plan(prepared)
+                outs = harness.attend_layers(prepared, plan)
+                leaves = tensor_fields(plan.meta)
                 size = prepared.fb.batch_size
                 if size in seen:
                     total.problems += moved_buffers(label, seen[size][1], leaves)
                 else:
-                    seen[size] = (prepared.fb.attn_metadata, leaves)  # kept alive on purpose
+                    seen[size] = (plan.meta, leaves)  # kept alive on purpose
                 result = harness.check(prepared, outs, tol, label)
                 total.problems += result.problems
                 total.max_error = max(total.max_error, result.max_error)
@@ -393,19 +383,19 @@ class AttentionBackendSuite(ConformanceSuite):
         total = Outcome()
         try:
             a = harness.prepare(first, graph=True)
-            harness.init_metadata(a)
+            plan = harness.plan(a)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                harness.forward_layers(a)  # warm-up outside capture
+                harness.attend_layers(a, plan)  # warm-up outside capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs = harness.forward_layers(a)
+                outs = harness.attend_layers(a, plan)
             for prepared, label in ((a, "replay of the captured batch"), (None, "new batch")):
                 if prepared is None:
                     prepared = harness.prepare(second, graph=True, reuse=a)
-                    harness.init_metadata(prepared)
+                    harness.plan(prepared)  # re-planned into the captured buffers
                 graph.replay()
                 torch.cuda.synchronize()
                 result = harness.check(prepared, outs, tol, f"{case.id} {label}")

@@ -9,9 +9,14 @@ from typing import Any
 
 import torch
 
-from execrt.core.batch import INPUT_FIELDS, ForwardBatch, ForwardMode, padded_decode_batch
+from execrt.core.batch import ForwardBatch, ForwardMode, padded_decode_batch
 from execrt.core.context import RuntimeContext
-from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionLayer,
+    AttentionStep,
+)
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.plugins import BackendSpec
 from execrt.core.runners import InputBuffers
@@ -34,7 +39,6 @@ class Step:
     extend_lens: tuple[int, ...]
     padded_rows: int = 0  # decode rows appended as graph padding does (row 0 / slot 0)
     permuted: bool = False  # slots scattered at random over the cache
-    save_kv_cache: bool = True
 
     @staticmethod
     def decode(context_lens: Sequence[int], **options: Any) -> Step:
@@ -149,10 +153,10 @@ class AttentionHarness:
             context=self.context,
         )
         self.backend: AttentionBackend = spec.create(init)
-        self.static: dict[str, torch.Tensor] = {}
+        self.static: InputBuffers | None = None
         if graph_max_bs:
             self.backend.init_graph_state(graph_max_bs, graph_max_bs)
-            self.static = InputBuffers(graph_max_bs, graph_max_bs, self.device).buffers
+            self.static = InputBuffers(graph_max_bs, graph_max_bs, self.device)
 
     def close(self) -> None:
         self.backend.close()
@@ -226,18 +230,20 @@ class AttentionHarness:
             for name, values in ints.items()
         }
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE if step.mode == "decode" else ForwardMode.EXTEND,
-            batch_size=b,
+            mode=ForwardMode.DECODE if step.mode == "decode" else ForwardMode.EXTEND,
             seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(step.prefix_lens),
-            extend_seq_lens_cpu=list(step.extend_lens),
-            attn_backend=self.backend,
+            prefix_lens_cpu=list(step.prefix_lens),
+            extend_lens_cpu=list(step.extend_lens),
             **tensors,
         )
         if graph or pads:
             # The graph runner's own padding rule, into the static buffers when capturing.
             fill = int(self.backend.graph_seq_len_fill_value)
-            fb = padded_decode_batch(fb, b + pads, fill, self.static if graph else None)
+            if graph:
+                assert self.static is not None, "harness: built without graph_max_bs"
+                fb = self.static.load_padded(fb, b + pads, fill)
+            else:
+                fb = padded_decode_batch(fb, b + pads, fill)
         t_all = t_real + pads
         qkv = []
         for layer in range(g.num_layers):
@@ -253,31 +259,31 @@ class AttentionHarness:
         for layer, (_, k, v) in enumerate(qkv):
             self.mirror_k[layer][real_locs] = k[:t_real]
             self.mirror_v[layer][real_locs] = v[:t_real]
-            if not step.save_kv_cache:
-                # The caller stored this step's K/V itself; the backend must only read them.
-                self.kv.k_buffers[layer][real_locs] = k[:t_real]
-                self.kv.v_buffers[layer][real_locs] = v[:t_real]
+            if not self.backend.capabilities.stores_kv:
+                # The model is the K/V writer (its one store helper): the backend only reads.
+                self.kv.set_kv(layer, real_locs, k[:t_real], v[:t_real])
         table = self.pool.req_to_token.clone()
         return Prepared(step, fb, qkv, rows, t_real, real_locs, table, graph)
 
     # -- running and checking -------------------------------------------------------------------
-    def init_metadata(self, prepared: Prepared) -> None:
-        if prepared.graph:
-            self.backend.init_forward_metadata_graph(prepared.fb)
-        else:
-            self.backend.init_forward_metadata(prepared.fb)
+    def plan(self, prepared: Prepared) -> AttentionStep:
+        """The backend's plan for the step (graph: into its static buffers), as a runner
+        hands it to the model."""
+        fb = prepared.fb
+        meta = self.backend.plan_graph(fb) if prepared.graph else self.backend.plan(fb)
+        return AttentionStep(self.backend, meta, fb.out_cache_loc, fb.mode)
 
-    def forward_layers(self, prepared: Prepared) -> list[Any]:
-        save = prepared.step.save_kv_cache
+    def attend_layers(self, prepared: Prepared, step: AttentionStep) -> list[Any]:
+        """Every layer's ``attend``; a backend that stores K/V itself is handed them."""
+        stores = self.backend.capabilities.stores_kv
         return [
-            self.backend.forward(q, k, v, layer, prepared.fb, save)
+            self.backend.attend(q, layer, step, (k, v) if stores else None)
             for layer, (q, k, v) in zip(self.layers, prepared.qkv, strict=True)
         ]
 
     def run(self, prepared: Prepared) -> list[Any]:
-        """``init_forward_metadata`` once, then every layer's forward."""
-        self.init_metadata(prepared)
-        return self.forward_layers(prepared)
+        """``plan`` once, then every layer's ``attend``."""
+        return self.attend_layers(prepared, self.plan(prepared))
 
     def check(self, prepared: Prepared, outs: list[Any], tolerance: float, label: str) -> Outcome:
         """Outputs against the float64 oracle; the cache against the mirror."""
@@ -350,13 +356,8 @@ class AttentionHarness:
                         f"at slots {outside[:8]}"
                     )
                 if inside:
-                    what = (
-                        "written although save_kv_cache=False"
-                        if not prepared.step.save_kv_cache
-                        else "not stored exactly"
-                    )
                     problems.append(
-                        f"{label}, layer {layer}: {name} at out_cache_loc {what} "
+                        f"{label}, layer {layer}: {name} at out_cache_loc not stored exactly "
                         f"(slots {inside[:8]})"
                     )
         return problems
@@ -413,8 +414,8 @@ def moved_buffers(label: str, before: dict[str, Any], after: dict[str, Any]) -> 
         if isinstance(old, tuple) and isinstance(new, tuple):
             problems.append(
                 f"{label}: graph metadata {path} moved (data_ptr {old[1]:#x} -> {new[1]:#x}, "
-                f"shape {old[2]} -> {new[2]}); init_forward_metadata_graph must write into the "
-                "buffers init_graph_state allocated"
+                f"shape {old[2]} -> {new[2]}); plan_graph must write into the buffers "
+                "init_graph_state allocated"
             )
         else:
             problems.append(
@@ -428,8 +429,15 @@ def matches_eager(
     harness: AttentionHarness, prepared: Prepared, outs: list[Any], tol: float, label: str
 ) -> list[str]:
     """Run the same batch through the eager path; real rows must agree with the graph path."""
-    copies = {f: getattr(prepared.fb, f).clone() for f in INPUT_FIELDS}
-    eager_fb = dataclasses.replace(prepared.fb, attn_metadata=None, **copies)
+    fb = prepared.fb
+    eager_fb = dataclasses.replace(
+        fb,
+        input_ids=fb.input_ids.clone(),
+        positions=fb.positions.clone(),
+        req_pool_indices=fb.req_pool_indices.clone(),
+        seq_lens=fb.seq_lens.clone(),
+        out_cache_loc=fb.out_cache_loc.clone(),
+    )
     eager = dataclasses.replace(prepared, fb=eager_fb, graph=False)
     problems = []
     t = prepared.num_real_tokens

@@ -74,10 +74,6 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
         Step.decode([7, 19], padded_rows=2),
         Step.decode([700, 1900, 5], padded_rows=5),
     ),
-    "decode-no_save": (
-        Step.decode([9, 30], save_kv_cache=False),
-        Step.decode([900, 3000], save_kv_cache=False),
-    ),
     "extend-single": (Step.extend([0], [13]), Step.extend([0], [700])),
     "extend-ragged": (
         Step.extend([0, 0, 0], [5, 1, 30]),
@@ -92,10 +88,6 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
     "extend-permuted": (
         Step.extend([11, 0, 30], [6, 3, 10], permuted=True),
         Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),
-    ),
-    "extend-no_save": (
-        Step.extend([5, 0], [4, 7], save_kv_cache=False),
-        Step.extend([500, 0], [40, 700], save_kv_cache=False),
     ),
 }
 #: The steps of the multi-layer, multi-step test (CPU; CUDA scales lengths by 20).

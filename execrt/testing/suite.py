@@ -74,6 +74,20 @@ def not_declared(field_name: str, value: Any, declared: Iterable[Any] | None) ->
     return f"capability {field_name} does not include {shown}"
 
 
+def generated_settings(max_examples: int, **overrides: Any) -> Any:
+    """The Hypothesis settings of a suite's generated test: derandomized (a run is repeatable),
+    no example database, no deadline, no health checks; ``overrides`` add to them."""
+    hypothesis = pytest.importorskip("hypothesis")
+    return hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        **overrides,
+    )
+
+
 _COLLECTION_SPECS: weakref.WeakKeyDictionary[type, BackendSpec] = weakref.WeakKeyDictionary()
 
 
@@ -117,19 +131,14 @@ class ConformanceSuite:
         return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
 
     @classmethod
-    def hypothesis_settings(cls, case: Case) -> Callable[[F], F]:
-        """The hypothesis settings of a generated test's ``case``: ``max_examples`` examples
-        (None: the device profile's), drawn from a seed of the case id (a report reproduces,
-        and the examples stay the same when the test's code changes), no example database, no
-        deadline and no health check (a backend may be slow)."""
+    def hypothesis_settings(cls, case: Case, **overrides: Any) -> Callable[[F], F]:
+        """``generated_settings`` for a generated test's ``case``: ``max_examples`` examples
+        (None: the device profile's), drawn from a seed of the case id, so a report reproduces
+        and the examples stay the same when the test's code changes (``derandomize`` alone
+        hashes the test's source)."""
         hypothesis = pytest.importorskip("hypothesis")
-        settings = hypothesis.settings(
-            max_examples=cls.max_examples or cls.profile(case.device).max_examples,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(hypothesis.HealthCheck),
-        )
+        max_examples = cls.max_examples or cls.profile(case.device).max_examples
+        settings = generated_settings(max_examples, **overrides)
         seed = hypothesis.seed(zlib.crc32(case.id.encode()))
 
         def apply(fn: F) -> F:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from execrt.core.batch import ForwardBatch, LogitsOutput
-from execrt.core.interfaces import AttentionLayer
+from execrt.core.interfaces import AttentionLayer, AttentionStep
+from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelLoadRequest, ModelSpec
 
 SPEC = ModelSpec(
@@ -36,21 +37,26 @@ class ToyModel(torch.nn.Module):
         self.head = self.embed.t().contiguous()
         hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
         self.layers = [AttentionLayer(i, hq, hkv, d, d, d**-0.5) for i in range(spec.num_layers)]
+        self.kv_cache: KVCache | None = None
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
-    ) -> LogitsOutput:
+    def attach_kv_cache(self, kv_cache: KVCache | None) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
         s = self.spec
-        h = self.embed[input_ids]  # [T, H]
+        h = self.embed[fb.input_ids]  # [T, H]
         t = h.shape[0]
         for layer in self.layers:
             q = h[:, : s.num_q_heads * s.head_dim].reshape(t, s.num_q_heads, s.head_dim)
             kv = h[:, : s.num_kv_heads * s.head_dim].reshape(t, s.num_kv_heads, s.head_dim)
-            assert fb.attn_backend is not None
-            o = fb.attn_backend.forward(q, kv, kv, layer, fb)  # [T, Hq, D]
+            if self.kv_cache is not None:  # the model is the K/V writer
+                self.kv_cache.set_kv(layer.layer_id, attn.out_cache_loc, kv, kv)
+                o = attn.backend.attend(q, layer, attn)  # [T, Hq, D]
+            else:
+                o = attn.backend.attend(q, layer, attn, (kv, kv))
             h = h + o.reshape(t, -1)[:, : s.hidden_size]
-        if fb.forward_mode.is_extend():
-            last = torch.tensor(fb.extend_seq_lens_cpu).cumsum(0) - 1
+        if fb.mode.is_extend():
+            last = torch.tensor(fb.extend_lens_cpu).cumsum(0) - 1
             h = h[last.to(h.device)]
         return LogitsOutput(next_token_logits=(h @ self.head).float())
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from execrt.core.batch import (
-    INPUT_FIELDS,
     ForwardBatch,
     ForwardMode,
     PaddedContext,
@@ -15,6 +16,7 @@ from execrt.core.batch import (
 )
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.core.step import StepInputs
 
 CPU = torch.device("cpu")
 
@@ -36,8 +38,8 @@ def test_init_new_holds_the_schedule_batch_tensors_by_reference() -> None:
     reqs[1].kv_len = 0
     sb = ScheduleBatch.for_extend(reqs, [3, 2], pool, alloc, CPU)
     assert sb is not None
-    fb = ForwardBatch.init_new(sb, None)
-    assert fb.forward_mode is ForwardMode.EXTEND and fb.batch_size == 2 and fb.num_tokens == 5
+    fb = ForwardBatch.init_new(sb)
+    assert fb.mode is ForwardMode.EXTEND and fb.batch_size == 2 and fb.num_tokens == 5
     for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc"):
         assert getattr(fb, name).data_ptr() == getattr(sb, name).data_ptr(), name
     assert fb.positions.tolist() == [0, 1, 2, 0, 1]
@@ -57,26 +59,25 @@ def test_decode_positions_are_the_last_token_of_each_request() -> None:
         req.output_ids.append(token)
     dec = ScheduleBatch.for_decode(reqs, pool, alloc, CPU)
     assert dec is not None
-    fb = ForwardBatch.init_new(dec, None)
-    assert fb.forward_mode is ForwardMode.DECODE
+    fb = ForwardBatch.init_new(dec)
+    assert fb.mode is ForwardMode.DECODE
     assert fb.input_ids.tolist() == [9, 8] and fb.positions.tolist() == [3, 1]
-    assert fb.extend_prefix_lens_cpu == [3, 1] and fb.extend_seq_lens_cpu == [1, 1]
+    assert fb.prefix_lens_cpu == [3, 1] and fb.extend_lens_cpu == [1, 1]
 
 
 def decode_batch(rows: list[int], lens: list[int], locs: list[int]) -> ForwardBatch:
     b = len(rows)
     seq = torch.tensor(lens)
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=b,
+        mode=ForwardMode.DECODE,
         input_ids=torch.arange(10, 10 + b),
         positions=seq - 1,
         req_pool_indices=torch.tensor(rows),
         seq_lens=seq,
         out_cache_loc=torch.tensor(locs),
         seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[n - 1 for n in lens],
-        extend_seq_lens_cpu=[1] * b,
+        prefix_lens_cpu=[n - 1 for n in lens],
+        extend_lens_cpu=[1] * b,
     )
 
 
@@ -91,23 +92,30 @@ def test_padding_rule_into_new_tensors() -> None:
     assert padded.out_cache_loc.tolist() == [11, 12, 0, 0]  # and writes KV slot 0
     assert padded.seq_lens.tolist() == [5, 9, 1, 1]
     assert padded.positions.tolist() == [4, 8, 0, 0]
-    assert padded.seq_lens_cpu == [5, 9, 1, 1] and padded.extend_prefix_lens_cpu == [4, 8, 0, 0]
+    assert padded.seq_lens_cpu == [5, 9, 1, 1] and padded.prefix_lens_cpu == [4, 8, 0, 0]
     assert fb.batch_size == 2 and fb.input_ids.tolist() == [10, 11]  # the original is untouched
 
 
 def test_padding_rule_writes_static_buffers_in_place_with_any_fill_value() -> None:
-    buffers = {name: torch.full((6,), -7) for name in INPUT_FIELDS}
-    buffers["num_token_non_padded"] = torch.zeros(1, dtype=torch.int64)
-    ptrs = {name: t.data_ptr() for name, t in buffers.items()}
+    def buf() -> torch.Tensor:
+        return torch.full((6,), -7)
+
+    static = StepInputs(ForwardMode.DECODE, buf(), buf(), buf(), buf(), buf(), [], [], [])
+    count = torch.zeros(1, dtype=torch.int64)
     fb = decode_batch([2, 4, 1], [3, 3, 7], [5, 6, 9])
-    padded = padded_decode_batch(fb, 5, seq_len_fill=2, out=buffers)
-    for name in INPUT_FIELDS:
-        assert getattr(padded, name).data_ptr() == ptrs[name], f"{name} left the static buffer"
-    assert buffers["seq_lens"].tolist() == [3, 3, 7, 2, 2, -7]  # the tail past 5 is untouched
-    assert buffers["positions"].tolist()[:5] == [2, 2, 6, 1, 1]
-    assert buffers["num_token_non_padded"].tolist() == [3]
-    assert padded.num_token_non_padded_device is buffers["num_token_non_padded"]
-    same = padded_decode_batch(fb, 3, seq_len_fill=2, out=buffers)  # no padding rows at all
+    padded = padded_decode_batch(fb, 5, seq_len_fill=2, out=static, out_count=count)
+    for got, want in zip(
+        (padded.input_ids, padded.positions, padded.req_pool_indices, padded.seq_lens),
+        (static.input_ids, static.positions, static.req_pool_indices, static.seq_lens),
+        strict=True,
+    ):
+        assert got.data_ptr() == want.data_ptr(), "an input left the static buffer"
+    assert padded.out_cache_loc.data_ptr() == static.out_cache_loc.data_ptr()
+    assert static.seq_lens.tolist() == [3, 3, 7, 2, 2, -7]  # the tail past 5 is untouched
+    assert static.positions.tolist()[:5] == [2, 2, 6, 1, 1]
+    assert count.tolist() == [3]
+    assert padded.num_token_non_padded_device is count
+    same = padded_decode_batch(fb, 3, seq_len_fill=2, out=static, out_count=count)  # no pads
     assert same.num_token_non_padded == 3 and same.seq_lens.tolist() == [3, 3, 7]
 
 
@@ -117,7 +125,7 @@ def test_padding_rule_refuses_what_it_cannot_pad() -> None:
         padded_decode_batch(fb, 1, 1)
     with pytest.raises(ValueError, match="fill value 0"):
         padded_decode_batch(fb, 4, 0)
-    extend = ForwardBatch(**{**fb.__dict__, "forward_mode": ForwardMode.EXTEND})
+    extend = dataclasses.replace(fb, mode=ForwardMode.EXTEND)
     with pytest.raises(ValueError, match="only decode batches are padded, got EXTEND"):
         padded_decode_batch(extend, 4, 1)
 
@@ -138,18 +146,17 @@ def test_extend_segments_give_each_request_a_causal_mask() -> None:
     table[1, :4] = torch.tensor([3, 4, 5, 6])
     table[2, :2] = torch.tensor([9, 10])
     fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=2,
+        mode=ForwardMode.EXTEND,
         input_ids=torch.zeros(3, dtype=torch.int64),
         positions=torch.tensor([2, 3, 1]),
         req_pool_indices=torch.tensor([1, 2]),
         seq_lens=torch.tensor([4, 2]),
         out_cache_loc=torch.tensor([5, 6, 10]),
         seq_lens_cpu=[4, 2],
-        extend_prefix_lens_cpu=[2, 1],
-        extend_seq_lens_cpu=[2, 1],
+        prefix_lens_cpu=[2, 1],
+        extend_lens_cpu=[2, 1],
     )
-    segments = list(PaddedContext.of(fb, table).extend_segments(fb))
+    segments = list(PaddedContext.of(fb, table).extend_segments())
     (rows_a, slots_a, mask_a), (rows_b, slots_b, mask_b) = segments
     assert (rows_a, rows_b) == (slice(0, 2), slice(2, 3))
     assert slots_a.tolist() == [3, 4, 5, 6] and slots_b.tolist() == [9, 10]

@@ -27,6 +27,24 @@ def test_precedence_file_then_env_then_cli(tmp_path) -> None:
     assert cfg.graph_backend == "auto"  # default
 
 
+def test_prefix_cache_defaults_to_radix_and_its_switches_come_from_every_source(tmp_path) -> None:
+    default = RuntimeConfig.load(environ={})
+    assert (default.prefix_cache, default.prefix_cache_force_miss) == ("radix", False)
+    env = {"EXECRT_PREFIX_CACHE": "none", "EXECRT_PREFIX_CACHE_FORCE_MISS": "1"}
+    from_env = RuntimeConfig.load(environ=env)
+    assert (from_env.prefix_cache, from_env.prefix_cache_force_miss) == ("none", True)
+    file = tmp_path / "c.toml"
+    file.write_text('prefix_cache = "my_lfu"\nprefix_cache_force_miss = true\n')
+    cfg = RuntimeConfig.load(file=file, environ={}, cli={"prefix_cache": "radix"})
+    assert (cfg.prefix_cache, cfg.prefix_cache_force_miss) == ("radix", True)
+    with pytest.raises(ConfigError, match="prefix_cache must be a backend name"):
+        RuntimeConfig(prefix_cache=" ")
+    with pytest.raises(ConfigError, match="prefix_cache_force_miss=1 has type int"):
+        RuntimeConfig(prefix_cache_force_miss=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="PREFIX_CACHE_FORCE_MISS|not a valid bool"):
+        RuntimeConfig.load(environ={"EXECRT_PREFIX_CACHE_FORCE_MISS": "maybe"})
+
+
 def test_toml_execrt_table_is_accepted(tmp_path) -> None:
     file = tmp_path / "c.toml"
     file.write_text('[execrt]\ndevice = "cpu"\n')

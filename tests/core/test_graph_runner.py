@@ -17,7 +17,7 @@ from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import BackendUnavailableError, ConfigError
 from execrt.core.interfaces import ShapeKey
-from execrt.core.runners import capture_batch_sizes
+from execrt.core.runners import attention_step, capture_batch_sizes
 from execrt.core.worker import TpModelWorker
 from tests.drivers import STATIC_GRAPH, graph_attention_host, make_worker, prefill, release
 
@@ -111,7 +111,7 @@ def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint
         eager_worker = workers["none"]
         reqs, decode = prefill(eager_worker, prompts)
         eager_mr = eager_worker.model_runner
-        out = eager_mr.forward(ForwardBatch.init_new(decode, eager_mr.attn_backend))
+        out = eager_mr.forward(ForwardBatch.init_new(decode))
         assert not out.can_run_graph
         eager = out.logits_output.next_token_logits.clone()
         release(eager_worker, reqs)
@@ -119,7 +119,7 @@ def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint
         reqs, decode = prefill(workers["reexec"], prompts)
         kv = {"K": mr.kv_cache.k_buffers, "V": mr.kv_cache.v_buffers}
         before = {kind: [b.clone() for b in buffers] for kind, buffers in kv.items()}
-        fb = ForwardBatch.init_new(decode, mr.attn_backend)
+        fb = ForwardBatch.init_new(decode)
         out = mr.forward(fb)
         assert out.can_run_graph
         replayed = out.logits_output.next_token_logits.clone()
@@ -138,8 +138,8 @@ def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint
         # bit for bit; the unpadded eager run (other metadata) agrees within rounding.
         with torch.inference_mode():
             padded = mr.input_buffers.load_padded(fb, bucket, runner.fill)
-            mr.attn_backend.init_forward_metadata_graph(padded)
-            ref = mr.model(padded.input_ids, padded.positions, padded).next_token_logits[:bs]
+            step = attention_step(mr.attn_backend, mr.attn_backend.plan_graph(padded), padded)
+            ref = mr.model(padded, step).next_token_logits[:bs]
         diff = (replayed - ref).abs().max().item()
         assert torch.equal(replayed, ref), f"bs {bs} (bucket {bucket}): max |diff| {diff:.3g}"
         assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-5), bs
@@ -158,7 +158,7 @@ def test_larger_batches_and_extends_run_eagerly_and_say_so_once(checkpoint, capl
     with caplog.at_level(logging.INFO, logger="execrt.core.runners"):
         for _ in range(2):
             reqs, decode = prefill(w, [[1, 2, 3]] * 5)
-            out = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend))
+            out = mr.forward(ForwardBatch.init_new(decode))
             assert not out.can_run_graph
             release(w, reqs)
     fallbacks = [r.message for r in caplog.records if "falling back to eager" in r.message]
@@ -176,13 +176,13 @@ def test_cleanup_then_recapture_replays_correctly(checkpoint) -> None:  # type: 
     runner = mr.decode_graph_runner
     assert runner is not None
     reqs, decode = prefill(w, [[5, 6, 7], [8, 9]])
-    first = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend)).logits_output
+    first = mr.forward(ForwardBatch.init_new(decode)).logits_output
     first_logits = first.next_token_logits.clone()
     runner.cleanup()
     runner.cleanup()
     assert not any(runner.backend.has(ShapeKey(b)) for b in runner.capture_bs)
     runner.recapture()
-    again = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend))
+    again = mr.forward(ForwardBatch.init_new(decode))
     assert again.can_run_graph and torch.equal(again.logits_output.next_token_logits, first_logits)
     w.close()
     ctx.close()

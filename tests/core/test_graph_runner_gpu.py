@@ -13,6 +13,7 @@ import torch
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.context import RuntimeContext
+from execrt.core.runners import attention_step
 from execrt.core.worker import TpModelWorker
 from execrt.plugins.host import PluginHost
 from tests.drivers import make_worker, prefill, rel_err, release
@@ -92,16 +93,16 @@ def test_replay_equals_eager_bitwise_for_every_bucket(gpu_checkpoints, backend, 
     assert runner is not None, mr.resolution.describe()
     for bs in sorted({*runner.capture_bs, 3, 7, 19}):
         reqs, dec = prefill(w, _prompts(bs, seed=bs))
-        fb = ForwardBatch.init_new(dec, mr.attn_backend)
+        fb = ForwardBatch.init_new(dec)
         out = mr.forward(fb)
         assert out.can_run_graph
         got = out.logits_output.next_token_logits.clone()
         with torch.inference_mode():
             padded = mr.input_buffers.load_padded(fb, runner.bucket(bs), runner.fill)
-            mr.attn_backend.init_forward_metadata_graph(padded)
-            ref = mr.model(padded.input_ids, padded.positions, padded).next_token_logits[:bs]
+            step = attention_step(mr.attn_backend, mr.attn_backend.plan_graph(padded), padded)
+            ref = mr.model(padded, step).next_token_logits[:bs]
         assert torch.equal(got, ref), f"bs {bs}: max |diff| {(got - ref).abs().max().item():.3g}"
-        eager = mr.eager_runner.execute(ForwardBatch.init_new(dec, mr.attn_backend))
+        eager = mr.eager_runner.execute(ForwardBatch.init_new(dec))
         err = rel_err(got, eager.next_token_logits)
         assert err < 2e-2, f"bs {bs}: graph vs unpadded eager relative error {err:.3g}"
         release(w, reqs)

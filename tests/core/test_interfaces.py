@@ -1,4 +1,4 @@
-"""Capability records, the single K/V store door of AttentionBackend.forward, graph checks."""
+"""Capability records, the plan/attend seam of AttentionBackend, graph checks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from execrt.core.interfaces import (
     AttentionCapabilities,
     AttentionLayer,
     AttentionRequirements,
+    AttentionStep,
     DispatchFormat,
     ExpertMajorDispatchOutput,
     GraphCapabilities,
@@ -30,7 +31,7 @@ from execrt.core.interfaces import (
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.parallel import ParallelState
-from execrt.core.schedule import ForwardMode
+from execrt.core.step import ForwardMode
 
 CPU = torch.device("cpu")
 FP32 = torch.float32
@@ -207,6 +208,20 @@ def test_capability_records_are_frozen_and_name_their_kind() -> None:
 
 
 # -- Capabilities.as_dict -------------------------------------------------------------------------
+def test_an_fp8_cache_is_refused_by_a_backend_that_does_not_list_it() -> None:
+    fp8 = attn_req(dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.cache_dtype == torch.float8_e4m3fn and attn_req().cache_dtype == FP32
+    assert AttentionCapabilities().refusals(fp8) == [
+        "KV cache dtype float8_e4m3fn unsupported (supported: bfloat16, float16, float32)"
+    ]
+    reads_fp8 = AttentionCapabilities(kv_dtypes=frozenset({torch.float8_e4m3fn, torch.bfloat16}))
+    assert reads_fp8.refusals(fp8) == []
+    e5m2 = attn_req(dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2)
+    assert reads_fp8.refusals(e5m2) == [
+        "KV cache dtype float8_e5m2 unsupported (supported: bfloat16, float8_e4m3fn)"
+    ]
+
+
 def test_attention_as_dict_sorts_ints_numerically_and_dtypes_by_name() -> None:
     caps = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
@@ -223,6 +238,7 @@ def test_attention_as_dict_sorts_ints_numerically_and_dtypes_by_name() -> None:
         "extend": True,
         "graph": True,
         "stores_kv": False,
+        "kv_dtypes": ["bfloat16", "float16", "float32"],
     }
 
 
@@ -252,49 +268,34 @@ def test_graph_as_dict_lists_every_field() -> None:
     }
 
 
-# -- AttentionBackend.forward: the single K/V store door ------------------------------------------
+# -- AttentionBackend: plan once, attend per layer ----------------------------------------------
 HQ, HKV, D, DV = 4, 2, 4, 3  # Dv != D, so a swapped k/v would not even fit
 SIZE = 8
-SENTINEL = -7.0  # the cache is poisoned with this before each test
 
 
 class Recorder(AttentionBackend):
-    """Records which forward_* ran with which k/v; returns a constant per path."""
+    """Returns a plan naming the batch; attend records the plan and k/v it was handed."""
 
     def __init__(self, init: AttentionBackendInit) -> None:
         super().__init__(init)
-        self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+        self.calls: list[tuple[object, tuple[torch.Tensor, torch.Tensor] | None]] = []
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = "meta"
+    def plan(self, fb: ForwardBatch) -> object:
+        return ("plan", fb.batch_size)
 
-    def forward_decode(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: AttentionLayer,
-        fb: ForwardBatch,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        self.calls.append(("decode", k, v))
+        self.calls.append((step.meta, kv))
         return torch.full((q.shape[0], layer.num_q_heads, layer.v_head_dim), 1.0)
-
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        self.calls.append(("extend", k, v))
-        return torch.full((q.shape[0], layer.num_q_heads, layer.v_head_dim), 2.0)
 
 
 def make_backend(stores_kv: bool = False) -> Recorder:
     cache = KVCache(SIZE, 2, HKV, D, FP32, CPU, v_head_dim=DV)
-    for buf in cache.k_buffers + cache.v_buffers:
-        buf.fill_(SENTINEL)
     init = AttentionBackendInit(
         capabilities=AttentionCapabilities(stores_kv=stores_kv),
         num_q_heads=HQ,
@@ -317,90 +318,45 @@ def batch(mode: ForwardMode, slots: list[int], batch_size: int | None = None) ->
     t = len(slots)
     b = t if batch_size is None else batch_size
     return ForwardBatch(
-        forward_mode=mode,
-        batch_size=b,
+        mode=mode,
         input_ids=torch.zeros(t, dtype=torch.int64),
         positions=torch.zeros(t, dtype=torch.int64),
         req_pool_indices=torch.ones(b, dtype=torch.int64),
         seq_lens=torch.ones(b, dtype=torch.int64),
         out_cache_loc=torch.tensor(slots, dtype=torch.int64),
         seq_lens_cpu=[1] * b,
-        extend_prefix_lens_cpu=[0] * b,
-        extend_seq_lens_cpu=[1] * b,
+        prefix_lens_cpu=[0] * b,
+        extend_lens_cpu=[1] * b,
     )
 
 
 LAYER = AttentionLayer(1, HQ, HKV, D, DV, scaling=0.5)
 
 
-def qkv(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    base = torch.arange(1, t + 1, dtype=FP32)[:, None, None]  # token i holds values ~ i + 1
-    q = torch.zeros(t, HQ, D)
-    k = base + torch.arange(HKV * D, dtype=FP32).reshape(1, HKV, D) / 100  # [T, Hkv, D]
-    v = -base - torch.arange(HKV * DV, dtype=FP32).reshape(1, HKV, DV) / 100  # [T, Hkv, Dv]
-    return q, k, v
-
-
-def untouched(backend: Recorder, layer: int, except_slots: list[int]) -> bool:
-    keep = [s for s in range(SIZE + 1) if s not in except_slots]
-    cache = backend.kv_cache
-    return bool(
-        (cache.k_buffers[layer][keep] == SENTINEL).all()
-        and (cache.v_buffers[layer][keep] == SENTINEL).all()
-    )
-
-
-@pytest.mark.parametrize(
-    ("mode", "path", "value"),
-    [(ForwardMode.DECODE, "decode", 1.0), (ForwardMode.EXTEND, "extend", 2.0)],
-)
-def test_forward_stores_kv_at_out_cache_loc_then_attends_without_kv(
-    mode: ForwardMode, path: str, value: float
-) -> None:
+def test_the_plan_is_returned_not_written_into_the_batch() -> None:
     backend = make_backend()
-    slots = [5, 2, 7]
-    q, k, v = qkv(3)
-    out = backend.forward(q, k, v, LAYER, batch(mode, slots))
-    assert backend.calls == [(path, None, None)]
-    assert out.shape == (3, HQ, DV) and (out == value).all()
-    cache = backend.kv_cache
-    assert torch.equal(cache.k_buffers[1][slots], k) and torch.equal(cache.v_buffers[1][slots], v)
-    assert untouched(backend, 1, slots) and untouched(backend, 0, [])  # only layer_id 1
+    fb = batch(ForwardMode.DECODE, [5, 2])
+    before = dataclasses.asdict(fb)
+    meta = backend.plan(fb)
+    assert meta == ("plan", 2)
+    assert not hasattr(fb, "attn_metadata") and not hasattr(fb, "attn_backend")
+    after = dataclasses.asdict(fb)
+    assert before.keys() == after.keys()
 
 
-def test_forward_without_save_kv_cache_stores_nothing() -> None:
+def test_an_attention_step_carries_backend_plan_slots_and_mode() -> None:
     backend = make_backend()
-    q, k, v = qkv(2)
-    backend.forward(q, k, v, LAYER, batch(ForwardMode.DECODE, [1, 2]), save_kv_cache=False)
-    assert backend.calls == [("decode", None, None)]
-    assert untouched(backend, 0, []) and untouched(backend, 1, [])
+    fb = batch(ForwardMode.EXTEND, [5, 2, 7])
+    step = AttentionStep(backend, backend.plan(fb), fb.out_cache_loc, fb.mode)
+    out = backend.attend(torch.zeros(3, HQ, D), LAYER, step)
+    assert backend.calls == [(("plan", 3), None)]
+    assert out.shape == (3, HQ, DV)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.meta = None  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
-def test_a_backend_that_stores_kv_itself_receives_k_and_v(mode: ForwardMode) -> None:
-    backend = make_backend(stores_kv=True)
-    q, k, v = qkv(2)
-    backend.forward(q, k, v, LAYER, batch(mode, [3, 4]))
-    [(_, got_k, got_v)] = backend.calls
-    assert got_k is k and got_v is v  # the very tensors, no copy
-    assert untouched(backend, 1, [])  # the base stored nothing
-
-
-def test_a_storing_backend_gets_no_kv_when_the_caller_already_stored_them() -> None:
-    backend = make_backend(stores_kv=True)
-    q, k, v = qkv(2)
-    backend.forward(q, k, v, LAYER, batch(ForwardMode.EXTEND, [3, 4]), save_kv_cache=False)
-    assert backend.calls == [("extend", None, None)]
-    assert untouched(backend, 1, [])
-
-
-def test_idle_forward_returns_an_empty_tensor_and_calls_nothing() -> None:
-    backend = make_backend()
-    q = torch.zeros(0, HQ, D, dtype=torch.float64)
-    k, v = torch.zeros(0, HKV, D), torch.zeros(0, HKV, DV)
-    out = backend.forward(q, k, v, LAYER, batch(ForwardMode.IDLE, [], batch_size=0))
-    assert out.shape == (0, HQ, DV) and out.dtype == torch.float64
-    assert backend.calls == [] and untouched(backend, 1, [])
+def test_attention_backends_must_implement_plan_and_attend() -> None:
+    assert AttentionBackend.__abstractmethods__ == {"plan", "attend"}
 
 
 def test_the_base_keeps_what_its_init_record_holds() -> None:
@@ -421,7 +377,7 @@ def test_graph_hooks_are_unsupported_by_default_and_name_the_backend() -> None:
     with pytest.raises(NotImplementedError, match="^Recorder: graph capture unsupported$"):
         backend.init_graph_state(4, 4)
     with pytest.raises(NotImplementedError, match="^Recorder: graph capture unsupported$"):
-        backend.init_forward_metadata_graph(batch(ForwardMode.DECODE, [1]))
+        backend.plan_graph(batch(ForwardMode.DECODE, [1]))
     backend.close()
     backend.close()  # idempotent no-op
     # One that declares graph capture without the hooks is told what to implement.
@@ -430,9 +386,9 @@ def test_graph_hooks_are_unsupported_by_default_and_name_the_backend() -> None:
     with pytest.raises(
         NotImplementedError,
         match=r"declares capabilities.graph = True but does "
-        r"not implement init_forward_metadata_graph \(implement init_graph_state",
+        r"not implement plan_graph \(implement init_graph_state and plan_graph",
     ):
-        liar.init_forward_metadata_graph(batch(ForwardMode.DECODE, [1]))
+        liar.plan_graph(batch(ForwardMode.DECODE, [1]))
 
 
 # -- check_graph_batch ----------------------------------------------------------------------------
@@ -442,10 +398,9 @@ def test_check_graph_batch_requires_init_graph_state_first() -> None:
         AttentionBackend.check_graph_batch("triton", None, batch(ForwardMode.EXTEND, [1]))
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.IDLE])
-def test_check_graph_batch_refuses_non_decode_batches(mode: ForwardMode) -> None:
-    with pytest.raises(ValueError, match=f"^fi: graphs capture decode only, got {mode.name}$"):
-        AttentionBackend.check_graph_batch("fi", 8, batch(mode, [1]))
+def test_check_graph_batch_refuses_non_decode_batches() -> None:
+    with pytest.raises(ValueError, match="^fi: graphs capture decode only, got EXTEND$"):
+        AttentionBackend.check_graph_batch("fi", 8, batch(ForwardMode.EXTEND, [1]))
 
 
 def test_check_graph_batch_bounds_the_batch_size_inclusively() -> None:

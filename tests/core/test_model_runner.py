@@ -7,17 +7,13 @@ import dataclasses
 import pytest
 import torch
 
+from execrt.core.assembly import CPU_KV_BUDGET_BYTES, resolve_device, resolve_dtype
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import BackendUnavailableError, ConfigError, ResourceError
 from execrt.core.memory import KVCache
-from execrt.core.model_runner import (
-    CPU_KV_BUDGET_BYTES,
-    ModelRunner,
-    resolve_device,
-    resolve_dtype,
-)
+from execrt.core.model_runner import ModelRunner
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.plugins.host import PluginHost
 from tests.core.fakes import SPEC, ToyLoader
@@ -98,14 +94,14 @@ def test_forward_runs_extend_and_decode_through_the_eager_runner(runtime_context
     pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, CPU)
     sb = ScheduleBatch.for_extend(reqs, [3, 1], *pools)
     assert sb is not None
-    fb = ForwardBatch.init_new(sb, mr.attn_backend)
+    fb = ForwardBatch.init_new(sb)
     out = mr.forward(fb)
     assert out.logits_output.next_token_logits.shape == (2, SPEC.vocab_size)
     assert not out.can_run_graph
     tokens = mr.sample(out.logits_output, fb)
     assert tokens.tolist() == out.logits_output.next_token_logits.argmax(-1).tolist()
     # the inputs went through the static buffers, not the schedule batch's tensors
-    assert mr.input_buffers.buffers["input_ids"][:4].tolist() == [1, 2, 3, 4]
+    assert mr.input_buffers.static.input_ids[:4].tolist() == [1, 2, 3, 4]
 
 
 def test_a_runner_that_fails_to_build_leaves_nothing_registered(runtime_context) -> None:  # type: ignore[no-untyped-def]

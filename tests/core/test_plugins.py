@@ -20,6 +20,7 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
 )
 from execrt.core.plugins import BackendRegistry, BackendSpec
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequirements
 
 CPU_REQ = AttentionRequirements("cpu", torch.float32, 64, 8, 2)
 MISSING_MODULE = "execrt_no_such_module_for_tests"
@@ -233,7 +234,8 @@ def test_register_refuses_an_unknown_kind_listing_the_kinds() -> None:
     with pytest.raises(PluginError) as info:
         BackendRegistry().register("sampler", "x", factory, AttentionCapabilities())
     assert str(info.value) == (
-        "plugin '<direct>': unknown backend kind 'sampler' (kinds: attention, moe_dispatch, graph)"
+        "plugin '<direct>': unknown backend kind 'sampler' "
+        "(kinds: attention, moe_dispatch, graph, prefix_cache)"
     )
 
 
@@ -256,6 +258,19 @@ def test_register_refuses_invalid_names_saying_what_is_accepted(name: str) -> No
         f"plugin '<direct>': invalid backend name {name!r} "
         "(use letters, digits, '_', '-' and '.'; 'auto' and 'none' are reserved)"
     )
+
+
+def test_a_prefix_cache_registers_with_its_capability_record_and_never_as_none() -> None:
+    reg = BackendRegistry()
+    spec = reg.register("prefix_cache", "lfu", factory, PrefixCacheCapabilities(reuses=True))
+    assert reg.names("prefix_cache") == ["lfu"] and spec.kind == "prefix_cache"
+    assert spec.refusals(PrefixCacheRequirements("cpu", page_size=16)) == [
+        "page size 16 unsupported (supported: 1)"
+    ]
+    with pytest.raises(PluginError, match="must declare PrefixCacheCapabilities"):
+        reg.register("prefix_cache", "x", factory, GraphCapabilities())
+    with pytest.raises(PluginError, match="'none' are reserved"):
+        reg.register("prefix_cache", "none", factory, PrefixCacheCapabilities())
 
 
 @pytest.mark.parametrize("name", ["triton", "flash-infer", "v1.2_beta", "X9"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from execrt.core.batch import INPUT_FIELDS, ForwardBatch, ForwardMode, LogitsOutput
+from execrt.core.batch import ForwardBatch, ForwardMode, LogitsOutput
+from execrt.core.interfaces import AttentionStep
 from execrt.core.runners import EagerRunner, InputBuffers
 
 CPU = torch.device("cpu")
@@ -13,36 +14,31 @@ CPU = torch.device("cpu")
 
 def batch(mode: ForwardMode, tokens: int, reqs: int) -> ForwardBatch:
     return ForwardBatch(
-        forward_mode=mode,
-        batch_size=reqs,
+        mode=mode,
         input_ids=torch.arange(100, 100 + tokens),
         positions=torch.arange(tokens),
         req_pool_indices=torch.arange(1, reqs + 1),
         seq_lens=torch.full((reqs,), tokens // reqs),
         out_cache_loc=torch.arange(1, tokens + 1),
         seq_lens_cpu=[tokens // reqs] * reqs,
-        extend_prefix_lens_cpu=[0] * reqs,
-        extend_seq_lens_cpu=[tokens // reqs] * reqs,
+        prefix_lens_cpu=[0] * reqs,
+        extend_lens_cpu=[tokens // reqs] * reqs,
     )
+
+
+def tensors(x: ForwardBatch | InputBuffers) -> list[torch.Tensor]:
+    s = x.static if isinstance(x, InputBuffers) else x
+    return [s.input_ids, s.positions, s.out_cache_loc, s.req_pool_indices, s.seq_lens]
 
 
 def test_buffers_have_fixed_addresses_and_sizes() -> None:
     buf = InputBuffers(max_bs=4, max_num_tokens=16, device=CPU)
-    sizes = {name: t.numel() for name, t in buf.buffers.items()}
-    assert sizes == {
-        "input_ids": 16,
-        "positions": 16,
-        "out_cache_loc": 16,
-        "req_pool_indices": 4,
-        "seq_lens": 4,
-        "num_token_non_padded": 1,
-    }
-    ptrs = {name: t.data_ptr() for name, t in buf.buffers.items()}
+    assert [t.numel() for t in tensors(buf)] == [16, 16, 16, 4, 4]
+    assert buf.num_token_non_padded.numel() == 1
+    ptrs = [t.data_ptr() for t in tensors(buf)]
     for tokens, reqs in ((12, 3), (4, 4), (16, 2)):
         loaded = buf.load(batch(ForwardMode.EXTEND, tokens, reqs))
-        for name in INPUT_FIELDS:
-            view = getattr(loaded, name)
-            assert view.data_ptr() == ptrs[name], f"{name} moved"
+        assert [t.data_ptr() for t in tensors(loaded)] == ptrs, "a view moved"
         assert loaded.input_ids.tolist() == list(range(100, 100 + tokens))
         assert loaded.num_token_non_padded_device is None  # an eager load is never padded
 
@@ -61,26 +57,27 @@ def test_load_padded_applies_the_core_padding_rule_in_place() -> None:
     buf = InputBuffers(max_bs=8, max_num_tokens=8, device=CPU)
     fb = batch(ForwardMode.DECODE, 3, 3)
     padded = buf.load_padded(fb, padded_bs=6, seq_len_fill=1)
-    assert padded.req_pool_indices.data_ptr() == buf.buffers["req_pool_indices"].data_ptr()
+    assert padded.req_pool_indices.data_ptr() == buf.static.req_pool_indices.data_ptr()
     assert padded.req_pool_indices.tolist() == [1, 2, 3, 0, 0, 0]
     assert padded.out_cache_loc.tolist() == [1, 2, 3, 0, 0, 0]
-    assert buf.buffers["num_token_non_padded"].tolist() == [3]
+    assert buf.num_token_non_padded.tolist() == [3]
 
 
 def test_eager_runner_gets_only_what_it_uses() -> None:
     calls: list[str] = []
 
     class Backend:
-        def init_forward_metadata(self, fb: ForwardBatch) -> None:
-            calls.append(f"metadata({fb.num_tokens})")
-            fb.attn_metadata = "planned"
+        def plan(self, fb: ForwardBatch) -> str:
+            calls.append(f"plan({fb.num_tokens})")
+            return "planned"
 
-    def model(ids: torch.Tensor, pos: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
-        calls.append(f"model({fb.attn_metadata})")
-        return LogitsOutput(next_token_logits=ids[:, None].float())
+    def model(fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
+        assert attn.out_cache_loc is fb.out_cache_loc and attn.mode is fb.mode
+        calls.append(f"model({attn.meta})")
+        return LogitsOutput(next_token_logits=fb.input_ids[:, None].float())
 
     buf = InputBuffers(max_bs=4, max_num_tokens=8, device=CPU)
     runner = EagerRunner(model, Backend(), buf)  # type: ignore[arg-type]
     out = runner.execute(batch(ForwardMode.EXTEND, 4, 2))
-    assert calls == ["metadata(4)", "model(planned)"]
+    assert calls == ["plan(4)", "model(planned)"]
     assert out.next_token_logits.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]

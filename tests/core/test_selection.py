@@ -16,6 +16,7 @@ from execrt.core.interfaces import (
     GraphRequirements,
 )
 from execrt.core.plugins import BackendRegistry, BackendSpec
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequirements
 from execrt.core.selection import (
     Resolution,
     ResolutionReport,
@@ -291,6 +292,43 @@ def test_graph_auto_builds_a_usable_candidate() -> None:
     reg = graph_registry(("reexec", CPU_GRAPHS, Factory("reexec")))
     backend, res = build_backend(reg, "graph", "auto", GraphRequirements("cpu"), make_init)
     assert backend == Built("reexec", ("init-for", "reexec")) and res.chosen == "reexec"
+
+
+# -- prefix caches: optional like graphs ----------------------------------------------------------
+def test_prefix_cache_none_builds_nothing_and_says_the_cache_is_off() -> None:
+    reg = BackendRegistry()
+    reg.register("prefix_cache", "radix", Factory("radix"), PrefixCacheCapabilities())
+    calls: list[BackendSpec] = []
+    backend, res = build_backend(
+        reg, "prefix_cache", "none", PrefixCacheRequirements("cpu"), lambda s: calls.append(s)
+    )
+    assert backend is None and calls == []
+    assert res == Resolution("prefix_cache", "none", None, note="prefix cache disabled")
+    assert res.describe() == "prefix_cache: requested 'none' -> none (prefix cache disabled)"
+
+
+def test_prefix_cache_by_name_or_auto_builds_the_usable_one() -> None:
+    reg = BackendRegistry()
+    reg.register("prefix_cache", "radix", Factory("radix"), PrefixCacheCapabilities(), priority=1)
+    gpu = PrefixCacheCapabilities(devices=frozenset({"cuda"}))
+    reg.register("prefix_cache", "hicache", Factory("hicache"), gpu, priority=9)
+    for requested in ("radix", "auto"):
+        backend, res = build_backend(
+            reg, "prefix_cache", requested, PrefixCacheRequirements("cpu"), make_init
+        )
+        assert backend == Built("radix", ("init-for", "radix")) and res.chosen == "radix"
+    with pytest.raises(BackendUnavailableError, match="device cpu unsupported"):
+        resolve_backend(reg, "prefix_cache", "hicache", PrefixCacheRequirements("cpu"))
+
+
+def test_prefix_cache_auto_without_a_usable_one_means_no_cache_unless_strict() -> None:
+    reg = BackendRegistry()
+    reg.register("prefix_cache", "broken", MISSING, PrefixCacheCapabilities())
+    res = resolve_backend(reg, "prefix_cache", "auto", PrefixCacheRequirements("cpu"))
+    assert res.chosen is None and res.note == "no prefix_cache backend for cpu"
+    assert [name for name, _ in res.rejected] == ["broken"]
+    with pytest.raises(BackendUnavailableError, match="broken: plugin"):
+        resolve_backend(reg, "prefix_cache", "auto", PrefixCacheRequirements("cpu"), strict=True)
 
 
 # -- the report -----------------------------------------------------------------------------------

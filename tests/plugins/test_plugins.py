@@ -7,6 +7,7 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError, PluginError
 from execrt.core.interfaces import AttentionRequirements, GraphRequirements
+from execrt.core.prefix_cache import PrefixCacheInit, PrefixCacheRequirements
 from execrt.core.selection import resolve_backend
 from execrt.plugins.host import PluginHost
 from tests.plugins import fakes
@@ -21,6 +22,7 @@ def test_builtins_register_through_the_hook(plugin_host: PluginHost) -> None:
         ("attention", "triton"),
         ("attention", "flashinfer"),
         ("moe_dispatch", "allreduce"),
+        ("prefix_cache", "radix"),
     } <= names
     assert all(s.plugin == "execrt.builtin" for s in plugin_host.registry.specs())
     assert plugin_host.failures == []
@@ -268,6 +270,24 @@ def test_graph_none_and_auto_without_candidates(plugin_host: PluginHost) -> None
     assert none.chosen is None and none.note == "graphs disabled"
     auto = resolve_backend(plugin_host.registry, "graph", "auto", GraphRequirements("cpu"))
     assert auto.chosen is None
+
+
+def test_the_builtin_prefix_cache_is_radix_and_none_turns_it_off(plugin_host: PluginHost) -> None:
+    from execrt.backends.prefix_cache.radix import RadixCache
+    from execrt.core.selection import build_backend
+
+    reg = plugin_host.registry
+    for device in ("cpu", "cuda"):
+        auto = resolve_backend(reg, "prefix_cache", "auto", PrefixCacheRequirements(device))
+        assert auto.chosen == "radix", auto.describe()
+    none = resolve_backend(reg, "prefix_cache", "none", PrefixCacheRequirements("cpu"))
+    assert none.chosen is None and none.note == "prefix cache disabled"
+
+    def init(spec):  # type: ignore[no-untyped-def]
+        return PrefixCacheInit(spec.capabilities, torch.device("cpu"), lambda slots: None)
+
+    cache, res = build_backend(reg, "prefix_cache", "radix", PrefixCacheRequirements("cpu"), init)
+    assert isinstance(cache, RadixCache) and res.chosen == "radix"
 
 
 def test_registration_validates_names_and_factories(plugin_host: PluginHost) -> None:

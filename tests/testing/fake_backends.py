@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from execrt.backends.attention.torch_native import TorchNativeAttnBackend
 from execrt.backends.graph.reexec import ReexecGraphBackend
 from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
+from execrt.backends.prefix_cache.radix import RadixCache, _as_key
 from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import (
     AttentionCapabilities,
@@ -26,6 +28,7 @@ from execrt.core.interfaces import (
     ShapeKey,
     StandardDispatchOutput,
 )
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit, PrefixMatch
 
 F32 = frozenset({torch.float32})
 CPU = frozenset({"cpu"})
@@ -35,18 +38,31 @@ CPU = frozenset({"cpu"})
 # ---------------------------------------------------------------------------------------------
 NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
 GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
+STORES_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, stores_kv=True)
 
 
 class WrongScaleAttention(TorchNativeAttnBackend):
     """Broken: uses head_dim ** -0.5 instead of the layer's scaling."""
 
-    def forward_decode(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
         own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_decode(q, k, v, own, fb)
+        return super().attend(q, own, step, kv)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, fb):  # type: ignore[no-untyped-def]
-        own = dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
-        return super().forward_extend(q, k, v, own, fb)
+
+class StoringAttention(TorchNativeAttnBackend):
+    """Correct: declares ``stores_kv`` and stores the K/V it is handed before reading."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        assert kv is not None, "a stores_kv backend is always handed this step's K/V"
+        self.kv_cache.set_kv(layer.layer_id, step.out_cache_loc, *kv)
+        return super().attend(q, layer, step)
+
+
+class ForgetfulStoringAttention(TorchNativeAttnBackend):
+    """Broken: declares ``stores_kv`` but never stores what it is handed."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        return super().attend(q, layer, step)
 
 
 class StaticGraphAttention(TorchNativeAttnBackend):
@@ -59,34 +75,33 @@ class StaticGraphAttention(TorchNativeAttnBackend):
         self.valid = torch.zeros(max_bs, width, dtype=torch.bool, device=dev)  # [B, C]
         self.positions = torch.arange(width, device=dev)
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
         b = fb.batch_size
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]  # [b, C]
         torch.lt(self.positions[None, :], fb.seq_lens[:, None], out=self.valid[:b])
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
+        return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
 class FreshBuffersGraphAttention(StaticGraphAttention):
-    """Broken: claims graphs, but its graph metadata is freshly allocated on every call."""
+    """Broken: claims graphs, but its graph plan is freshly allocated on every call."""
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
-        self.init_forward_metadata(fb)
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        return self.plan(fb)
 
 
 class StaleSeqLensGraphAttention(StaticGraphAttention):
     """Broken: computes the context mask once per bucket and ignores later seq_lens."""
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
         seen: set[int] = self.__dict__.setdefault("_seen", set())
         b = fb.batch_size
         if b not in seen:
             seen.add(b)
-            super().init_forward_metadata_graph(fb)
-            return
+            return super().plan_graph(fb)
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]
         self.slots[:b].copy_(torch.where(self.valid[:b], rows.long(), 0))
-        fb.attn_metadata = PaddedContext(self.slots[:b], self.valid[:b])
+        return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,3 +236,83 @@ class ResourceReexecGraph(ReexecGraphBackend):
 
 
 RESOURCE_CAPS = dataclasses.replace(REEXEC_CAPS, graph_resources=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix caches
+# ---------------------------------------------------------------------------------------------
+RADIX_CAPS = PrefixCacheCapabilities(devices=CPU)
+
+
+class LockBlindRadix(RadixCache):
+    """Broken: lock and unlock do nothing, so locked paths are evictable."""
+
+    def lock(self, node: Any) -> None:
+        pass
+
+    def unlock(self, node: Any) -> None:
+        pass
+
+
+class EvictsLockedRadix(RadixCache):
+    """Broken: lock counts the path as protected but leaves its nodes evictable."""
+
+    def lock(self, node: Any) -> None:
+        super().lock(node)
+        self._shift(node, -1)
+
+    def unlock(self, node: Any) -> None:
+        self._shift(node, +1)
+        super().unlock(node)
+
+    def _shift(self, node: Any, delta: int) -> None:
+        while node is not self._root:
+            node.lock_ref += delta
+            node = node.parent
+
+
+class AliasingRadix(RadixCache):
+    """Broken: keeps the caller's slot tensor (a view of its row) instead of a copy."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        n = super().insert(key, slots)
+        tokens = _as_key(key, "insert")
+        leaf, end = self._descend(tokens, next(self._clock))
+        if end == tokens.size and leaf is not self._root:
+            leaf.value = slots[end - leaf.key.size : end]
+        return n
+
+
+class MostRecentFirstRadix(RadixCache):
+    """Broken: evicts the most recently used leaf first."""
+
+    def _queue_if_evictable(self, node: Any) -> None:
+        if node.lock_ref or node.children or node is self._root:
+            return
+        node.queued = -node.last_access
+        heapq.heappush(self._heap, (node.queued, node.uid, node))
+
+
+class ShortMatchRadix(RadixCache):
+    """Broken: a match reports one token less than is cached."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        m = super().match(key)
+        return PrefixMatch(m.slots[:-1], m.node) if m.length > 1 else m
+
+
+class ForceMissIgnoredRadix(RadixCache):
+    """Broken: matches even when built with force_miss."""
+
+    def __init__(self, init: PrefixCacheInit) -> None:
+        super().__init__(dataclasses.replace(init, force_miss=False))
+
+
+class DuplicateFreeingRadix(RadixCache):
+    """Broken: insert frees the caller's duplicate slots itself (they are the caller's)."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        n = super().insert(key, slots)
+        if n:
+            self.init.free_slots(slots[:n].clone())
+        return n

@@ -16,6 +16,7 @@ HEADER = """
 from execrt.testing.attention import AttentionBackendSuite
 from execrt.testing.graph import GraphBackendSuite
 from execrt.testing.moe import MoEDispatcherSuite
+from execrt.testing.prefix_cache import PrefixCacheSuite
 from tests.testing import fake_backends as fakes
 """
 
@@ -56,6 +57,24 @@ class TestBroken(AttentionBackendSuite):
     assert "exceeds tolerance 0.0001 (float32)" in reason and "worst at request" in reason
     row = next(r for r in report["results"] if r["id"].endswith("decode-ragged]"))
     assert row["max_error"] > row["tolerance"]
+
+
+def test_a_storing_backend_that_stores_nothing_fails_naming_the_slots(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:ForgetfulStoringAttention"
+    capabilities = fakes.STORES_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "decode-single or extend-single")
+    assert code == 1
+    failed = failures(report)
+    assert set(failed) == {
+        "test_scenario[cpu-float32-decode-single]",
+        "test_scenario[cpu-float32-extend-single]",
+    }, failed
+    for reason in failed.values():
+        assert "K at out_cache_loc not stored exactly (slots [" in reason, reason
 
 
 def test_wrong_scale_is_caught_by_generated_cases_too(tmp_path: Path) -> None:
@@ -182,3 +201,52 @@ class TestBroken(GraphBackendSuite):
             "raise; a captured key must be refused until cleanup(), not silently re-recorded"
         )
     }
+
+
+@pytest.mark.parametrize(
+    ("broken", "failing", "message"),
+    [
+        (
+            "LockBlindRadix",
+            {"test_lock_moves_the_path_between_evictable_and_protected[cpu]"},
+            "after lock: protected 0, locked paths: 5",
+        ),
+        (
+            "EvictsLockedRadix",
+            {"test_eviction_never_touches_locked_entries[cpu]"},
+            "evict freed slot 3 of locked [1, 2, 3]",
+        ),
+        ("EvictsLockedRadix", {"test_generated[cpu-hits]"}, "locked"),
+        ("AliasingRadix", {"test_generated[cpu-hits]"}, "slot -1"),
+        (
+            "MostRecentFirstRadix",
+            {"test_eviction_takes_least_recently_used_leaves_first[cpu]"},
+            "evicting 2 left y cached",
+        ),
+        ("ShortMatchRadix", {"test_match_returns_the_inserted_slots[cpu]"}, "the longest cached"),
+        ("ForceMissIgnoredRadix", {"test_force_miss_reports_no_match[cpu]"}, "under force_miss"),
+        (
+            "DuplicateFreeingRadix",
+            {"test_insert_returns_the_cached_length[cpu]"},
+            "disposed of duplicates",
+        ),
+    ],
+)
+def test_broken_prefix_caches_fail_saying_what(
+    tmp_path: Path, broken: str, failing: set[str], message: str
+) -> None:
+    body = f"""
+class TestBroken(PrefixCacheSuite):
+    devices = ("cpu",)
+    max_examples = 25
+    shrink_failures = False
+    capabilities = fakes.RADIX_CAPS
+    factory = "tests.testing.fake_backends:{broken}"
+"""
+    select = " or ".join(sorted(f.split("[")[0] for f in failing))
+    code, report = run_suite(tmp_path, body, "prefix_cache", select)
+    assert code == 1
+    failed = failures(report)
+    assert failing <= set(failed), failed
+    for test_id in failing:
+        assert message in failed[test_id], failed[test_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from execrt.testing.attention import AttentionBackendSuite
 from execrt.testing.graph import GraphBackendSuite
 from execrt.testing.moe import MoEDispatcherSuite
+from execrt.testing.prefix_cache import PrefixCacheSuite
 
 
 class TestTorchNativeAttention(AttentionBackendSuite):
@@ -41,3 +42,7 @@ class TestAllToAllDispatch(MoEDispatcherSuite):
 
 class TestAllToAllFixedDispatch(MoEDispatcherSuite):
     backend = "all_to_all_fixed"
+
+
+class TestRadixPrefixCache(PrefixCacheSuite):
+    backend = "radix"

@@ -18,6 +18,15 @@ class TestStaticGraphAttention(AttentionBackendSuite):
     devices = ("cpu",)
 
 
+class TestStoringAttention(AttentionBackendSuite):
+    """A backend that stores K/V itself (``stores_kv``) passes the same suite: it is handed
+    this step's K/V, and the harness stores none for it."""
+
+    factory = f"{HERE}:StoringAttention"
+    capabilities = fakes.STORES_CAPS
+    devices = ("cpu",)
+
+
 class TestAllGatherDispatch(MoEDispatcherSuite):
     """Per-rank (non-replicated) tokens at world size 1 and 2."""
 

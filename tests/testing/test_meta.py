@@ -20,11 +20,13 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
 )
 from execrt.core.plugins import Hookspecs, hookimpl
+from execrt.core.prefix_cache import PrefixCacheCapabilities
 from execrt.kernels._triton import interpreter_enabled
 from execrt.plugins.host import PluginHost
 from execrt.testing.attention import AttentionBackendSuite
 from execrt.testing.graph import GraphBackendSuite
 from execrt.testing.moe import MoEDispatcherSuite
+from execrt.testing.prefix_cache import PrefixCacheSuite
 from execrt.testing.suite import Case, ConformanceSuite, dtype_name
 from tests.testing import test_builtin_suites as builtin
 from tests.testing.fake_backends import REEXEC_CAPS
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE = "execrt.backends.attention.torch_native:TorchNativeAttnBackend"
 ALLREDUCE = "execrt.backends.moe_dispatch.allreduce:AllReduceDispatcher"
 REEXEC = "execrt.backends.graph.reexec:ReexecGraphBackend"
+RADIX = "execrt.backends.prefix_cache.radix:RadixCache"
 
 #: Per capability record: the suite, a factory, a baseline record, and for every field a
 #: changed value whose effect on the suite's cases proves some test reads that field.
@@ -50,6 +53,7 @@ RECORDS: dict[type[Capabilities], tuple[type[ConformanceSuite], str, Any, dict[s
             "extend": False,
             "graph": False,
             "stores_kv": True,
+            "kv_dtypes": frozenset({torch.bfloat16, torch.float8_e4m3fn}),
         },
     ),
     MoEDispatcherCapabilities: (
@@ -78,6 +82,12 @@ RECORDS: dict[type[Capabilities], tuple[type[ConformanceSuite], str, Any, dict[s
             "shared_memory_pool": False,
             "graph_resources": False,
         },
+    ),
+    PrefixCacheCapabilities: (
+        PrefixCacheSuite,
+        RADIX,
+        PrefixCacheCapabilities(),
+        {"devices": frozenset({"cuda"}), "page_sizes": frozenset({16}), "reuses": False},
     ),
 }
 
@@ -166,6 +176,7 @@ BUILTIN_SUITES = [
     builtin.TestFlashInferAttention,
     builtin.TestAllReduceDispatch,
     builtin.TestReexecGraph,
+    builtin.TestRadixPrefixCache,
 ]
 
 

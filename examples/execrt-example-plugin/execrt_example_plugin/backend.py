@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from execrt.core.batch import ForwardBatch, PaddedContext
-from execrt.core.interfaces import AttentionBackend, AttentionLayer
+from execrt.core.interfaces import AttentionBackend, AttentionLayer, AttentionStep
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -15,39 +15,28 @@ class SdpaAttentionBackend(AttentionBackend):
     Simple rather than fast: every step copies the whole context of every request.
     """
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> PaddedContext:
         # Each request's context slots, padded to the longest; padding reads slot 0.
-        fb.attn_metadata = PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
+        return PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
-    def forward_decode(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: AttentionLayer,
-        fb: ForwardBatch,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        meta: PaddedContext = fb.attn_metadata
-        keys = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
-        values = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
-        mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]
-        out = self._sdpa(q[:, :, None], keys, values, mask, layer)  # [B, Hq, 1, Dv]
-        return out[:, :, 0]
-
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        meta: PaddedContext = fb.attn_metadata
-        k_buf = self.kv_cache.k_buffers[layer.layer_id]
-        v_buf = self.kv_cache.v_buffers[layer.layer_id]
+        # This step's K/V are already in the cache (the model stored them): read, never write.
+        meta: PaddedContext = step.meta
+        k_buf = self.kv_cache.k_buffers[layer.layer_id]  # [S+1, Hkv, D]
+        v_buf = self.kv_cache.v_buffers[layer.layer_id]  # [S+1, Hkv, Dv]
+        if step.mode.is_decode():
+            mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]
+            out = self._sdpa(q[:, :, None], k_buf[meta.slots], v_buf[meta.slots], mask, layer)
+            return out[:, :, 0]  # [B, Hq, Dv]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         # New token i sits at position prefix + i and sees positions 0 .. prefix + i.
-        for rows, slots, causal in meta.extend_segments(fb):  # slots [L], causal [n, L]
+        for rows, slots, causal in meta.extend_segments():  # slots [L], causal [n, L]
             qb = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
             ob = self._sdpa(qb, k_buf[slots][None], v_buf[slots][None], causal, layer)
             out[rows] = ob[0].transpose(0, 1)

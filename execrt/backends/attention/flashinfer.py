@@ -8,7 +8,12 @@ from typing import Any
 import torch
 
 from execrt.core.batch import ForwardBatch
-from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionLayer,
+    AttentionStep,
+)
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 WORKSPACE = "flashinfer_workspace"
@@ -87,17 +92,16 @@ class FlashInferAttnBackend(AttentionBackend):
             sm_scale=self.sm_scale,
         )
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch) -> FlashInferMetadata:
         b = fb.batch_size
         kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
         self._fill_index(fb, kv_indptr, kv_indices)
-        if fb.forward_mode.is_decode():
+        if fb.mode.is_decode():
             self._plan_decode(self.decode_wrapper, fb, kv_indices)
-            fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, kv_indices)
-            return
+            return FlashInferMetadata(self.decode_wrapper, kv_indices)
         self.prefill_wrapper.plan(
-            host_indptr(fb.extend_seq_lens_cpu),
+            host_indptr(fb.extend_lens_cpu),
             host_indptr(fb.seq_lens_cpu),
             kv_indices,
             torch.ones(b, dtype=torch.int32),
@@ -110,39 +114,25 @@ class FlashInferAttnBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper, kv_indices)
+        return FlashInferMetadata(self.prefill_wrapper, kv_indices)
 
-    # -- forward --------------------------------------------------------------------------------
-    def _run(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
+    # -- attending ------------------------------------------------------------------------------
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer: AttentionLayer,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         cache = (
             self.kv_cache.k_buffers[layer.layer_id].unsqueeze(1),  # [S, 1, Hkv, D]: page size 1
             self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),
         )
-        meta: FlashInferMetadata = fb.attn_metadata
+        meta: FlashInferMetadata = step.meta
         # One plan serves every layer; a layer with its own softmax scale rescales through
         # k_scale, which FlashInfer multiplies into the planned scale at run time.
         k_scale = None if layer.scaling == self.sm_scale else layer.scaling / self.sm_scale
         return meta.wrapper.run(q.contiguous(), cache, k_scale=k_scale)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._run(q, layer, fb)
-
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._run(q, layer, fb)
 
     # -- graphs ---------------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -158,7 +148,7 @@ class FlashInferAttnBackend(AttentionBackend):
             "wrappers": {},
         }
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+    def plan_graph(self, fb: ForwardBatch) -> FlashInferMetadata:
         """Re-plan the bucket's wrapper into its static buffers (host-side, no device sync)."""
         g, b = self._graph, fb.batch_size
         max_bs = None if g is None else g["kv_indptr"].shape[0] - 1
@@ -178,7 +168,7 @@ class FlashInferAttnBackend(AttentionBackend):
             g["wrappers"][b] = wrapper
         self._fill_index(fb, g["kv_indptr"], g["kv_indices"])
         self._plan_decode(wrapper, fb, g["kv_indices"][: fb.seq_lens_sum])
-        fb.attn_metadata = FlashInferMetadata(wrapper, g["kv_indices"])
+        return FlashInferMetadata(wrapper, g["kv_indices"])
 
     def close(self) -> None:
         self._graph = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from execrt.core.batch import ForwardBatch, PaddedContext
-from execrt.core.interfaces import AttentionBackend, AttentionLayer
+from execrt.core.interfaces import AttentionBackend, AttentionLayer, AttentionStep
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -15,37 +15,25 @@ class TorchNativeAttnBackend(AttentionBackend):
     extend loops over requests. Not graph-capturable (shapes follow the longest context).
     """
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
+    def plan(self, fb: ForwardBatch) -> PaddedContext:
+        return PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
-    def forward_decode(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: AttentionLayer,
-        fb: ForwardBatch,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        meta: PaddedContext = fb.attn_metadata
-        k_ctx = self.kv_cache.k_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
-        v_ctx = self.kv_cache.v_buffers[layer.layer_id][meta.slots]  # [B, L, Hkv, Dv]
-        mask = meta.valid[:, None, :]  # [B, 1, L]: every query head sees the same context
-        out = attend(q[:, None], k_ctx, v_ctx, layer.scaling, mask[:, None])  # [B, 1, Hq, Dv]
-        return out[:, 0]
-
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        meta: PaddedContext = fb.attn_metadata
-        k_buf = self.kv_cache.k_buffers[layer.layer_id]
-        v_buf = self.kv_cache.v_buffers[layer.layer_id]
+        meta: PaddedContext = step.meta
+        k_buf = self.kv_cache.k_buffers[layer.layer_id]  # [S+1, Hkv, D]
+        v_buf = self.kv_cache.v_buffers[layer.layer_id]  # [S+1, Hkv, Dv]
+        if step.mode.is_decode():
+            mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]: every head sees one context
+            out = attend(q[:, None], k_buf[meta.slots], v_buf[meta.slots], layer.scaling, mask)
+            return out[:, 0]  # [B, Hq, Dv]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
-        for rows, ctx, causal in meta.extend_segments(fb):  # ctx [L], causal [n, L]
+        for rows, ctx, causal in meta.extend_segments():  # ctx [L], causal [n, L]
             out[rows] = attend(
                 q[None, rows], k_buf[ctx][None], v_buf[ctx][None], layer.scaling,
                 causal[None, :, None, :],

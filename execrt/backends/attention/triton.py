@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from execrt.core.batch import ForwardBatch
-from execrt.core.interfaces import AttentionBackend, AttentionBackendInit, AttentionLayer
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionLayer,
+    AttentionStep,
+)
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 
@@ -52,34 +57,32 @@ class TritonAttnBackend(AttentionBackend):
         self.max_context_len = init.max_context_len
         self._graph: dict[str, torch.Tensor] | None = None
 
-    # -- eager ----------------------------------------------------------------------------------
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    # -- planning -------------------------------------------------------------------------------
+    def plan(self, fb: ForwardBatch) -> TritonMetadata:
         b = fb.batch_size
         kv_indptr = torch.empty(b + 1, dtype=torch.int32, device=self.device)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
-        if fb.forward_mode.is_decode():
+        if fb.mode.is_decode():
             max_splits = self._max_splits(b, fb.max_seq_len)
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
             self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits)
-            fb.attn_metadata = TritonMetadata(
+            return TritonMetadata(
                 kv_indptr, kv_indices, num_splits, max_splits, *self._partials(b, max_splits)
             )
-            return
         fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices,
         )  # fmt: skip
-        ext = fb.extend_seq_lens_cpu
-        qo = host_indptr(ext)
-        fb.attn_metadata = TritonMetadata(
+        qo = host_indptr(fb.extend_lens_cpu)
+        return TritonMetadata(
             kv_indptr,
             kv_indices,
             qo_indptr=qo.to(self.device, non_blocking=True),
-            prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32).to(
+            prefix_lens=torch.tensor(fb.prefix_lens_cpu, dtype=torch.int32).to(
                 self.device, non_blocking=True
             ),
-            max_extend_len=max(ext, default=0),
-            max_kv_len=max(fb.seq_lens_cpu, default=0),
+            max_extend_len=fb.max_extend_len,
+            max_kv_len=fb.max_seq_len,
         )
 
     def _max_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -109,58 +112,32 @@ class TritonAttnBackend(AttentionBackend):
             torch.empty(shape, dtype=torch.float32, device=self.device),
         )
 
-    def forward_decode(
+    # -- attending ------------------------------------------------------------------------------
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
         layer: AttentionLayer,
-        fb: ForwardBatch,
+        step: AttentionStep,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        meta: TritonMetadata = fb.attn_metadata
-        o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [B, Hq, Dv]
-        assert meta.num_splits is not None and meta.partial_o is not None
-        assert meta.partial_lse is not None
-        self.kernels.decode_attention(
-            q,
-            self.kv_cache.k_buffers[layer.layer_id],
-            self.kv_cache.v_buffers[layer.layer_id],
-            o,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.num_splits,
-            meta.partial_o,
-            meta.partial_lse,
-            layer.scaling,
-            meta.max_splits,
-            block_n=self.split_policy.block_n,
-        )
-        return o
-
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        meta: TritonMetadata = fb.attn_metadata
-        assert meta.qo_indptr is not None and meta.prefix_lens is not None
+        meta: TritonMetadata = step.meta
+        k_buf = self.kv_cache.k_buffers[layer.layer_id]
+        v_buf = self.kv_cache.v_buffers[layer.layer_id]
         o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
+        if step.mode.is_decode():
+            assert meta.num_splits is not None and meta.partial_o is not None
+            assert meta.partial_lse is not None
+            self.kernels.decode_attention(
+                q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
+                meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
+                block_n=self.split_policy.block_n,
+            )  # fmt: skip
+            return o
+        assert meta.qo_indptr is not None and meta.prefix_lens is not None
         self.kernels.extend_attention(
-            q,
-            self.kv_cache.k_buffers[layer.layer_id],
-            self.kv_cache.v_buffers[layer.layer_id],
-            o,
-            meta.qo_indptr,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.prefix_lens,
-            meta.max_extend_len,
-            layer.scaling,
-            max_kv_len=meta.max_kv_len,
-        )
+            q, k_buf, v_buf, o, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+            meta.prefix_lens, meta.max_extend_len, layer.scaling, max_kv_len=meta.max_kv_len,
+        )  # fmt: skip
         return o
 
     # -- graphs ---------------------------------------------------------------------------------
@@ -180,8 +157,8 @@ class TritonAttnBackend(AttentionBackend):
             ),
         }
 
-    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
-        """Decode metadata written into the static buffers: no allocation of them, no sync.
+    def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
+        """Decode plan written into the static buffers: no allocation of them, no sync.
 
         The split grid depends only on the bucket size and the static context limit, so the
         value used at capture is the value used at every replay of that bucket.
@@ -193,7 +170,7 @@ class TritonAttnBackend(AttentionBackend):
         kv_indptr = g["kv_indptr"][: b + 1]
         max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
         self._decode_metadata(fb, kv_indptr, g["kv_indices"], g["num_splits"], max_splits)
-        fb.attn_metadata = TritonMetadata(
+        return TritonMetadata(
             kv_indptr,
             g["kv_indices"],
             g["num_splits"][:b],

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from execrt.core.context import RuntimeContext
+from execrt.core.interfaces import AttentionStep
 from execrt.plugins.host import PluginHost
 from tests.drivers import Trace, make_worker, prefill_then_decode, rel_err
 
@@ -84,24 +85,24 @@ def test_graph_replay_equals_eager(backend) -> None:
     attn.init_graph_state(8, 8)
     fb = p.forward_batch()
     layer = p.layers[0]
-    attn.init_forward_metadata_graph(fb)
-    attn.forward_decode(p.q, None, None, layer, fb)  # warm-up / JIT
+    step = AttentionStep(attn, attn.plan_graph(fb), fb.out_cache_loc, fb.mode)
+    attn.attend(p.q, layer, step)  # warm-up / JIT
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attn.forward_decode(p.q, None, None, layer, fb)
+        out = attn.attend(p.q, layer, step)
     for step in range(3):
         # New lengths and new queries, written into the same static tensors.
         lens = torch.randint(1, 1025, (8,), generator=torch.Generator().manual_seed(step)).tolist()
         fb.seq_lens.copy_(torch.tensor(lens))
         fb.seq_lens_cpu = lens
         p.q.normal_()
-        attn.init_forward_metadata_graph(fb)
+        attn.plan_graph(fb)
         graph.replay()
         eager_fb = p.forward_batch()
         eager_fb.seq_lens.copy_(torch.tensor(lens))
         eager_fb.seq_lens_cpu = lens
-        attn.init_forward_metadata(eager_fb)
-        eager = attn.forward_decode(p.q, None, None, layer, eager_fb)
+        eager_step = AttentionStep(attn, attn.plan(eager_fb), eager_fb.out_cache_loc, fb.mode)
+        eager = attn.attend(p.q, layer, eager_step)
         torch.cuda.synchronize()
         err = rel_err(out.float(), eager.float())
         assert err < 1e-2, f"{backend} replay {step}: relative error vs eager {err:.2e}"

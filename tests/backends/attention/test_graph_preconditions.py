@@ -22,16 +22,15 @@ def _batch(bs: int, mode: ForwardMode) -> ForwardBatch:
     seq = torch.ones(bs, dtype=torch.int64, device=DEVICE)
     zeros = torch.zeros(bs, dtype=torch.int64, device=DEVICE)
     return ForwardBatch(
-        forward_mode=mode,
-        batch_size=bs,
+        mode=mode,
         input_ids=zeros,
         positions=seq - 1,
         req_pool_indices=zeros,
         seq_lens=seq,
         out_cache_loc=zeros,
         seq_lens_cpu=[1] * bs,
-        extend_prefix_lens_cpu=[0] * bs,
-        extend_seq_lens_cpu=[1] * bs,
+        prefix_lens_cpu=[0] * bs,
+        extend_lens_cpu=[1] * bs,
     )
 
 
@@ -59,15 +58,12 @@ def test_triton_graph_metadata_preconditions() -> None:
     )
     decode = _batch(2, ForwardMode.DECODE)
     with pytest.raises(RuntimeError, match="triton attention: init_graph_state"):
-        backend.init_forward_metadata_graph(decode)
+        backend.plan_graph(decode)
     backend.init_graph_state(2, 2)
     with pytest.raises(
         ValueError, match="triton attention: graphs capture decode only, got EXTEND"
     ):
-        backend.init_forward_metadata_graph(
-            dataclasses.replace(decode, forward_mode=ForwardMode.EXTEND)
-        )
+        backend.plan_graph(dataclasses.replace(decode, mode=ForwardMode.EXTEND))
     with pytest.raises(ValueError, match="triton attention: batch 3 exceeds graph max_bs 2"):
-        backend.init_forward_metadata_graph(_batch(3, ForwardMode.DECODE))
-    backend.init_forward_metadata_graph(decode)
-    assert decode.attn_metadata.kv_indptr.tolist() == [0, 1, 2]
+        backend.plan_graph(_batch(3, ForwardMode.DECODE))
+    assert backend.plan_graph(decode).kv_indptr.tolist() == [0, 1, 2]

@@ -1,0 +1,338 @@
+"""Assembly: every "auto" of a run resolved once by a pure function, then one typed build per part.
+
+``resolve_runtime`` reads the config, the model's shapes, the registry and the world, and
+decides device, dtype, the TP/EP layout, every backend kind and graphs; it builds nothing (a
+candidate's factory module may be imported to prove it loads). The ``build_*`` functions then
+construct each part from the resolved record. ModelRunner only holds what they return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from execrt.core.config import RuntimeConfig
+from execrt.core.context import RuntimeContext
+from execrt.core.errors import BackendUnavailableError, ConfigError
+from execrt.core.interfaces import (
+    AttentionBackend,
+    AttentionBackendInit,
+    AttentionCapabilities,
+    AttentionRequirements,
+    GraphBackend,
+    GraphBackendInit,
+    GraphCapabilities,
+    GraphRequirements,
+    MoEDispatcher,
+    MoEDispatcherCapabilities,
+    MoEDispatcherInit,
+    MoERequirements,
+)
+from execrt.core.memory import KVCache
+from execrt.core.model_spec import ModelSpec
+from execrt.core.parallel import ParallelState
+from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
+from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BUDGET_BYTES = 256 << 20
+MAX_GRAPH_BS = 512  # largest decode bucket captured unless cuda_graph_max_bs says otherwise
+
+
+@dataclass(frozen=True)
+class ResolvedRuntime:
+    """A run with every choice made: what ModelRunner builds, and the report of why.
+
+    ``config`` is the input with each "auto" replaced by its choice (``device`` names this
+    rank's GPU under torchrun; ``graph_backend`` / ``moe_dispatcher`` are "none" when unused).
+    """
+
+    config: RuntimeConfig
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    parallel: ParallelState  # this rank's layout (ep_size resolved)
+    local_spec: ModelSpec  # this rank's share of the model (its attention heads)
+    context_len: int
+    max_num_tokens: int  # the largest step, in tokens (input buffers, dispatch capacity)
+    attention: Resolution
+    moe_dispatch: Resolution
+    graph: Resolution
+    report: ResolutionReport
+
+    @property
+    def strict(self) -> bool:
+        return self.config.strict
+
+    def attention_requirements(self) -> AttentionRequirements:
+        s = self.local_spec
+        return AttentionRequirements(
+            self.device.type, self.dtype, s.head_dim, s.num_q_heads, s.num_kv_heads
+        )
+
+    def moe_requirements(self) -> MoERequirements:
+        s, p = self.spec, self.parallel
+        return MoERequirements(
+            device=self.device.type,
+            dtype=self.dtype,
+            world_size=p.ep_size,
+            process_group_backend=p.backend if p.ep_size > 1 else "none",
+            num_experts=s.num_experts,
+            top_k=s.top_k,
+            hidden_size=s.hidden_size,
+        )
+
+
+def resolve_device(name: str, world: ParallelState | None = None) -> torch.device:
+    """``auto``: CUDA when visible, else CPU. Under torchrun one GPU per rank: a bare "cuda"
+    is the GPU ``init_parallel`` made current for this rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config: device {name!r} requested but no CUDA device is visible")
+    if device.type == "cuda" and device.index is None and world is not None:
+        if world.world_size > 1:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA, float32 on CPU (where half math is slow)."""
+    if name != "auto":
+        return DTYPES[name]
+    return checkpoint_dtype if device.type == "cuda" else torch.float32
+
+
+def resolve_runtime(
+    config: RuntimeConfig,
+    spec: ModelSpec,
+    registry: BackendRegistry,
+    world: ParallelState | None = None,
+) -> ResolvedRuntime:
+    """Resolve every "auto" of ``config`` for ``spec`` on this rank of ``world``, once.
+
+    Raises ConfigError for a layout the world cannot run and BackendUnavailableError (with the
+    reasons) for a named or strict backend that cannot serve here.
+    """
+    world = world or ParallelState.single()
+    parallel = world.with_layout(config.tp_size, config.ep_size, is_moe=spec.is_moe)
+    local = spec.local(parallel)
+    device = resolve_device(config.device, world)
+    dtype = resolve_dtype(config.dtype, spec.dtype, device)
+    context_len = min(
+        config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
+    )
+    partial = ResolvedRuntime(
+        config=config,
+        spec=spec,
+        device=device,
+        dtype=dtype,
+        parallel=parallel,
+        local_spec=local,
+        context_len=context_len,
+        max_num_tokens=max(config.max_prefill_tokens, config.max_running_requests),
+        attention=Resolution("attention", config.attention_backend, None),
+        moe_dispatch=Resolution("moe_dispatch", config.moe_dispatcher, None),
+        graph=Resolution("graph", config.graph_backend, None),
+        report=ResolutionReport(),
+    )
+    strict = config.strict
+    if spec.is_moe:
+        moe = resolve_backend(
+            registry,
+            "moe_dispatch",
+            config.moe_dispatcher,
+            partial.moe_requirements(),
+            strict=strict,
+        )
+    else:
+        if config.moe_dispatcher != "auto":  # unused here, but a misspelt name still fails
+            registry.get("moe_dispatch", config.moe_dispatcher)
+        moe = Resolution("moe_dispatch", config.moe_dispatcher, None, note="dense model")
+    attention = resolve_backend(
+        registry, "attention", config.attention_backend, partial.attention_requirements(),
+        strict=strict,
+    )  # fmt: skip
+    resolved = dataclasses.replace(partial, attention=attention, moe_dispatch=moe)
+    return _with_graph(resolved, registry)
+
+
+def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> ResolvedRuntime:
+    """Resolve the graph backend for the chosen attention backend and dispatcher.
+
+    ``auto`` takes a graph backend only when both can be captured; an explicitly named one
+    fails with the reason when they cannot.
+    """
+    config = resolved.config
+    requested = config.graph_backend
+    if requested not in ("auto", NO_GRAPH):
+        registry.get("graph", requested)  # an unknown name fails as "not registered"
+    blockers = []
+    for res in (resolved.attention, resolved.moe_dispatch):
+        if res.chosen is not None and not registry.get(res.kind, res.chosen).capabilities.graph:  # type: ignore[attr-defined]
+            blockers.append(f"{res.kind} backend {res.chosen!r} is not graph-capable")
+    if blockers and requested != NO_GRAPH:
+        if requested != "auto" or config.strict and resolved.device.type == "cuda":
+            raise BackendUnavailableError("graph", requested, blockers)
+        graph = Resolution(
+            "graph", requested, None, note="; ".join(blockers) + ": decode runs eagerly"
+        )
+    else:
+        graph = resolve_backend(
+            registry, "graph", requested, GraphRequirements(resolved.device.type),
+            strict=config.strict,
+        )  # fmt: skip
+    chosen = dataclasses.replace(
+        config,
+        device=str(resolved.device),
+        dtype=str(resolved.dtype).removeprefix("torch."),
+        attention_backend=resolved.attention.chosen or config.attention_backend,
+        moe_dispatcher=resolved.moe_dispatch.chosen or NO_GRAPH,
+        graph_backend=graph.chosen or NO_GRAPH,
+        ep_size=resolved.parallel.ep_size,
+    )
+    report = ResolutionReport([resolved.moe_dispatch, resolved.attention, graph])
+    return dataclasses.replace(resolved, config=chosen, graph=graph, report=report)
+
+
+# -- typed builds ------------------------------------------------------------------------------
+def _build(
+    registry: BackendRegistry,
+    resolution: Resolution,
+    requirements: object,
+    make_init: Callable[[BackendSpec], object],
+    strict: bool,
+) -> tuple[object, Resolution]:
+    """Build the resolved choice; under "auto" (not strict) a constructor that fails falls
+    through to the next usable candidate, as resolution would have had it known."""
+    assert resolution.chosen is not None, f"{resolution.kind}: nothing was chosen"
+    try:
+        backend, done = build_backend(
+            registry, resolution.kind, resolution.chosen, requirements, make_init, strict=strict
+        )
+        done = dataclasses.replace(resolution, chosen=done.chosen)
+    except BackendUnavailableError:
+        if resolution.requested != "auto" or strict:
+            raise
+        backend, done = build_backend(
+            registry, resolution.kind, "auto", requirements, make_init, strict=strict
+        )
+    return backend, done
+
+
+def _not_a(interface: str, built: object, resolution: Resolution) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        resolution.kind,
+        str(resolution.chosen),
+        [f"its factory built a {type(built).__name__}, not a {interface}"],
+    )
+
+
+def build_moe_dispatcher(
+    resolved: ResolvedRuntime, registry: BackendRegistry, context: RuntimeContext
+) -> tuple[MoEDispatcher, Resolution]:
+    spec = resolved.spec
+
+    def make_init(backend: BackendSpec) -> MoEDispatcherInit:
+        caps = backend.capabilities
+        assert isinstance(caps, MoEDispatcherCapabilities)
+        return MoEDispatcherInit(
+            capabilities=caps,
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            hidden_size=spec.hidden_size,
+            dtype=resolved.dtype,
+            device=resolved.device,
+            max_tokens_per_rank=resolved.max_num_tokens,
+            parallel=resolved.parallel,
+            context=context,
+        )
+
+    built, res = _build(
+        registry, resolved.moe_dispatch, resolved.moe_requirements(), make_init, resolved.strict
+    )
+    if not isinstance(built, MoEDispatcher):
+        raise _not_a("MoEDispatcher", built, res)
+    return built, res
+
+
+def build_attention(
+    resolved: ResolvedRuntime,
+    registry: BackendRegistry,
+    kv_cache: KVCache,
+    req_to_token_pool: object,
+    context: RuntimeContext,
+) -> tuple[AttentionBackend, Resolution]:
+    def make_init(backend: BackendSpec) -> AttentionBackendInit:
+        caps = backend.capabilities
+        assert isinstance(caps, AttentionCapabilities)
+        return AttentionBackendInit.over_cache(
+            caps,
+            kv_cache,
+            req_to_token_pool,  # type: ignore[arg-type]
+            num_q_heads=resolved.local_spec.num_q_heads,
+            max_batch_size=resolved.config.max_running_requests,
+            context=context,
+        )
+
+    built, res = _build(
+        registry, resolved.attention, resolved.attention_requirements(), make_init,
+        resolved.strict,
+    )  # fmt: skip
+    if not isinstance(built, AttentionBackend):
+        raise _not_a("AttentionBackend", built, res)
+    return built, res
+
+
+def build_graph_backend(
+    resolved: ResolvedRuntime,
+    registry: BackendRegistry,
+    context: RuntimeContext,
+    dispatcher: MoEDispatcher | None,
+) -> tuple[GraphBackend, Resolution]:
+    provider = dispatcher.graph_resource_provider() if dispatcher is not None else None
+
+    def make_init(backend: BackendSpec) -> GraphBackendInit:
+        caps = backend.capabilities
+        assert isinstance(caps, GraphCapabilities)
+        return GraphBackendInit(caps, resolved.device, context, provider)
+
+    built, res = _build(
+        registry, resolved.graph, GraphRequirements(resolved.device.type), make_init,
+        resolved.strict,
+    )  # fmt: skip
+    if not isinstance(built, GraphBackend):
+        raise _not_a("GraphBackend", built, res)
+    return built, res
+
+
+def graph_max_bs(resolved: ResolvedRuntime) -> int:
+    """The largest decode batch a graph is captured for."""
+    cfg = resolved.config
+    return min(cfg.cuda_graph_max_bs or MAX_GRAPH_BS, cfg.max_running_requests)
+
+
+def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
+    """KV slots: ``kv_cache_tokens`` when set, else every request at full context, capped by
+    a share of free GPU memory (a fixed budget on CPU). The same on every rank (the smallest),
+    since every rank runs the same schedule."""
+    cfg = resolved.config
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens
+    s = resolved.local_spec
+    per_token = KVCache.bytes_per_token_for(
+        s.num_layers, s.num_kv_heads, s.head_dim, resolved.dtype
+    )
+    if resolved.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(resolved.device)
+        budget = int(free * cfg.kv_cache_memory_fraction)
+    else:
+        budget = CPU_KV_BUDGET_BYTES
+    wanted = cfg.max_running_requests * resolved.context_len
+    tokens = max(1, min(wanted, budget // per_token))
+    p = resolved.parallel
+    return min(p.all_gather_counts(tokens, resolved.device, p.world))

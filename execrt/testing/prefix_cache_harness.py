@@ -1,0 +1,303 @@
+"""The prefix-cache suite's harness: a slot ledger (fake allocator), a naive reference, a driver.
+
+The ledger hands out slots 1..total (0 is the padding slot) and knows who owns each one: free,
+a request, or the cache. The reference is a dict of every cached prefix (a token tuple) to the
+slot of its last token, kept from what the cache did (what insert took, what it freed). The
+session drives a cache like KVMemory does (match + lock, allocate the rest, insert on finish,
+free duplicates, unlock) and checks every step against both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from execrt.core.prefix_cache import PrefixCache, PrefixMatch
+
+FREE, REQUEST, CACHE = "free", "request", "cache"
+Key = tuple[int, ...]
+
+
+class SlotLedger:
+    """A fake KV slot allocator that raises on any ownership violation by the cache.
+
+    ``free_slots`` is the cache's only way to give slots back: each slot must be cache-owned
+    (or one being handed over by the insert that is running), never slot 0, never free.
+    """
+
+    def __init__(self, total: int, device: torch.device) -> None:
+        self.total = total
+        self.device = device
+        self.owner = dict.fromkeys(range(1, total + 1), FREE)
+        self.counts = Counter({FREE: total, REQUEST: 0, CACHE: 0})
+        self._free = list(range(total, 0, -1))  # pop() hands out ascending ids
+        self.freed: list[int] = []  # slots the cache freed, since the session last read them
+        self.handing: set[int] = set()  # slots passed to the insert in progress
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        self._move(out, REQUEST)
+        return out
+
+    def release(self, slots: Sequence[int]) -> None:
+        """A request frees slots it owns (duplicates, or everything on abort)."""
+        for s in slots:
+            assert self.owner[s] == REQUEST, f"harness: slot {s} is {self.owner[s]}"
+        self._move(slots, FREE)
+        self._free.extend(slots)
+
+    def take(self, slots: Sequence[int]) -> None:
+        """The cache took ``slots`` (the part of an insert past what was cached)."""
+        self._move([s for s in slots if self.owner[s] == REQUEST], CACHE)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """The callback the cache is built with."""
+        if slots.dtype != torch.int64 or slots.dim() != 1:
+            raise AssertionError(
+                f"free_slots got {slots.dtype} {list(slots.shape)}, expected int64 [n]"
+            )
+        if slots.device.type != self.device.type:
+            raise AssertionError(f"free_slots got slots on {slots.device}, not {self.device}")
+        ids = slots.tolist()
+        if len(set(ids)) != len(ids):
+            raise AssertionError(f"free_slots: one call frees a slot twice: {sorted(ids)}")
+        for s in ids:
+            state = self.owner.get(s)
+            if s == 0:
+                raise AssertionError("free_slots: slot 0 (the padding slot) is never the cache's")
+            if state == FREE:
+                raise AssertionError(f"free_slots: double free of slot {s}")
+            if state == REQUEST and s not in self.handing:
+                raise AssertionError(f"free_slots: slot {s} belongs to a request, not the cache")
+            if state is None:
+                raise AssertionError(f"free_slots: slot {s} was never handed out")
+        self._move(ids, FREE)
+        self._free.extend(ids)
+        self.freed.extend(ids)
+
+    def _move(self, slots: Sequence[int], state: str) -> None:
+        for s in slots:
+            self.counts[self.owner[s]] -= 1
+            self.owner[s] = state
+        self.counts[state] += len(slots)
+
+
+@dataclass
+class Reference:
+    """The naive model: every cached prefix -> the slot of its last token (inserted first)."""
+
+    cached: dict[Key, int] = field(default_factory=dict)
+    prefix_of: dict[int, Key] = field(default_factory=dict)  # slot -> its prefix
+    locks: Counter[Key] = field(default_factory=Counter)  # locked (matched) prefixes
+
+    def longest(self, key: Key) -> int:
+        n = 0
+        while n < len(key) and key[: n + 1] in self.cached:
+            n += 1
+        return n
+
+    def slots(self, key: Key, n: int) -> list[int]:
+        return [self.cached[key[: i + 1]] for i in range(n)]
+
+    def took(self, key: Key, slots: Sequence[int], n: int) -> None:
+        for i in range(n, len(key)):
+            self.cached[key[: i + 1]] = slots[i]
+            self.prefix_of[slots[i]] = key[: i + 1]
+
+    def protected(self) -> set[Key]:
+        return {key[:i] for key in self.locks for i in range(1, len(key) + 1)}
+
+    def forget(self, slot: int) -> Key:
+        prefix = self.prefix_of.pop(slot)
+        del self.cached[prefix]
+        return prefix
+
+
+@dataclass
+class Running:
+    """A request in flight: its key, its match (locked), and the slots it reads."""
+
+    key: Key
+    match: PrefixMatch
+    row: list[int]  # [len(key)]: the matched slots, then the request's own
+
+
+class Session:
+    """Drives a cache as KVMemory would and checks every step (raises AssertionError)."""
+
+    def __init__(
+        self, cache: PrefixCache, ledger: SlotLedger, *, reuses: bool, force_miss: bool
+    ) -> None:
+        self.cache, self.ledger = cache, ledger
+        self.reuses, self.force_miss = reuses, force_miss
+        self.ref = Reference()
+        self.running: list[Running] = []
+        self.log: list[str] = []
+
+    # -- operations -----------------------------------------------------------------------------
+    def match(self, key: Key) -> PrefixMatch:
+        self.log.append(f"match {list(key)}")
+        m = self.cache.match(list(key))
+        self.check_match(key, m)
+        self.settle_frees("match")
+        return m
+
+    def begin(self, key: Key) -> Running | None:
+        """Match and lock, then allocate the rest (evicting first if short); None if it
+        does not fit even then."""
+        m = self.match(key)
+        self.log.append(f"begin {list(key)} (matched {m.length})")
+        self.cache.lock(m.node)
+        self.lock_ref(key[: m.length], +1)
+        need = len(key) - m.length
+        short = need - self.ledger.counts[FREE]
+        if short > 0:
+            self.evict(short)
+        own = self.ledger.alloc(need)
+        if own is None:
+            self.cache.unlock(m.node)
+            self.lock_ref(key[: m.length], -1)
+            self.check("begin (rejected)")
+            return None
+        req = Running(key, m, m.slots.tolist() + own)
+        self.running.append(req)
+        self.check("begin")
+        return req
+
+    def finish(self, req: Running) -> int:
+        """Insert the request's KV, free its duplicates, unlock; returns insert's n."""
+        self.log.append(f"finish {list(req.key)}")
+        self.running.remove(req)
+        expected = self.ref.longest(req.key)
+        own = req.row[req.match.length :]
+        self.ledger.handing = set(own)
+        passed = self.tensor(req.row)
+        try:
+            n = self.cache.insert(list(req.key), passed)
+        finally:
+            self.ledger.handing = set()
+        passed.fill_(-1)  # the caller reuses its row: a cache must keep copies, not this tensor
+        assert isinstance(n, int) and 0 <= n <= len(req.key), f"insert returned {n!r}"
+        assert n >= req.match.length, (
+            f"insert of {list(req.key)} returned {n}, but its first {req.match.length} tokens "
+            "are cached and locked"
+        )
+        if self.reuses:
+            assert n == expected, (
+                f"insert of {list(req.key)} returned {n}; {expected} tokens were cached"
+            )
+        else:
+            assert n <= expected, f"insert returned {n}; only {expected} tokens were cached"
+        self.ledger.take(req.row[n:])
+        self.ref.took(req.key, req.row, n)
+        dropped = [s for s in self.ledger.freed if s in set(own)]
+        early = [s for s in dropped if req.row.index(s) < n]
+        assert not early, f"insert freed slots {early} of the caller's duplicates (kept: [:n])"
+        self.settle_frees("insert")
+        self.ledger.release(req.row[req.match.length : n])  # duplicates of cached slots
+        self.cache.unlock(req.match.node)
+        self.lock_ref(req.key[: req.match.length], -1)
+        self.check("finish")
+        return n
+
+    def abort(self, req: Running) -> None:
+        """Retraction: free what the request owns, never the cache's slots; unlock."""
+        self.log.append(f"abort {list(req.key)}")
+        self.running.remove(req)
+        self.ledger.release(req.row[req.match.length :])
+        self.cache.unlock(req.match.node)
+        self.lock_ref(req.key[: req.match.length], -1)
+        self.check("abort")
+
+    def evict(self, num_slots: int) -> int:
+        self.log.append(f"evict {num_slots}")
+        before = self.cache.evictable_size()
+        freed = self.cache.evict(num_slots)
+        got = len(self.ledger.freed)
+        assert freed == got, f"evict({num_slots}) returned {freed} but freed {got} slots"
+        want = min(num_slots, before) if num_slots > 0 else 0
+        assert freed >= want, (
+            f"evict({num_slots}) freed {freed} with {before} evictable: it must free at least "
+            "what was asked, or everything evictable"
+        )
+        self.settle_frees("evict")
+        self.check("evict")
+        return freed
+
+    def drain(self) -> None:
+        """Finish every request, evict everything: the cache must give every slot back."""
+        while self.running:
+            self.finish(self.running[0])
+        self.evict(self.ledger.total + 1)
+        assert self.cache.evictable_size() == 0 and self.cache.protected_size() == 0, (
+            "after finishing every request and evicting everything the cache still holds "
+            f"{self.cache.evictable_size()} evictable + {self.cache.protected_size()} protected"
+        )
+        assert self.ledger.counts[FREE] == self.ledger.total, (
+            f"{self.ledger.total - self.ledger.counts[FREE]} slots never came back"
+        )
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_match(self, key: Key, m: PrefixMatch) -> None:
+        s = m.slots
+        assert isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.dim() == 1, (
+            f"match slots must be an int64 [length] tensor, got {s!r}"
+        )
+        assert s.device.type == self.ledger.device.type, f"match slots on {s.device}"
+        assert m.length <= len(key), f"match of {len(key)} tokens returned {m.length}"
+        if self.force_miss or not self.reuses:
+            why = "force_miss" if self.force_miss else "reuses=False"
+            assert m.length == 0, f"match of {list(key)} found {m.length} tokens under {why}"
+            return
+        want = self.ref.longest(key)
+        assert m.length == want, (
+            f"match of {list(key)} found {m.length} tokens; the longest cached prefix has {want}"
+        )
+        assert s.tolist() == self.ref.slots(key, want), (
+            f"match of {list(key)} returned slots {s.tolist()}, inserted first: "
+            f"{self.ref.slots(key, want)}"
+        )
+
+    def settle_frees(self, where: str) -> None:
+        """Apply what the cache freed to the reference: only unlocked, leaf-first prefixes."""
+        protected = self.ref.protected()
+        for slot in self.ledger.freed:
+            assert slot in self.ref.prefix_of, f"{where} freed slot {slot}, not a cached one"
+            prefix = self.ref.forget(slot)
+            assert prefix not in protected, f"{where} freed slot {slot} of locked {list(prefix)}"
+        self.ledger.freed.clear()
+        orphans = [p for p in self.ref.cached if len(p) > 1 and p[:-1] not in self.ref.cached]
+        assert not orphans, (
+            f"{where} freed a prefix but kept a longer one ({list(orphans[0])}): "
+            "eviction must take leaves first"
+        )
+
+    def check(self, where: str) -> None:
+        c, led = self.cache, self.ledger
+        evictable, protected = c.evictable_size(), c.protected_size()
+        total = led.counts[FREE] + evictable + protected + led.counts[REQUEST]
+        assert total == led.total, (
+            f"after {where}: free {led.counts[FREE]} + evictable {evictable} + protected "
+            f"{protected} + request-owned {led.counts[REQUEST]} = {total}, not {led.total}"
+        )
+        assert evictable + protected == led.counts[CACHE] == len(self.ref.cached), (
+            f"after {where}: the cache reports {evictable + protected} slots, owns "
+            f"{led.counts[CACHE]} and holds {len(self.ref.cached)} prefixes"
+        )
+        want = len(self.ref.protected())
+        assert protected == want, f"after {where}: protected {protected}, locked paths: {want}"
+
+    # -- helpers --------------------------------------------------------------------------------
+    def tensor(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.int64, device=self.ledger.device)
+
+    def lock_ref(self, prefix: Key, delta: int) -> None:
+        if prefix:
+            self.ref.locks[prefix] += delta
+            if self.ref.locks[prefix] == 0:
+                del self.ref.locks[prefix]
