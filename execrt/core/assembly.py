@@ -35,6 +35,7 @@ from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
+from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -126,6 +127,7 @@ def resolve_runtime(
     context_len = min(
         config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
+    check_before_load(config, local, device, dtype, context_len)  # before any weight loads
     partial = ResolvedRuntime(
         config=config,
         spec=spec,
@@ -331,7 +333,9 @@ def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
         free, _ = torch.cuda.mem_get_info(resolved.device)
         budget = int(free * cfg.kv_cache_memory_fraction)
     else:
-        budget = CPU_KV_BUDGET_BYTES
+        budget = cpu_kv_budget(
+            CPU_KV_BUDGET_BYTES, per_token, resolved.context_len, available_memory(resolved.device)
+        )
     wanted = cfg.max_running_requests * resolved.context_len
     tokens = max(1, min(wanted, budget // per_token))
     p = resolved.parallel

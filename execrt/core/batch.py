@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from execrt.core.sampler import SamplingBatchInfo
-from execrt.core.step import ForwardMode, StepInputs, extend_positions
+from execrt.core.step import ForwardMode, StepInputs
 
 if TYPE_CHECKING:
     from execrt.core.schedule import ScheduleBatch
@@ -21,7 +21,6 @@ __all__ = [
     "LogitsOutput",
     "PaddedContext",
     "StepInputs",
-    "extend_positions",
     "padded_decode_batch",
 ]
 

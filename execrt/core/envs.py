@@ -20,12 +20,18 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
+#: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
+#: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
+#: the slot ids of each reservation and release to the host). The tests run with it on.
+DEBUG_KV_OWNERSHIP = "EXECRT_DEBUG_KV_OWNERSHIP"
 #: Prefix of RuntimeConfig overrides, e.g. EXECRT_ATTENTION_BACKEND=triton, EXECRT_PREFIX_CACHE=none
 #: or EXECRT_PREFIX_CACHE_FORCE_MISS=1 (the cache runs but reports no match: its overhead).
 CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.
-NON_CONFIG = frozenset({PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL, DISABLE_PDL})
+NON_CONFIG = frozenset(
+    {PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL, DISABLE_PDL, DEBUG_KV_OWNERSHIP}
+)
 
 
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

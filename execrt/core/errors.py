@@ -37,8 +37,9 @@ class PluginError(ExecrtError):
         super().__init__(f"plugin {plugin!r}: {message}")
 
 
-class OutOfKVCacheError(ExecrtError):
-    """The KV cache has too few free slots for the requested allocation."""
+class KVOwnershipError(ExecrtError):
+    """A KV slot or request row was freed twice, freed by one that does not hold it, or handed
+    to two holders at once: a bug in the code that drives KVMemory, never a user mistake."""
 
 
 class ResourceError(ExecrtError):

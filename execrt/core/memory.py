@@ -1,10 +1,12 @@
-"""KV memory: request->token map, slot allocator and per-layer K/V storage (page size 1)."""
+"""KV memory: request->token map, slot allocator, its debug holder map, per-layer K/V storage."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
-from execrt.core.errors import OutOfKVCacheError
+from execrt.core.errors import KVOwnershipError
 
 
 class ReqToTokenPool:
@@ -31,6 +33,10 @@ class ReqToTokenPool:
 
     def available_size(self) -> int:
         return len(self._free)
+
+    def free_rows(self) -> list[int]:
+        """The rows not handed out (a copy)."""
+        return list(self._free)
 
     def alloc(self) -> int | None:
         """One free row, or None when every row is in use."""
@@ -80,6 +86,10 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return int(self._free.numel())
 
+    def free_slot_ids(self) -> torch.Tensor:
+        """The slots not handed out, int64 ``[available_size()]`` on the device (read only)."""
+        return self._free
+
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` free slot ids as int64 ``[n]`` on the device, or None if fewer are free."""
         if n < 0:
@@ -87,14 +97,6 @@ class TokenToKVPoolAllocator:
         if n > self._free.numel():
             return None
         out, self._free = self._free[:n], self._free[n:]
-        return out
-
-    def alloc_or_raise(self, n: int) -> torch.Tensor:
-        out = self.alloc(n)
-        if out is None:
-            raise OutOfKVCacheError(
-                f"KV cache: {n} slots requested, {self.available_size()} of {self.size} free"
-            )
         return out
 
     def free(self, slots: torch.Tensor) -> None:
@@ -106,6 +108,54 @@ class TokenToKVPoolAllocator:
         if lo < 1 or hi > self.size:
             raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
         self._free = torch.cat([self._free, slots])
+
+
+class SlotHolders:
+    """The debug map (``EXECRT_DEBUG_KV_OWNERSHIP=1``): the holder of every handed-out slot.
+
+    Each call checks all its slots before it changes anything, and raises KVOwnershipError on
+    a slot handed to a second holder, on freeing slot 0 (the padding slot, never handed out),
+    on freeing a free slot (a double free) and on freeing another holder's slot.
+    """
+
+    def __init__(self) -> None:
+        self._holder: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._holder)
+
+    def claim(self, slots: Sequence[int], holders: Sequence[str]) -> None:
+        """``holders[i]`` takes ``slots[i]``."""
+        seen: dict[int, str] = {}
+        for slot, holder in zip(slots, holders, strict=True):
+            held = self._holder.get(slot) or seen.get(slot)
+            if slot == 0 or held is not None:
+                by = "the padding slot" if slot == 0 else f"held by {held}"
+                raise KVOwnershipError(f"KV ownership: slot {slot} handed to {holder}, {by}")
+            seen[slot] = holder
+        self._holder.update(seen)
+
+    def drop(self, slots: Sequence[int], holder: str) -> None:
+        """``holder`` frees ``slots``."""
+        seen: set[int] = set()
+        for slot in slots:
+            held = None if slot in seen else self._holder.get(slot)
+            if slot == 0:
+                raise KVOwnershipError(f"KV ownership: {holder} frees slot 0, the padding slot")
+            if held != holder:
+                state = "already free (a double free)" if held is None else f"held by {held}"
+                raise KVOwnershipError(f"KV ownership: {holder} frees slot {slot}, {state}")
+            seen.add(slot)
+        for slot in slots:
+            del self._holder[slot]
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Undo a ``claim`` whose reservation failed."""
+        for slot in slots:
+            self._holder.pop(slot, None)
+
+    def reset(self, holders: dict[int, str]) -> None:
+        self._holder = dict(holders)
 
 
 class KVCache:

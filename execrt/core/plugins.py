@@ -23,6 +23,13 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
 )
 from execrt.core.prefix_cache import PrefixCacheCapabilities
+from execrt.core.registration import (
+    built_problem,
+    capability_problems,
+    check_result_problem,
+    interface_problem,
+    option_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,8 @@ class BackendSpec:
     init record. ``requires`` lists modules that must be importable. ``check`` adds refusals
     that depend on the environment (called with the requirements; must not import kernels).
     ``priority`` orders "auto" (higher first); ``auto_devices`` limits where "auto" may pick it
-    (default: every device in its capabilities).
+    (default: every device in its capabilities). What the factory builds must implement the
+    kind's interface (``AttentionBackend``, ``MoEDispatcher``, ``GraphBackend``, ...).
     """
 
     kind: str
@@ -82,8 +90,19 @@ class BackendSpec:
         out = [self._missing(m) for m in self.requires if not _importable(m)]
         out += self.capabilities.refusals(requirements)  # type: ignore[attr-defined]
         if self.check is not None and not out:
-            out += self.check(requirements)
+            out += self._run_check(requirements)
         return out
+
+    def _run_check(self, requirements: Any) -> list[str]:
+        # A plugin's probe that raises or answers nonsense is a refusal of its backend, never
+        # a crash of `execrt backends` or of "auto".
+        assert self.check is not None
+        try:
+            result = self.check(requirements)
+        except Exception as exc:
+            return [f"plugin {self.plugin!r}: check raised {exc!r}"]
+        problem = check_result_problem(result)
+        return [f"plugin {self.plugin!r}: {problem}"] if problem else list(result)
 
     def unusable_here(self) -> list[str]:
         """Requirement-independent refusals: missing modules (used by ``execrt backends``)."""
@@ -100,19 +119,30 @@ class BackendSpec:
         return device in devices
 
     def load_factory(self) -> Callable[[Any], Any]:
+        """The factory, imported if it is a string; a class that is not a subclass of the
+        kind's interface is refused (BackendUnavailableError) before anything is built."""
         if callable(self.factory):
-            return self.factory
-        module_name, _, attr = self.factory.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            return getattr(module, attr)
-        except Exception as exc:
-            hint = f" ({self.install_hint})" if self.install_hint else ""
+            loaded = self.factory
+        else:
+            module_name, _, attr = self.factory.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+                loaded = getattr(module, attr)
+            except Exception as exc:
+                hint = f" ({self.install_hint})" if self.install_hint else ""
+                raise BackendUnavailableError(
+                    self.kind,
+                    self.name,
+                    [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
+                ) from exc
+        problem = interface_problem(self.kind, loaded)
+        if problem is None and not callable(loaded):
+            problem = f"factory {self.factory} is {loaded!r}, not a callable"
+        if problem is not None:
             raise BackendUnavailableError(
-                self.kind,
-                self.name,
-                [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
-            ) from exc
+                self.kind, self.name, [f"plugin {self.plugin!r}: {problem}"]
+            )
+        return loaded
 
     def factory_problems(self) -> list[str]:
         """Why the factory cannot be loaded (imports its module, builds nothing)."""
@@ -130,13 +160,21 @@ class BackendSpec:
         """
         factory = self.load_factory()
         try:
-            return factory(init)
+            built = factory(init)
         except BackendUnavailableError:
             raise
         except Exception as exc:
             raise BackendUnavailableError(
                 self.kind, self.name, [f"plugin {self.plugin!r}: constructor raised {exc!r}"]
             ) from exc
+        problem = built_problem(self.kind, built)
+        if problem is not None:
+            # Not a backend: refused here, so "auto" falls through to the next candidate
+            # instead of handing the runner an object that fails at its first call.
+            raise BackendUnavailableError(
+                self.kind, self.name, [f"plugin {self.plugin!r}: {problem}"]
+            )
+        return built
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -198,9 +236,18 @@ class BackendRegistry:
     ) -> BackendSpec:
         """Register a backend factory. Raises PluginError for an invalid or clashing entry;
         the first one per plugin is also recorded (``refusal``), so a hook that catches it
-        cannot keep the rest of its backends."""
+        cannot keep the rest of its backends. Every argument is checked here, element types
+        too (pluggy's rule: a plugin is validated whole when it registers)."""
+        options = dict(
+            requires=requires,
+            install_hint=install_hint,
+            priority=priority,
+            auto_devices=auto_devices,
+            description=description,
+            check=check,
+        )
         try:
-            self._validate(kind, name, factory, capabilities)
+            self._validate(kind, name, factory, capabilities, options)
         except PluginError as exc:
             self._refused.setdefault(self._plugin, exc)
             raise
@@ -222,21 +269,22 @@ class BackendRegistry:
         return spec
 
     def _validate(
-        self, kind: str, name: str, factory: str | Callable[[Any], Any], capabilities: Capabilities
+        self,
+        kind: object,
+        name: object,
+        factory: object,
+        capabilities: object,
+        options: dict[str, Any],
     ) -> None:
-        """Raise PluginError (attributed to the current plugin) for an invalid or taken name."""
-        if kind not in KINDS:
+        """Raise PluginError (attributed to the current plugin) for an invalid or taken name,
+        or any argument of the wrong type."""
+        if not isinstance(kind, str) or kind not in KINDS:
             raise PluginError(
                 self._plugin, f"unknown backend kind {kind!r} (kinds: {', '.join(KINDS)})"
             )
-        if not isinstance(capabilities, KINDS[kind]):
-            raise PluginError(
-                self._plugin,
-                f"{kind} backend {name!r} must declare {KINDS[kind].__name__}, "
-                f"got {type(capabilities).__name__}",
-            )
         if (
-            not name
+            not isinstance(name, str)
+            or not name
             or name in {"auto", NO_GRAPH}
             or not name.replace("_", "").replace("-", "").replace(".", "").isalnum()
         ):
@@ -245,8 +293,15 @@ class BackendRegistry:
                 f"invalid backend name {name!r} (use letters, digits, '_', '-' and '.'; "
                 f"{'auto'!r} and {NO_GRAPH!r} are reserved)",
             )
-        if isinstance(factory, str) and ":" not in factory:
-            raise PluginError(self._plugin, f"factory {factory!r} must look like 'module:attr'")
+        if not isinstance(capabilities, KINDS[kind]):
+            raise PluginError(
+                self._plugin,
+                f"{kind} backend {name!r} must declare {KINDS[kind].__name__}, "
+                f"got {type(capabilities).__name__}",
+            )
+        problems = option_problems(factory, **options) + capability_problems(capabilities)
+        if problems:
+            raise PluginError(self._plugin, f"{kind} backend {name!r}: " + "; ".join(problems))
         key = (kind, name)
         if key in self._specs:
             first = self._specs[key].plugin

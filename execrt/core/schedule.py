@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import Any
 
-import torch
-
-from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.staging import HostToDevice
-from execrt.core.step import ForwardMode, StepInputs, extend_positions
+from execrt.core.step import ForwardMode, StepInputs
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class SamplingParams:
     a result with ``finish_reason="error"``). Accepted types: ``int`` for ``max_new_tokens``,
     ``top_k`` and ``seed`` (or None); ``float`` or ``int`` for ``temperature`` and ``top_p``;
     a tuple or list of ``int`` for ``stop_token_ids`` (a list is stored as a tuple); ``bool``
-    for ``ignore_eos``. A bool is not accepted where a number is.
+    for ``ignore_eos``. A bool is not accepted where a number is; numpy integers and floats
+    are (stored as Python ``int`` / ``float``), as they are for prompt token ids.
     """
 
     max_new_tokens: int = 16
@@ -39,6 +40,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):  # keep the params hashable and immutable
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+        # numpy integers count as int (as they do for prompt token ids) and numpy floats as
+        # float: stored as the plain Python values.
+        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(self, name, self._plain_number(getattr(self, name)))
+        if isinstance(self.stop_token_ids, tuple):
+            plain = tuple(self._plain_number(t) for t in self.stop_token_ids)
+            object.__setattr__(self, "stop_token_ids", plain)
 
     def problems(self) -> list[str]:
         """Why these parameters are invalid (empty when they are fine).
@@ -66,6 +75,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @staticmethod
+    def _plain_number(value: Any) -> Any:
+        """A numpy (or other ``numbers``) integer as int, a real as float; anything else,
+        bools and Python numbers included, unchanged (the type check judges it)."""
+        if isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
+            return value
+        return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is_int(value: object) -> bool:
@@ -110,9 +127,9 @@ class FinishReason(str, Enum):
 class Req:
     """One generation request and its progress.
 
-    Tokens ``fill_ids[:kv_len]`` have their K/V in the cache, at slots
-    ``req_to_token[req_pool_idx, :kv_len]``. ``num_pending`` tokens were sampled on the device
-    but are not in ``output_ids`` yet (overlap scheduling); ``scheduled_len`` counts them.
+    Tokens ``fill_ids[:kv_len]`` have their K/V in the cache (or a launched step is computing
+    it); ``KVMemory`` knows the slots. ``num_pending`` tokens were sampled on the device but
+    are not in ``output_ids`` yet (overlap scheduling); ``scheduled_len`` counts them.
     """
 
     rid: int
@@ -120,7 +137,6 @@ class Req:
     sampling_params: SamplingParams
     sampling_seed: int = 0
     output_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int | None = None
     kv_len: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -152,184 +168,30 @@ class Req:
 
 @dataclass
 class ScheduleBatch:
-    """One scheduled step: which requests, which tokens, where their K/V go.
+    """One scheduled step, as plain data: its requests, its ``StepInputs`` (where the tokens
+    and their K/V go; ``KVMemory`` reserved them) and how each request samples.
 
-    Tensors live on the runtime device. For EXTEND, request ``i`` processes
-    ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` cached ones; for DECODE, one token
-    each. ``seq_lens`` counts the cached tokens plus this step's. ``samples[i]`` says whether
-    request ``i``'s sampled token is real (a prefill chunk that does not end the prompt
-    samples nothing). Built with a ``HostToDevice`` stager, every host list reaches the device
-    in one non-blocking copy.
+    ``samples[i]`` says whether request ``i``'s sampled token is real: a prefill chunk that
+    does not reach the end of the request's known tokens samples nothing.
     """
 
     reqs: list[Req]
-    mode: ForwardMode
-    input_ids: torch.Tensor  # [T] int64
-    req_pool_indices: torch.Tensor  # [B] int64
-    seq_lens: torch.Tensor  # [B] int64
-    out_cache_loc: torch.Tensor  # [T] int64
-    seq_lens_cpu: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
+    inputs: StepInputs
     sampling_info: SamplingBatchInfo
     samples: list[bool]
     return_full_logits: bool = False
 
     @property
+    def mode(self) -> ForwardMode:
+        return self.inputs.mode
+
+    @property
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    @property
-    def inputs(self) -> StepInputs:
-        if self.mode.is_decode():
-            positions = self.seq_lens - 1  # [B]
-        else:
-            positions = extend_positions(self.prefix_lens, self.extend_lens, self.seq_lens.device)
-        return StepInputs(
-            self.mode, self.input_ids, positions, self.req_pool_indices, self.seq_lens,
-            self.out_cache_loc, self.seq_lens_cpu, self.prefix_lens, self.extend_lens,
-        )  # fmt: skip
-
     @classmethod
-    def for_extend(
-        cls,
-        reqs: list[Req],
-        extend_lens: list[int],
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
-        device: torch.device,
-        stager: HostToDevice | None = None,
-    ) -> ScheduleBatch | None:
-        """Prefill ``extend_lens[i]`` tokens of each request after its cached ``kv_len``.
-
-        Allocates request rows (for requests without one) and KV slots, and records the slots
-        in ``req_to_token``. Returns None, having allocated nothing, when rows or slots are short.
-        """
-        total = sum(extend_lens)
-        need_rows = sum(1 for r in reqs if r.req_pool_idx is None)
-        if need_rows > req_to_token_pool.available_size() or total > allocator.available_size():
-            return None
-        slots = allocator.alloc(total)
-        assert slots is not None
-        new_rows = [r for r in reqs if r.req_pool_idx is None]
-        try:
-            return cls._build_extend(reqs, extend_lens, slots, req_to_token_pool, device, stager)
-        except BaseException:
-            # The caller never sees this batch: leave nothing allocated (device error, ^C).
-            allocator.free(slots)
-            for req in new_rows:
-                if req.req_pool_idx is not None:
-                    req_to_token_pool.free(req.req_pool_idx)
-                    req.req_pool_idx = None
-            raise
-
-    @classmethod
-    def _build_extend(
-        cls,
-        reqs: list[Req],
-        extend_lens: list[int],
-        slots: torch.Tensor,
-        req_to_token_pool: ReqToTokenPool,
-        device: torch.device,
-        stager: HostToDevice | None,
-    ) -> ScheduleBatch:
-        for req in reqs:
-            assert req.num_pending == 0, "a prefill needs every sampled token on the host"
-            if req.req_pool_idx is None:
-                req.req_pool_idx = req_to_token_pool.alloc()
-        input_ids: list[int] = []
-        token_rows: list[int] = []
-        token_pos: list[int] = []
-        for req, n in zip(reqs, extend_lens, strict=True):
-            input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
-            token_rows.extend([_row(req)] * n)
-            token_pos.extend(range(req.kv_len, req.kv_len + n))
-        prefix = [r.kv_len for r in reqs]
-        seq = [p + n for p, n in zip(prefix, extend_lens, strict=True)]
-        t, b = len(input_ids), len(reqs)
-        rows = [_row(r) for r in reqs]
-        dev = stage_ints(stager, device, input_ids + rows + seq + token_rows + token_pos)
-        req_to_token_pool.write_tokens(dev[2 * b + t : 2 * b + 2 * t], dev[2 * b + 2 * t :], slots)
-        return cls(
-            reqs=reqs,
-            mode=ForwardMode.EXTEND,
-            input_ids=dev[:t],
-            req_pool_indices=dev[t : t + b],
-            seq_lens=dev[t + b : t + 2 * b],
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens=prefix,
-            extend_lens=list(extend_lens),
-            sampling_info=SamplingBatchInfo.from_reqs(reqs, device, stager),
-            samples=[s == r.seq_len for s, r in zip(seq, reqs, strict=True)],
-        )
-
-    @classmethod
-    def for_decode(
-        cls,
-        reqs: list[Req],
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
-        device: torch.device,
-        stager: HostToDevice | None = None,
-        input_ids: torch.Tensor | None = None,
-    ) -> ScheduleBatch | None:
-        """One new token per request: its last sampled one, or ``input_ids`` (``[B]`` on the
-        device) when some were sampled but not yet copied back (overlap scheduling).
-        None when slots are short."""
-        slots = allocator.alloc(len(reqs))
-        if slots is None:
-            return None
-        try:
-            return cls._build_decode(reqs, slots, req_to_token_pool, device, stager, input_ids)
-        except BaseException:
-            allocator.free(slots)  # the caller never sees this batch
-            raise
-
-    @classmethod
-    def _build_decode(
-        cls,
-        reqs: list[Req],
-        slots: torch.Tensor,
-        req_to_token_pool: ReqToTokenPool,
-        device: torch.device,
-        stager: HostToDevice | None,
-        input_ids: torch.Tensor | None,
-    ) -> ScheduleBatch:
-        b = len(reqs)
-        seq = [r.scheduled_len for r in reqs]
-        for req, n in zip(reqs, seq, strict=True):
-            assert req.req_pool_idx is not None and req.kv_len == n - 1
-        last = [] if input_ids is not None else [r.last_token_id for r in reqs]
-        rows = [_row(r) for r in reqs]
-        dev = stage_ints(stager, device, last + rows + seq)
-        off = len(last)
-        pos = dev[off + b : off + 2 * b] - 1  # [B] where this step's K/V goes in each row
-        req_to_token_pool.write_tokens(dev[off : off + b], pos, slots)
-        return cls(
-            reqs=reqs,
-            mode=ForwardMode.DECODE,
-            input_ids=dev[:b] if input_ids is None else input_ids,
-            req_pool_indices=dev[off : off + b],
-            seq_lens=dev[off + b : off + 2 * b],
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens=[s - 1 for s in seq],
-            extend_lens=[1] * b,
-            sampling_info=SamplingBatchInfo.from_reqs(reqs, device, stager),
-            samples=[True] * b,
-        )
-
-
-def _row(req: Req) -> int:
-    assert req.req_pool_idx is not None
-    return req.req_pool_idx
-
-
-def stage_ints(
-    stager: HostToDevice | None, device: torch.device, values: list[int]
-) -> torch.Tensor:
-    """``values`` as int64 on ``device``, through ``stager`` when there is one."""
-    if stager is not None:
-        return stager(values)
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    def of(cls, reqs: Sequence[Req], inputs: StepInputs, stager: HostToDevice) -> ScheduleBatch:
+        """The batch of ``reqs`` over ``inputs``, with their sampling parameters staged."""
+        samples = [s == r.scheduled_len for s, r in zip(inputs.seq_lens_cpu, reqs, strict=True)]
+        info = SamplingBatchInfo.from_reqs(reqs, stager.device, stager)
+        return cls(list(reqs), inputs, info, samples)

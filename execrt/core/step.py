@@ -70,14 +70,3 @@ class StepInputs:
     def request_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(req_pool_indices, seq_lens)``: the ``[B]`` tensors."""
         return self.req_pool_indices, self.seq_lens
-
-
-def extend_positions(
-    prefix_lens: list[int], extend_lens: list[int], device: torch.device
-) -> torch.Tensor:
-    """Absolute positions of the new tokens: ``prefix .. prefix + n - 1`` per request. [T] int64."""
-    if not extend_lens:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    lens = torch.tensor(extend_lens, dtype=torch.int64)
-    starts = torch.tensor(prefix_lens, dtype=torch.int64) - (torch.cumsum(lens, 0) - lens)
-    return (torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)).to(device)

@@ -9,6 +9,7 @@ import torch
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
+from execrt.core.kv_memory import KVMemory
 from execrt.core.model_runner import ModelRunner
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState
@@ -46,7 +47,10 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
-    """Builds the ForwardBatch, runs the ModelRunner, samples. One per rank."""
+    """Builds the ForwardBatch, runs the ModelRunner, samples. One per rank.
+
+    The scheduling side uses ``memory`` (rows and KV slots, reserved per step) and ``limits``.
+    """
 
     def __init__(
         self,
@@ -66,6 +70,8 @@ class TpModelWorker:
         )
         #: Stages a step's host-built integers to the device (pinned, non-blocking on CUDA).
         self.stager = HostToDevice(device)
+        #: The one holder of request rows and KV slots.
+        self.memory = KVMemory(mr.req_to_token_pool, mr.token_to_kv_pool_allocator, self.stager)
         self._to_host = DeviceToHost(device, torch.int64)
 
     @property

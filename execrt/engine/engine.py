@@ -17,7 +17,12 @@ from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState, init_parallel
-from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
+from execrt.core.prompts import (
+    broadcast_sampling_params,
+    prompt_token_ids,
+    split_prompts,
+    text_problem,
+)
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.core.worker import TpModelWorker
@@ -101,25 +106,30 @@ class Engine:
         self.context = self._join_world(resolve_device(cfg.device))
         try:
             self.worker = TpModelWorker(loader, cfg, self.context, registry)
+            self.model_config = checkpoint.config if checkpoint else loader.spec
+            self.tokenizer: Any = None
+            self.chat_template: ChatTemplate | None = None
+            if checkpoint is not None:
+                from execrt.models.config import checkpoint_dir
+                from execrt.models.tokenizer import load_chat_template, load_tokenizer
+
+                converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
+                self.tokenizer = load_tokenizer(converted)
+                self.chat_template = load_chat_template(converted)
+            self.scheduler = Scheduler(
+                self.worker,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                eos_token_ids=self.model_config.eos_token_ids,
+                overlap=cfg.overlap_schedule,
+            )
         except BaseException:
+            # Release the model and KV cache now, not at the next garbage collection: the
+            # half-built engine stays reachable from the traceback (and the context's
+            # registry holds the cache in a reference cycle).
+            if "worker" in self.__dict__:
+                self.__dict__.pop("worker").close()  # no local keeps it alive in the frame
             self.context.close()
             raise
-        self.model_config = checkpoint.config if checkpoint else loader.spec
-        self.tokenizer: Any = None
-        self.chat_template: ChatTemplate | None = None
-        if checkpoint is not None:
-            from execrt.models.config import checkpoint_dir
-            from execrt.models.tokenizer import load_chat_template, load_tokenizer
-
-            converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
-            self.tokenizer = load_tokenizer(converted)
-            self.chat_template = load_chat_template(converted)
-        self.scheduler = Scheduler(
-            self.worker,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
-            overlap=cfg.overlap_schedule,
-        )
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
@@ -219,13 +229,29 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
     ) -> tuple[list[int], SamplingParams]:
-        """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say)."""
-        if self.chat_template is None or self.tokenizer is None:
+        """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say).
+
+        Raises RequestError without a tokenizer or chat template, for messages that are not
+        a list of ``{"role": str, "content": str}`` (naming the message and the field), and
+        when the template refuses them."""
+        from execrt.models.tokenizer import chat_messages_problem, missing_tokenizer_reason
+
+        if self.tokenizer is None:  # the real reason, e.g. a SentencePiece GGUF vocabulary
+            raise RequestError(
+                f"engine: chat needs a tokenizer: {missing_tokenizer_reason(self.model_path)}"
+            )
+        if self.chat_template is None:
             raise RequestError(
                 f"engine: {self.model_note} has no chat template "
                 "(tokenizer_config.json 'chat_template'); use generate() with plain text"
             )
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+        problem = chat_messages_problem(messages)
+        if problem is not None:
+            raise RequestError(f"engine: chat: {problem}")
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:  # raise_exception() in the template, or one of its errors
+            raise RequestError(f"engine: {exc}") from None
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
@@ -244,8 +270,10 @@ class Engine:
 
         Pieces never split a UTF-8 character; their concatenation is the result's text.
         Raises RequestError at once for an invalid request, and while iterating (after the
-        text it has) if the request cannot be served or a step that carried it failed;
-        RuntimeError without a tokenizer. The request is queued at the first ``next()``.
+        text it has, every token already computed included) if the request cannot be served
+        or a step that carried it, or that this iteration drove, failed (the step's exception
+        is its ``__cause__``; a KeyboardInterrupt propagates as it is); RuntimeError without a
+        tokenizer. The request is queued at the first ``next()``.
         Closing the iterator early (``close()``, ``break``, garbage collection) aborts the
         request and frees its KV slots and request row.
 
@@ -277,6 +305,7 @@ class Engine:
             if r is req:
                 pieces.append(detok.push(token_id))
 
+        failure: Exception | None = None  # the exception of a failed step this stream drove
         self.scheduler.on_token.append(on_token)
         try:
             self.scheduler.add(req)
@@ -291,12 +320,20 @@ class Engine:
                     continue
                 if req.finished:
                     break
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                except Exception as exc:
+                    # The step this stream drove failed. The scheduler aborted the requests
+                    # it carried; this one ends too, after the text it has, with the promised
+                    # RequestError (KeyboardInterrupt propagates as it is).
+                    failure = exc
+                    if not req.finished:
+                        self.scheduler.abort([req], f"step failed: {describe_exception(exc)}")
             tail = detok.flush()
             if tail:
                 yield tail
             if req.finish_reason == FinishReason.ABORT and req.error:
-                raise RequestError(req.error)
+                raise RequestError(req.error) from failure
         finally:
             self.scheduler.on_token.remove(on_token)
             if not self._closed:
@@ -329,6 +366,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 problems.append("text prompt but the model has no tokenizer.json; pass token ids")
+            elif (problem := text_problem(prompt)) is not None:
+                problems.append(problem)
             else:
                 ids = self.tokenizer.encode(prompt).ids
         else:

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from execrt.core.schedule import FinishReason, Req, ScheduleBatch, stage_ints
+from execrt.core.schedule import FinishReason, Req, ScheduleBatch
+from execrt.core.step import StepInputs
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class Scheduler:
     Each step is either an extend (prefill, chunked to ``max_prefill_tokens``) of waiting
     requests, preferred while slots and rows allow, or a decode of every running request.
     A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and its
-    slots are freed at once.
+    slots are freed at once. Rows and slots come from ``worker.memory`` (a ``KVMemory``) and
+    go back to it; the sizes from ``worker.limits``.
 
     Admission. ``add`` aborts a request at once when it could not run even in an empty cache:
     ``kv_slots_needed(prompt, max_new_tokens, context_len) > cache size`` (or a prompt that
@@ -81,6 +83,13 @@ class Scheduler:
     prefill (once per request, <= its ``kv_slots_needed``); so a run of consecutive extends
     is at most ``S`` (cache slots) long plus what such finishes free, and there are at most
     ``D + 1`` runs: ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
+
+    Errors. If a step raises (any BaseException, a KeyboardInterrupt too, wherever it comes
+    from: scheduling, the forward, sampling, processing results, freeing), the requests of the
+    batches in flight are aborted with the error and the exception propagates. Before that,
+    the scheduler recovers: only unfinished requests stay queued, a request whose retraction
+    was cut short waits to be prefilled again, and ``memory.reconcile`` frees every slot and
+    row that no queued request holds. The other queued requests stay consistent.
     """
 
     def __init__(
@@ -91,13 +100,10 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         overlap: bool = False,
     ) -> None:
-        mr = worker.model_runner
         self.worker = worker
-        self.req_to_token_pool = mr.req_to_token_pool
-        self.allocator = mr.token_to_kv_pool_allocator
-        self.device = mr.device
-        self.context_len = mr.context_len
-        self.max_running = mr.max_running_requests
+        self.memory = worker.memory
+        self.context_len = worker.limits.context_len
+        self.max_running = worker.limits.max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
@@ -120,11 +126,12 @@ class Scheduler:
             error = (
                 f"prompt of {prompt_len} tokens leaves no room in the context of {self.context_len}"
             )
-        elif needed > self.allocator.size:
+        elif needed > self.memory.total_slots:
             error = (
                 f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
                 f"{req.sampling_params.max_new_tokens} - 1, capped by the context of "
-                f"{self.context_len}) but the whole cache holds {self.allocator.size}"
+                f"{self.context_len}) but the whole cache holds {self.memory.total_slots}; raise "
+                f"kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least {needed}"
             )
         else:
             self.waiting.append(req)
@@ -147,20 +154,16 @@ class Scheduler:
         request that reaches ``max_new_tokens`` or the context with step N is left out, one
         that samples EOS at step N wastes one decode whose token is dropped. Anything else
         (an extend to admit, a retraction to make room) waits for step N's results first, so
-        outputs are the same with and without overlap.
-
-        If a step raises (any BaseException, a KeyboardInterrupt too), the requests of the
-        batches in flight are aborted with the error, their slots and rows are freed, and the
-        exception propagates. The other queued requests stay consistent.
+        outputs are the same with and without overlap. A step that raises: see the class
+        docstring ("Errors").
         """
         batch = self._guarded(self._schedule_overlapped)
         if batch is None:
             self._process_inflight()
             if not (self.waiting or self.running):
                 return
-            batch = self._schedule_extend() or self._schedule_decode()
-            assert batch is not None, "a step can always run something (see the class docstring)"
-        launched = self._launch(batch)
+            batch = self._guarded(self._schedule)
+        launched = self._guarded(self._launch, batch, extra=batch)
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._guarded(self._process, previous)
@@ -182,15 +185,18 @@ class Scheduler:
         """Finish every unfinished request of ``reqs`` with ``abort`` and ``error``, free what
         it holds, and drop all of ``reqs`` from the queues and the finished list."""
         targets = set(reqs)
-        self.drain()  # tokens in flight belong to their requests first
-        for req in targets:
-            if not req.finished:
-                self._free(req)
-                req.finish_reason = FinishReason.ABORT
-                req.error = error
-        self.waiting = deque(r for r in self.waiting if r not in targets)
-        self.running = [r for r in self.running if r not in targets]
-        self.finished = [r for r in self.finished if r not in targets]
+        try:
+            self.drain()  # tokens in flight belong to their requests first
+        finally:  # even when that step failed: then it raises after this
+            for req in targets:
+                if not req.finished:
+                    req.finish_reason = FinishReason.ABORT
+                    req.error = error
+                    self._free(req)
+            self.waiting = deque(r for r in self.waiting if r not in targets)
+            self.running = [r for r in self.running if r not in targets]
+            self.finished = [r for r in self.finished if r not in targets]
+            self._recover()
 
     # -- scheduling ---------------------------------------------------------------------------
     def _slots_needed(self, req: Req) -> int:
@@ -198,10 +204,19 @@ class Scheduler:
             len(req.origin_input_ids), req.sampling_params.max_new_tokens, self.context_len
         )
 
+    def _schedule(self) -> ScheduleBatch:
+        batch = self._schedule_extend() or self._schedule_decode()
+        assert batch is not None, "a step can always run something (see the class docstring)"
+        return batch
+
+    def _batch(self, reqs: list[Req], inputs: StepInputs | None) -> ScheduleBatch:
+        assert inputs is not None, "the scheduler counted the free rows and slots"
+        return ScheduleBatch.of(reqs, inputs, self.memory.stager)
+
     def _schedule_extend(self) -> ScheduleBatch | None:
         budget = self.max_prefill_tokens
-        free_slots = self.allocator.available_size()
-        free_rows = self.req_to_token_pool.available_size()
+        free_slots = self.memory.free_slots
+        free_rows = self.memory.available_rows
         # Keep one slot per running request, and per admitted request that goes on decoding
         # after its prefill, for the decode that follows; a prompt that does not fit the
         # budget or the free slots is prefilled in chunks.
@@ -221,7 +236,7 @@ class Scheduler:
                 break
             keep = int(req.seq_len + 1 <= self._slots_needed(req))
             n = min(req.seq_len - req.kv_len, budget, free_slots - reserve - keep)
-            needs_row = req.req_pool_idx is None
+            needs_row = not self.memory.holds(req)
             if n < 1 or (needs_row and free_rows == 0):
                 break
             picked.append(req)
@@ -234,10 +249,7 @@ class Scheduler:
                 headroom -= growth
         if not picked:
             return None
-        batch = ScheduleBatch.for_extend(
-            picked, lens, self.req_to_token_pool, self.allocator, self.device, self.worker.stager
-        )
-        assert batch is not None, "admission checked rows and slots"
+        batch = self._batch(picked, self.memory.reserve_extend(picked, lens))
         for _ in picked:
             self.waiting.popleft()
         # Only the last pick can be a chunk: it stays at the head, mid-prefill.
@@ -254,13 +266,12 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_running:
             return None  # an extend may be due: decide with step N's results in hand
         reqs = [r for r in self.running if not self._done_after_pending(r)]
-        if not reqs or self.allocator.available_size() < len(reqs):
+        if not reqs or self.memory.free_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
         sampled = zip(prev.batch.reqs, prev.batch.samples, strict=True)
         rows = {id(r): i for i, (r, s) in enumerate(sampled) if s}
         if any(r.num_pending != int(id(r) in rows) for r in reqs):
             return None  # tokens in flight from an older step: not this simple case
-        stage = self.worker.stager
         prev_ids = prev.result.next_token_ids  # [B_prev] on the device
         if (
             len(reqs) == len(prev.batch.reqs)
@@ -272,11 +283,11 @@ class Scheduler:
             b = len(reqs)
             host = [0 if r.num_pending else r.last_token_id for r in reqs]
             src = [rows.get(id(r), -1) for r in reqs]
-            staged = stage_ints(stage, self.device, host + src)
+            staged = self.memory.stager(host + src)
             take = prev_ids[staged[b:].clamp(min=0)]
             input_ids = torch.where(staged[b:] >= 0, take, staged[:b])
-        pools = (self.req_to_token_pool, self.allocator, self.device)
-        return ScheduleBatch.for_decode(reqs, *pools, stage, input_ids=input_ids)
+        inputs = self.memory.reserve_decode(reqs, input_ids=input_ids)
+        return None if inputs is None else self._batch(reqs, inputs)
 
     def _done_after_pending(self, req: Req) -> bool:
         """True when the tokens already in flight end ``req`` by length (predictable)."""
@@ -288,39 +299,34 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
             return None
-        while self.allocator.available_size() < len(self.running):
-            partial = next((r for r in self.waiting if r.req_pool_idx is not None), None)
+        while self.memory.free_slots < len(self.running):
+            partial = next((r for r in self.waiting if self.memory.holds(r)), None)
             if partial is not None:
                 self._retract(partial, requeue=False)
             else:
                 assert len(self.running) > 1, "the oldest running request alone always fits"
-                self._retract(self.running.pop(), requeue=True)
+                self._retract(self.running[-1], requeue=True)
                 self._hold_admission = True
-        batch = ScheduleBatch.for_decode(
-            list(self.running),
-            self.req_to_token_pool,
-            self.allocator,
-            self.device,
-            self.worker.stager,
-        )
-        assert batch is not None, "room for one token per running request was made"
-        return batch
+        reqs = list(self.running)
+        return self._batch(reqs, self.memory.reserve_decode(reqs))
 
     def _retract(self, req: Req, *, requeue: bool) -> None:
         redo = req.kv_len
+        if requeue:  # a running request goes back to the head; a partial prefill already is
+            self.waiting.appendleft(req)  # first: a retraction cut short leaves it queued
+            self.running.remove(req)
         self._free(req)
         req.num_retractions += 1
         self.stats.retractions += 1
-        if requeue:  # a running request goes back to the head; a partial prefill already is
-            self.waiting.appendleft(req)
         logger.info("retracted request %s (KV cache full; %d tokens to redo)", req.rid, redo)
 
     # -- launching and results ----------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch) -> Launched:
         """Start ``batch`` on the device and account for it: K/V positions it writes, and a
         token in flight for every request whose sample is real."""
-        result = self._guarded(self.worker.forward_batch_generation, batch, extra=batch)
-        for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.samples, strict=True):
+        result = self.worker.forward_batch_generation(batch)
+        lens = batch.inputs.extend_lens_cpu
+        for req, n, sampled in zip(batch.reqs, lens, batch.samples, strict=True):
             req.kv_len += n
             if sampled:
                 req.num_pending += 1
@@ -349,25 +355,43 @@ class Scheduler:
             for hook in self.on_token:
                 hook(req, int(token))
             self._check_finished(req)
-            if req.finished:
-                self._free(req)
+            if req.finished:  # finished first: if freeing fails, recovery frees it
                 self.finished.append(req)
                 self._hold_admission = False
+                self._free(req)
         self.running = [r for r in self.running if not r.finished]
 
     def _guarded(self, fn: Callable[..., T], *args: Any, extra: ScheduleBatch | None = None) -> T:
-        """Run ``fn``; on any exception abort every batch in flight (and ``extra``), then
-        re-raise."""
+        """Run ``fn``; on any exception abort every batch in flight (and ``extra``), recover,
+        then re-raise."""
         try:
             return fn(*args)
         except BaseException as exc:
+            if not any(isinstance(a, Launched) for a in args):
+                self._salvage_inflight()
             batches = [b for b in (extra, self._inflight and self._inflight.batch) if b]
             for arg in args:
                 if isinstance(arg, Launched):
                     batches.append(arg.batch)
             self._inflight = None
-            self._abort_batches(batches, f"step failed: {describe_exception(exc)}")
+            try:
+                self._abort_batches(batches, f"step failed: {describe_exception(exc)}")
+            finally:
+                self._recover()
             raise
+
+    def _salvage_inflight(self) -> None:
+        """Keep the tokens of the step in flight when the next one fails to build or launch:
+        they were computed, and a stream has promised every one. If reading them fails too,
+        that step is aborted with the rest."""
+        launched = self._inflight
+        if launched is None:
+            return
+        try:
+            self._process(launched)
+        except BaseException:  # the first failure is the one to report
+            return
+        self._inflight = None
 
     def _check_finished(self, req: Req) -> None:
         params = req.sampling_params
@@ -378,37 +402,32 @@ class Scheduler:
             req.finish_reason = FinishReason.LENGTH
 
     def _abort_batches(self, batches: list[ScheduleBatch], error: str) -> None:
-        # Building a batch wrote slots for tokens [0, seq_len) of each request, whether or not
-        # it was launched or processed; a request already finished has freed them.
-        held: dict[int, tuple[Req, int]] = {}
         for batch in batches:
-            for req, n in zip(batch.reqs, batch.seq_lens_cpu, strict=True):
-                most = max(n, req.kv_len, held.get(id(req), (req, 0))[1])
-                held[id(req)] = (req, most)
-        victims = set()
-        for req, n in held.values():
-            if req.finished:
-                continue
-            self._free(req, n)
-            req.finish_reason = FinishReason.ABORT
-            req.error = error
-            self.finished.append(req)
-            victims.add(req)
-        self.waiting = deque(r for r in self.waiting if r not in victims)
-        self.running = [r for r in self.running if r not in victims]
+            for req in batch.reqs:
+                if not req.finished:  # finished first: if freeing fails, recovery frees it
+                    req.finish_reason = FinishReason.ABORT
+                    req.error = error
+                    self.finished.append(req)
+                    self._free(req)
 
-    def _free(self, req: Req, held: int | None = None) -> None:
-        """Return the row and the first ``held`` (default ``kv_len``) slots of ``req``."""
-        if req.req_pool_idx is None:
-            return
-        held = req.kv_len if held is None else held
-        if held:
-            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :held]
-            self.allocator.free(slots.to(torch.int64))
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_len = 0
-        req.num_pending = 0
+    def _recover(self) -> None:
+        """After an exception: only unfinished requests stay queued; one both waiting and
+        running (a retraction cut short) waits; one that lost its KV starts over; memory
+        frees whatever no queued request holds (see KVMemory.reconcile)."""
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        waiting = set(self.waiting)
+        running = [r for r in self.running if not r.finished and r not in waiting]
+        self.running = [r for r in running if self.memory.holds(r)]
+        self.waiting.extendleft(reversed([r for r in running if not self.memory.holds(r)]))
+        for req in self.waiting:
+            if not self.memory.holds(req):
+                req.kv_len = req.num_pending = 0
+        self.memory.reconcile([*self.waiting, *self.running])
+
+    def _free(self, req: Req) -> None:
+        """Give back all ``req`` holds; it has no K/V and no token in flight afterwards."""
+        req.kv_len = req.num_pending = 0
+        self.memory.release(req)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -198,9 +198,7 @@ class AttentionBackendSuite(ConformanceSuite):
     def kv_writer_cases(cls) -> list[Case]:
         """The primary cases, named by who writes this step's K/V (``stores_kv``)."""
         writer = "backend_stores" if cls.caps().stores_kv else "model_stores"
-        return [
-            dataclasses.replace(case, id=f"{case.id}-{writer}") for case in cls.primary_cases()
-        ]
+        return [dataclasses.replace(case, id=f"{case.id}-{writer}") for case in cls.primary_cases()]
 
     @classmethod
     def cuda_graph_cases(cls) -> list[Case]:

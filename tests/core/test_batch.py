@@ -11,37 +11,35 @@ from execrt.core.batch import (
     ForwardBatch,
     ForwardMode,
     PaddedContext,
-    extend_positions,
     padded_decode_batch,
 )
+from execrt.core.kv_memory import KVMemory
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.core.staging import HostToDevice
 from execrt.core.step import StepInputs
 
 CPU = torch.device("cpu")
 
 
-def pools(
-    rows: int = 4, ctx: int = 32, slots: int = 64
-) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
-    return ReqToTokenPool(rows, ctx, CPU), TokenToKVPoolAllocator(slots, CPU)
+def memory(rows: int = 4, ctx: int = 32, slots: int = 64) -> KVMemory:
+    pool, alloc = ReqToTokenPool(rows, ctx, CPU), TokenToKVPoolAllocator(slots, CPU)
+    return KVMemory(pool, alloc, HostToDevice(CPU))
 
 
-def test_extend_positions_continue_after_each_prefix() -> None:
-    assert extend_positions([0, 5, 2], [3, 1, 2], CPU).tolist() == [0, 1, 2, 5, 2, 3]
-    assert extend_positions([], [], CPU).tolist() == []
+def extend(mem: KVMemory, reqs: list[Req], lens: list[int]) -> ScheduleBatch:
+    inputs = mem.reserve_extend(reqs, lens)
+    assert inputs is not None
+    return ScheduleBatch.of(reqs, inputs, mem.stager)
 
 
 def test_init_new_holds_the_schedule_batch_tensors_by_reference() -> None:
-    pool, alloc = pools()
     reqs = [Req(0, [1, 2, 3], SamplingParams()), Req(1, [4, 5], SamplingParams(seed=7))]
-    reqs[1].kv_len = 0
-    sb = ScheduleBatch.for_extend(reqs, [3, 2], pool, alloc, CPU)
-    assert sb is not None
+    sb = extend(memory(), reqs, [3, 2])
     fb = ForwardBatch.init_new(sb)
     assert fb.mode is ForwardMode.EXTEND and fb.batch_size == 2 and fb.num_tokens == 5
-    for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc"):
-        assert getattr(fb, name).data_ptr() == getattr(sb, name).data_ptr(), name
+    for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
+        assert getattr(fb, name).data_ptr() == getattr(sb.inputs, name).data_ptr(), name
     assert fb.positions.tolist() == [0, 1, 2, 0, 1]
     assert fb.seq_lens_cpu == [3, 2] and fb.seq_lens_sum == 5 and fb.max_seq_len == 3
     assert fb.max_extend_len == 3 and fb.num_token_non_padded == 5
@@ -50,16 +48,15 @@ def test_init_new_holds_the_schedule_batch_tensors_by_reference() -> None:
 
 
 def test_decode_positions_are_the_last_token_of_each_request() -> None:
-    pool, alloc = pools()
+    mem = memory()
     reqs = [Req(0, [1, 2, 3], SamplingParams()), Req(1, [4], SamplingParams())]
-    sb = ScheduleBatch.for_extend(reqs, [3, 1], pool, alloc, CPU)
-    assert sb is not None
+    extend(mem, reqs, [3, 1])
     for req, token in zip(reqs, (9, 8), strict=True):
         req.kv_len = req.seq_len
         req.output_ids.append(token)
-    dec = ScheduleBatch.for_decode(reqs, pool, alloc, CPU)
-    assert dec is not None
-    fb = ForwardBatch.init_new(dec)
+    inputs = mem.reserve_decode(reqs)
+    assert inputs is not None
+    fb = ForwardBatch.init_new(ScheduleBatch.of(reqs, inputs, mem.stager))
     assert fb.mode is ForwardMode.DECODE
     assert fb.input_ids.tolist() == [9, 8] and fb.positions.tolist() == [3, 1]
     assert fb.prefix_lens_cpu == [3, 1] and fb.extend_lens_cpu == [1, 1]

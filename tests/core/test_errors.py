@@ -8,8 +8,8 @@ from execrt.core.errors import (
     BackendUnavailableError,
     ConfigError,
     ExecrtError,
+    KVOwnershipError,
     ModelLoadError,
-    OutOfKVCacheError,
     PluginError,
     RequestError,
     ResourceError,
@@ -43,7 +43,7 @@ def test_plugin_error_names_the_plugin() -> None:
 
 @pytest.mark.parametrize(
     "cls",
-    [ConfigError, OutOfKVCacheError, ResourceError, ModelLoadError, RequestError],
+    [ConfigError, KVOwnershipError, ResourceError, ModelLoadError, RequestError],
 )
 def test_plain_errors_carry_their_message(cls: type[ExecrtError]) -> None:
     err = cls("KV cache: 4 slots requested, 3 of 10 free")
@@ -56,7 +56,7 @@ def test_only_value_errors_are_value_errors() -> None:
     for cls in (
         BackendUnavailableError,
         PluginError,
-        OutOfKVCacheError,
+        KVOwnershipError,
         ResourceError,
         ModelLoadError,
     ):

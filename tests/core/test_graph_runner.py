@@ -127,7 +127,7 @@ def test_every_bucket_matches_eager_and_padding_writes_only_slot_zero(checkpoint
         bucket = runner.bucket(bs)
         assert bucket == min(b for b in runner.capture_bs if b >= bs)
         # Padded rows write K and V at slot 0 only; every real row writes its own slot.
-        written = set(decode.out_cache_loc.tolist())
+        written = set(decode.inputs.out_cache_loc.tolist())
         for kind, buffers in kv.items():
             for layer, (old, new) in enumerate(zip(before[kind], buffers, strict=True)):
                 where = f"bs {bs} {kind} layer {layer}"
@@ -218,3 +218,34 @@ def test_auto_and_explicit_graphs_with_a_backend_that_cannot_capture(checkpoint)
             graph_backend="nope",
         )
     ctx.close()
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_slow_capture_reports_each_bucket_and_a_fast_one_stays_quiet(  # type: ignore[no-untyped-def]
+    checkpoint, monkeypatch, slow
+) -> None:
+    from execrt.core import runners
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    progress = logging.getLogger("execrt.progress")
+    handler = Collect()
+    monkeypatch.setattr(progress, "level", logging.INFO)
+    monkeypatch.setattr(runners, "SLOW_CAPTURE_S", 0.0 if slow else 1e9)
+    progress.addHandler(handler)
+    try:
+        with RuntimeContext() as ctx:
+            worker(checkpoint("dense-tied-hd64"), ctx, "reexec").close()
+    finally:
+        progress.removeHandler(handler)
+    if not slow:
+        assert lines == []
+        return
+    assert [line.rsplit(" done after ", 1)[0] for line in lines] == [
+        f"graph capture: bucket {i} of 4 (batch size {bs})" for i, bs in enumerate([6, 4, 2, 1], 1)
+    ]
+    assert all(line.endswith(" s") for line in lines)

@@ -1,12 +1,12 @@
-"""ReqToTokenPool, TokenToKVPoolAllocator and KVCache."""
+"""ReqToTokenPool, TokenToKVPoolAllocator, SlotHolders and KVCache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from execrt.core.errors import OutOfKVCacheError
-from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.errors import KVOwnershipError
+from execrt.core.memory import KVCache, ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
 
 
 def test_req_to_token_pool_reserves_row_zero_and_recycles_rows() -> None:
@@ -16,7 +16,7 @@ def test_req_to_token_pool_reserves_row_zero_and_recycles_rows() -> None:
     assert sorted(rows) == [1, 2, 3]
     assert pool.alloc() is None
     pool.free(2)
-    assert pool.available_size() == 1 and pool.alloc() == 2
+    assert pool.available_size() == 1 and pool.free_rows() == [2] and pool.alloc() == 2
 
 
 def test_req_to_token_pool_rejects_bad_frees_and_writes() -> None:
@@ -39,9 +39,7 @@ def test_allocator_is_all_or_nothing_and_never_hands_out_slot_zero() -> None:
     a = alloc.alloc(7)
     assert a is not None and 0 not in a.tolist() and len(set(a.tolist())) == 7
     assert alloc.alloc(4) is None  # 3 left: no partial allocation
-    assert alloc.available_size() == 3
-    with pytest.raises(OutOfKVCacheError, match="4 slots requested, 3 of 10 free"):
-        alloc.alloc_or_raise(4)
+    assert alloc.available_size() == 3 and sorted(alloc.free_slot_ids().tolist()) == [8, 9, 10]
     alloc.free(a[:5])
     assert alloc.available_size() == 8
     b = alloc.alloc(8)
@@ -173,3 +171,25 @@ def test_set_kv_casts_to_the_cache_dtype() -> None:
     assert cache.k_buffers[0].dtype == torch.bfloat16
     assert cache.k_buffers[0][1, 0].float().tolist() == [1.0, 1 + 2**-7]
     assert cache.v_buffers[0][1, 0].float().tolist() == [-1.0, -(1 + 2**-7)]
+
+
+def test_slot_holders_refuse_slot_zero_second_holders_and_foreign_frees() -> None:
+    holders = SlotHolders()
+    holders.claim([3], ["request 5"])
+    with pytest.raises(KVOwnershipError, match="request 5 frees slot 0, the padding slot"):
+        holders.drop([0, 3], "request 5")
+    with pytest.raises(KVOwnershipError, match="request 6 frees slot 3, held by request 5"):
+        holders.drop([3], "request 6")
+    with pytest.raises(KVOwnershipError, match="slot 0 handed to request 6, the padding slot"):
+        holders.claim([0], ["request 6"])
+    with pytest.raises(KVOwnershipError, match="slot 4 handed to request 7, held by request 6"):
+        holders.claim([4, 4], ["request 6", "request 7"])
+    assert len(holders) == 1  # every refused call changed nothing
+    holders.drop([3], "request 5")
+    assert len(holders) == 0
+    holders.claim([5, 6], ["request 8", "request 9"])
+    holders.forget([5, 7])  # a failed reservation's claims; 7 was never claimed
+    with pytest.raises(KVOwnershipError, match="request 8 frees slot 5, already free"):
+        holders.drop([5], "request 8")
+    holders.reset({})
+    assert len(holders) == 0

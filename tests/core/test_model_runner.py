@@ -12,9 +12,11 @@ from execrt.core.batch import ForwardBatch
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import BackendUnavailableError, ConfigError, ResourceError
+from execrt.core.kv_memory import KVMemory
 from execrt.core.memory import KVCache
 from execrt.core.model_runner import ModelRunner
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.core.staging import HostToDevice
 from execrt.plugins.host import PluginHost
 from tests.core.fakes import SPEC, ToyLoader
 
@@ -91,9 +93,10 @@ def test_forward_runs_extend_and_decode_through_the_eager_runner(runtime_context
         Req(0, [1, 2, 3], SamplingParams(temperature=0)),
         Req(1, [4], SamplingParams(temperature=0)),
     ]
-    pools = (mr.req_to_token_pool, mr.token_to_kv_pool_allocator, CPU)
-    sb = ScheduleBatch.for_extend(reqs, [3, 1], *pools)
-    assert sb is not None
+    memory = KVMemory(mr.req_to_token_pool, mr.token_to_kv_pool_allocator, HostToDevice(CPU))
+    inputs = memory.reserve_extend(reqs, [3, 1])
+    assert inputs is not None
+    sb = ScheduleBatch.of(reqs, inputs, memory.stager)
     fb = ForwardBatch.init_new(sb)
     out = mr.forward(fb)
     assert out.logits_output.next_token_logits.shape == (2, SPEC.vocab_size)

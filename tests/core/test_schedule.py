@@ -1,14 +1,15 @@
-"""SamplingParams validation and ScheduleBatch allocation when building a batch fails."""
+"""SamplingParams validation, and ScheduleBatch: which requests of a step sample."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import execrt.core.schedule as schedule_module
-from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
+from execrt.core.staging import HostToDevice
+from execrt.core.step import ForwardMode, StepInputs
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(
@@ -57,55 +58,51 @@ def test_good_values_of_every_accepted_type() -> None:
         assert sp.problems() == []
 
 
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(
+        max_new_tokens=np.int32(4),
+        temperature=np.float32(0.5),
+        top_k=np.uint8(2),
+        top_p=np.float16(0.5),
+        seed=np.int64(3),
+        stop_token_ids=[np.int64(7), 8],
+    )
+    assert sp.problems() == []
+    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed) == (4, 0.5, 2, 0.5, 3)
+    assert sp.stop_token_ids == (7, 8) and type(sp.seed) is int and type(sp.top_p) is float
+    assert SamplingParams(seed=np.int64(3)) == SamplingParams(seed=3)  # same hash, same draws
+    [bool_problem] = SamplingParams(seed=np.bool_(True)).problems()
+    assert bool_problem.endswith(" has type bool (accepted: int or None)")
+    [float_problem] = SamplingParams(seed=np.float64(3.0)).problems()
+    assert float_problem.endswith(" has type float64 (accepted: int or None)")
+
+
 def test_a_list_of_stop_ids_is_stored_as_a_tuple() -> None:
     sp = SamplingParams(stop_token_ids=[4, 5])
     assert sp.stop_token_ids == (4, 5) and sp == SamplingParams(stop_token_ids=(4, 5))
     assert hash(sp) == hash(SamplingParams(stop_token_ids=(4, 5)))
 
 
-def _pools() -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
-    return ReqToTokenPool(4, 32, "cpu"), TokenToKVPoolAllocator(20, "cpu")
+def _inputs(mode: ForwardMode, seq: list[int], lens: list[int]) -> StepInputs:
+    tokens, reqs = (
+        torch.zeros(sum(lens), dtype=torch.int64),
+        torch.ones(len(seq), dtype=torch.int64),
+    )
+    prefix = [s - n for s, n in zip(seq, lens, strict=True)]
+    return StepInputs(mode, tokens, tokens, reqs, reqs, tokens, seq, prefix, lens)
 
 
-def _fail_in(where: str, pool: ReqToTokenPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make one stage of building a batch raise, after its slots and rows were allocated."""
-
-    def boom(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("device lost")
-
-    if where == "write_tokens":
-        monkeypatch.setattr(pool, "write_tokens", boom)
-    elif where == "sampling_info":
-        monkeypatch.setattr(SamplingBatchInfo, "from_reqs", boom)
-    else:
-        monkeypatch.setattr(schedule_module, "stage_ints", boom)
-
-
-STAGES = ["stage_ints", "write_tokens", "sampling_info"]
-
-
-@pytest.mark.parametrize("at", STAGES)
-def test_a_failed_extend_build_allocates_nothing(at: str, monkeypatch) -> None:
-    pool, alloc = _pools()
-    held = Req(0, [1, 2, 3, 4], SamplingParams())
-    held.req_pool_idx = pool.alloc()  # mid-prefill: keeps its row
-    reqs = [held, Req(1, [5, 6], SamplingParams()), Req(2, [7, 8, 9], SamplingParams())]
-    _fail_in(at, pool, monkeypatch)
-    with pytest.raises(RuntimeError, match="device lost"):
-        ScheduleBatch.for_extend(reqs, [4, 2, 3], pool, alloc, torch.device("cpu"))
-    assert alloc.available_size() == 20 and pool.available_size() == 3
-    assert held.req_pool_idx is not None
-    assert [r.req_pool_idx for r in reqs[1:]] == [None, None]
-
-
-@pytest.mark.parametrize("at", STAGES)
-def test_a_failed_decode_build_allocates_nothing(at: str, monkeypatch) -> None:
-    pool, alloc = _pools()
-    reqs = []
-    for i in range(3):
-        req = Req(i, [1, 2], SamplingParams(), output_ids=[3], req_pool_idx=pool.alloc(), kv_len=2)
-        reqs.append(req)
-    _fail_in(at, pool, monkeypatch)
-    with pytest.raises(RuntimeError, match="device lost"):
-        ScheduleBatch.for_decode(reqs, pool, alloc, torch.device("cpu"))
-    assert alloc.available_size() == 20 and pool.available_size() == 1
+def test_a_batch_samples_where_a_request_reaches_its_known_tokens() -> None:
+    # A prefill chunk short of the prompt's end samples nothing; the one that ends it does.
+    chunked = Req(0, [1, 2, 3, 4], SamplingParams(temperature=0.5), sampling_seed=9)
+    whole = Req(1, [5, 6], SamplingParams())
+    inputs = _inputs(ForwardMode.EXTEND, [2, 2], [2, 2])
+    batch = ScheduleBatch.of([chunked, whole], inputs, HostToDevice(CPU))
+    assert batch.samples == [False, True] and batch.inputs is inputs
+    assert batch.mode is ForwardMode.EXTEND and batch.batch_size == 2
+    assert batch.sampling_info.seeds.tolist() == [9, 0] and not batch.return_full_logits
+    # A decode samples, also with a token still in flight (overlap scheduling).
+    pending = Req(2, [7], SamplingParams(), output_ids=[8], kv_len=2, num_pending=1)
+    decode = ScheduleBatch.of([pending], _inputs(ForwardMode.DECODE, [3], [1]), HostToDevice(CPU))
+    assert decode.samples == [True] and decode.mode is ForwardMode.DECODE

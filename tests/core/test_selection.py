@@ -10,8 +10,10 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError
 from execrt.core.interfaces import (
+    AttentionBackend,
     AttentionCapabilities,
     AttentionRequirements,
+    GraphBackend,
     GraphCapabilities,
     GraphRequirements,
 )
@@ -31,11 +33,15 @@ MISSING = "execrt_no_such_module_for_tests:Backend"
 
 
 @dataclass
-class Built:
-    """What a fake factory returns: which backend, from which init record."""
+class Built(AttentionBackend, GraphBackend):
+    """What a fake factory returns: which backend, from which init record. A backend of
+    either kind selection builds here (registration checks the type, not the contract)."""
 
     name: str
     init: Any
+
+
+Built.__abstractmethods__ = frozenset()
 
 
 class Factory:

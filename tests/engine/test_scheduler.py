@@ -16,16 +16,10 @@ PROMPTS = [[3 + i, 40 + 2 * i, 7, 90 + i, 11, 5 * i + 1, 60, 2 + i] for i in ran
 
 def _run(path, prompts, params=GREEDY, **config):
     with Engine(path, device="cpu", **config) as engine:
-        mr = engine.worker.model_runner
-        start = (
-            mr.token_to_kv_pool_allocator.available_size(),
-            mr.req_to_token_pool.available_size(),
-        )
+        memory = engine.worker.memory
+        start = memory.free_slots, memory.available_rows
         results = engine.generate(prompts, params)
-        end = (
-            mr.token_to_kv_pool_allocator.available_size(),
-            mr.req_to_token_pool.available_size(),
-        )
+        end = memory.free_slots, memory.available_rows
         return results, start, end, engine.scheduler.stats
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +17,11 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from execrt.core.batch import LogitsOutput
+from execrt.core.kv_memory import KVMemory
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
-from execrt.core.worker import GenerationBatchResult
+from execrt.core.staging import HostToDevice
+from execrt.core.worker import GenerationBatchResult, WorkerLimits
 from execrt.engine.scheduler import Scheduler, kv_slots_needed
 
 VOCAB = 29
@@ -49,21 +50,21 @@ def alone(prompt: list[int], params: SamplingParams, context_len: int) -> tuple[
 
 
 class FakeWorker:
-    """Stands in for TpModelWorker: real pools, a token-id "KV cache", ``next_token``."""
+    """Stands in for TpModelWorker: real KV memory, a token-id "KV cache", ``next_token``."""
 
-    def __init__(self, cache: int, max_running: int, context_len: int) -> None:
-        self.model_runner = SimpleNamespace(
-            req_to_token_pool=ReqToTokenPool(max_running, context_len, "cpu"),
-            token_to_kv_pool_allocator=TokenToKVPoolAllocator(cache, "cpu"),
-            device=torch.device("cpu"),
-            context_len=context_len,
-            max_running_requests=max_running,
+    def __init__(self, w: Workload) -> None:
+        cpu = torch.device("cpu")
+        self.memory = KVMemory(
+            ReqToTokenPool(w.max_running, w.context_len, cpu),
+            TokenToKVPoolAllocator(w.cache, cpu),
+            HostToDevice(cpu),
         )
+        self.limits = WorkerLimits(w.context_len, w.max_running, w.max_prefill, cpu)
+        cache = w.cache
         self.kv = torch.full((cache + 1,), -1, dtype=torch.int64)  # token id per slot
         self.calls = 0
         self.fail_at: int | None = None
         self.on_launch: Callable[[ScheduleBatch], None] | None = None
-        self.stager = None  # host lists go to the device as plain tensors
         # Every token sampled per request, in order, whether or not the scheduler has
         # appended it yet (with overlap it learns of it one step later).
         self.produced: dict[int, list[int]] = {}
@@ -74,15 +75,20 @@ class FakeWorker:
             raise RuntimeError("injected device error")
         if self.on_launch is not None:
             self.on_launch(batch)
-        loc = batch.out_cache_loc
+        self.memory.check()  # free + held == total, for slots and rows, at every step
+        inputs = batch.inputs
+        loc = inputs.out_cache_loc
         assert len(set(loc.tolist())) == loc.numel() and int(loc.min()) >= 1
-        self.kv[loc] = batch.input_ids  # [T]
-        table = self.model_runner.req_to_token_pool.req_to_token
+        self.kv[loc] = inputs.input_ids  # [T]
+        table = self.memory.req_to_token_pool.req_to_token
+        rows = inputs.req_pool_indices.tolist()
         tokens = []
         for i, req in enumerate(batch.reqs):
-            seen = self.kv[table[req.req_pool_idx, : batch.seq_lens_cpu[i]].long()].tolist()
+            n = inputs.seq_lens_cpu[i]
+            assert self.memory.row(req) == rows[i]
+            seen = self.kv[table[rows[i], :n].long()].tolist()
             truth = req.origin_input_ids + self.produced.setdefault(req.rid, [])
-            assert seen == truth[: batch.seq_lens_cpu[i]], "model saw the wrong context"
+            assert seen == truth[:n], "model saw the wrong context"
             tokens.append(next_token(seen))
             if batch.samples[i]:
                 self.produced[req.rid] = truth[len(req.origin_input_ids) : len(seen)] + [tokens[-1]]
@@ -129,7 +135,7 @@ def workloads(draw: st.DrawFn) -> Workload:
 
 
 def _setup(w: Workload, overlap: bool) -> tuple[FakeWorker, Scheduler, list[Req]]:
-    worker = FakeWorker(w.cache, w.max_running, w.context_len)
+    worker = FakeWorker(w)
     sched = Scheduler(
         worker,  # type: ignore[arg-type]
         max_prefill_tokens=w.max_prefill,
@@ -146,8 +152,7 @@ def _fits(req: Req, w: Workload) -> bool:
 
 
 def _free_counts(worker: FakeWorker) -> tuple[int, int]:
-    mr = worker.model_runner
-    return mr.token_to_kv_pool_allocator.available_size(), mr.req_to_token_pool.available_size()
+    return worker.memory.free_slots, worker.memory.available_rows
 
 
 def _step_bound(reqs: list[Req], w: Workload) -> int:
@@ -269,7 +274,7 @@ def test_a_failed_step_aborts_its_batch_and_the_rest_still_complete(
     except RuntimeError as exc:
         assert "injected" in str(exc)
     aborted = {r.rid for r in reqs if r.error and "step failed: RuntimeError" in r.error}
-    assert all(r.req_pool_idx is None for r in reqs if r.rid in aborted)
+    assert not any(worker.memory.holds(r) for r in reqs if r.rid in aborted)
     sched.run()  # whatever the failure left queued runs on, undisturbed
     assert _free_counts(worker) == start and not sched.has_work
     for req in reqs:

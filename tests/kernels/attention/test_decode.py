@@ -405,13 +405,15 @@ def test_decode_empty_batch_is_noop() -> None:
 
 
 def test_decode_rejects_bad_input() -> None:
-    q = torch.zeros(2, 4, 64)
-    k = torch.zeros(10, 2, 64)
-    o = torch.zeros(2, 4, 64)
-    indptr = torch.zeros(3, dtype=torch.int32)
-    indices = torch.zeros(4, dtype=torch.int32)
-    splits = torch.ones(2, dtype=torch.int32)
-    po, pl = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2)
+    # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
+    # GPU machine are refused for their device before any shape or dtype is looked at.
+    def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=SMALL)
+
+    q, k, o = zeros(2, 4, 64), zeros(10, 2, 64), zeros(2, 4, 64)
+    indptr, indices = zeros(3, dtype=torch.int32), zeros(4, dtype=torch.int32)
+    splits = torch.ones(2, dtype=torch.int32, device=SMALL)
+    po, pl = zeros(2, 4, 2, 64), zeros(2, 4, 2)
 
     def call(**over: object) -> None:
         args = dict(
@@ -421,11 +423,11 @@ def test_decode_rejects_bad_input() -> None:
         args.update(over)
         tk.decode_attention(**args)  # type: ignore[arg-type]
 
-    big = torch.zeros(2, 4, 300)
+    big = zeros(2, 4, 300)
     with pytest.raises(ValueError, match=r"triton attention: head_dim 300 unsupported"):
-        call(q=big, k_buffer=torch.zeros(10, 2, 300), v_buffer=k)
+        call(q=big, k_buffer=zeros(10, 2, 300), v_buffer=k)
     with pytest.raises(ValueError, match="4 query heads unsupported with 3 kv heads"):
-        call(k_buffer=torch.zeros(10, 3, 64), v_buffer=torch.zeros(10, 3, 64))
+        call(k_buffer=zeros(10, 3, 64), v_buffer=zeros(10, 3, 64))
     with pytest.raises(ValueError, match="k_buffer dtype torch.float16 differs"):
         call(k_buffer=k.half())
     with pytest.raises(ValueError, match="q dtype torch.float64 unsupported"):
@@ -433,7 +435,7 @@ def test_decode_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="num_splits dtype torch.int64 unsupported"):
         call(num_splits=splits.long())
     with pytest.raises(ValueError, match="partial_o shape"):
-        call(partial_o=torch.zeros(2, 4, 1, 64))
+        call(partial_o=zeros(2, 4, 1, 64))
     with pytest.raises(ValueError, match="block_n 24 unsupported"):
         call(block_n=24)
     with pytest.raises(ValueError, match="max_splits 0 unsupported"):
