@@ -78,9 +78,7 @@ class GraphBackendSuite(ConformanceSuite):
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
     def caps(cls) -> GraphCapabilities:
-        caps = cls.collection_spec().capabilities
-        assert isinstance(caps, GraphCapabilities)
-        return caps
+        return cls.declared(GraphCapabilities)
 
     @classmethod
     def make_case(cls, device: str, *, needs: tuple[str, ...] = ()) -> Case:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import (
     AttentionBackend,
@@ -15,6 +14,7 @@ from execrt.core.interfaces import (
     AttentionLayer,
     AttentionStep,
 )
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 WORKSPACE = "flashinfer_workspace"
 # FlashInfer plans its split-KV scratch into this buffer; 128 MiB overflowed on the H200 for

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import (
     AttentionBackend,
@@ -14,6 +13,7 @@ from execrt.core.interfaces import (
     AttentionLayer,
     AttentionStep,
 )
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 
 @dataclass
@@ -45,7 +45,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, init: AttentionBackendInit) -> None:
         super().__init__(init)
-        from execrt.backends.attention import triton_kernels as kernels
+        from execrt.kernels import attention as kernels
 
         self.kernels = kernels
         self.num_sms = (

@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.backends.attention import triton_kernels as tk
-from execrt.backends.attention.triton_kernels import extend as ext
-from tests.backends.attention.test_triton_kernels import (
+from execrt.kernels import attention as tk
+from execrt.kernels.attention import extend as ext
+from tests.kernels.attention.test_decode import (
     CUDA,
     GPU_TOL,
     SMALL,
