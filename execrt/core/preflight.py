@@ -1,14 +1,14 @@
-"""Settings checked against this machine before any weight loads: fused kernels, pool memory.
+"""Settings checked against this machine before any weight loads: the memory the pools need.
 
-A mistake here (``fused_kernels = "on"`` on a CPU without the Triton interpreter, a KV cache of
-99999999999 tokens, 100000000 running requests) used to surface after the model had loaded, as
-a kernel ValueError or an allocator RuntimeError. ``check_before_load`` turns it into one
-ConfigError naming the key, the bytes it needs and the memory there is.
+A KV cache of 99999999999 tokens or 100000000 running requests used to surface after the model
+had loaded, as an allocator RuntimeError. ``check_before_load`` turns it into one ConfigError
+naming the key, the bytes it needs and the memory there is. (``fused_kernels = "on"`` where
+Triton cannot run is the kernels' one switch to refuse, ``execrt.kernels._triton.use_triton``,
+which the loader asks before it reads any weight.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -17,9 +17,6 @@ from execrt.core.config import RuntimeConfig
 from execrt.core.errors import ConfigError
 from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
-
-#: Triton's own switch for its CPU interpreter (read, as Triton reads it, from the environment)
-_TRITON_INTERPRET = "TRITON_INTERPRET"
 
 
 def check_before_load(
@@ -31,7 +28,6 @@ def check_before_load(
 ) -> None:
     """Raise ConfigError for settings this machine cannot run. ``local`` is this rank's share
     of the model; ``device``, ``dtype`` and ``context_len`` are the resolved values."""
-    fused_kernels_check(config.fused_kernels, device)
     needs = pool_bytes(config, local, dtype, context_len)
     total = sum(n for _, _, n in needs)
     available = available_memory(device)
@@ -65,28 +61,6 @@ def cpu_kv_budget(floor: int, per_token: int, context_len: int, available: int |
     full = per_token * context_len
     room = CPU_KV_CEILING_BYTES if available is None else min(CPU_KV_CEILING_BYTES, available // 4)
     return full if floor < full <= room else floor
-
-
-def fused_kernels_check(mode: str, device: torch.device) -> None:
-    """``fused_kernels = "on"`` needs triton, and on CPU the Triton interpreter."""
-    if mode != "on":
-        return
-    if importlib.util.find_spec("triton") is None:
-        raise ConfigError(
-            "config: fused_kernels='on' needs triton, which is not installed (pip install "
-            "triton; or fused_kernels = 'auto' / 'off')"
-        )
-    interpreted = os.environ.get(_TRITON_INTERPRET, "").strip().lower() in {
-        "1",
-        "true",
-        "yes",
-        "on",
-    }
-    if device.type == "cpu" and not interpreted:
-        raise ConfigError(
-            "config: fused_kernels='on' on cpu needs the Triton interpreter "
-            f"({_TRITON_INTERPRET}=1, slow); use fused_kernels = 'auto' or 'off' on cpu"
-        )
 
 
 def pool_bytes(

@@ -11,6 +11,7 @@ from typing import Literal, NoReturn
 import torch
 
 from execrt.core import envs
+from execrt.core.errors import ConfigError
 
 KernelMode = Literal["auto", "on", "off"]
 KERNEL_MODES: tuple[KernelMode, ...] = ("auto", "on", "off")
@@ -99,10 +100,12 @@ def use_triton(device: torch.device | str, mode: KernelMode | str) -> bool:
         )
     if runs_on(dev):
         return True
+    # A setting this machine cannot run (fused_kernels = "on"): a ConfigError, raised before
+    # the model's weights load (the loader asks this first).
     if dev.type == "cpu":
-        fail("kernels", f"mode 'on' on a CPU device needs {INTERPRETER_HINT}")
-    fail(
-        "kernels", f"mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
+        raise ConfigError(f"kernels: mode 'on' on a CPU device needs {INTERPRETER_HINT}")
+    raise ConfigError(
+        f"kernels: mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
     )
 
 

@@ -70,45 +70,24 @@ def test_available_memory_reads_the_machine() -> None:
     assert free is None or free > 0
 
 
-def test_fused_kernels_on_needs_the_interpreter_on_cpu(monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: object())
-    with pytest.raises(ConfigError) as info:
-        preflight.fused_kernels_check("on", CPU)
-    assert str(info.value) == (
-        "config: fused_kernels='on' on cpu needs the Triton interpreter (TRITON_INTERPRET=1, "
-        "slow); use fused_kernels = 'auto' or 'off' on cpu"
-    )
-    preflight.fused_kernels_check("auto", CPU)
-    preflight.fused_kernels_check("off", CPU)
-    preflight.fused_kernels_check("on", torch.device("cuda"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    preflight.fused_kernels_check("on", CPU)
-
-
-def test_fused_kernels_on_without_triton_gives_the_install_hint(monkeypatch) -> None:
-    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="fused_kernels='on' needs triton, which is not"):
-        preflight.fused_kernels_check("on", torch.device("cuda"))
-
-
 @pytest.mark.parametrize(
     ("setting", "error"),
     [
         ({"kv_cache_tokens": 99_999_999_999}, "kv_cache_tokens=99999999999 needs "),
         ({"max_running_requests": 100_000_000}, "max_running_requests=100000000 needs "),
-        ({"fused_kernels": "on"}, "fused_kernels='on' on cpu needs the Triton interpreter"),
+        ({"fused_kernels": "on"}, "kernels: mode 'on' on a CPU device needs the Triton interp"),
     ],
 )
 def test_the_engine_refuses_before_loading_any_weight(monkeypatch, setting, error) -> None:
     from execrt.engine import Engine
-    from execrt.models import CheckpointLoader
+    from execrt.kernels import _triton as triton_switch
+    from execrt.models import loader as loader_module
 
-    def no_load(self, request):  # type: ignore[no-untyped-def]
+    def no_load(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was loaded before the settings were checked")
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(CheckpointLoader, "load", no_load)
+    monkeypatch.setattr(loader_module, "load_model", no_load)  # reads the weights
+    monkeypatch.setattr(triton_switch, "interpreter_enabled", lambda: False)
     with pytest.raises(ConfigError, match=error):
         Engine("builtin", device="cpu", **setting)
 
