@@ -22,6 +22,7 @@ from execrt.core.interfaces import (
     AttentionBackendInit,
     AttentionCapabilities,
     AttentionRequirements,
+    Capabilities,
     GraphBackend,
     GraphBackendInit,
     GraphCapabilities,
@@ -175,7 +176,9 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
         registry.get("graph", requested)  # an unknown name fails as "not registered"
     blockers = []
     for res in (resolved.attention, resolved.moe_dispatch):
-        if res.chosen is not None and not registry.get(res.kind, res.chosen).capabilities.graph:  # type: ignore[attr-defined]
+        if res.chosen is not None and not getattr(
+            registry.get(res.kind, res.chosen).capabilities, "graph", False
+        ):
             blockers.append(f"{res.kind} backend {res.chosen!r} is not graph-capable")
     if blockers and requested != NO_GRAPH:
         if requested != "auto" or config.strict and resolved.device.type == "cuda":
@@ -206,7 +209,7 @@ def _build(
     registry: BackendRegistry,
     resolution: Resolution,
     requirements: object,
-    make_init: Callable[[BackendSpec], object],
+    make_init: Callable[[BackendSpec[Capabilities]], object],
     strict: bool,
 ) -> tuple[object, Resolution]:
     """Build the resolved choice; under "auto" (not strict) a constructor that fails falls
@@ -239,11 +242,9 @@ def build_moe_dispatcher(
 ) -> tuple[MoEDispatcher, Resolution]:
     spec = resolved.spec
 
-    def make_init(backend: BackendSpec) -> MoEDispatcherInit:
-        caps = backend.capabilities
-        assert isinstance(caps, MoEDispatcherCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> MoEDispatcherInit:
         return MoEDispatcherInit(
-            capabilities=caps,
+            capabilities=backend.narrowed(MoEDispatcherCapabilities).capabilities,
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             hidden_size=spec.hidden_size,
@@ -269,11 +270,9 @@ def build_attention(
     req_to_token_pool: object,
     context: RuntimeContext,
 ) -> tuple[AttentionBackend, Resolution]:
-    def make_init(backend: BackendSpec) -> AttentionBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, AttentionCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> AttentionBackendInit:
         return AttentionBackendInit.over_cache(
-            caps,
+            backend.narrowed(AttentionCapabilities).capabilities,
             kv_cache,
             req_to_token_pool,  # type: ignore[arg-type]
             num_q_heads=resolved.local_spec.num_q_heads,
@@ -298,9 +297,8 @@ def build_graph_backend(
 ) -> tuple[GraphBackend, Resolution]:
     provider = dispatcher.graph_resource_provider() if dispatcher is not None else None
 
-    def make_init(backend: BackendSpec) -> GraphBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, GraphCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> GraphBackendInit:
+        caps = backend.narrowed(GraphCapabilities).capabilities
         return GraphBackendInit(caps, resolved.device, context, provider)
 
     built, res = _build(

@@ -32,6 +32,10 @@ class Capabilities:
 
     kind: ClassVar[str]
 
+    def refusals(self, req: Any) -> list[str]:
+        """Reasons this backend cannot serve ``req``, its kind's requirements (empty: it can)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no refusals")
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -506,13 +510,22 @@ class GraphBackend(ABC):
         yield
 
     @abstractmethod
-    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any: ...
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        """Record ``fn`` (no arguments; it reads static tensors) for ``key`` and return its
+        static output objects. Runs inside ``capture_session()``; warms ``fn`` up first, as a
+        real capture needs. Raises ValueError for a ``key`` captured already (cleanup first)."""
 
     @abstractmethod
-    def replay(self, key: ShapeKey) -> Any: ...
+    def replay(self, key: ShapeKey) -> Any:
+        """Re-run ``key``'s recording over the current contents of its static inputs and return
+        the objects ``capture`` returned, overwritten in place. KeyError, naming the captured
+        keys, for a key never captured."""
 
     @abstractmethod
-    def has(self, key: ShapeKey) -> bool: ...
+    def has(self, key: ShapeKey) -> bool:
+        """Whether ``key`` is captured (and not cleaned up)."""
 
     @abstractmethod
-    def cleanup(self) -> None: ...
+    def cleanup(self) -> None:
+        """Synchronise, drop every recording and close owned resources. Idempotent; a later
+        capture starts a new generation."""

@@ -232,10 +232,6 @@ class DecoderForCausalLM(nn.Module):
         return loaded
 
 
-# The families share one class; the names say which checkpoints it serves.
-Qwen3Model = DecoderModel
-Qwen3ForCausalLM = LlamaForCausalLM = Qwen2ForCausalLM = DecoderForCausalLM
-
 Index = tuple[slice | int, ...]
 
 
