@@ -11,6 +11,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 from execrt.core.step import ForwardMode
 
@@ -185,6 +186,11 @@ class AttentionBackendInit:
         )
 
 
+#: This step's ``(k [T, Hkv, D], v [T, Hkv, Dv])``, handed to a backend that stores K/V
+#: itself (``stores_kv``); None for every other backend.
+KV = tuple[torch.Tensor, torch.Tensor] | None
+
+
 @dataclass(frozen=True)
 class AttentionStep:
     """What every attention layer of one forward pass receives: the backend, the plan it made
@@ -235,12 +241,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         """Attention of this step's queries over their requests' cached context.
 
         ``q [T, Hq, D]`` in the cache dtype -> ``[T, Hq, Dv]`` in q's dtype. Decode
