@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from execrt.backends.attention import triton_kernels as K
-from execrt.backends.attention.kv_indices import build_kv_indices
 from execrt.bench.attention import DecodeProblem, copy_bandwidth_gbps
+from execrt.kernels import attention as K
+from execrt.kernels.kv_indices import fill_kv_index
 
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384)]
 SHORT_SHAPES = [(1, 512), (1, 2048), (8, 512), (32, 512), (128, 512), (1, 32768), (64, 4096)]
@@ -32,11 +32,8 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = torch.full((bs,), p.ctx, dtype=torch.int64, device="cuda")
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
-    torch.cumsum(seq, 0, dtype=torch.int32, out=indptr[1:])
     indices = torch.empty(bs * p.ctx, dtype=torch.int32, device="cuda")
-    build_kv_indices(
-        p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices
-    )
+    fill_kv_index(p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices)
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms))

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from execrt.backends.attention import triton_kernels as K
-from execrt.backends.attention.kv_indices import fill_kv_index
-from execrt.backends.attention.triton_kernels.extend import ExtendTiles, default_extend_tiles
 from execrt.bench.common import median_us
 from execrt.bench.extend import DEFAULT_SHAPES, ExtendProblem
+from execrt.kernels import attention as K
+from execrt.kernels.attention.extend import ExtendTiles, default_extend_tiles
+from execrt.kernels.kv_indices import fill_kv_index
 
 TILES = [
     ExtendTiles(128, 64, 8, 3),

@@ -1,4 +1,4 @@
-"""The ``execrt`` command: backends, generate, bench, conformance."""
+"""The ``execrt`` command: backends, generate, serve, bench, conformance."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from execrt._version import __version__
 from execrt.core.errors import ConfigError, ExecrtError
+from execrt.serve.cli import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 
 # The backend kinds (execrt.core.plugins.KINDS, spelled out: importing it here would import torch).
 KINDS = ["attention", "moe_dispatch", "graph", "prefix_cache"]
@@ -24,7 +26,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="execrt", description="A pluggable LLM execution runtime.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"execrt {__version__}")
+    # Not required: `execrt` alone prints this help, the list of commands.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     backends = sub.add_parser("backends", help="list every registered backend")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
@@ -128,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    cache = sub.add_parser(
+        "cache",
+        help="list the cache (converted GGUF files, the built-in model) or clear it",
+        description="Without an action, list every cache entry with its size and whether it "
+        "is stale (its GGUF file is gone or changed, a build was cut short).",
+    )
+    cache.add_argument(
+        "action", nargs="?", choices=["list", "clear"], default="list", help="(default: list)"
+    )
+    cache.add_argument(
+        "--all", action="store_true", help="clear every entry, not only stale ones (default: off)"
+    )
+    add_bench_serve_parser(bench_sub)
+    add_serve_parser(sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=KINDS)
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
@@ -257,6 +275,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "serve":
+        return cmd_bench_serve(args)
     from execrt.bench import attention
 
     shapes: tuple[tuple[int, int], ...] = attention.DEFAULT_SHAPES
@@ -300,6 +320,29 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     rows = backend_inventory(kind=args.kind)
     print(json.dumps(rows, indent=2) if args.json else format_inventory(rows))
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from execrt.core import envs
+    from execrt.core.preflight import format_bytes
+    from execrt.models.cache import cache_entries, clear_cache
+    from execrt.models.gguf_file import CACHE_PREFIX
+
+    entries = cache_entries([CACHE_PREFIX])
+    if args.action == "clear":
+        removed = clear_cache(entries, everything=args.all)
+        for e in removed:
+            why = f": {e.stale}" if e.stale else ""
+            print(f"removed {e.path} ({format_bytes(e.bytes)}{why})")
+        print(f"freed {format_bytes(sum(e.bytes for e in removed))} in {envs.cache_dir()}")
+        return 0
+    print(f"cache {envs.cache_dir()}:")
+    for e in entries:
+        print(f"{format_bytes(e.bytes):>10}  {e.path}{f'  (stale: {e.stale})' if e.stale else ''}")
+    stale = sum(e.bytes for e in entries if e.stale)
+    total = format_bytes(sum(e.bytes for e in entries))
+    print(f"{len(entries)} entries, {total}; stale: {format_bytes(stale)} (execrt cache clear)")
     return 0
 
 
@@ -417,31 +460,103 @@ COMMANDS = {
     "generate": cmd_generate,
     "bench": cmd_bench,
     "conformance": cmd_conformance,
+    "cache": cmd_cache,
+    "serve": cmd_serve,
 }
+
+
+class _OutputError(Exception):
+    """Standard output refused a write (a full device, an I/O error)."""
+
+
+class _GuardedOutput:
+    """``sys.stdout`` while a command runs: a failed write becomes ``_OutputError``, reported
+    in one line; a closed pipe (BrokenPipeError) still stops quietly."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so the final flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+class _ProgressLines(logging.Handler):
+    """Lines of long operations (a slow graph capture) on stderr as ``execrt: ...``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"execrt: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _show_progress() -> None:
+    """Show the ``execrt.progress`` logger's lines, from torchrun's rank 0 only."""
+    from execrt.core.parallel import launch_rank
+
+    progress = logging.getLogger("execrt.progress")
+    if launch_rank() or any(isinstance(h, _ProgressLines) for h in progress.handlers):
+        return
+    progress.addHandler(_ProgressLines())
+    progress.setLevel(logging.INFO)
+    progress.propagate = False  # not again through the root logger's handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help()
+        return 0
     if extra and args.command != "conformance":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _show_progress()
+    if sys.stdout is None:  # started with file descriptor 1 closed (`execrt backends >&-`)
+        print("execrt: error: cannot write the output: standard output is closed", file=sys.stderr)
+        return 1
+    stdout, sys.stdout = sys.stdout, _GuardedOutput(sys.stdout)
     try:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return status
+    except _OutputError as exc:
+        # `> /dev/full` and the like: one line, and nothing left to fail at exit.
+        print(f"execrt: error: cannot write the output: {exc}", file=sys.stderr)
+        sys.stdout = stdout
+        _discard_stdout()
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: the engine has already aborted and freed the call's requests; stop quietly
         # with the status of a process killed by SIGINT.
         return 128 + 2
     except BrokenPipeError:
         # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
-        # with the status of a process killed by SIGPIPE. Point stdout at /dev/null so the
-        # final flush at exit does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        # with the status of a process killed by SIGPIPE.
+        _discard_stdout()
         return 128 + 13
     except (ExecrtError, OSError) as exc:
         if isinstance(exc, OSError) and exc.filename is None:
@@ -455,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -276,3 +276,86 @@ def test_conformance_with_an_option_pytest_refuses_runs_nothing_and_exits_2(
     assert code == 2, captured
     assert "no report written" in captured.out
     assert not os.path.exists(conformance_report_path("attention", "torch_native"))
+
+
+def test_a_prompt_of_undecodable_bytes_is_one_line_and_exit_2(capsys) -> None:
+    # `execrt generate $'abc\xff'`: Python hands the byte over as the surrogate escape \udcff.
+    assert main(["generate", "abc\udcff", "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "note:" not in ln]
+    assert err == [
+        "execrt: request 'abc\\udcff' rejected: text is not valid Unicode: character 3 is "
+        "byte 0xff, which is not UTF-8"
+    ]
+
+
+def test_execrt_alone_lists_the_commands_and_version_says_the_version(capsys) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert f"\n    {command}" in out, out
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"execrt {execrt.__version__}"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_or_closed_stdout_is_one_line_not_a_traceback() -> None:
+    def run(**how: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "execrt", "backends"],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=os.getcwd(),
+            **how,  # type: ignore[call-overload]
+        )
+
+    with open("/dev/full", "w") as full:
+        proc = run(stdout=full)
+    assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: No space left on device\n"
+    )
+    proc = run(preexec_fn=lambda: os.close(1))  # started with file descriptor 1 closed
+    assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: standard output is closed\n"
+    )
+
+
+def test_cache_lists_entries_and_clear_removes_the_stale_ones(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    from execrt.models.cache import cached_dir
+
+    def build(out: str) -> None:
+        with open(os.path.join(out, "model.safetensors"), "wb") as fh:
+            fh.write(b"w" * 2048)
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "gone.gguf"
+    source.write_text("x")
+    stale = cached_dir("gguf-gone-0123", build, source=str(source))
+    kept = cached_dir("builtin-x", build)
+    source.unlink()
+    assert main(["cache"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == f"cache {tmp_path / 'cache'}:"
+    assert any(line.endswith(f"{stale}  (stale: {source} is gone)") for line in listing)
+    assert any(line.endswith(kept) for line in listing)
+    assert listing[-1].startswith("2 entries, ") and "(execrt cache clear)" in listing[-1]
+    assert main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"removed {stale} (2.") and out[0].endswith(f": {source} is gone)")
+    assert out[-1].startswith("freed 2.") and not os.path.exists(stale) and os.path.isdir(kept)
+    assert main(["cache", "clear", "--all"]) == 0
+    assert not os.path.exists(kept)
+
+
+def test_progress_lines_of_long_operations_reach_stderr(capsys) -> None:
+    import logging
+
+    from execrt.cli import _show_progress
+
+    _show_progress()
+    _show_progress()  # installed once
+    logging.getLogger("execrt.progress").info("graph capture: bucket %d of %d", 1, 8)
+    assert capsys.readouterr().err == "execrt: graph capture: bucket 1 of 8\n"

@@ -18,7 +18,8 @@ from execrt.bench.common import (
     build_attention_backend,
     copy_bandwidth_gbps,
     median_us,
-    save_records,
+    rank,
+    report,
     utc_now,
 )
 from execrt.core.batch import ForwardBatch, ForwardMode
@@ -205,16 +206,11 @@ def run(
                     str(dtype).replace("torch.", ""),
                 )
             )
-        best = max((r.gbps for r in shape_records), default=0.0)
-        for r in shape_records:
-            r.vs_best_peer = r.gbps / best if best else 0.0
+        rank(shape_records, "gbps")
         records += shape_records
         del problem
         torch.cuda.empty_cache()
-    print(format_table(records))
-    if out_dir:
-        print(f"# saved {save_records(records, out_dir, 'attention-decode')}")
-    return records
+    return report(records, format_table, out_dir, "attention-decode")
 
 
 def format_table(records: Sequence[Record]) -> str:

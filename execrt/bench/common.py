@@ -1,4 +1,5 @@
-"""Measuring helpers the benchmarks share: copy bandwidth, CUDA-event timing, result files."""
+"""Measuring helpers the benchmarks share: copy bandwidth, CUDA-event timing, ranking and
+saving results."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -23,6 +24,8 @@ from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
 
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
+
+R = TypeVar("R")
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -62,6 +65,28 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
     with open(path, "w") as fh:
         json.dump([asdict(r) for r in records], fh, indent=2)
     return path
+
+
+def rank(
+    row: Sequence[Any], metric: str, field: str = "vs_best_peer", against: float | None = None
+) -> None:
+    """Set each record's ``field`` to its ``metric`` over ``against`` (default: the best of
+    the row, e.g. one shape's backends); 0 where there is nothing to compare with."""
+    values = [getattr(r, metric) for r in row]
+    base = max(values, default=0.0) if against is None else against
+    for record, value in zip(row, values, strict=True):
+        setattr(record, field, value / base if base else 0.0)
+
+
+def report(
+    records: list[R], format_table: Callable[[Sequence[R]], str], out_dir: str | None, stem: str
+) -> list[R]:
+    """The tail of every benchmark run: print the table, save the records as JSON in
+    ``out_dir`` (when given; see :func:`save_records`), return them."""
+    print(format_table(records))
+    if out_dir:
+        print(f"# saved {save_records(records, out_dir, stem)}")
+    return records
 
 
 def build_attention_backend(

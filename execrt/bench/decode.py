@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, save_records, utc_now
+from execrt.bench.common import copy_bandwidth_gbps, report, utc_now
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
@@ -205,10 +205,7 @@ def run(opts: Options) -> list[Record]:
         _run_hf(ctx)
         _release_memory()
     _compare_to_peers(ctx.records)
-    print(format_table(ctx.records))
-    if opts.out_dir:
-        print(f"# saved {save_records(ctx.records, opts.out_dir, 'decode-step')}")
-    return ctx.records
+    return report(ctx.records, format_table, opts.out_dir, "decode-step")
 
 
 # -- execrt ---------------------------------------------------------------------------------------

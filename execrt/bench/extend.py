@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.bench.common import build_attention_backend, median_us, save_records, utc_now
+from execrt.bench.common import build_attention_backend, median_us, rank, report, utc_now
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -265,18 +265,13 @@ def run(
                     dtype=str(dtype).replace("torch.", ""),
                 )
             )
-        best = max((r.tflops for r in row), default=0.0)
+        rank(row, "tflops")
         flashinfer = next((r.tflops for r in row if r.backend == "flashinfer"), 0.0)
-        for r in row:
-            r.vs_best_peer = r.tflops / best if best else 0.0
-            r.vs_flashinfer = r.tflops / flashinfer if flashinfer else 0.0
+        rank(row, "tflops", "vs_flashinfer", against=flashinfer)
         records += row
         del p
         torch.cuda.empty_cache()
-    print(format_table(records))
-    if out_dir:
-        print(f"# saved {save_records(records, out_dir, 'extend')}")
-    return records
+    return report(records, format_table, out_dir, "extend")
 
 
 def format_table(records: Sequence[Record]) -> str:

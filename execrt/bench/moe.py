@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, median_us, save_records, utc_now
+from execrt.bench.common import copy_bandwidth_gbps, median_us, report, utc_now
 from execrt.core.experts import grouped_mm_usable, standard_experts
 from execrt.core.interfaces import StandardDispatchOutput
 from execrt.testing.oracles import compare, moe_oracle
@@ -191,10 +191,7 @@ def run(
             )
         del problem
         torch.cuda.empty_cache()
-    print(format_table(records))
-    if out_dir:
-        print(f"# saved {save_records(records, out_dir, 'moe')}")
-    return records
+    return report(records, format_table, out_dir, "moe")
 
 
 def format_table(records: Sequence[Record]) -> str:

@@ -22,6 +22,7 @@ from execrt.core.interfaces import (
     AttentionBackendInit,
     AttentionCapabilities,
     AttentionRequirements,
+    Capabilities,
     GraphBackend,
     GraphBackendInit,
     GraphCapabilities,
@@ -41,6 +42,7 @@ from execrt.core.prefix_cache import (
     PrefixCacheInit,
     PrefixCacheRequirements,
 )
+from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,6 +139,7 @@ def resolve_runtime(
     context_len = min(
         config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
+    check_before_load(config, local, device, dtype, context_len)  # before any weight loads
     partial = ResolvedRuntime(
         config=config,
         spec=spec,
@@ -191,7 +194,9 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
         registry.get("graph", requested)  # an unknown name fails as "not registered"
     blockers = []
     for res in (resolved.attention, resolved.moe_dispatch):
-        if res.chosen is not None and not registry.get(res.kind, res.chosen).capabilities.graph:  # type: ignore[attr-defined]
+        if res.chosen is not None and not getattr(
+            registry.get(res.kind, res.chosen).capabilities, "graph", False
+        ):
             blockers.append(f"{res.kind} backend {res.chosen!r} is not graph-capable")
     if blockers and requested != NO_GRAPH:
         if requested != "auto" or config.strict and resolved.device.type == "cuda":
@@ -225,7 +230,7 @@ def _build(
     registry: BackendRegistry,
     resolution: Resolution,
     requirements: object,
-    make_init: Callable[[BackendSpec], object],
+    make_init: Callable[[BackendSpec[Capabilities]], object],
     strict: bool,
 ) -> tuple[object, Resolution]:
     """Build the resolved choice; under "auto" (not strict) a constructor that fails falls
@@ -258,11 +263,9 @@ def build_moe_dispatcher(
 ) -> tuple[MoEDispatcher, Resolution]:
     spec = resolved.spec
 
-    def make_init(backend: BackendSpec) -> MoEDispatcherInit:
-        caps = backend.capabilities
-        assert isinstance(caps, MoEDispatcherCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> MoEDispatcherInit:
         return MoEDispatcherInit(
-            capabilities=caps,
+            capabilities=backend.narrowed(MoEDispatcherCapabilities).capabilities,
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             hidden_size=spec.hidden_size,
@@ -288,11 +291,9 @@ def build_attention(
     req_to_token_pool: object,
     context: RuntimeContext,
 ) -> tuple[AttentionBackend, Resolution]:
-    def make_init(backend: BackendSpec) -> AttentionBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, AttentionCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> AttentionBackendInit:
         return AttentionBackendInit.over_cache(
-            caps,
+            backend.narrowed(AttentionCapabilities).capabilities,
             kv_cache,
             req_to_token_pool,  # type: ignore[arg-type]
             num_q_heads=resolved.local_spec.num_q_heads,
@@ -317,9 +318,8 @@ def build_graph_backend(
 ) -> tuple[GraphBackend, Resolution]:
     provider = dispatcher.graph_resource_provider() if dispatcher is not None else None
 
-    def make_init(backend: BackendSpec) -> GraphBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, GraphCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> GraphBackendInit:
+        caps = backend.narrowed(GraphCapabilities).capabilities
         return GraphBackendInit(caps, resolved.device, context, provider)
 
     built, res = _build(
@@ -338,9 +338,8 @@ def build_prefix_cache(
 ) -> tuple[PrefixCache, Resolution]:
     """The resolved prefix cache, giving slots back through ``free_slots`` (KVMemory's)."""
 
-    def make_init(backend: BackendSpec) -> PrefixCacheInit:
-        caps = backend.capabilities
-        assert isinstance(caps, PrefixCacheCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> PrefixCacheInit:
+        caps = backend.narrowed(PrefixCacheCapabilities).capabilities
         return PrefixCacheInit(
             caps, resolved.device, free_slots, force_miss=resolved.config.prefix_cache_force_miss
         )
@@ -375,7 +374,9 @@ def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
         free, _ = torch.cuda.mem_get_info(resolved.device)
         budget = int(free * cfg.kv_cache_memory_fraction)
     else:
-        budget = CPU_KV_BUDGET_BYTES
+        budget = cpu_kv_budget(
+            CPU_KV_BUDGET_BYTES, per_token, resolved.context_len, available_memory(resolved.device)
+        )
     wanted = cfg.max_running_requests * resolved.context_len
     tokens = max(1, min(wanted, budget // per_token))
     p = resolved.parallel

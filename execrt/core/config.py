@@ -179,7 +179,9 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
 def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read()
+        # Editors on Windows save UTF-8 with a byte-order mark, which TOML does not allow.
+        data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config: file {os.fspath(path)!r} not found") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -11,6 +11,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 from execrt.core.step import ForwardMode
 
@@ -31,6 +32,10 @@ class Capabilities:
     """Base of the frozen capability records: a backend's claims, readable before it is built."""
 
     kind: ClassVar[str]
+
+    def refusals(self, req: Any) -> list[str]:
+        """Reasons this backend cannot serve ``req``, its kind's requirements (empty: it can)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no refusals")
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -181,6 +186,11 @@ class AttentionBackendInit:
         )
 
 
+#: This step's ``(k [T, Hkv, D], v [T, Hkv, Dv])``, handed to a backend that stores K/V
+#: itself (``stores_kv``); None for every other backend.
+KV = tuple[torch.Tensor, torch.Tensor] | None
+
+
 @dataclass(frozen=True)
 class AttentionStep:
     """What every attention layer of one forward pass receives: the backend, the plan it made
@@ -231,12 +241,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         """Attention of this step's queries over their requests' cached context.
 
         ``q [T, Hq, D]`` in the cache dtype -> ``[T, Hq, Dv]`` in q's dtype. Decode
@@ -506,13 +512,22 @@ class GraphBackend(ABC):
         yield
 
     @abstractmethod
-    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any: ...
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        """Record ``fn`` (no arguments; it reads static tensors) for ``key`` and return its
+        static output objects. Runs inside ``capture_session()``; warms ``fn`` up first, as a
+        real capture needs. Raises ValueError for a ``key`` captured already (cleanup first)."""
 
     @abstractmethod
-    def replay(self, key: ShapeKey) -> Any: ...
+    def replay(self, key: ShapeKey) -> Any:
+        """Re-run ``key``'s recording over the current contents of its static inputs and return
+        the objects ``capture`` returned, overwritten in place. KeyError, naming the captured
+        keys, for a key never captured."""
 
     @abstractmethod
-    def has(self, key: ShapeKey) -> bool: ...
+    def has(self, key: ShapeKey) -> bool:
+        """Whether ``key`` is captured (and not cleaned up)."""
 
     @abstractmethod
-    def cleanup(self) -> None: ...
+    def cleanup(self) -> None:
+        """Synchronise, drop every recording and close owned resources. Idempotent; a later
+        capture starts a new generation."""

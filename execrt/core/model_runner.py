@@ -101,7 +101,9 @@ class ModelRunner:
         # The one K/V writer, fixed here: the backend if it stores K/V itself, else the model.
         stores = self.attn_backend.capabilities.stores_kv
         self.model.attach_kv_cache(None if stores else self.kv_cache)
-        self.sampler = Sampler()
+        # A model that runs fused kernels brings the fused sampling draw (kernels live above
+        # the core, so the core takes it from the model rather than importing it).
+        self.sampler = Sampler(sample_fn=getattr(self.model, "sample_fn", None))
         self.input_buffers = InputBuffers(self.max_running_requests, r.max_num_tokens, r.device)
         self.eager_runner = EagerRunner(self.model, self.attn_backend, self.input_buffers)
         self.decode_graph_runner: DecodeCudaGraphRunner | None = None

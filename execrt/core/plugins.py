@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import pluggy
 
@@ -23,6 +23,13 @@ from execrt.core.interfaces import (
     MoEDispatcherCapabilities,
 )
 from execrt.core.prefix_cache import PrefixCacheCapabilities
+from execrt.core.registration import (
+    built_problem,
+    capability_problems,
+    check_result_problem,
+    interface_problem,
+    option_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +60,27 @@ class Hookspecs:
         """
 
 
+C = TypeVar("C", bound=Capabilities)
+N = TypeVar("N", bound=Capabilities)
+
+
 @dataclass(frozen=True)
-class BackendSpec:
-    """A registered backend: what it claims and how to build it (lazily).
+class BackendSpec(Generic[C]):
+    """A registered backend: what it claims (its kind's capability record ``C``) and how to
+    build it (lazily).
 
     ``factory`` is ``"module:attr"`` (imported on first use) or a callable taking the kind's
     init record. ``requires`` lists modules that must be importable. ``check`` adds refusals
     that depend on the environment (called with the requirements; must not import kernels).
     ``priority`` orders "auto" (higher first); ``auto_devices`` limits where "auto" may pick it
-    (default: every device in its capabilities).
+    (default: every device in its capabilities). What the factory builds must implement the
+    kind's interface (``AttentionBackend``, ``MoEDispatcher``, ``GraphBackend``, ...).
     """
 
     kind: str
     name: str
     factory: str | Callable[[Any], Any]
-    capabilities: Capabilities
+    capabilities: C
     plugin: str
     version: str
     requires: tuple[str, ...] = ()
@@ -77,13 +90,33 @@ class BackendSpec:
     description: str = ""
     check: Callable[[Any], list[str]] | None = None
 
+    def narrowed(self, capabilities_type: type[N]) -> BackendSpec[N]:
+        """This spec, typed by its kind's capability record (TypeError if it is not one)."""
+        if not isinstance(self.capabilities, capabilities_type):
+            raise TypeError(
+                f"{self.kind} backend {self.name!r}: capabilities are "
+                f"{type(self.capabilities).__name__}, not {capabilities_type.__name__}"
+            )
+        return cast("BackendSpec[N]", self)
+
     def refusals(self, requirements: Any) -> list[str]:
         """Why this backend cannot serve ``requirements`` here (empty: usable)."""
         out = [self._missing(m) for m in self.requires if not _importable(m)]
-        out += self.capabilities.refusals(requirements)  # type: ignore[attr-defined]
+        out += self.capabilities.refusals(requirements)
         if self.check is not None and not out:
-            out += self.check(requirements)
+            out += self._run_check(requirements)
         return out
+
+    def _run_check(self, requirements: Any) -> list[str]:
+        # A plugin's probe that raises or answers nonsense is a refusal of its backend, never
+        # a crash of `execrt backends` or of "auto".
+        assert self.check is not None
+        try:
+            result = self.check(requirements)
+        except Exception as exc:
+            return [f"plugin {self.plugin!r}: check raised {exc!r}"]
+        problem = check_result_problem(result)
+        return [f"plugin {self.plugin!r}: {problem}"] if problem else list(result)
 
     def unusable_here(self) -> list[str]:
         """Requirement-independent refusals: missing modules (used by ``execrt backends``)."""
@@ -100,19 +133,30 @@ class BackendSpec:
         return device in devices
 
     def load_factory(self) -> Callable[[Any], Any]:
+        """The factory, imported if it is a string; a class that is not a subclass of the
+        kind's interface is refused (BackendUnavailableError) before anything is built."""
         if callable(self.factory):
-            return self.factory
-        module_name, _, attr = self.factory.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            return getattr(module, attr)
-        except Exception as exc:
-            hint = f" ({self.install_hint})" if self.install_hint else ""
+            loaded = self.factory
+        else:
+            module_name, _, attr = self.factory.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+                loaded = getattr(module, attr)
+            except Exception as exc:
+                hint = f" ({self.install_hint})" if self.install_hint else ""
+                raise BackendUnavailableError(
+                    self.kind,
+                    self.name,
+                    [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
+                ) from exc
+        problem = interface_problem(self.kind, loaded)
+        if problem is None and not callable(loaded):
+            problem = f"factory {self.factory} is {loaded!r}, not a callable"
+        if problem is not None:
             raise BackendUnavailableError(
-                self.kind,
-                self.name,
-                [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
-            ) from exc
+                self.kind, self.name, [f"plugin {self.plugin!r}: {problem}"]
+            )
+        return loaded
 
     def factory_problems(self) -> list[str]:
         """Why the factory cannot be loaded (imports its module, builds nothing)."""
@@ -130,13 +174,21 @@ class BackendSpec:
         """
         factory = self.load_factory()
         try:
-            return factory(init)
+            built = factory(init)
         except BackendUnavailableError:
             raise
         except Exception as exc:
             raise BackendUnavailableError(
                 self.kind, self.name, [f"plugin {self.plugin!r}: constructor raised {exc!r}"]
             ) from exc
+        problem = built_problem(self.kind, built)
+        if problem is not None:
+            # Not a backend: refused here, so "auto" falls through to the next candidate
+            # instead of handing the runner an object that fails at its first call.
+            raise BackendUnavailableError(
+                self.kind, self.name, [f"plugin {self.plugin!r}: {problem}"]
+            )
+        return built
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -164,7 +216,7 @@ class BackendRegistry:
     first registrant keeps the name."""
 
     def __init__(self) -> None:
-        self._specs: dict[tuple[str, str], BackendSpec] = {}
+        self._specs: dict[tuple[str, str], BackendSpec[Capabilities]] = {}
         # A name claimed twice stays with its first registrant; the newcomer is refused whole.
         self._conflicts: dict[tuple[str, str], tuple[str, str]] = {}
         # plugin -> its first refused registration, kept even if its hook caught the error
@@ -195,12 +247,21 @@ class BackendRegistry:
         auto_devices: frozenset[str] | None = None,
         description: str = "",
         check: Callable[[Any], list[str]] | None = None,
-    ) -> BackendSpec:
+    ) -> BackendSpec[Capabilities]:
         """Register a backend factory. Raises PluginError for an invalid or clashing entry;
         the first one per plugin is also recorded (``refusal``), so a hook that catches it
-        cannot keep the rest of its backends."""
+        cannot keep the rest of its backends. Every argument is checked here, element types
+        too (pluggy's rule: a plugin is validated whole when it registers)."""
+        options = dict(
+            requires=requires,
+            install_hint=install_hint,
+            priority=priority,
+            auto_devices=auto_devices,
+            description=description,
+            check=check,
+        )
         try:
-            self._validate(kind, name, factory, capabilities)
+            self._validate(kind, name, factory, capabilities, options)
         except PluginError as exc:
             self._refused.setdefault(self._plugin, exc)
             raise
@@ -222,21 +283,22 @@ class BackendRegistry:
         return spec
 
     def _validate(
-        self, kind: str, name: str, factory: str | Callable[[Any], Any], capabilities: Capabilities
+        self,
+        kind: object,
+        name: object,
+        factory: object,
+        capabilities: object,
+        options: dict[str, Any],
     ) -> None:
-        """Raise PluginError (attributed to the current plugin) for an invalid or taken name."""
-        if kind not in KINDS:
+        """Raise PluginError (attributed to the current plugin) for an invalid or taken name,
+        or any argument of the wrong type."""
+        if not isinstance(kind, str) or kind not in KINDS:
             raise PluginError(
                 self._plugin, f"unknown backend kind {kind!r} (kinds: {', '.join(KINDS)})"
             )
-        if not isinstance(capabilities, KINDS[kind]):
-            raise PluginError(
-                self._plugin,
-                f"{kind} backend {name!r} must declare {KINDS[kind].__name__}, "
-                f"got {type(capabilities).__name__}",
-            )
         if (
-            not name
+            not isinstance(name, str)
+            or not name
             or name in {"auto", NO_GRAPH}
             or not name.replace("_", "").replace("-", "").replace(".", "").isalnum()
         ):
@@ -245,8 +307,15 @@ class BackendRegistry:
                 f"invalid backend name {name!r} (use letters, digits, '_', '-' and '.'; "
                 f"{'auto'!r} and {NO_GRAPH!r} are reserved)",
             )
-        if isinstance(factory, str) and ":" not in factory:
-            raise PluginError(self._plugin, f"factory {factory!r} must look like 'module:attr'")
+        if not isinstance(capabilities, KINDS[kind]):
+            raise PluginError(
+                self._plugin,
+                f"{kind} backend {name!r} must declare {KINDS[kind].__name__}, "
+                f"got {type(capabilities).__name__}",
+            )
+        problems = option_problems(factory, **options) + capability_problems(capabilities)
+        if problems:
+            raise PluginError(self._plugin, f"{kind} backend {name!r}: " + "; ".join(problems))
         key = (kind, name)
         if key in self._specs:
             first = self._specs[key].plugin
@@ -268,7 +337,7 @@ class BackendRegistry:
         """The first registration of ``plugin`` that was refused, None if none was."""
         return self._refused.get(plugin)
 
-    def get(self, kind: str, name: str) -> BackendSpec:
+    def get(self, kind: str, name: str) -> BackendSpec[Capabilities]:
         try:
             return self._specs[(kind, name)]
         except KeyError:
@@ -280,7 +349,7 @@ class BackendRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(name for k, name in self._specs if k == kind)
 
-    def specs(self, kind: str | None = None) -> list[BackendSpec]:
+    def specs(self, kind: str | None = None) -> list[BackendSpec[Capabilities]]:
         """Specs of one kind (or all), highest priority first, then by name."""
         found = [s for (k, _), s in self._specs.items() if kind is None or k == kind]
         return sorted(found, key=lambda s: (list(KINDS).index(s.kind), -s.priority, s.name))

@@ -64,6 +64,19 @@ def prompt_token_ids(prompt: object) -> tuple[list[int], str | None]:
     return [operator.index(t) for t in items], None
 
 
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized (None: it can): a lone surrogate, which no encoding
+    can write. Names the first one's position; one that stands for an undecodable byte
+    (Python's ``surrogateescape``, as in command-line arguments) names the byte."""
+    for i, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            what = f"the lone surrogate {char!r}"
+            if "\udc80" <= char <= "\udcff":
+                what = f"byte 0x{ord(char) - 0xDC00:02x}, which is not UTF-8"
+            return f"text is not valid Unicode: character {i} is {what}"
+    return None
+
+
 def broadcast_sampling_params(sampling_params: object, n: int) -> list[Any]:
     """One entry per prompt: None -> defaults; a list or tuple is per prompt (its length
     must be ``n``: ValueError); anything else, a SamplingParams or not, is shared by all, so

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from execrt.core.model_spec import Model
 
 logger = logging.getLogger(__name__)
+#: Long operations report each step here; the CLI prints it (``execrt: graph capture: ...``).
+progress = logging.getLogger("execrt.progress")
+SLOW_CAPTURE_S = 2.0
 
 
 class InputBuffers:
@@ -178,10 +182,24 @@ class DecodeCudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse the largest one's pool)."""
+        """Capture every bucket, largest first (smaller graphs reuse the largest one's pool).
+
+        Once capture has taken ``SLOW_CAPTURE_S``, each bucket logs a line on the
+        ``execrt.progress`` logger (the CLI shows it): a re-executing backend under the Triton
+        interpreter captures for minutes; CUDA graphs stay quiet."""
+        start, total = time.perf_counter(), len(self.capture_bs)
         with self.backend.capture_session():
-            for bs in reversed(self.capture_bs):
+            for done, bs in enumerate(reversed(self.capture_bs), 1):
                 self.backend.capture(ShapeKey(bs), self._forward_fn(bs))
+                elapsed = time.perf_counter() - start
+                if elapsed >= SLOW_CAPTURE_S:
+                    progress.info(
+                        "graph capture: bucket %d of %d (batch size %d) done after %.0f s",
+                        done,
+                        total,
+                        bs,
+                        elapsed,
+                    )
 
     def _forward_fn(self, bs: int) -> Callable[[], LogitsOutput]:
         fb = self._padding_batch(bs)

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from execrt.core.schedule import Req
     from execrt.core.staging import HostToDevice
+
+
+class _Params(Protocol):
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def greedy(self) -> bool: ...
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (``core.schedule.Req`` is one): its parameters, seed
+    and how many tokens it has sampled, in flight included."""
+
+    @property
+    def sampling_params(self) -> _Params: ...
+    @property
+    def sampling_seed(self) -> int: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def num_pending(self) -> int: ...
+
 
 _M32 = 0xFFFFFFFF
 _I64_MAX = 2**63 - 1
@@ -29,7 +54,10 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(
-        cls, reqs: Sequence[Req], device: torch.device, stager: HostToDevice | None = None
+        cls,
+        reqs: Sequence[SamplingRequest],
+        device: torch.device,
+        stager: HostToDevice | None = None,
     ) -> SamplingBatchInfo:
         """One row per request. ``steps`` counts tokens still in flight too, so a seeded draw
         is the same whether or not the host has seen the previous token yet. An all-greedy
@@ -60,19 +88,51 @@ class SamplingBatchInfo:
         )
 
 
+#: A fused draw the Sampler can be given (``execrt.kernels.sampling.fused_sample`` is one):
+#: ``(logits [B, V], info) -> token ids [B]`` int64, the same tokens as ``Sampler.sample_torch``
+#: for the same seeds. It must handle greedy and sampled rows from ``info``'s tensors alone.
+SampleFn = Callable[[torch.Tensor, SamplingBatchInfo], torch.Tensor]
+
+
 class Sampler:
     """Turns next-token logits into token ids.
 
     Random draws come from a counter-based hash of (seed, step, token id): a seeded request
     samples the same tokens whatever else shares its batch and on any device.
+
+    The draw: a row is greedy (``argmax``, the lowest id among equal maxima) when its
+    temperature is 0 or its top_k is 1. Otherwise the tokens are ranked by probability after
+    temperature, the lowest id first among equal probabilities; top_k keeps the first
+    ``top_k`` of them (``<= 0`` or beyond the vocabulary: all), top_p the longest prefix whose
+    mass before each token is below ``top_p`` (the first token always; ``>= 1``: all); the
+    token is the kept one with the largest ``p / E``, ``E`` an Exp(1) draw from the hash (the
+    exponential race, a sample from the kept probabilities renormalised).
+
+    ``sample_fn`` (optional) replaces the torch draw by a fused one (see ``SampleFn``); the
+    core never imports the kernels, so whoever builds the runner passes it in.
     """
+
+    def __init__(self, sample_fn: SampleFn | None = None) -> None:
+        self.sample_fn = sample_fn
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """``logits [B, V]`` (any float dtype) -> token ids ``[B]`` int64."""
+        if info.all_greedy:  # a host flag: no parameter tensors exist for such a batch
+            return torch.argmax(logits, dim=-1)
+        return self.sample(logits, info)
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The draw from ``info``'s tensors alone, greedy rows included (``all_greedy`` is not
+        read): no host sync and fixed shapes, so it can be captured in a CUDA graph."""
+        if self.sample_fn is not None:
+            return self.sample_fn(logits, info)
+        return self.sample_torch(logits, info)
+
+    @classmethod
+    def sample_torch(cls, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The torch draw (the reference the fused kernels are tested against)."""
         greedy_ids = torch.argmax(logits, dim=-1)
-        if info.all_greedy:
-            return greedy_ids
-        probs = self.filtered_probs(logits, info)
+        probs = cls.filtered_probs(logits, info)
         noise = exponential_noise(info.seeds, info.steps, logits.shape[-1])  # [B, V]
         sampled = torch.argmax(probs / noise, dim=-1)
         is_greedy = (info.temperatures == 0) | (info.top_ks == 1)
@@ -89,14 +149,18 @@ class Sampler:
         scores = logits.float()
         shifted = scores - scores.amax(dim=-1, keepdim=True)
         probs = torch.softmax(shifted / temps[:, None], dim=-1)  # [B, V]
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Stable: equal probabilities rank by token id, so the kept set is a function of the
+        # row alone (the fused kernels rank the same way).
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]
         k = torch.where(info.top_ks > 0, info.top_ks, torch.full_like(info.top_ks, probs.shape[-1]))
         keep = rank < k[:, None]
         # Keep a token while the mass before it is below top_p: the first token always stays,
-        # even for a top_p that fp32 rounds to 0 (below ~1.4e-45).
+        # even for a top_p that fp32 rounds to 0 (below ~1.4e-45); top_p >= 1 keeps every
+        # token, also those after an fp32 cumsum that has already reached 1.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep &= (mass_before < info.top_ps[:, None]) | (rank == 0)
+        top_ps = info.top_ps[:, None]
+        keep &= (mass_before < top_ps) | (rank == 0) | (top_ps >= 1)
         kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         return torch.zeros_like(probs).scatter_(-1, order, kept)
 

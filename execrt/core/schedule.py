@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import Any
 
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.staging import HostToDevice
@@ -22,7 +25,8 @@ class SamplingParams:
     a result with ``finish_reason="error"``). Accepted types: ``int`` for ``max_new_tokens``,
     ``top_k`` and ``seed`` (or None); ``float`` or ``int`` for ``temperature`` and ``top_p``;
     a tuple or list of ``int`` for ``stop_token_ids`` (a list is stored as a tuple); ``bool``
-    for ``ignore_eos``. A bool is not accepted where a number is.
+    for ``ignore_eos``. A bool is not accepted where a number is; numpy integers and floats
+    are (stored as Python ``int`` / ``float``), as they are for prompt token ids.
     """
 
     max_new_tokens: int = 16
@@ -36,6 +40,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):  # keep the params hashable and immutable
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+        # numpy integers count as int (as they do for prompt token ids) and numpy floats as
+        # float: stored as the plain Python values.
+        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(self, name, self._plain_number(getattr(self, name)))
+        if isinstance(self.stop_token_ids, tuple):
+            plain = tuple(self._plain_number(t) for t in self.stop_token_ids)
+            object.__setattr__(self, "stop_token_ids", plain)
 
     def problems(self) -> list[str]:
         """Why these parameters are invalid (empty when they are fine).
@@ -63,6 +75,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @staticmethod
+    def _plain_number(value: Any) -> Any:
+        """A numpy (or other ``numbers``) integer as int, a real as float; anything else,
+        bools and Python numbers included, unchanged (the type check judges it)."""
+        if isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
+            return value
+        return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is_int(value: object) -> bool:

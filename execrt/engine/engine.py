@@ -1,11 +1,15 @@
-"""Engine: the public generate() API over the scheduler, with text in and out when possible."""
+"""Engine: the public generate() API over the scheduler, with text in and out when possible, safe
+to call from several threads, and a request-level API (submit / abort / step) for a driver
+thread such as the server's."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,11 +21,20 @@ from execrt.core.context import RuntimeContext
 from execrt.core.errors import ConfigError, RequestError
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState, init_parallel
-from execrt.core.prompts import broadcast_sampling_params, prompt_token_ids, split_prompts
+from execrt.core.prompts import (
+    broadcast_sampling_params,
+    prompt_token_ids,
+    split_prompts,
+    text_problem,
+)
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
-from execrt.core.worker import TpModelWorker
-from execrt.engine.scheduler import Scheduler, describe_exception
+from execrt.engine.client import EngineStats, RequestOutput
+from execrt.engine.driver import Driver
+from execrt.engine.logprobs import MAX_TOP_LOGPROBS, LogprobWorker
+from execrt.engine.requests import RequestTable
+from execrt.engine.scheduler import Scheduler, describe_exception, kv_slots_needed
+from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
 
@@ -36,8 +49,8 @@ class GenerationResult:
     """One request's outcome. ``error`` is set (and nothing generated) for a rejected request.
 
     ``text`` is ``token_ids`` decoded ("" when nothing was generated, as for a rejected or an
-    aborted request), None when the engine has no tokenizer. ``cached_tokens``: prompt tokens
-    whose K/V came from the prefix cache instead of being computed.
+    aborted request), None when the engine has no tokenizer. ``cached_tokens`` counts the
+    prompt tokens served from the prefix cache (their K/V was not computed for this request).
     """
 
     token_ids: list[int]
@@ -65,6 +78,12 @@ class Engine:
     number of processes; ``ep_size`` for a MoE model) and makes the same calls: the ranks step
     in lockstep and every rank returns the same results. ``parallel.rank`` says which rank
     this is (print on rank 0 only).
+
+    Threads. Any number of threads may call ``generate``, ``chat``, ``stream``, ``submit`` and
+    ``abort_request`` on one Engine at once. Steps are serialised: one thread at a time steps
+    the scheduler, and each step carries every queued request, whichever thread queued it.
+    The other threads wait for their own requests, not for the stepping thread's: each call
+    returns as soon as its requests are done. ``close()`` only after every other call returned.
     """
 
     def __init__(
@@ -102,29 +121,40 @@ class Engine:
         registry = (plugin_host or get_plugin_host()).registry
         self.context = self._join_world(resolve_device(cfg.device))
         try:
-            self.worker = TpModelWorker(loader, cfg, self.context, registry)
+            self.worker = LogprobWorker(loader, cfg, self.context, registry)
+            self.model_config = checkpoint.config if checkpoint else loader.spec
+            self.tokenizer: Any = None
+            self.chat_template: ChatTemplate | None = None
+            if checkpoint is not None:
+                from execrt.models.config import checkpoint_dir
+                from execrt.models.tokenizer import load_chat_template, load_tokenizer
+
+                converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
+                self.tokenizer = load_tokenizer(converted)
+                self.chat_template = load_chat_template(converted)
+            self.scheduler = Scheduler(
+                self.worker,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                eos_token_ids=self.model_config.eos_token_ids,
+                overlap=cfg.overlap_schedule,
+            )
         except BaseException:
+            # Release the model and KV cache now, not at the next garbage collection: the
+            # half-built engine stays reachable from the traceback (and the context's
+            # registry holds the cache in a reference cycle).
+            if "worker" in self.__dict__:
+                self.__dict__.pop("worker").close()  # no local keeps it alive in the frame
             self.context.close()
             raise
-        self.model_config = checkpoint.config if checkpoint else loader.spec
-        self.tokenizer: Any = None
-        self.chat_template: ChatTemplate | None = None
-        if checkpoint is not None:
-            from execrt.models.config import checkpoint_dir
-            from execrt.models.tokenizer import load_chat_template, load_tokenizer
-
-            converted = checkpoint_dir(checkpoint.path)  # a GGUF file's converted copy
-            self.tokenizer = load_tokenizer(converted)
-            self.chat_template = load_chat_template(converted)
-        self.scheduler = Scheduler(
-            self.worker,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
-            overlap=cfg.overlap_schedule,
-        )
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
+        # Every token goes to its stream, or to its submitted request; generate() reads its
+        # requests' tokens when they are done.
+        self._streams: dict[Req, Callable[[int], None]] = {}
+        self._requests = RequestTable(self.scheduler, self.worker)
+        self.scheduler.on_token.append(self._on_token)
+        self._driver = Driver(self.scheduler, self._requests.deliver)
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
         """The context over the torchrun world (one process: a world of 1). A process group
@@ -183,16 +213,17 @@ class Engine:
                 continue
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
             reqs[i] = Req(next(self._rids), ids, sp, sampling_seed=seed)
+        todo = list(reqs.values())
         try:
-            for req in reqs.values():
-                self.scheduler.add(req)
-            self._run_until_finished(reqs.values())
+            self._driver.call(lambda: self._add(todo))
+            self._run_until_finished(todo)
         except BaseException as exc:
             # Nothing of this call may stay queued or hold KV slots: the next call would run
             # these requests and drop their results.
-            self.scheduler.abort(reqs.values(), f"generate() failed: {describe_exception(exc)}")
+            error = f"generate() failed: {describe_exception(exc)}"
+            self._driver.call(lambda: self.scheduler.abort(todo, error))
             raise
-        self._forget(reqs.values())
+        self._driver.call(lambda: self._forget(todo))
         for i, req in reqs.items():
             assert req.finish_reason is not None
             results[i] = GenerationResult(
@@ -202,7 +233,7 @@ class Engine:
                 finish_reason=req.finish_reason.value,
                 error=req.error,
                 num_retractions=req.num_retractions,
-                cached_tokens=req.cached_tokens,
+                cached_tokens=cached_prompt_tokens(req),
             )
         ordered = [results[i] for i in range(len(batch))]
         return ordered[0] if single else ordered
@@ -222,13 +253,29 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
     ) -> tuple[list[int], SamplingParams]:
-        """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say)."""
-        if self.chat_template is None or self.tokenizer is None:
+        """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say).
+
+        Raises RequestError without a tokenizer or chat template, for messages that are not
+        a list of ``{"role": str, "content": str}`` (naming the message and the field), and
+        when the template refuses them."""
+        from execrt.models.tokenizer import chat_messages_problem, missing_tokenizer_reason
+
+        if self.tokenizer is None:  # the real reason, e.g. a SentencePiece GGUF vocabulary
+            raise RequestError(
+                f"engine: chat needs a tokenizer: {missing_tokenizer_reason(self.model_path)}"
+            )
+        if self.chat_template is None:
             raise RequestError(
                 f"engine: {self.model_note} has no chat template "
                 "(tokenizer_config.json 'chat_template'); use generate() with plain text"
             )
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+        problem = chat_messages_problem(messages)
+        if problem is not None:
+            raise RequestError(f"engine: chat: {problem}")
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:  # raise_exception() in the template, or one of its errors
+            raise RequestError(f"engine: {exc}") from None
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
@@ -247,8 +294,10 @@ class Engine:
 
         Pieces never split a UTF-8 character; their concatenation is the result's text.
         Raises RequestError at once for an invalid request, and while iterating (after the
-        text it has) if the request cannot be served or a step that carried it failed;
-        RuntimeError without a tokenizer. The request is queued at the first ``next()``.
+        text it has, every token already computed included) if the request cannot be served
+        or a step that carried it, or that this iteration drove, failed (the step's exception
+        is its ``__cause__``; a KeyboardInterrupt propagates as it is); RuntimeError without a
+        tokenizer. The request is queued at the first ``next()``.
         Closing the iterator early (``close()``, ``break``, garbage collection) aborts the
         request and frees its KV slots and request row.
 
@@ -272,49 +321,165 @@ class Engine:
         from execrt.models.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer)
-        # Filled by the scheduler's token hook whoever steps it: this stream, another one, or
-        # a generate() call made while this one was suspended.
-        pieces: list[str] = []
-
-        def on_token(r: Req, token_id: int) -> None:
-            if r is req:
-                pieces.append(detok.push(token_id))
-
-        self.scheduler.on_token.append(on_token)
+        # Filled by the token hook whichever thread steps: this stream, another one, or a
+        # generate() call made while this one was suspended.
+        pieces: deque[str] = deque()
+        self._streams[req] = lambda token_id: pieces.append(detok.push(token_id))
+        failure: Exception | None = None  # the exception of a failed step this stream drove
         try:
-            self.scheduler.add(req)
+            self._driver.call(lambda: self._add([req]))
             while True:
                 if self._closed:
                     raise RuntimeError("engine: stream iterated after the engine was closed")
                 if pieces:  # checked again after each yield: other calls may have added some
-                    text = "".join(pieces)
-                    pieces.clear()
+                    text = "".join(pieces.popleft() for _ in range(len(pieces)))
                     if text:
                         yield text
                     continue
                 if req.finished:
                     break
-                self.scheduler.step()
+                try:
+                    self._driver.drive(lambda: bool(pieces) or req.finished, max_steps=1)
+                except Exception as exc:
+                    # The step this stream drove failed. The scheduler aborted the requests
+                    # it carried; this one ends too, after the text it has, with the promised
+                    # RequestError (KeyboardInterrupt propagates as it is).
+                    failure = exc
+                    if not req.finished:
+                        why = f"step failed: {describe_exception(exc)}"
+                        self._driver.call(functools.partial(self.scheduler.abort, [req], why))
             tail = detok.flush()
             if tail:
                 yield tail
             if req.finish_reason == FinishReason.ABORT and req.error:
-                raise RequestError(req.error)
+                raise RequestError(req.error) from failure
         finally:
-            self.scheduler.on_token.remove(on_token)
             if not self._closed:
-                if not req.finished:  # the caller stopped early: give the request's slots back
-                    self.scheduler.abort([req], "abandoned: the stream was closed early")
-                self.scheduler.drain()
-                self._forget([req])
+                self._driver.call(lambda: self._end_stream(req))
+            self._streams.pop(req, None)
+
+    def _end_stream(self, req: Req) -> None:
+        if not req.finished:  # the caller stopped early: give the request's slots back
+            self.scheduler.abort([req], "abandoned: the stream was closed early")
+        self.scheduler.drain()
+        self._forget([req])
+
+    # -- the request-level API (a driver thread, e.g. the server's) -----------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        top_logprobs: int | None = None,
+    ) -> int:
+        """Queue one request and return its id; it runs as whichever thread steps the engine
+        (``step``, or any ``generate``) steps it.
+
+        ``on_output`` is called by the stepping thread after each step that gave the request
+        tokens, with those tokens, and once more with ``finish_reason`` set (a callback that
+        raises is logged and ignored). ``top_logprobs`` (0..20) adds each token's
+        log-probability and that many alternatives. Raises RequestError for an invalid
+        request, as ``stream`` does.
+        """
+        if self._closed:
+            raise RuntimeError("engine: submit() after close()")
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        ids, error = self._check_submission(prompt, sp, top_logprobs)
+        if error is not None:
+            raise RequestError(error)
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        req = Req(next(self._rids), ids, sp, sampling_seed=seed)
+
+        def add() -> None:
+            self._requests.track(req, on_output, top_logprobs)
+            self._add([req])
+
+        self._driver.call(add)
+        return req.rid
+
+    def validate(
+        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
+    ) -> str | None:
+        """Why ``submit`` would refuse this request (the message it raises), or None. Safe
+        from any thread."""
+        return self._check_submission(prompt, sampling_params, top_logprobs)[1]
+
+    def _check_submission(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None
+    ) -> tuple[list[int], str | None]:
+        """``_validate``, and a request that could not run even in an empty KV cache is
+        refused too (``generate`` instead finishes it with ``abort``)."""
+        ids, error = self._validate(prompt, sp, top_logprobs)
+        if error is None:
+            limit = self.worker.limits.context_len
+            needed = kv_slots_needed(len(ids), sp.max_new_tokens, limit)
+            total = kv_slot_counts(self.scheduler)[0]
+            if needed > total:
+                error = f"request needs up to {needed} KV slots but the whole cache holds {total}"
+        return ids, error
+
+    def abort_request(self, rid: int, reason: str = "aborted") -> None:
+        """Finish submitted request ``rid`` with ``abort`` and free its KV slots, now or before
+        the next step; its callback gets the last output. An unknown or finished id is
+        ignored."""
+
+        def abort() -> None:
+            req = self._requests.get(rid)
+            if req is not None and not req.finished:
+                self.scheduler.abort([req], reason)
+                self._requests.finish(req)
+
+        self._driver.call(abort)
+
+    def step(self) -> bool:
+        """Run one step if there is work (waiting while another thread steps); returns
+        whether this call ran one."""
+        if self._closed:
+            raise RuntimeError("engine: step() after close()")
+        return self._driver.drive(lambda: not self._driver.has_work, max_steps=1) > 0
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued or running (or changes queued for the next step)."""
+        return self._driver.has_work
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block while there is no work, up to ``timeout`` seconds; returns ``has_work``."""
+        return self._driver.wait_for_work(timeout)
+
+    def stats(self) -> EngineStats:
+        """KV slots, queue lengths and prefix-cache counters; safe from any thread."""
+        return engine_stats(self.scheduler)
+
+    def flush_cache(self) -> int:
+        """Free every prefix-cache slot that no running request reads, between two steps;
+        returns how many (0 without a prefix cache). Slots that running requests read stay
+        cached: with nothing running, every slot is free afterwards."""
+        if self._closed:
+            raise RuntimeError("engine: flush_cache() after close()")
+        freed: list[int] = []
+        self._driver.call(lambda: freed.append(self.worker.memory.flush_cache()))
+        self._driver.drive(lambda: bool(freed), max_steps=0)  # while another thread drives
+        return freed[0]
+
+    # -- internals -------------------------------------------------------------------------------
+    def _add(self, reqs: Iterable[Req]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+
+    def _on_token(self, req: Req, token_id: int) -> None:
+        stream = self._streams.get(req)
+        if stream is not None:
+            stream(token_id)
+        else:
+            self._requests.on_token(req, token_id)
 
     def _run_until_finished(self, reqs: Collection[Req]) -> None:
-        """Step until every request of ``reqs`` finished (open streams' requests ride along),
-        then process the step still in flight, so none is left between calls."""
-        while not all(r.finished for r in reqs):
-            assert self.scheduler.has_work, "an unfinished request is always queued"
-            self.scheduler.step()
-        self.scheduler.drain()
+        """Step (or wait while another thread steps) until every request of ``reqs``
+        finished, then process the step still in flight, so none is left between calls."""
+        self._driver.drive(lambda: all(r.finished for r in reqs))
+        self._driver.call(self.scheduler.drain)
 
     def _forget(self, reqs: Iterable[Req]) -> None:
         """Drop finished ``reqs`` from the scheduler's finished list: their caller holds them,
@@ -322,7 +487,9 @@ class Engine:
         done = set(reqs)
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
-    def _validate(self, prompt: object, sp: SamplingParams) -> tuple[list[int], str | None]:
+    def _validate(
+        self, prompt: object, sp: SamplingParams, top_logprobs: int | None = None
+    ) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
             if isinstance(sp, SamplingParams)
@@ -332,6 +499,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 problems.append("text prompt but the model has no tokenizer.json; pass token ids")
+            elif (problem := text_problem(prompt)) is not None:
+                problems.append(problem)
             else:
                 ids = self.tokenizer.encode(prompt).ids
         else:
@@ -347,30 +516,14 @@ class Engine:
         limit = self.worker.limits.context_len
         if len(ids) >= limit:
             problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
+        if top_logprobs is not None:
+            problems += _top_logprobs_problems(top_logprobs)
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
             return None
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def flush_cache(self) -> int:
-        """Free every prefix-cache slot that no running request reads; returns how many."""
-        return self.worker.memory.flush_cache()
-
-    def stats(self) -> dict[str, int]:
-        """KV slots (total, free, held by the prefix cache), requests (running, waiting) and
-        prefix-cache traffic (prompt tokens queried at admission, tokens found cached)."""
-        memory, sched = self.worker.memory, self.scheduler
-        return {
-            "kv_slots_total": memory.total_slots,
-            "kv_slots_free": memory.free_slots,
-            "kv_slots_cached": memory.cached_slots,
-            "requests_running": len(sched.running),
-            "requests_waiting": len(sched.waiting),
-            "prefix_hit_tokens": sched.stats.prefix_hit_tokens,
-            "prefix_query_tokens": sched.stats.prefix_query_tokens,
-        }
 
     def close(self) -> list[str]:
         """Release the model, KV cache and backends. Returns what was left open (ideally [])."""
@@ -385,3 +538,9 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _top_logprobs_problems(top: object) -> list[str]:
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
+    return []

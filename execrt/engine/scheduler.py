@@ -162,7 +162,8 @@ class Scheduler:
             error = (
                 f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
                 f"{req.sampling_params.max_new_tokens} - 1, capped by the context of "
-                f"{self.context_len}) but the whole cache holds {self.memory.total_slots}"
+                f"{self.context_len}) but the whole cache holds {self.memory.total_slots}; raise "
+                f"kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least {needed}"
             )
         else:
             self.waiting.append(req)
@@ -441,6 +442,8 @@ class Scheduler:
         try:
             return fn(*args)
         except BaseException as exc:
+            if not any(isinstance(a, Launched) for a in args):
+                self._salvage_inflight()
             batches = [b for b in (extra, self._inflight and self._inflight.batch) if b]
             for arg in args:
                 if isinstance(arg, Launched):
@@ -451,6 +454,19 @@ class Scheduler:
             finally:
                 self._recover()
             raise
+
+    def _salvage_inflight(self) -> None:
+        """Keep the tokens of the step in flight when the next one fails to build or launch:
+        they were computed, and a stream has promised every one. If reading them fails too,
+        that step is aborted with the rest."""
+        launched = self._inflight
+        if launched is None:
+            return
+        try:
+            self._process(launched)
+        except BaseException:  # the first failure is the one to report
+            return
+        self._inflight = None
 
     def _check_finished(self, req: Req) -> None:
         params = req.sampling_params

@@ -1,4 +1,5 @@
-"""The torch/Triton switch and the launch helpers shared by the fused kernels (lazy triton)."""
+"""The one torch/Triton switch of every kernel (model and attention): the interpreter check,
+device and index checks, ``fail``, launch sizing and the PDL decision (lazy triton)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,30 @@ from typing import Literal, NoReturn
 import torch
 
 from execrt.core import envs
+from execrt.core.errors import ConfigError
 
 KernelMode = Literal["auto", "on", "off"]
 KERNEL_MODES: tuple[KernelMode, ...] = ("auto", "on", "off")
 
 # Triton's own switch for its CPU interpreter (not an execrt setting, hence not in core/envs).
-# triton.jit reads it when a kernel is *defined*, so it must be set before a triton_* kernel
-# module is first imported; tests/conftest.py does that on machines without CUDA.
+# triton.jit reads it when a kernel is *defined*, so it must be set before a kernel module that
+# imports triton is first imported; tests/conftest.py does that on machines without CUDA.
 TRITON_INTERPRET = "TRITON_INTERPRET"
+
+# What turns the interpreter on, as triton reads TRITON_INTERPRET: any case of these with
+# triton >= 3.4 (``triton.knobs``, checked on 3.4, 3.6 and 3.9), exactly "1" before.
+INTERPRETER_VALUES = ("1", "true", "on", "yes", "y")
+INTERPRETER_HINT = (
+    f"the Triton interpreter: set {TRITON_INTERPRET}=1 (triton >= 3.4 also reads "
+    f"{', '.join(INTERPRETER_VALUES[1:])}, any case)"
+)
 
 # The interpreter runs programs one after another, so on CPU the launch heuristics should ask for
 # as few (large) programs as they can: pretend there is one SM.
 INTERPRETER_SM_COUNT = 1
+
+#: Dtypes of the index tensors (slot ids, offsets, lengths) the kernels accept.
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 _INSTALL_HINT = "pip install triton (it ships with the CUDA builds of torch)"
 
@@ -31,9 +44,25 @@ def fail(component: str, message: str) -> NoReturn:
     raise ValueError(f"{component}: {message}")
 
 
+@functools.cache
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get(TRITON_INTERPRET, "").strip().lower() in {"1", "true", "yes", "on"}
+    """Whether Triton kernels run under the CPU interpreter: ``TRITON_INTERPRET`` as the
+    installed triton itself reads it (``triton.knobs``; before 3.4, ``== "1"``), and False
+    without triton.
+
+    Read once per process: triton.jit fixes the choice when a kernel module is imported, so
+    a later change of the variable could not reach those kernels anyway. Every place that
+    asks (the kernels switch, the device checks, PDL, the attention backend's registry
+    check) asks here, so they all give one answer.
+    """
+    value = os.environ.get(TRITON_INTERPRET)
+    if value is None or not triton_importable():
+        return False
+    try:
+        from triton import knobs
+    except ImportError:  # triton 3.2, 3.3: ``os.getenv("TRITON_INTERPRET", "0") == "1"``
+        return value == "1"
+    return bool(knobs.runtime.interpret)
 
 
 @functools.cache
@@ -45,13 +74,18 @@ def triton_importable() -> bool:
     return True
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device``: CUDA, or CPU under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+
 def use_triton(device: torch.device | str, mode: KernelMode | str) -> bool:
     """Whether the fused ops should run their Triton kernels on ``device``.
 
     ``off``: never (torch references). ``auto``: on CUDA devices when triton imports, else
-    torch. ``on``: always; on a CPU device that needs the Triton interpreter
-    (``TRITON_INTERPRET=1``), elsewhere it raises. The answer is passed to each op explicitly
-    (``rmsnorm(..., use_triton=...)``); nothing here is remembered.
+    torch (never the interpreter). ``on``: always; on a CPU device that needs the Triton
+    interpreter (``interpreter_enabled``), elsewhere it raises. The answer is passed to each op
+    explicitly (``rmsnorm(..., use_triton=...)``); nothing here is remembered.
     """
     if mode not in KERNEL_MODES:
         fail("kernels", f"mode {mode!r} unsupported (supported: {', '.join(KERNEL_MODES)})")
@@ -64,14 +98,14 @@ def use_triton(device: torch.device | str, mode: KernelMode | str) -> bool:
         raise ImportError(
             f"kernels: mode 'on' needs triton, which is not installed ({_INSTALL_HINT})"
         )
-    if dev.type == "cuda" or (dev.type == "cpu" and interpreter_enabled()):
+    if runs_on(dev):
         return True
+    # A setting this machine cannot run (fused_kernels = "on"): a ConfigError, raised before
+    # the model's weights load (the loader asks this first).
     if dev.type == "cpu":
-        fail(
-            "kernels", "mode 'on' on a CPU device needs the Triton interpreter (TRITON_INTERPRET=1)"
-        )
-    fail(
-        "kernels", f"mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
+        raise ConfigError(f"kernels: mode 'on' on a CPU device needs {INTERPRETER_HINT}")
+    raise ConfigError(
+        f"kernels: mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
     )
 
 
@@ -86,6 +120,11 @@ def import_triton() -> ModuleType:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pow2_at_least(n: int, minimum: int = 16) -> int:
+    """A block size: the power of two covering ``n``, at least ``minimum`` (tl.dot's 16)."""
+    return max(minimum, next_power_of_2(n))
 
 
 def num_warps_for(block: int, elem_per_thread: int = 8) -> int:
@@ -168,12 +207,12 @@ def check_float(component: str, name: str, t: torch.Tensor) -> None:
 def check_device(component: str, name: str, t: torch.Tensor) -> None:
     """The kernels run on CUDA tensors, and on CPU ones only under the Triton interpreter
     (elsewhere Triton fails with an error about its drivers that names neither)."""
-    if t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_enabled()):
+    if runs_on(t.device):
         return
     fail(
         component,
         f"{name} is on {t.device}, unsupported by the Triton kernels (supported: cuda, or cpu "
-        f"with the Triton interpreter, {TRITON_INTERPRET}=1; use_triton() picks)",
+        f"with {INTERPRETER_HINT}; use_triton() picks)",
     )
 
 
@@ -184,9 +223,68 @@ def check_same_device(component: str, ref: torch.Tensor, **tensors: torch.Tensor
 
 
 def check_last_dim_contiguous(component: str, **tensors: torch.Tensor | None) -> None:
-    # Kernels vectorise along the last dim; every other stride is passed to them.
+    # Kernels vectorise along the last dim; every other stride is passed to them (tensors may
+    # be slices of a larger static buffer).
     for name, t in tensors.items():
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             fail(
                 component, f"{name} must be contiguous in its last dim, strides {tuple(t.stride())}"
             )
+
+
+def check_index(
+    component: str,
+    name: str,
+    t: torch.Tensor,
+    min_len: int,
+    dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
+) -> None:
+    """A 1-D, contiguous index tensor of an accepted dtype with at least ``min_len`` entries."""
+    if t.dim() != 1:
+        fail(component, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        accepted = ", ".join(map(str, dtypes))
+        fail(component, f"{name} dtype {t.dtype} unsupported (supported: {accepted})")
+    if t.shape[0] < min_len:
+        fail(component, f"{name} has {t.shape[0]} entries, need at least {min_len}")
+    if t.shape[0] > 0 and t.stride(0) != 1:
+        fail(component, f"{name} must be contiguous, got stride {t.stride(0)}")
+
+
+def check_index_build(
+    component: str,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    **others: torch.Tensor,
+) -> int:
+    """The inputs of a per-step ``kv_indptr`` / ``kv_indices`` build, all on ``req_to_token``'s
+    device (``others`` too); returns the batch size."""
+    if req_to_token.dim() != 2 or req_to_token.dtype not in INDEX_DTYPES:
+        shape = tuple(req_to_token.shape)
+        fail(
+            component,
+            f"req_to_token must be a 2-D int32/int64 table, got {req_to_token.dtype} {shape}",
+        )
+    check_last_dim_contiguous(component, req_to_token=req_to_token)
+    batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
+    check_index(component, "req_pool_indices", req_pool_indices, 0)
+    check_index(component, "seq_lens", seq_lens, batch)
+    if seq_lens.shape[0] != batch:
+        fail(
+            component, f"seq_lens has {seq_lens.shape[0]} entries but req_pool_indices has {batch}"
+        )
+    check_index(component, "kv_indptr", kv_indptr, batch + 1)
+    check_index(component, "kv_indices", kv_indices, 0)
+    check_same_device(
+        component,
+        req_to_token,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        **others,
+    )
+    return batch

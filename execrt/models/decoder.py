@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,8 @@ from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import AttentionStep, MoEDispatcher
 from execrt.core.memory import KVCache
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
+from execrt.core.sampler import SamplingBatchInfo
+from execrt.kernels.sampling import fused_sample
 from execrt.models.config import ModelConfig
 from execrt.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 
@@ -130,6 +132,8 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        #: The fused sampling kernel when fused kernels are on (read by the model runner).
+        self.sample_fn: Callable[[torch.Tensor, SamplingBatchInfo], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
@@ -161,6 +165,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, Linear, SparseMoE)):
                 module.fused = enabled
+        # The sampler's fused draw rides on the same switch (the core cannot import kernels).
+        self.sample_fn = fused_sample if enabled else None
 
     # -- weights ------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:
@@ -225,10 +231,6 @@ class DecoderForCausalLM(nn.Module):
             loaded.add("lm_head.weight")
         return loaded
 
-
-# The families share one class; the names say which checkpoints it serves.
-Qwen3Model = DecoderModel
-Qwen3ForCausalLM = LlamaForCausalLM = Qwen2ForCausalLM = DecoderForCausalLM
 
 Index = tuple[slice | int, ...]
 

@@ -19,6 +19,8 @@ from execrt.models.tokenizer import NO_TOKENIZER_NOTE, tokenizer_from_gguf
 INSTALL_HINT = "pip install execrt[gguf]"
 #: Bump when the conversion changes, so old cache entries are not reused.
 FORMAT_VERSION = 1
+#: Name prefix of converted GGUF directories in the cache
+CACHE_PREFIX = "gguf-"
 #: GGUF ``general.architecture`` -> Hugging Face ``architectures`` value
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -77,7 +79,8 @@ def gguf_checkpoint_dir(file: str) -> str:
     key = f"{os.path.realpath(file)}|{st.st_size}|{st.st_mtime_ns}|v{FORMAT_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.basename(file).removesuffix(".gguf")[:48]
-    return cached_dir(f"gguf-{stem}-{digest}", lambda out: convert(file, out))
+    # source=file: the conversion of an earlier version of this file (touched, replaced) goes.
+    return cached_dir(f"{CACHE_PREFIX}{stem}-{digest}", lambda out: convert(file, out), file)
 
 
 def convert(file: str, out: str) -> None:

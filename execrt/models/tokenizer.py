@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from execrt.core.errors import ModelLoadError
+from execrt.core.prompts import text_problem
 from execrt.models.config import read_json
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,44 @@ def no_tokenizer_reason(path: str) -> str | None:
         return None
     with open(note, encoding="utf-8") as fh:
         return fh.read().strip() or None
+
+
+def missing_tokenizer_reason(path: str | None) -> str:
+    """Why the checkpoint at ``path`` (a directory, a GGUF file, or None for a model built by a
+    loader) has no tokenizer: the reason a GGUF conversion recorded (e.g. an unsupported
+    SentencePiece vocabulary), else the missing file."""
+    if path is None or path == "builtin":
+        return "the model has no tokenizer"
+    from execrt.models.config import checkpoint_dir
+
+    converted = checkpoint_dir(path)
+    return no_tokenizer_reason(converted) or f"{converted} has no tokenizer.json"
+
+
+def chat_messages_problem(messages: object) -> str | None:
+    """What is wrong with a conversation (None: nothing): it must be a non-empty list of
+    mappings, each with a str ``role`` and a str ``content`` that is valid Unicode. The first
+    problem names the message's index and the field."""
+    shape = "a list of {'role': str, 'content': str} dicts"
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+        return f"messages must be {shape}, got {type(messages).__name__}"
+    if not messages:
+        return "messages is empty"
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            return f"message {i} must be a dict with 'role' and 'content', got {message!r:.60}"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"message {i} has no {key!r}"
+            value = message[key]
+            if not isinstance(value, str):
+                return (
+                    f"message {i} {key!r} must be a str, got {type(value).__name__} {value!r:.60}"
+                )
+            problem = text_problem(value)
+            if problem is not None:
+                return f"message {i} {key!r}: {problem}"
+    return None
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
@@ -192,6 +231,8 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template: {exc}") from None
+        except Exception as exc:  # the template's own filters and operators on odd values
+            raise ValueError(f"chat template: {type(exc).__name__}: {exc}") from None
 
     def stop_token_ids(self, tokenizer: Any) -> tuple[int, ...]:
         ids = (tokenizer.token_to_id(t) for t in self.end_tokens)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from execrt.core.interfaces import (
 )
 from execrt.core.plugins import BackendRegistry, hookimpl
 from execrt.core.prefix_cache import PrefixCacheCapabilities
+from execrt.kernels._triton import INTERPRETER_HINT, runs_on
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _ALL_FLOAT = _HALF | {torch.float32}
@@ -67,8 +67,8 @@ RADIX_PREFIX_CACHE = PrefixCacheCapabilities(
 
 
 def _triton_check(req: Any) -> list[str]:
-    if req.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ["on cpu it runs only under the Triton interpreter (set TRITON_INTERPRET=1; slow)"]
+    if req.device == "cpu" and not runs_on(torch.device("cpu")):
+        return [f"on cpu it runs only under {INTERPRETER_HINT}; slow"]
     if req.device == "cpu" and req.dtype == torch.bfloat16:
         return ["the Triton interpreter computes bfloat16 wrongly; use float16 or float32 on cpu"]
     return _cuda_check(req)

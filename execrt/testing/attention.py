@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from execrt.core.interfaces import AttentionCapabilities, AttentionRequirements
+from execrt.testing.attention_cases import draw_step
 from execrt.testing.attention_harness import (
     TAIL,
     AttentionHarness,
@@ -282,34 +283,13 @@ class AttentionBackendSuite(ConformanceSuite):
         """Hypothesis-drawn batches within the device profile (derandomized, few examples)."""
         self.begin(case)
         hypothesis = pytest.importorskip("hypothesis")
-        st = hypothesis.strategies
         prof = type(self).profile(case.device)
         worst = Outcome()
 
-        @hypothesis.settings(
-            max_examples=type(self).max_examples or prof.max_examples,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(hypothesis.HealthCheck),
-        )
-        @hypothesis.given(data=st.data())
+        @type(self).hypothesis_settings(case)
+        @hypothesis.given(data=hypothesis.strategies.data())
         def run(data: Any) -> None:
-            b = data.draw(st.integers(1, prof.max_generated_batch), label="batch size")
-            lens = st.lists(st.integers(1, prof.max_generated_context), min_size=b, max_size=b)
-            permuted = data.draw(st.booleans(), label="permuted slots")
-            if case["mode"] == "decode":
-                step = Step.decode(data.draw(lens, label="context lens"), permuted=permuted)
-            else:
-                prefix = st.lists(
-                    st.integers(0, prof.max_generated_context), min_size=b, max_size=b
-                )
-                new = st.lists(st.integers(1, prof.max_generated_extend), min_size=b, max_size=b)
-                step = Step.extend(
-                    data.draw(prefix, label="prefix lens"),
-                    data.draw(new, label="extend lens"),
-                    permuted=permuted,
-                )
+            step = draw_step(data, prof, case["mode"])
             outcome = self.run_steps(case, self.geometry(case), [step], _seed(case, repr(step)))
             worst.max_error = max(worst.max_error, outcome.max_error)
             if outcome.problems:  # the problem first: a report's one-line reason shows it

@@ -138,7 +138,7 @@ class AttentionHarness:
         ]
         self.context = RuntimeContext()
         init = AttentionBackendInit(
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             num_q_heads=g.num_q_heads,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim,

@@ -78,9 +78,7 @@ class GraphBackendSuite(ConformanceSuite):
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
     def caps(cls) -> GraphCapabilities:
-        caps = cls.collection_spec().capabilities
-        assert isinstance(caps, GraphCapabilities)
-        return caps
+        return cls.declared(GraphCapabilities)
 
     @classmethod
     def make_case(cls, device: str, *, needs: tuple[str, ...] = ()) -> Case:
@@ -129,7 +127,7 @@ class GraphBackendSuite(ConformanceSuite):
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         context = RuntimeContext()
         init = GraphBackendInit(
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             device=torch.device(case.device),
             context=context,
             resource_provider=provider,

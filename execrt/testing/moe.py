@@ -6,7 +6,6 @@ import dataclasses
 import pickle
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
@@ -19,13 +18,20 @@ from execrt.core.interfaces import (
     StandardDispatchOutput,
 )
 from execrt.core.parallel import ParallelState
+from execrt.testing.moe_cases import (
+    CPU_PROFILE,
+    CUDA_PROFILE,
+    ROUTINGS,
+    MoEProfile,
+    generated_draws,
+    routing,
+)
 from execrt.testing.moe_harness import (
     FORMAT_TYPES,
-    ROUTINGS,
     MoEJob,
     RankResult,
     expert_weights,
-    routing,
+    open_dispatcher,
     run_multiprocess,
     run_rank,
 )
@@ -46,24 +52,6 @@ TOP_KS = (1, 2, 4, 8)
 WORLD_SIZES = (1, 2)
 
 
-@dataclass(frozen=True)
-class MoEProfile:
-    num_experts: int
-    hidden_size: int
-    hidden_sizes: tuple[int, ...]  # the hidden-size axis
-    intermediate_size: int
-    num_tokens: int
-    top_k: int
-    dtypes: tuple[torch.dtype, ...]  # preference order for the primary dtype
-    max_examples: int
-
-
-CPU_PROFILE = MoEProfile(8, 64, (64, 96), 32, 9, 2, STANDARD_DTYPES, 10)
-CUDA_PROFILE = MoEProfile(
-    16, 1024, (1024, 2048), 512, 64, 4, (torch.bfloat16, torch.float16, torch.float32), 25
-)
-
-
 class MoEDispatcherSuite(ConformanceSuite):
     """Conformance of a MoE dispatcher, at world size 1 in-process and above in spawned ranks.
 
@@ -81,9 +69,7 @@ class MoEDispatcherSuite(ConformanceSuite):
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
     def caps(cls) -> MoEDispatcherCapabilities:
-        caps = cls.collection_spec().capabilities
-        assert isinstance(caps, MoEDispatcherCapabilities)
-        return caps
+        return cls.declared(MoEDispatcherCapabilities)
 
     @staticmethod
     def group_backend(device: str, world: int) -> str:
@@ -230,7 +216,7 @@ class MoEDispatcherSuite(ConformanceSuite):
             kind=cls.kind,
             backend=cls.backend,
             factory=cls.factory,
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             check=spec.check,
             device=case.device,
             dtype=dtype,
@@ -310,30 +296,11 @@ class MoEDispatcherSuite(ConformanceSuite):
         self.begin(case)
         job = self.job(case, ())
         caps = job.capabilities
-        from execrt.core.context import RuntimeContext
-        from execrt.core.interfaces import MoEDispatcherInit
-
-        context = RuntimeContext()
-        init = MoEDispatcherInit(
-            capabilities=caps,
-            num_experts=job.num_experts,
-            top_k=job.top_k,
-            hidden_size=job.hidden_size,
-            dtype=job.dtype,
-            device=torch.device(case.device),
-            max_tokens_per_rank=job.num_tokens,
-            parallel=ParallelState.single(),
-            context=context,
-        )
-        dispatcher = type(self).backend_spec().create(init)
         gen = torch.Generator().manual_seed(job.seed)
         x = torch.randn(job.num_tokens, job.hidden_size, generator=gen).to(job.dtype)
         ids, weights = routing("some_masked", job.num_tokens, job.num_experts, job.top_k, 1, gen)
-        try:
+        with open_dispatcher(job, ParallelState.single(), job.num_tokens) as (dispatcher, _):
             d = dispatcher.dispatch(x.to(case.device), ids.to(case.device), weights.to(case.device))
-        finally:
-            dispatcher.close()
-            context.close()
         want = FORMAT_TYPES[caps.output_format]
         assert isinstance(d, want), (
             f"{case.id}: dispatch returned {type(d).__name__}, declared {want.__name__}"
@@ -359,22 +326,11 @@ class MoEDispatcherSuite(ConformanceSuite):
         """Hypothesis-drawn token counts, top-k and masking (derandomized, few examples)."""
         self.begin(case)
         hypothesis = pytest.importorskip("hypothesis")
-        st = hypothesis.strategies
         prof, caps = type(self).profile(case.device), type(self).caps()
         worst: list[RankResult] = []
 
-        @hypothesis.settings(
-            max_examples=type(self).max_examples or prof.max_examples,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(hypothesis.HealthCheck),
-        )
-        @hypothesis.given(
-            num_tokens=st.integers(0, 2 * prof.num_tokens),
-            top_k=st.integers(1, min(4, caps.max_top_k or 4)),
-            scenario=st.sampled_from(["random", "some_masked", "hot_expert"]),
-        )
+        @type(self).hypothesis_settings(case)
+        @hypothesis.given(**generated_draws(hypothesis.strategies, prof, caps.max_top_k))
         def run(num_tokens: int, top_k: int, scenario: str) -> None:
             drawn = dataclasses.replace(case, options={**case.options, "top_k": top_k})
             job = self.job(drawn, (scenario,), num_tokens=num_tokens)
@@ -393,25 +349,10 @@ class MoEDispatcherSuite(ConformanceSuite):
     def test_cuda_graph_capture(self, case: Case, record_property: Record) -> None:
         """dispatch -> experts -> combine captured in a CUDA graph equals the oracle on replay."""
         self.begin(case)
-        from execrt.core.context import RuntimeContext
         from execrt.core.experts import run_experts
-        from execrt.core.interfaces import MoEDispatcherInit
 
         job = self.job(case, ())
         dev = torch.device(case.device)
-        context = RuntimeContext()
-        init = MoEDispatcherInit(
-            capabilities=job.capabilities,
-            num_experts=job.num_experts,
-            top_k=job.top_k,
-            hidden_size=job.hidden_size,
-            dtype=job.dtype,
-            device=dev,
-            max_tokens_per_rank=job.num_tokens,
-            parallel=ParallelState.single(),
-            context=context,
-        )
-        dispatcher = type(self).backend_spec().create(init)
         w13, w2 = expert_weights(
             job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed
         )
@@ -424,7 +365,7 @@ class MoEDispatcherSuite(ConformanceSuite):
                 (x, *routing("some_masked", job.num_tokens, job.num_experts, job.top_k, 1, gen))
             )
         static = [t.to(dev) for t in inputs[0]]
-        try:
+        with open_dispatcher(job, ParallelState.single(), job.num_tokens) as (dispatcher, _):
 
             def step() -> torch.Tensor:
                 d = dispatcher.dispatch(*static)
@@ -446,9 +387,6 @@ class MoEDispatcherSuite(ConformanceSuite):
                 torch.cuda.synchronize()
                 cmp = compare(out, moe_oracle(x, ids, weights, w13.cpu(), w2.cpu()).to(dev))
                 errors.append(cmp.rel_error if cmp.num_nonfinite == 0 else float("inf"))
-        finally:
-            dispatcher.close()
-            context.close()
         tol = type(self).tolerance(case.device, job.dtype)
         record_property("max_error", max(errors))
         assert max(errors) <= tol, (

@@ -1,4 +1,4 @@
-"""MoE dispatch runs: routing scenarios, one rank's check, and the multi-process launcher."""
+"""MoE dispatch runs: one rank's check of the routing scenarios, and the multi-process launcher."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import tempfile
 import time
 import traceback
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,19 +29,9 @@ from execrt.core.interfaces import (
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import BackendSpec
 from execrt.plugins.host import PluginHost
+from execrt.testing.moe_cases import routing
 from execrt.testing.oracles import compare, moe_oracle
 
-#: Routing scenarios every world size runs (see ``routing``).
-ROUTINGS = (
-    "random",
-    "balanced",
-    "some_masked",
-    "hot_expert",
-    "empty_rank",
-    "all_masked",
-    "duplicates_within_rank",
-    "zero_tokens",
-)
 FORMAT_TYPES: dict[DispatchFormat, type[StandardDispatchOutput | ExpertMajorDispatchOutput]] = {
     DispatchFormat.STANDARD: StandardDispatchOutput,
     DispatchFormat.EXPERT_MAJOR: ExpertMajorDispatchOutput,
@@ -85,40 +77,6 @@ class RankResult:
     problems: list[str] = field(default_factory=list)
 
 
-def routing(
-    name: str, num_tokens: int, num_experts: int, top_k: int, world: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_ids [T, K]`` int64 (-1 = none) and ``topk_weights [T, K]`` fp32 for a scenario."""
-    t, e, k = num_tokens, num_experts, top_k
-    per_rank = e // world
-    ids = torch.zeros(t, k, dtype=torch.int64)
-    for row in range(t):
-        ids[row] = torch.randperm(e, generator=gen)[:k]
-    if name == "balanced":  # every expert gets floor or ceil of T*K/E rows (K <= E)
-        perm = torch.randperm(e, generator=gen)
-        ids = perm[torch.arange(t * k).view(t, k) % e]
-    elif name == "some_masked":
-        ids[torch.rand(t, k, generator=gen) < 0.4] = -1
-    elif name == "hot_expert":  # every token picks the last expert (on the last rank)
-        for row in range(t):
-            others = torch.randperm(e - 1, generator=gen)[: k - 1]
-            ids[row] = torch.cat([torch.tensor([e - 1]), others])
-    elif name == "empty_rank":  # nothing reaches the last rank's experts (or the upper half)
-        allowed = per_rank * (world - 1) if world > 1 else max(e // 2, k)
-        for row in range(t):
-            pick = torch.randperm(allowed, generator=gen)[:k]
-            ids[row] = torch.cat([pick, torch.full((k - pick.numel(),), -1)])
-    elif name == "all_masked":
-        ids.fill_(-1)
-    elif name == "duplicates_within_rank":  # a token's experts all live on one rank
-        for row in range(t):
-            rank = row % world
-            pick = torch.randperm(per_rank, generator=gen)[: min(k, per_rank)] + rank * per_rank
-            ids[row] = torch.cat([pick, torch.full((k - pick.numel(),), -1)])
-    weights = torch.softmax(torch.randn(t, k, generator=gen), -1).float()
-    return ids.long(), weights
-
-
 def expert_weights(
     num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,18 +94,15 @@ def rank_tokens(job: MoEJob, name: str, rank: int, replicated: bool) -> int:
     return job.num_tokens if replicated else job.num_tokens + 3 * rank
 
 
-def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
-    """Build the dispatcher on this rank and run every routing scenario of ``job`` through
-    ``combine(run_experts(dispatch(x)))``, comparing with the naive MoE on global weights."""
-    from execrt.core.experts import run_experts
-
+@contextmanager
+def open_dispatcher(
+    job: MoEJob, parallel: ParallelState, max_tokens_per_rank: int
+) -> Iterator[tuple[Any, MoEDispatcherInit]]:
+    """The job's dispatcher on this rank (on ``job.device``) and its init record; on exit the
+    dispatcher and its runtime context are closed."""
     spec = job.spec()
     caps = spec.capabilities
     assert isinstance(caps, MoEDispatcherCapabilities)
-    device = torch.device(job.device)
-    w13, w2 = expert_weights(
-        job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed
-    )
     context = RuntimeContext(parallel)
     init = MoEDispatcherInit(
         capabilities=caps,
@@ -155,55 +110,82 @@ def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
         top_k=job.top_k,
         hidden_size=job.hidden_size,
         dtype=job.dtype,
-        device=device,
-        max_tokens_per_rank=job.num_tokens + 3 * job.world_size,
+        device=torch.device(job.device),
+        max_tokens_per_rank=max_tokens_per_rank,
         parallel=parallel,
         context=context,
     )
-    first, n_local = init.first_local_expert, init.num_local_experts
-    local13 = w13[first : first + n_local].to(device)
-    local2 = w2[first : first + n_local].to(device)
-    dispatcher = spec.create(init)
-    results = []
     try:
-        for name in job.routings:
-            # Every rank draws every rank's tokens from one seed, so the oracle needs no traffic.
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{job.seed}-{name}".encode()))
-            per_rank = []
-            for r in range(job.world_size):
-                t = rank_tokens(job, name, r, caps.replicated_tokens)
-                x = torch.randn(t, job.hidden_size, generator=gen).to(job.dtype)
-                ids, weights = routing(name, t, job.num_experts, job.top_k, job.world_size, gen)
-                per_rank.append((x, ids, weights))
-                if caps.replicated_tokens:
-                    per_rank = per_rank[:1] * job.world_size
-                    break
-            x, ids, weights = per_rank[parallel.rank]
-            result = RankResult(parallel.rank, name, x.shape[0])
-            results.append(result)
-            out = _dispatch_combine(
-                dispatcher, run_experts, caps, x.to(device), ids, weights, local13, local2, result
-            )
-            if out is None:
-                continue
-            ref = moe_oracle(x, ids, weights, w13, w2)
-            cmp = compare(out, ref.to(device))
-            result.max_error = cmp.rel_error
-            if not cmp.ok(job.tolerance):
-                token = cmp.worst_index[0] if cmp.worst_index else -1
-                what = (
-                    f"{cmp.num_nonfinite} non-finite values"
-                    if cmp.num_nonfinite
-                    else f"max relative error {cmp.rel_error:.3g} exceeds tolerance "
-                    f"{job.tolerance:.3g}"
-                )
-                result.problems.append(
-                    f"{what}; worst at token {token} (routed to {ids[token].tolist()})"
-                )
+        dispatcher = spec.create(init)
+        try:
+            yield dispatcher, init
+        finally:
+            dispatcher.close()
     finally:
-        dispatcher.close()
         context.close()
-    return results
+
+
+def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
+    """Build the dispatcher on this rank and run every routing scenario of ``job`` through
+    ``combine(run_experts(dispatch(x)))``, comparing with the naive MoE on global weights."""
+    w13, w2 = expert_weights(
+        job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed
+    )
+    with open_dispatcher(job, parallel, job.num_tokens + 3 * job.world_size) as (dispatcher, init):
+        first, n_local = init.first_local_expert, init.num_local_experts
+        local = (
+            w13[first : first + n_local].to(init.device),
+            w2[first : first + n_local].to(init.device),
+        )
+        return [
+            _run_routing(job, name, parallel.rank, dispatcher, init.capabilities, (w13, w2), local)
+            for name in job.routings
+        ]
+
+
+def _run_routing(
+    job: MoEJob,
+    name: str,
+    rank: int,
+    dispatcher: Any,
+    caps: MoEDispatcherCapabilities,
+    weights_global: tuple[torch.Tensor, torch.Tensor],
+    weights_local: tuple[torch.Tensor, torch.Tensor],
+) -> RankResult:
+    """One routing scenario on this rank against the naive MoE over the global weights."""
+    from execrt.core.experts import run_experts
+
+    # Every rank draws every rank's tokens from one seed, so the oracle needs no traffic.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{job.seed}-{name}".encode()))
+    per_rank = []
+    for r in range(job.world_size):
+        t = rank_tokens(job, name, r, caps.replicated_tokens)
+        x = torch.randn(t, job.hidden_size, generator=gen).to(job.dtype)
+        ids, weights = routing(name, t, job.num_experts, job.top_k, job.world_size, gen)
+        per_rank.append((x, ids, weights))
+        if caps.replicated_tokens:
+            per_rank = per_rank[:1] * job.world_size
+            break
+    x, ids, weights = per_rank[rank]
+    result = RankResult(rank, name, x.shape[0])
+    device = torch.device(job.device)
+    out = _dispatch_combine(
+        dispatcher, run_experts, caps, x.to(device), ids, weights, *weights_local, result
+    )
+    if out is None:
+        return result
+    ref = moe_oracle(x, ids, weights, *weights_global)
+    cmp = compare(out, ref.to(device))
+    result.max_error = cmp.rel_error
+    if not cmp.ok(job.tolerance):
+        token = cmp.worst_index[0] if cmp.worst_index else -1
+        what = (
+            f"{cmp.num_nonfinite} non-finite values"
+            if cmp.num_nonfinite
+            else f"max relative error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
+        )
+        result.problems.append(f"{what}; worst at token {token} (routed to {ids[token].tolist()})")
+    return result
 
 
 def _dispatch_combine(

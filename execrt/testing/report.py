@@ -8,7 +8,9 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, TextIO
@@ -16,10 +18,14 @@ from typing import Any, TextIO
 import torch
 
 from execrt.core.errors import ConfigError
+from execrt.core.plugins import BackendSpec
 from execrt.inventory import conformance_report_path
 from execrt.plugins.host import PluginHost
 
 _RUNS = itertools.count()  # suite runs in this process
+#: Exit status of a run in which nothing exercised the backend (every case skipped here, or no
+#: test selected): neither a pass (0) nor a failure (1), and no report is recorded.
+NOTHING_RAN = 3
 
 #: kind -> (module, suite class) the generated test module subclasses.
 SUITES = {
@@ -48,10 +54,25 @@ class CaseResult:
 
 
 class ResultCollector:
-    """A pytest plugin that keeps one CaseResult per test (and per collection error)."""
+    """A pytest plugin that keeps one CaseResult per test (and per collection error), and the
+    tests that exercised a backend (built one, or measured an error against the oracle)."""
 
     def __init__(self) -> None:
         self.results: dict[str, CaseResult] = {}
+        self.exercised: set[str] = set()
+        self._current = ""
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self._current = nodeid.rsplit("::", 1)[-1]
+
+    def built(self) -> None:
+        """A backend was built during the current test."""
+        self.exercised.add(self._current)
+
+    def ran_backend(self, result: CaseResult) -> bool:
+        return result.outcome != "skipped" and (
+            result.id in self.exercised or result.max_error is not None
+        )
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         test_id = report.nodeid.rsplit("::", 1)[-1]
@@ -109,8 +130,10 @@ def run_conformance(
     *,
     extra_pytest_args: Sequence[str] = (),
 ) -> int:
-    """Run the ``kind`` suite for the registered backend ``name``; 0 if nothing failed, else 1
-    (2 when pytest refused ``extra_pytest_args``: nothing ran).
+    """Run the ``kind`` suite for the registered backend ``name``; 0 if nothing failed, 1 if
+    something did, 2 when pytest refused ``extra_pytest_args``, and ``NOTHING_RAN`` (3) when no
+    test exercised the backend (every case skipped on this machine, or none selected): that
+    run says why and writes no report, so it never reads as a pass.
 
     Prints a table (test id, result, max error vs the oracle, reason) and writes the JSON
     report to ``json_path`` when given and always to ``conformance_report_path(kind, name)``,
@@ -183,18 +206,25 @@ def run_suite_source(
             *extra_pytest_args,
         ]
         try:
-            exit_code = int(pytest.main(args, plugins=[collector]))
+            with _counting_builds(kind, collector):
+                exit_code = int(pytest.main(args, plugins=[collector]))
         finally:
             for key, mod in list(sys.modules.items()):
                 if str(getattr(mod, "__file__", "") or "").startswith(tmp):
                     del sys.modules[key]
-    report = build_report(
-        kind, name, plugin, version, list(collector.results.values()), extra_pytest_args
-    )
+    results = list(collector.results.values())
+    report = build_report(kind, name, plugin, version, results, extra_pytest_args)
     print(format_table(report), file=out)
+    if exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or (
+        exit_code == pytest.ExitCode.OK and not any(map(collector.ran_backend, results))
+    ):
+        # Nothing exercised the backend: not a pass (which `execrt backends` would show as the
+        # backend's last result), not a failure either.
+        print(f"{kind} {name}: {nothing_ran_reason(results, extra_pytest_args)}", file=out)
+        return NOTHING_RAN
     if exit_code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
-        # pytest did not run the suite (usage error, interrupted, nothing collected): a report
-        # of zero results would read as a clean run in `execrt backends`, so none is written.
+        # pytest did not run the suite (usage error, interrupted): a report of zero results
+        # would read as a clean run in `execrt backends`, so none is written.
         print(f"pytest stopped with exit code {exit_code}; no report written", file=out)
         return 2 if exit_code == pytest.ExitCode.USAGE_ERROR else 1
     for path in filter(None, (json_path, conformance_report_path(kind, name))):
@@ -202,6 +232,42 @@ def run_suite_source(
     if json_path:
         print(f"report written to {json_path}", file=out)
     return 0 if report["failed"] == 0 and exit_code == 0 else 1
+
+
+@contextmanager
+def _counting_builds(kind: str, collector: ResultCollector) -> Iterator[None]:
+    """Tell ``collector`` whenever a ``kind`` backend is built while the suite runs (every
+    suite builds its backend through ``BackendSpec.create``)."""
+    real = BackendSpec.create
+
+    def create(spec: BackendSpec, init: Any) -> Any:
+        if spec.kind == kind:
+            collector.built()
+        return real(spec, init)
+
+    BackendSpec.create = create  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        BackendSpec.create = real  # type: ignore[method-assign]
+
+
+def nothing_ran_reason(results: Sequence[CaseResult], pytest_args: Sequence[str] = ()) -> str:
+    """``nothing ran here: ...`` and why: no test selected, or the commonest skip reasons."""
+    if not results:
+        selected = f" by pytest {' '.join(pytest_args)}" if pytest_args else ""
+        return f"nothing ran here: no test was selected{selected}; no report written"
+    skipped = [r for r in results if r.outcome == "skipped"]
+    reasons = Counter(r.reason or "no reason given" for r in skipped).most_common()
+    why = "; ".join(f"{n} x {reason}" for reason, n in reasons[:3])
+    if len(reasons) > 3:
+        why += f"; {sum(n for _, n in reasons[3:])} x other reasons"
+    ran = len(results) - len(skipped)
+    checks = f", and the {ran} that ran only check declarations" if ran else ""
+    return (
+        f"nothing ran here: {len(skipped)} of {len(results)} tests skipped ({why}){checks}; "
+        "no report written"
+    )
 
 
 def build_report(

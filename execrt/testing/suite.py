@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -17,6 +18,7 @@ from execrt.core.plugins import BackendSpec
 from execrt.plugins.host import PluginHost
 
 F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=Capabilities)
 
 #: dtypes every suite knows how to test; a backend's declared ones are added to these.
 STANDARD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -128,6 +130,23 @@ class ConformanceSuite:
     def profile(cls, device: str) -> Any:
         return cls.cuda_profile if device.startswith("cuda") else cls.cpu_profile
 
+    @classmethod
+    def hypothesis_settings(cls, case: Case, **overrides: Any) -> Callable[[F], F]:
+        """``generated_settings`` for a generated test's ``case``: ``max_examples`` examples
+        (None: the device profile's), drawn from a seed of the case id, so a report reproduces
+        and the examples stay the same when the test's code changes (``derandomize`` alone
+        hashes the test's source)."""
+        hypothesis = pytest.importorskip("hypothesis")
+        max_examples = cls.max_examples or cls.profile(case.device).max_examples
+        settings = generated_settings(max_examples, **overrides)
+        seed = hypothesis.seed(zlib.crc32(case.id.encode()))
+
+        def apply(fn: F) -> F:
+            applied: F = seed(settings(fn))
+            return applied
+
+        return apply
+
     @staticmethod
     def cuda_capture_only(cases: list[Case]) -> list[Case]:
         """``cases`` with every non-CUDA one skipped: CUDA-graph capture needs a CUDA device."""
@@ -170,6 +189,16 @@ class ConformanceSuite:
             return cls.backend
         factory = cls.factory
         return factory if isinstance(factory, str) else getattr(factory, "__name__", "factory")
+
+    @classmethod
+    def declared(cls, kind: type[C]) -> C:
+        """The capabilities of the backend under test (as collected), as the kind's record."""
+        caps = cls.collection_spec().capabilities
+        if not isinstance(caps, kind):
+            raise TypeError(
+                f"{cls.__name__}: capabilities {type(caps).__name__} are not {kind.__name__}"
+            )
+        return caps
 
     @classmethod
     def collection_spec(cls) -> BackendSpec:

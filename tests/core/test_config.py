@@ -51,6 +51,17 @@ def test_toml_execrt_table_is_accepted(tmp_path) -> None:
     assert RuntimeConfig.load(file=file, environ={}).device == "cpu"
 
 
+def test_a_toml_file_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path) -> None:
+    file = tmp_path / "windows.toml"
+    file.write_bytes(b"\xef\xbb\xbf" + b'device = "cpu"\nmax_running_requests = 3\n')
+    cfg = RuntimeConfig.load(file=file, environ={})
+    assert (cfg.device, cfg.max_running_requests) == ("cpu", 3)
+    middle = tmp_path / "middle.toml"  # only a leading mark is an encoding signature
+    middle.write_bytes(b'device = "cpu"\n\xef\xbb\xbf')
+    with pytest.raises(ConfigError, match="middle.toml' is not valid TOML"):
+        RuntimeConfig.load(file=middle, environ={})
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -218,3 +218,40 @@ def test_auto_and_explicit_graphs_with_a_backend_that_cannot_capture(checkpoint)
             graph_backend="nope",
         )
     ctx.close()
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_slow_capture_reports_each_bucket_and_a_fast_one_stays_quiet(  # type: ignore[no-untyped-def]
+    checkpoint, monkeypatch, slow
+) -> None:
+    from execrt.core import runners
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    progress = logging.getLogger("execrt.progress")
+    handler = Collect()
+    # setLevel, not a patched attribute: the logger caches isEnabledFor answers, and an earlier
+    # capture in this process may have cached INFO as off. Another test may also have disabled
+    # existing loggers (a logging dictConfig).
+    old_level = progress.level
+    progress.setLevel(logging.INFO)
+    monkeypatch.setattr(progress, "disabled", False)
+    monkeypatch.setattr(runners, "SLOW_CAPTURE_S", 0.0 if slow else 1e9)
+    progress.addHandler(handler)
+    try:
+        with RuntimeContext() as ctx:
+            worker(checkpoint("dense-tied-hd64"), ctx, "reexec").close()
+    finally:
+        progress.removeHandler(handler)
+        progress.setLevel(old_level)
+    if not slow:
+        assert lines == []
+        return
+    assert [line.rsplit(" done after ", 1)[0] for line in lines] == [
+        f"graph capture: bucket {i} of 4 (batch size {bs})" for i, bs in enumerate([6, 4, 2, 1], 1)
+    ]
+    assert all(line.endswith(" s") for line in lines)

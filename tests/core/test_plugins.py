@@ -14,6 +14,7 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError, PluginError
 from execrt.core.interfaces import (
+    AttentionBackend,
     AttentionCapabilities,
     AttentionRequirements,
     GraphCapabilities,
@@ -24,6 +25,17 @@ from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequire
 
 CPU_REQ = AttentionRequirements("cpu", torch.float32, 64, 8, 2)
 MISSING_MODULE = "execrt_no_such_module_for_tests"
+
+
+class Built(AttentionBackend):
+    """An attention backend that records its init record and does nothing else."""
+
+    def __init__(self, init: Any) -> None:
+        self.init = init
+
+
+# Only the type is under test here, not the contract (whose abstract methods may change).
+Built.__abstractmethods__ = frozenset()
 
 
 def spec(**overrides: Any) -> BackendSpec:
@@ -101,18 +113,47 @@ def test_claims_for_auto_defaults_to_the_capability_devices() -> None:
 
 # -- factories ------------------------------------------------------------------------------------
 def test_a_callable_factory_is_used_as_is() -> None:
-    def factory(init: Any) -> str:
-        return f"built from {init}"
+    def factory(init: Any) -> Built:
+        return Built(f"built from {init}")
 
     s = spec(factory=factory)
     assert s.load_factory() is factory and s.factory_problems() == []
-    assert s.create("init") == "built from init"
+    assert s.create("init").init == "built from init"
 
 
 def test_a_string_factory_is_imported_on_first_use() -> None:
-    s = spec(factory="json:dumps")
-    assert s.load_factory() is json.dumps
-    assert s.create([1, 2]) == "[1, 2]"
+    s = spec(factory=f"{__name__}:Built")
+    assert s.load_factory() is Built
+    built = s.create("init")
+    assert type(built) is Built and built.init == "init"
+
+
+def test_a_factory_that_builds_no_backend_is_refused_naming_what_it_built() -> None:
+    s = spec(factory="json:dumps")  # a function: what it builds is known only once it ran
+    assert s.load_factory() is json.dumps and s.factory_problems() == []
+    with pytest.raises(BackendUnavailableError) as info:
+        s.create([1, 2])
+    assert info.value.reasons == [
+        "plugin 'fake-plugin': factory built str, which does not implement AttentionBackend"
+    ]
+
+
+def test_a_factory_class_of_another_interface_is_refused_before_building() -> None:
+    s = spec(factory="json:JSONDecoder")
+    [reason] = s.factory_problems()
+    assert reason == (
+        "plugin 'fake-plugin': json.decoder.JSONDecoder does not implement AttentionBackend "
+        "(subclass it)"
+    )
+    with pytest.raises(BackendUnavailableError, match="does not implement AttentionBackend"):
+        s.create(None)
+    graph_class = spec(kind="graph", capabilities=GraphCapabilities(), factory=Built)
+    assert "Built does not implement GraphBackend" in graph_class.factory_problems()[0]
+
+
+def test_a_factory_string_naming_no_callable_is_refused() -> None:
+    [reason] = spec(factory="json:__name__").factory_problems()
+    assert reason == "plugin 'fake-plugin': factory json:__name__ is 'json', not a callable"
 
 
 @pytest.mark.parametrize(
@@ -392,3 +433,102 @@ def test_get_of_an_unknown_name_lists_the_kinds_names() -> None:
     reg.register("graph", "full", factory, GraphCapabilities())
     with pytest.raises(BackendUnavailableError, match=r"\(registered: full, reexec\)$"):
         reg.get("graph", "cuda")
+
+
+# -- BackendRegistry.register: every field typed, element types too -------------------------------
+def _caps(**fields: Any) -> AttentionCapabilities:
+    return AttentionCapabilities(**fields)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"factory": 42}, "factory must be 'module:attr' or a callable, got 42"),
+        ({"priority": "high"}, "priority must be an int, got 'high'"),
+        ({"priority": True}, "priority must be an int, got True"),
+        ({"check": "gpu"}, "check must be a callable or None, got 'gpu'"),
+        ({"requires": "triton"}, "requires must be a tuple of module names (str), got 'triton'"),
+        ({"requires": ("triton", 3)}, "requires must be a tuple of module names (str), got "),
+        ({"auto_devices": {"cuda"}}, "auto_devices must be a frozenset of str or None, got "),
+        ({"auto_devices": frozenset({0})}, "auto_devices must be a frozenset of str or None"),
+        ({"install_hint": None}, "install_hint must be a str, got None"),
+        ({"description": 7}, "description must be a str, got 7"),
+        (
+            {"capabilities": _caps(head_dims={"64"})},
+            "capabilities.head_dims must be frozenset[int] | None, got {'64'}",
+        ),
+        (
+            {"capabilities": _caps(head_dims=frozenset({"64"}))},
+            "capabilities.head_dims must be frozenset[int] | None, got frozenset({'64'})",
+        ),
+        (
+            {"capabilities": _caps(devices="cuda")},
+            "capabilities.devices must be frozenset[str], got 'cuda'",
+        ),
+        (
+            {"capabilities": _caps(dtypes=frozenset({"float16"}))},
+            "capabilities.dtypes must be frozenset[torch.dtype], got frozenset({'float16'})",
+        ),
+        (
+            {"capabilities": _caps(gqa_ratios=frozenset())},
+            "capabilities.gqa_ratios is empty (use None for 'any')",
+        ),
+        ({"capabilities": _caps(graph="yes")}, "capabilities.graph must be bool, got 'yes'"),
+    ],
+)
+def test_register_refuses_a_badly_typed_field_naming_plugin_field_and_value(
+    kwargs: dict[str, Any], error: str
+) -> None:
+    reg = BackendRegistry()
+    args: dict[str, Any] = {"factory": factory, "capabilities": AttentionCapabilities()}
+    args |= kwargs
+    with reg.attributed_to("sloppy", "1"), pytest.raises(PluginError) as info:
+        reg.register("attention", "x", **args)
+    message = str(info.value)
+    assert message.startswith(f"plugin 'sloppy': attention backend 'x': {error}"), message
+    assert "\n" not in message and info.value.plugin == "sloppy"
+    assert reg.names("attention") == [] and reg.refusal("sloppy") is info.value
+
+
+def test_register_refuses_badly_typed_moe_capabilities() -> None:
+    reg = BackendRegistry()
+    bad = MoEDispatcherCapabilities(output_format="standard", max_top_k="8")  # type: ignore[arg-type]
+    with pytest.raises(PluginError) as info:
+        reg.register("moe_dispatch", "m", factory, bad)
+    assert str(info.value) == (
+        "plugin '<direct>': moe_dispatch backend 'm': capabilities.output_format must be "
+        "DispatchFormat, got 'standard'; capabilities.max_top_k must be int | None, got '8'"
+    )
+
+
+@pytest.mark.parametrize("name", [None, 5, ("a",)])
+def test_register_refuses_a_name_that_is_not_a_string(name: Any) -> None:
+    with pytest.raises(PluginError, match="invalid backend name"):
+        BackendRegistry().register("attention", name, factory, AttentionCapabilities())
+    with pytest.raises(PluginError, match="unknown backend kind"):
+        BackendRegistry().register(["attention"], "x", factory, AttentionCapabilities())  # type: ignore[arg-type]
+
+
+def test_register_accepts_every_builtin_capability_record() -> None:
+    from execrt.plugins import builtin
+
+    reg = BackendRegistry()
+    builtin.execrt_register_backends(registry=reg)
+    assert len(reg.specs()) >= 9
+
+
+def test_a_check_that_raises_is_a_refusal_not_a_crash() -> None:
+    def check(req: Any) -> list[str]:
+        raise RuntimeError("nvml not found")
+
+    assert spec(check=check).refusals(CPU_REQ) == [
+        "plugin 'fake-plugin': check raised RuntimeError('nvml not found')"
+    ]
+
+
+@pytest.mark.parametrize("answer", ["needs sm90", None, [1], "", {"a": 1}])
+def test_a_check_that_answers_no_list_of_str_is_one_refusal(answer: Any) -> None:
+    assert spec(check=lambda req: answer).refusals(CPU_REQ) == [
+        f"plugin 'fake-plugin': check returned {answer!r}, not a list of str"
+    ]
+    assert spec(check=lambda req: ("a", "b")).refusals(CPU_REQ) == ["a", "b"]

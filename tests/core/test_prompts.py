@@ -88,3 +88,15 @@ def test_engine_takes_numpy_and_tensor_prompts_and_names_a_bad_params_type() -> 
         assert bad.finish_reason == "error" and "2-D ndarray" in (bad.error or "")
         wrong = engine.generate([5, 6, 7], {"temperature": 0.0})  # type: ignore[arg-type]
         assert wrong.finish_reason == "error" and "dict" in (wrong.error or "")
+
+
+def test_text_problem_names_the_first_lone_surrogate_and_its_position() -> None:
+    from execrt.core.prompts import text_problem
+
+    assert text_problem("héllo ✓ 🎉") is None and text_problem("") is None
+    assert text_problem("ab\ud800c\udfff") == (
+        "text is not valid Unicode: character 2 is the lone surrogate '\\ud800'"
+    )
+    assert text_problem("\udc80") == (
+        "text is not valid Unicode: character 0 is byte 0x80, which is not UTF-8"
+    )

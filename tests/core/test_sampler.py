@@ -227,6 +227,60 @@ def test_filtered_probs_accept_half_precision_logits() -> None:
     assert (probs[0] > 0).tolist() == [False, True, False, True]
 
 
+def test_equal_probabilities_are_kept_lowest_id_first() -> None:
+    logits = torch.zeros(1, 6)  # six tokens of 1/6: ranked by id
+    kept = Sampler.filtered_probs(logits, info(1, top_k=2))[0] > 0
+    assert kept.tolist() == [True, True, False, False, False, False]
+    # Mass before ids 0, 1, 2: 0, 1/6, 1/3; top_p 0.3 keeps the first two.
+    kept = Sampler.filtered_probs(logits, info(1, top_p=0.3))[0] > 0
+    assert kept.tolist() == [True, True, False, False, False, False]
+
+
+def test_top_p_1_keeps_the_tokens_after_the_cumsum_reaches_1() -> None:
+    # fp32: p = [1.0, 9e-14, 9e-14], the mass before the last is 1.0 once rounded; top_p 1 is
+    # "off" and keeps it, top_p 0.999 does not.
+    logits = torch.tensor([[0.0, -30.0, -30.0]])
+    assert (Sampler.filtered_probs(logits, info(1, top_p=1.0))[0] > 0).all()
+    kept = Sampler.filtered_probs(logits, info(1, top_p=0.999))[0] > 0
+    assert kept.tolist() == [True, False, False]
+
+
+# -- the fused-draw seam --------------------------------------------------------------------------
+class RecordingDraw:
+    """A stand-in fused draw: records its calls, answers token 1 for every row."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatchInfo) -> torch.Tensor:
+        self.calls += 1
+        return torch.ones(logits.shape[0], dtype=torch.int64)
+
+
+def test_a_given_sample_fn_replaces_the_torch_draw_except_for_all_greedy_batches() -> None:
+    fn = RecordingDraw()
+    sampler = Sampler(sample_fn=fn)
+    logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]])
+    assert sampler(logits, info(2, temperature=0.7)).tolist() == [1, 1]
+    assert fn.calls == 1
+    # An all-greedy batch has no parameter tensors: argmax on the host flag, no fused call.
+    assert sampler(logits, info(2, temperature=0.0)).tolist() == [0, 0]
+    assert fn.calls == 1
+    # sample() is the capturable path: it never reads the host flag.
+    assert sampler.sample(logits, info(2, temperature=0.0)).tolist() == [1, 1]
+    assert fn.calls == 2
+
+
+def test_sample_without_a_fused_draw_is_the_torch_draw_for_mixed_rows() -> None:
+    logits = torch.randn(4, 40)
+    mixed = info(4, temperature=0.9, seeds=[1, 2, 3, 4])
+    mixed.temperatures[1] = 0.0
+    mixed.all_greedy = True  # ignored by sample(): the tensors decide
+    got = Sampler().sample(logits, mixed)
+    assert got[1] == logits[1].argmax()
+    assert torch.equal(got, Sampler.sample_torch(logits, mixed))
+
+
 # -- uniform_noise --------------------------------------------------------------------------------
 def noise(seeds: list[int], steps: list[int], vocab: int) -> torch.Tensor:
     return uniform_noise(torch.tensor(seeds), torch.tensor(steps), vocab)

@@ -58,6 +58,26 @@ def test_good_values_of_every_accepted_type() -> None:
         assert sp.problems() == []
 
 
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(
+        max_new_tokens=np.int32(4),
+        temperature=np.float32(0.5),
+        top_k=np.uint8(2),
+        top_p=np.float16(0.5),
+        seed=np.int64(3),
+        stop_token_ids=[np.int64(7), 8],
+    )
+    assert sp.problems() == []
+    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed) == (4, 0.5, 2, 0.5, 3)
+    assert sp.stop_token_ids == (7, 8) and type(sp.seed) is int and type(sp.top_p) is float
+    assert SamplingParams(seed=np.int64(3)) == SamplingParams(seed=3)  # same hash, same draws
+    [bool_problem] = SamplingParams(seed=np.bool_(True)).problems()
+    assert bool_problem.endswith(" has type bool (accepted: int or None)")
+    [float_problem] = SamplingParams(seed=np.float64(3.0)).problems()
+    assert float_problem.endswith(" has type float64 (accepted: int or None)")
+
+
 def test_a_list_of_stop_ids_is_stored_as_a_tuple() -> None:
     sp = SamplingParams(stop_token_ids=[4, 5])
     assert sp.stop_token_ids == (4, 5) and sp == SamplingParams(stop_token_ids=(4, 5))

@@ -10,13 +10,15 @@ import torch
 
 from execrt.core.errors import BackendUnavailableError
 from execrt.core.interfaces import (
+    AttentionBackend,
     AttentionCapabilities,
     AttentionRequirements,
+    GraphBackend,
     GraphCapabilities,
     GraphRequirements,
 )
 from execrt.core.plugins import BackendRegistry, BackendSpec
-from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequirements
+from execrt.core.prefix_cache import PrefixCache, PrefixCacheCapabilities, PrefixCacheRequirements
 from execrt.core.selection import (
     Resolution,
     ResolutionReport,
@@ -31,11 +33,15 @@ MISSING = "execrt_no_such_module_for_tests:Backend"
 
 
 @dataclass
-class Built:
-    """What a fake factory returns: which backend, from which init record."""
+class Built(AttentionBackend, GraphBackend, PrefixCache):
+    """What a fake factory returns: which backend, from which init record. A backend of
+    either kind selection builds here (registration checks the type, not the contract)."""
 
     name: str
     init: Any
+
+
+Built.__abstractmethods__ = frozenset()
 
 
 class Factory:

@@ -292,3 +292,60 @@ def test_cli_streams_and_says_when_weights_are_random(capsys) -> None:
     assert captured.out.endswith("\n") and captured.out.strip() != ""
     assert main(["generate", "Hi", "--chat", "--device", "cpu"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_failed_step_the_stream_drives_ends_it_with_request_error_keeping_every_token(
+    overlap, monkeypatch
+) -> None:
+    """The stream's own step fails (its 6th forward pass): it yields the text of all five
+    tokens computed before (with overlap the fifth was still in flight), then RequestError
+    with the step's exception as the cause, and frees everything."""
+    with Engine("builtin", device="cpu", overlap_schedule=overlap) as e:
+        free = _free(e)
+        real, calls = e.worker.forward_batch_generation, 0
+
+        def fail(batch):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            if calls == 6:
+                raise RuntimeError("device lost")
+            return real(batch)
+
+        monkeypatch.setattr(e.worker, "forward_batch_generation", fail)
+        text = ""
+        with pytest.raises(RequestError, match="step failed: RuntimeError: device lost") as info:
+            for piece in e.stream("three", LONG):
+                text += piece
+        assert isinstance(info.value.__cause__, RuntimeError)
+        monkeypatch.setattr(e.worker, "forward_batch_generation", real)
+        assert text == e.generate("three", replace(LONG, max_new_tokens=5)).text
+        assert _free(e) == free and not e.scheduler.has_work and e.scheduler.finished == []
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        ([{"role": "user", "content": None}], "message 0 'content' must be a str, got NoneType"),
+        ("hi", "messages must be a list of {'role': str, 'content': str} dicts, got str"),
+        ({"role": "user", "content": "hi"}, "messages must be a list of {'role': str, "),
+        (["hi"], "message 0 must be a dict with 'role' and 'content', got 'hi'"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 has no 'role'"),
+        ([{"role": 1, "content": "a"}], "message 0 'role' must be a str, got int 1"),
+        ([], "messages is empty"),
+        (
+            [{"role": "user", "content": "x\ud800"}],
+            "message 0 'content': text is not valid Unicode: character 1 is the lone surrogate",
+        ),
+        ([{"role": "tool", "content": "x"}], "chat template: bad role tool"),
+    ],
+)
+def test_chat_refuses_malformed_messages_naming_the_message_and_field(
+    engine, monkeypatch, messages, error
+) -> None:
+    template = ChatTemplate(TEMPLATE, "<|im_start|>", "<|endoftext|>", ("<|im_end|>",))
+    monkeypatch.setattr(engine, "chat_template", template)
+    with pytest.raises(RequestError) as info:
+        engine.chat(messages)
+    assert str(info.value).startswith("engine: ") and error in str(info.value), info.value
+    assert not engine.scheduler.has_work

@@ -141,7 +141,7 @@ def test_wrongly_typed_engine_kwargs_fail_before_any_model_loads(kwargs, monkeyp
     def no_load(*args, **kw):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(engine_module, "TpModelWorker", no_load)
+    monkeypatch.setattr(engine_module, "LogprobWorker", no_load)
     ((key, value),) = kwargs.items()
     with pytest.raises(ConfigError, match=f"config: {key}={value!r} has type"):
         Engine(device="cpu", **kwargs)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from execrt.core.batch import ForwardBatch
+from execrt.core.errors import RequestError
 from execrt.core.schedule import Req, SamplingParams
 from execrt.engine import Engine
 
@@ -121,3 +122,75 @@ def test_badly_typed_sampling_params_are_errors_and_the_rest_is_served(dense) ->
             assert message in result.error
         assert out[-1].error is None  # a list of stop ids is accepted
         assert not engine.scheduler.has_work and _free(engine) == start
+
+
+@pytest.fixture(scope="module")
+def builtin():  # type: ignore[no-untyped-def]
+    """The built-in model: it has a tokenizer, so prompts may be text."""
+    with Engine("builtin", device="cpu") as engine:
+        yield engine
+
+
+def test_text_that_is_not_unicode_is_an_error_result_naming_the_character(builtin) -> None:
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    alone = builtin.generate("Hello", params)
+    ok, bad, undecoded = builtin.generate(["Hello", "abc\ud800", "\udcffx"], params)
+    assert ok.error is None and ok.token_ids == alone.token_ids  # served as if alone
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error == "text is not valid Unicode: character 3 is the lone surrogate '\\ud800'"
+    # An undecodable byte of a command-line argument arrives as a surrogate escape.
+    assert (
+        undecoded.error == "text is not valid Unicode: character 0 is byte 0xff, which is not UTF-8"
+    )
+    with pytest.raises(RequestError, match="character 3 is the lone surrogate"):
+        builtin.stream("abc\ud800", params)
+    assert not builtin.scheduler.has_work
+
+
+def test_a_failed_engine_releases_its_kv_cache_before_any_garbage_collection(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A corrupt tokenizer.json fails Engine() after the model and KV cache exist: they must
+    be gone when the exception arrives (it was +256 MiB per attempt until a GC pass)."""
+    import gc
+    import shutil
+    import weakref
+
+    from execrt.core.errors import ModelLoadError
+    from execrt.core.memory import KVCache
+    from execrt.models.builtin import default_model
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model(explicit_builtin=True).path, model)
+    (model / "tokenizer.json").write_text("{not json")
+    caches: list[weakref.ref[KVCache]] = []
+    real_init = KVCache.__init__
+
+    def recording_init(self: KVCache, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(KVCache, "__init__", recording_init)
+    gc.collect()
+    gc.disable()
+    try:
+        # The exception (and its traceback, with the half-built engine's frame) is still
+        # held here, as an interactive session holds the last one.
+        with pytest.raises(ModelLoadError, match="not a valid tokenizer.json") as info:
+            Engine(str(model), device="cpu")
+        assert caches, "the failure came before the KV cache was built"
+        assert all(ref() is None for ref in caches), "the KV cache outlived the failed Engine()"
+        assert info.value is not None
+    finally:
+        gc.enable()
+
+
+def test_a_request_larger_than_the_cache_is_told_which_setting_to_raise(dense) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(dense, device="cpu", kv_cache_tokens=16) as engine:
+        result = engine.generate([1, 2, 3, 4, 5, 6, 7, 8], params)
+    assert result.finish_reason == "abort"
+    assert result.error.endswith(
+        "but the whole cache holds 16; raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at "
+        "least 19"
+    ), result.error

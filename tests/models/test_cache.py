@@ -67,3 +67,78 @@ def test_an_unwritable_cache_is_one_error_naming_the_directory_and_the_variable(
         ConfigError, match=r"cannot build ck under '.*a-file/cache' .*EXECRT_CACHE_DIR"
     ):
         cached_dir("ck", _builder([]))
+
+
+def _source(tmp_path, name: str = "model.gguf", text: str = "v1"):  # type: ignore[no-untyped-def]
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_each_source_file_keeps_one_version(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf, other = _source(tmp_path), _source(tmp_path, "other.gguf")
+    first = cached_dir("conv-v1", _builder([]), source=gguf)
+    kept = cached_dir("other-v1", _builder([]), source=other)
+    plain = cached_dir("builtin", _builder([]))
+    os.utime(gguf, ns=(1, 1))  # touched: its converted name changes with its stamp
+    second = cached_dir("conv-v2", _builder([]), source=gguf)
+    assert not os.path.exists(first), "the older conversion of the same file stayed"
+    assert all(os.path.isdir(p) for p in (second, kept, plain))
+    with open(os.path.join(second, MANIFEST)) as fh:
+        recorded = json.load(fh)["source"]
+    assert recorded == {"file": os.path.realpath(gguf), "size": 2, "mtime_ns": 1}
+
+
+def test_cache_entries_say_what_is_stale_and_clear_removes_only_that(tmp_path, monkeypatch) -> None:
+    import time
+
+    from execrt.models.cache import ABANDONED_BUILD_S, cache_entries, clear_cache
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(cache))
+    current, gone, changed = (
+        _source(tmp_path, f"{n}.gguf") for n in ("current", "gone", "changed")
+    )
+    dirs = {
+        n: cached_dir(f"gguf-{n}", _builder([]), source=s)
+        for n, s in (("current", current), ("gone", gone), ("changed", changed))
+    }
+    os.remove(gone)
+    with open(changed, "w") as fh:
+        fh.write("a new version")
+    dirs["builtin"] = cached_dir("builtin", _builder([]))  # no source: never stale
+    dirs["legacy"] = cached_dir("gguf-legacy", _builder([]))  # converted before sources
+    (cache / "conformance").mkdir()  # reports, not a cached_dir
+    old_build = cache / ".gguf-x-abc123"
+    old_build.mkdir()
+    past = time.time() - ABANDONED_BUILD_S - 60
+    os.utime(old_build, (past, past))
+    (cache / ".gguf-y-def456").mkdir()  # a build in progress right now
+    damaged = cached_dir("gguf-damaged", _builder([]), source=_source(tmp_path, "d.gguf"))
+    os.remove(os.path.join(damaged, "model.safetensors"))
+
+    entries = {os.path.basename(e.path): e for e in cache_entries(["gguf-"])}
+    assert {n: e.stale for n, e in entries.items()} == {
+        ".gguf-x-abc123": "a build cut short",
+        ".gguf-y-def456": "",
+        "builtin": "",
+        "conformance": "",
+        "gguf-changed": f"{os.path.realpath(changed)} changed since",
+        "gguf-current": "",
+        "gguf-damaged": "damaged",
+        "gguf-gone": f"{os.path.realpath(gone)} is gone",
+        "gguf-legacy": "no source recorded",
+    }
+    assert entries["builtin"].bytes > 64  # the files and the manifest
+    removed = clear_cache(entries.values())
+    assert sorted(os.path.basename(e.path) for e in removed) == [
+        ".gguf-x-abc123",
+        "gguf-changed",
+        "gguf-damaged",
+        "gguf-gone",
+        "gguf-legacy",
+    ]
+    assert sorted(os.listdir(cache)) == [".gguf-y-def456", "builtin", "conformance", "gguf-current"]
+    clear_cache(cache_entries(["gguf-"]), everything=True)
+    assert os.listdir(cache) == []

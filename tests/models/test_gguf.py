@@ -193,6 +193,20 @@ def test_conversion_is_cached_and_a_damaged_cache_is_rebuilt(llama, tmp_path, mo
     )
 
 
+def test_touching_a_gguf_file_leaves_one_converted_copy(llama, tmp_path, monkeypatch) -> None:
+    """Each touch used to leave another full copy (517 MB for SmolLM2) in the cache."""
+    from execrt.models.config import checkpoint_dir
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(llama, str(tmp_path / "t.gguf"), arch="llama")
+    seen = [checkpoint_dir(path)]
+    for mtime in (10**18, 2 * 10**18):
+        os.utime(path, ns=(mtime, mtime))
+        seen.append(checkpoint_dir(path))
+    assert len(set(seen)) == 3  # each version is converted anew...
+    assert sorted(os.listdir(tmp_path / "cache")) == [os.path.basename(seen[-1])]  # ...once
+
+
 def _load(path: str) -> None:
     cfg = ModelConfig.from_pretrained(path)
     load_model(
@@ -253,6 +267,30 @@ def test_a_sentencepiece_vocabulary_is_named_at_every_load(llama, tmp_path, capl
         with caplog.at_level("WARNING"):
             assert load_tokenizer(checkpoint_dir(path)) is None
         assert caplog.messages == [expected]
+
+
+def test_chat_on_a_sentencepiece_gguf_names_the_tokenizer_not_the_template(
+    llama, tmp_path, capsys
+) -> None:
+    """The file has a chat template; what is missing is a tokenizer execrt can rebuild."""
+    from execrt.cli import main
+    from execrt.core.errors import RequestError
+    from execrt.engine import Engine
+
+    path = write_gguf(llama, str(tmp_path / "spm.gguf"), arch="llama", tokenizer_model="llama")
+    reason = (
+        f"model: {path}: GGUF tokenizer model 'llama' (SentencePiece, as in Llama 2, Mistral and "
+        "TinyLlama) unsupported (supported: 'gpt2', byte-level BPE as in Llama 3, Qwen2 and "
+        "SmolLM2)"
+    )
+    with Engine(path, device="cpu") as engine:
+        with pytest.raises(RequestError) as info:
+            engine.chat([{"role": "user", "content": "hi"}])
+    assert str(info.value) == f"engine: chat needs a tokenizer: {reason}"
+    assert main(["generate", "--model", path, "--chat", "hi", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"execrt: error: engine: chat needs a tokenizer: {reason}"
+    )
 
 
 def test_a_missing_stacked_expert_tensor_is_named(tmp_path) -> None:

@@ -103,3 +103,68 @@ class GpuOnlyPlugin:
 
 # Entry-point targets: a module-level object pluggy can register.
 good = GoodPlugin()
+
+
+class IntFactoryPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "int_factory", 42, AttentionCapabilities())
+
+
+class WordPriorityPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register(
+            "attention", "word_priority", NATIVE, AttentionCapabilities(), priority="high"
+        )
+
+
+class StringHeadDimsPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        caps = AttentionCapabilities(head_dims={"64"}, devices="cuda")
+        registry.register("attention", "string_dims", NATIVE, caps)
+
+
+def _raising_check(req):
+    raise RuntimeError("nvml not found")
+
+
+class RaisingCheckPlugin:
+    """A CPU backend first for auto whose environment probe raises: refused, never a crash."""
+
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register(
+            "attention",
+            "raising_check",
+            NATIVE,
+            AttentionCapabilities(),
+            priority=900,
+            check=_raising_check,
+        )
+
+
+def _not_a_backend(init):
+    return {"i am": "a dict"}
+
+
+class NotABackendPlugin:
+    """First for auto on CPU, and its factory builds a dict: auto must fall through."""
+
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register(
+            "attention", "not_a_backend", _not_a_backend, AttentionCapabilities(), priority=800
+        )
+        registry.register(
+            "attention", "wrong_class", "json:JSONDecoder", AttentionCapabilities(), priority=700
+        )
+
+
+# Entry-point targets of the bad-registration tests.
+int_factory = IntFactoryPlugin()
+word_priority = WordPriorityPlugin()
+string_dims = StringHeadDimsPlugin()
+raising_check = RaisingCheckPlugin()
+not_a_backend = NotABackendPlugin()

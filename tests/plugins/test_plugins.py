@@ -311,3 +311,69 @@ def test_registration_validates_names_and_factories(plugin_host: PluginHost) -> 
         BackendUnavailableError, match="cannot load no_such_module:Cls.*pip install lazy"
     ):
         reg.get("attention", "lazy_missing").load_factory()
+
+
+@pytest.mark.parametrize(
+    ("plugin", "error"),
+    [
+        (
+            fakes.IntFactoryPlugin(),
+            "attention backend 'int_factory': factory must be 'module:attr' or a callable, got 42",
+        ),
+        (
+            fakes.WordPriorityPlugin(),
+            "attention backend 'word_priority': priority must be an int, got 'high'",
+        ),
+        (
+            fakes.StringHeadDimsPlugin(),
+            "attention backend 'string_dims': capabilities.devices must be frozenset[str], got "
+            "'cuda'; capabilities.head_dims must be frozenset[int] | None, got {'64'}",
+        ),
+    ],
+)
+def test_a_badly_typed_registration_refuses_the_plugin_in_one_line(
+    plugin_host: PluginHost, plugin: object, error: str
+) -> None:
+    assert not plugin_host.add_plugin(plugin, "sloppy")
+    [failure] = plugin_host.failures
+    assert (failure.plugin, failure.error) == ("sloppy", error)
+    assert all(s.plugin == "execrt.builtin" for s in plugin_host.registry.specs())
+
+
+def test_bad_plugins_installed_leave_backends_and_generate_working(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Installed through entry points: `execrt backends` lists the refusals and exits 0;
+    `generate` falls through a raising check and factories that build no backend."""
+    import execrt.plugins.host as host_module
+    from execrt.cli import main
+
+    names = ("int_factory", "word_priority", "string_dims", "raising_check", "not_a_backend")
+    entries = {n.replace("_", "-"): f"tests.plugins.fakes:{n}" for n in names}
+    _fake_distribution(tmp_path, monkeypatch, entries, name="sloppy-plugins")
+    monkeypatch.delenv("EXECRT_PLUGINS", raising=False)
+    monkeypatch.delenv("EXECRT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(host_module, "_HOST", None)  # a fresh host sees the new entry points
+
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    for name in ("int-factory", "word-priority", "string-dims"):
+        [line] = [ln for ln in out.splitlines() if ln.startswith(f"plugin {name!r} skipped: ")]
+    rows = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("attention ")}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what `backends` probes here
+    assert (
+        f"no: {device}: plugin 'raising-check': check raised RuntimeError('nvml not found')"
+        in (rows["raising_check"])
+    )
+    assert "json.decoder.JSONDecoder does not implement AttentionBackend" in rows["wrong_class"]
+
+    argv = ["generate", "1,2,3", "--token-ids", "--max-new-tokens", "2", "--device", "cpu", "-v"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "attention: requested 'auto' -> torch_native" in err
+    assert "rejected raising_check: plugin 'raising-check': check raised" in err
+    assert (
+        "rejected not_a_backend: plugin 'not-a-backend': factory built dict, which does not "
+        "implement AttentionBackend" in err
+    )
+    assert "rejected wrong_class: plugin 'not-a-backend': json.decoder.JSONDecoder" in err

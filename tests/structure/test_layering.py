@@ -35,6 +35,7 @@ def modules_under(package: str) -> list[str]:
 
 CORE_MODULES = [m for m in modules_under("execrt.core") if m != "execrt.core"]
 BACKEND_MODULES = modules_under("execrt.backends")
+KERNEL_MODULES = modules_under("execrt.kernels")
 MODEL_MODULES = modules_under("execrt.models")
 EDGE = ("execrt.engine", "execrt.plugins", "execrt.testing", "execrt.bench", "execrt.cli")
 EDGE += ("execrt.inventory",)
@@ -107,7 +108,8 @@ def loaded() -> dict[str, dict[str, Any]]:
             "contract": ["execrt:hookimpl", "execrt:BackendRegistry"],
             "core": CORE_MODULES,
             "flashinfer": ["execrt.backends.attention.flashinfer"],
-            "kernels": ["execrt.kernels", "execrt.backends.attention.kv_indices"],
+            "kernels": ["execrt.kernels", "execrt.kernels.kv_indices"],
+            "all kernels": KERNEL_MODULES,
             "backends": BACKEND_MODULES,
             "models": MODEL_MODULES,
         }
@@ -124,13 +126,14 @@ def culprits(modules: list[str], forbidden: tuple[str, ...]) -> dict[str, list[s
 def test_modules_are_found() -> None:
     assert "execrt.core.batch" in CORE_MODULES and len(CORE_MODULES) >= 15
     for name in (
-        "execrt.backends.attention.kv_indices",
-        "execrt.backends.attention.triton_kernels.decode",  # a module of a subpackage
+        "execrt.backends.attention.triton",
         "execrt.backends.graph.full_cuda_graph",
         "execrt.backends.moe_dispatch.allreduce",
     ):
         assert name in BACKEND_MODULES, BACKEND_MODULES
-    assert {"execrt.models", "execrt.models.qwen3", "execrt.models.layers"} <= set(MODEL_MODULES)
+    for name in ("execrt.kernels.kv_indices", "execrt.kernels.attention.decode"):
+        assert name in KERNEL_MODULES, KERNEL_MODULES  # the second: a module of a subpackage
+    assert {"execrt.models", "execrt.models.decoder", "execrt.models.layers"} <= set(MODEL_MODULES)
 
 
 def test_every_module_imports_or_names_the_missing_library(loaded) -> None:  # type: ignore[no-untyped-def]
@@ -206,7 +209,7 @@ def test_flashinfer_backend_does_not_need_triton(loaded) -> None:  # type: ignor
 
 def test_kernel_modules_do_not_import_triton_eagerly(loaded) -> None:  # type: ignore[no-untyped-def]
     report = loaded["kernels"]
-    assert "execrt.backends.attention.kv_indices" in report["loaded"], report["errors"]
+    assert "execrt.kernels.kv_indices" in report["loaded"], report["errors"]
     assert not [m for m in report["loaded"] if within(m, ("triton",))]
 
 
@@ -217,12 +220,18 @@ def test_kernel_modules_do_not_import_triton_eagerly(loaded) -> None:  # type: i
         ("models", ("execrt.backends", *EDGE)),
         # Backends import only the core's public names and the kernels.
         ("backends", ("execrt.models", *EDGE)),
+        # Kernels sit under models and backends alike: they import neither.
+        ("all kernels", ("execrt.models", "execrt.backends", *EDGE)),
     ],
 )
 def test_models_never_import_backends_and_backends_never_import_models(
     loaded: dict[str, dict[str, Any]], group: str, forbidden: tuple[str, ...]
 ) -> None:
-    modules = {"models": MODEL_MODULES, "backends": BACKEND_MODULES}[group]
+    modules = {
+        "models": MODEL_MODULES,
+        "backends": BACKEND_MODULES,
+        "all kernels": KERNEL_MODULES,
+    }[group]
     report = loaded[group]
     imported = [m for m in modules if m not in report["errors"]]
     assert set(imported) <= set(report["loaded"]), report["errors"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from execrt.core.interfaces import (
 )
 from execrt.core.plugins import Hookspecs, hookimpl
 from execrt.core.prefix_cache import PrefixCacheCapabilities
+from execrt.kernels._triton import interpreter_enabled
 from execrt.plugins.host import PluginHost
 from execrt.testing.attention import AttentionBackendSuite
 from execrt.testing.graph import GraphBackendSuite
@@ -215,7 +215,7 @@ def test_cpu_skips_only_for_undeclared_values_or_the_backends_own_refusals(
 
 
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
+    not interpreter_enabled(),
     reason="Triton runs on cpu only under its interpreter (tests/conftest.py sets it without CUDA)",
 )
 def test_triton_on_cpu_runs_every_declared_value_but_bfloat16() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,57 @@ def test_example_plugin_passes_through_the_runner(tmp_path: Path) -> None:
     )
     report = json.loads(out.read_text())
     assert code == 0 and report["plugin"] == "execrt-example-plugin" and report["passed"] >= 6
+
+
+def test_a_run_where_every_case_skipped_is_nothing_ran_not_a_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `execrt conformance attention triton` on a CPU without the interpreter: only the
+    declaration checks run. Status 3, the reasons, and no report for `execrt backends`."""
+    from execrt.testing.report import NOTHING_RAN
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    source = """
+from execrt.core.interfaces import AttentionCapabilities
+from execrt.testing.attention import AttentionBackendSuite
+class TestElsewhere(AttentionBackendSuite):
+    factory = "execrt.backends.attention.torch_native:TorchNativeAttnBackend"
+    capabilities = AttentionCapabilities(devices=frozenset({"cuda"}))
+    devices = ("cpu",)
+"""
+    out = tmp_path / "r.json"
+    code = run_suite_source(source, kind="attention", name="elsewhere", json_path=str(out))
+    assert code == NOTHING_RAN == 3
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"attention elsewhere: nothing ran here: (\d+) of (\d+) tests skipped \(\1 x "
+        r"capability devices does not include cpu\), and the (\d+) that ran only check "
+        r"declarations; no report written",
+        last,
+    )
+    assert match is not None, last
+    skipped, total, ran = map(int, match.groups())
+    assert skipped + ran == total and ran >= 1
+    assert not out.exists()
+    assert last_conformance("attention", "elsewhere") is None
+
+
+def test_a_selection_matching_nothing_is_nothing_ran_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path))
+    code = run_conformance("attention", "torch_native", None, extra_pytest_args=("-k", "nomatch"))
+    assert code == 3
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "attention torch_native: nothing ran here: no test was selected by pytest -k nomatch; "
+        "no report written"
+    )
+    assert last_conformance("attention", "torch_native") is None
+
+
+def test_declaration_checks_alone_are_nothing_ran(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path))
+    code = run_conformance(
+        "attention", "torch_native", None, extra_pytest_args=("-k", "refusals_explain")
+    )
+    assert code == 3 and last_conformance("attention", "torch_native") is None

@@ -6,15 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import (
+    KV,
     AttentionBackend,
     AttentionBackendInit,
     AttentionLayer,
     AttentionStep,
 )
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 WORKSPACE = "flashinfer_workspace"
 # FlashInfer plans its split-KV scratch into this buffer; 128 MiB overflowed on the H200 for
@@ -118,12 +120,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # -- attending ------------------------------------------------------------------------------
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         cache = (
             self.kv_cache.k_buffers[layer.layer_id].unsqueeze(1),  # [S, 1, Hkv, D]: page size 1
             self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),

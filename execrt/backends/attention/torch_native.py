@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from execrt.core.batch import ForwardBatch, PaddedContext
-from execrt.core.interfaces import AttentionBackend, AttentionLayer, AttentionStep
+from execrt.core.interfaces import KV, AttentionBackend, AttentionLayer, AttentionStep
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -19,12 +20,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         return PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         meta: PaddedContext = step.meta
         k_buf = self.kv_cache.k_buffers[layer.layer_id]  # [S+1, Hkv, D]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]  # [S+1, Hkv, Dv]

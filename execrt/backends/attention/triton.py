@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from execrt.backends.attention.kv_indices import fill_kv_index, host_indptr
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import (
+    KV,
     AttentionBackend,
     AttentionBackendInit,
     AttentionLayer,
     AttentionStep,
 )
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 
 @dataclass
@@ -45,7 +47,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, init: AttentionBackendInit) -> None:
         super().__init__(init)
-        from execrt.backends.attention import triton_kernels as kernels
+        from execrt.kernels import attention as kernels
 
         self.kernels = kernels
         self.num_sms = (
@@ -114,12 +116,8 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- attending ------------------------------------------------------------------------------
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         meta: TritonMetadata = step.meta
         k_buf = self.kv_cache.k_buffers[layer.layer_id]
         v_buf = self.kv_cache.v_buffers[layer.layer_id]

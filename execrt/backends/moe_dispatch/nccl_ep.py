@@ -56,7 +56,7 @@ class NcclEpDispatcher(MoEDispatcher):
     handle per forward, destroyed after combine. Graphs: the dispatcher is its own
     GraphResourceProvider; the graph backend's NcclEpGraphResources (context name
     ``nccl_ep_graph_resources``) serve every forward of the warmed-up bucket, one layer at a
-    time. ``api`` is the seam to NCCL EP; tests pass ``execrt.testing.nccl_ep_double``'s.
+    time. ``api`` is the seam to NCCL EP; tests pass ``tests.doubles.nccl_ep``'s.
     """
 
     def __init__(self, init: MoEDispatcherInit, api: NcclApi | None = None) -> None:

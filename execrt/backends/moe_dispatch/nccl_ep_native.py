@@ -30,7 +30,7 @@ class NcclApi:
     """What the dispatcher reaches NCCL EP through: ``ep`` (the ``nccl.ep`` module),
     ``core`` (``nccl.core``), ``is_capturing`` (is a CUDA-graph capture active?) and
     ``comm_from_group`` (a fresh communicator over a torch process group, the fallback when
-    torch does not expose its own). Tests hand in ``execrt.testing.nccl_ep_double``'s."""
+    torch does not expose its own). Tests hand in ``tests.doubles.nccl_ep``'s."""
 
     ep: Any
     core: Any

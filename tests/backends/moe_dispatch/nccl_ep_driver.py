@@ -17,7 +17,7 @@ from execrt.core.interfaces import GraphBackendInit, MoEDispatcherInit, ShapeKey
 from execrt.core.parallel import ParallelState
 from execrt.plugins.builtin import NCCL_EP_DISPATCH, REEXEC_GRAPH
 from execrt.testing.moe_harness import expert_weights
-from execrt.testing.nccl_ep_double import FakeNccl
+from tests.doubles.nccl_ep import FakeNccl
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
 CAPACITY = 8  # largest graph bucket

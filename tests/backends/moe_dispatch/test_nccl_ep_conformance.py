@@ -10,7 +10,7 @@ from execrt.backends.moe_dispatch.nccl_ep_native import NcclApi
 from execrt.core.interfaces import MoEDispatcherInit
 from execrt.plugins.builtin import NCCL_EP_DISPATCH
 from execrt.testing.moe import MoEDispatcherSuite
-from execrt.testing.nccl_ep_double import FakeNccl
+from tests.doubles.nccl_ep import FakeNccl
 
 
 class _CheckedDispatcher(NcclEpDispatcher):

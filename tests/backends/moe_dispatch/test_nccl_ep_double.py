@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from execrt.testing.nccl_ep_double import FakeNccl, FakeNcclAbort
+from tests.doubles.nccl_ep import FakeNccl, FakeNcclAbort
 
 E, K, H, C = 4, 2, 32, 6
 

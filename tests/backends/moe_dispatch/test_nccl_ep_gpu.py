@@ -68,7 +68,8 @@ def test_real_nccl_ep_graph_lifecycle_world_size_1() -> None:
     from execrt.core.interfaces import GraphBackendInit, MoEDispatcherInit, ShapeKey
     from execrt.core.parallel import ParallelState
     from execrt.plugins.builtin import FULL_CUDA_GRAPH, NCCL_EP_DISPATCH
-    from execrt.testing.moe_harness import expert_weights, routing
+    from execrt.testing.moe_cases import routing
+    from execrt.testing.moe_harness import expert_weights
     from execrt.testing.oracles import compare, moe_oracle
 
     e, k, h, inter, cap = 8, 2, 2048, 512, 32

@@ -14,7 +14,6 @@ from execrt.backends.moe_dispatch.nccl_ep_native import NcclApi
 from execrt.backends.moe_dispatch.nccl_ep_resources import NcclEpGraphResources
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import ResourceError
-from execrt.testing.nccl_ep_double import FakeNccl
 from execrt.testing.oracles import compare, moe_oracle
 from tests.backends.moe_dispatch.nccl_ep_driver import (
     BUCKETS,
@@ -27,6 +26,7 @@ from tests.backends.moe_dispatch.nccl_ep_driver import (
     ToyMoE,
     make_dispatcher,
 )
+from tests.doubles.nccl_ep import FakeNccl
 
 NAME = "nccl_ep_graph_resources"
 OWNER = "a graph backend"  # for tests that register resources by hand

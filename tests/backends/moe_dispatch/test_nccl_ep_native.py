@@ -11,7 +11,7 @@ from execrt.backends.moe_dispatch import nccl_ep_native as native
 from execrt.backends.moe_dispatch.nccl_ep_native import NcclApi, open_communicator
 from execrt.core.errors import BackendUnavailableError, ResourceError
 from execrt.core.parallel import ParallelState
-from execrt.testing.nccl_ep_double import FakeNccl
+from tests.doubles.nccl_ep import FakeNccl
 
 CPU = torch.device("cpu")
 TORCH_COMM = 0xBEEF00  # the ncclComm_t torch's ProcessGroupNCCL would hand out

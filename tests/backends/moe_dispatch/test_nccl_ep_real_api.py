@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from execrt.testing.nccl_ep_double import DOUBLE_ONLY, FakeNccl
+from tests.doubles.nccl_ep import DOUBLE_ONLY, FakeNccl
 
 #: What execrt's nccl_ep backend uses of nccl.core.Communicator; both must have it.
 COMMUNICATOR_USED = ("__init__", "init", "destroy", "ptr", "nranks", "rank", "device_api_support")

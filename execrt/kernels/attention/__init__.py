@@ -1,17 +1,21 @@
-"""Triton kernels for paged (page size 1) decode and extend attention over a slot KV cache."""
+"""Triton kernels for paged (page size 1) decode and extend attention over a slot KV cache.
+
+Importing this package imports triton (every module here is a Triton kernel); the torch-only
+index build the backends share is ``execrt.kernels.kv_indices``.
+"""
 
 from __future__ import annotations
 
-from execrt.backends.attention.triton_kernels.common import (
+from execrt.kernels.attention.common import (
     DEFAULT_MAX_SPLITS_CAP,
     DEFAULT_MIN_SPLIT_LEN,
     DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_TARGET_SPLIT_LEN,
     MAX_HEAD_DIM,
 )
-from execrt.backends.attention.triton_kernels.decode import decode_attention
-from execrt.backends.attention.triton_kernels.extend import extend_attention
-from execrt.backends.attention.triton_kernels.indices import (
+from execrt.kernels.attention.decode import decode_attention
+from execrt.kernels.attention.extend import extend_attention
+from execrt.kernels.attention.indices import (
     SplitPolicy,
     decode_metadata,
     decode_num_splits,

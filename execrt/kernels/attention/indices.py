@@ -8,17 +8,22 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.backends.attention.triton_kernels.common import (
+from execrt.kernels._triton import (
+    check_index,
+    check_index_build,
+    check_same_device,
+    fail,
+    pdl_kwargs,
+    pow2_at_least,
+)
+from execrt.kernels.attention.common import (
+    COMPONENT,
     DEFAULT_DECODE_BLOCK_N,
     DEFAULT_MAX_SPLITS_CAP,
     DEFAULT_MIN_SPLIT_LEN,
     DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_TARGET_SPLIT_LEN,
-    INDEX_DTYPES,
-    check_index,
-    fail,
 )
-from execrt.kernels._triton import pdl_kwargs
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ def launch_build_kv_indices(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
 ) -> None:
-    """One program per request; inputs validated by ``kv_indices.build_kv_indices``."""
+    """One program per request; inputs validated by ``kv_indices.fill_kv_index``."""
     _build_kv_indices_kernel[(seq_lens.shape[0],)](
         req_to_token,
         req_pool_indices,
@@ -120,8 +125,9 @@ class SplitPolicy:
             or self.block_n & (self.block_n - 1)
         ):
             fail(
+                COMPONENT,
                 f"split policy {self} unsupported (need 1 <= min <= target, cap >= 1, "
-                "block_n a power of two >= 16)"
+                "block_n a power of two >= 16)",
             )
 
     def min_splits(self, batch_size: int, num_kv_heads: int, num_sms: int) -> int:
@@ -160,13 +166,11 @@ def decode_num_splits(
     Raises:
         ValueError: on bad dtypes, lengths, devices or non-positive counts.
     """
-    check_index("seq_lens", seq_lens, 0, INDEX_DTYPES)
+    check_index(COMPONENT, "seq_lens", seq_lens, 0)
     batch = seq_lens.shape[0]
-    check_index("num_splits_out", num_splits_out, batch, (torch.int32,))
-    if num_splits_out.device != seq_lens.device:
-        fail(f"num_splits_out is on {num_splits_out.device}, seq_lens on {seq_lens.device}")
-    if max_splits < 1 or min_splits < 1:
-        fail(f"max_splits {max_splits} / min_splits {min_splits} unsupported (need >= 1)")
+    check_index(COMPONENT, "num_splits_out", num_splits_out, batch, (torch.int32,))
+    check_same_device(COMPONENT, seq_lens, num_splits_out=num_splits_out)
+    check_split_range(max_splits, min_splits)
     if batch == 0:
         return
     lens = seq_lens.to(torch.int64)
@@ -180,8 +184,11 @@ def decode_num_splits(
     num_splits_out[:batch].copy_(splits.clamp_(1, max_splits))
 
 
-def _cdiv(x: torch.Tensor, d: int) -> torch.Tensor:
-    return torch.div(x + (d - 1), d, rounding_mode="floor")
+def check_split_range(max_splits: int, min_splits: int) -> None:
+    if max_splits < 1 or min_splits < 1:
+        fail(
+            COMPONENT, f"max_splits {max_splits} / min_splits {min_splits} unsupported (need >= 1)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,22 +257,12 @@ def decode_metadata(
     Raises:
         ValueError: on bad ranks, dtypes, lengths, devices or counts.
     """
-    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    check_index("seq_lens", seq_lens, 0, INDEX_DTYPES)
-    check_index("req_pool_indices", req_pool_indices, batch, INDEX_DTYPES)
-    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
-    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
-    check_index("num_splits_out", num_splits_out, batch, (torch.int32,))
-    if req_to_token.dim() != 2 or req_to_token.dtype not in INDEX_DTYPES:
-        fail(f"req_to_token must be a 2-D int32/int64 table, got {req_to_token.dtype} "
-             f"{tuple(req_to_token.shape)}")  # fmt: skip
-    if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
-        fail(f"req_to_token must be contiguous in its last dim, got {tuple(req_to_token.stride())}")
-    tensors = (req_pool_indices, seq_lens, kv_indptr, kv_indices, num_splits_out)
-    if any(t.device != req_to_token.device for t in tensors):
-        fail("decode metadata: every input must be on req_to_token's device")
-    if max_splits < 1 or min_splits < 1:
-        fail(f"max_splits {max_splits} / min_splits {min_splits} unsupported (need >= 1)")
+    batch = check_index_build(
+        COMPONENT, req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+        num_splits_out=num_splits_out,
+    )  # fmt: skip
+    check_index(COMPONENT, "num_splits_out", num_splits_out, batch, (torch.int32,))
+    check_split_range(max_splits, min_splits)
     if batch == 0:
         kv_indptr[:1].zero_()
         return
@@ -282,7 +279,7 @@ def decode_metadata(
         max_splits,
         TARGET=policy.target_split_len,
         MIN_LEN=policy.min_split_len,
-        BLOCK_B=max(16, triton.next_power_of_2(batch)),
+        BLOCK_B=pow2_at_least(batch),
         BLOCK=512,
         **pdl_kwargs(req_to_token.device),
     )

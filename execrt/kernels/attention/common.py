@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import NamedTuple
 
 import torch
-import triton
 
-from execrt.backends.attention import kv_indices
-from execrt.kernels._triton import check_device
+from execrt.kernels._triton import (
+    check_device,
+    check_index,
+    check_last_dim_contiguous,
+    check_same_device,
+    fail,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -41,73 +45,78 @@ LOG2E = 1.4426950408889634
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPONENT = "triton attention"
-INDEX_DTYPES = kv_indices.INDEX_DTYPES
 
 
-def fail(message: str) -> NoReturn:
-    kv_indices.fail(message, COMPONENT)
+class AttentionDims(NamedTuple):
+    """Sizes read off q, the KV buffers and o by :func:`check_paged`."""
 
-
-def check_index(name: str, t: torch.Tensor, min_len: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    kv_indices.check_index(name, t, min_len, dtypes, COMPONENT)
-
-
-def check_devices(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
-    kv_indices.check_devices(ref, COMPONENT, **tensors)
+    rows: int  # query rows: requests at decode, new tokens at extend
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
 
 
 def check_head_dim(name: str, dim: int) -> None:
     if not 1 <= dim <= MAX_HEAD_DIM:
-        fail(f"{name} {dim} unsupported (supported: 1..{MAX_HEAD_DIM})")
-
-
-def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    # The kernels vectorise along the head dim, so only the last stride has to be 1; the others
-    # are passed to the kernels and may be anything (e.g. slices of a larger static buffer).
-    for name, t in tensors.items():
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            fail(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+        fail(COMPONENT, f"{name} {dim} unsupported (supported: 1..{MAX_HEAD_DIM})")
 
 
 def check_block(name: str, value: int, minimum: int = 16) -> None:
     if value < minimum or value & (value - 1):
-        fail(f"{name} {value} unsupported (supported: a power of two >= {minimum})")
+        fail(COMPONENT, f"{name} {value} unsupported (supported: a power of two >= {minimum})")
 
 
 def check_qkvo(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor
-) -> tuple[int, int, int, int, int]:
-    """Validate q/k/v/o ranks, dtypes and shapes; return (rows, Hq, Hkv, D, Dv)."""
+) -> AttentionDims:
+    """Validate q/k/v/o ranks, dtypes and shapes, and that q is on a device Triton runs on."""
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
         if t.dim() != 3:
-            fail(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+            fail(COMPONENT, f"{name} must be 3-D, got shape {tuple(t.shape)}")
     check_device(COMPONENT, "q", q)
     if q.dtype not in FLOAT_DTYPES:
-        fail(f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
+        fail(COMPONENT, f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
     for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
         if t.dtype != q.dtype:
-            fail(f"{name} dtype {t.dtype} differs from q dtype {q.dtype} (must match)")
+            fail(COMPONENT, f"{name} dtype {t.dtype} differs from q dtype {q.dtype} (must match)")
     rows, num_q_heads, head_dim = q.shape
     num_slots, num_kv_heads, k_dim = k_buffer.shape
     head_dim_v = v_buffer.shape[2]
     if k_dim != head_dim:
-        fail(f"k_buffer head dim {k_dim} differs from q head dim {head_dim}")
+        fail(COMPONENT, f"k_buffer head dim {k_dim} differs from q head dim {head_dim}")
     if tuple(v_buffer.shape[:2]) != (num_slots, num_kv_heads):
         fail(
+            COMPONENT,
             f"v_buffer shape {tuple(v_buffer.shape)} does not match "
-            f"k_buffer shape {tuple(k_buffer.shape)} in its first two dims"
+            f"k_buffer shape {tuple(k_buffer.shape)} in its first two dims",
         )
     if tuple(o.shape) != (rows, num_q_heads, head_dim_v):
-        fail(f"o shape {tuple(o.shape)} unsupported (expected {(rows, num_q_heads, head_dim_v)})")
+        expected = (rows, num_q_heads, head_dim_v)
+        fail(COMPONENT, f"o shape {tuple(o.shape)} unsupported (expected {expected})")
     check_head_dim("head_dim", head_dim)
     check_head_dim("head_dim_v", head_dim_v)
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         fail(
+            COMPONENT,
             f"{num_q_heads} query heads unsupported with {num_kv_heads} kv heads "
-            "(supported: Hq a multiple of Hkv)"
+            "(supported: Hq a multiple of Hkv)",
         )
-    return rows, num_q_heads, num_kv_heads, head_dim, head_dim_v
+    return AttentionDims(rows, num_q_heads, num_kv_heads, head_dim, head_dim_v)
 
 
-def pow2_at_least(n: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+def check_paged(
+    batch: int,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    q: torch.Tensor,
+    **tensors: torch.Tensor,
+) -> None:
+    """What decode and extend both need past :func:`check_qkvo`: ``kv_indptr`` / ``kv_indices``
+    of ``batch`` requests, and q and every other tensor on one device and contiguous in its
+    last dim (the kernels vectorise along it; the other strides are passed, so slices of a
+    larger static buffer are fine)."""
+    check_index(COMPONENT, "kv_indptr", kv_indptr, batch + 1)
+    check_index(COMPONENT, "kv_indices", kv_indices, 0)
+    check_same_device(COMPONENT, q, kv_indptr=kv_indptr, kv_indices=kv_indices, **tensors)
+    check_last_dim_contiguous(COMPONENT, q=q, **tensors)

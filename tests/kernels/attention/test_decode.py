@@ -1,6 +1,6 @@
 """Triton decode attention and index kernels checked against a float64 torch oracle.
 
-The cache builders and the oracle here are shared with test_triton_extend.py.
+The cache builders and the oracle here are shared with test_extend.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.backends.attention import triton_kernels as tk
-from execrt.backends.attention.kv_indices import build_kv_indices, fill_kv_index, host_indptr
+from execrt.kernels import attention as tk
+from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 CUDA = torch.cuda.is_available()
 # The small scenarios run compiled on a GPU when there is one, under the interpreter otherwise.
@@ -206,44 +206,47 @@ FLOATS_CPU = [torch.float32, torch.float16]
 
 
 # ----------------------------------------------------------------------------------------------
-# build_kv_indices
+# The kv_indices Triton kernel (the torch path: tests/kernels/test_kv_indices.py)
 # ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_build_kv_indices_matches_slot_table(index_dtype: torch.dtype) -> None:
+def test_kv_indices_kernel_matches_slot_table(index_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     seq_lens = [1, 7, 600, 33, 0, 1030]
     cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
     want_indptr, want = flat_indices(cache)
     tail = 37
     kv_indices = torch.full((want.numel() + tail,), -7, dtype=torch.int32, device=SMALL)
-    build_kv_indices(
+    fill_kv_index(
         cache.req_to_token,
         cache.rows.to(index_dtype),
         torch.tensor(seq_lens, dtype=index_dtype, device=SMALL),
         want_indptr,
         kv_indices,
+        mode="on",
+        fill_indptr=False,
     )
     assert torch.equal(kv_indices[: want.numel()], want)
     assert torch.all(kv_indices[want.numel() :] == -7), "wrote past kv_indptr[B]"
 
 
-def test_build_kv_indices_empty_batch_is_noop() -> None:
-    req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4)
-    kv_indices = torch.full((5,), -7, dtype=torch.int32)
-    empty = torch.zeros(0, dtype=torch.int32)
-    build_kv_indices(req_to_token, empty, empty, torch.zeros(1, dtype=torch.int32), kv_indices)
+def test_kv_indices_kernel_empty_batch_is_noop() -> None:
+    req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4).to(SMALL)
+    kv_indices = torch.full((5,), -7, dtype=torch.int32, device=SMALL)
+    empty = torch.zeros(0, dtype=torch.int32, device=SMALL)
+    indptr = torch.zeros(1, dtype=torch.int32, device=SMALL)
+    fill_kv_index(req_to_token, empty, empty, indptr, kv_indices, mode="on", fill_indptr=False)
     assert torch.all(kv_indices == -7)
 
 
-def test_build_kv_indices_rejects_bad_input() -> None:
+def test_kv_indices_rejects_bad_input() -> None:
     req_to_token = torch.zeros(3, 4, dtype=torch.int32)
     one = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="kv indices: req_to_token dtype"):
-        build_kv_indices(req_to_token.float(), one, one, one.repeat(2), one)
+    with pytest.raises(ValueError, match="kv indices: req_to_token must be a 2-D int32/int64"):
+        fill_kv_index(req_to_token.float(), one, one, one.repeat(2), one)
     with pytest.raises(ValueError, match="kv_indptr has 1 entries, need at least 2"):
-        build_kv_indices(req_to_token, one, one, one, one)
+        fill_kv_index(req_to_token, one, one, one, one)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,13 +405,15 @@ def test_decode_empty_batch_is_noop() -> None:
 
 
 def test_decode_rejects_bad_input() -> None:
-    q = torch.zeros(2, 4, 64)
-    k = torch.zeros(10, 2, 64)
-    o = torch.zeros(2, 4, 64)
-    indptr = torch.zeros(3, dtype=torch.int32)
-    indices = torch.zeros(4, dtype=torch.int32)
-    splits = torch.ones(2, dtype=torch.int32)
-    po, pl = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2)
+    # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
+    # GPU machine are refused for their device before any shape or dtype is looked at.
+    def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=SMALL)
+
+    q, k, o = zeros(2, 4, 64), zeros(10, 2, 64), zeros(2, 4, 64)
+    indptr, indices = zeros(3, dtype=torch.int32), zeros(4, dtype=torch.int32)
+    splits = torch.ones(2, dtype=torch.int32, device=SMALL)
+    po, pl = zeros(2, 4, 2, 64), zeros(2, 4, 2)
 
     def call(**over: object) -> None:
         args = dict(
@@ -418,11 +423,11 @@ def test_decode_rejects_bad_input() -> None:
         args.update(over)
         tk.decode_attention(**args)  # type: ignore[arg-type]
 
-    big = torch.zeros(2, 4, 300)
+    big = zeros(2, 4, 300)
     with pytest.raises(ValueError, match=r"triton attention: head_dim 300 unsupported"):
-        call(q=big, k_buffer=torch.zeros(10, 2, 300), v_buffer=k)
+        call(q=big, k_buffer=zeros(10, 2, 300), v_buffer=k)
     with pytest.raises(ValueError, match="4 query heads unsupported with 3 kv heads"):
-        call(k_buffer=torch.zeros(10, 3, 64), v_buffer=torch.zeros(10, 3, 64))
+        call(k_buffer=zeros(10, 3, 64), v_buffer=zeros(10, 3, 64))
     with pytest.raises(ValueError, match="k_buffer dtype torch.float16 differs"):
         call(k_buffer=k.half())
     with pytest.raises(ValueError, match="q dtype torch.float64 unsupported"):
@@ -430,7 +435,7 @@ def test_decode_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="num_splits dtype torch.int64 unsupported"):
         call(num_splits=splits.long())
     with pytest.raises(ValueError, match="partial_o shape"):
-        call(partial_o=torch.zeros(2, 4, 1, 64))
+        call(partial_o=zeros(2, 4, 1, 64))
     with pytest.raises(ValueError, match="block_n 24 unsupported"):
         call(block_n=24)
     with pytest.raises(ValueError, match="max_splits 0 unsupported"):
@@ -504,7 +509,7 @@ def test_gpu_decode_shapes(
 @gpu
 @pytest.mark.gpu
 def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
-    """build_kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
+    """kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
     device = torch.device("cuda")
     dtype, hq, hkv, d, batch, max_ctx = torch.bfloat16, 32, 8, 128, 4, 4096
     gen = torch.Generator().manual_seed(300)
@@ -523,7 +528,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
 
     def step() -> None:
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=indptr[1:])
-        build_kv_indices(cache.req_to_token, cache.rows, seq_lens, indptr, indices)
+        fill_kv_index(cache.req_to_token, cache.rows, seq_lens, indptr, indices, fill_indptr=False)
         tk.decode_num_splits(seq_lens, splits, max_splits, policy, fill)
         tk.decode_attention(
             q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
@@ -560,7 +565,7 @@ def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
     indptr = torch.full((8,), 99, dtype=torch.int32, device=SMALL)  # stale, longer than B+1
     indices = torch.full((want.numel() + 5,), -7, dtype=torch.int32, device=SMALL)
     lens = torch.tensor(seq_lens, device=SMALL)
-    fill_kv_index(cache.req_to_token, cache.rows, lens, indptr, indices)
+    fill_kv_index(cache.req_to_token, cache.rows, lens, indptr, indices, mode="on")
     assert indptr[:4].tolist() == want_indptr.tolist() and indptr[4:].tolist() == [99] * 4
     assert torch.equal(indices[: want.numel()], want) and indices[want.numel() :].eq(-7).all()
     assert host_indptr([3, 40, 1]).tolist() == [0, 3, 43, 44]

@@ -764,7 +764,7 @@ class FakeNccl:
 
     # -- modules ------------------------------------------------------------------------------
     def _ep_module(self) -> ModuleType:
-        mod = ModuleType("nccl.ep", "nccl.ep test double (execrt.testing.nccl_ep_double)")
+        mod = ModuleType("nccl.ep", "nccl.ep test double (tests.doubles.nccl_ep)")
         handle_cls = type("Handle", (_Handle,), {"_world": self})
         group_cls = type("Group", (_Group,), {"_world": self, "_handle_cls": handle_cls})
         for name, obj in {
@@ -798,7 +798,7 @@ class FakeNccl:
         return mod
 
     def _core_module(self) -> ModuleType:
-        mod = ModuleType("nccl.core", "nccl.core test double (execrt.testing.nccl_ep_double)")
+        mod = ModuleType("nccl.core", "nccl.core test double (tests.doubles.nccl_ep)")
         mod.Communicator = type("Communicator", (_Communicator,), {"_world": self})  # type: ignore[attr-defined]
         mod.NcclDataType = NcclDataType  # type: ignore[attr-defined]
         mod.UniqueId = UniqueId  # type: ignore[attr-defined]
@@ -814,7 +814,7 @@ class FakeNccl:
 
     def _interop_module(self) -> ModuleType:
         mod = ModuleType(
-            "nccl.ep.interop.torch", "nccl.ep.interop.torch test double (nccl_ep_double)"
+            "nccl.ep.interop.torch", "nccl.ep.interop.torch test double (tests.doubles.nccl_ep)"
         )
         core = self.core
 

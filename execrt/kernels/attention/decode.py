@@ -6,18 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.backends.attention.triton_kernels.common import (
-    INDEX_DTYPES,
-    LOG2E,
-    check_block,
-    check_devices,
-    check_index,
-    check_last_dim_contiguous,
-    check_qkvo,
-    fail,
-    pow2_at_least,
-)
-from execrt.kernels._triton import pdl_kwargs
+from execrt.kernels._triton import check_index, fail, pdl_kwargs, pow2_at_least
+from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -240,15 +230,18 @@ def decode_attention(
     """
     batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(q, k_buffer, v_buffer, o)
     if max_splits < 1:
-        fail(f"max_splits {max_splits} unsupported (supported: >= 1)")
+        fail(COMPONENT, f"max_splits {max_splits} unsupported (supported: >= 1)")
     check_block("block_n", block_n)
-    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
-    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
-    check_index("num_splits", num_splits, batch, (torch.int32,))
+    check_paged(
+        batch, kv_indptr, kv_indices, q, k_buffer=k_buffer, v_buffer=v_buffer, o=o,
+        num_splits=num_splits, partial_o=partial_o, partial_lse=partial_lse,
+    )  # fmt: skip
+    check_index(COMPONENT, "num_splits", num_splits, batch, (torch.int32,))
     if partial_o.dtype != torch.float32 or partial_lse.dtype != torch.float32:
         fail(
+            COMPONENT,
             f"partial_o/partial_lse dtypes {partial_o.dtype}/{partial_lse.dtype} unsupported "
-            "(supported: float32)"
+            "(supported: float32)",
         )
     if (
         partial_o.dim() != 4
@@ -258,8 +251,9 @@ def decode_attention(
         or partial_o.shape[3] != head_dim_v
     ):
         fail(
+            COMPONENT,
             f"partial_o shape {tuple(partial_o.shape)} unsupported "
-            f"(need [>= {batch}, {num_q_heads}, >= {max_splits}, {head_dim_v}])"
+            f"(need [>= {batch}, {num_q_heads}, >= {max_splits}, {head_dim_v}])",
         )
     if (
         partial_lse.dim() != 3
@@ -268,23 +262,10 @@ def decode_attention(
         or partial_lse.shape[2] < max_splits
     ):
         fail(
+            COMPONENT,
             f"partial_lse shape {tuple(partial_lse.shape)} unsupported "
-            f"(need [>= {batch}, {num_q_heads}, >= {max_splits}])"
+            f"(need [>= {batch}, {num_q_heads}, >= {max_splits}])",
         )
-    check_devices(
-        q,
-        k_buffer=k_buffer,
-        v_buffer=v_buffer,
-        o=o,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        num_splits=num_splits,
-        partial_o=partial_o,
-        partial_lse=partial_lse,
-    )
-    check_last_dim_contiguous(
-        q=q, k_buffer=k_buffer, v_buffer=v_buffer, o=o, partial_o=partial_o, partial_lse=partial_lse
-    )
     if batch == 0:
         return
 

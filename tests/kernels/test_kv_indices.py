@@ -1,17 +1,15 @@
-"""kv_indices: the torch fallback (FlashInfer without Triton, CPU without the interpreter) and
-the Triton kernel build the same CSR slot list as a plain per-request concatenation."""
+"""kv_indices: the torch path (mode "off", or "auto" off CUDA or without triton) and the Triton
+kernel build the same CSR slot list as a plain per-request concatenation."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from execrt.backends.attention import kv_indices
-from execrt.backends.attention.kv_indices import build_kv_indices, fill_kv_index, use_triton
+from execrt.kernels import _triton, kv_indices, use_triton
+from execrt.kernels.kv_indices import fill_kv_index
 
 SENTINEL = -7  # what kv_indices holds before the call; entries past the total must keep it
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,7 +28,7 @@ def run(
     rows: list[int],
     lens: list[int],
     *,
-    impl: str,
+    mode: str,
     dtype: torch.dtype = torch.int32,
     spare: int = 5,
     fill: bool = False,
@@ -42,13 +40,13 @@ def run(
     out = torch.full((sum(lens) + spare,), SENTINEL, dtype=dtype, device=device)  # [N]
     if fill:  # the device computes kv_indptr too; give it a longer, stale buffer
         indptr = torch.full((len(lens) + 3,), 99, dtype=dtype, device=device)
-        fill_kv_index(rtt, req_pool_indices, seq_lens, indptr, out, impl=impl)
+        fill_kv_index(rtt, req_pool_indices, seq_lens, indptr, out, mode=mode)
         want = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
         assert indptr[: len(lens) + 1].cpu().long().tolist() == want.tolist()
         assert (indptr[len(lens) + 1 :] == 99).all(), "kv_indptr past B+1 was written"
     else:
         indptr = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device, dtype)
-        build_kv_indices(rtt, req_pool_indices, seq_lens, indptr, out, impl=impl)
+        fill_kv_index(rtt, req_pool_indices, seq_lens, indptr, out, mode=mode, fill_indptr=False)
     return out.cpu().long()
 
 
@@ -70,7 +68,7 @@ BATCHES = {
 
 
 def triton_or_skip(device: str) -> None:
-    if not use_triton(torch.device(device)):
+    if not _triton.triton_importable() or not _triton.runs_on(torch.device(device)):
         pytest.skip(f"the Triton kernel does not serve {device} here (no triton / interpreter)")
 
 
@@ -81,7 +79,7 @@ def triton_or_skip(device: str) -> None:
 def test_torch_path_matches_the_concatenation(batch, device, dtype, fill) -> None:  # type: ignore[no-untyped-def]
     rows, lens = BATCHES[batch]
     rtt = slot_table(8, 64, device, dtype)
-    got = run(rtt, rows, lens, impl="torch", dtype=dtype, fill=fill)
+    got = run(rtt, rows, lens, mode="off", dtype=dtype, fill=fill)
     want = expected(rtt, rows, lens)
     assert torch.equal(got[: want.numel()], want)
     assert (got[want.numel() :] == SENTINEL).all(), "entries past the total were written"
@@ -93,9 +91,9 @@ def test_triton_kernel_matches_the_torch_path(batch, device) -> None:  # type: i
     triton_or_skip(device)
     rows, lens = BATCHES[batch]
     rtt = slot_table(8, 64, device, torch.int32, seed=1)
-    want = run(rtt, rows, lens, impl="torch")
-    assert torch.equal(run(rtt, rows, lens, impl="triton"), want)
-    assert torch.equal(run(rtt, rows, lens, impl="auto"), want)
+    want = run(rtt, rows, lens, mode="off")
+    assert torch.equal(run(rtt, rows, lens, mode="on"), want)
+    assert torch.equal(run(rtt, rows, lens, mode="auto"), want)
 
 
 @settings(max_examples=60, deadline=None)
@@ -111,18 +109,18 @@ def test_torch_path_on_random_ragged_batches(lens, width, spare, seed, int64) ->
     g = torch.Generator().manual_seed(seed)
     rtt = slot_table(len(lens) + 2, width, "cpu", dtype, seed)
     rows = torch.randint(0, len(lens) + 2, (len(lens),), generator=g).tolist()  # any order
-    got = run(rtt, rows, lens, impl="torch", dtype=dtype, spare=spare)
+    got = run(rtt, rows, lens, mode="off", dtype=dtype, spare=spare)
     want = expected(rtt, rows, lens)
     assert torch.equal(got[: want.numel()], want)
     assert (got[want.numel() :] == SENTINEL).all()
 
 
 def test_auto_takes_the_torch_path_where_triton_is_absent(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # With the interpreter on, only a missing triton leaves CPU to the torch path: "import
-    # triton" fails while sys.modules holds None for it.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "triton", None)
-    assert not use_triton(torch.device("cpu")) and not use_triton(torch.device("cuda"))
+    # Without triton even CUDA falls back to the torch path.
+    monkeypatch.setattr(_triton, "triton_importable", lambda: False)
+    assert not use_triton("cpu", "auto") and not use_triton("cuda", "auto")
+    with pytest.raises(ImportError, match="mode 'on' needs triton"):
+        use_triton("cpu", "on")
     calls: list[int] = []
     torch_path = kv_indices._build_kv_indices_torch
 
@@ -134,30 +132,32 @@ def test_auto_takes_the_torch_path_where_triton_is_absent(monkeypatch) -> None: 
     rows, lens = BATCHES["ragged"]
     rtt = slot_table(8, 64, "cpu", torch.int32)
     for fill in (False, True):
-        got = run(rtt, rows, lens, impl="auto", fill=fill)
+        got = run(rtt, rows, lens, mode="auto", fill=fill)
         want = expected(rtt, rows, lens)
         assert torch.equal(got[: want.numel()], want)
     assert calls == [len(rows), len(rows)]
 
 
-def test_auto_takes_the_torch_path_on_cpu_without_the_interpreter(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not use_triton(torch.device("cpu"))
+def test_auto_takes_the_torch_path_on_cpu_even_under_the_interpreter(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The one switch: "auto" never picks the interpreter (it is for "on").
+    monkeypatch.setattr(_triton, "interpreter_enabled", lambda: True)
+    assert not use_triton("cpu", "auto")
     rows, lens = BATCHES["permuted"]
     rtt = slot_table(8, 64, "cpu", torch.int64)
-    got = run(rtt, rows, lens, impl="auto", dtype=torch.int64)
+    got = run(rtt, rows, lens, mode="auto", dtype=torch.int64)
     assert torch.equal(got[: sum(lens)], expected(rtt, rows, lens))
 
 
-def test_an_empty_batch_writes_nothing_and_a_bad_impl_is_refused() -> None:
+def test_an_empty_batch_writes_nothing_and_a_bad_mode_is_refused() -> None:
     rtt = slot_table(4, 16, "cpu", torch.int32)
     empty = torch.zeros(0, dtype=torch.int32)
     out = torch.full((4,), SENTINEL, dtype=torch.int32)
-    build_kv_indices(rtt, empty, empty, torch.zeros(1, dtype=torch.int32), out, impl="torch")
-    assert (out == SENTINEL).all()
+    indptr = torch.full((2,), 9, dtype=torch.int32)
+    fill_kv_index(rtt, empty, empty, indptr, out, mode="off")
+    assert (out == SENTINEL).all() and indptr.tolist() == [0, 9]
     lens = torch.tensor([2], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"impl 'cuda' unsupported \(supported: auto, triton"):
-        build_kv_indices(rtt, lens, lens, torch.tensor([0, 2], dtype=torch.int32), out, impl="cuda")
+    with pytest.raises(ValueError, match=r"mode 'cuda' unsupported \(supported: auto, on, off"):
+        fill_kv_index(rtt, lens, lens, torch.tensor([0, 2], dtype=torch.int32), out, mode="cuda")
 
 
 @requires_cuda
@@ -171,7 +171,7 @@ def test_torch_path_is_capturable_and_replays_new_lengths() -> None:
     out = torch.full((4 * 64,), SENTINEL, dtype=torch.int32, device=device)
 
     def step() -> None:
-        fill_kv_index(rtt, rows, lens, indptr, out, impl="torch")
+        fill_kv_index(rtt, rows, lens, indptr, out, mode="off")
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

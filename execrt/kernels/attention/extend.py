@@ -9,17 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.backends.attention.triton_kernels.common import (
-    INDEX_DTYPES,
-    LOG2E,
-    check_block,
-    check_devices,
-    check_index,
-    check_last_dim_contiguous,
-    check_qkvo,
-    fail,
-    pow2_at_least,
-)
+from execrt.kernels._triton import check_index, fail, pow2_at_least
+from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
 
 # ----------------------------------------------------------------------------------------------
 # Tile choices
@@ -348,7 +339,7 @@ def extend_attention(
         q, k_buffer, v_buffer, o
     )
     if max_extend_len < 0:
-        fail(f"max_extend_len {max_extend_len} unsupported (supported: >= 0)")
+        fail(COMPONENT, f"max_extend_len {max_extend_len} unsupported (supported: >= 0)")
     tiles = default_extend_tiles(q.dtype, max(head_dim, head_dim_v), q.device)
     block_m = tiles.block_m if block_m is None else block_m
     block_n = tiles.block_n if block_n is None else block_n
@@ -358,29 +349,21 @@ def extend_attention(
     heads = _default_heads_per_tile(group, block_m) if heads_per_tile is None else heads_per_tile
     if heads < 1 or group % heads or heads > block_m:
         fail(
+            COMPONENT,
             f"heads_per_tile {heads} unsupported (supported: a divisor of the group size "
-            f"{group} that is <= block_m {block_m})"
+            f"{group} that is <= block_m {block_m})",
         )
     if pairs_per_chunk is not None and pairs_per_chunk < 1:
-        fail(f"pairs_per_chunk {pairs_per_chunk} unsupported (supported: >= 1)")
+        fail(COMPONENT, f"pairs_per_chunk {pairs_per_chunk} unsupported (supported: >= 1)")
     if qo_indptr.dim() != 1 or qo_indptr.shape[0] < 1:
-        fail(f"qo_indptr must be 1-D [B+1], got shape {tuple(qo_indptr.shape)}")
+        fail(COMPONENT, f"qo_indptr must be 1-D [B+1], got shape {tuple(qo_indptr.shape)}")
     batch = qo_indptr.shape[0] - 1
-    check_index("qo_indptr", qo_indptr, batch + 1, INDEX_DTYPES)
-    check_index("kv_indptr", kv_indptr, batch + 1, INDEX_DTYPES)
-    check_index("kv_indices", kv_indices, 0, INDEX_DTYPES)
-    check_index("prefix_lens", prefix_lens, batch, INDEX_DTYPES)
-    check_devices(
-        q,
-        k_buffer=k_buffer,
-        v_buffer=v_buffer,
-        o=o,
-        qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        prefix_lens=prefix_lens,
-    )
-    check_last_dim_contiguous(q=q, k_buffer=k_buffer, v_buffer=v_buffer, o=o)
+    check_index(COMPONENT, "qo_indptr", qo_indptr, batch + 1)
+    check_index(COMPONENT, "prefix_lens", prefix_lens, batch)
+    check_paged(
+        batch, kv_indptr, kv_indices, q, k_buffer=k_buffer, v_buffer=v_buffer, o=o,
+        qo_indptr=qo_indptr, prefix_lens=prefix_lens,
+    )  # fmt: skip
     if batch == 0 or max_extend_len == 0 or num_tokens == 0:
         return
 

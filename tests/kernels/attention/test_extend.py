@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.backends.attention import triton_kernels as tk
-from execrt.backends.attention.triton_kernels import extend as ext
-from tests.backends.attention.test_triton_kernels import (
+from execrt.kernels import attention as tk
+from execrt.kernels.attention import extend as ext
+from tests.kernels.attention.test_decode import (
     CUDA,
     GPU_TOL,
     SMALL,
@@ -220,15 +220,18 @@ def test_extend_schedule_chunk_sizes(pairs_per_chunk: int) -> None:
 
 
 def test_extend_rejects_bad_input() -> None:
-    q = torch.zeros(3, 4, 64)
-    k = torch.zeros(10, 2, 64)
-    i32 = torch.zeros(2, dtype=torch.int32)
+    # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
+    # GPU machine are refused for their device before any shape is looked at.
+    q = torch.zeros(3, 4, 64, device=SMALL)
+    k = torch.zeros(10, 2, 64, device=SMALL)
+    i32 = torch.zeros(2, dtype=torch.int32, device=SMALL)
 
     def call(**over: object) -> None:
         tk.extend_attention(q, k, k, q.clone(), i32, i32, i32, i32[:1], 3, 0.1, **over)  # type: ignore[arg-type]
 
+    o32 = torch.zeros(3, 4, 32, device=SMALL)
     with pytest.raises(ValueError, match=r"o shape \(3, 4, 32\) unsupported"):
-        tk.extend_attention(q, k, k, torch.zeros(3, 4, 32), i32, i32, i32, i32[:1], 3, 0.1)
+        tk.extend_attention(q, k, k, o32, i32, i32, i32, i32[:1], 3, 0.1)
     with pytest.raises(ValueError, match="block_m 8 unsupported"):
         call(block_m=8)
     with pytest.raises(ValueError, match="heads_per_tile 3 unsupported .* group size 2"):

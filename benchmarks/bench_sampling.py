@@ -1,0 +1,167 @@
+"""Sampling at decode batch sizes: today's torch Sampler vs the fused Triton draw (GPU only).
+
+For each batch size, parameter mix (greedy, temperature 0.6, top-k 50, top-p 0.9, both, and a
+batch mixing all of them) and logit shape (``llm``: a broad bulk and a dozen strong candidates
+per row; ``flat``: nearly uniform, the worst case of the top-k/top-p search), it reports µs
+per call of the core Sampler's torch draw and of the fused kernels (eager, and replayed in a
+CUDA graph where launch overhead is the GPU's), and the memory-bound floor: the logit bytes one
+pass reads over the device-to-device copy rate measured in the same run. Each timed call reads
+its own copy of the logits (round robin) so small batches stream from HBM, not from L2. The
+tokens of both draws are compared (``mismatches``: rows that differ; expected 0).
+
+    python benchmarks/bench_sampling.py --out sampling.json [--batches 1,32,256] [--vocab 151936]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from bench_layer_kernels import time_graph  # this folder: run as a script
+
+from execrt.bench.common import L2_BYTES, copy_bandwidth_gbps, median_us, utc_now
+from execrt.core.sampler import Sampler, SamplingBatchInfo
+from execrt.kernels.sampling import fused_sample
+
+#: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
+MIXES: dict[str, tuple[float, int, float]] = {
+    "greedy": (0.0, -1, 1.0),
+    "temp 0.6": (0.6, -1, 1.0),
+    "top-k 50": (0.6, 50, 1.0),
+    "top-p 0.9": (0.6, -1, 0.9),
+    "top-k 50 + top-p 0.9": (0.6, 50, 0.9),
+}
+MAX_SETS = 64
+
+
+@dataclass
+class Row:
+    batch: int
+    vocab: int
+    dtype: str
+    mix: str
+    logits: str
+    today_us: float
+    fused_us: float
+    fused_graph_us: float
+    floor_us: float
+    pct_floor: float  # floor / fused_graph_us
+    speedup: float  # today_us / fused_graph_us
+    mismatches: int
+
+
+def make_logits(
+    shape: str, b: int, vocab: int, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
+    if shape == "flat":
+        return (torch.randn(b, vocab, generator=gen, device="cuda") * 0.05).to(dtype)
+    logits = torch.randn(b, vocab, generator=gen, device="cuda") * 2.5
+    top = torch.randint(0, vocab, (b, 12), generator=gen, device="cuda")
+    boost = torch.rand(b, 12, generator=gen, device="cuda") * 10 + 4
+    return logits.scatter_add_(1, top, boost).to(dtype)
+
+
+def make_info(mix: str, b: int) -> SamplingBatchInfo:
+    rows = [MIXES[mix]] * b if mix != "mixed" else [list(MIXES.values())[i % 5] for i in range(b)]
+
+    def column(i: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([r[i] for r in rows], dtype=dtype, device="cuda")
+
+    return SamplingBatchInfo(
+        temperatures=column(0, torch.float32),
+        top_ks=column(1, torch.int64),
+        top_ps=column(2, torch.float32),
+        seeds=torch.arange(b, dtype=torch.int64, device="cuda") * 7919,
+        steps=torch.full((b,), 17, dtype=torch.int64, device="cuda"),
+        all_greedy=mix == "greedy",
+    )
+
+
+def round_robin(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    state = {"i": 0}
+
+    def call() -> object:
+        state["i"] = (state["i"] + 1) % len(calls)
+        return calls[state["i"]]()
+
+    return call
+
+
+def measure(b: int, vocab: int, dtype: torch.dtype, mix: str, shape: str, copy_gbps: float) -> Row:
+    gen = torch.Generator(device="cuda").manual_seed(b * 1000 + len(mix) + len(shape))
+    nbytes = b * vocab * torch.empty((), dtype=dtype).element_size()
+    sets = max(1, min(MAX_SETS, math.ceil(2 * L2_BYTES / nbytes)))
+    logits = [make_logits(shape, b, vocab, dtype, gen) for _ in range(sets)]
+    info = make_info(mix, b)
+    today = Sampler()
+    today_calls: list[Callable[[], object]] = [functools.partial(today, x, info) for x in logits]
+    fused_calls: list[Callable[[], object]] = [
+        functools.partial(fused_sample, x, info) for x in logits
+    ]
+    mismatches = int((today(logits[0], info) != fused_sample(logits[0], info)).sum())
+    today_us = median_us(round_robin(today_calls), sets, 5)
+    fused_us = median_us(round_robin(fused_calls), sets, 5)
+    replays = max(1, 200 // sets)
+    fused_graph = time_graph(fused_calls, replays, 5)
+    floor = nbytes / (copy_gbps * 1e9) * 1e6
+    return Row(
+        b,
+        vocab,
+        str(dtype).removeprefix("torch."),
+        mix,
+        shape,
+        today_us,
+        fused_us,
+        fused_graph,
+        floor,
+        100 * floor / fused_graph,
+        today_us / fused_graph,
+        mismatches,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="write the rows here as JSON")
+    parser.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--mixes", default=",".join([*MIXES, "mixed"]))
+    parser.add_argument("--logits", default="llm,flat", help="logit shapes: llm, flat")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sampling: needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+    copy_gbps = copy_bandwidth_gbps()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
+    header = (
+        f"{'batch':>5} {'mix':<21} {'logits':<6} {'today us':>10} {'fused us':>9} "
+        f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
+    )
+    print(header)
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        for mix in args.mixes.split(","):
+            for shape in args.logits.split(","):
+                r = measure(b, args.vocab, dtype, mix, shape, copy_gbps)
+                rows.append(r)
+                print(
+                    f"{r.batch:>5} {r.mix:<21} {r.logits:<6} {r.today_us:>10.1f} "
+                    f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "
+                    f"{r.pct_floor:>7.0f}% {r.speedup:>7.0f}x {r.mismatches:>5}",
+                    flush=True,
+                )
+    meta = {"gpu": gpu, "copy_gbps": copy_gbps, "date": utc_now(), "vocab": args.vocab}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Serving benchmark: a bounded load generator against ``execrt serve`` over loopback, and the
+same requests through the Engine in-process, for the cost of the HTTP path.
+
+Method:
+- the server runs a random-weight model shape (``--model``, see bench/models.py) in a child
+  process (its own interpreter: the load generator does not share its GIL);
+- workloads: ``random`` (prompt and output lengths uniform in [ratio * len, len]) and
+  ``shared-prefix`` (groups of prompts sharing a long prefix); token-id prompts, greedy,
+  ``ignore_eos`` so every request generates exactly its output length;
+- each run is either a fixed ``--max-concurrency`` (a closed loop) or Poisson arrivals at
+  ``--request-rate`` (optionally capped by the concurrency); requests stream
+  (``stream_options.include_usage``) and the client stamps every chunk;
+- metrics as SGLang's ``bench_serving`` and ``vllm bench serve`` define them: TTFT (send to the
+  first chunk with tokens), ITL (gaps between chunks), TPOT ((E2E - TTFT) / (tokens - 1)),
+  request and output-token throughput;
+- then, in this process, one Engine with the same configuration replays every run with the
+  same arrivals through its request API (``submit`` / ``step``, no HTTP): ``engine_*`` fields,
+  and ``Engine.generate`` of all requests at once for the saturation throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing
+import os
+import random
+import signal
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from execrt.bench.common import save_records, utc_now
+from execrt.bench.load import (
+    Request,
+    Run,
+    Summary,
+    drive_http,
+    generate_tok_s,
+    replay,
+    summarize,
+)
+from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
+from execrt.core.errors import ExecrtError
+from execrt.engine import Engine
+
+WORKLOADS = ("random", "shared-prefix")
+DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
+DEFAULT_RATES = (8.0, 32.0)
+CONTEXT_MARGIN = 8
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one ``execrt bench serve`` run measures."""
+
+    model: str = "qwen3-0.6b"
+    layers: int | None = None
+    workload: str = "random"
+    input_len: int = 512
+    output_len: int = 128
+    range_ratio: float = 0.5  # lengths uniform in [ratio * len, len]
+    prefix_len: int = 1024  # shared-prefix: tokens every prompt of a group shares
+    num_groups: int = 8  # shared-prefix: distinct prefixes
+    concurrencies: tuple[int, ...] = DEFAULT_CONCURRENCY
+    request_rates: tuple[float, ...] = DEFAULT_RATES
+    rate_concurrency: int | None = None  # cap on in-flight requests of the rate runs
+    num_prompts: int | None = None  # per run (default: by concurrency or rate, see prompts_for)
+    max_running_requests: int = 256
+    attention: str = "auto"
+    graph: str = "auto"
+    device: str = "cuda"
+    seed: int = 0
+    engine: bool = True  # also replay through the Engine in-process
+    server: str = "process"  # "process" (measurements) or "thread" (tests: no second start)
+    plot: bool = False
+    out_dir: str | None = "benchmarks/results"
+    config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.config is None and self.model not in MODELS:
+            problems.append(f"model {self.model!r} unknown (known: {', '.join(MODELS)})")
+        if self.workload not in WORKLOADS:
+            problems.append(f"workload {self.workload!r} unknown (known: {', '.join(WORKLOADS)})")
+        if min(self.input_len, self.output_len, self.prefix_len, self.num_groups) < 1:
+            problems.append("input_len, output_len, prefix_len and num_groups must be >= 1")
+        if not 0.0 < self.range_ratio <= 1.0:
+            problems.append(f"range_ratio {self.range_ratio} must be in (0, 1]")
+        if not self.concurrencies and not self.request_rates:
+            problems.append("give at least one --max-concurrency or --request-rate")
+        if any(c < 1 for c in self.concurrencies) or any(r <= 0 for r in self.request_rates):
+            problems.append("concurrencies must be >= 1 and request rates > 0")
+        if self.server not in ("process", "thread"):
+            problems.append(f"server {self.server!r} must be 'process' or 'thread'")
+        if problems:
+            raise ExecrtError("bench serve: " + "; ".join(problems))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The Engine configuration the server and the in-process replay share."""
+        longest = (self.prefix_len if self.workload == "shared-prefix" else 0) + self.input_len
+        return {
+            "device": self.device,
+            "dtype": "auto",
+            "attention_backend": self.attention,
+            "graph_backend": self.graph,
+            "max_running_requests": self.max_running_requests,
+            "context_len": longest + self.output_len + CONTEXT_MARGIN,
+            "max_prefill_tokens": max(16384, longest),
+            "seed": self.seed,
+        }
+
+    def model_shape(self) -> dict[str, Any]:
+        return dict(self.config) if self.config else model_config(self.model, self.layers)
+
+
+@dataclass
+class Record(Summary):
+    """One run through HTTP (the Summary fields), its load, and the Engine's numbers."""
+
+    model: str
+    layers: int
+    gpu: str
+    date: str
+    workload: str
+    concurrency: int | None
+    request_rate: float | None
+    num_requests: int
+    input_len_mean: float
+    output_len_mean: float
+    engine_output_tok_s: float | None = None  # the same arrivals through Engine.submit/step
+    engine_ttft_ms_p50: float | None = None
+    engine_itl_ms_p50: float | None = None  # the engine's step time as each request saw it
+    engine_tpot_ms_p50: float | None = None
+    engine_generate_output_tok_s: float | None = None  # Engine.generate of all requests at once
+    throughput_ratio: float | None = None  # output_tok_s / engine_output_tok_s
+    generate_ratio: float | None = None  # output_tok_s / engine_generate_output_tok_s
+    ttft_overhead_ms: float | None = None  # ttft_ms_p50 - engine_ttft_ms_p50
+    itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
+
+
+# -- workloads ----------------------------------------------------------------------------------
+def make_requests(opts: Options, count: int, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return rng.randint(max(1, int(n * opts.range_ratio)), n)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    prefixes = [tokens(opts.prefix_len) for _ in range(opts.num_groups)]
+    out = []
+    for i in range(count):
+        prompt = tokens(length(opts.input_len))
+        if opts.workload == "shared-prefix":
+            prompt = prefixes[i % opts.num_groups] + prompt
+        out.append(Request(prompt, length(opts.output_len)))
+    return out
+
+
+def prompts_for(opts: Options, concurrency: int | None, rate: float | None) -> int:
+    """Requests per run: enough for a steady state, bounded so a run takes seconds."""
+    if opts.num_prompts is not None:
+        return opts.num_prompts
+    if rate is not None:
+        return int(min(256, max(32, rate * 8)))
+    assert concurrency is not None
+    return min(512, max(16, 4 * concurrency))
+
+
+def plan_runs(opts: Options, vocab: int) -> list[Run]:
+    runs = []
+    for i, c in enumerate(opts.concurrencies):
+        reqs = make_requests(opts, prompts_for(opts, c, None), vocab, opts.seed + i)
+        runs.append(Run(c, None, tuple(reqs), (0.0,) * len(reqs)))
+    for j, rate in enumerate(opts.request_rates):
+        reqs = make_requests(opts, prompts_for(opts, None, rate), vocab, opts.seed + 100 + j)
+        rng = random.Random(opts.seed + 200 + j)
+        t, arrivals = 0.0, []
+        for _ in reqs:
+            arrivals.append(t)
+            t += rng.expovariate(rate)
+        runs.append(Run(opts.rate_concurrency, rate, tuple(reqs), tuple(arrivals)))
+    return runs
+
+
+# -- the load generator -------------------------------------------------------------------------
+def _serve_child(opts: Options, pipe: Any) -> None:
+    """The server process: build, serve on a free loopback port, send its URL, run."""
+    from execrt.engine.threaded import ThreadedEngineClient
+    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+
+    tune_interpreter()  # as execrt serve does
+    client = ThreadedEngineClient(lambda: _build_engine(opts), name=opts.model)
+    server = UvicornServer(client, bind("127.0.0.1", 0))
+    if not client.wait_ready():
+        pipe.send(("error", client.load_error()))
+        return
+    pipe.send(("ready", server.url))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the parent's SIGINT, re-raised by uvicorn after shutting down
+        pass
+
+
+def _build_engine(opts: Options) -> Engine:
+    return Engine(loader=RandomWeightsLoader(opts.model_shape(), opts.seed), **opts.engine_kwargs())
+
+
+class _ServerHandle:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.process: Any = None
+        self.thread_server: Any = None
+
+    def start(self) -> str:
+        if self.opts.server == "thread":
+            from execrt.engine.threaded import ThreadedEngineClient
+            from execrt.serve.server import UvicornServer, bind
+
+            client = ThreadedEngineClient(lambda: _build_engine(self.opts), name=self.opts.model)
+            if not client.wait_ready():
+                raise ExecrtError(f"bench serve: the server failed: {client.load_error()}")
+            self.thread_server = UvicornServer(client, bind("127.0.0.1", 0)).start()
+            return str(self.thread_server.url)
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_child, args=(self.opts, child), daemon=True)
+        self.process.start()
+        kind, value = parent.recv()
+        if kind != "ready":
+            raise ExecrtError(f"bench serve: the server failed: {value}")
+        return str(value)
+
+    def stop(self) -> None:
+        if self.thread_server is not None:
+            self.thread_server.stop()
+        if self.process is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGINT)  # graceful: closes the engine
+            self.process.join(120)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+def run(opts: Options) -> list[Record]:
+    """Every run of ``opts`` through HTTP, then through the Engine; print, save, plot."""
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExecrtError("bench serve: needs a CUDA device (none is visible; --device cpu?)")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    vocab = int(opts.model_shape()["vocab_size"])
+    runs = plan_runs(opts, vocab)
+    date = utc_now()
+    records = []
+    print(f"# {gpu}: {opts.model} served over HTTP, workload {opts.workload}", flush=True)
+    server = _ServerHandle(opts)
+    url = server.start()
+    try:
+        warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
+        asyncio.run(drive_http(url, opts.model, warm))
+        for r in runs:
+            timings, duration = asyncio.run(drive_http(url, opts.model, r))
+            s = summarize(timings, duration)
+            records.append(_record(opts, gpu, date, r, s))
+            print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
+    finally:
+        server.stop()
+    gc.collect()
+    if opts.engine:
+        with _build_engine(opts) as engine:
+            replay(engine, warm)
+            for r, rec in zip(runs, records, strict=True):
+                timings, duration = replay(engine, r)
+                s = summarize(timings, duration)
+                rec.engine_output_tok_s = s.output_tok_s
+                rec.engine_ttft_ms_p50 = s.ttft_ms_p50
+                rec.engine_itl_ms_p50 = s.itl_ms_p50
+                rec.engine_tpot_ms_p50 = s.tpot_ms_p50
+                rec.engine_generate_output_tok_s = generate_tok_s(engine, r)
+                rec.throughput_ratio = _ratio(rec.output_tok_s, s.output_tok_s)
+                rec.generate_ratio = _ratio(rec.output_tok_s, rec.engine_generate_output_tok_s)
+                rec.itl_ratio = _ratio(rec.itl_ms_p50, s.itl_ms_p50)
+                if rec.ttft_ms_p50 is not None and s.ttft_ms_p50 is not None:
+                    rec.ttft_overhead_ms = rec.ttft_ms_p50 - s.ttft_ms_p50
+                print(f"  engine {_label(r)}: {_describe(s)}", flush=True)
+    print(format_table(records))
+    if opts.out_dir:
+        path = save_records(records, opts.out_dir, "serve")
+        print(f"# saved {path}")
+        if opts.plot:
+            print(f"# plot {plot(records, path[: -len('.json')] + '.png')}")
+    return records
+
+
+def _record(opts: Options, gpu: str, date: str, r: Run, s: Summary) -> Record:
+    return Record(
+        model=opts.model,
+        layers=int(opts.model_shape()["num_hidden_layers"]),
+        gpu=gpu,
+        date=date,
+        workload=opts.workload,
+        concurrency=r.concurrency,
+        request_rate=r.request_rate,
+        num_requests=len(r.requests),
+        input_len_mean=statistics.fmean(len(q.prompt) for q in r.requests),
+        output_len_mean=statistics.fmean(q.output_len for q in r.requests),
+        **asdict(s),
+    )
+
+
+def _label(r: Run) -> str:
+    if r.request_rate is None:
+        return f"concurrency {r.concurrency:<4}"
+    cap = f", cap {r.concurrency}" if r.concurrency else ""
+    return f"rate {r.request_rate:g}/s{cap}"
+
+
+def _describe(s: Summary) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    return (
+        f"TTFT p50 {ms(s.ttft_ms_p50)} ms, ITL p50 {ms(s.itl_ms_p50)} ms, "
+        f"TPOT p50 {ms(s.tpot_ms_p50)} ms, {s.output_tok_s:.0f} tok/s, {s.errors} errors"
+    )
+
+
+def format_table(records: Sequence[Record]) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = "conc  rate   ttft50  ttft99  itl50   tpot50  tok/s    engine   ratio  ttft+  errors"
+    lines = [head]
+    for r in records:
+        lines.append(
+            f"{num(r.concurrency, '<5')} {num(r.request_rate, '<6g')} "
+            f"{num(r.ttft_ms_p50, '7.2f')} {num(r.ttft_ms_p99, '7.2f')} "
+            f"{num(r.itl_ms_p50, '7.2f')} {num(r.tpot_ms_p50, '7.2f')} "
+            f"{num(r.output_tok_s, '8.0f')} {num(r.engine_output_tok_s, '8.0f')} "
+            f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors}"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[Record], path: str) -> str:
+    """TTFT and ITL p50/p99 against request rate; output throughput against concurrency."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ExecrtError(
+            "bench serve: --plot needs matplotlib (pip install 'execrt[plot]')"
+        ) from None
+    rated = sorted((r for r in records if r.request_rate), key=lambda r: r.request_rate or 0)
+    closed = sorted((r for r in records if not r.request_rate), key=lambda r: r.concurrency or 0)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, metric in zip(axes[:2], ("ttft", "itl"), strict=True):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [getattr(r, f"{metric}_ms_{q}") for r in rated]
+            ax.plot([r.request_rate for r in rated], ys, style, label=f"{metric.upper()} {q}")
+        if not rated:
+            ax.text(0.5, 0.5, "no --request-rate runs", ha="center", transform=ax.transAxes)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{metric.upper()} against request rate")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax = axes[2]
+    xs = [r.concurrency for r in closed]
+    ax.plot(xs, [r.output_tok_s for r in closed], "o-", label="HTTP")
+    ax.plot(xs, [r.engine_output_tok_s for r in closed], "s--", label="Engine (in-process)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput against concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    model = records[0].model if records else ""
+    gpu = records[0].gpu if records else ""
+    fig.suptitle(f"execrt serve: {model} on {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

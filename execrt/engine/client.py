@@ -1,0 +1,319 @@
+"""The EngineClient seam: what a front end (the HTTP server) asks of an engine it does not own.
+
+Everything here is plain Python (no torch), so a front end can import it without the runtime,
+and the engine behind it can later move to its own process without changing the front end:
+requests and outputs are small picklable records, and outputs reach the front end through an
+``OutputHolder`` that merges them when the reader is slower than the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one generated token under the model's raw distribution (before
+    temperature, top-k and top-p), and the ``top`` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What the engine gave one request since its last output: new tokens (with their
+    log-probabilities when asked for) and, on the last output, why it finished.
+
+    ``finish_reason`` is None while the request runs, else ``stop`` / ``length`` / ``abort``
+    / ``error`` (``error`` then says why). ``cached_tokens`` counts prompt tokens served from
+    the prefix cache.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    num_retractions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load: KV slots, queues and prefix-cache counters (totals
+    since start). ``kv_slots_cached`` are slots the prefix cache holds that a request could
+    reclaim."""
+
+    kv_slots_total: int
+    kv_slots_free: int
+    kv_slots_cached: int
+    requests_running: int
+    requests_waiting: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    retractions: int
+    steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of KV slots in use by requests (cached ones count as free)."""
+        used = self.kv_slots_total - self.kv_slots_free - self.kv_slots_cached
+        return used / self.kv_slots_total if self.kv_slots_total else 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end needs to know of the served model."""
+
+    name: str
+    context_len: int
+    vocab_size: int
+    has_tokenizer: bool
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request as a front end hands it over.
+
+    ``sampling`` holds ``SamplingParams`` keywords (``max_new_tokens``, ``temperature``, ...);
+    the engine validates them and names what is wrong. ``top_logprobs`` None returns no
+    log-probabilities; 0 returns the sampled token's only; k > 0 also the k most likely.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Mapping[str, Any]
+    top_logprobs: int | None = None
+
+
+class Detokenizer(ABC):
+    """Turns a request's tokens into text pieces that never split a UTF-8 character."""
+
+    @abstractmethod
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The new text these tokens complete ("" while a character is incomplete)."""
+
+    @abstractmethod
+    def flush(self) -> str:
+        """What is still held back (an incomplete character at the end, as U+FFFD)."""
+
+
+class TextCodec(ABC):
+    """The text side of a model: prompts to token ids, tokens to text."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, for log-probability listings."""
+
+    @abstractmethod
+    def detokenizer(self) -> Detokenizer: ...
+
+    @abstractmethod
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """The prompt ids of a conversation through the chat template, and the token ids that
+        end the assistant's turn. Raises ValueError naming what is wrong."""
+
+
+class EngineClient(ABC):
+    """A handle on an engine for a front end that never touches torch.
+
+    Every method may be called from any thread and returns at once: requests and aborts are
+    queued for whoever steps the engine. Outputs arrive in the ``OutputHolder`` given to
+    ``submit``.
+    """
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """True once the model is loaded and requests are served."""
+
+    @abstractmethod
+    def load_error(self) -> str | None:
+        """Why loading failed (None while loading or once ready)."""
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is ready or failed to load, up to ``timeout`` seconds;
+        returns ``ready()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready() and self.load_error() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return self.ready()
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def text(self) -> TextCodec: ...
+
+    @abstractmethod
+    def check(self, request: EngineRequest) -> str | None:
+        """Why ``request`` cannot be served (the engine's validation message), or None."""
+
+    @abstractmethod
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
+        """Queue ``request``; ``holder`` receives its outputs, the last one finished."""
+
+    @abstractmethod
+    def abort(self, request_id: str, reason: str) -> None:
+        """Finish the request now (if it still runs) and free its KV slots."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False when requests hold cached slots. Raises
+        NotImplementedError when the engine has no prefix cache."""
+        raise NotImplementedError("engine client: this engine has no prefix cache to flush")
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Waker:
+    """Wakes one asyncio reader, from any thread, at most once until it reads again: however
+    many outputs arrive meanwhile, only one wake-up is scheduled on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._event = asyncio.Event()
+        self._pending = False
+        self._lock = threading.Lock()
+
+    def notify(self) -> None:
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        if threading.get_ident() == self._loop_thread:
+            self._event.set()
+        else:
+            _call_soon(self.loop, self._event.set)
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+        with self._lock:
+            self._pending = False
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between outputs, not yet read
+    finished: float | None = None
+
+
+class OutputHolder:
+    """One request's outputs, between the engine's thread (``put``) and one reader (``take``).
+
+    A single slot: an output that arrives before the reader took the last one is merged into
+    it (tokens and log-probabilities appended, the finish taken over), so a slow reader gets
+    larger pieces, never a growing queue. Stamps when tokens arrive, for latency metrics.
+    """
+
+    def __init__(self, waker: Waker | None = None) -> None:
+        self._waker = waker
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+        self.timing = _Timing(time.perf_counter())
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop of the reader (None: a reader without one)."""
+        return self._waker.loop if self._waker is not None else None
+
+    def put(self, output: RequestOutput, now: float | None = None) -> None:
+        """Add ``output`` (from any thread); ``now`` stamps when it was produced."""
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            if output.token_ids:
+                t = self.timing
+                if t.first_token is None:
+                    t.first_token = now
+                elif t.last_token is not None:
+                    t.gaps.append(now - t.last_token)
+                t.last_token = now
+            if output.finished:
+                self.timing.finished = now
+            if self._pending is None:
+                self._pending = output
+            else:
+                _merge(self._pending, output)
+        if self._waker is not None:
+            self._waker.notify()
+
+    def take(self) -> RequestOutput | None:
+        """Everything that arrived since the last ``take`` (merged), or None."""
+        with self._lock:
+            out, self._pending = self._pending, None
+            return out
+
+    def take_gaps(self) -> list[float]:
+        """Inter-token gaps (seconds between outputs) recorded since the last call."""
+        with self._lock:
+            gaps, self.timing.gaps = self.timing.gaps, []
+            return gaps
+
+
+def _merge(into: RequestOutput, later: RequestOutput) -> None:
+    into.token_ids.extend(later.token_ids)
+    if later.logprobs is not None:
+        into.logprobs = (into.logprobs or []) + later.logprobs
+    into.finish_reason = later.finish_reason
+    into.error = later.error
+    into.prompt_tokens = later.prompt_tokens or into.prompt_tokens
+    into.cached_tokens = later.cached_tokens or into.cached_tokens
+    into.num_retractions = later.num_retractions
+
+
+def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
+    """Hand one engine step's outputs to their holders, from the engine's thread: the holders
+    of one asyncio loop get theirs in a single call on that loop (one wake-up of the loop per
+    step, however many requests progressed), the others at once."""
+    now = time.perf_counter()
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHolder, RequestOutput]]] = {}
+    for holder, output in outputs:
+        loop = holder.loop
+        if loop is None:
+            holder.put(output, now)
+        else:
+            by_loop.setdefault(loop, []).append((holder, output))
+    for loop, items in by_loop.items():
+        _call_soon(loop, _put_all, items, now)
+
+
+def _put_all(items: list[tuple[OutputHolder, RequestOutput]], now: float) -> None:
+    for holder, output in items:
+        holder.put(output, now)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: its reader is gone, nothing to deliver
+        pass

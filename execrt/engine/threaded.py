@@ -1,0 +1,389 @@
+"""ThreadedEngineClient: the EngineClient of an Engine owned by one thread of this process.
+
+The engine thread builds the Engine, then loops: take the commands queued since the last step
+(blocking while the engine has no work), apply them (submit, abort), run one step. Under
+torchrun the loop runs on every rank: rank 0 takes the commands from its queue and broadcasts
+them over a gloo group before applying them, the other ranks (``follow``) apply what they
+receive, so every rank runs the same schedule; a ``stop`` command ends every rank's loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from execrt.core.errors import RequestError
+from execrt.core.schedule import SamplingParams
+from execrt.engine.client import (
+    Detokenizer,
+    EngineClient,
+    EngineRequest,
+    EngineStats,
+    ModelInfo,
+    OutputHolder,
+    RequestOutput,
+    TextCodec,
+    deliver,
+)
+from execrt.engine.engine import Engine
+from execrt.engine.scheduler import describe_exception
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+#: ("submit", EngineRequest) | ("abort", request_id, reason) | ("flush", key) | ("stop",)
+Command = tuple[Any, ...]
+#: How long a rank waits for rank 0's next command: an idle server sends none for hours.
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+# -- text --------------------------------------------------------------------------------------
+class _Detokenizer(Detokenizer):
+    def __init__(self, tokenizer: Any) -> None:
+        from execrt.models.tokenizer import IncrementalDetokenizer
+
+        self._inner = IncrementalDetokenizer(tokenizer)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        return "".join(self._inner.push(t) for t in token_ids)
+
+    def flush(self) -> str:
+        return self._inner.flush()
+
+
+class EngineTextCodec(TextCodec):
+    """The engine's tokenizer.json and chat template."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._tokenizer = engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def detokenizer(self) -> Detokenizer:
+        return _Detokenizer(self._tokenizer)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        try:
+            ids, params = self._engine.chat_request(messages, SamplingParams())
+        except (RequestError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        return ids, params.stop_token_ids
+
+
+class _IdDetokenizer(Detokenizer):
+    def __init__(self) -> None:
+        self._first = True
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        text = " ".join(map(str, token_ids))
+        if text and not self._first:
+            text = " " + text
+        self._first = self._first and not text
+        return text
+
+    def flush(self) -> str:
+        return ""
+
+
+class TokenIdCodec(TextCodec):
+    """A model without tokenizer.json (random-weight benchmarks): prompts are token ids and
+    the output text is the token ids, space-separated, as ``execrt generate`` prints them."""
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("the model has no tokenizer.json: pass the prompt as token ids")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
+
+    def detokenizer(self) -> Detokenizer:
+        return _IdDetokenizer()
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        raise ValueError("the model has no tokenizer.json, hence no chat template")
+
+
+def text_codec(engine: Engine) -> TextCodec:
+    return EngineTextCodec(engine) if engine.tokenizer is not None else TokenIdCodec()
+
+
+# -- the command loop, on every rank -----------------------------------------------------------
+class CommandChannel:
+    """Rank 0's commands of each step, broadcast to every rank over a dedicated gloo group
+    (CPU objects, whatever the model's own backend; a timeout long enough to idle)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.rank = dist.get_rank()
+
+    def share(self, commands: list[Command]) -> list[Command]:
+        box: list[Any] = [commands if self.rank == 0 else None]
+        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        return list(box[0])
+
+
+@dataclass
+class LoopSummary:
+    """What one rank's command loop did."""
+
+    requests: int = 0
+    aborted: int = 0
+    steps: int = 0
+    failed_steps: int = 0
+
+
+def run_commands(
+    engine: Engine,
+    take: Callable[[bool], list[Command]] | None,
+    channel: CommandChannel | None,
+    sinks: dict[str, Sink] | None = None,
+    after_step: Callable[[], None] | None = None,
+    flushed: Callable[[int, bool], None] | None = None,
+) -> LoopSummary:
+    """Apply commands and step until a ``stop`` command. ``take(block)`` gives the commands
+    queued since the last call (rank 0; ``block``: wait for one); without it, the commands
+    come from rank 0 through ``channel``. ``sinks`` (rank 0) receive each request's outputs;
+    ``after_step`` runs after each round of commands and step; ``flushed(key, ok)`` gets the
+    result of each ``("flush", key)`` command (the prefix cache emptied between steps)."""
+    rids: dict[str, int] = {}
+    summary = LoopSummary()
+
+    def submit(request: EngineRequest) -> None:
+        sink = sinks.pop(request.request_id, None) if sinks is not None else None
+
+        def on_output(out: RequestOutput) -> None:
+            if out.finished:
+                rids.pop(request.request_id, None)
+            if sink is not None:
+                sink(out)
+
+        try:
+            sp = SamplingParams(**request.sampling)
+            rids[request.request_id] = engine.submit(
+                request.prompt_ids, sp, on_output=on_output, top_logprobs=request.top_logprobs
+            )
+            summary.requests += 1
+        except (RequestError, TypeError) as exc:  # check() passed: only a racing change
+            on_output(RequestOutput([], finish_reason="error", error=str(exc)))
+
+    while True:
+        commands = take(not engine.has_work) if take is not None else []
+        if channel is not None:
+            commands = channel.share(commands)
+        for command in commands:
+            if command[0] == "stop":
+                return summary
+            if command[0] == "submit":
+                submit(command[1])
+            elif command[0] == "abort":
+                rid = rids.get(command[1])
+                if rid is not None:
+                    engine.abort_request(rid, command[2])
+                    summary.aborted += 1
+            elif command[0] == "flush":
+                engine.flush_cache()
+                ok = engine.stats().kv_slots_cached == 0  # else running requests read some
+                if flushed is not None:
+                    flushed(command[1], ok)
+        try:
+            if engine.step():
+                summary.steps += 1
+        except Exception:
+            # The step's requests were aborted with the error (their last outputs say so);
+            # the others are consistent and go on.
+            logger.exception("engine thread: a step failed; the requests in it were aborted")
+            summary.failed_steps += 1
+        if after_step is not None:
+            after_step()
+
+
+def follow(engine: Engine) -> LoopSummary:
+    """A rank other than 0: run rank 0's commands until it stops (serving nothing)."""
+    return run_commands(engine, None, CommandChannel())
+
+
+# -- the client --------------------------------------------------------------------------------
+class ThreadedEngineClient(EngineClient):
+    """Builds an Engine with ``build()`` on its own thread and serves it from there.
+
+    ``ready()`` turns True once built; ``load_error()`` says why building failed. ``name`` is
+    the model name front ends report (default: the checkpoint's directory or file name).
+    """
+
+    def __init__(self, build: Callable[[], Engine], *, name: str | None = None) -> None:
+        self._build = build
+        self._name = name
+        self._engine: Engine | None = None
+        self._text: TextCodec | None = None
+        self._info: ModelInfo | None = None
+        self._error: str | None = None
+        self._loaded = threading.Event()
+        self._commands: deque[Command] = deque()
+        self._cond = threading.Condition()
+        self._sinks: dict[str, Sink] = {}
+        self._outputs: list[tuple[OutputHolder, RequestOutput]] = []  # of this step
+        self._live: dict[str, OutputHolder] = {}  # submitted, not finished
+        self._flushes: dict[int, Future[bool]] = {}
+        self._flush_keys = itertools.count()
+        self.summary: LoopSummary | None = None
+        self._thread = threading.Thread(target=self._main, name="execrt-engine", daemon=True)
+        self._thread.start()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            engine = self._build()
+        except BaseException as exc:
+            self._error = describe_exception(exc)
+            self._loaded.set()
+            return
+        try:
+            channel = CommandChannel() if engine.parallel.world_size > 1 else None
+            self._text = text_codec(engine)
+            self._info = ModelInfo(
+                name=self._name or _model_name(engine),
+                context_len=engine.worker.limits.context_len,
+                vocab_size=engine.model_config.vocab_size,
+                has_tokenizer=engine.tokenizer is not None,
+                has_chat_template=engine.chat_template is not None,
+            )
+        except BaseException as exc:
+            self._error = describe_exception(exc)
+            engine.close()
+            self._loaded.set()
+            return
+        self._engine = engine  # ready from here on
+        self._loaded.set()
+        try:
+            self.summary = run_commands(
+                engine,
+                self._take,
+                channel,
+                self._sinks,
+                after_step=self._deliver,
+                flushed=lambda key, ok: self._flushes.pop(key).set_result(ok),
+            )
+        except BaseException as exc:
+            logger.exception("engine thread: the engine failed; requests are no longer served")
+            self._error = f"the engine failed: {describe_exception(exc)}"
+            self._deliver()
+            for holder in list(self._live.values()):  # nobody waits for an answer forever
+                holder.put(RequestOutput([], finish_reason="error", error=self._error))
+            raise
+        finally:
+            engine.close()
+
+    def _deliver(self) -> None:
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            deliver(outputs)
+
+    def _take(self, block: bool) -> list[Command]:
+        with self._cond:
+            while block and not self._commands:
+                self._cond.wait()
+            taken = list(self._commands)
+            self._commands.clear()
+            return taken
+
+    def _queue(self, command: Command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- EngineClient ------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is built (or failed); returns ``ready()``."""
+        self._loaded.wait(timeout)
+        return self.ready()
+
+    def ready(self) -> bool:
+        return self._engine is not None and self._error is None
+
+    def load_error(self) -> str | None:
+        return self._error
+
+    def model_info(self) -> ModelInfo:
+        assert self._info is not None, "model_info() before ready()"
+        return self._info
+
+    def text(self) -> TextCodec:
+        assert self._text is not None, "text() before ready()"
+        return self._text
+
+    def check(self, request: EngineRequest) -> str | None:
+        assert self._engine is not None, "check() before ready()"
+        try:
+            sp = SamplingParams(**request.sampling)
+        except TypeError as exc:
+            return f"sampling: {exc}"
+        return self._engine.validate(request.prompt_ids, sp, request.top_logprobs)
+
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
+        rid = request.request_id
+
+        def sink(out: RequestOutput) -> None:  # outputs go out together after each step
+            self._outputs.append((holder, out))
+            if out.finished:
+                self._live.pop(rid, None)
+
+        self._live[rid] = holder
+        self._sinks[rid] = sink
+        self._queue(("submit", request))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._queue(("abort", request_id, reason))
+
+    def stats(self) -> EngineStats:
+        assert self._engine is not None, "stats() before ready()"
+        return self._engine.stats()
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache between two steps (on every rank); blocks until done."""
+        assert self._engine is not None, "flush_cache() before ready()"
+        if self._engine.worker.memory.prefix_cache is None:
+            return super().flush_cache()  # NotImplementedError: no prefix cache
+        key = next(self._flush_keys)
+        done: Future[bool] = Future()
+        self._flushes[key] = done
+        self._queue(("flush", key))
+        return done.result(timeout=120)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the engine thread (every rank's loop under torchrun) and close the engine.
+        While the model is still loading, returns at once (the thread is a daemon)."""
+        self._queue(("stop",))
+        if self._loaded.is_set():
+            self._thread.join(timeout)
+
+
+def _model_name(engine: Engine) -> str:
+    path = engine.model_path
+    if not isinstance(path, str):
+        return "model"
+    return os.path.basename(os.path.normpath(path)) or path

@@ -1,0 +1,474 @@
+"""Triton sampling: the exponential race in one split pass, sort-free top-k / top-p after it.
+
+Two launches of ``_sample_kernel``, no host sync, shapes fixed by ``[B, V]``: capturable in a
+CUDA graph.
+
+1. The race, grid (row, part): each program streams a part of a row and keeps the best
+   race key ``s + T * G`` (``s`` the logit, ``G = -log E`` the Gumbel form of the core's
+   Exp(1) noise at (seed, step, token id)), that is ``argmax p / E`` without the softmax: the
+   order of ``log p - log E = (s - max) / T - log Z + G`` is that of ``s + T * G`` for T > 0.
+   Greedy rows (T == 0 or top_k == 1) use T = 0 and no noise: the key is the logit. It also
+   keeps the part's largest logit. A block whose largest logit cannot reach the best key so
+   far (``G`` is at most ``G_BOUND``) skips the hash; the parts of a row share their best key
+   through a relaxed atomic max, so the skip works row-wide.
+2. The finish (``FINISH``), one program per row: merges the parts. A row without top-k / top-p
+   (or greedy) is done: the unfiltered winner is its token. Otherwise the kept set is a prefix
+   of the ranking (logit descending, lowest id first among equals), found without sorting:
+
+   - one pass counts the tokens and sums the mass ``exp((s - max) / T)`` above the winner's
+     logit (and the total mass Z). If the winner is inside the kept set it wins among the kept
+     tokens too, and the row is done (usually: a top-p 0.9 race lands inside with
+     probability ~0.9);
+   - else a search for the threshold ``t*``, the smallest logit ``t`` with
+     ``count(s > t) < top_k`` and ``mass(s > t) < top_p * Z``: each pass tests
+     ``SEARCH_THRESHOLDS`` evenly spaced thresholds inside the bracket, snapped to the data
+     (the smallest and largest logit inside it), until the bracket holds one distinct value;
+   - ``r`` tokens equal to ``t*`` stay (the first by id: the reference's stable ranking), and a
+     last pass races the kept tokens: ``s > t*`` and the first ``r`` with ``s == t*``.
+
+A seeded row's token depends only on its own logits, parameters, seed and step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from execrt.core.sampler import SamplingBatchInfo
+from execrt.kernels._triton import (
+    check_device,
+    check_float,
+    check_same_device,
+    fail,
+    next_power_of_2,
+    pdl_kwargs,
+    sm_count,
+)
+from execrt.kernels.triton_pdl import pdl_prologue
+
+#: Tokens per block of the race kernel (4 warps: 8 per thread) and of the per-row passes; no
+#: narrower than MIN_BLOCK, no wider than a small vocabulary needs.
+RACE_BLOCK = 1024
+ROW_BLOCK = 1024
+MIN_BLOCK = 64
+#: Race programs wanted per SM: rows are split into parts until the grid fills the GPU.
+PROGRAMS_PER_SM = 4
+#: Thresholds one search pass tests (NT in shape comments): each costs ~4 instructions per
+#: token, and a pass is memory-bound up to about this many.
+SEARCH_THRESHOLDS = tl.constexpr(4)
+#: Passes after which a search stops: finite logits converge long before (each pass removes at
+#: least one distinct value and typically narrows the bracket SEARCH_THRESHOLDS-fold); only a
+#: row with NaNs can get here, and it then takes its top token.
+MAX_PASSES = tl.constexpr(160)
+#: Above the largest G = -log(-log u) the noise gives: u <= 1 - 2**-24, G <= 16.635.
+G_BOUND = tl.constexpr(16.7)
+#: Largest 1 / T used (a smaller T is not representable as a finite reciprocal): keeps
+#: (s - max) / T at 0 for the top logit instead of 0 * inf.
+MAX_INV_T = tl.constexpr(3.0e38)
+
+
+@triton.jit
+def _hash3(x, a, b, ADD_B: tl.constexpr):
+    """``mix(mix(mix(x) ^ a) ^ b)`` (``+ b`` with ADD_B) on uint32, ``mix`` the core's
+    ``_mix32``: uint32 arithmetic wraps mod 2**32 as its int64 form masked to 32 bits does."""
+    for i in tl.static_range(3):
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        x = (x >> 16) ^ x
+        if i == 0:
+            x = x ^ a
+        elif i == 1:
+            if ADD_B:
+                x = x + b
+            else:
+                x = x ^ b
+    return x
+
+
+@triton.jit
+def _row_key(seeds_ptr, steps_ptr, row):
+    """The per-row key of ``core.sampler.uniform_noise`` (uint32)."""
+    seed = tl.load(seeds_ptr + row)  # int64
+    step = tl.load(steps_ptr + row)
+    lo = seed.to(tl.uint32)  # truncation: the low 32 bits
+    hi = (seed >> 32).to(tl.uint32)
+    return _hash3(lo ^ 0x9E3779B9, hi, step.to(tl.uint32), ADD_B=False)
+
+
+@triton.jit
+def _row_temperature(temps_ptr, top_ks_ptr, row):
+    """(T used by the race, greedy): greedy rows race with T = 0; T < 0 samples at 1 as the
+    reference does."""
+    t = tl.load(temps_ptr + row)
+    greedy = (t == 0) | (tl.load(top_ks_ptr + row) == 1)
+    temp = tl.where(greedy, 0.0, tl.where(t > 0, t, 1.0))
+    return temp, greedy
+
+
+@triton.jit
+def _first(keys, gs, ids):
+    """(key, G, id) of the race winner among candidates: the largest key, then the largest G
+    (equal logits whose ``T * G`` rounds away), then the lowest id (greedy rows, where G is 0).
+    Candidate keys are never NaN (a NaN logit never becomes one)."""
+    best_k = tl.max(keys, axis=0)
+    best_g = tl.max(tl.where(keys == best_k, gs, float("-inf")), axis=0)
+    best_i = tl.min(tl.where((keys == best_k) & (gs == best_g), ids, 2147483647), axis=0)
+    return best_k, best_g, best_i
+
+
+@triton.jit
+def _race(
+    base,
+    start,
+    end,
+    temp,
+    greedy,
+    key,
+    t_star,
+    r_ties,
+    best_ptr,
+    FILTER: tl.constexpr,
+    SHARE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """(key, G, id) of the race winner over tokens [start, end) of a row, and their largest
+    logit. With FILTER only the kept tokens race: ``s > t_star`` and the first ``r_ties``
+    (by id) with ``s == t_star``; ``start`` must then be 0. With SHARE the programs racing
+    parts of one row publish their best key at ``best_ptr`` after every block and skip by the
+    row's best, not only their own (a hint: any key some token has is a lower bound on the
+    winner's, so the skipped blocks never hold it)."""
+    lanes = tl.arange(0, BLOCK)
+    best_k = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_g = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = start + lanes
+    best = tl.full([], float("-inf"), tl.float32)  # the best key so far, to skip blocks
+    top = tl.full([], float("-inf"), tl.float32)
+    ties = tl.zeros([], tl.int32)
+    off = start
+    while off < end:
+        ids = off + lanes
+        s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
+        if FILTER:
+            eq = (s == t_star).to(tl.int32)
+            before = ties + tl.cumsum(eq, axis=0) - eq  # equal tokens at lower ids
+            kept = (s > t_star) | ((eq > 0) & (before < r_ties))
+            ties += tl.sum(eq, axis=0)
+            s = tl.where(kept, s, float("-inf"))
+        block_top = tl.max(s, axis=0)
+        top = tl.maximum(top, block_top)
+        # Every key in the block is at most block_top + T * G_BOUND: skip the block when that
+        # stays below the best so far, with a margin for rounding (a block of -inf logits
+        # reaches -inf: skipped once there is a best).
+        reach = block_top + temp * G_BOUND
+        margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
+        if reach + margin >= best:
+            if greedy:
+                g = tl.zeros([BLOCK], tl.float32)
+            else:
+                # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
+                # (h + 0.5) / 2**23, exact.
+                h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
+                g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+            k = s + temp * g
+            g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose every tie
+            better = (k > best_k) | ((k == best_k) & (g > best_g))  # ids grow: ties keep the first
+            best_k = tl.where(better, k, best_k)
+            best_g = tl.where(better, g, best_g)
+            best_i = tl.where(better, ids, best_i)
+            best = tl.maximum(best, tl.max(k, axis=0))
+        if SHARE:
+            best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
+        off += BLOCK
+    win_k, win_g, win_i = _first(best_k, best_g, best_i)
+    return win_k, win_g, win_i, top
+
+
+@triton.jit
+def _count(
+    base,
+    vocab,
+    m,
+    inv_t,
+    lo,
+    hi,
+    thr,
+    t0,
+    winner,
+    use_p,
+    BLOCK: tl.constexpr,
+):
+    """One pass over a row: count and mass ``exp((s - m) / T)`` of the tokens above each
+    threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
+    ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
+    ``winner``. Masses are summed only for a top-p row (``use_p``)."""
+    lanes = tl.arange(0, BLOCK)
+    cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
+    mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
+    z = tl.zeros([BLOCK], tl.float32)
+    dmin = tl.full([BLOCK], float("inf"), tl.float32)
+    dmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    finite = tl.zeros([BLOCK], tl.int32)
+    eq0 = tl.zeros([BLOCK], tl.int32)
+    eq_w = tl.zeros([BLOCK], tl.int32)
+    off = 0
+    while off < vocab:
+        ids = off + lanes
+        s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+        above = s[None, :] > thr[:, None]  # [NT, BLOCK]
+        cnt += above.to(tl.int32)
+        if use_p:
+            e = tl.exp((s - m) * inv_t)  # [BLOCK]; 0 for -inf
+            mass += tl.where(above, e[None, :], 0.0)
+            z += e
+        inside = (s > lo) & (s <= hi)
+        dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
+        dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
+        finite += (s > float("-inf")).to(tl.int32)
+        eq = s == t0
+        eq0 += eq.to(tl.int32)
+        eq_w += (eq & (ids < winner)).to(tl.int32)
+        off += BLOCK
+    return (
+        tl.sum(cnt, axis=1),
+        tl.sum(mass, axis=1),
+        tl.sum(z, axis=0),
+        tl.min(dmin, axis=0),
+        tl.max(dmax, axis=0),
+        tl.sum(finite, axis=0),
+        tl.sum(eq0, axis=0),
+        tl.sum(eq_w, axis=0),
+    )
+
+
+@triton.jit
+def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_hi):
+    """The bracket after a pass: the highest failing threshold and the lowest passing one,
+    with their counts and masses (both fall as the threshold rises, and ``ok`` is monotone)."""
+    fail = ok == 0
+    lo = tl.maximum(lo, tl.max(tl.where(fail, thr, float("-inf")), axis=0))
+    c_lo = tl.minimum(c_lo, tl.min(tl.where(fail, cnt, 2147483647), axis=0))
+    hi = tl.minimum(hi, tl.min(tl.where(ok, thr, float("inf")), axis=0))
+    c_hi = tl.maximum(c_hi, tl.max(tl.where(ok, cnt, 0), axis=0))
+    m_hi = tl.maximum(m_hi, tl.max(tl.where(ok, mass, 0.0), axis=0))
+    return lo, hi, c_lo, c_hi, m_hi
+
+
+@triton.jit
+def _filtered_token(
+    base,
+    vocab,
+    temp,
+    key,
+    m,
+    winner,
+    k_lim,
+    top_p,
+    use_p,
+    BLOCK: tl.constexpr,
+):
+    """The race winner among the top-k / top-p kept tokens of a row (see the module doc)."""
+    inv_t = tl.minimum(1.0 / temp, MAX_INV_T)
+    j = tl.arange(0, SEARCH_THRESHOLDS)
+    jf = j.to(tl.float32) / SEARCH_THRESHOLDS
+    s_w = tl.load(base + winner).to(tl.float32)
+    # Pass 1: the winner's rank and the mass before it; thresholds from its logit up.
+    thr = s_w + (m - s_w) * jf
+    cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
+        base, vocab, m, inv_t, float("-inf"), m, thr, s_w, winner, use_p, BLOCK
+    )
+    zlim = top_p * z
+    p_off = use_p == 0
+    first = j == 0  # thr[0] is the winner's logit
+    c0 = tl.sum(tl.where(first, cnt, 0), axis=0)
+    m0 = tl.sum(tl.where(first, mass, 0.0), axis=0)
+    rank = c0 + eq_w
+    mass_before = m0 + eq_w.to(tl.float32) * tl.exp((s_w - m) * inv_t)
+    inside = (rank < k_lim) & ((rank == 0) | p_off | (mass_before < zlim))
+    ok = (cnt < k_lim) & (p_off | (mass < zlim))
+    # Outside the kept set but passing at its own logit: only its equals at higher rank are
+    # cut, so t* is the winner's logit.
+    t_star = s_w
+    c_gt = c0
+    m_gt = m0
+    c_eq = eq0
+    done = (inside | (tl.sum(tl.where(first, ok, 0), axis=0) > 0)).to(tl.int32)
+    lo, hi, c_lo, c_hi, m_hi = _narrow(ok, thr, cnt, mass, float("-inf"), m, finite, 0, 0.0)
+    passes = 1
+    while (done == 0) & (passes < MAX_PASSES):
+        # The data left in the bracket lies in [dmin, dmax] of the last pass.
+        a = tl.maximum(lo, dmin)
+        b = tl.minimum(hi, dmax)
+        thr = a + (b - a) * jf
+        cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
+            base, vocab, m, inv_t, lo, hi, thr, m, winner, use_p, BLOCK
+        )
+        single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
+        t_star = tl.where(single, dmin, t_star)
+        c_gt = tl.where(single, c_hi, c_gt)
+        m_gt = tl.where(single, m_hi, m_gt)
+        c_eq = tl.where(single, c_lo - c_hi, c_eq)
+        ok = (cnt < k_lim) & (p_off | (mass < zlim))
+        lo, hi, c_lo, c_hi, m_hi = _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_hi)
+        done = single.to(tl.int32)
+        passes += 1
+    # How many tokens equal to t* stay: top-k's remainder, and those whose mass before stays
+    # below top_p * Z (each adds p(t*)); at least one (the first token always stays).
+    p_t = tl.exp((t_star - m) * inv_t)
+    room = tl.where(p_t > 0, (zlim - m_gt) / p_t, float("inf"))
+    r = tl.minimum(c_eq, k_lim - c_gt).to(tl.float32)
+    r = tl.where(p_off, r, tl.minimum(r, tl.ceil(room)))
+    r_ties = tl.maximum(r, 1.0).to(tl.int32)
+    # NaN rows only (no convergence): the top token.
+    t_star = tl.where(done > 0, t_star, m)
+    r_ties = tl.where(done > 0, r_ties, 1)
+    _k, _g, token, _t = _race(
+        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, base, True, False, BLOCK
+    )
+    return tl.where(inside, winner, token)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    stride_row,
+    vocab,
+    chunk,
+    temps_ptr,
+    top_ks_ptr,
+    top_ps_ptr,
+    seeds_ptr,
+    steps_ptr,
+    part_ptr,
+    part_id_ptr,
+    best_ptr,
+    out_ptr,
+    FINISH: tl.constexpr,
+    SHARE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
+    largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``), the parts of a row
+    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE; then, with FINISH, grid
+    (row,) merges a row's parts and applies its filters (see the module doc)."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
+    key = _row_key(seeds_ptr, steps_ptr, row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    num_parts = tl.cdiv(vocab, chunk)
+    plane = tl.num_programs(0) * num_parts
+    if FINISH:
+        p = tl.arange(0, BLOCK_P)
+        valid = p < num_parts
+        at = row * num_parts + p
+        part_k = tl.load(part_ptr + at, mask=valid, other=float("-inf"))
+        part_g = tl.load(part_ptr + plane + at, mask=valid, other=float("-inf"))
+        part_i = tl.load(part_id_ptr + at, mask=valid, other=2147483647)
+        _k, _g, token = _first(part_k, part_g, part_i)
+        top_k = tl.load(top_ks_ptr + row)
+        top_p = tl.load(top_ps_ptr + row)
+        use_k = (top_k > 1) & (top_k < vocab)  # <= 0 or beyond the vocabulary: off; 1: greedy
+        use_p = top_p < 1.0
+        if (temp > 0) & (use_k | use_p):
+            top = tl.load(part_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
+            k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
+            token = _filtered_token(
+                base, vocab, temp, key, tl.max(top, axis=0), token, k_lim, top_p, use_p, BLOCK
+            )
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:
+        part = tl.program_id(1)
+        start = part * chunk
+        end = tl.minimum(start + chunk, vocab)
+        win_k, win_g, win_i, top = _race(
+            base, start, end, temp, greedy, key, 0.0, 0, best_ptr + row, False, SHARE, BLOCK
+        )
+        at = row * num_parts + part
+        tl.store(part_ptr + at, win_k)
+        tl.store(part_ptr + plane + at, win_g)
+        tl.store(part_ptr + 2 * plane + at, top)
+        tl.store(part_id_ptr + at, win_i)
+
+
+#: The parameter tensors the kernels read, with the dtype each must have.
+PARAM_DTYPES = {
+    "temperatures": torch.float32,
+    "top_ks": torch.int64,
+    "top_ps": torch.float32,
+    "seeds": torch.int64,
+    "steps": torch.int64,
+}
+
+
+def _params(logits: torch.Tensor, info: SamplingBatchInfo) -> list[torch.Tensor]:
+    """``info``'s tensors in PARAM_DTYPES order, checked against ``logits``."""
+    name = "sample"
+    check_float(name, "logits", logits)
+    check_device(name, "logits", logits)
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        fail(name, f"logits {tuple(logits.shape)} must be [B, V] with V >= 1")
+    if logits.shape[1] >= 2**31 - RACE_BLOCK:
+        fail(name, f"vocabulary {logits.shape[1]} unsupported (supported: < 2**31 - 1024)")
+    out = []
+    for key, dtype in PARAM_DTYPES.items():
+        t = getattr(info, key)
+        check_same_device(name, logits, **{key: t})
+        if t.dtype != dtype:
+            fail(name, f"{key} dtype {t.dtype} unsupported (supported: {dtype})")
+        if t.shape != (logits.shape[0],):
+            fail(name, f"{key} {tuple(t.shape)} must be [B] for logits {tuple(logits.shape)}")
+        out.append(t.contiguous())  # views of one staging buffer are
+    return out
+
+
+def _blocks(vocab: int) -> tuple[int, int]:
+    """Block sizes of the two launches: no wider than the vocabulary needs."""
+    fit = max(MIN_BLOCK, next_power_of_2(vocab))
+    return min(RACE_BLOCK, fit), min(ROW_BLOCK, fit)
+
+
+def _parts(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(parts per row, tokens per part): split rows until the race grid fills the GPU."""
+    blocks = triton.cdiv(vocab, block)
+    wanted = max(1, triton.cdiv(PROGRAMS_PER_SM * sm_count(device), rows))
+    chunk = triton.cdiv(blocks, min(blocks, wanted)) * block
+    return triton.cdiv(vocab, chunk), chunk
+
+
+def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Two launches over ``logits [B, V]``; see ``sampling.sample``."""
+    params = _params(logits, info)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows == 0:
+        return out
+    race_block, row_block = _blocks(vocab)
+    parts, chunk = _parts(rows, vocab, race_block, device)
+    part = torch.empty((3, rows, parts), dtype=torch.float32, device=device)  # key, G, top
+    part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
+    share = parts > 1
+    best = torch.full((rows,), float("-inf"), device=device) if share else part
+    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, out)
+    block_p = max(2, next_power_of_2(parts))
+    pdl = pdl_kwargs(device)
+    stages = (
+        (False, (rows, parts), race_block, max(1, min(4, race_block // 256))),
+        (True, (rows,), row_block, max(1, min(8, row_block // 128))),
+    )
+    for finish, grid, block, warps in stages:
+        _sample_kernel[grid](
+            *args,
+            FINISH=finish,
+            SHARE=share and not finish,
+            BLOCK=block,
+            BLOCK_P=block_p,
+            num_warps=warps,
+            **pdl,
+        )
+    return out

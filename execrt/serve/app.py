@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP app: completions, chat completions, models, health, metrics.
+
+It talks to the engine only through an ``EngineClient`` and never imports torch. Each choice
+of a request is one engine request with its own ``OutputHolder``; the handler reads the
+holders when woken, turns tokens into text (``ChoiceText``), and answers as one JSON document
+or as server-sent events. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from execrt.engine.client import (
+    EngineClient,
+    EngineRequest,
+    OutputHolder,
+    RequestOutput,
+    TextCodec,
+    TokenLogprobs,
+    Waker,
+)
+from execrt.serve.metrics import Metrics
+from execrt.serve.protocol import APIError, Endpoint, Plan, engine_error, parse
+from execrt.serve.text import ChoiceText, chat_logprobs, completion_logprobs
+
+OBJECTS = {"completion": "text_completion", "chat": "chat.completion"}
+ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
+    """The app over ``client`` (which may still be loading: requests get 503 until ready).
+    ``close_client``: the app's shutdown (after the last connection closed) closes it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_client:
+            await asyncio.to_thread(client.close)
+
+    app = FastAPI(
+        title="execrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    metrics = Metrics(lambda: client.stats() if client.ready() else None)
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.ready():
+            return json_response({"status": "ok"})
+        return json_response(_unavailable(client).body(), 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = _ready(client).model_info()
+        model = {"id": info.name, "object": "model", "created": 0, "owned_by": "execrt"}
+        model["max_model_len"] = info.context_len
+        return json_response({"object": "list", "data": [model]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        try:  # between two engine steps: wait off the event loop
+            flushed = await asyncio.to_thread(_ready(client).flush_cache)
+        except NotImplementedError as exc:
+            raise APIError(str(exc), status=501, type="not_implemented") from None
+        if not flushed:
+            raise APIError("flush_cache: running requests hold cached KV slots", status=409)
+        return json_response({"flushed": True})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(client, metrics, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(client, metrics, request, "chat")
+
+    return app
+
+
+def _unavailable(client: EngineClient) -> APIError:
+    error = client.load_error()
+    message = f"the engine is not serving: {error}" if error else "the model is loading"
+    return APIError(message, status=503, type="service_unavailable", code="model_not_ready")
+
+
+def _ready(client: EngineClient) -> EngineClient:
+    if not client.ready():
+        raise _unavailable(client)
+    return client
+
+
+async def _generate(
+    client: EngineClient, metrics: Metrics, request: Request, endpoint: Endpoint
+) -> Response:
+    _ready(client)
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise APIError(f"the request body is not valid JSON ({exc})") from None
+    info = client.model_info()
+    plan = parse(body, endpoint, client.text(), info.context_len)
+    if plan.model is not None and plan.model != info.name:
+        raise APIError(
+            f"model {plan.model!r} does not exist (this server serves {info.name!r})",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+    job = Job(client, metrics, plan, info.name)
+    job.submit()
+    if plan.stream:
+        return EventSourceResponse(job.events())
+    return await job.respond(request)
+
+
+@dataclass
+class _Choice:
+    index: int
+    request: EngineRequest
+    holder: OutputHolder
+    text: ChoiceText
+    counts_prompt: bool  # the first choice of its prompt: counts the prompt in metrics
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Update:
+    choice: _Choice
+    text: str
+    logprobs: list[TokenLogprobs]
+
+
+class Job:
+    """One HTTP request: ``len(prompts) * n`` engine requests, read as they progress."""
+
+    def __init__(self, client: EngineClient, metrics: Metrics, plan: Plan, model: str) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.plan = plan
+        self.model = model
+        self.codec: TextCodec = client.text()
+        self.id = ID_PREFIX[plan.endpoint] + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.waker = Waker()
+        self.choices: list[_Choice] = []
+        for p, prompt in enumerate(plan.prompts):
+            for c in range(plan.n):
+                index = p * plan.n + c
+                sampling = dict(plan.sampling, seed=plan.choice_seed(c))
+                req = EngineRequest(f"{self.id}-{index}", prompt, sampling, plan.top_logprobs)
+                if c == 0:  # the others differ by their derived seed only
+                    problem = client.check(req)
+                    if problem is not None:
+                        raise engine_error(problem, plan.endpoint)
+                text = ChoiceText(self.codec.detokenizer(), plan.stops)
+                self.choices.append(_Choice(index, req, OutputHolder(self.waker), text, c == 0))
+
+    def submit(self) -> None:
+        for choice in self.choices:
+            self.client.submit(choice.request, choice.holder)
+
+    def abort_unfinished(self, reason: str) -> None:
+        for choice in self.choices:
+            if not choice.done:
+                choice.finish_reason = "abort"
+                self.client.abort(choice.request.request_id, reason)
+                self._count(choice)
+
+    async def updates(self) -> AsyncIterator[_Update]:
+        """Each choice's progress, as the engine makes it, until every choice is done."""
+        while True:
+            for choice in self.choices:
+                if choice.done:
+                    continue
+                out = choice.holder.take()
+                if out is not None:
+                    yield self._apply(choice, out)
+            if all(c.done for c in self.choices):
+                return
+            await self.waker.wait()
+
+    def _apply(self, choice: _Choice, out: RequestOutput) -> _Update:
+        text, logprobs = choice.text.feed(out.token_ids, out.logprobs)
+        choice.cached_tokens = out.cached_tokens
+        self.metrics.gaps(choice.holder.take_gaps())
+        if choice.text.stopped:
+            choice.finish_reason = "stop"  # a stop string: the engine need not go on
+            self.client.abort(choice.request.request_id, "stop string matched")
+        elif out.finished:
+            text += choice.text.finish()
+            if out.finish_reason in ("abort", "error"):
+                choice.finish_reason, choice.error = "error", out.error or "request aborted"
+            else:
+                choice.finish_reason = out.finish_reason
+        if choice.done:
+            self._count(choice)
+        return _Update(choice, text, logprobs)
+
+    def _count(self, choice: _Choice) -> None:
+        t = choice.holder.timing
+        end = t.finished or time.perf_counter()
+        self.metrics.finished(
+            choice.finish_reason or "abort",
+            len(choice.request.prompt_ids) if choice.counts_prompt else 0,
+            choice.text.tokens,
+            None if t.first_token is None else t.first_token - t.arrival,
+            end - t.arrival,
+        )
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.plan.prompts)
+        completion = sum(c.text.tokens for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices if c.counts_prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # -- one JSON document ---------------------------------------------------------------------
+    async def respond(self, request: Request) -> Response:
+        """Wait for every choice (aborting them if the client goes away) and answer."""
+        run = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not run.done():
+                run.cancel()
+            self.abort_unfinished("the client disconnected")
+        if not run.done() or run.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        run.result()
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:  # check() let it in: the engine failed while running it
+            raise APIError(failed.error or "request failed", status=500, type="server_error")
+        return json_response(
+            {
+                "id": self.id,
+                "object": OBJECTS[self.plan.endpoint],
+                "created": self.created,
+                "model": self.model,
+                "choices": [self._final_choice(c) for c in self.choices],
+                "usage": self.usage(),
+            }
+        )
+
+    async def _collect(self) -> None:
+        async for update in self.updates():
+            update.choice.parts.append(update.text)
+
+    def _final_choice(self, choice: _Choice) -> dict[str, Any]:
+        text = "".join(choice.parts)
+        logprobs = self._logprobs(choice.text.logprobs)
+        if self.plan.endpoint == "completion":
+            body: dict[str, Any] = {"index": choice.index, "text": text}
+        else:
+            message = {"role": "assistant", "content": text}
+            body = {"index": choice.index, "message": message}
+        return body | {"logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+    def _logprobs(self, logprobs: list[TokenLogprobs], offset: int = 0) -> Any:
+        top = self.plan.top_logprobs
+        if top is None:
+            return None
+        if self.plan.endpoint == "completion":
+            return completion_logprobs(logprobs, self.codec, top, offset)
+        return chat_logprobs(logprobs, self.codec, top)
+
+    # -- server-sent events --------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE stream: chunks as choices progress, the usage chunk when asked for, then
+        ``[DONE]``. Closing it early (the client went away) aborts what still runs."""
+        try:
+            chat = self.plan.endpoint == "chat"
+            if chat:
+                for choice in self.choices:
+                    delta = {"role": "assistant", "content": ""}
+                    yield self._chunk(choice.index, {"delta": delta})
+            offsets = [0] * len(self.choices)  # text_offset of each choice's next token
+            async for u in self.updates():
+                c = u.choice
+                lp = self._logprobs(u.logprobs, offsets[c.index]) if u.logprobs else None
+                offsets[c.index] += sum(len(self.codec.token_text(x.token_id)) for x in u.logprobs)
+                content = bool(u.text or u.logprobs)
+                if c.finish_reason == "error":
+                    if content:
+                        yield self._chunk(c.index, self._piece(u.text, lp))
+                    error = APIError(c.error or "request failed", status=500, type="server_error")
+                    yield _sse(error.body())
+                elif chat:
+                    if content:
+                        yield self._chunk(c.index, self._piece(u.text, lp))
+                    if c.done:  # an empty delta ends the choice
+                        yield self._chunk(c.index, {"delta": {}, "finish_reason": c.finish_reason})
+                elif content or c.done:  # the last piece carries the finish reason
+                    body = self._piece(u.text, lp) | {"finish_reason": c.finish_reason}
+                    yield self._chunk(c.index, body)
+            if self.plan.include_usage:
+                yield _sse(self._envelope([]) | {"usage": self.usage()})
+            yield format_sse_event(data_str="[DONE]")
+        finally:
+            self.abort_unfinished("the client disconnected")
+
+    def _piece(self, text: str, logprobs: Any) -> dict[str, Any]:
+        if self.plan.endpoint == "chat":
+            return {"delta": {"content": text}, "logprobs": logprobs}
+        return {"text": text, "logprobs": logprobs}
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.plan.endpoint == "chat" else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _chunk(self, index: int, body: dict[str, Any]) -> bytes:
+        choice = {"index": index, **body}
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+        chunk = self._envelope([choice])
+        if self.plan.include_usage:
+            chunk["usage"] = None
+        return _sse(chunk)
+
+
+def _sse(body: Any) -> bytes:
+    return format_sse_event(data_str=orjson.dumps(body).decode())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,192 @@
+"""The ``execrt serve`` command: its flags (every engine flag ``generate`` takes, and where to
+listen), rank 0 serving HTTP under torchrun while the other ranks follow its schedule."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+from execrt.core.errors import ExecrtError
+
+#: ``generate``'s flags that configure the engine (RuntimeConfig keys, the model, the file)
+ENGINE_FLAGS = (
+    "model",
+    "config",
+    "attention_backend",
+    "moe_dispatcher",
+    "graph_backend",
+    "device",
+    "dtype",
+    "tp_size",
+    "ep_size",
+    "strict",
+)
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``execrt`` subcommands, with ``generate``'s engine flags."""
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over HTTP (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics). Under torchrun (--tp N), rank 0 serves and the "
+        "other ranks follow it. Prints one line with the URL once the model is ready.",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
+    serve.add_argument(
+        "--served-model-name", help="the model name clients use (default: the checkpoint's name)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level; info logs every request (default: warning)",
+    )
+    generate = sub.choices["generate"]
+    for action in generate._actions:  # the same flags, help and defaults as generate's
+        if action.dest in ENGINE_FLAGS:
+            serve._add_action(action)
+    return serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from execrt.core.config import RuntimeConfig
+    from execrt.core.parallel import launch_rank
+    from execrt.engine import Engine
+
+    cli: dict[str, Any] = {
+        k: getattr(args, k) for k in ENGINE_FLAGS if k not in ("model", "config")
+    }
+    config = RuntimeConfig.load(file=args.config, cli=cli | {"model": args.model})
+    if not 0 <= args.port <= 65535:
+        raise ExecrtError(f"serve: --port {args.port} must be in 0..65535")
+    if launch_rank():
+        return _follow(Engine(config=config))
+    try:
+        import execrt.serve.server as server
+        from execrt.engine.threaded import ThreadedEngineClient
+    except ImportError as exc:
+        raise ExecrtError(f"serve: {exc.name} is missing (pip install 'execrt[serve]')") from None
+    client = ThreadedEngineClient(lambda: Engine(config=config), name=args.served_model_name)
+    try:
+        sock_status = server.serve(client, args.host, args.port, log_level=args.log_level)
+    except OSError as exc:
+        client.close()
+        raise ExecrtError(
+            f"serve: cannot listen on {args.host}:{args.port} ({exc.strerror})"
+        ) from None
+    return sock_status
+
+
+def _follow(engine: Any) -> int:
+    """A rank other than 0: step rank 0's schedule until it stops. Interrupts are left to rank
+    0, which stops every rank (torchrun ends a rank that outlives a failed rank 0)."""
+    from execrt.engine.threaded import follow
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    with engine:
+        summary = follow(engine)
+        stats = engine.stats()
+        rank = engine.parallel.rank
+    print(
+        f"execrt serve: rank {rank} stopped with rank 0: {summary.requests} requests, "
+        f"{summary.aborted} aborted, {summary.steps} steps; KV slots free "
+        f"{stats.kv_slots_free} of {stats.kv_slots_total}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
+
+
+def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench serve``: the load generator against the HTTP server."""
+    b = bench_sub.add_parser(
+        "serve",
+        help="HTTP serving: TTFT, ITL, throughput under load vs the Engine in-process",
+    )
+    b.add_argument(
+        "--model", default="qwen3-0.6b", help="random-weight shape (default: %(default)s)"
+    )
+    b.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    b.add_argument("--workload", default="random", choices=["random", "shared-prefix"])
+    b.add_argument(
+        "--input-len", type=int, default=512, help="prompt tokens, at most (default: 512)"
+    )
+    b.add_argument(
+        "--output-len", type=int, default=128, help="output tokens, at most (default: 128)"
+    )
+    b.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="lengths are uniform in [ratio * len, len]; 1 fixes them (default: 0.5)",
+    )
+    b.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens")
+    b.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
+    b.add_argument(
+        "--max-concurrency",
+        default="1,32,256",
+        help="closed-loop runs, comma-separated client counts; '' for none (default: 1,32,256)",
+    )
+    b.add_argument(
+        "--request-rate",
+        default="8,32",
+        help="Poisson runs, comma-separated requests/s; '' for none (default: 8,32)",
+    )
+    b.add_argument("--rate-concurrency", type=int, help="cap on in-flight requests of rate runs")
+    b.add_argument("--num-prompts", type=int, help="requests per run (default: by the load)")
+    b.add_argument("--max-running-requests", type=int, default=256, help="engine batch limit")
+    b.add_argument("--attention", default="auto", help="attention backend (default: auto)")
+    b.add_argument("--graph", default="auto", help="graph backend (default: auto)")
+    b.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    b.add_argument("--no-engine", action="store_true", help="skip the in-process Engine comparison")
+    b.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
+    b.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    return b
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from execrt.bench import serve
+    except ImportError as exc:
+        raise ExecrtError(
+            f"bench serve: {exc.name} is missing (pip install 'execrt[serve,bench]')"
+        ) from None
+
+    def numbers(text: str, kind: type, flag: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise ExecrtError(
+                f"bench serve: {flag} {text!r} must be comma-separated numbers"
+            ) from None
+
+    opts = serve.Options(
+        model=args.model,
+        layers=args.layers,
+        workload=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_groups=args.num_groups,
+        concurrencies=numbers(args.max_concurrency, int, "--max-concurrency"),
+        request_rates=numbers(args.request_rate, float, "--request-rate"),
+        rate_concurrency=args.rate_concurrency,
+        num_prompts=args.num_prompts,
+        max_running_requests=args.max_running_requests,
+        attention=args.attention,
+        graph=args.graph,
+        device=args.device,
+        engine=not args.no_engine,
+        plot=args.plot,
+        out_dir=args.out,
+    )
+    serve.run(opts)
+    return 0

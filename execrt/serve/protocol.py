@@ -1,0 +1,292 @@
+"""OpenAI request bodies read into one plan of engine requests, and refused with the field named.
+
+Every field is known: those the server implements, those it accepts only at their neutral value
+(``frequency_penalty: 0``, ``echo: false``, ...), and the rest, which are a 400 naming them. The
+sampling fields go to the engine unchanged, so its validation messages are the ones a client
+sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from execrt.engine.client import TextCodec
+
+Endpoint = Literal["completion", "chat"]
+
+#: OpenAI request field -> the SamplingParams keyword the engine validates
+SAMPLING_FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+_COMMON = {"model", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
+FIELDS: dict[Endpoint, frozenset[str]] = {
+    "completion": frozenset(_COMMON | {"prompt", "logprobs"}),
+    "chat": frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}),
+}
+#: Fields accepted only at a value that changes nothing (what clients send by default).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "echo": (False,),
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True, False),
+}
+MAX_N = 64
+MAX_STOPS = 4
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": error | {"code": self.code}}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request asks for: prompts (token ids) x ``n`` choices each."""
+
+    endpoint: Endpoint
+    model: str | None
+    prompts: list[list[int]]
+    n: int
+    stream: bool
+    include_usage: bool
+    stops: tuple[str, ...]
+    sampling: dict[str, Any]  # SamplingParams keywords shared by every choice (seed apart)
+    seed: int | None
+    top_logprobs: int | None  # None: no log-probabilities
+
+    def choice_seed(self, choice: int) -> int | None:
+        """Choice 0 takes ``seed`` itself (n=1 and n>1 agree on it); the others get distinct
+        seeds derived from it (a Weyl step, which stays in [0, 2**63))."""
+        if self.seed is None or choice == 0:
+            return self.seed
+        return (self.seed + choice * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -> Plan:
+    """Read an OpenAI request body; APIError (400) naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    fields = {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    _refuse_unknown(fields, endpoint)
+    n = _int(fields, "n", 1, 1, MAX_N)
+    stream = _bool(fields, "stream", False)
+    include_usage = _stream_options(fields, stream)
+    stops = _stops(fields.get("stop", ()))
+    model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(f"model {model!r} must be a string", param="model")
+    if endpoint == "completion":
+        prompts = _completion_prompts(fields.get("prompt"), text)
+        logprobs = fields.get("logprobs")
+        top = None if logprobs is None else _int(fields, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
+        default_tokens = DEFAULT_COMPLETION_TOKENS
+    else:
+        ids, end_ids = _chat_prompt(fields.get("messages"), text)
+        prompts = [ids]
+        top = None
+        if _bool(fields, "logprobs", False):
+            top = _int(fields, "top_logprobs", 0, 0, MAX_CHAT_TOP_LOGPROBS)
+        elif "top_logprobs" in fields:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if "max_completion_tokens" in fields:
+            fields["max_tokens"] = fields["max_completion_tokens"]
+        default_tokens = max(1, context_len - len(ids))
+        given = fields.get("stop_token_ids", [])
+        if isinstance(given, list) and all(_is_token(t) for t in given):
+            # The template's end-of-turn tokens stop the answer too (a wrong value is left
+            # for the engine to name).
+            fields["stop_token_ids"] = list(dict.fromkeys([*given, *end_ids]))
+    sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
+    sampling.setdefault("max_new_tokens", default_tokens)
+    seed = sampling.pop("seed", None)
+    return Plan(endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top)
+
+
+def engine_error(message: str, endpoint: Endpoint) -> APIError:
+    """The engine's refusal as a 400, ``param`` the request field it is about."""
+    first = message.split(" ", 1)[0]
+    names = {v: k for k, v in SAMPLING_FIELDS.items()}
+    if first in names:
+        param: str | None = names[first]
+        if endpoint == "chat" and param == "max_tokens":
+            param = "max_completion_tokens"
+    elif first in ("prompt", "empty", "token", "text"):
+        param = "prompt" if endpoint == "completion" else "messages"
+    elif first == "top_logprobs":
+        param = "logprobs" if endpoint == "completion" else "top_logprobs"
+    else:
+        param = None
+    return APIError(message, param=param)
+
+
+# -- fields -------------------------------------------------------------------------------------
+def _refuse_unknown(fields: Mapping[str, Any], endpoint: Endpoint) -> None:
+    for name, value in fields.items():
+        if name in FIELDS[endpoint]:
+            continue
+        if name in NEUTRAL and any(_same(value, v) for v in NEUTRAL[name]):
+            continue
+        if name in NEUTRAL:
+            raise APIError(
+                f"field {name!r} = {value!r} is unsupported by this server (accepted only as "
+                f"{' or '.join(repr(v) for v in NEUTRAL[name])})",
+                param=name,
+            )
+        raise APIError(f"field {name!r} is unsupported by this server", param=name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b  # True is not 1 here
+    return bool(a == b)
+
+
+def _int(fields: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = fields.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise APIError(f"{name} {value!r} must be an integer in {lo}..{hi}", param=name)
+    return value
+
+
+def _bool(fields: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = fields.get(name, default)
+    if not isinstance(value, bool):
+        raise APIError(f"{name} {value!r} must be true or false", param=name)
+    return value
+
+
+def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError("stream_options needs stream: true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(
+            f"stream_options {options!r} unsupported (supported: {{'include_usage': bool}})",
+            param="stream_options",
+        )
+    return _bool(options, "include_usage", False)
+
+
+def _stops(stop: object) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, (list, tuple))
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise APIError(
+            f"stop {stop!r} must be a non-empty string or a list of up to {MAX_STOPS}",
+            param="stop",
+        )
+    return tuple(dict.fromkeys(stops))
+
+
+def _completion_prompts(prompt: object, text: TextCodec) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    bad = APIError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids",
+        param="prompt",
+    )
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise bad
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                out.append(text.encode(item))
+            except ValueError as exc:
+                raise APIError(str(exc), param="prompt") from None
+        elif isinstance(item, list) and all(_is_token(t) for t in item):
+            out.append(list(item))
+        else:
+            raise bad
+    return out
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_prompt(messages: object, text: TextCodec) -> tuple[list[int], tuple[int, ...]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list of messages", param="messages")
+    plain = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        return text.chat_prompt(plain)
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from None
+
+
+def _message(message: object, index: int) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise APIError(f"{where} must be an object with 'role' and 'content'", param=where)
+    unknown = set(message) - {"role", "content", "name"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise APIError(f"{where}: field {name!r} is unsupported", param=f"{where}.{name}")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise APIError(f"{where}.role {role!r} must be a string", param=f"{where}.role")
+    return {"role": role, "content": _content(content, where)}
+
+
+def _content(content: object, where: str) -> str:
+    """A string, or a list of text parts (``{"type": "text", "text": ...}``) joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise APIError(
+        f"{where}.content must be a string or a list of text parts (other parts are unsupported)",
+        param=f"{where}.content",
+    )

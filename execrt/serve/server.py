@@ -1,0 +1,112 @@
+"""Running the app under uvicorn on a socket bound first (so port 0 works), and saying once,
+in one line, where it serves when the model is ready."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+
+from execrt.engine.client import EngineClient
+from execrt.serve.app import create_app
+
+#: How long a thread may keep the GIL while another waits for it. After each GPU step the
+#: engine thread needs it back at once to launch the next step, while the HTTP thread may be
+#: busy writing chunks: CPython's default, 5 ms, can leave the GPU idle that long per step.
+SWITCH_INTERVAL_S = 0.001
+
+
+def tune_interpreter() -> None:
+    """Settings of a serving process (engine thread and HTTP thread in one interpreter)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+class UvicornServer:
+    """The app over ``client`` under uvicorn on ``sock``: ``run()`` in this thread (signals
+    handled, returns after a graceful shutdown) or ``start()`` in a background one."""
+
+    def __init__(
+        self, client: EngineClient, sock: socket.socket, *, log_level: str = "warning"
+    ) -> None:
+        self.client = client
+        self.sock = sock
+        self.url = url_of(sock)
+        app = create_app(client, close_client=True)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
+        self.server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        self.server.run(sockets=[self.sock])
+
+    def start(self) -> UvicornServer:
+        self._thread = threading.Thread(target=self.run, name="execrt-http", daemon=True)
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("serve: uvicorn stopped while starting")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def serve(
+    client: EngineClient,
+    host: str,
+    port: int,
+    *,
+    announce: Callable[[str], None] | None = None,
+    log_level: str = "warning",
+) -> int:
+    """Serve until interrupted; ``announce`` gets one line with the URL once the model is
+    ready. Returns 0, or 2 when the model failed to load (one line on stderr says why)."""
+    server = UvicornServer(client, bind(host, port), log_level=log_level)
+    tune_interpreter()
+    status = 0
+
+    def watch() -> None:
+        nonlocal status
+        ready = client.wait_ready()
+        while not server.server.started and not server.server.should_exit:
+            time.sleep(0.01)
+        if ready:
+            name = client.model_info().name
+            line = f"execrt serve: {name} ready at {server.url} (OpenAI API under /v1)"
+            (announce or _print)(line)
+        else:
+            print(f"execrt: error: {client.load_error()}", file=sys.stderr, flush=True)
+            status = 2
+            server.server.should_exit = True
+
+    threading.Thread(target=watch, name="execrt-ready", daemon=True).start()
+    server.run()
+    return status
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)

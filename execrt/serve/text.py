@@ -1,0 +1,118 @@
+"""One choice's text as its tokens arrive: detokenized without splitting a character, held back
+while it could begin a stop string, cut where one matches; and log-probabilities in the two
+OpenAI shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from execrt.engine.client import Detokenizer, TextCodec, TokenLogprobs
+
+
+class ChoiceText:
+    """Text of one choice. ``feed`` returns what may be sent now; ``stopped`` turns True when
+    a stop string matched (the text ends before it; later tokens are ignored). ``tokens``
+    counts the tokens fed up to the stop, and ``logprobs`` holds theirs."""
+
+    def __init__(self, detokenizer: Detokenizer, stops: tuple[str, ...] = ()) -> None:
+        self._detok = detokenizer
+        self._stops = stops
+        self._held = ""  # text that may begin a stop string: not sent yet
+        self.text = ""  # everything sent
+        self.tokens = 0
+        self.stopped = False
+        self.logprobs: list[TokenLogprobs] = []
+
+    def feed(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> tuple[str, list[TokenLogprobs]]:
+        """The new text to send and the log-probabilities of the tokens it accounts for."""
+        if self.stopped:
+            return "", []
+        if not self._stops:  # nothing to hold back: the whole delta at once
+            self.tokens += len(token_ids)
+            new_lp = list(logprobs or ())
+            self.logprobs += new_lp
+            return self._send(self._detok.push(token_ids)), new_lp
+        out: list[str] = []
+        fed = 0
+        for token in token_ids:  # one at a time: the stop's token ends the count
+            fed += 1
+            out.append(self._scan(self._detok.push([token])))
+            if self.stopped:
+                break
+        self.tokens += fed
+        new_lp = list(logprobs or ())[:fed]
+        self.logprobs += new_lp
+        return "".join(out), new_lp
+
+    def finish(self) -> str:
+        """The text still held back, once the request ended on its own."""
+        if self.stopped:
+            return ""
+        rest = self._scan(self._detok.flush())
+        held, self._held = self._held, ""
+        return rest + self._send(held)
+
+    def _scan(self, piece: str) -> str:
+        if not self._stops or not piece:
+            return self._send(piece)
+        buffer = self._held + piece
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return self._send(buffer[: min(hits)])
+        keep = max(_overlap(buffer, s) for s in self._stops)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return self._send(buffer[: len(buffer) - keep])
+
+    def _send(self, text: str) -> str:
+        self.text += text
+        return text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (shorter than it)."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+# -- log-probabilities in the OpenAI shapes -----------------------------------------------------
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int, offset: int = 0
+) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists; ``text_offset`` counts from ``offset``."""
+    tokens = [codec.token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{codec.token_text(t): v for t, v in lp.top[:top]} for lp in logprobs]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int) -> dict[str, Any]:
+    """The chat shape: one entry per token with its bytes and its top alternatives."""
+
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        text = codec.token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob)
+            | {"top_logprobs": [entry(t, v) for t, v in lp.top[:top]]}
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }

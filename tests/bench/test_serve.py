@@ -1,0 +1,71 @@
+"""bench serve on CPU with a tiny random-weight shape: every run through HTTP and through the
+Engine, the record fields, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from execrt.bench import load, serve
+from tests.bench.test_decode import TINY
+
+
+@pytest.mark.parametrize("workload", ["random", "shared-prefix"])
+def test_a_small_run_measures_http_and_the_engine(tmp_path, workload) -> None:
+    plot = workload == "random" and importlib.util.find_spec("matplotlib") is not None
+    opts = serve.Options(
+        model="tiny",
+        config=TINY,
+        workload=workload,
+        input_len=12,
+        output_len=6,
+        prefix_len=16,
+        num_groups=2,
+        concurrencies=(3,),
+        request_rates=(40.0,) if workload == "random" else (),
+        num_prompts=6,
+        max_running_requests=8,
+        device="cpu",
+        server="thread",
+        plot=plot,
+        out_dir=str(tmp_path),
+    )
+    records = serve.run(opts)
+    assert [(r.concurrency, r.request_rate) for r in records] == (
+        [(3, None), (None, 40.0)] if workload == "random" else [(3, None)]
+    )
+    for r in records:
+        assert r.errors == 0 and r.num_requests == 6 and r.workload == workload
+        assert r.output_tok_s > 0 and r.engine_output_tok_s and r.engine_generate_output_tok_s
+        assert r.ttft_ms_p50 and r.ttft_ms_p99 and r.ttft_ms_p99 >= r.ttft_ms_p50
+        assert r.itl_ms_p50 and r.tpot_ms_p50 and r.engine_itl_ms_p50
+        assert r.throughput_ratio == pytest.approx(r.output_tok_s / r.engine_output_tok_s)
+        assert (r.model, r.gpu) == ("tiny", "cpu")
+    (saved,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+    assert saved.startswith("serve-")
+    fields = json.load(open(tmp_path / saved))[0]
+    required = "concurrency request_rate ttft_ms_p50 ttft_ms_p99 itl_ms_p50 tpot_ms_p50"
+    required += " output_tok_s engine_output_tok_s model gpu date"
+    assert set(required.split()) <= set(fields)
+    if opts.plot:
+        assert os.path.getsize(tmp_path / saved.replace(".json", ".png")) > 10_000
+
+
+def test_workloads_have_the_asked_lengths() -> None:
+    opts = serve.Options(
+        model="tiny", config=TINY, workload="shared-prefix", input_len=10, output_len=5,
+        prefix_len=7, num_groups=3, range_ratio=0.5, device="cpu",
+    )  # fmt: skip
+    reqs = serve.make_requests(opts, 9, 1000, seed=1)
+    assert all(12 <= len(r.prompt) <= 17 and 2 <= r.output_len <= 5 for r in reqs)
+    assert reqs[0].prompt[:7] == reqs[3].prompt[:7] != reqs[1].prompt[:7]
+    runs = serve.plan_runs(
+        serve.Options(config=TINY, request_rates=(10.0,), concurrencies=()), 1000
+    )
+    (run,) = runs
+    assert list(run.arrivals) == sorted(run.arrivals) and run.arrivals[0] == 0.0
+    assert 3 < run.arrivals[-1] < 20  # 80 requests at 10/s: about 8 s
+    assert load.percentile([1, 2, 3, 4], 50) == 2.5 and load.percentile([], 50) is None

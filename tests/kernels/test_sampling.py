@@ -1,0 +1,360 @@
+"""Fused sampling: the Triton draw against the core Sampler token for token, its distribution,
+its rules (ties, tiny temperature, tiny top_p, top_k beyond the vocabulary), batch invariance
+and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.core.sampler import Sampler, SamplingBatchInfo, uniform_noise
+from execrt.core.schedule import Req, SamplingParams
+from execrt.kernels import triton_sampling
+from execrt.kernels._triton import interpreter_enabled
+from execrt.kernels.sampling import fused_sample, sample, sample_fn
+from tests.kernels.helpers import CUDA, DEVICE, needs_cuda, replay_matches_eager
+
+# Draws per distribution test: the interpreter runs one program after another (~50 ms a row).
+DRAWS = 4000 if CUDA else 400
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quick_interpreter() -> Iterator[None]:
+    """Under the interpreter every call of a jit helper (tl.max included) re-patches
+    triton.language, ~5 ms each, though the launch has already patched it: patch once per
+    launch. Only the cost changes; where the internals differ, nothing is changed."""
+    if not interpreter_enabled():
+        yield
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    except (ImportError, AttributeError):
+        yield
+        return
+    done: set[frozenset[int]] = set()
+
+    class _Unchanged:
+        def restore(self) -> None:
+            pass
+
+    def patch_once(fn: Any) -> Any:
+        langs = frozenset(
+            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+        )
+        if langs in done:
+            return _Unchanged()
+        done.add(langs)
+        return patch(fn)
+
+    def launch_fresh(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done.clear()  # the previous launch restored triton.language
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            done.clear()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch_fresh
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = patch
+        interpreter.GridExecutor.__call__ = launch
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 128 tokens and more programs per SM: small vocabularies still take several
+    blocks per program and several programs (parts, sharing their best key) per row, as 152k
+    does with the real sizes."""
+    monkeypatch.setattr(triton_sampling, "RACE_BLOCK", 128)
+    monkeypatch.setattr(triton_sampling, "ROW_BLOCK", 128)
+    # The interpreter counts one SM: 12 rows of 1500 tokens make 4 parts of 3 blocks.
+    monkeypatch.setattr(triton_sampling, "PROGRAMS_PER_SM", 48)
+
+
+def params(
+    b: int,
+    temperature: float | list[float] = 1.0,
+    top_k: int | list[int] = -1,
+    top_p: float | list[float] = 1.0,
+    seeds: list[int] | None = None,
+    steps: list[int] | None = None,
+) -> SamplingBatchInfo:
+    def column(value: float | list[float] | int | list[int], dtype: torch.dtype) -> torch.Tensor:
+        values = value if isinstance(value, list) else [value] * b
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    return SamplingBatchInfo(
+        temperatures=column(temperature, torch.float32),
+        top_ks=column(top_k, torch.int64),
+        top_ps=column(top_p, torch.float32),
+        seeds=column(seeds if seeds is not None else list(range(b)), torch.int64),
+        steps=column(steps if steps is not None else [0] * b, torch.int64),
+        all_greedy=False,
+    )
+
+
+def draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    return fused_sample(logits.to(DEVICE), info).cpu()
+
+
+def reference(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    return Sampler.sample_torch(logits.to(DEVICE).float(), info).cpu()
+
+
+def llm_like(b: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Logits shaped like a language model's: a broad bulk and a few strong candidates."""
+    logits = torch.randn(b, vocab, generator=gen) * 2.5
+    for row in range(b):
+        top = torch.randperm(vocab, generator=gen)[:12]
+        logits[row, top] += torch.rand(12, generator=gen) * 10 + 4
+    return logits
+
+
+# -- token for token against the core Sampler -----------------------------------------------------
+CONFIGS = {
+    "greedy": {"temperature": 0.0},
+    "temperature 0.6": {"temperature": 0.6},
+    "temperature 1.5": {"temperature": 1.5},
+    "top-k 5": {"temperature": 0.8, "top_k": 5},
+    "top-k 50": {"temperature": 1.0, "top_k": 50},
+    "top-p 0.9": {"temperature": 0.6, "top_p": 0.9},
+    "top-p 0.3": {"temperature": 1.0, "top_p": 0.3},
+    "top-k 50 top-p 0.9": {"temperature": 0.6, "top_k": 50, "top_p": 0.9},
+    "top-k 20 top-p 0.5": {"temperature": 1.2, "top_k": 20, "top_p": 0.5},
+}
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("shape", ["llm", "flat"])
+def test_same_tokens_as_the_sampler(config: str, shape: str) -> None:
+    gen = torch.Generator().manual_seed(len(config) * 7 + len(shape))
+    b, vocab = 12, 1500
+    if shape == "llm":
+        logits = llm_like(b, vocab, gen)
+    else:  # nearly uniform: the unfiltered winner is rarely kept, so the search runs
+        logits = torch.randn(b, vocab, generator=gen) * 0.05
+    seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
+    steps = torch.randint(0, 10**6, (b,), generator=gen).tolist()
+    info = params(b, seeds=seeds, steps=steps, **CONFIGS[config])  # type: ignore[arg-type]
+    assert torch.equal(draw(logits, info), reference(logits, info))
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_mixed_rows_in_one_batch_match_the_sampler() -> None:
+    gen = torch.Generator().manual_seed(3)
+    b, vocab = 16, 1000
+    logits = llm_like(b, vocab, gen)
+    logits[8:] = (logits[8:] * 2).round() / 2  # many equal logits (bf16 logits have them)
+    temps = [0.0, 0.6, 1.0, 0.0, 0.3, 1e-30, 2.0, 0.7] * 2
+    top_ks = [-1, -1, 40, 1, 0, -1, vocab + 3, 3] * 2
+    top_ps = [1.0, 0.9, 1.0, 0.5, 0.2, 1.0, 0.95, 1e-7] * 2
+    info = params(b, temps, top_ks, top_ps, seeds=list(range(100, 116)))
+    assert torch.equal(draw(logits, info), reference(logits, info))
+
+
+def test_the_sampler_with_the_fused_draw_samples_requests_alike() -> None:
+    """End to end through the seam: requests' seeds and output lengths become the keys."""
+    gen = torch.Generator().manual_seed(4)
+    reqs = []
+    for i, p in enumerate(
+        [
+            SamplingParams(temperature=0.6),
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.8),
+            SamplingParams(temperature=1.0, top_p=0.5, seed=2**40 + 3),
+        ]
+    ):
+        req = Req(i, [1, 2, 3], p, sampling_seed=1000 + i, output_ids=[7] * i)
+        reqs.append(req)
+    info = SamplingBatchInfo.from_reqs(reqs, DEVICE)
+    logits = llm_like(4, 800, gen).to(DEVICE)
+    fused = Sampler(sample_fn=sample_fn(DEVICE, "on"))
+    assert fused.sample_fn is fused_sample
+    assert torch.equal(fused(logits, info), Sampler()(logits, info))
+
+
+def test_half_precision_logits_draw_as_their_fp32_values() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = llm_like(8, 2000, gen).half()
+    info = params(8, [0.6, 0.6, 1.0, 0.0] * 2, [-1, 30, -1, -1] * 2, [1.0, 1.0, 0.8, 1.0] * 2)
+    assert torch.equal(draw(logits, info), reference(logits.float(), info))
+
+
+def test_the_noise_is_the_core_hash_bit_for_bit() -> None:
+    """At a huge temperature the race is decided by the noise alone: the token is the one
+    whose uniform draw is largest (lowest id among equal draws), for seeds over 32 bits too."""
+    gen = torch.Generator().manual_seed(6)
+    b, vocab = 24, 3000
+    logits = torch.randn(b, vocab, generator=gen)
+    seeds = [0, 1, 2**31, 2**32, 2**63 - 1] + torch.randint(0, 2**63 - 1, (19,)).tolist()
+    steps = [0, 7, 2**31, 2**40, 2**63 - 1] + torch.randint(0, 2**40, (19,)).tolist()
+    info = params(b, 1e30, seeds=seeds, steps=steps)
+    u = uniform_noise(torch.tensor(seeds), torch.tensor(steps), vocab)  # [B, V]
+    assert torch.equal(draw(logits, info), u.argmax(-1))
+
+
+# -- the rules ------------------------------------------------------------------------------------
+def test_greedy_rows_take_the_lowest_id_among_equal_maxima() -> None:
+    logits = torch.randn(6, 300)
+    logits[:, [40, 17, 250]] = 9.0
+    info = params(6, [0.0, 0.0, 0.5, 0.5, 2.0, 0.0], top_k=[-1, 1, 1, 1, 1, 5])
+    assert draw(logits, info).tolist() == [17] * 6  # temperature 0, or top_k 1
+
+
+def test_tiny_temperature_races_only_the_top_logits() -> None:
+    logits = torch.randn(1, 500).repeat(60, 1)
+    logits[:, 3] = logits[:, 99] = 20.0
+    info = params(60, 1e-30, seeds=list(range(60)))
+    tokens = draw(logits, info)
+    assert set(tokens.tolist()) == {3, 99}  # equally likely: both appear in 60 draws
+    assert torch.equal(tokens, reference(logits, info))
+
+
+def test_top_p_below_the_top_probability_keeps_only_the_first_token() -> None:
+    logits = torch.zeros(40, 200)
+    logits[:, [30, 60]] = 3.0  # two equal top tokens: the first by id stays
+    info = params(40, 1.0, top_p=[1e-7, 1e-30] * 20, seeds=list(range(40)))
+    assert draw(logits, info).tolist() == [30] * 40
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_top_k_beyond_the_vocabulary_or_off_keeps_every_token() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, 700, generator=gen)
+    seeds = list(range(50, 58))
+    unfiltered = draw(logits, params(8, 1.0, top_k=-1, seeds=seeds))
+    for k in (0, -5, 700, 701, 2**62):
+        assert torch.equal(draw(logits, params(8, 1.0, top_k=k, seeds=seeds)), unfiltered)
+    assert torch.equal(draw(logits, params(8, 1.0, top_p=1.0, seeds=seeds)), unfiltered)
+
+
+def test_equal_probabilities_rank_by_token_id() -> None:
+    # Ten equal logits: top_k 3 keeps ids 0-2; top_p 0.25 keeps the tokens whose mass before
+    # (0, 0.1, 0.2, 0.3, ...) is below 0.25: ids 0-2 again.
+    logits = torch.zeros(60, 10)
+    for info in (params(60, 1.0, top_k=3), params(60, 1.0, top_p=0.25)):
+        tokens = draw(logits, info)
+        assert set(tokens.tolist()) == {0, 1, 2}
+        assert torch.equal(tokens, reference(logits, info))
+
+
+def test_a_row_draws_the_same_token_alone_or_in_any_batch() -> None:
+    gen = torch.Generator().manual_seed(9)
+    logits = llm_like(6, 900, gen)
+    temps = [0.7, 0.0, 1.0, 0.6, 1.3, 0.9]
+    top_ks = [-1, -1, 25, -1, 4, 60]
+    top_ps = [1.0, 1.0, 0.9, 0.7, 1.0, 0.95]
+    seeds, steps = [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9]
+
+    def rows(order: list[int]) -> torch.Tensor:
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in order]
+
+        info = params(len(order), pick(temps), pick(top_ks), pick(top_ps), pick(seeds), pick(steps))
+        return draw(logits[order], info)
+
+    batched = rows(list(range(6)))
+    for row in range(6):
+        assert rows([row]).item() == batched[row].item()
+    order = [4, 2, 0, 5, 1, 3]
+    assert torch.equal(rows(order), batched[order])
+
+
+# -- distributions --------------------------------------------------------------------------------
+def frequencies(logits: torch.Tensor, **kw: float | int) -> torch.Tensor:
+    """Token frequencies over DRAWS seeds for one row of ``logits [V]``."""
+    rows = logits[None, :].expand(DRAWS, -1)
+    tokens = draw(rows, params(DRAWS, seeds=list(range(DRAWS)), **kw))  # type: ignore[arg-type]
+    return torch.bincount(tokens, minlength=logits.shape[0]).double() / DRAWS
+
+
+def assert_follows(freq: torch.Tensor, expected: torch.Tensor) -> None:
+    """Each frequency within 4.5 binomial standard deviations (+1/n) of its probability, and
+    nothing drawn where the probability is 0."""
+    sd = torch.sqrt(expected * (1 - expected) / DRAWS)
+    assert torch.all((freq - expected).abs() <= 4.5 * sd + 1.0 / DRAWS), (freq, expected)
+    assert torch.all(freq[expected == 0] == 0)
+
+
+PROBS = torch.tensor([0.05, 0.3, 0.02, 0.15, 0.08, 0.25, 0.1, 0.05], dtype=torch.float64)
+
+
+def test_temperature_draws_follow_the_tempered_softmax() -> None:
+    expected = torch.softmax(PROBS.log() / 0.7, dim=0)
+    assert_follows(frequencies(PROBS.log().float(), temperature=0.7), expected)
+
+
+def test_top_k_draws_follow_the_renormalised_top_k() -> None:
+    expected = torch.where(PROBS >= 0.1, PROBS, 0)  # the 4 largest: 0.3, 0.25, 0.15, 0.1
+    assert_follows(frequencies(PROBS.log().float(), top_k=4), expected / expected.sum())
+
+
+def test_top_p_draws_follow_the_renormalised_nucleus() -> None:
+    # Sorted: 0.3, 0.25, 0.15, 0.1, ...; mass before: 0, 0.3, 0.55, 0.7: top_p 0.6 keeps 3.
+    expected = torch.where(PROBS >= 0.15, PROBS, 0)
+    assert_follows(frequencies(PROBS.log().float(), top_p=0.6), expected / expected.sum())
+
+
+# -- parameters and capture -----------------------------------------------------------------------
+def test_parameters_of_the_wrong_dtype_or_shape_are_refused() -> None:
+    logits = torch.randn(3, 50, device=DEVICE)
+    good = params(3)
+    with pytest.raises(ValueError, match="sample: top_ks dtype torch.int32 unsupported"):
+        fused_sample(logits, replace(good, top_ks=good.top_ks.int()))
+    with pytest.raises(ValueError, match=r"sample: seeds \(2,\) must be \[B\]"):
+        sample(logits, replace(good, seeds=good.seeds[:2]), use_triton=True)
+    with pytest.raises(ValueError, match=r"sample: logits \(150,\) must be \[B, V\]"):
+        fused_sample(logits.flatten(), good)
+
+
+def test_an_empty_batch_samples_nothing() -> None:
+    out = fused_sample(torch.empty(0, 100, device=DEVICE), params(0))
+    assert out.shape == (0,) and out.dtype == torch.int64
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(10)
+    b, vocab = 64, 151936
+    logits = llm_like(b, vocab, gen).to("cuda", dtype)
+    info = params(b, [0.0, 0.6, 1.0, 0.8] * 16, [-1, -1, 50, 20] * 16, [1.0, 1.0, 0.9, 0.5] * 16)
+    fresh_info = params(
+        b, [0.7, 0.0, 0.6, 1.1] * 16, [-1, 1, 30, 5] * 16, [0.9, 1.0, 1.0, 0.3] * 16
+    )
+    inputs = [logits, info.temperatures, info.top_ks, info.top_ps, info.seeds, info.steps]
+    fresh = [
+        llm_like(b, vocab, gen).to(dtype),
+        fresh_info.temperatures,
+        fresh_info.top_ks,
+        fresh_info.top_ps,
+        fresh_info.seeds + 17,
+        fresh_info.steps + 5,
+    ]
+    replay_matches_eager(lambda: [fused_sample(logits, info)], inputs, fresh)
+
+
+@needs_cuda
+def test_large_vocabulary_batches_match_the_sampler_on_the_gpu() -> None:
+    gen = torch.Generator().manual_seed(11)
+    for b, vocab in ((1, 151936), (33, 151936), (8, 256000)):
+        logits = llm_like(b, vocab, gen).cuda()
+        temps = [0.6, 0.0, 1.0, 0.7] * math.ceil(b / 4)
+        ks = [-1, -1, 50, 20] * math.ceil(b / 4)
+        ps = [1.0, 1.0, 0.9, 0.95] * math.ceil(b / 4)
+        info = params(b, temps[:b], ks[:b], ps[:b], seeds=list(range(b)))
+        assert torch.equal(draw(logits, info), reference(logits, info))

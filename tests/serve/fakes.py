@@ -1,0 +1,141 @@
+"""A torch-free EngineClient for the HTTP side's tests: letters for tokens, one token per tick."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import execrt.engine.client as seam
+from execrt.engine.client import EngineRequest, OutputHolder, RequestOutput
+
+A = ord("a")
+FAIL = ord("q") - A  # a prompt starting with "q" fails in the engine
+
+
+class LetterCodec(seam.TextCodec):
+    """Token t is the letter ``chr(97 + t)``; a chat prompt is its messages' letters."""
+
+    def encode(self, text: str) -> list[int]:
+        if not text.isalpha() or not text.islower():
+            raise ValueError(f"letters only, got {text!r}")
+        return [ord(c) - A for c in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(A + t % 26) for t in token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def detokenizer(self) -> seam.Detokenizer:
+        codec = self
+
+        class _D(seam.Detokenizer):
+            def push(self, token_ids: Sequence[int]) -> str:
+                return codec.decode(token_ids)
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+            raise ValueError("chat template: bad role")
+        return self.encode("".join(m["content"] for m in messages)), (25,)  # "z" ends a turn
+
+
+@dataclass
+class _Live:
+    request: EngineRequest
+    holder: OutputHolder
+    last: int
+    made: int = 0
+
+
+@dataclass
+class FakeClient(seam.EngineClient):
+    """Each request continues the alphabet from its prompt's last letter, one token per tick
+    (``tick`` seconds) for every live request; stops at ``max_new_tokens`` or at token 25
+    ("z") when it is a stop token."""
+
+    is_ready: bool = True
+    tick: float = 0.002
+    context_len: int = 64
+    submitted: list[EngineRequest] = field(default_factory=list)
+    aborted: list[tuple[str, str]] = field(default_factory=list)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.closed:
+            time.sleep(self.tick)
+            with self._lock:
+                live = list(self._live.values())
+            for r in live:
+                token = (r.last + 1) % 26
+                r.last, r.made = token, r.made + 1
+                lp = [seam.TokenLogprobs(token, -0.5, ((token, -0.5), (0, -2.0)))]
+                out = RequestOutput([token], lp if r.request.top_logprobs is not None else None)
+                sp = r.request.sampling
+                stop = token in sp.get("stop_token_ids", ())
+                if r.request.prompt_ids[0] == FAIL:  # the engine fails after one token
+                    out.finish_reason, out.error = "abort", "step failed: RuntimeError: boom"
+                if out.finished or stop or r.made >= sp["max_new_tokens"]:
+                    out.finish_reason = out.finish_reason or ("stop" if stop else "length")
+                    out.prompt_tokens = len(r.request.prompt_ids)
+                    with self._lock:
+                        self._live.pop(r.request.request_id, None)
+                r.holder.put(out)
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def load_error(self) -> str | None:
+        return None
+
+    def model_info(self) -> seam.ModelInfo:
+        return seam.ModelInfo("fake", self.context_len, 26, True, True)
+
+    def text(self) -> seam.TextCodec:
+        return LetterCodec()
+
+    def check(self, request: EngineRequest) -> str | None:
+        sp = request.sampling
+        if isinstance(sp.get("temperature"), (int, float)) and sp["temperature"] < 0:
+            return f"temperature {sp['temperature']!r} must be a finite number >= 0"
+        if len(request.prompt_ids) >= self.context_len:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens leaves no room in the context "
+                f"of {self.context_len}"
+            )
+        return None
+
+    def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
+        self.submitted.append(request)
+        with self._lock:
+            self._live[request.request_id] = _Live(request, holder, request.prompt_ids[-1])
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.aborted.append((request_id, reason))
+        with self._lock:
+            live = self._live.pop(request_id, None)
+        if live is not None:
+            live.holder.put(RequestOutput([], finish_reason="abort", error=reason))
+
+    def stats(self) -> seam.EngineStats:
+        with self._lock:
+            running = len(self._live)
+        return seam.EngineStats(100, 100 - running, 0, running, 0, 0, 0, 0, 0)
+
+    def close(self) -> None:
+        self.closed = True

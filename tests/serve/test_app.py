@@ -1,0 +1,313 @@
+"""The HTTP app in-process (ASGI) over a fake engine: routing, validation, error JSON, SSE
+framing, stop strings, n, logprobs, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from execrt.serve.app import create_app
+from tests.serve.fakes import FakeClient
+
+
+def call(client: FakeClient, method: str, path: str, body: Any = None, raw: bytes | None = None):  # type: ignore[no-untyped-def]
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(client))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            content = raw if raw is not None else (None if body is None else orjson.dumps(body))
+            return await http.request(method, path, content=content)
+
+    return asyncio.run(go())
+
+
+def events(response: httpx.Response) -> list[Any]:
+    """The SSE payloads; asserts the framing (``data: <payload>`` + blank line, nothing else)."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    text = response.text
+    assert text.endswith("\n\n")
+    out = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else orjson.loads(payload))
+    assert out[-1] == "[DONE]" and out.count("[DONE]") == 1
+    return out[:-1]
+
+
+@pytest.fixture
+def fake():  # type: ignore[no-untyped-def]
+    client = FakeClient()
+    yield client
+    client.close()
+
+
+def test_health_and_every_request_are_503_while_loading() -> None:
+    loading = FakeClient(is_ready=False)
+    for method, path, body in [
+        ("GET", "/health", None),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"prompt": "a"}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+    ]:
+        r = call(loading, method, path, body)
+        assert r.status_code == 503, path
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert r.json()["error"]["message"] == "the model is loading"
+    loading.is_ready = True
+    assert call(loading, "GET", "/health").json() == {"status": "ok"}
+    loading.close()
+
+
+def test_models_names_the_model_and_its_context(fake) -> None:
+    r = call(fake, "GET", "/v1/models")
+    assert r.status_code == 200
+    (model,) = r.json()["data"]
+    assert (model["id"], model["object"], model["max_model_len"]) == ("fake", "model", 64)
+
+
+def test_unknown_route_is_404(fake) -> None:
+    assert call(fake, "POST", "/v1/embeddings", {"input": "a"}).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [
+        ({"foo": 1}, "foo", "field 'foo' is unsupported"),
+        ({"best_of": 2}, "best_of", "field 'best_of' = 2 is unsupported"),
+        ({"echo": True}, "echo", "accepted only as False"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "'frequency_penalty' = 0.5"),
+        ({"logit_bias": {"1": 5}}, "logit_bias", "'logit_bias'"),
+        ({"temperature": -1}, "temperature", "temperature -1 must be a finite number >= 0"),
+        ({"n": 0}, "n", "n 0 must be an integer in 1..64"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "a list of up to 4"),
+        ({"stop": [""]}, "stop", "non-empty string"),
+        ({"logprobs": 6}, "logprobs", "logprobs 6 must be an integer in 0..5"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
+        ({"prompt": "a" * 70}, "prompt", "prompt of 70 tokens leaves no room in the context"),
+        ({"prompt": []}, "prompt", "prompt must be a string"),
+        ({"prompt": "A!"}, "prompt", "letters only"),
+        ({"stream": "yes"}, "stream", "stream 'yes' must be true or false"),
+    ],
+)
+def test_a_bad_completion_is_a_400_naming_the_field(fake, extra, param, needle) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2} | extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+    assert error["type"] == "invalid_request_error" and set(error) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+    assert fake.submitted == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"messages": [{"role": "tool", "content": "a"}]}, "messages", "bad role"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string"),
+        ({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, None, "tool_calls"),
+        ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", ""),
+        ({"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature", "-1"),
+    ],
+)
+def test_a_bad_chat_request_is_a_400(fake, body, param, needle) -> None:
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_json_a_non_object_and_a_wrong_model(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", raw=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = call(fake, "POST", "/v1/completions", [1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = call(fake, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(fake) -> None:
+    body = {"prompt": "a", "max_tokens": 3, "model": "fake", "echo": False, "best_of": 1}
+    body |= {"frequency_penalty": 0, "presence_penalty": 0.0, "user": "me", "suffix": None}
+    r = call(fake, "POST", "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "bcd"
+
+
+def test_completion_shape_and_usage(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": ["ab", [3, 4]], "max_tokens": 3})
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "fake" and isinstance(body["created"], int)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "cde", "length"),
+        (1, "fgh", "length"),
+    ]
+    assert body["choices"][0]["logprobs"] is None
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 6,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_chat_shape_and_template_stop(fake) -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "max_completion_tokens": 10}
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    (choice,) = out["choices"]
+    # The template's end-of-turn token (25, "z") stops it; max_completion_tokens was 10.
+    assert choice["message"] == {"role": "assistant", "content": "xyz"}
+    assert choice["finish_reason"] == "stop"
+    assert fake.submitted[0].sampling["max_new_tokens"] == 10
+    assert fake.submitted[0].sampling["stop_token_ids"] == [25]
+
+
+def test_chat_stream_framing(fake) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = events(call(fake, "POST", "/v1/chat/completions", body))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    for index in (0, 1):
+        mine = [
+            c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+        ]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+        assert "".join(m["delta"].get("content", "") for m in mine) == "bcd"
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks[:-1])  # include_usage: null until the end
+
+
+def test_completion_stream_without_usage(fake) -> None:
+    body = {"prompt": "a", "max_tokens": 4, "stream": True}
+    chunks = events(call(fake, "POST", "/v1/completions", body))
+    assert all("usage" not in c for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "bcde" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_cuts_the_text_and_aborts_the_request(fake, stream) -> None:
+    body = {"prompt": "a", "max_tokens": 20, "stop": ["xx", "ef"], "stream": stream}
+    r = call(fake, "POST", "/v1/completions", body)
+    if stream:
+        chunks = events(r)
+        pieces = [c["choices"][0]["text"] for c in chunks]
+        assert "".join(pieces) == "bcd" and not any("e" in p for p in pieces)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("bcd", "stop")
+        assert r.json()["usage"]["completion_tokens"] == 5  # up to the token that matched
+    assert fake.aborted == [(fake.submitted[0].request_id, "stop string matched")]
+
+
+def test_a_held_back_prefix_is_released_when_no_stop_follows(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 6, "stop": "eg"})
+    assert r.json()["choices"][0]["text"] == "bcdefg" and fake.aborted == []
+
+
+def test_n_choices_get_seeds_derived_from_seed(fake) -> None:
+    call(fake, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 1, "n": 3, "seed": 7})
+    seeds = [r.sampling["seed"] for r in fake.submitted]
+    assert seeds[0] == 7 and len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    call(fake, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 1, "n": 2})
+    assert [r.sampling["seed"] for r in fake.submitted[3:]] == [None, None]
+
+
+def test_logprobs_in_both_shapes(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp == {
+        "tokens": ["b", "c"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"b": -0.5}, {"c": -0.5}],
+        "text_offset": [0, 1],
+    }
+    body = {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 1,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    (entry,) = r.json()["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == "b" and entry["logprob"] == -0.5 and entry["bytes"] == [98]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["b", "a"]
+
+
+def test_flush_cache_is_501_without_a_prefix_cache(fake) -> None:
+    r = call(fake, "POST", "/flush_cache")
+    assert r.status_code == 501 and "no prefix cache" in r.json()["error"]["message"]
+
+
+def metric_values(text: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_metrics_parse_and_count_requests(fake) -> None:
+    app = create_app(fake)
+
+    async def go() -> tuple[str, str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            before = (await http.get("/metrics")).text
+            await http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "n": 2})
+            return before, (await http.get("/metrics")).text
+
+    before, after = asyncio.run(go())
+    a, b = metric_values(before), metric_values(after)
+    assert b["execrt:request_success_total{finished_reason=length}"] == 2
+    assert b["execrt:prompt_tokens_total{}"] - a["execrt:prompt_tokens_total{}"] == 2
+    assert b["execrt:generation_tokens_total{}"] == 6
+    assert b["execrt:time_to_first_token_seconds_count{}"] == 2
+    assert b["execrt:e2e_request_latency_seconds_count{}"] == 2
+    assert b["execrt:inter_token_latency_seconds_count{}"] >= 2
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"execrt:{name}{{}}" in b
+    for name in ("num_retractions_total", "prefix_cache_hits_total", "prefix_cache_queries_total"):
+        assert b[f"execrt:{name}{{}}"] == 0
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event(fake) -> None:
+    r = call(fake, "POST", "/v1/completions", {"prompt": "qa", "max_tokens": 5})
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "step failed: RuntimeError: boom",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    body = {"prompt": ["qa", "ab"], "max_tokens": 3, "stream": True}
+    chunks = events(call(fake, "POST", "/v1/completions", body))
+    errors = [c for c in chunks if "error" in c]
+    assert [e["error"]["message"] for e in errors] == ["step failed: RuntimeError: boom"]
+    ok = [c["choices"][0]["text"] for c in chunks if "choices" in c and c["choices"][0]["index"]]
+    assert "".join(ok) == "cde"  # the other prompt's choice is served whole

@@ -1,0 +1,54 @@
+"""``execrt serve`` on the command line: generate's engine flags, one line for a failure."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from execrt.cli import build_parser, main
+from execrt.serve.cli import ENGINE_FLAGS
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {opt: a for a in parser._actions for opt in a.option_strings}
+
+
+def test_serve_takes_every_engine_flag_of_generate() -> None:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    generate, serve = _options(sub.choices["generate"]), _options(sub.choices["serve"])
+    engine = {opt: a for opt, a in generate.items() if a.dest in ENGINE_FLAGS}
+    assert {"--model", "--config", "--attention", "--tp", "--ep", "--dtype", "--strict"} <= set(
+        engine
+    )
+    for opt, action in engine.items():
+        assert serve[opt].dest == action.dest and serve[opt].help == action.help
+    assert {"--host", "--port", "--served-model-name"} <= set(serve)
+    args = build_parser().parse_args(["serve", "--tp", "2", "--attention", "torch", "--port", "0"])
+    assert (args.tp_size, args.attention_backend, args.port, args.host) == (
+        2,
+        "torch",
+        0,
+        "127.0.0.1",
+    )
+
+
+def test_a_model_that_fails_to_load_is_one_line_and_status_2(tmp_path, capsys) -> None:
+    missing = str(tmp_path / "nope")
+    assert main(["serve", "--model", missing, "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a directory or a .gguf file" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve", "--port", "70000"], "--port 70000 must be in 0..65535"),
+        (["bench", "serve", "--max-concurrency", "a,b"], "--max-concurrency 'a,b' must be"),
+        (["bench", "serve", "--max-concurrency", "", "--request-rate", ""], "at least one"),
+    ],
+)
+def test_bad_arguments_are_one_line(argv, needle, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err

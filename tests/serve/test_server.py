@@ -1,0 +1,294 @@
+"""The real server: the openai client against uvicorn on 127.0.0.1 (port 0) over the built-in
+model on CPU. Random weights, so every answer is compared with Engine.generate (called on the
+same engine, from this thread, while the server's engine thread serves)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from execrt import Engine, SamplingParams
+from execrt.engine.threaded import ThreadedEngineClient
+from execrt.models.builtin import builtin_model_path
+from execrt.serve.protocol import Plan
+from execrt.serve.server import UvicornServer, bind
+from tests.serve.http import abandon_stream
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Served:
+    url: str
+    engine: Engine
+    client: ThreadedEngineClient
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # The built-in checkpoint with a chat template, so that chat is served too.
+    path = tmp_path_factory.mktemp("builtin-chat")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(os.path.join(builtin_model_path(), name), path / name)
+    config = {"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    engines: list[Engine] = []
+
+    def build() -> Engine:
+        engines.append(Engine(str(path), device="cpu", max_running_requests=64))
+        return engines[-1]
+
+    client = ThreadedEngineClient(build, name="builtin")
+    server = UvicornServer(client, bind("127.0.0.1", 0)).start()
+    assert client.wait_ready(120), client.load_error()
+    yield Served(server.url, engines[0], client)
+    server.stop()
+    assert engines[0]._closed  # the app's shutdown closed the client and the engine
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, **kw)  # type: ignore[arg-type]
+
+
+def test_completions_streamed_and_not_match_the_engine(served) -> None:
+    api = served.openai()
+    prompts = ["Hello there", "ünïcode ✓ 日本"]
+    expected = served.engine.generate(prompts, greedy(12))
+    got = api.completions.create(model="builtin", prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [r.text for r in expected]
+    assert [c.finish_reason for c in got.choices] == [r.finish_reason for r in expected]
+    tok = served.engine.tokenizer
+    assert got.usage.prompt_tokens == sum(len(tok.encode(p).ids) for p in prompts)
+    assert got.usage.completion_tokens == sum(len(r.token_ids) for r in expected)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    # The engine's own call just cached both prompts: all but each one's last token hit.
+    cached = got.usage.prompt_tokens - len(prompts)
+    assert got.usage.prompt_tokens_details.cached_tokens == cached
+    stream = api.completions.create(
+        model="builtin",
+        prompt=prompts[1],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[1].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        expected[1].token_ids
+    )
+    assert chunks[-1].usage.prompt_tokens == len(tok.encode(prompts[1]).ids)
+
+
+def test_chat_streamed_and_not_match_the_engine(served) -> None:
+    api = served.openai()
+    messages = [{"role": "user", "content": "Say something"}]
+    ids, params = served.engine.chat_request(messages, greedy(10))
+    expected = served.engine.generate(ids, params)
+    got = api.chat.completions.create(
+        model="builtin", messages=messages, max_completion_tokens=10, temperature=0
+    )
+    assert got.choices[0].message.content == expected.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(ids)
+    chunks = list(
+        api.chat.completions.create(
+            model="builtin", messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].delta.content is None
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_n_choices_with_a_seed_are_the_engine_with_derived_seeds(served) -> None:
+    api = served.openai()
+    got = api.completions.create(
+        model="builtin", prompt="seeded", max_tokens=8, temperature=1.0, n=3, seed=5
+    )
+    seeds = [Plan.choice_seed(_plan(5), i) for i in range(3)]
+    expected = served.engine.generate(
+        ["seeded"] * 3, [SamplingParams(max_new_tokens=8, seed=s) for s in seeds]
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [r.text for r in expected]
+    assert len({c.text for c in got.choices}) > 1  # distinct seeds, distinct samples
+    one = api.completions.create(model="builtin", prompt="seeded", max_tokens=8, seed=5)
+    assert one.choices[0].text == got.choices[0].text  # choice 0 takes the seed itself
+
+
+def _plan(seed: int) -> Plan:
+    return Plan("completion", None, [], 1, False, False, (), {}, seed, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_never_appears_and_ends_the_request(served, stream) -> None:
+    api = served.openai()
+    full = served.engine.generate("Hello", greedy(24, ignore_eos=True)).text
+    start = next(i for i in range(3, len(full) - 1) if "\ufffd" not in full[i : i + 2])
+    stop = full[start : start + 2]
+    expected = full[: full.find(stop)]
+    free = served.engine.stats().kv_slots_free
+    kw = dict(model="builtin", prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
+    kw["extra_body"] = {"ignore_eos": True}
+    if stream:
+        chunks = list(api.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        choice = api.completions.create(**kw).choices[0]
+        text, reason = choice.text, choice.finish_reason
+    assert (text, reason) == (expected, "stop") and stop not in text
+    wait_until(lambda: served.engine.stats().kv_slots_free == free)
+
+
+def test_engine_validation_is_a_400_with_the_field(served) -> None:
+    api = served.openai()
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model="builtin", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0
+        )
+    error = info.value.body
+    assert error["param"] == "max_completion_tokens"
+    assert error["message"] == "max_new_tokens 0 must be an integer >= 1"
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model="builtin", prompt=[7] * 2048, max_tokens=1)
+    assert "leaves no room in the context of 2048" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model="builtin", prompt="x", presence_penalty=1.0)
+    assert info.value.body["param"] == "presence_penalty"
+
+
+def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> None:
+    worker = served.engine.worker
+    real = worker.forward_batch_generation
+
+    def fail(batch):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(worker, "forward_batch_generation", real)  # once
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(worker, "forward_batch_generation", fail)
+    with pytest.raises(openai.InternalServerError) as info:
+        served.openai().completions.create(model="builtin", prompt="x", max_tokens=3)
+    assert info.value.body["message"] == "step failed: RuntimeError: device lost"
+    again = served.openai().completions.create(model="builtin", prompt="x", max_tokens=3)
+    assert again.choices[0].finish_reason in ("length", "stop")
+    assert served.client.ready() and not served.engine.has_work
+
+
+def test_flush_cache_runs_between_steps_and_empties_the_prefix_cache(served, monkeypatch) -> None:
+    served.engine.generate("fill the prefix cache", greedy(4))
+    assert served.engine.stats().kv_slots_cached > 0
+    calls: list[str] = []
+    flush = served.engine.flush_cache
+
+    def recorded() -> int:
+        calls.append(threading.current_thread().name)
+        return flush()
+
+    monkeypatch.setattr(served.engine, "flush_cache", recorded)
+    assert httpx.post(served.url + "/flush_cache").json() == {"flushed": True}
+    assert calls == ["execrt-engine"]  # on the engine thread, between its steps
+    assert served.engine.stats().kv_slots_cached == 0
+    served.engine.generate("fill it again", greedy(4))
+    monkeypatch.setattr(served.engine, "flush_cache", lambda: 0)  # as if requests read it all
+    assert httpx.post(served.url + "/flush_cache").status_code == 409
+    monkeypatch.setattr(served.engine.worker.memory, "prefix_cache", None)
+    r = httpx.post(served.url + "/flush_cache")
+    assert r.status_code == 501 and "no prefix cache" in r.json()["error"]["message"]
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_disconnect_mid_stream_aborts_and_frees_the_slots(served) -> None:
+    baseline = served.engine.stats()
+    body = {"prompt": "long", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    steps: list[int] = []
+    real = served.engine.abort_request
+
+    def abort(rid: int, reason: str = "aborted") -> None:  # when the server gives up on it
+        steps.append(served.engine.stats().steps)
+        real(rid, reason)
+
+    served.engine.abort_request = abort  # type: ignore[method-assign]
+    try:
+        abandon_stream(served.url, body, chunks=3)
+        # Closed after three chunks of 1000: the request is aborted, its slots come back.
+        wait_until(lambda: served.engine.stats().kv_slots_free == baseline.kv_slots_free)
+    finally:
+        del served.engine.abort_request
+    assert len(steps) == 1 and steps[0] < baseline.steps + 50
+    assert served.engine.stats().requests_running == 0 and not served.engine.has_work
+
+
+def counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.type in ("counter", "histogram"):
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    out[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
+    return out
+
+
+def test_metrics_counters_only_grow(served) -> None:
+    before = counters(served.url)
+    served.openai().completions.create(model="builtin", prompt="m", max_tokens=3)
+    after = counters(served.url)
+    assert set(before) <= set(after)
+    assert all(after[k] >= v for k, v in before.items())
+    total = "execrt:generation_tokens_total{}"
+    assert after[total] >= before.get(total, 0) + 1
+
+
+def test_256_concurrent_streams_all_match_the_engine(served) -> None:
+    prompts = [f"request {i}" for i in range(256)]
+    expected = served.engine.generate(prompts, greedy(4, ignore_eos=True))
+
+    async def one(api: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await api.completions.create(
+            model="builtin",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str | BaseException]:
+        api = openai.AsyncOpenAI(
+            base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        async with api:
+            return await asyncio.gather(*(one(api, p) for p in prompts), return_exceptions=True)
+
+    got = asyncio.run(all_of_them())
+    errors = [g for g in got if isinstance(g, BaseException)]
+    assert errors == []
+    assert got == [r.text for r in expected]
+    wait_until(lambda: not served.engine.has_work)

@@ -1,0 +1,59 @@
+"""ChoiceText: stop strings on detokenized text (held back, cut, never shown) and UTF-8 pieces
+never split, over random token chunkings, with the built-in byte-level tokenizer."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from execrt.engine.threaded import _Detokenizer
+from execrt.models.builtin import build_tokenizer
+from execrt.serve.text import ChoiceText
+
+TOKENIZER = build_tokenizer()
+ALPHABET = "abé✓日🎉 \n"
+
+
+def run(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[list[str], ChoiceText]:
+    ids = TOKENIZER.encode(text).ids
+    choice = ChoiceText(_Detokenizer(TOKENIZER), stops)
+    pieces, start = [], 0
+    for cut in sorted({min(c, len(ids)) for c in cuts} | {len(ids)}):
+        piece, _ = choice.feed(ids[start:cut])
+        pieces.append(piece)
+        start = cut
+    pieces.append(choice.finish())
+    return pieces, choice
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(ALPHABET, min_size=1, max_size=24),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+    cuts=st.lists(st.integers(0, 80), max_size=8),
+)
+def test_output_is_the_text_up_to_the_first_stop(text, stops, cuts) -> None:
+    pieces, choice = run(text, tuple(stops), cuts)
+    # The first stop to complete as the text arrives wins (the earlier start on a tie).
+    matches = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
+    expected = text[: matches[0][1]] if matches else text
+    assert "".join(pieces) == expected == choice.text
+    assert choice.stopped == bool(matches)
+    assert not any(s in choice.text for s in stops)
+    assert not any("\ufffd" in p for p in pieces)  # a character is never split
+    # Tokens are counted up to the one that completed the match (one per byte here).
+    assert choice.tokens == len(text[: matches[0][0]].encode() if matches else text.encode())
+
+
+def test_a_possible_stop_prefix_is_held_back_until_it_cannot_match() -> None:
+    ids = TOKENIZER.encode("abcab").ids
+    choice = ChoiceText(_Detokenizer(TOKENIZER), ("abd",))
+    assert [choice.feed([t])[0] for t in ids] == ["", "", "abc", "", ""]
+    assert choice.finish() == "ab" and choice.text == "abcab"
+
+
+def test_later_tokens_after_a_stop_are_ignored() -> None:
+    choice = ChoiceText(_Detokenizer(TOKENIZER), ("c",))
+    assert choice.feed(TOKENIZER.encode("abcd").ids)[0] == "ab"
+    assert choice.stopped and choice.tokens == 3
+    assert choice.feed(TOKENIZER.encode("xyz").ids) == ("", []) and choice.finish() == ""

@@ -1,0 +1,66 @@
+"""``execrt serve --tp 2`` under torchrun on CPU (gloo): rank 0 serves, rank 1 follows its
+schedule; the openai client gets the single-process text, a disconnect aborts on both ranks,
+and rank 1 stops when rank 0 does."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+
+from execrt import Engine, SamplingParams
+from tests.serve.http import abandon_stream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = ["tensor", "parallel ✓"]
+
+
+def test_tp2_serves_the_single_process_text_and_aborts_on_both_ranks() -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    with Engine("builtin", device="cpu") as engine:
+        expected = [r.text for r in engine.generate(PROMPTS, params)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += ["--nproc-per-node", "2", "-m", "execrt", "serve", "--tp", "2"]
+    proc = subprocess.Popen(
+        [*launcher, "--model", "builtin", "--served-model-name", "builtin", "--device", "cpu"]
+        + ["--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        ready = lines.get(timeout=240)
+        assert "ready at http://127.0.0.1:" in ready, ready
+        url = ready.split(" ready at ")[1].split()[0]
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = api.completions.create(model="builtin", prompt=PROMPTS, max_tokens=8, temperature=0)
+        assert [c.text for c in got.choices] == expected
+        body = {"prompt": "abandon", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        abandon_stream(url, body, chunks=2)
+        # Both ranks dropped the abandoned request: the next one runs in lockstep again.
+        greedy = api.completions.create(
+            model="builtin", prompt=PROMPTS[1], max_tokens=8, temperature=0
+        )
+        assert greedy.choices[0].text == expected[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    summary = [x for x in err.splitlines() if "rank 1 stopped with rank 0" in x]
+    assert summary, err[-3000:]
+    # 2 + 1 + 1 requests, the abandoned one aborted; every slot free on rank 1.
+    assert "4 requests, 1 aborted" in summary[0], summary
+    free, total = summary[0].split("KV slots free ")[1].split(" of ")
+    assert int(free) == int(total), summary
