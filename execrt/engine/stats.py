@@ -12,9 +12,10 @@ from execrt.engine.scheduler import Scheduler
 
 
 def kv_slot_counts(scheduler: Scheduler) -> tuple[int, int, int]:
-    """``(total, free, cached)`` KV slots; cached ones are held by the prefix cache only."""
+    """``(total, free, cached)`` KV slots; cached ones are held by the prefix cache only and no
+    running request reads them (evictable: a request could reclaim them)."""
     memory = scheduler.memory
-    return memory.total_slots, memory.free_slots, memory.cached_slots
+    return memory.total_slots, memory.free_slots, memory.evictable_slots
 
 
 def prefix_cache_counters(scheduler: Scheduler) -> tuple[int, int]:

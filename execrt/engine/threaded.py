@@ -207,7 +207,7 @@ def run_commands(
                     summary.aborted += 1
             elif command[0] == "flush":
                 engine.flush_cache()
-                ok = engine.stats().kv_slots_cached == 0  # else running requests read some
+                ok = engine.worker.memory.cached_slots == 0  # else running requests read some
                 if flushed is not None:
                     flushed(command[1], ok)
         try:

@@ -144,10 +144,10 @@ def test_flush_cache_frees_every_slot_no_running_request_reads(tiny: str) -> Non
     with Engine(tiny, device="cpu") as engine:
         engine.generate(prompts, params)
         stats = engine.stats()
-        total, cached = stats["kv_slots_total"], stats["kv_slots_cached"]
-        assert cached > 0 and stats["kv_slots_free"] + cached == total
-        assert stats["prefix_query_tokens"] >= stats["prefix_hit_tokens"] > 0
-        assert stats["requests_running"] == stats["requests_waiting"] == 0
+        total, cached = stats.kv_slots_total, stats.kv_slots_cached
+        assert cached > 0 and stats.kv_slots_free + cached == total and stats.kv_usage == 0
+        assert stats.prefix_query_tokens >= stats.prefix_hit_tokens > 0
+        assert stats.requests_running == stats.requests_waiting == 0
         # A request mid-generation reads its prefix: flushing leaves that locked path alone.
         reader = engine.scheduler
         long = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
@@ -155,14 +155,15 @@ def test_flush_cache_frees_every_slot_no_running_request_reads(tiny: str) -> Non
         reader.add(req)
         reader.step()  # admitted on prompts[0]'s cached prefix, prefilled the rest
         assert engine.worker.memory.cached_tokens(req) >= len(prompts[0])
-        assert engine.stats()["requests_running"] == 1
+        assert engine.stats().requests_running == 1
         flushed = engine.flush_cache()
-        assert 0 < flushed < cached
+        assert 0 < flushed < cached and engine.stats().kv_slots_cached == 0
         assert engine.worker.memory.cached_slots >= len(prompts[0])  # the locked path
+        assert engine.stats().kv_usage > 0
         reader.abort([req], "done")
         assert engine.flush_cache() > 0 and engine.flush_cache() == 0
         stats = engine.stats()
-        assert stats["kv_slots_free"] == total and stats["kv_slots_cached"] == 0
+        assert stats.kv_slots_free == total and stats.kv_slots_cached == 0
 
 
 def test_prefix_cache_none_builds_no_cache_and_the_report_says_which(tiny: str) -> None:
@@ -170,7 +171,7 @@ def test_prefix_cache_none_builds_no_cache_and_the_report_says_which(tiny: str) 
         assert engine.worker.memory.prefix_cache is None and engine.flush_cache() == 0
         assert "prefix_cache: requested 'none' -> none" in engine.resolution.describe()
         result = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
-        assert result.cached_tokens == 0 and engine.stats()["kv_slots_cached"] == 0
+        assert result.cached_tokens == 0 and engine.stats().kv_slots_cached == 0
     with Engine(tiny, device="cpu") as engine:
         assert "prefix_cache: requested 'radix' -> radix" in engine.resolution.describe()
 
