@@ -15,6 +15,7 @@ import torch
 from execrt.core.schedule import Req, SamplingParams
 from execrt.engine import Engine
 from execrt.engine.scheduler import SchedulerStats
+from tests.engine.test_engine_errors import _fail_on_call
 
 # Small enough that requests take turns: retraction and eviction both happen.
 CONFIG: dict[str, Any] = dict(
@@ -177,19 +178,6 @@ def test_prefix_cache_none_builds_no_cache_and_the_report_says_which(tiny: str) 
 
 
 # -- errors, aborts, abandoned streams ---------------------------------------------------------
-def _fail_on_call(n: int, fn: Callable[..., Any], exc: BaseException) -> Callable[..., Any]:
-    calls = 0
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == n:
-            raise exc
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
 @pytest.fixture(scope="module")
 def shared_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return radix_tree_workload(24, seed=3)
