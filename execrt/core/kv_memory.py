@@ -14,7 +14,8 @@ from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
 from execrt.core.memory import ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
 from execrt.core.staging import HostToDevice
-from execrt.core.step import ForwardMode, StepInputs
+from execrt.core.step import StepInputs
+from execrt.core.step_inputs import decode_inputs, extend_inputs
 
 if TYPE_CHECKING:
     from execrt.core.prefix_cache import PrefixCache
@@ -294,7 +295,12 @@ class KVMemory:
         if found.count(None) > self.available_rows or not self._make_room(sum(lens)):
             return None
         return self._reserve(
-            reqs, found, lens, lambda slots, rows: self._extend_inputs(reqs, rows, lens, slots)
+            reqs,
+            found,
+            lens,
+            lambda slots, rows: extend_inputs(
+                self.stager, self.req_to_token_pool, reqs, rows, lens, slots
+            ),
         )
 
     def reserve_decode(
@@ -321,7 +327,9 @@ class KVMemory:
             reqs,
             found,
             [1] * len(reqs),
-            lambda slots, rows: self._decode_inputs(reqs, rows, slots, input_ids),
+            lambda slots, rows: decode_inputs(
+                self.stager, self.req_to_token_pool, reqs, rows, slots, input_ids
+            ),
         )
 
     def _check_room(self, req: Req, holding: Holding | None, seq_len: int) -> None:
@@ -380,62 +388,6 @@ class KVMemory:
             if slots is not None:
                 self.allocator.free(slots)
             raise
-
-    def _extend_inputs(
-        self, reqs: Sequence[Req], rows: list[int], lens: Sequence[int], slots: torch.Tensor
-    ) -> StepInputs:
-        ids: list[int] = []
-        token_rows: list[int] = []
-        positions: list[int] = []
-        for req, row, n in zip(reqs, rows, lens, strict=True):
-            start = req.kv_len
-            ids += req.fill_ids[start : start + n]
-            token_rows += [row] * n
-            positions += range(start, start + n)
-        prefix = [r.kv_len for r in reqs]
-        seq = [p + n for p, n in zip(prefix, lens, strict=True)]
-        t, b = len(ids), len(reqs)
-        dev = self.stager(ids + rows + seq + token_rows + positions)  # one host->device copy
-        pos = dev[2 * b + 2 * t :]  # [T]
-        self.req_to_token_pool.write_tokens(dev[2 * b + t : 2 * b + 2 * t], pos, slots)
-        return StepInputs(
-            mode=ForwardMode.EXTEND,
-            input_ids=dev[:t],
-            positions=pos,
-            req_pool_indices=dev[t : t + b],
-            seq_lens=dev[t + b : t + 2 * b],
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=prefix,
-            extend_lens_cpu=list(lens),
-        )
-
-    def _decode_inputs(
-        self,
-        reqs: Sequence[Req],
-        rows: list[int],
-        slots: torch.Tensor,
-        input_ids: torch.Tensor | None,
-    ) -> StepInputs:
-        b = len(reqs)
-        seq = [r.scheduled_len for r in reqs]
-        last = [] if input_ids is not None else [r.last_token_id for r in reqs]
-        dev = self.stager(last + rows + seq)  # one host->device copy
-        k = len(last)
-        req_pool_indices, seq_lens = dev[k : k + b], dev[k + b :]  # [B], [B]
-        positions = seq_lens - 1  # [B]: where each request's new token goes
-        self.req_to_token_pool.write_tokens(req_pool_indices, positions, slots)
-        return StepInputs(
-            mode=ForwardMode.DECODE,
-            input_ids=dev[:b] if input_ids is None else input_ids,
-            positions=positions,
-            req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens,
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=[s - 1 for s in seq],
-            extend_lens_cpu=[1] * b,
-        )
 
     # -- giving back --------------------------------------------------------------------------
     def release(self, req: Req, keep: int = 0) -> None:
