@@ -677,9 +677,13 @@ def test_random_sequences_with_a_prefix_cache_keep_every_slot_in_one_state(
             lens = [data.draw(st.integers(1, r.seq_len - r.kv_len)) for r in picked]
             fits = sum(lens) <= mem.available_slots
             fits &= sum(not mem.holds(r) for r in picked) <= mem.available_rows
-            inputs = reserve(mem, op, picked, lens, None)
-            assert (inputs is not None) == fits, (fits, inputs)
-            if inputs is not None:
+            held = [(mem.row(r), mem.held_tokens(r)) for r in reqs]
+            stage = data.draw(st.sampled_from([None] * 4 + STAGES), label="fails in")
+            inputs = reserve(mem, op, picked, lens, stage)
+            if inputs is None or inputs == "interrupted":  # all or nothing (eviction aside)
+                assert fits == (inputs == "interrupted"), (fits, inputs)
+                assert [(mem.row(r), mem.held_tokens(r)) for r in reqs] == held
+            if isinstance(inputs, StepInputs):
                 model.computed(inputs)
                 launched(picked, lens, [data.draw(st.integers(1, 2)) for _ in picked])
                 if op == "extend" and data.draw(st.booleans(), label="hand the step over"):
