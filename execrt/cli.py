@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prefix-cache", dest="prefix_cache", help="prefix cache, none or auto (default: radix)"
     )
+    gen.add_argument(
+        "--flashinfer-prefill",
+        dest="flashinfer_prefill_backend",
+        help="flashinfer's prefill kernels: fa2, fa3 or auto (default: auto, FA3 on sm90)",
+    )
     gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
     gen.add_argument(
@@ -128,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--backends", help="comma-separated names (default: triton,flashinfer,sdpa)")
     ext.add_argument(
         "--shapes", help="bs:new:prefix triples, e.g. 1:8192:0,16:512:2048 (default: the issue's)"
+    )
+    ext.add_argument(
+        "--variants", default="auto,fa2,fa3", help="flashinfer prefill variants (default: all)"
     )
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
@@ -261,8 +269,13 @@ def cmd_bench_extend(args: argparse.Namespace) -> int:
                 f"bench: --shapes {args.shapes!r} must look like 1:8192:0,16:512:2048"
             ) from None
     backends = args.backends.split(",") if args.backends else None
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = sorted(set(variants) - set(extend.FLASHINFER_VARIANTS))
+    if unknown or not variants:
+        known = ", ".join(extend.FLASHINFER_VARIANTS)
+        raise ExecrtError(f"bench extend: --variants {args.variants!r} unknown (known: {known})")
     try:
-        extend.run(backends, shapes, iters=args.iters, out_dir=args.out)
+        extend.run(backends, shapes, iters=args.iters, variants=variants, out_dir=args.out)
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0
@@ -356,6 +369,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "moe_dispatcher",
         "graph_backend",
         "prefix_cache",
+        "flashinfer_prefill_backend",
         "device",
         "dtype",
         "strict",

@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar, cast
 
@@ -99,9 +99,11 @@ def build_attention_backend(
     max_batch_size: int,
     max_context_len: int,
     context: RuntimeContext,
+    options: Mapping[str, Any] | None = None,
 ) -> AttentionBackend:
-    """A registered attention backend over a benchmark's own pools (shapes from the cache);
-    RuntimeError with the backend's reasons when it cannot serve them here."""
+    """A registered attention backend over a benchmark's own pools (shapes from the cache),
+    with its own ``options``; RuntimeError with the backend's reasons when it cannot serve
+    them here."""
     spec = host.registry.get("attention", name)
     d, hkv, dtype = kv_cache.head_dim, kv_cache.num_kv_heads, kv_cache.dtype
     requirements = AttentionRequirements(kv_cache.device.type, dtype, d, num_q_heads, hkv)
@@ -122,6 +124,7 @@ def build_attention_backend(
         max_batch_size=max_batch_size,
         max_context_len=max_context_len,
         context=context,
+        options=dict(options or {}),
     )
     backend: AttentionBackend = spec.create(init)
     return backend
