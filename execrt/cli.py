@@ -204,7 +204,15 @@ def _add_bench_decode(bench_sub: Any) -> None:
         help="Triton layer kernels in the model: auto is on for CUDA (default: auto)",
     )
     dec.add_argument(
-        "--profile", action="store_true", help="profile the first bs of each mode (default: off)"
+        "--profile",
+        action="store_true",
+        help="profile every bs of each mode: kernels, GPU busy and host time per step "
+        "(default: off)",
+    )
+    dec.add_argument(
+        "--ttft",
+        help="prompt lengths of the time-to-first-token rows, or none "
+        "(default: 8192,32768; --quick: none)",
     )
     dec.add_argument(
         "--quick", action="store_true", help="smoke run: bs 1,32, 8 steps, 1 rep (default: off)"
@@ -223,6 +231,14 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         sizes = tuple(int(b) for b in args.bs.split(",")) if args.bs else None
     except ValueError:
         raise ExecrtError(f"bench decode: --bs {args.bs!r} must look like 1,8,32") from None
+    ttft: tuple[int, ...] = () if args.quick else decode.DEFAULT_TTFT
+    if args.ttft:
+        try:
+            ttft = () if args.ttft == "none" else tuple(int(n) for n in args.ttft.split(","))
+        except ValueError:
+            raise ExecrtError(
+                f"bench decode: --ttft {args.ttft!r} must look like 8192,32768 or none"
+            ) from None
     opts = decode.Options(
         model=args.model,
         layers=args.layers,
@@ -238,6 +254,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         fused_kernels=args.fused_kernels,
         reps=1 if args.quick else 2,
         out_dir=args.out,
+        ttft=ttft,
     )
     decode.run(opts)
     return 0
