@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    _add_bench_throughput(bench_sub)
     cache = sub.add_parser(
         "cache",
         help="list the cache (converted GGUF files, the built-in model) or clear it",
@@ -224,6 +225,50 @@ def _add_bench_decode(bench_sub: Any) -> None:
     )
 
 
+def _add_bench_throughput(bench_sub: Any) -> None:
+    tp = bench_sub.add_parser(
+        "throughput", help="offline throughput on nano-vllm's workload: tok/s vs roofline"
+    )
+    tp.add_argument("--model", default="qwen3-0.6b", help="model shape (default: qwen3-0.6b)")
+    tp.add_argument(
+        "--configs",
+        default="defaults,tuned",
+        help="named settings: defaults, tuned (256 running, 16k prefill tokens, KV fraction "
+        "0.85), tuned-no-overlap, tuned-flashinfer (default: defaults,tuned)",
+    )
+    tp.add_argument(
+        "--temperatures", default="0.6,0", help="one run per temperature (default: 0.6,0)"
+    )
+    tp.add_argument("--num-seqs", type=int, default=256, help="sequences (default: 256)")
+    tp.add_argument("--attention", default="auto", help="attention backend or auto (default: auto)")
+    tp.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: benchmarks/results)",
+    )
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from execrt.bench import throughput
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise ExecrtError(
+            f"bench throughput: --temperatures {args.temperatures!r} must look like 0.6,0"
+        ) from None
+    opts = throughput.Options(
+        model=args.model,
+        configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
+        temperatures=temperatures,
+        num_seqs=args.num_seqs,
+        attention=args.attention,
+        out_dir=args.out,
+    )
+    throughput.run(opts)
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from execrt.bench import decode
 
@@ -305,6 +350,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "throughput":
+        return cmd_bench_throughput(args)
     if args.bench == "serve":
         return cmd_bench_serve(args)
     from execrt.bench import attention
