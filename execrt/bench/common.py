@@ -78,6 +78,16 @@ def rank(
         setattr(record, field, value / base if base else 0.0)
 
 
+def cell(value: float | None, width: int, fmt: str) -> str:
+    """A table cell: ``value`` formatted and right-aligned, "-" when there is none."""
+    return ("-" if value is None else format(value, fmt)).rjust(width)
+
+
+def failure_note(exc: BaseException) -> str:
+    """One line for a record that could not run: the exception's type and first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
 def report(
     records: list[R], format_table: Callable[[Sequence[R]], str], out_dir: str | None, stem: str
 ) -> list[R]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, report, utc_now
+from execrt.bench.common import cell, copy_bandwidth_gbps, failure_note, report, utc_now
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
@@ -251,9 +251,8 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
         for bs in opts.batch_sizes:
-            ctx.add(
-                mode, "generate", bs, None, opts.attention, note=_reason(exc), overlap=opts.overlap
-            )
+            note = failure_note(exc)
+            ctx.add(mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap)
         return
     attention = _chosen(engine, "attention")
     ov: dict[str, Any] = {"overlap": opts.overlap, "fused_kernels": opts.fused_kernels}
@@ -268,7 +267,7 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
                 if opts.profile:
                     _profile_generate(engine, prompts, opts, rec, f"{mode}-generate-bs{bs}")
             except Exception as exc:
-                ctx.add(mode, "generate", bs, None, attention, note=_reason(exc), **ov)
+                ctx.add(mode, "generate", bs, None, attention, note=failure_note(exc), **ov)
             try:
                 label = f"{mode}-bs{bs}" if opts.profile else None
                 fwd = _time_forward(engine, prompts, opts, profile=label)
@@ -278,7 +277,7 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
                     rec.profile = asdict(fwd.profile) | {"gpu_busy_pct": fwd.profile.gpu_busy_pct}
                     print(f"    profile: {fwd.profile.describe()}", flush=True)
             except Exception as exc:
-                ctx.add(mode, "forward", bs, None, attention, note=_reason(exc), **ov)
+                ctx.add(mode, "forward", bs, None, attention, note=failure_note(exc), **ov)
 
 
 def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:
@@ -407,7 +406,7 @@ def _run_ttft(ctx: _Context) -> None:
         )
     except Exception as exc:
         for n in opts.ttft:
-            _add_ttft(ctx, n, None, opts.attention, _reason(exc), peak)
+            _add_ttft(ctx, n, None, opts.attention, failure_note(exc), peak)
         return
     attention = _chosen(engine, "attention")
     chunk = engine.worker.limits.max_prefill_tokens
@@ -420,7 +419,7 @@ def _run_ttft(ctx: _Context) -> None:
                 seconds = _generate_s(engine, prompts, 1, opts.reps)
                 _add_ttft(ctx, n, seconds, attention, note, peak)
             except Exception as exc:
-                _add_ttft(ctx, n, None, attention, _reason(exc), peak)
+                _add_ttft(ctx, n, None, attention, failure_note(exc), peak)
 
 
 def _add_ttft(
@@ -483,7 +482,7 @@ def _run_hf(ctx: _Context) -> None:
         model = build_hf_model(ctx.config, opts.seed, ctx.device, dtype)
     except Exception as exc:
         for bs in sizes:
-            ctx.add("hf-eager", "generate", bs, None, "hf", steps=steps, note=_reason(exc))
+            ctx.add("hf-eager", "generate", bs, None, "hf", steps=steps, note=failure_note(exc))
         return
     attention = "hf-" + str(getattr(model.config, "_attn_implementation", "?"))
     for bs in sizes:
@@ -493,7 +492,8 @@ def _run_hf(ctx: _Context) -> None:
             rec = ctx.add("hf-eager", "generate", bs, t.step_s, attention, steps=steps, note=t.note)
             rec.prefill_ms = t.prefill_s * 1e3
         except Exception as exc:
-            ctx.add("hf-eager", "generate", bs, None, attention, steps=steps, note=_reason(exc))
+            note = failure_note(exc)
+            ctx.add("hf-eager", "generate", bs, None, attention, steps=steps, note=note)
         del ids
     if 1 in opts.batch_sizes:
         _run_hf_compile(ctx, model, steps, attention)
@@ -526,7 +526,7 @@ def _run_hf_compile(ctx: _Context, model: Any, steps: int, attention: str) -> No
         rec = ctx.add("hf-compile", "generate", 1, t.step_s, attention, steps=steps, note=note)
         rec.prefill_ms = t.prefill_s * 1e3
     except (Exception, TimeLimitExceeded) as exc:
-        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=_reason(exc))
+        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=failure_note(exc))
         torch.compiler.reset()
 
 
@@ -569,10 +569,6 @@ def _chosen(engine: Engine, kind: str) -> str:
     return (found[0] if found else None) or "none"
 
 
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-
-
 def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -613,18 +609,15 @@ def format_profiles(records: Sequence[Record]) -> str:
 
 
 def format_table(records: Sequence[Record]) -> str:
-    def num(value: float | None, width: int, fmt: str) -> str:
-        return ("-" if value is None else format(value, fmt)).rjust(width)
-
     lines = [
         f"{'mode':<10} {'path':<8} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>8} "
         f"{'prefill':>8} {'roof ms':>7} {'%roof':>6} {'vs hf':>6} {'vs hf-c':>7}  note"
     ]
     for r in records:
         lines.append(
-            f"{r.mode:<10} {r.path:<8} {r.bs:>4} {r.ctx:>5} {num(r.step_ms, 8, '.3f')} "
-            f"{num(r.tokens_per_s, 8, '.0f')} {num(r.prefill_ms, 8, '.1f')} "
-            f"{r.roofline_ms:>7.3f} {num(r.pct_roofline, 6, '.1f')} "
-            f"{num(r.vs_hf_eager, 6, '.2f')} {num(r.vs_hf_compile, 7, '.2f')}  {r.note}"
+            f"{r.mode:<10} {r.path:<8} {r.bs:>4} {r.ctx:>5} {cell(r.step_ms, 8, '.3f')} "
+            f"{cell(r.tokens_per_s, 8, '.0f')} {cell(r.prefill_ms, 8, '.1f')} "
+            f"{r.roofline_ms:>7.3f} {cell(r.pct_roofline, 6, '.1f')} "
+            f"{cell(r.vs_hf_eager, 6, '.2f')} {cell(r.vs_hf_compile, 7, '.2f')}  {r.note}"
         )
     return "\n".join(lines)

@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import build_attention_backend, median_us, rank, report, utc_now
+from execrt.bench.common import (
+    build_attention_backend,
+    cell,
+    failure_note,
+    median_us,
+    rank,
+    report,
+    utc_now,
+)
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -309,7 +317,7 @@ def time_into(record: Record, host: PluginHost, p: ExtendProblem, iters: int, re
             ms, err = measure(calls, p, iters, reps)
             backend.close()
     except Exception as exc:  # report it and keep benchmarking the rest
-        record.note = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        record.note = failure_note(exc)
         print(f"  {label:<16} {p.bs}x{p.new}+{p.prefix} skipped: {record.note}", flush=True)
         return
     finally:
@@ -322,9 +330,6 @@ def format_table(records: Sequence[Record]) -> str:
     """One line per (shape, backend, variant): TFLOP/s over the row's best backend and over
     the best flashinfer variant."""
 
-    def num(value: float | None, width: int, fmt: str) -> str:
-        return ("-" if value is None else format(value, fmt)).rjust(width)
-
     lines = [
         f"{'backend':<12} {'variant':<7} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} "
         f"{'TFLOP/s':>8} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7}  note"
@@ -332,8 +337,8 @@ def format_table(records: Sequence[Record]) -> str:
     for r in records:
         lines.append(
             f"{r.backend:<12} {r.variant:<7} {r.bs:>4} {r.new:>6} {r.prefix:>6} "
-            f"{num(r.ms, 8, '.3f')} {num(r.tflops, 8, '.1f')} {r.vs_best_peer:>7.2f} "
-            f"{r.vs_flashinfer:>6.2f} {num(r.max_rel_err, 8, '.1e')} {num(r.build_s, 7, '.1f')}"
+            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {r.vs_best_peer:>7.2f} "
+            f"{r.vs_flashinfer:>6.2f} {cell(r.max_rel_err, 8, '.1e')} {cell(r.build_s, 7, '.1f')}"
             f"  {r.note}"
         )
     return "\n".join(lines)

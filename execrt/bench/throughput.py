@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, report, utc_now
+from execrt.bench.common import cell, copy_bandwidth_gbps, failure_note, report, utc_now
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
@@ -231,7 +231,7 @@ def _run_config(r: _Run, name: str) -> None:
     except Exception as exc:
         for t in opts.temperatures:
             given: dict[str, Any] = {"name": name, "settings": settings}
-            _add(r, given, t, None, None, "none", None, note=_reason(exc))
+            _add(r, given, t, None, None, "none", None, note=failure_note(exc))
         return
     startup = time.perf_counter() - start
     limits = engine.worker.limits
@@ -256,7 +256,7 @@ def _run_config(r: _Run, name: str) -> None:
                 seconds, stats = _timed_generate(engine, r.workload, t)
                 _add(r, config, t, seconds, stats, attention, startup)
             except Exception as exc:
-                _add(r, config, t, None, None, attention, startup, note=_reason(exc))
+                _add(r, config, t, None, None, attention, startup, note=failure_note(exc))
 
 
 def _params(temperature: float, max_tokens: Sequence[int]) -> list[SamplingParams]:
@@ -334,14 +334,7 @@ def _add(
     return rec
 
 
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-
-
 def format_table(records: Sequence[Record]) -> str:
-    def num(value: float | None, width: int, fmt: str) -> str:
-        return ("-" if value is None else format(value, fmt)).rjust(width)
-
     lines = [
         f"{'config':<16} {'temp':>4} {'out tok/s':>9} {'total tok/s':>11} {'s':>6} "
         f"{'steps':>6} {'mean bs':>7} {'retract':>7} {'%roof':>6} {'running':>7} "
@@ -350,10 +343,10 @@ def format_table(records: Sequence[Record]) -> str:
     for r in records:
         c = r.config
         lines.append(
-            f"{c['name']:<16} {r.temperature:>4} {num(r.out_tok_s, 9, ',.0f')} "
-            f"{num(r.total_tok_s, 11, ',.0f')} {num(r.seconds, 6, '.2f')} {r.steps:>6} "
-            f"{num(r.mean_decode_batch, 7, '.1f')} {r.retractions:>7} "
-            f"{num(r.pct_roofline, 6, '.1f')} {c.get('max_running_requests', '-'):>7} "
+            f"{c['name']:<16} {r.temperature:>4} {cell(r.out_tok_s, 9, ',.0f')} "
+            f"{cell(r.total_tok_s, 11, ',.0f')} {cell(r.seconds, 6, '.2f')} {r.steps:>6} "
+            f"{cell(r.mean_decode_batch, 7, '.1f')} {r.retractions:>7} "
+            f"{cell(r.pct_roofline, 6, '.1f')} {c.get('max_running_requests', '-'):>7} "
             f"{c.get('max_prefill_tokens', '-'):>7} {c.get('kv_cache_tokens', '-'):>9}  {r.note}"
         )
     return "\n".join(lines)
