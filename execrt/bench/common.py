@@ -4,6 +4,7 @@ saving results."""
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import os
 import statistics
@@ -76,6 +77,14 @@ def rank(
     base = max(values, default=0.0) if against is None else against
     for record, value in zip(row, values, strict=True):
         setattr(record, field, value / base if base else 0.0)
+
+
+def release_memory() -> None:
+    """Free what the last engine or buffer left: the objects, then the CUDA allocator's cache
+    (which ``mem_get_info`` counts as used, so the next engine would size its KV pool smaller)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def cell(value: float | None, width: int, fmt: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import math
 import os
 import time
@@ -28,7 +27,14 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import cell, copy_bandwidth_gbps, failure_note, report, utc_now
+from execrt.bench.common import (
+    cell,
+    copy_bandwidth_gbps,
+    failure_note,
+    release_memory,
+    report,
+    utc_now,
+)
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
@@ -205,7 +211,7 @@ def run(opts: Options) -> list[Record]:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
     if device.type == "cuda":
         gpu, copy_gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        _release_memory()  # the copy's 4 GiB stay cached otherwise
+        release_memory()  # the copy's 4 GiB stay cached otherwise
     else:
         gpu, copy_gbps = device.type, host_copy_gbps()
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
@@ -213,13 +219,13 @@ def run(opts: Options) -> list[Record]:
     print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")
     for mode in opts.modes:
         _run_execrt(ctx, mode)
-        _release_memory()
+        release_memory()
     if opts.ttft:
         _run_ttft(ctx)
-        _release_memory()
+        release_memory()
     if opts.hf:
         _run_hf(ctx)
-        _release_memory()
+        release_memory()
     _compare_to_peers(ctx.records)
     if opts.profile:
         print(format_profiles(ctx.records))
@@ -387,7 +393,7 @@ def _run_ttft(ctx: _Context) -> None:
     longest = max(opts.ttft)
     print(f"# time to first token, prompts of {', '.join(map(str, opts.ttft))}", flush=True)
     peak = matmul_tflops(ctx.device, n=MATMUL_N if ctx.device.type == "cuda" else 128)
-    _release_memory()
+    release_memory()
     fits = longest + 1 + KV_MARGIN <= mc.max_position_embeddings
     try:
         if not fits:
@@ -567,12 +573,6 @@ def _prompts(bs: int, ctx: int, vocab: int, seed: int) -> list[list[int]]:
 def _chosen(engine: Engine, kind: str) -> str:
     found = [r.chosen for r in engine.resolution.resolutions if r.kind == kind]
     return (found[0] if found else None) or "none"
-
-
-def _release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
