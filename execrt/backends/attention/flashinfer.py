@@ -63,6 +63,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.flashinfer = flashinfer
         self.context = init.context
         self.sm_scale = init.head_dim**-0.5
+        kv_dtype = init.kv_cache.k_buffers[0].dtype
+        requested = str(init.options.get("prefill_backend", "auto"))
+        #: "fa3" or "fa2": the prefill kernels this backend runs (refused before any allocation)
+        self.prefill_variant = device_prefill_variant(requested, self.device, self.dtype, kv_dtype)
         self.workspace = self.context.get_or_create(
             WORKSPACE,
             lambda: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
@@ -73,15 +77,15 @@ class FlashInferAttnBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        kv_dtype = init.kv_cache.k_buffers[0].dtype
-        requested = str(init.options.get("prefill_backend", "auto"))
-        #: "fa3" or "fa2": the prefill kernels this backend runs
-        self.prefill_variant = device_prefill_variant(requested, self.device, self.dtype, kv_dtype)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=self.prefill_variant
         )
         self._graph: dict[str, Any] | None = None
-        self.warm_up_s = self._warm_up()
+        try:
+            self.warm_up_s = self._warm_up()
+        except BaseException:  # e.g. a failed JIT compile: release the workspace, then raise
+            self.close()
+            raise
 
     # -- planning -------------------------------------------------------------------------------
     def _fill_index(
