@@ -162,7 +162,8 @@ class FlashInferAttnBackend(AttentionBackend):
             )
             step = AttentionStep(self, self.plan(fb), fb.out_cache_loc, mode)
             self.attend(q, first, step)
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         elapsed = time.perf_counter() - start
         if elapsed >= SLOW_WARM_UP_S:
             progress.info("flashinfer: kernels ready after %.0f s", elapsed)
