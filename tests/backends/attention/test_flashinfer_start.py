@@ -68,10 +68,27 @@ def build(monkeypatch, fake: FakeFlashInfer, capability=(9, 0), context=None, **
     return backend_module.FlashInferAttnBackend(init), context
 
 
-def test_fa3_on_sm90_by_default_and_kernels_warmed_up_at_start(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_fa3_on_sm90_by_default_and_kernels_warmed_up_at_start(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fake = FakeFlashInfer()
-    with caplog.at_level(logging.INFO, logger="execrt.progress"):
+    progress, seen = logging.getLogger("execrt.progress"), Lines()
+    # The CLI may have made it stop propagating (another test ran main()): listen on it.
+    level = progress.level
+    progress.setLevel(logging.INFO)
+    progress.addHandler(seen)
+    try:
         attn, context = build(monkeypatch, fake)
+    finally:
+        progress.removeHandler(seen)
+        progress.setLevel(level)
     assert attn.prefill_variant == "fa3" and attn.warm_up_s >= 0
     assert ("prefill", "init", {"backend": "fa3"}) in fake.calls
     # One prefill (causal, one token over the padding slot) and one decode, planned and run.
@@ -79,7 +96,7 @@ def test_fa3_on_sm90_by_default_and_kernels_warmed_up_at_start(monkeypatch, capl
     assert steps == [("prefill", "plan"), ("prefill", "run"), ("decode", "plan"), ("decode", "run")]
     (args, kw) = next(c for k, w, c in fake.calls if (k, w) == ("prefill", "plan"))
     assert kw["causal"] and args[2].tolist() == [0]  # the padding slot
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "execrt.progress"]
+    (line,) = seen.lines
     assert line.startswith("flashinfer: preparing the fa3 prefill and decode kernels (JIT cache")
     attn.close()
     assert not context.has(backend_module.WORKSPACE)
