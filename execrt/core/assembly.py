@@ -383,9 +383,12 @@ def graph_max_bs(resolved: ResolvedRuntime) -> int:
 
 
 def gpu_memory(device: torch.device) -> tuple[int, int]:
-    """``(free, total)`` bytes of the GPU ``device`` now."""
+    """``(free, total)`` bytes of the GPU ``device`` now. Free counts what torch's caching
+    allocator holds unused (a closed engine's KV pool, say): it hands that out first, but the
+    driver reports it as taken."""
     free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached), int(total)
 
 
 def kv_budget_bytes(free: int, total: int, fraction: float) -> int:

@@ -198,3 +198,16 @@ def test_cuda_pool_from_probed_memory_then_running_requests_fit_it(
     assert roomy.config.max_running_requests == ceiling  # 15,625 requests: the ceiling
     set_by_user = dataclasses.replace(on_gpu, running_fits_kv=False)
     assert assembly.fit_running_requests(set_by_user, 100) is set_by_user
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_counts_the_allocators_unused_cache_as_free() -> None:
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before, total = assembly.gpu_memory(device)
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    held, _ = assembly.gpu_memory(device)
+    del block  # back to torch's cache, still taken for the driver
+    after, _ = assembly.gpu_memory(device)
+    assert held <= before - (1 << 30) + (64 << 20)
+    assert abs(after - before) < (64 << 20) and total >= before
