@@ -86,7 +86,9 @@ def test_host_profile_counts_work_per_step_but_not_waits() -> None:
             time.sleep(0.01)
 
     profile = host_hotspots(run, steps=4)
-    assert 3000 <= profile.host_us_per_step < 6000  # the sleep is not host work
+    # 3 ms of work per step (more under cProfile and a loaded machine: 8.5 ms was seen on a
+    # busy host); the 10 ms sleep counted would make it at least 13 ms.
+    assert 3000 <= profile.host_us_per_step < 10000
     where = [w for w, _ in profile.hotspots]
     assert any("sleep" in w for w in where) and any("_busy" in w for w in where)
 
