@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -154,6 +154,8 @@ class AttentionBackendInit:
     max_batch_size: int
     max_context_len: int
     context: RuntimeContext
+    # This backend's own settings: config keys "<name>_<option>" as {option: value}.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def over_cache(
@@ -165,6 +167,7 @@ class AttentionBackendInit:
         num_q_heads: int,
         max_batch_size: int,
         context: RuntimeContext,
+        options: Mapping[str, Any] | None = None,
     ) -> AttentionBackendInit:
         """The init record of a backend over ``kv_cache`` and ``req_to_token_pool``: head
         counts, dims, layers, dtype and device come from the cache, the context length from
@@ -183,6 +186,7 @@ class AttentionBackendInit:
             max_batch_size=max_batch_size,
             max_context_len=req_to_token_pool.max_context_len,
             context=context,
+            options=dict(options or {}),
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import pytest
@@ -68,6 +68,8 @@ class AttentionBackendSuite(ConformanceSuite):
     kind: ClassVar[str] = "attention"
     cpu_profile: ClassVar[Profile] = CPU_PROFILE
     cuda_profile: ClassVar[Profile] = CUDA_PROFILE
+    #: The backend's own settings (``AttentionBackendInit.options``), e.g. a kernel variant.
+    options: ClassVar[Mapping[str, Any]] = {}
 
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
@@ -227,6 +229,7 @@ class AttentionBackendSuite(ConformanceSuite):
             cache_slots=sum(s.num_slots for s in steps) + 64,
             seed=seed,
             graph_max_bs=graph_max_bs,
+            options=type(self).options,
         )
 
     def run_steps(self, case: Case, geometry: Geometry, steps: list[Step], seed: int) -> Outcome:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,7 @@ class AttentionHarness:
         cache_slots: int,
         seed: int,
         graph_max_bs: int = 0,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -151,6 +152,7 @@ class AttentionHarness:
             max_batch_size=max(max_reqs, graph_max_bs),
             max_context_len=max_context_len,
             context=self.context,
+            options=dict(options or {}),
         )
         self.backend: AttentionBackend = spec.create(init)
         self.static: InputBuffers | None = None
