@@ -24,7 +24,6 @@ Method:
 
 from __future__ import annotations
 
-import gc
 import random
 import statistics
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import save_records, utc_now
+from execrt.bench.common import cell, failure_note, release_memory, report, utc_now
 from execrt.bench.load import Request, Run, percentile, replay
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
 from execrt.core.errors import ExecrtError
@@ -175,20 +174,24 @@ def run(opts: Options) -> list[Record]:
     records: list[Record] = []
     for cache in opts.caches:
         print(f"# prefix cache {cache}", flush=True)
-        with _engine(opts, config, cache) as engine:
-            _warm_up(engine, opts, vocab)
-            for workload in opts.workloads:
-                engine.flush_cache()
-                m = _measure(engine, opts, workload, vocab)
-                rec = _record(opts, workload, cache, m, gpu, date, layers)
-                records.append(rec)
-                print(f"  {_describe(rec)}", flush=True)
-        _release_memory()
+        try:
+            with _engine(opts, config, cache) as engine:
+                _warm_up(engine, opts, vocab)
+                for workload in opts.workloads:
+                    engine.flush_cache()
+                    m = _measure(engine, opts, workload, vocab)
+                    records.append(_record(opts, workload, cache, m, gpu, date, layers))
+                    print(f"  {_describe(records[-1])}", flush=True)
+        except Exception as exc:  # e.g. out of memory: say so in the records, go on
+            done = {r.workload for r in records if r.cache == cache}
+            for workload in (w for w in opts.workloads if w not in done):
+                note = failure_note(exc)
+                records.append(Record(workload, cache, 0.0, None, None, 0.0, opts.model, gpu, date))
+                records[-1].note, records[-1].layers = note, layers
+                print(f"  {workload:<13} {cache:<10} failed: {note}", flush=True)
+        release_memory()
     _compare_to_off(records)
-    print(format_table(records))
-    if opts.out_dir:
-        print(f"# saved {save_records(records, opts.out_dir, 'prefix')}")
-    return records
+    return report(records, format_table, opts.out_dir, "prefix")
 
 
 def _engine(opts: Options, config: dict[str, Any], cache: str) -> Engine:
@@ -345,28 +348,21 @@ def _ms(v: float | None) -> str:
 
 
 def format_table(records: Sequence[Record]) -> str:
-    def ratio(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f}x"
-
     lines = [
-        f"{'workload':<14}{'cache':<11}{'hit rate':>9}{'TTFT mean':>12}{'TTFT p50':>12}"
-        f"{'tok/s':>12}{'TTFT off/x':>12}{'tok/s x/off':>13}{'retract':>9}"
+        f"{'workload':<14}{'cache':<11}{'hit rate':>9}{'TTFT mean':>11}{'TTFT p50':>11}"
+        f"{'tok/s':>11}{'TTFT off/x':>11}{'tok/s x/off':>12}{'retract':>8}  note"
     ]
     for r in records:
         lines.append(
-            f"{r.workload:<14}{r.cache:<11}{100 * r.hit_rate:>8.1f}%{_ms(r.ttft_ms_mean):>12}"
-            f"{_ms(r.ttft_ms_p50):>12}{r.throughput_tok_s:>12,.0f}{ratio(r.ttft_vs_off):>12}"
-            f"{ratio(r.throughput_vs_off):>13}{r.retractions:>9}"
+            f"{r.workload:<14}{r.cache:<11}{cell(100 * r.hit_rate, 8, '.1f')}%"
+            f"{cell(r.ttft_ms_mean, 11, '.1f')}{cell(r.ttft_ms_p50, 11, '.1f')}"
+            f"{cell(r.throughput_tok_s, 11, ',.0f')}{cell(r.ttft_vs_off, 11, '.2f')}"
+            f"{cell(r.throughput_vs_off, 12, '.2f')}{r.retractions:>8}  {r.note}"
         )
+    lines.append("(TTFT in ms; tok/s counts prompt and output tokens)")
     for r in records:
         if r.ttft_ms_per_turn:
             turns = ", ".join(f"{t:.1f}" for t in r.ttft_ms_per_turn)
             last = r.ttft_ms_per_turn[-1] / r.ttft_ms_per_turn[0]
             lines.append(f"chat TTFT per turn, cache {r.cache}: {turns} ms (last/first {last:.2f})")
-    return "\n".join(lines)
-
-
-def _release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    return "\n".join(lines).rstrip()

@@ -13,6 +13,7 @@ from execrt.cli import BENCH_PREFIX_FLAGS, main
 from execrt.core.errors import ExecrtError
 from tests.bench.test_decode import TINY
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = dict(
     config=TINY | {"max_position_embeddings": 512},
     model="tiny",

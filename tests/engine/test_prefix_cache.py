@@ -17,6 +17,7 @@ from execrt.engine import Engine
 from execrt.engine.scheduler import SchedulerStats
 from tests.engine.test_engine_errors import _fail_on_call
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Small enough that requests take turns: retraction and eviction both happen.
 CONFIG: dict[str, Any] = dict(
     device="cpu", kv_cache_tokens=2048, max_running_requests=16, max_prefill_tokens=256
@@ -27,16 +28,6 @@ VOCAB = 384  # tests/checkpoints.py
 @pytest.fixture(scope="module")
 def tiny(checkpoint: Callable[[str], str]) -> str:
     return checkpoint("dense-tiny-ctx1k")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The model is tiny: one thread runs its matmuls as fast as two, and many times faster
-    # when other processes share the cores (idle threads spin for their turn).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def radix_tree_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
