@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    _add_bench_prefix(bench_sub)
     _add_bench_throughput(bench_sub)
     cache = sub.add_parser(
         "cache",
@@ -161,6 +162,71 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", help="also write the JSON report to this file")
     conf.epilog = "Other options (e.g. -k EXPR, -x) are passed on to pytest."
     return parser
+
+
+#: ``execrt bench prefix`` flag -> (bench.prefix.Options field, what it sets). Unset flags
+#: keep the Options default (the issue's workloads, listed in the command's description).
+BENCH_PREFIX_FLAGS = {
+    "--groups": ("groups", "shared-prefix groups (32)"),
+    "--per-group": ("per_group", "prompts per group (16)"),
+    "--prefix-len": ("prefix_len", "shared prefix tokens; a random prompt has as many (2048)"),
+    "--question-len": ("question_len", "tokens after the prefix, random ones too (128)"),
+    "--output-len": ("output_len", "tokens generated per request (256)"),
+    "--random-prompts": ("random_prompts", "prompts of the random workload (64)"),
+    "--turns": ("turns", "chat turns (5)"),
+    "--turn-len": ("turn_len", "new tokens per chat turn (1024)"),
+    "--answer-len": ("answer_len", "tokens generated per chat turn (64)"),
+    "--conversations": ("conversations", "chat conversations; TTFT per turn is their mean (3)"),
+    "--max-running": ("max_running_requests", "max_running_requests (128)"),
+    "--max-prefill": ("max_prefill_tokens", "max_prefill_tokens (8192)"),
+    "--layers": ("layers", "decoder layers (the model's)"),
+}
+
+
+def _add_bench_prefix(bench_sub: Any) -> None:
+    pre = bench_sub.add_parser(
+        "prefix",
+        help="prefix cache on / off / force-miss: hit rate, TTFT, throughput",
+        description="Shared-prefix, random and multi-turn chat workloads on a random-weight "
+        "model, each with the prefix cache on, off and force-missed. Defaults (in brackets "
+        "below): the issue's workloads on qwen3-8b.",
+    )
+    pre.add_argument("--model", default="qwen3-8b", help="model shape (default: qwen3-8b)")
+    pre.add_argument(
+        "--workloads",
+        default="shared-prefix,random,chat",
+        help="comma-separated (default: shared-prefix,random,chat)",
+    )
+    pre.add_argument(
+        "--caches", default="on,off,force_miss", help="comma-separated (default: on,off,force_miss)"
+    )
+    for flag, (_, what) in BENCH_PREFIX_FLAGS.items():
+        pre.add_argument(flag, type=int, help=what)
+    pre.add_argument("--device", default="cuda", help="cuda, or cpu for a tiny smoke run")
+    pre.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: benchmarks/results)",
+    )
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from execrt.bench import prefix
+
+    given = {
+        field: getattr(args, flag[2:].replace("-", "_"))
+        for flag, (field, _) in BENCH_PREFIX_FLAGS.items()
+    }
+    opts = prefix.Options(
+        model=args.model,
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+        caches=tuple(c.strip() for c in args.caches.split(",") if c.strip()),
+        device=args.device,
+        out_dir=args.out,
+        **{field: value for field, value in given.items() if value is not None},
+    )
+    prefix.run(opts)
+    return 0
 
 
 def _add_bench_decode(bench_sub: Any) -> None:
@@ -350,6 +416,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "prefix":
+        return cmd_bench_prefix(args)
     if args.bench == "throughput":
         return cmd_bench_throughput(args)
     if args.bench == "serve":

@@ -127,6 +127,22 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    # Small enough for workloads of hundreds of requests on a CPU, long enough (1024 positions)
+    # for prompts that grow a few hundred tokens at a time (the prefix-cache tests).
+    "dense-tiny-ctx1k": (
+        "dense",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+        ),
+        {},
+    ),
     "qwen2-untied": (
         "qwen2",
         dict(
@@ -168,7 +184,7 @@ def build_hf_model(name: str) -> Any:
         bos_token_id=0,
     )
     family = {"dense": "Qwen3", "moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2"}[kind]
-    config = getattr(transformers, f"{family}Config")(**common, **kwargs)
+    config = getattr(transformers, f"{family}Config")(**(common | kwargs))
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     # Larger-than-default weights make logits far from ties, so greedy paths are stable; biases
     # are drawn too (they start at zero, which would test nothing).

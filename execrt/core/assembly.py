@@ -37,6 +37,12 @@ from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
+from execrt.core.prefix_cache import (
+    PrefixCache,
+    PrefixCacheCapabilities,
+    PrefixCacheInit,
+    PrefixCacheRequirements,
+)
 from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
@@ -62,7 +68,8 @@ class ResolvedRuntime:
     """A run with every choice made: what ModelRunner builds, and the report of why.
 
     ``config`` is the input with each "auto" replaced by its choice (``device`` names this
-    rank's GPU under torchrun; ``graph_backend`` / ``moe_dispatcher`` are "none" when unused).
+    rank's GPU under torchrun; ``graph_backend`` / ``moe_dispatcher`` / ``prefix_cache`` are
+    "none" when unused).
     """
 
     config: RuntimeConfig
@@ -76,6 +83,7 @@ class ResolvedRuntime:
     attention: Resolution
     moe_dispatch: Resolution
     graph: Resolution
+    prefix_cache: Resolution
     report: ResolutionReport
     # max_running_requests is the automatic ceiling, lowered by fit_running_requests to what
     # the KV pool holds once its size is known (after the weights load).
@@ -102,6 +110,9 @@ class ResolvedRuntime:
             top_k=s.top_k,
             hidden_size=s.hidden_size,
         )
+
+    def prefix_cache_requirements(self) -> PrefixCacheRequirements:
+        return PrefixCacheRequirements(self.device.type)
 
 
 def resolve_device(name: str, world: ParallelState | None = None) -> torch.device:
@@ -159,6 +170,7 @@ def resolve_runtime(
         attention=Resolution("attention", config.attention_backend, None),
         moe_dispatch=Resolution("moe_dispatch", config.moe_dispatcher, None),
         graph=Resolution("graph", config.graph_backend, None),
+        prefix_cache=Resolution("prefix_cache", config.prefix_cache, None),
         report=ResolutionReport(),
         running_fits_kv=auto_running and device.type == "cuda" and not config.kv_cache_tokens,
     )
@@ -179,7 +191,13 @@ def resolve_runtime(
         registry, "attention", config.attention_backend, partial.attention_requirements(),
         strict=strict,
     )  # fmt: skip
-    resolved = dataclasses.replace(partial, attention=attention, moe_dispatch=moe)
+    prefix_cache = resolve_backend(
+        registry, "prefix_cache", config.prefix_cache, partial.prefix_cache_requirements(),
+        strict=strict,
+    )  # fmt: skip
+    resolved = dataclasses.replace(
+        partial, attention=attention, moe_dispatch=moe, prefix_cache=prefix_cache
+    )
     return _with_graph(resolved, registry)
 
 
@@ -261,9 +279,12 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
         attention_backend=resolved.attention.chosen or config.attention_backend,
         moe_dispatcher=resolved.moe_dispatch.chosen or NO_GRAPH,
         graph_backend=graph.chosen or NO_GRAPH,
+        prefix_cache=resolved.prefix_cache.chosen or NO_GRAPH,
         ep_size=resolved.parallel.ep_size,
     )
-    report = ResolutionReport([resolved.moe_dispatch, resolved.attention, graph])
+    report = ResolutionReport(
+        [resolved.moe_dispatch, resolved.attention, graph, resolved.prefix_cache]
+    )
     return dataclasses.replace(resolved, config=chosen, graph=graph, report=report)
 
 
@@ -371,6 +392,28 @@ def build_graph_backend(
     )  # fmt: skip
     if not isinstance(built, GraphBackend):
         raise _not_a("GraphBackend", built, res)
+    return built, res
+
+
+def build_prefix_cache(
+    resolved: ResolvedRuntime,
+    registry: BackendRegistry,
+    free_slots: Callable[[torch.Tensor], None],
+) -> tuple[PrefixCache, Resolution]:
+    """The resolved prefix cache, giving slots back through ``free_slots`` (KVMemory's)."""
+
+    def make_init(backend: BackendSpec[Capabilities]) -> PrefixCacheInit:
+        caps = backend.narrowed(PrefixCacheCapabilities).capabilities
+        return PrefixCacheInit(
+            caps, resolved.device, free_slots, force_miss=resolved.config.prefix_cache_force_miss
+        )
+
+    built, res = _build(
+        registry, resolved.prefix_cache, resolved.prefix_cache_requirements(), make_init,
+        resolved.strict,
+    )  # fmt: skip
+    if not isinstance(built, PrefixCache):
+        raise _not_a("PrefixCache", built, res)
     return built, res
 
 

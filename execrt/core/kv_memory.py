@@ -1,4 +1,4 @@
-"""KVMemory: the one holder of KV slots and request rows; all-or-nothing reservation per step."""
+"""KVMemory: the one holder of KV slots and request rows, with the prefix cache behind it."""
 
 from __future__ import annotations
 
@@ -14,22 +14,27 @@ from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
 from execrt.core.memory import ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
 from execrt.core.staging import HostToDevice
-from execrt.core.step import ForwardMode, StepInputs
+from execrt.core.step import StepInputs
+from execrt.core.step_inputs import decode_inputs, extend_inputs
 
 if TYPE_CHECKING:
     from execrt.core.prefix_cache import PrefixCache
     from execrt.core.schedule import Req
 
 logger = logging.getLogger(__name__)
+#: The prefix cache's name in messages and in the debug map.
+CACHE = "prefix cache"
+#: Builds the prefix cache around the callback through which it gives slots back.
+PrefixCacheFactory = Callable[[Callable[[torch.Tensor], None]], "PrefixCache"]
 
 
 @dataclass
 class Holding:
     """What one request holds: row ``row`` of ``req_to_token``, whose first ``tokens`` entries
     are the KV slots of its first tokens. The leading ``cached`` of them belong to the prefix
-    cache (locked through ``node`` while the request reads them); the ``owned`` after them are
-    the request's own. The counts grow only once the entries they cover were written, so
-    freeing reads back only written entries."""
+    cache (locked through ``node`` while the request reads them; None: no lock); the ``owned``
+    after them are the request's own. The counts grow only once the entries they cover were
+    written, so freeing reads back only written entries."""
 
     row: int
     holder: str  # "request <rid>": names the holder in messages and in the debug map
@@ -53,24 +58,35 @@ class Reclaimed:
 class KVMemory:
     """Hands out request rows and KV slots, and takes them back; nothing else frees a slot.
 
-    Every slot is free (in the allocator) or held by exactly one request (later also by the
-    prefix cache); so is every row. ``reserve_extend`` / ``reserve_decode`` take what one step
-    needs for all its requests or nothing, record the slots in the requests' rows and return
-    the step's ``StepInputs`` (every host integer staged in one copy). ``release`` gives back
-    all a request holds and may be called any number of times. ``reconcile`` repairs what an
-    exception (a KeyboardInterrupt at any point) cut short. ``check`` tests the invariant
-    free + held == total, for slots and for rows.
+    Every slot is in one state: free (in the allocator), owned by one request, or owned by the
+    prefix cache (protected while a request reads it, evictable otherwise); every row is free
+    or held by one request. ``check`` tests free + owned + evictable + protected == total
+    slots and free + held == total rows.
 
-    Operations give up ownership before they free, so an interruption can lose a slot or a
-    row (``reconcile`` finds it) but never free one twice.
+    ``reserve_extend`` / ``reserve_decode`` take what one step needs for all its requests or
+    nothing, record the slots in the requests' rows and return the step's ``StepInputs``
+    (every host integer staged in one copy); short of free slots, they evict from the cache
+    first. ``release`` gives back all a request holds and may be called any number of times.
+    ``reconcile`` repairs what an exception (a KeyboardInterrupt at any point) cut short.
+
+    Prefix cache (``prefix_cache``, built around ``_free_cached``, the one way it gives slots
+    back). ``admit`` starts a request on the longest cached prefix of its tokens (locked, in
+    its row). ``cache_prefix`` hands a prefill chunk's K/V to the cache once its step is done:
+    where the cache already had those tokens (another request inserted them meanwhile) the
+    row is pointed at the cache's slots first and the request's duplicates are freed after,
+    never before. ``release(req, keep)`` hands a finished request's K/V to the cache; without
+    ``keep`` (retraction, abort, error) it unlocks and frees only what the request owns. Under
+    ``force_miss`` matches report nothing, so chunks are not handed over (nothing would read
+    the cache's copy) and a request's K/V goes to the cache when it finishes.
+
+    Operations give up ownership before they free, and change a lock before they record it,
+    so an interruption at any call can lose a slot or a row (``reconcile`` finds it) but never
+    free one twice or unlock twice.
 
     ``req.kv_len`` (tokens whose K/V is computed, or being computed by a launched step) is
     read, never written: a step's new tokens follow a request's held ones, which must number
-    ``kv_len``, and the caller advances ``kv_len`` when it launches the step.
-
-    Prefix cache (not wired in yet, so ``prefix_cache`` must be None): a request's row will
-    start with the cache's slots for its matched prefix (``Holding.cached``, locked), and a
-    finished request will hand its slots to the cache instead of freeing them.
+    ``kv_len``, and the caller advances ``kv_len`` when it launches the step (to ``admit``'s
+    result when it admits).
     """
 
     def __init__(
@@ -79,15 +95,14 @@ class KVMemory:
         allocator: TokenToKVPoolAllocator,
         stager: HostToDevice,
         *,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCacheFactory | None = None,
         debug_ownership: bool | None = None,
     ) -> None:
-        if prefix_cache is not None:
-            raise NotImplementedError("KVMemory: a prefix cache is not wired in yet (issue 25)")
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.stager = stager
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = None if prefix_cache is None else prefix_cache(self._free_cached)
+        self.force_miss = self.prefix_cache is not None and self.prefix_cache.init.force_miss
         self.device = req_to_token_pool.device
         self.total_slots = allocator.size  # sizes are fixed at build
         self.total_rows = req_to_token_pool.size
@@ -107,6 +122,27 @@ class KVMemory:
         return sum(h.owned for h in self._held.values())
 
     @property
+    def cached_slots(self) -> int:
+        """Slots the prefix cache owns (evictable + protected)."""
+        c = self.prefix_cache
+        return 0 if c is None else c.evictable_size() + c.protected_size()
+
+    @property
+    def evictable_slots(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.evictable_size()
+
+    @property
+    def reuses(self) -> bool:
+        """True when a match can find something (a cache that reuses, not under force_miss)."""
+        c = self.prefix_cache
+        return c is not None and c.capabilities.reuses and not self.force_miss
+
+    @property
+    def available_slots(self) -> int:
+        """Slots a reservation can get: free ones and those the cache would evict for it."""
+        return self.free_slots + self.evictable_slots
+
+    @property
     def available_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 
@@ -122,25 +158,126 @@ class KVMemory:
         holding = self._held.get(req)
         return None if holding is None else holding.row
 
+    def cached_tokens(self, req: Req) -> int:
+        """How many of ``req``'s held tokens are the prefix cache's (locked for it)."""
+        holding = self._held.get(req)
+        return 0 if holding is None else holding.cached
+
     def check(self) -> None:
-        """Raise KVOwnershipError unless free + owned == total slots and free + held == total
-        rows (and, with the debug map, the map holds exactly the owned slots)."""
-        free, owned, rows = self.free_slots, self.owned_slots, len(self._held)
+        """Raise KVOwnershipError unless free + owned + evictable + protected == total slots
+        and free + held == total rows (and, with the debug map, the map holds exactly the
+        owned and the cached slots)."""
+        free, owned, cached = self.free_slots, self.owned_slots, self.cached_slots
+        rows = len(self._held)
         problems = []
-        if free + owned != self.total_slots:
-            problems.append(f"{free} free + {owned} owned slots != {self.total_slots}")
+        if free + owned + cached != self.total_slots:
+            problems.append(
+                f"{free} free + {owned} owned + {cached} cached slots != {self.total_slots}"
+            )
         if self.available_rows + rows != self.total_rows:
             problems.append(f"{self.available_rows} free + {rows} held rows != {self.total_rows}")
-        if self._holders is not None and len(self._holders) != owned:
-            problems.append(f"the debug map holds {len(self._holders)} slots, requests {owned}")
+        if self._holders is not None and len(self._holders) != owned + cached:
+            problems.append(
+                f"the debug map holds {len(self._holders)} slots, requests {owned}, the "
+                f"prefix cache {cached}"
+            )
         if problems:
             raise KVOwnershipError("KVMemory: " + "; ".join(problems))
 
+    # -- the prefix cache ---------------------------------------------------------------------
+    def admit(self, req: Req) -> int:
+        """Start ``req``, which holds nothing, on the longest cached prefix of its known tokens
+        but the last (whose logits must be computed): lock it, take a row, write the cached
+        slots into it. Returns how many tokens ``req`` holds now, its new ``kv_len``; 0, with
+        nothing taken, without a cache, on a miss, or with no row free. ``release`` undoes it.
+        Locking makes those slots protected: ``available_slots`` may shrink."""
+        cache = self.prefix_cache
+        if req in self._held:
+            raise ValueError(f"KVMemory: request {req.rid} is admitted but already holds a row")
+        if cache is None or self.available_rows == 0:
+            return 0
+        assert req.kv_len == 0 and req.num_pending == 0, "a request holding nothing"
+        match = cache.match(req.fill_ids[:-1])
+        if match.length == 0:
+            return 0
+        row = self.req_to_token_pool.alloc()
+        assert row is not None, "a row was free"
+        holding = self._held[req] = Holding(row, f"request {req.rid}")
+        self.req_to_token_pool.write(row, 0, match.slots)
+        cache.lock(match.node)
+        holding.node = match.node
+        holding.cached = match.length
+        return match.length
+
+    def cache_prefix(self, req: Req, length: int) -> None:
+        """Hand the K/V of ``req``'s first ``length`` tokens to the prefix cache; ``req`` keeps
+        reading it, locked. Call it once the step that computed them is done (never with K/V
+        still being written: a failed step would leave garbage in the cache). A no-op without
+        a cache, under ``force_miss``, or for tokens already cached."""
+        cache, holding = self.prefix_cache, self._held.get(req)
+        if cache is None or self.force_miss or holding is None or length <= holding.cached:
+            return
+        if length > holding.tokens:
+            raise ValueError(
+                f"KVMemory: request {req.rid} holds {holding.tokens} tokens, {length} to cache"
+            )
+        start, row = holding.cached, holding.row
+        slots = self.req_to_token_pool.req_to_token[row, :length].long()  # [length] copy
+        key = req.fill_ids[:length]
+        mine = self._hand_over(holding, slots[start:])  # [length - start]
+        holding.cached, holding.owned = length, holding.owned - (length - start)
+        n = cache.insert(key, slots)  # the cache takes [n, length); [start, n) are duplicates
+        match = cache.match(key)
+        assert match.length == length >= n >= start, (match.length, length, n, start)
+        if n > start:  # readers move to the cache's slots before the duplicates are freed
+            self.req_to_token_pool.write(row, start, match.slots[start:n])
+        if holding.node is not None:
+            cache.unlock(holding.node)
+            holding.node = None
+        cache.lock(match.node)
+        holding.node = match.node
+        self._free_cached(mine[: n - start])
+
+    def flush_cache(self) -> int:
+        """Free every cached slot that no request reads; returns how many."""
+        cache = self.prefix_cache
+        return 0 if cache is None else cache.evict(cache.evictable_size())
+
+    def close(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+
+    def _hand_over(self, holding: Holding, slots: torch.Tensor) -> torch.Tensor:
+        """Record ``slots`` (a request's own) as the cache's in the debug map."""
+        if self._holders is not None:
+            self._holders.move(slots.tolist(), holding.holder, CACHE)
+        return slots
+
+    def _free_cached(self, slots: torch.Tensor) -> None:
+        """The cache gives ``slots`` back (eviction, an insert's duplicates)."""
+        if slots.numel() == 0:
+            return
+        if self._holders is not None:
+            self._holders.drop(slots.tolist(), CACHE)
+        self.allocator.free(slots)
+
+    def _make_room(self, n: int) -> bool:
+        """Make ``n`` slots free, evicting from the cache what is short; False (nothing
+        evicted) when even evicting everything unlocked would not do."""
+        short = n - self.free_slots
+        if short <= 0:
+            return True
+        if self.prefix_cache is None or short > self.prefix_cache.evictable_size():
+            return False
+        self.prefix_cache.evict(short)
+        return True
+
     # -- reservation --------------------------------------------------------------------------
     def reserve_extend(self, reqs: Sequence[Req], lens: Sequence[int]) -> StepInputs | None:
-        """Slots for ``lens[i]`` new tokens of each request after its ``kv_len`` cached ones,
+        """Slots for ``lens[i]`` new tokens of each request after its ``kv_len`` held ones,
         and a row for each request without one. None, with nothing changed, when rows or slots
-        are short; an exception leaves nothing changed either."""
+        are short (evictable slots count as free: the cache evicts what is short); an
+        exception leaves nothing changed either (but what was evicted)."""
         if not reqs or len(lens) != len(reqs) or min(lens) < 1:
             raise ValueError(
                 f"KVMemory: extend lengths {list(lens)} must be >= 1, one per request "
@@ -155,10 +292,15 @@ class KVMemory:
                     f"prefill, {n} requested"
                 )
             self._check_room(req, holding, req.kv_len + n)
-        if found.count(None) > self.available_rows or sum(lens) > self.free_slots:
+        if found.count(None) > self.available_rows or not self._make_room(sum(lens)):
             return None
         return self._reserve(
-            reqs, found, lens, lambda slots, rows: self._extend_inputs(reqs, rows, lens, slots)
+            reqs,
+            found,
+            lens,
+            lambda slots, rows: extend_inputs(
+                self.stager, self.req_to_token_pool, reqs, rows, lens, slots
+            ),
         )
 
     def reserve_decode(
@@ -179,13 +321,15 @@ class KVMemory:
                     "without K/V; a decode step computes one"
                 )
             self._check_room(req, holding, req.scheduled_len)
-        if len(reqs) > self.free_slots:
+        if not self._make_room(len(reqs)):
             return None
         return self._reserve(
             reqs,
             found,
             [1] * len(reqs),
-            lambda slots, rows: self._decode_inputs(reqs, rows, slots, input_ids),
+            lambda slots, rows: decode_inputs(
+                self.stager, self.req_to_token_pool, reqs, rows, slots, input_ids
+            ),
         )
 
     def _check_room(self, req: Req, holding: Holding | None, seq_len: int) -> None:
@@ -245,71 +389,31 @@ class KVMemory:
                 self.allocator.free(slots)
             raise
 
-    def _extend_inputs(
-        self, reqs: Sequence[Req], rows: list[int], lens: Sequence[int], slots: torch.Tensor
-    ) -> StepInputs:
-        ids: list[int] = []
-        token_rows: list[int] = []
-        positions: list[int] = []
-        for req, row, n in zip(reqs, rows, lens, strict=True):
-            start = req.kv_len
-            ids += req.fill_ids[start : start + n]
-            token_rows += [row] * n
-            positions += range(start, start + n)
-        prefix = [r.kv_len for r in reqs]
-        seq = [p + n for p, n in zip(prefix, lens, strict=True)]
-        t, b = len(ids), len(reqs)
-        dev = self.stager(ids + rows + seq + token_rows + positions)  # one host->device copy
-        pos = dev[2 * b + 2 * t :]  # [T]
-        self.req_to_token_pool.write_tokens(dev[2 * b + t : 2 * b + 2 * t], pos, slots)
-        return StepInputs(
-            mode=ForwardMode.EXTEND,
-            input_ids=dev[:t],
-            positions=pos,
-            req_pool_indices=dev[t : t + b],
-            seq_lens=dev[t + b : t + 2 * b],
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=prefix,
-            extend_lens_cpu=list(lens),
-        )
-
-    def _decode_inputs(
-        self,
-        reqs: Sequence[Req],
-        rows: list[int],
-        slots: torch.Tensor,
-        input_ids: torch.Tensor | None,
-    ) -> StepInputs:
-        b = len(reqs)
-        seq = [r.scheduled_len for r in reqs]
-        last = [] if input_ids is not None else [r.last_token_id for r in reqs]
-        dev = self.stager(last + rows + seq)  # one host->device copy
-        k = len(last)
-        req_pool_indices, seq_lens = dev[k : k + b], dev[k + b :]  # [B], [B]
-        positions = seq_lens - 1  # [B]: where each request's new token goes
-        self.req_to_token_pool.write_tokens(req_pool_indices, positions, slots)
-        return StepInputs(
-            mode=ForwardMode.DECODE,
-            input_ids=dev[:b] if input_ids is None else input_ids,
-            positions=positions,
-            req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens,
-            out_cache_loc=slots,
-            seq_lens_cpu=seq,
-            prefix_lens_cpu=[s - 1 for s in seq],
-            extend_lens_cpu=[1] * b,
-        )
-
     # -- giving back --------------------------------------------------------------------------
-    def release(self, req: Req) -> None:
-        """Give back everything ``req`` holds: its slots and its row. Idempotent."""
-        holding = self._held.pop(req, None)
+    def release(self, req: Req, keep: int = 0) -> None:
+        """Give back everything ``req`` holds: its row, its lock on the cache, its slots. The
+        K/V of its first ``keep`` tokens (computed, every step writing it done) goes to the
+        prefix cache, the rest is freed; ``keep`` 0 (retraction, abort, error) frees only what
+        ``req`` owns, never the cache's slots. Idempotent."""
+        holding = self._held.get(req)
         if holding is None:
             return
+        cache = self.prefix_cache
+        if holding.node is not None:
+            assert cache is not None, "a lock without a cache"
+            cache.unlock(holding.node)
+            holding.node = None
         # No longer held from here on: an interruption below loses what is left (reconcile
         # finds it), and a second release finds nothing to free twice.
-        self._free_range(holding, holding.cached, holding.tokens)
+        del self._held[req]
+        start, keep = holding.cached, min(keep, holding.tokens)
+        if cache is not None and keep > start:
+            slots = self.req_to_token_pool.req_to_token[holding.row, :keep].long()  # [keep]
+            mine = self._hand_over(holding, slots[start:])
+            n = cache.insert(req.fill_ids[:keep], slots)  # takes [n, keep)
+            self._free_cached(mine[: n - start])  # duplicates of what others cached meanwhile
+            start = keep
+        self._free_range(holding, start, holding.tokens)
         self.req_to_token_pool.free(holding.row)
 
     def _free_range(self, holding: Holding, start: int, end: int) -> None:
@@ -327,9 +431,9 @@ class KVMemory:
         Afterwards each request of ``live`` holds the slots of exactly its first ``kv_len``
         tokens (what a step reserved but never launched is given back; with ``kv_len`` 0 it
         holds nothing, not even a row), every other request holds nothing, and every slot
-        and row that nobody holds is free. Raises KVOwnershipError when a slot or a row is
-        held twice (a bug: interruptions lose, they never duplicate). Costs host arithmetic
-        only when nothing was lost.
+        and row that nobody holds (no request, not the prefix cache) is free. Raises
+        KVOwnershipError when a slot or a row is held twice (a bug: interruptions lose, they
+        never duplicate). Costs host arithmetic only when nothing was lost.
         """
         keep = set(live)
         for req in [r for r in self._held if r not in keep]:
@@ -358,13 +462,16 @@ class KVMemory:
 
     def _counts_off(self) -> bool:
         rows = self.available_rows + len(self._held) != self.total_rows
-        return rows or self.free_slots + self.owned_slots != self.total_slots
+        held = self.owned_slots + self.cached_slots
+        mapped = self._holders is not None and len(self._holders) != held
+        return rows or mapped or self.free_slots + held != self.total_slots
 
     def _reclaim(self) -> Reclaimed:
         """Free every slot and row that is neither free nor held; rebuild the debug map."""
         table = self.req_to_token_pool.req_to_token
         held = [table[h.row, h.cached : h.tokens].long() for h in self._held.values()]
-        ids = torch.cat([self.allocator.free_slot_ids(), *held])  # [free + owned]
+        cached = [] if self.prefix_cache is None else [self.prefix_cache.cached_slots()]
+        ids = torch.cat([self.allocator.free_slot_ids(), *held, *cached])  # [free + held]
         counts = torch.bincount(ids, minlength=self.total_slots + 1)  # [S + 1]
         counts[0] = 1  # the padding slot is never handed out
         twice = (counts > 1).nonzero().flatten().tolist()
@@ -380,11 +487,8 @@ class KVMemory:
         for row in lost_rows:
             self.req_to_token_pool.free(row)
         if self._holders is not None:
-            self._holders.reset(
-                {
-                    slot: h.holder
-                    for h, slots in zip(self._held.values(), held, strict=True)
-                    for slot in slots.tolist()
-                }
-            )
+            holders = {slot: CACHE for slots in cached for slot in slots.tolist()}
+            for h, slots in zip(self._held.values(), held, strict=True):
+                holders.update(dict.fromkeys(slots.tolist(), h.holder))
+            self._holders.reset(holders)
         return Reclaimed(int(lost.numel()), len(lost_rows))

@@ -149,6 +149,18 @@ class SlotHolders:
         for slot in slots:
             del self._holder[slot]
 
+    def move(self, slots: Sequence[int], holder: str, to: str) -> None:
+        """``holder`` hands ``slots`` to ``to`` (e.g. a request's KV to the prefix cache)."""
+        for slot in slots:
+            held = self._holder.get(slot)
+            if held != holder:
+                state = "free" if held is None else f"held by {held}"
+                raise KVOwnershipError(
+                    f"KV ownership: {holder} hands slot {slot} to {to}, but it is {state}"
+                )
+        for slot in slots:
+            self._holder[slot] = to
+
     def forget(self, slots: Iterable[int]) -> None:
         """Undo a ``claim`` whose reservation failed."""
         for slot in slots:

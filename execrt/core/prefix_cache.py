@@ -102,7 +102,8 @@ class PrefixCache(ABC):
       first, through ``init.free_slots``, or as many as are evictable; returns how many (more
       than ``n`` when it frees whole entries). ``evict(n <= 0)`` frees nothing.
     - ``evictable_size()`` + ``protected_size()`` == slots the cache owns; ``protected_size``
-      counts the slots of every locked path once.
+      counts the slots of every locked path once. ``cached_slots()`` lists exactly those
+      slots (KVMemory's reconciliation needs to know which slots are the cache's).
     - ``reset()`` forgets everything without freeing (the caller reclaims the whole pool).
     """
 
@@ -131,6 +132,11 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def cached_slots(self) -> torch.Tensor:
+        """Every slot the cache owns, locked or not: int64 ``[evictable + protected]`` on the
+        cache's device, in no particular order (a copy)."""
 
     @abstractmethod
     def reset(self) -> None: ...

@@ -130,6 +130,8 @@ class Req:
     Tokens ``fill_ids[:kv_len]`` have their K/V in the cache (or a launched step is computing
     it); ``KVMemory`` knows the slots. ``num_pending`` tokens were sampled on the device but
     are not in ``output_ids`` yet (overlap scheduling); ``scheduled_len`` counts them.
+    ``cached_tokens``: prompt tokens whose K/V came from the prefix cache when the request
+    was first prefilled (not computed for it).
     """
 
     rid: int
@@ -142,6 +144,7 @@ class Req:
     error: str | None = None
     num_retractions: int = 0
     num_pending: int = 0
+    cached_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

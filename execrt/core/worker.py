@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from execrt.core import assembly
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
-from execrt.core.kv_memory import KVMemory
+from execrt.core.kv_memory import KVMemory, PrefixCacheFactory
 from execrt.core.model_runner import ModelRunner
 from execrt.core.model_spec import ModelLoader
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import BackendRegistry
+from execrt.core.prefix_cache import PrefixCache
 from execrt.core.schedule import ScheduleBatch
-from execrt.core.selection import ResolutionReport
+from execrt.core.selection import Resolution, ResolutionReport
 from execrt.core.staging import DeviceToHost, HostCopy, HostToDevice
 
 
@@ -70,8 +73,27 @@ class TpModelWorker:
         )
         #: Stages a step's host-built integers to the device (pinned, non-blocking on CUDA).
         self.stager = HostToDevice(device)
-        #: The one holder of request rows and KV slots.
-        self.memory = KVMemory(mr.req_to_token_pool, mr.token_to_kv_pool_allocator, self.stager)
+        self._prefix_cache: Resolution = mr.resolved.prefix_cache
+
+        def build_cache(free_slots: Callable[[torch.Tensor], None]) -> PrefixCache:
+            cache, self._prefix_cache = assembly.build_prefix_cache(
+                mr.resolved, registry, free_slots
+            )
+            return cache
+
+        factory: PrefixCacheFactory | None = None
+        if self._prefix_cache.chosen is not None:
+            factory = build_cache
+
+        try:
+            #: The one holder of request rows and KV slots (and of the prefix cache).
+            self.memory = KVMemory(
+                mr.req_to_token_pool, mr.token_to_kv_pool_allocator, self.stager,
+                prefix_cache=factory,
+            )  # fmt: skip
+        except BaseException:
+            mr.close()
+            raise
         self._to_host = DeviceToHost(device, torch.int64)
 
     @property
@@ -82,7 +104,10 @@ class TpModelWorker:
     @property
     def resolution(self) -> ResolutionReport:
         """Which backends were requested, chosen and rejected, with reasons."""
-        return self.model_runner.resolution
+        built = self.model_runner.resolution.resolutions
+        return ResolutionReport(
+            [self._prefix_cache if r.kind == "prefix_cache" else r for r in built]
+        )
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
         """Launch one step; returns at once on CUDA (the host never waits for the GPU here)."""
@@ -93,4 +118,5 @@ class TpModelWorker:
         return GenerationBatchResult(out.logits_output, next_ids, out.can_run_graph, copy)
 
     def close(self) -> None:
+        self.memory.close()
         self.model_runner.close()

@@ -50,7 +50,7 @@ class GenerationResult:
 
     ``text`` is ``token_ids`` decoded ("" when nothing was generated, as for a rejected or an
     aborted request), None when the engine has no tokenizer. ``cached_tokens`` counts the
-    prompt tokens served from the prefix cache.
+    prompt tokens served from the prefix cache (their K/V was not computed for this request).
     """
 
     token_ids: list[int]
@@ -451,6 +451,17 @@ class Engine:
     def stats(self) -> EngineStats:
         """KV slots, queue lengths and prefix-cache counters; safe from any thread."""
         return engine_stats(self.scheduler)
+
+    def flush_cache(self) -> int:
+        """Free every prefix-cache slot that no running request reads, between two steps;
+        returns how many (0 without a prefix cache). Slots that running requests read stay
+        cached: with nothing running, every slot is free afterwards."""
+        if self._closed:
+            raise RuntimeError("engine: flush_cache() after close()")
+        freed: list[int] = []
+        self._driver.call(lambda: freed.append(self.worker.memory.flush_cache()))
+        self._driver.drive(lambda: bool(freed), max_steps=0)  # while another thread drives
+        return freed[0]
 
     # -- internals -------------------------------------------------------------------------------
     def _add(self, reqs: Iterable[Req]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
@@ -16,6 +17,9 @@ from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: A waiting request that shares at least this many uncached tokens with one picked for the
+#: same extend waits a step, to find them cached instead of computing them twice.
+DEDUP_MIN_TOKENS = 32
 
 
 @dataclass
@@ -32,6 +36,8 @@ class SchedulerStats:
     extend_steps: int = 0
     decode_steps: int = 0
     retractions: int = 0  # running requests retracted plus partial prefills given up
+    prefix_query_tokens: int = 0  # tokens of every admitted request (again after a retraction)
+    prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache
 
 
 def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
@@ -48,13 +54,28 @@ class Scheduler:
 
     Each step is either an extend (prefill, chunked to ``max_prefill_tokens``) of waiting
     requests, preferred while slots and rows allow, or a decode of every running request.
-    A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and its
-    slots are freed at once. Rows and slots come from ``worker.memory`` (a ``KVMemory``) and
-    go back to it; the sizes from ``worker.limits``.
+    A request finishes on EOS, a stop token, ``max_new_tokens`` or the context limit, and
+    gives its K/V to the prefix cache (without one, frees it) at once. Rows and slots come
+    from ``worker.memory`` (a ``KVMemory``) and go back to it; the sizes from
+    ``worker.limits``. "Available" slots are the free ones plus those the prefix cache holds
+    unlocked (a reservation evicts what it is short of): the cache never takes room from a
+    request.
 
     Admission. ``add`` aborts a request at once when it could not run even in an empty cache:
     ``kv_slots_needed(prompt, max_new_tokens, context_len) > cache size`` (or a prompt that
-    fills the context). Every other request completes (unless a step raises).
+    fills the context). Every other request completes (unless a step raises), whatever the
+    prefix cache holds.
+
+    Prefix cache. A request that holds nothing is admitted on the longest cached prefix of
+    its tokens but the last (``memory.admit``: locked, in its row, ``kv_len`` set to it); only
+    the rest is charged to the prefill budget and to the slots. Locking shrinks what is
+    available, so the room is re-read after each admission; a request that then does not fit
+    lets go of its prefix again. In-batch dedup: a request that shares at least
+    ``dedup_min_tokens`` uncached tokens with a request picked for the same extend ends the
+    batch there, and finds them cached in a later step. Once an extend's results are in (its
+    K/V written: with overlap, never earlier), each chunk's K/V goes to the cache
+    (``memory.cache_prefix``); a finished request's K/V goes too (``release(keep=...)``).
+    Retraction and aborts free only what a request owns; its cached prefix stays cached.
 
     Order. Requests are served oldest first (the order of ``add``). Invariants: ``running``
     is sorted by age and every running request is older than every waiting one; ``waiting``
@@ -62,34 +83,44 @@ class Scheduler:
     the head of ``waiting``. Extends take requests from the head of ``waiting`` only, and a
     chunked (partial) prefill is always the last one picked, so both hold.
 
-    Retraction. When a decode lacks slots, victims are taken youngest first: first the
-    partial prefill of the waiting head (its slots and row are freed; it stays queued), then
-    running requests from the newest (freed and put back at the head of ``waiting``, to be
-    re-prefilled with what they generated so far). The oldest running request O is never a
-    victim: with everything else freed, O holds ``seq_len - 1 <= kv_slots_needed - 1`` slots
-    (an unfinished request has ``seq_len <= kv_slots_needed``), so at least one is free.
-    After a retraction, until some request finishes, extends admit only requests that fit
-    even if they and every running request grow to their full need (no ping-pong).
+    Retraction. When a decode lacks available slots, victims are taken youngest first: first
+    the partial prefill of the waiting head (it lets go of its slots, its lock and its row;
+    it stays queued), then running requests from the newest (the same, and put back at the
+    head of ``waiting``, to be re-prefilled with what they generated so far). The oldest
+    running request O is never a victim: with everything else let go, O's cached and owned
+    slots, ``seq_len - 1 <= kv_slots_needed - 1``, are all that is not available (no other
+    lock remains), so at least one slot is. After a retraction, until some request finishes,
+    extends admit only requests that fit even if they and every running request grow to
+    their full need (no ping-pong): nothing but growth and admissions makes fewer slots
+    available (eviction moves evictable to free, and handing K/V to the cache keeps it
+    locked or frees duplicates), and both are counted.
 
     Progress (why ``run`` terminates). (1) A step always runs a batch: with requests running,
     the decode above succeeds; with none running, the waiting head H is the only holder of
-    slots and rows, and an extend of H gets ``n >= 1`` tokens because H keeps back a decode
-    slot only when it continues after its prefill (``seq_len + 1 <= needed <= cache``).
-    (2) Decode steps: O, the oldest unfinished request, is ``running[0]`` whenever anything
-    runs, gains a token in every decode and is never retracted, so while it is the oldest at
-    most ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
+    rows, slots and locks, so every slot but its ``kv_len`` is available, and an extend of H
+    gets ``n >= 1`` tokens because H keeps back a decode slot only when it continues after
+    its prefill (``seq_len + 1 <= needed <= cache``) and never holds its last token. (2)
+    Decode steps: O, the oldest unfinished request, is ``running[0]`` whenever anything runs,
+    gains a token in every decode and is never retracted, so while it is the oldest at most
+    ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
     ``D <= sum_i (min(M_i, C - P_i) - 1)`` over admitted requests. (3) Extend steps: each
-    takes >= 1 free slot and frees none, except a request that finishes right after its
-    prefill (once per request, <= its ``kv_slots_needed``); so a run of consecutive extends
-    is at most ``S`` (cache slots) long plus what such finishes free, and there are at most
-    ``D + 1`` runs: ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
+    makes >= 1 slot unavailable for good until a finish or a retraction: it reserves ``n >= 1``
+    per pick, and handing the chunks to the cache frees only duplicates of tokens another
+    pick of the same step computed (nothing is inserted between an admission and its
+    step's results), so the first pick to hand over keeps its ``n``. A request that finishes
+    right after its prefill makes at most its ``kv_slots_needed`` available again (once per
+    request). So a run of consecutive extends is at most ``S`` (cache slots) long plus what
+    such finishes return, and there are at most ``D + 1`` runs:
+    ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
 
     Errors. If a step raises (any BaseException, a KeyboardInterrupt too, wherever it comes
-    from: scheduling, the forward, sampling, processing results, freeing), the requests of the
-    batches in flight are aborted with the error and the exception propagates. Before that,
-    the scheduler recovers: only unfinished requests stay queued, a request whose retraction
-    was cut short waits to be prefilled again, and ``memory.reconcile`` frees every slot and
-    row that no queued request holds. The other queued requests stay consistent.
+    from: scheduling, the forward, sampling, processing results, freeing, the prefix cache),
+    the requests of the batches in flight are aborted with the error and the exception
+    propagates. Before that, the scheduler recovers: only unfinished requests stay queued, a
+    request whose retraction was cut short waits to be prefilled again, a waiting request
+    other than the head lets go of a cached prefix an admission cut short left it, and
+    ``memory.reconcile`` frees every slot and row that no queued request (nor the cache)
+    holds. The other queued requests stay consistent.
     """
 
     def __init__(
@@ -113,6 +144,7 @@ class Scheduler:
         # Set by a retraction, cleared when a request finishes (see _schedule_extend).
         self._hold_admission = False
         self.overlap = overlap
+        self.dedup_min_tokens = DEDUP_MIN_TOKENS
         self._inflight: Launched | None = None  # launched, results not yet processed
         #: Called as ``hook(req, token_id)`` for every token a request gains (for streaming).
         self.on_token: list[Callable[[Req, int], None]] = []
@@ -214,42 +246,53 @@ class Scheduler:
         return ScheduleBatch.of(reqs, inputs, self.memory.stager)
 
     def _schedule_extend(self) -> ScheduleBatch | None:
+        memory = self.memory
         budget = self.max_prefill_tokens
-        free_slots = self.memory.free_slots
-        free_rows = self.memory.available_rows
+        spent = 0  # slots the picks take
+        new_rows = 0  # picks that take a row when reserved (no cache hit)
         # Keep one slot per running request, and per admitted request that goes on decoding
         # after its prefill, for the decode that follows; a prompt that does not fit the
-        # budget or the free slots is prefilled in chunks.
+        # budget or the available slots is prefilled in chunks.
         reserve = len(self.running)
         # After a retraction, and until a request finishes, admit only what fits even if it and
         # every running request grow to their full need: anything more would be retracted again.
-        headroom = None
-        if self._hold_admission and self.running:
-            headroom = free_slots - sum(self._slots_needed(r) - r.kv_len for r in self.running)
+        hold = self._hold_admission and bool(self.running)
+        growth_all = sum(self._slots_needed(r) - r.kv_len for r in self.running) if hold else 0
         picked: list[Req] = []
         lens: list[int] = []
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running:
                 break
+            fresh = not memory.holds(req)
+            if fresh:
+                if memory.available_rows == new_rows:
+                    break  # the rows left are the picks'
+                req.kv_len = memory.admit(req)  # locks a cached prefix: re-read what is left
+                new_rows += int(not memory.holds(req))
+            # Evictable slots count as free: a reservation evicts what it is short of.
+            room = memory.available_slots - spent
             growth = self._slots_needed(req) - req.kv_len
-            if headroom is not None and growth > headroom:
-                break
             keep = int(req.seq_len + 1 <= self._slots_needed(req))
-            n = min(req.seq_len - req.kv_len, budget, free_slots - reserve - keep)
-            needs_row = not self.memory.holds(req)
-            if n < 1 or (needs_row and free_rows == 0):
+            n = min(req.seq_len - req.kv_len, budget, room - reserve - keep)
+            if n < 1 or (hold and growth > memory.available_slots - growth_all):
+                fits = False
+            else:  # one of the picks computes a long part of this prompt: find it cached next
+                fits = not self._computed_by_picks(req, picked, lens)
+            if not fits:
+                if fresh:
+                    self._free(req)  # undo the admission
                 break
+            if fresh:
+                self._admitted(req)
             picked.append(req)
             lens.append(n)
             budget -= n
-            free_slots -= n
-            free_rows -= int(needs_row)
+            spent += n
             reserve += keep
-            if headroom is not None:
-                headroom -= growth
+            growth_all += growth if hold else 0
         if not picked:
             return None
-        batch = self._batch(picked, self.memory.reserve_extend(picked, lens))
+        batch = self._batch(picked, memory.reserve_extend(picked, lens))
         for _ in picked:
             self.waiting.popleft()
         # Only the last pick can be a chunk: it stays at the head, mid-prefill.
@@ -257,6 +300,30 @@ class Scheduler:
         if req.kv_len + n < req.seq_len:
             self.waiting.appendleft(req)
         return batch
+
+    def _admitted(self, req: Req) -> None:
+        """Count an admission: prefix-cache hits and the request's ``cached_tokens``."""
+        self.stats.prefix_query_tokens += req.seq_len
+        self.stats.prefix_hit_tokens += req.kv_len
+        if req.num_retractions == 0:
+            req.cached_tokens = min(req.kv_len, len(req.origin_input_ids))
+
+    def _computed_by_picks(self, req: Req, picked: list[Req], lens: list[int]) -> bool:
+        """True when a pick computes at least ``dedup_min_tokens`` of ``req``'s uncached
+        prompt in this step: ``req`` then waits and hits them in the next (in-batch dedup)."""
+        if not picked or not self.memory.reuses:
+            return False
+        ids = np.asarray(req.fill_ids[:-1])  # the last token is never matched
+        wanted = req.kv_len + self.dedup_min_tokens
+        if ids.size < wanted:
+            return False
+        for pick, n in zip(picked, lens, strict=True):
+            end = min(pick.kv_len + n, ids.size)  # what the pick holds after this step
+            if end >= wanted:
+                other = np.asarray(pick.fill_ids[:end])
+                if _common_prefix(ids[:end], other) >= wanted:
+                    return True
+        return False
 
     def _schedule_overlapped(self) -> ScheduleBatch | None:
         """The decode that may start before the step in flight is processed, or None."""
@@ -266,7 +333,7 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_running:
             return None  # an extend may be due: decide with step N's results in hand
         reqs = [r for r in self.running if not self._done_after_pending(r)]
-        if not reqs or self.memory.free_slots < len(reqs):
+        if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
         sampled = zip(prev.batch.reqs, prev.batch.samples, strict=True)
         rows = {id(r): i for i, (r, s) in enumerate(sampled) if s}
@@ -299,7 +366,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
             return None
-        while self.memory.free_slots < len(self.running):
+        while self.memory.available_slots < len(self.running):
             partial = next((r for r in self.waiting if self.memory.holds(r)), None)
             if partial is not None:
                 self._retract(partial, requeue=False)
@@ -347,18 +414,26 @@ class Scheduler:
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
-        for req, sampled, token in zip(batch.reqs, batch.samples, tokens, strict=True):
-            if not sampled or req.finished:
-                continue  # a chunk's meaningless sample, or a step past the request's end
-            req.num_pending -= 1
-            req.output_ids.append(int(token))
-            for hook in self.on_token:
-                hook(req, int(token))
-            self._check_finished(req)
-            if req.finished:  # finished first: if freeing fails, recovery frees it
-                self.finished.append(req)
-                self._hold_admission = False
-                self._free(req)
+        extend = batch.mode.is_extend()
+        computed = batch.inputs.seq_lens_cpu  # K/V of these tokens is written now
+        for req, sampled, token, done in zip(
+            batch.reqs, batch.samples, tokens, computed, strict=True
+        ):
+            if req.finished:
+                continue  # a step past the request's end (overlap)
+            if sampled:  # else a chunk: its sample is meaningless
+                req.num_pending -= 1
+                req.output_ids.append(int(token))
+                for hook in self.on_token:
+                    hook(req, int(token))
+                self._check_finished(req)
+                if req.finished:  # finished first: if freeing fails, recovery frees it
+                    self.finished.append(req)
+                    self._hold_admission = False
+                    self._free(req, keep=done)  # its K/V goes to the prefix cache
+                    continue
+            if extend:
+                self.memory.cache_prefix(req, done)
         self.running = [r for r in self.running if not r.finished]
 
     def _guarded(self, fn: Callable[..., T], *args: Any, extra: ScheduleBatch | None = None) -> T:
@@ -419,15 +494,24 @@ class Scheduler:
         running = [r for r in self.running if not r.finished and r not in waiting]
         self.running = [r for r in running if self.memory.holds(r)]
         self.waiting.extendleft(reversed([r for r in running if not self.memory.holds(r)]))
-        for req in self.waiting:
+        for i, req in enumerate(self.waiting):
             if not self.memory.holds(req):
                 req.kv_len = req.num_pending = 0
+            elif i and self.memory.held_tokens(req) == self.memory.cached_tokens(req):
+                self._free(req)  # an admission cut short: it holds a cached prefix only
         self.memory.reconcile([*self.waiting, *self.running])
 
-    def _free(self, req: Req) -> None:
-        """Give back all ``req`` holds; it has no K/V and no token in flight afterwards."""
+    def _free(self, req: Req, keep: int = 0) -> None:
+        """Give back all ``req`` holds (the K/V of its first ``keep`` tokens to the prefix
+        cache); it has no K/V and no token in flight afterwards."""
         req.kv_len = req.num_pending = 0
-        self.memory.release(req)
+        self.memory.release(req, keep)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries ``a`` and ``b`` (the same length) share."""
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else int(a.size)
 
 
 def describe_exception(exc: BaseException) -> str:

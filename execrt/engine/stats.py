@@ -12,19 +12,21 @@ from execrt.engine.scheduler import Scheduler
 
 
 def kv_slot_counts(scheduler: Scheduler) -> tuple[int, int, int]:
-    """``(total, free, cached)`` KV slots; cached ones are held by the prefix cache only."""
+    """``(total, free, cached)`` KV slots; cached ones are held by the prefix cache only and no
+    running request reads them (evictable: a request could reclaim them)."""
     memory = scheduler.memory
-    return memory.total_slots, memory.free_slots, 0
+    return memory.total_slots, memory.free_slots, memory.evictable_slots
 
 
 def prefix_cache_counters(scheduler: Scheduler) -> tuple[int, int]:
-    """``(hit tokens, queried tokens)`` of the prefix cache since start (0, 0 without one)."""
-    return 0, 0
+    """``(hit tokens, queried tokens)`` of the prefix cache since start: prompt tokens found
+    cached at admission, and all prompt tokens admitted (again after a retraction)."""
+    return scheduler.stats.prefix_hit_tokens, scheduler.stats.prefix_query_tokens
 
 
 def cached_prompt_tokens(req: Req) -> int:
     """Prompt tokens of ``req`` served from the prefix cache (0 without one)."""
-    return 0
+    return req.cached_tokens
 
 
 def engine_stats(scheduler: Scheduler) -> EngineStats:

@@ -206,7 +206,8 @@ def run_commands(
                     engine.abort_request(rid, command[2])
                     summary.aborted += 1
             elif command[0] == "flush":
-                ok = bool(engine.flush_cache())  # type: ignore[attr-defined]
+                engine.flush_cache()
+                ok = engine.worker.memory.cached_slots == 0  # else running requests read some
                 if flushed is not None:
                     flushed(command[1], ok)
         try:
@@ -364,7 +365,8 @@ class ThreadedEngineClient(EngineClient):
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache between two steps (on every rank); blocks until done."""
-        if not callable(getattr(self._engine, "flush_cache", None)):
+        assert self._engine is not None, "flush_cache() before ready()"
+        if self._engine.worker.memory.prefix_cache is None:
             return super().flush_cache()  # NotImplementedError: no prefix cache
         key = next(self._flush_keys)
         done: Future[bool] = Future()

@@ -98,7 +98,7 @@ def _follow(engine: Any) -> int:
     print(
         f"execrt serve: rank {rank} stopped with rank 0: {summary.requests} requests, "
         f"{summary.aborted} aborted, {summary.steps} steps; KV slots free "
-        f"{stats.kv_slots_free} of {stats.kv_slots_total}",
+        f"{stats.kv_slots_free} of {stats.kv_slots_total}, {stats.kv_slots_cached} cached",
         file=sys.stderr,
         flush=True,
     )

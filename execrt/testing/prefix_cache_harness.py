@@ -291,6 +291,11 @@ class Session:
         )
         want = len(self.ref.protected())
         assert protected == want, f"after {where}: protected {protected}, locked paths: {want}"
+        listed = c.cached_slots()
+        owned = sorted(self.ref.prefix_of)
+        assert listed.dtype == torch.int64 and sorted(listed.tolist()) == owned, (
+            f"after {where}: cached_slots() lists {sorted(listed.tolist())}, the cache owns {owned}"
+        )
 
     # -- helpers --------------------------------------------------------------------------------
     def tensor(self, slots: Sequence[int]) -> torch.Tensor:

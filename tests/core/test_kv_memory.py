@@ -1,4 +1,5 @@
-"""KVMemory: all-or-nothing reservation, idempotent release, reconciliation, the debug map."""
+"""KVMemory: all-or-nothing reservation, idempotent release, reconciliation, the debug map, and
+the prefix cache behind it (admission on a cached prefix, hand-over, eviction)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
+from execrt.backends.prefix_cache.radix import RadixCache
 from execrt.core.errors import KVOwnershipError
-from execrt.core.kv_memory import KVMemory, Reclaimed
+from execrt.core.kv_memory import KVMemory, PrefixCacheFactory, Reclaimed
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit
 from execrt.core.schedule import Req, SamplingParams
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
@@ -20,9 +23,22 @@ from execrt.core.step import ForwardMode, StepInputs
 CPU = torch.device("cpu")
 
 
-def memory(rows: int = 4, slots: int = 20, context: int = 16, debug: bool = True) -> KVMemory:
+def radix(force_miss: bool = False) -> PrefixCacheFactory:
+    def build(free: Callable[[torch.Tensor], None]) -> RadixCache:
+        return RadixCache(PrefixCacheInit(PrefixCacheCapabilities(), CPU, free, force_miss))
+
+    return build
+
+
+def memory(
+    rows: int = 4,
+    slots: int = 20,
+    context: int = 16,
+    debug: bool = True,
+    cache: PrefixCacheFactory | None = None,
+) -> KVMemory:
     pool, alloc = ReqToTokenPool(rows, context, CPU), TokenToKVPoolAllocator(slots, CPU)
-    return KVMemory(pool, alloc, HostToDevice(CPU), debug_ownership=debug)
+    return KVMemory(pool, alloc, HostToDevice(CPU), prefix_cache=cache, debug_ownership=debug)
 
 
 def req(rid: int, prompt: list[int], **kw: Any) -> Req:
@@ -160,12 +176,6 @@ def test_release_gives_everything_back_and_may_be_repeated() -> None:
     mem.check()
 
 
-def test_a_prefix_cache_is_not_wired_in_yet() -> None:
-    pool, alloc = ReqToTokenPool(1, 4, CPU), TokenToKVPoolAllocator(4, CPU)
-    with pytest.raises(NotImplementedError, match="prefix cache is not wired in yet"):
-        KVMemory(pool, alloc, HostToDevice(CPU), prefix_cache=object())  # type: ignore[arg-type]
-
-
 # -- a reservation that fails part-way --------------------------------------------------------
 STAGES = ["slots", "row", "stager", "write_tokens"]
 
@@ -242,7 +252,7 @@ def test_reconcile_finds_slots_and_rows_an_interrupted_release_lost() -> None:
         mp.setattr(mem.allocator, "free", _raise_keyboard_interrupt)
         mem.release(a)
     assert not mem.holds(a) and mem.free_slots == 15  # a's 3 slots and its row: nobody's
-    with pytest.raises(KVOwnershipError, match="15 free \\+ 2 owned slots != 20"):
+    with pytest.raises(KVOwnershipError, match="15 free \\+ 2 owned \\+ 0 cached slots != 20"):
         mem.check()
     mem.release(a)  # a second release finds nothing: it cannot free twice
     assert mem.reconcile([b]) == Reclaimed(slots=3, rows=1)
@@ -418,3 +428,341 @@ def test_random_reserve_and_release_sequences_keep_every_slot_held_once(
 
 def _raise_keyboard_interrupt(*args: object) -> None:
     raise KeyboardInterrupt
+
+
+# -- the prefix cache -------------------------------------------------------------------------
+def computed(mem: KVMemory, r: Req, n: int | None = None) -> list[int]:
+    """Prefill ``r`` (all its known tokens, or ``n``) after what it holds; its row's slots."""
+    n = r.seq_len - r.kv_len if n is None else n
+    assert mem.reserve_extend([r], [n]) is not None
+    launched([r], [n])
+    return row_slots(mem, r)
+
+
+def cached_alone(mem: KVMemory, prompt: list[int], rid: int = 90) -> list[int]:
+    """A request over ``prompt`` prefilled and finished: its K/V goes to the cache."""
+    r = req(rid, prompt)
+    slots = computed(mem, r)
+    mem.release(r, keep=r.kv_len)
+    return slots
+
+
+def sizes(mem: KVMemory) -> tuple[int, int, int, int]:
+    """(free, owned, evictable, protected)"""
+    cache = mem.prefix_cache
+    assert cache is not None
+    return mem.free_slots, mem.owned_slots, cache.evictable_size(), cache.protected_size()
+
+
+def test_admission_starts_a_request_on_its_cached_prefix_but_never_its_last_token() -> None:
+    mem = memory(cache=radix())
+    first = cached_alone(mem, [1, 2, 3, 4, 5, 6])
+    assert sizes(mem) == (14, 0, 6, 0) and mem.available_slots == 20
+    same, branch, other = req(0, [1, 2, 3, 4, 5, 6]), req(1, [1, 2, 3, 9]), req(2, [7, 8])
+    assert mem.admit(same) == 5  # the sixth token's logits must be computed
+    assert row_slots(mem, same) == first[:5] and mem.cached_tokens(same) == 5
+    assert sizes(mem) == (14, 0, 1, 5) and mem.available_slots == 15  # locked: not available
+    assert mem.admit(branch) == 3 and row_slots(mem, branch) == first[:3]
+    assert mem.admit(other) == 0 and not mem.holds(other)  # a miss takes nothing, not a row
+    same.kv_len = 5
+    inputs = mem.reserve_extend([same], [1])
+    assert inputs is not None and inputs.prefix_lens_cpu == [5] and inputs.input_ids.tolist() == [6]
+    with pytest.raises(ValueError, match="request 0 is admitted but already holds a row"):
+        mem.admit(same)
+    mem.release(branch)  # undoes the admission: the lock and the row, nothing freed
+    assert sizes(mem) == (13, 1, 1, 5) and mem.available_rows == 3
+    mem.check()
+
+
+def test_admission_needs_a_free_row() -> None:
+    mem = memory(rows=1, cache=radix())
+    cached_alone(mem, [1, 2, 3])
+    holder = req(0, [4, 5])
+    computed(mem, holder)
+    assert mem.admit(req(1, [1, 2, 3])) == 0 and sizes(mem)[3] == 0  # nothing locked
+
+
+def test_a_chunk_handed_over_points_the_row_at_the_cached_slots_before_freeing_its_own() -> None:
+    mem = memory(cache=radix())
+    a, b = req(0, [1, 2, 3, 4, 5, 6]), req(1, [1, 2, 3, 4, 5, 6])
+    assert mem.reserve_extend([a, b], [4, 4]) is not None  # both compute [1, 2, 3, 4]
+    launched([a, b], [4, 4])
+    a_slots, b_slots = row_slots(mem, a), row_slots(mem, b)
+    mem.cache_prefix(a, 4)
+    assert mem.cached_tokens(a) == 4 and sizes(mem) == (12, 4, 0, 4)
+    frees: list[tuple[list[int], list[int]]] = []  # (slots freed, b's row at that moment)
+    real_free = mem.allocator.free
+
+    def spy(slots: torch.Tensor) -> None:
+        frees.append((slots.tolist(), row_slots(mem, b)))
+        real_free(slots)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mem.allocator, "free", spy)
+        mem.cache_prefix(b, 4)  # a inserted them first: b's are duplicates
+    assert frees == [(b_slots, a_slots)], "b's slots freed while its row still named them"
+    assert mem.cached_tokens(b) == 4 and sizes(mem) == (16, 0, 0, 4)
+    computed(mem, b)  # the rest of b, on top of the cached four
+    mem.cache_prefix(b, 6)  # b's lock moves to the longer path
+    assert sizes(mem) == (14, 0, 0, 6)
+    mem.release(a)
+    mem.release(b, keep=6)
+    assert sizes(mem) == (14, 0, 6, 0)
+    mem.check()
+
+
+def test_release_without_keep_frees_only_what_the_request_owns() -> None:
+    mem = memory(cache=radix())
+    cached = cached_alone(mem, [1, 2, 3, 4])
+    r = req(0, [1, 2, 3, 4, 5, 6])
+    r.kv_len = mem.admit(r)
+    assert r.kv_len == 4 and computed(mem, r)[:4] == cached
+    mem.release(r)  # a retraction or an abort: the cache keeps its slots
+    assert sizes(mem) == (16, 0, 4, 0)
+    mem.check()
+
+
+def test_force_miss_hands_a_request_to_the_cache_only_when_it_finishes() -> None:
+    mem = memory(cache=radix(force_miss=True))
+    cached_alone(mem, [1, 2, 3, 4])
+    r = req(0, [1, 2, 3, 4, 5])
+    assert mem.admit(r) == 0 and not mem.holds(r)
+    computed(mem, r)
+    mem.cache_prefix(r, 5)  # nothing would read the cache's copy: r keeps its own
+    assert sizes(mem) == (11, 5, 4, 0)
+    mem.release(r, keep=5)  # [1..4] were cached: r's four duplicates are freed, [5] is taken
+    assert sizes(mem) == (15, 0, 5, 0)
+    mem.check()
+
+
+def test_a_reservation_evicts_what_it_is_short_of_and_nothing_when_that_would_not_do() -> None:
+    mem = memory(slots=10, cache=radix())
+    first = cached_alone(mem, [1, 2, 3, 4, 5, 6])
+    locker = req(0, [1, 2, 3, 9])
+    locker.kv_len = mem.admit(locker)
+    assert sizes(mem) == (4, 0, 3, 3) and mem.available_slots == 7
+    big = req(1, [7] * 8)
+    assert mem.reserve_extend([big], [8]) is None
+    assert sizes(mem) == (4, 0, 3, 3), "a refused reservation evicted"
+    assert mem.reserve_extend([big], [7]) is not None
+    assert sizes(mem) == (0, 7, 0, 3)  # the unlocked [4, 5, 6] went, the locked path stayed
+    assert row_slots(mem, locker) == first[:3] and not set(first[:3]) & set(row_slots(mem, big))
+    mem.check()
+
+
+def test_flush_cache_frees_every_slot_no_request_reads() -> None:
+    assert memory().flush_cache() == 0  # no cache
+    mem = memory(cache=radix())
+    cached_alone(mem, [1, 2, 3, 4])
+    cached_alone(mem, [5, 6, 7])
+    r = req(0, [1, 2, 3, 4, 8])
+    r.kv_len = mem.admit(r)
+    assert mem.flush_cache() == 3 and sizes(mem) == (16, 0, 0, 4)
+    mem.release(r)
+    assert mem.flush_cache() == 4 and mem.free_slots == 20 and mem.flush_cache() == 0
+    mem.check()
+
+
+def test_the_debug_map_knows_the_caches_slots() -> None:
+    mem = memory(cache=radix())
+    r = req(0, [1, 2, 3])
+    computed(mem, r)
+    mem.cache_prefix(r, 3)
+    holding = mem._held[r]
+    holding.cached, holding.owned = 0, 3  # a bug: the request takes the cache's slots for its own
+    with pytest.raises(KVOwnershipError, match=r"request 0 frees slot \d+, held by prefix cache"):
+        mem.release(r)
+
+
+def test_reconcile_counts_the_caches_slots_and_finds_what_an_interrupted_eviction_lost() -> None:
+    mem = memory(slots=8, cache=radix())
+    cached_alone(mem, [1, 2, 3, 4, 5, 6])
+    assert mem.reconcile([]) == Reclaimed(0, 0) and sizes(mem) == (2, 0, 6, 0)
+    r = req(0, [7] * 5)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(mem.allocator, "free", _raise_keyboard_interrupt)
+        mem.reserve_extend([r], [5])  # evicts, and the free of what it evicted is cut short
+    assert sizes(mem) == (2, 0, 0, 0) and not mem.holds(r)
+    with pytest.raises(KVOwnershipError, match=r"2 free \+ 0 owned \+ 0 cached slots != 8"):
+        mem.check()
+    assert mem.reconcile([]) == Reclaimed(slots=6, rows=0)
+    assert mem.free_slots == 8
+    mem.check()
+
+
+class CachedModel:
+    """The reference with a prefix cache: what each slot's K/V was computed for (the token at
+    its position, written at reservation as a step would), so a row that names a freed,
+    reused or wrong slot reads the wrong tokens."""
+
+    def __init__(self, mem: KVMemory, reqs: list[Req]) -> None:
+        self.mem, self.reqs = mem, reqs
+        self.token = torch.full((mem.total_slots + 1,), -1, dtype=torch.int64)  # per slot
+
+    def computed(self, inputs: StepInputs) -> None:
+        self.token[inputs.out_cache_loc] = inputs.input_ids
+
+    def verify(self) -> None:
+        mem, cache = self.mem, self.mem.prefix_cache
+        assert cache is not None
+        mem.check()
+        table = mem.req_to_token_pool.req_to_token
+        owned: list[int] = []
+        for r in self.reqs:
+            if (row := mem.row(r)) is not None:
+                owned += table[row, mem.cached_tokens(r) : mem.held_tokens(r)].tolist()
+        parts = mem.allocator.free_slot_ids().tolist() + cache.cached_slots().tolist()
+        parts += owned
+        assert sorted(parts) == list(range(1, mem.total_slots + 1)), "a slot lost or twice"
+        free, cached = set(parts[: mem.free_slots]), set(cache.cached_slots().tolist())
+        for r in self.reqs:
+            assert mem.held_tokens(r) == r.kv_len, r.rid
+            if mem.holds(r):
+                reads = row_slots(mem, r)
+                assert not free & set(reads), f"request {r.rid} reads freed slots"
+                assert set(reads[: mem.cached_tokens(r)]) <= cached, f"request {r.rid}: not cached"
+                seen = self.token[reads].tolist()
+                assert seen == r.fill_ids[: r.kv_len], f"request {r.rid} reads the wrong K/V"
+
+
+#: Where a hand-over to the cache may be cut short: (owner, attribute) of the call that raises.
+HANDOVER_CALLS: dict[str, Callable[[KVMemory], tuple[Any, str]]] = {
+    "insert": lambda m: (m.prefix_cache, "insert"),
+    "match": lambda m: (m.prefix_cache, "match"),
+    "lock": lambda m: (m.prefix_cache, "lock"),
+    "unlock": lambda m: (m.prefix_cache, "unlock"),
+    "write": lambda m: (m.req_to_token_pool, "write"),
+    "free": lambda m: (m.allocator, "free"),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), rows=st.integers(1, 4), slots=st.integers(1, 24), force_miss=st.booleans())
+def test_random_sequences_with_a_prefix_cache_keep_every_slot_in_one_state(
+    data: st.DataObject, rows: int, slots: int, force_miss: bool
+) -> None:
+    context = 12
+    mem = memory(rows=rows, slots=slots, context=context, cache=radix(force_miss))
+    # Two token values only: prompts share prefixes often.
+    prompts = data.draw(
+        st.lists(st.lists(st.integers(1, 2), min_size=1, max_size=8), min_size=1, max_size=6),
+        label="prompts",
+    )
+    reqs = [req(i, p) for i, p in enumerate(prompts)]
+    model = CachedModel(mem, reqs)
+    ops = ["admit", "extend", "decode", "hand over", "finish", "abort", "evict", "cut short"]
+    hits = cuts = 0
+    for _ in range(data.draw(st.integers(10, 60), label="ops")):
+        op = data.draw(st.sampled_from(ops))
+        if op == "admit":
+            free = [r for r in reqs if not mem.holds(r)]
+            if free:
+                r = data.draw(st.sampled_from(free))
+                r.kv_len = mem.admit(r)
+                hits += r.kv_len > 0
+                assert not (force_miss and r.kv_len)
+        elif op in ("extend", "decode"):
+            if op == "extend":
+                ready = [r for r in reqs if r.kv_len < r.seq_len]
+            else:
+                ready = [r for r in reqs if mem.holds(r) and r.kv_len == r.seq_len - 1]
+            ready = [r for r in ready if r.seq_len < context]
+            if not ready:
+                continue
+            picked = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
+            for r in picked:  # as the scheduler does: a request holding nothing is admitted
+                if not mem.holds(r):
+                    r.kv_len = mem.admit(r)
+                    hits += r.kv_len > 0
+            lens = [data.draw(st.integers(1, r.seq_len - r.kv_len)) for r in picked]
+            fits = sum(lens) <= mem.available_slots
+            fits &= sum(not mem.holds(r) for r in picked) <= mem.available_rows
+            held = [(mem.row(r), mem.held_tokens(r)) for r in reqs]
+            stage = data.draw(st.sampled_from([None] * 4 + STAGES), label="fails in")
+            inputs = reserve(mem, op, picked, lens, stage)
+            if inputs is None or inputs == "interrupted":  # all or nothing (eviction aside)
+                assert fits == (inputs == "interrupted"), (fits, inputs)
+                assert [(mem.row(r), mem.held_tokens(r)) for r in reqs] == held
+            if isinstance(inputs, StepInputs):
+                model.computed(inputs)
+                launched(picked, lens, [data.draw(st.integers(1, 2)) for _ in picked])
+                if op == "extend" and data.draw(st.booleans(), label="hand the step over"):
+                    for r, done in zip(picked, inputs.seq_lens_cpu, strict=True):
+                        mem.cache_prefix(r, done)  # as the scheduler does once it is done
+        elif op in ("hand over", "finish", "abort"):
+            held = [r for r in reqs if mem.holds(r)]
+            if not held:
+                continue
+            r = data.draw(st.sampled_from(held))
+            if op == "hand over":
+                mem.cache_prefix(r, data.draw(st.integers(0, r.kv_len), label="length"))
+            else:
+                keep = data.draw(st.integers(0, r.kv_len), label="keep") if op == "finish" else 0
+                mem.release(r, keep)
+                r.kv_len = 0
+        elif op == "evict":
+            assert mem.prefix_cache is not None
+            mem.prefix_cache.evict(data.draw(st.integers(0, slots)))
+        else:  # a hand-over cut short at one of its calls; the request is aborted, then repair
+            held = [r for r in reqs if mem.holds(r) and r.kv_len > mem.cached_tokens(r)]
+            if not held:
+                continue
+            r = data.draw(st.sampled_from(held))
+            call = data.draw(st.sampled_from(sorted(HANDOVER_CALLS)), label="cut at")
+            finish = data.draw(st.booleans(), label="finishing")
+            owner, name = HANDOVER_CALLS[call](mem)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(owner, name, _raise_keyboard_interrupt)
+                try:
+                    if finish:
+                        mem.release(r, keep=r.kv_len)
+                    else:
+                        mem.cache_prefix(r, r.kv_len)
+                except KeyboardInterrupt:
+                    event(f"cut short at {call}")
+                    cuts += 1
+            mem.release(r)
+            r.kv_len = 0
+            mem.reconcile(reqs)
+        model.verify()
+    target(float(hits), label="admissions on a cached prefix")
+    target(float(cuts), label="hand-overs cut short")
+    event(f"{min(hits, 3)}+ hits")
+    for r in reqs:
+        mem.release(r)
+    cached = mem.cached_slots
+    assert mem.flush_cache() == cached and mem.free_slots == slots  # nothing locked is left
+    mem.check()
+
+
+@pytest.mark.parametrize(
+    "call, finish",
+    [(c, False) for c in sorted(HANDOVER_CALLS)]
+    + [(c, True) for c in ("free", "insert", "unlock")],
+)
+def test_a_hand_over_cut_short_at_any_call_loses_nothing_for_good(call: str, finish: bool) -> None:
+    # b's hand-over makes every call: b holds a locked cached prefix, and a inserted b's
+    # computed tokens first, so b's are duplicates (rewrite, then free).
+    mem = memory(cache=radix())
+    cached_alone(mem, [1, 2, 3, 4])
+    a, b = req(0, [1, 2, 3, 4, 5, 6, 7, 8]), req(1, [1, 2, 3, 4, 5, 6, 7, 8])
+    a.kv_len, b.kv_len = mem.admit(a), mem.admit(b)
+    assert mem.reserve_extend([a, b], [3, 3]) is not None
+    launched([a, b], [3, 3])
+    mem.cache_prefix(a, 7)
+    owner, name = HANDOVER_CALLS[call](mem)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, _raise_keyboard_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            if finish:
+                mem.release(b, keep=7)
+            else:
+                mem.cache_prefix(b, 7)
+    mem.release(b)  # the scheduler aborts b
+    mem.reconcile([a])
+    assert mem.prefix_cache is not None
+    assert row_slots(mem, a)[:7] == mem.prefix_cache.match([1, 2, 3, 4, 5, 6, 7]).slots.tolist()
+    mem.release(a, keep=7)
+    assert mem.cached_slots == mem.evictable_slots == 7, "a lock was left behind"
+    assert mem.flush_cache() == 7 and mem.free_slots == 20
+    mem.check()

@@ -59,20 +59,20 @@ def test_stream_rejects_bad_requests_and_frees_an_abandoned_one(engine) -> None:
         engine.stream([], SamplingParams())  # at once, before iterating
     with pytest.raises(RequestError, match="sampling_params must be SamplingParams, got dict"):
         engine.stream("x", {})  # not taken for the defaults
-    free = engine.worker.memory.free_slots
+    free = engine.worker.memory.available_slots
     gen = engine.stream(
         "abandon me", SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
     )
     next(gen)
     gen.close()
-    assert engine.worker.memory.free_slots == free
+    assert engine.worker.memory.available_slots == free
     assert not engine.scheduler.has_work
     assert len(engine.generate("after", SamplingParams(max_new_tokens=3)).token_ids) == 3
 
 
 def _free(engine) -> tuple[int, int]:
     memory = engine.worker.memory
-    return memory.free_slots, memory.available_rows
+    return memory.available_slots, memory.available_rows
 
 
 LONG = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

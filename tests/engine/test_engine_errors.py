@@ -31,7 +31,7 @@ def fresh_tokens(dense):
 
 
 def _free(engine: Engine) -> tuple[int, int]:
-    return engine.worker.memory.free_slots, engine.worker.memory.available_rows
+    return engine.worker.memory.available_slots, engine.worker.memory.available_rows
 
 
 def _fail_on_call(n: int, original: Callable[..., Any], exc: BaseException) -> Callable[..., Any]:

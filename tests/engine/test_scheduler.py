@@ -17,9 +17,9 @@ PROMPTS = [[3 + i, 40 + 2 * i, 7, 90 + i, 11, 5 * i + 1, 60, 2 + i] for i in ran
 def _run(path, prompts, params=GREEDY, **config):
     with Engine(path, device="cpu", **config) as engine:
         memory = engine.worker.memory
-        start = memory.free_slots, memory.available_rows
+        start = memory.available_slots, memory.available_rows
         results = engine.generate(prompts, params)
-        end = memory.free_slots, memory.available_rows
+        end = memory.available_slots, memory.available_rows
         return results, start, end, engine.scheduler.stats
 
 

@@ -1,7 +1,9 @@
 """KeyboardInterrupt at any point of a step, through a real Engine: nothing leaks (issue 30 C).
 
-After each interrupted ``generate`` every KV slot and request row is free again, nothing is
-queued, and the next call gives the tokens of a clean run.
+After each interrupted ``generate`` every KV slot and request row is free again (or, for
+slots, held by the prefix cache and evictable), nothing is queued, and the next call gives
+the tokens of a clean run. The interrupt may land in the prefix cache's calls too: inside a
+chunk's hand-over to the cache, a finished request's, or an eviction.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ POINTS: dict[str, Callable[[Engine], tuple[Any, str]]] = {
     "forward": lambda e: (e.worker.model_runner, "forward"),
     "sample": lambda e: (e.worker.model_runner, "sample"),
     "finish": lambda e: (e.scheduler, "_check_finished"),
+    "cache_prefix": lambda e: (e.worker.memory, "cache_prefix"),
+    "admit": lambda e: (e.worker.memory, "admit"),
+    "insert": lambda e: (e.worker.memory.prefix_cache, "insert"),
+    "match": lambda e: (e.worker.memory.prefix_cache, "match"),
+    "lock": lambda e: (e.worker.memory.prefix_cache, "lock"),
+    "unlock": lambda e: (e.worker.memory.prefix_cache, "unlock"),
+    "evict": lambda e: (e.worker.memory.prefix_cache, "evict"),
 }
 
 
@@ -94,7 +103,8 @@ def _params() -> list[SamplingParams]:
 def assert_clean(engine: Engine) -> None:
     memory = engine.worker.memory
     memory.check()
-    assert memory.free_slots == memory.total_slots, "slots leaked"
+    assert memory.owned_slots == 0, "slots leaked"
+    assert memory.available_slots == memory.total_slots, "slots leaked or a lock left"
     assert memory.available_rows == memory.total_rows, "rows leaked"
     assert not engine.scheduler.has_work and engine.scheduler.finished == []
 
@@ -127,6 +137,8 @@ def test_an_interrupt_while_a_finished_request_is_freed_leaks_nothing(
         assert [r.token_ids for r in again] == clean
         assert engine.scheduler.stats.retractions == 0
         assert_clean(engine)
+        engine.flush_cache()
+        assert engine.worker.memory.free_slots == engine.worker.memory.total_slots
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,7 +3,9 @@
 The fake worker stores each token id in the KV slot the scheduler gave it and predicts the
 next token from the context it gathers back through ``req_to_token``, as attention would. A
 slot mix-up, a stale slot or a lost prefix changes what it sees and so the tokens; the
-oracle runs each request alone in plain Python, without pools.
+oracle runs each request alone in plain Python, without pools. Workloads draw the prefix
+cache too (none, radix, radix under force_miss) and prompts that share prefixes, so a cached
+slot read after it was freed or rewritten shows up as a wrong context.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, target
+from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
+from execrt.backends.prefix_cache.radix import RadixCache
 from execrt.core.batch import LogitsOutput
-from execrt.core.kv_memory import KVMemory
+from execrt.core.kv_memory import KVMemory, PrefixCacheFactory
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.core.staging import HostToDevice
 from execrt.core.worker import GenerationBatchResult, WorkerLimits
@@ -49,6 +53,21 @@ def alone(prompt: list[int], params: SamplingParams, context_len: int) -> tuple[
             return out, "length"
 
 
+def radix(force_miss: bool = False) -> PrefixCacheFactory:
+    def build(free: Callable[[torch.Tensor], None]) -> RadixCache:
+        cpu = torch.device("cpu")
+        return RadixCache(PrefixCacheInit(PrefixCacheCapabilities(), cpu, free, force_miss))
+
+    return build
+
+
+PREFIX_CACHES: dict[str, PrefixCacheFactory | None] = {
+    "none": None,
+    "radix": radix(),
+    "force_miss": radix(force_miss=True),
+}
+
+
 class FakeWorker:
     """Stands in for TpModelWorker: real KV memory, a token-id "KV cache", ``next_token``."""
 
@@ -58,6 +77,7 @@ class FakeWorker:
             ReqToTokenPool(w.max_running, w.context_len, cpu),
             TokenToKVPoolAllocator(w.cache, cpu),
             HostToDevice(cpu),
+            prefix_cache=PREFIX_CACHES[w.prefix_cache],
         )
         self.limits = WorkerLimits(w.context_len, w.max_running, w.max_prefill, cpu)
         cache = w.cache
@@ -103,15 +123,23 @@ class Workload:
     max_prefill: int
     context_len: int
     requests: list[tuple[list[int], SamplingParams]]
+    prefix_cache: str = "none"  # a key of PREFIX_CACHES
+    dedup_min_tokens: int = 32  # Scheduler's: shared uncached tokens that make a request wait
 
 
 @st.composite
 def workloads(draw: st.DrawFn) -> Workload:
     context_len = draw(st.integers(2, 48))
+    token = st.integers(1, VOCAB - 1)
+    root = draw(st.lists(token, max_size=12), label="shared root")
     requests = []
     for _ in range(draw(st.integers(1, 8))):
         size = draw(st.integers(1, min(context_len, 16)))
-        prompt = draw(st.lists(st.integers(1, VOCAB - 1), min_size=size, max_size=size))
+        most = min(size, len(root))
+        shared = most if draw(st.booleans()) else draw(st.integers(0, most), label="root tokens")
+        prompt = root[:shared] + draw(
+            st.lists(token, min_size=size - shared, max_size=size - shared)
+        )
         params = SamplingParams(
             max_new_tokens=draw(st.integers(1, 24)),
             temperature=0,
@@ -131,6 +159,8 @@ def workloads(draw: st.DrawFn) -> Workload:
         max_prefill=draw(st.integers(1, 24)),
         context_len=context_len,
         requests=requests,
+        prefix_cache=draw(st.sampled_from(["radix", "none", "force_miss"]), label="prefix cache"),
+        dedup_min_tokens=draw(st.sampled_from([32, 1, 3]), label="dedup"),
     )
 
 
@@ -142,6 +172,7 @@ def _setup(w: Workload, overlap: bool) -> tuple[FakeWorker, Scheduler, list[Req]
         eos_token_ids=(EOS,),
         overlap=overlap,
     )
+    sched.dedup_min_tokens = w.dedup_min_tokens
     reqs = [Req(i, list(p), sp) for i, (p, sp) in enumerate(w.requests)]
     return worker, sched, reqs
 
@@ -152,7 +183,7 @@ def _fits(req: Req, w: Workload) -> bool:
 
 
 def _free_counts(worker: FakeWorker) -> tuple[int, int]:
-    return worker.memory.free_slots, worker.memory.available_rows
+    return worker.memory.available_slots, worker.memory.available_rows
 
 
 def _step_bound(reqs: list[Req], w: Workload) -> int:
@@ -245,9 +276,15 @@ def test_every_request_that_fits_alone_completes_with_its_own_tokens(
         sched.add(req)
     done = sched.run()
     target(float(sched.stats.retractions), label="retractions")  # steer toward KV pressure
+    target(float(sched.stats.prefix_hit_tokens), label="prefix hits")
+    event(f"prefix cache {w.prefix_cache}: {'hits' if sched.stats.prefix_hit_tokens else 'none'}")
     log.check_progress_rules()
     assert sorted(r.rid for r in done) == list(range(len(reqs)))
     assert _free_counts(worker) == start and not sched.has_work
+    worker.memory.check()
+    assert worker.memory.cached_slots == worker.memory.evictable_slots, "a lock was left"
+    if w.prefix_cache != "radix":
+        assert sched.stats.prefix_hit_tokens == 0 and all(r.cached_tokens == 0 for r in reqs)
     assert sched.stats.steps <= _step_bound(reqs, w)
     for req in reqs:
         if _fits(req, w):

@@ -316,3 +316,16 @@ class DuplicateFreeingRadix(RadixCache):
         if n:
             self.init.free_slots(slots[:n].clone())
         return n
+
+
+class SlotListLosingRadix(RadixCache):
+    """Broken: ``cached_slots`` leaves out the slots of locked entries."""
+
+    def cached_slots(self) -> torch.Tensor:
+        values, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if not node.lock_ref:
+                values.append(node.value)
+            stack.extend(node.children.values())
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)

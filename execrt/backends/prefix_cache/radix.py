@@ -170,6 +170,14 @@ class RadixCache(PrefixCache):
     def protected_size(self) -> int:
         return self._protected
 
+    def cached_slots(self) -> torch.Tensor:
+        values, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            values.append(node.value)
+            stack.extend(node.children.values())
+        return torch.cat(values) if values else self._empty.clone()  # [evictable + protected]
+
     def reset(self) -> None:
         # A new generation: nodes of the old tree are refused by lock/unlock from now on.
         self._tree = object()

@@ -249,6 +249,18 @@ def test_stale_heap_entries_are_compacted() -> None:
     assert cache.evict(100) == 100
 
 
+def test_cached_slots_lists_every_owned_slot_locked_or_not() -> None:
+    cache, _ = make()
+    assert cache.cached_slots().tolist() == []
+    cache.insert([1, 2, 3], slots(11, 12, 13))
+    cache.insert([1, 2, 4, 5], slots(21, 22, 24, 25))  # a split: [1, 2] keeps 11, 12
+    cache.lock(cache.match([1, 2, 3]).node)
+    listed = cache.cached_slots()
+    assert listed.dtype == torch.int64 and sorted(listed.tolist()) == [11, 12, 13, 24, 25]
+    cache.evict(10)  # the unlocked [4, 5] goes
+    assert sorted(cache.cached_slots().tolist()) == [11, 12, 13]
+
+
 # -- reset, close, force_miss ---------------------------------------------------------------------
 def test_reset_forgets_everything_without_freeing_and_refuses_old_nodes() -> None:
     cache, freed = make()
