@@ -31,6 +31,7 @@ from execrt.core.interfaces import (
     MoEDispatcherInit,
     MoERequirements,
 )
+from execrt.core.kv_quant import kv_storage_dtype
 from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
 from execrt.core.parallel import ParallelState
@@ -55,6 +56,7 @@ class ResolvedRuntime:
     spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's storage dtype: ``dtype``, or fp8 (kv_cache_dtype)
     parallel: ParallelState  # this rank's layout (ep_size resolved)
     local_spec: ModelSpec  # this rank's share of the model (its attention heads)
     context_len: int
@@ -71,8 +73,9 @@ class ResolvedRuntime:
     def attention_requirements(self) -> AttentionRequirements:
         s = self.local_spec
         return AttentionRequirements(
-            self.device.type, self.dtype, s.head_dim, s.num_q_heads, s.num_kv_heads
-        )
+            self.device.type, self.dtype, s.head_dim, s.num_q_heads, s.num_kv_heads,
+            kv_dtype=None if self.kv_dtype == self.dtype else self.kv_dtype,
+        )  # fmt: skip
 
     def moe_requirements(self) -> MoERequirements:
         s, p = self.spec, self.parallel
@@ -124,15 +127,17 @@ def resolve_runtime(
     local = spec.local(parallel)
     device = resolve_device(config.device, world)
     dtype = resolve_dtype(config.dtype, spec.dtype, device)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     context_len = min(
         config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
-    check_before_load(config, local, device, dtype, context_len)  # before any weight loads
+    check_before_load(config, local, device, kv_dtype, context_len)  # before any weight loads
     partial = ResolvedRuntime(
         config=config,
         spec=spec,
         device=device,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         parallel=parallel,
         local_spec=local,
         context_len=context_len,
@@ -159,8 +164,16 @@ def resolve_runtime(
         registry, "attention", config.attention_backend, partial.attention_requirements(),
         strict=strict,
     )  # fmt: skip
+    if config.kv_cache_dtype != "auto":
+        attention = dataclasses.replace(attention, note=_kv_note(partial))
     resolved = dataclasses.replace(partial, attention=attention, moe_dispatch=moe)
     return _with_graph(resolved, registry)
+
+
+def _kv_note(resolved: ResolvedRuntime) -> str:
+    """What the report says of a KV cache dtype asked for by name."""
+    name = str(resolved.kv_dtype).removeprefix("torch.")
+    return f"KV cache {resolved.config.kv_cache_dtype}: {name}"
 
 
 def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> ResolvedRuntime:
@@ -279,12 +292,15 @@ def build_attention(
             num_q_heads=resolved.local_spec.num_q_heads,
             max_batch_size=resolved.config.max_running_requests,
             context=context,
+            dtype=resolved.dtype,
         )
 
     built, res = _build(
         registry, resolved.attention, resolved.attention_requirements(), make_init,
         resolved.strict,
     )  # fmt: skip
+    if res.note != resolved.attention.note:  # a fallback build keeps the KV cache note
+        res = dataclasses.replace(res, note=resolved.attention.note)
     if not isinstance(built, AttentionBackend):
         raise _not_a("AttentionBackend", built, res)
     return built, res
@@ -320,14 +336,15 @@ def graph_max_bs(resolved: ResolvedRuntime) -> int:
 
 def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
     """KV slots: ``kv_cache_tokens`` when set, else every request at full context, capped by
-    a share of free GPU memory (a fixed budget on CPU). The same on every rank (the smallest),
-    since every rank runs the same schedule."""
+    a share of free GPU memory (a fixed budget on CPU) counted in bytes of the storage dtype
+    (an fp8 cache fits twice the tokens of a bf16 one). The same on every rank (the
+    smallest), since every rank runs the same schedule."""
     cfg = resolved.config
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     s = resolved.local_spec
     per_token = KVCache.bytes_per_token_for(
-        s.num_layers, s.num_kv_heads, s.head_dim, resolved.dtype
+        s.num_layers, s.num_kv_heads, s.head_dim, resolved.kv_dtype
     )
     if resolved.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(resolved.device)

@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch elsewhere
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -39,7 +40,9 @@ class RuntimeConfig:
     Backend fields take a registered backend name or ``"auto"``; ``graph_backend`` and
     ``prefix_cache`` also take ``"none"`` (no graphs; no prefix cache, every prompt prefilled
     in full). ``prefix_cache_force_miss`` keeps the cache's code path but reports no match, to
-    measure its overhead. ``strict`` turns any automatic fallback into an error.
+    measure its overhead. ``kv_cache_dtype`` stores K/V in the model's dtype (``auto``) or in
+    fp8 (``fp8_e4m3``, ``fp8_e5m2``: twice the tokens in the same memory). ``strict`` turns
+    any automatic fallback into an error.
     """
 
     model: str | None = None
@@ -54,6 +57,7 @@ class RuntimeConfig:
     max_running_requests: int = 32
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.5
+    kv_cache_dtype: str = "auto"
     context_len: int = 0
     max_prefill_tokens: int = 4096
     seed: int = 0
@@ -93,6 +97,11 @@ class RuntimeConfig:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in (0, 0.95], "
                 f"got {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"config: kv_cache_dtype {self.kv_cache_dtype!r} unsupported "
+                f"(supported: {', '.join(KV_CACHE_DTYPES)})"
             )
         if self.fused_kernels not in FUSED_KERNELS:
             raise ConfigError(
