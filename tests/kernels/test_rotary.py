@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch
+from execrt.kernels.rotary import KVStore, qk_norm_rope, qk_norm_rope_torch
 from tests.kernels.helpers import (
     DEVICE,
     max_rel,
@@ -156,7 +156,7 @@ def test_head_tiles_that_do_not_divide_the_head_count(heads_per_block: int) -> N
     v_cache = torch.full((6, hkv, d), float("nan"), device=DEVICE)
     q_out, k_out = qk_norm_rope_triton(
         q, k, pos, cos, sin, qw, kw, EPS,
-        store=(v, k_cache, v_cache, loc), heads_per_block=heads_per_block,
+        store=KVStore(v, k_cache, v_cache, loc, None), heads_per_block=heads_per_block,
     )  # fmt: skip
     assert max_rel(q_out, oracle(q, pos, cos, sin, qw)) <= 1e-6
     assert max_rel(k_out, oracle(k, pos, cos, sin, kw)) <= 1e-6
