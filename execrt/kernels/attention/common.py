@@ -86,14 +86,14 @@ def check_qkvo(
         fail(COMPONENT, f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
     if o.dtype != q.dtype:
         fail(COMPONENT, f"o dtype {o.dtype} differs from q dtype {q.dtype} (must match)")
-    if v_buffer.dtype != k_buffer.dtype:
-        fail(COMPONENT, f"v_buffer dtype {v_buffer.dtype} differs from k_buffer's {k_buffer.dtype}")
     if k_buffer.dtype != q.dtype and k_buffer.dtype not in FP8_DTYPES:
         fail(
             COMPONENT,
-            f"k_buffer dtype {k_buffer.dtype} unsupported with q {q.dtype} (supported: q's "
-            "dtype, float8_e4m3fn, float8_e5m2)",
+            f"k_buffer dtype {k_buffer.dtype} differs from q dtype {q.dtype} (must match, or "
+            "be float8_e4m3fn or float8_e5m2)",
         )
+    if v_buffer.dtype != k_buffer.dtype:
+        fail(COMPONENT, f"v_buffer dtype {v_buffer.dtype} differs from k_buffer's {k_buffer.dtype}")
     if k_buffer.dtype in FP8_DTYPES and kv_scales is None:
         fail(COMPONENT, f"a {k_buffer.dtype} cache needs kv_scales (k_scale, v_scale)")
     if kv_scales is not None and (kv_scales.dtype != torch.float32 or kv_scales.numel() < 2):
