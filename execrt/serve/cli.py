@@ -19,6 +19,7 @@ ENGINE_FLAGS = (
     "graph_backend",
     "device",
     "dtype",
+    "kv_cache_dtype",
     "tp_size",
     "ep_size",
     "strict",
