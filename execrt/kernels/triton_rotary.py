@@ -78,28 +78,17 @@ def _norm_rope_heads(
     w_ptr,
     cos_row,
     sin_row,
-    cache_ptr,
-    stride_cs,
-    stride_ch,
-    scales_ptr,
     token,
-    slot,
     head0,
     num_heads,
     eps,
     HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr,
-    INV: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_EMIN: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write (and store)."""
+    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write; returns the two
+    rotated halves ``[BH, BD/2]`` as written (for the K store)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
     d = tl.arange(0, BLOCK_HALF)  # [BD/2]
     d_mask = d < HALF
@@ -129,12 +118,7 @@ def _norm_rope_heads(
     dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
-    if STORE:
-        cache = cache_ptr + slot * stride_cs + heads[:, None].to(tl.int64) * stride_ch + d[None, :]
-        y1 = _to_cache(o1, cache_ptr, scales_ptr, INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN)
-        y2 = _to_cache(o2, cache_ptr, scales_ptr, INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN)
-        tl.store(cache, y1, mask=mask)
-        tl.store(cache + HALF, y2, mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -191,7 +175,7 @@ def _qk_norm_rope_kernel(
     PDL: tl.constexpr,
 ):
     # Grid (T, q_blocks + kv_blocks): a program rotates BLOCK_H heads of q, or of k (and then
-    # also copies the same heads of v into the cache).
+    # stores them and the same heads of v into the cache).
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -201,32 +185,39 @@ def _qk_norm_rope_kernel(
     if hb < q_blocks:
         _norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr,
-            cos_row, sin_row, q_out_ptr, 0, 0, scales_ptr, token, token, hb * BLOCK_H,
-            num_q_heads, eps, HAS_Q_NORM, False, K_INV, False, False, FP8_MAX, FP8_MANT,
-            FP8_EMIN, HALF, BLOCK_H, BLOCK_HALF,
+            cos_row, sin_row, token, hb * BLOCK_H, num_q_heads, eps, HAS_Q_NORM, HALF, BLOCK_H,
+            BLOCK_HALF,
         )  # fmt: skip
     else:
         head0 = (hb - q_blocks) * BLOCK_H
-        slot = token
-        if STORE_KV:
-            slot = tl.load(loc_ptr + token).to(tl.int64)
-        _norm_rope_heads(
+        k1, k2 = _norm_rope_heads(
             k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr,
-            cos_row, sin_row, k_cache_ptr, stride_kcs, stride_kch, scales_ptr, token, slot,
-            head0, num_kv_heads, eps, HAS_K_NORM, STORE_KV, K_INV, HAS_SCALES, FP8, FP8_MAX,
-            FP8_MANT, FP8_EMIN, HALF, BLOCK_H, BLOCK_HALF,
+            cos_row, sin_row, token, head0, num_kv_heads, eps, HAS_K_NORM, HALF, BLOCK_H,
+            BLOCK_HALF,
         )  # fmt: skip
         if STORE_KV:
+            slot = tl.load(loc_ptr + token).to(tl.int64)
             heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
-            dv = tl.arange(0, BLOCK_DV)
-            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)[None, :]
             heads64 = heads[:, None].to(tl.int64)
-            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv[None, :], mask=mask)
-            dst = v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv[None, :]
+            d = tl.arange(0, BLOCK_HALF)[None, :]
+            mask = (heads < num_kv_heads)[:, None] & (d < HALF)  # [BH, BD/2]
+            # No tuple or starred arguments here: older Triton compilers take neither.
+            k1 = _to_cache(
+                k1, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+            )
+            k2 = _to_cache(
+                k2, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+            )
+            dst = k_cache_ptr + slot * stride_kcs + heads64 * stride_kch + d
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HALF, k2, mask=mask)
+            dv = tl.arange(0, BLOCK_DV)[None, :]
+            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)  # [BH, BDv]
+            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv, mask=mask)
             vals = _to_cache(
                 vals, v_cache_ptr, scales_ptr, V_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
             )
-            tl.store(dst, vals, mask=mask)
+            tl.store(v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv, vals, mask=mask)
 
 
 def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int) -> int:
