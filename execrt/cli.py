@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prefix-cache", dest="prefix_cache", help="prefix cache, none or auto (default: radix)"
     )
+    gen.add_argument(
+        "--flashinfer-prefill",
+        dest="flashinfer_prefill_backend",
+        help="flashinfer's prefill kernels: fa2, fa3 or auto (default: auto, FA3 on sm90)",
+    )
     gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
     gen.add_argument(
@@ -142,9 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument(
         "--shapes", help="bs:new:prefix triples, e.g. 1:8192:0,16:512:2048 (default: the issue's)"
     )
+    ext.add_argument(
+        "--variants", default="auto,fa2,fa3", help="flashinfer prefill variants (default: all)"
+    )
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
+    _add_bench_throughput(bench_sub)
     cache = sub.add_parser(
         "cache",
         help="list the cache (converted GGUF files, the built-in model) or clear it",
@@ -217,7 +226,15 @@ def _add_bench_decode(bench_sub: Any) -> None:
         help="Triton layer kernels in the model: auto is on for CUDA (default: auto)",
     )
     dec.add_argument(
-        "--profile", action="store_true", help="profile the first bs of each mode (default: off)"
+        "--profile",
+        action="store_true",
+        help="profile every bs of each mode: kernels, GPU busy and host time per step "
+        "(default: off)",
+    )
+    dec.add_argument(
+        "--ttft",
+        help="prompt lengths of the time-to-first-token rows, or none "
+        "(default: 8192,32768; --quick: none)",
     )
     dec.add_argument(
         "--quick", action="store_true", help="smoke run: bs 1,32, 8 steps, 1 rep (default: off)"
@@ -229,6 +246,50 @@ def _add_bench_decode(bench_sub: Any) -> None:
     )
 
 
+def _add_bench_throughput(bench_sub: Any) -> None:
+    tp = bench_sub.add_parser(
+        "throughput", help="offline throughput on nano-vllm's workload: tok/s vs roofline"
+    )
+    tp.add_argument("--model", default="qwen3-0.6b", help="model shape (default: qwen3-0.6b)")
+    tp.add_argument(
+        "--configs",
+        default="defaults,tuned",
+        help="named settings: defaults, tuned (256 running, 16k prefill tokens, KV fraction "
+        "0.85), tuned-no-overlap, tuned-flashinfer (default: defaults,tuned)",
+    )
+    tp.add_argument(
+        "--temperatures", default="0.6,0", help="one run per temperature (default: 0.6,0)"
+    )
+    tp.add_argument("--num-seqs", type=int, default=256, help="sequences (default: 256)")
+    tp.add_argument("--attention", default="auto", help="attention backend or auto (default: auto)")
+    tp.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: benchmarks/results)",
+    )
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from execrt.bench import throughput
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise ExecrtError(
+            f"bench throughput: --temperatures {args.temperatures!r} must look like 0.6,0"
+        ) from None
+    opts = throughput.Options(
+        model=args.model,
+        configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
+        temperatures=temperatures,
+        num_seqs=args.num_seqs,
+        attention=args.attention,
+        out_dir=args.out,
+    )
+    throughput.run(opts)
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from execrt.bench import decode
 
@@ -236,6 +297,14 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         sizes = tuple(int(b) for b in args.bs.split(",")) if args.bs else None
     except ValueError:
         raise ExecrtError(f"bench decode: --bs {args.bs!r} must look like 1,8,32") from None
+    ttft: tuple[int, ...] = () if args.quick else decode.DEFAULT_TTFT
+    if args.ttft:
+        try:
+            ttft = () if args.ttft == "none" else tuple(int(n) for n in args.ttft.split(","))
+        except ValueError:
+            raise ExecrtError(
+                f"bench decode: --ttft {args.ttft!r} must look like 8192,32768 or none"
+            ) from None
     opts = decode.Options(
         model=args.model,
         layers=args.layers,
@@ -252,6 +321,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         kv_dtypes=_kv_dtypes("decode", args.kv_dtype),
         reps=1 if args.quick else 2,
         out_dir=args.out,
+        ttft=ttft,
     )
     decode.run(opts)
     return 0
@@ -297,8 +367,13 @@ def cmd_bench_extend(args: argparse.Namespace) -> int:
                 f"bench: --shapes {args.shapes!r} must look like 1:8192:0,16:512:2048"
             ) from None
     backends = args.backends.split(",") if args.backends else None
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = sorted(set(variants) - set(extend.FLASHINFER_VARIANTS))
+    if unknown or not variants:
+        known = ", ".join(extend.FLASHINFER_VARIANTS)
+        raise ExecrtError(f"bench extend: --variants {args.variants!r} unknown (known: {known})")
     try:
-        extend.run(backends, shapes, iters=args.iters, out_dir=args.out)
+        extend.run(backends, shapes, iters=args.iters, variants=variants, out_dir=args.out)
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0
@@ -311,6 +386,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_extend(args)
     if args.bench == "decode":
         return cmd_bench_decode(args)
+    if args.bench == "throughput":
+        return cmd_bench_throughput(args)
     if args.bench == "serve":
         return cmd_bench_serve(args)
     from execrt.bench import attention
@@ -393,6 +470,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "moe_dispatcher",
         "graph_backend",
         "prefix_cache",
+        "flashinfer_prefill_backend",
         "device",
         "dtype",
         "kv_cache_dtype",

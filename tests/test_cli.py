@@ -375,3 +375,14 @@ def test_progress_lines_of_long_operations_reach_stderr(capsys) -> None:
     _show_progress()  # installed once
     logging.getLogger("execrt.progress").info("graph capture: bucket %d of %d", 1, 8)
     assert capsys.readouterr().err == "execrt: graph capture: bucket 1 of 8\n"
+
+
+def test_generate_takes_flashinfer_prefill_variant_into_the_config(capsys) -> None:  # type: ignore[no-untyped-def]
+    args = build_parser().parse_args(["generate", "--flashinfer-prefill", "fa2"])
+    assert args.flashinfer_prefill_backend == "fa2"
+    assert main(["generate", "x", "--flashinfer-prefill", "fa4", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "execrt: error: config: flashinfer_prefill_backend 'fa4' unsupported "
+        "(supported: auto, fa2, fa3)"
+    )

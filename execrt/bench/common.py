@@ -4,10 +4,11 @@ saving results."""
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar, cast
 
@@ -78,6 +79,24 @@ def rank(
         setattr(record, field, value / base if base else 0.0)
 
 
+def release_memory() -> None:
+    """Free what the last engine or buffer left: the objects, then the CUDA allocator's cache
+    (which ``mem_get_info`` counts as used, so the next engine would size its KV pool smaller)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cell(value: float | None, width: int, fmt: str) -> str:
+    """A table cell: ``value`` formatted and right-aligned, "-" when there is none."""
+    return ("-" if value is None else format(value, fmt)).rjust(width)
+
+
+def failure_note(exc: BaseException) -> str:
+    """One line for a record that could not run: the exception's type and first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
 def report(
     records: list[R], format_table: Callable[[Sequence[R]], str], out_dir: str | None, stem: str
 ) -> list[R]:
@@ -99,11 +118,12 @@ def build_attention_backend(
     max_batch_size: int,
     max_context_len: int,
     context: RuntimeContext,
+    options: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """A registered attention backend over a benchmark's own pools (shapes from the cache);
-    RuntimeError with the backend's reasons when it cannot serve them here. ``dtype`` is the
-    model's (None: the cache's, which must then not be fp8)."""
+    """A registered attention backend over a benchmark's own pools (shapes from the cache),
+    with its own ``options``; RuntimeError with the backend's reasons when it cannot serve
+    them here. ``dtype`` is the model's (None: the cache's, which must then not be fp8)."""
     spec = host.registry.get("attention", name)
     d, hkv = kv_cache.head_dim, kv_cache.num_kv_heads
     dtype = dtype or kv_cache.dtype
@@ -128,6 +148,7 @@ def build_attention_backend(
         max_batch_size=max_batch_size,
         max_context_len=max_context_len,
         context=context,
+        options=dict(options or {}),
     )
     backend: AttentionBackend = spec.create(init)
     return backend

@@ -9,13 +9,15 @@ Method (docs/kernels.md, "Decode-step benchmark"):
   ``sample`` replayed S times on it between CUDA events (the K/V of the step lands in the same
   slots each time);
 - peer: transformers ``generate`` on the same weights, DynamicCache (eager), and at bs 1 a static
-  cache with transformers' torch.compile (reduce-overhead), under a time limit.
+  cache with transformers' torch.compile (reduce-overhead), under a time limit;
+- TTFT (``ttft``): one prompt of N tokens, generate 1 token, on an engine of the default
+  sizes (prefill chunks included); its FLOP/s against a bf16 matmul timed in the same run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import gc
 import math
 import os
 import time
@@ -25,13 +27,21 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, report, utc_now
+from execrt.bench.common import (
+    cell,
+    copy_bandwidth_gbps,
+    failure_note,
+    release_memory,
+    report,
+    utc_now,
+)
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
     build_hf_model,
     kv_bytes_per_step,
     model_config,
+    prefill_flops,
     weight_bytes_per_step,
 )
 from execrt.bench.timing import (
@@ -40,6 +50,7 @@ from execrt.bench.timing import (
     difference_timing,
     host_copy_gbps,
     host_hotspots,
+    matmul_tflops,
     profile_run,
     profile_steps,
     step_seconds,
@@ -61,6 +72,8 @@ PREFILL_CHUNK = 16384  # tokens per prefill forward
 PROFILE_STEPS = 5
 HF_MOE_BS = (1, 32)  # transformers' MoE is slow in eager: only these batch sizes ...
 HF_MOE_STEPS = 8  # ... and at most this many steps
+DEFAULT_TTFT = (8192, 32768)  # the CLI's time-to-first-token prompt lengths
+MATMUL_N = 8192  # the peak's matmul: 8192^3 (1.1 TFLOP, about 1.5 ms on an H200)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Options:
     seed: int = 0
     device: str = "cuda"  # "cpu" runs the whole method on tiny shapes (tests)
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
+    ttft: tuple[int, ...] = ()  # prompt lengths of the time-to-first-token rows (bs 1)
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,6 +108,8 @@ class Options:
             problems.append(f"layers {self.layers} must be >= 1")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             problems.append(f"batch sizes {list(self.batch_sizes)} must be integers >= 1")
+        if any(n < 1 for n in self.ttft):
+            problems.append(f"ttft prompt lengths {list(self.ttft)} must be >= 1")
         if self.ctx < 1 or self.steps < 1 or self.reps < 1:
             problems.append(f"ctx {self.ctx}, steps {self.steps}, reps {self.reps} must be >= 1")
         bad = [m for m in self.modes if m not in MODES]
@@ -112,7 +128,7 @@ class Options:
 class Record:
     model: str
     layers: int
-    mode: str  # eager | graph | hf-eager | hf-compile
+    mode: str  # eager | graph | hf-eager | hf-compile | ttft
     path: str  # generate | forward
     bs: int
     ctx: int
@@ -137,6 +153,9 @@ class Record:
     note: str = ""
     profile: dict[str, float] | None = None
     hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
+    prefill_tflops: float | None = None  # ttft: the prompt's FLOPs over the time to 1 token
+    peak_tflops: float | None = None  # ttft: a dense bf16 matmul, timed in the same run
+    pct_peak: float | None = None  # ttft: prefill_tflops / peak_tflops x 100
 
 
 @dataclass
@@ -203,7 +222,7 @@ def run(opts: Options) -> list[Record]:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
     if device.type == "cuda":
         gpu, copy_gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        _release_memory()  # the copy's 4 GiB stay cached otherwise
+        release_memory()  # the copy's 4 GiB stay cached otherwise
     else:
         gpu, copy_gbps = device.type, host_copy_gbps()
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
@@ -212,12 +231,17 @@ def run(opts: Options) -> list[Record]:
     for mode in opts.modes:
         for kv_dtype in opts.kv_dtypes:
             _run_execrt(ctx, mode, kv_dtype)
-            _release_memory()
+            release_memory()
+    if opts.ttft:
+        _run_ttft(ctx)
+        release_memory()
     if opts.hf:
         _run_hf(ctx)
-        _release_memory()
+        release_memory()
     _compare_to_peers(ctx.records)
     _compare_kv_dtypes(ctx.records)
+    if opts.profile:
+        print(format_profiles(ctx.records))
     return report(ctx.records, format_table, opts.out_dir, "decode-step")
 
 
@@ -247,29 +271,31 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
         for bs in opts.batch_sizes:
+            note = failure_note(exc)
             ctx.add(
-                mode, "generate", bs, None, opts.attention, note=_reason(exc),
-                overlap=opts.overlap, kv_dtype=kv_dtype,
+                mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap,
+                kv_dtype=kv_dtype,
             )  # fmt: skip
         return
     attention = _chosen(engine, "attention")
     ov: dict[str, Any] = {
         "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype
     }  # fmt: skip
+    tag = mode if kv_dtype == "auto" else f"{mode}-{kv_dtype}"  # profile trace names
     with engine:
-        for i, bs in enumerate(opts.batch_sizes):
+        for bs in opts.batch_sizes:
             prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)
             try:
                 generate = functools.partial(_generate_s, engine, prompts)
                 t = difference_timing(generate, opts.steps, opts.reps)
                 rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
                 rec.prefill_ms = t.prefill_s * 1e3
-                if opts.profile and i == 0:
-                    _profile_generate(engine, prompts, opts, rec, f"{mode}-generate-bs{bs}")
+                if opts.profile:
+                    _profile_generate(engine, prompts, opts, rec, f"{tag}-generate-bs{bs}")
             except Exception as exc:
-                ctx.add(mode, "generate", bs, None, attention, note=_reason(exc), **ov)
+                ctx.add(mode, "generate", bs, None, attention, note=failure_note(exc), **ov)
             try:
-                label = f"{mode}-bs{bs}" if opts.profile and i == 0 else None
+                label = f"{tag}-bs{bs}" if opts.profile else None
                 fwd = _time_forward(engine, prompts, opts, profile=label)
                 note = "" if fwd.graphed or mode == "eager" else "graph not used"
                 rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note, **ov)
@@ -277,7 +303,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
                     rec.profile = asdict(fwd.profile) | {"gpu_busy_pct": fwd.profile.gpu_busy_pct}
                     print(f"    profile: {fwd.profile.describe()}", flush=True)
             except Exception as exc:
-                ctx.add(mode, "forward", bs, None, attention, note=_reason(exc), **ov)
+                ctx.add(mode, "forward", bs, None, attention, note=failure_note(exc), **ov)
 
 
 def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:
@@ -311,8 +337,10 @@ def _profile_generate(
         _generate_s(engine, prompts, steps, 1)
 
     report = profile_run(run, steps, device, _trace_path(opts, label))
+    host = host_hotspots(run, steps)
+    report = dataclasses.replace(report, host_us_per_step=host.host_us_per_step)
     rec.profile = asdict(report) | {"gpu_busy_pct": report.gpu_busy_pct}
-    rec.hotspots = [(where, round(us, 1)) for where, us in host_hotspots(run, steps)]
+    rec.hotspots = [(where, round(us, 1)) for where, us in host.hotspots]
     print(f"    profile: {report.describe()}", flush=True)
     print("    host hotspots (us/step, own time): " + ", ".join(
         f"{where} {us:.0f}" for where, us in rec.hotspots[:8]
@@ -376,6 +404,93 @@ def _time_forward(
             memory.release(req)
 
 
+# -- time to first token -------------------------------------------------------------------------
+def _run_ttft(ctx: _Context) -> None:
+    """One prompt of each ``ttft`` length, 1 new token, on an engine of the default sizes
+    (its own: a longer context would change the decode engine's split plans); the prompt's
+    FLOPs over that time, against a bf16 matmul timed now."""
+    opts, mc = ctx.opts, ctx.model_config
+    longest = max(opts.ttft)
+    print(f"# time to first token, prompts of {', '.join(map(str, opts.ttft))}", flush=True)
+    peak = matmul_tflops(ctx.device, n=MATMUL_N if ctx.device.type == "cuda" else 128)
+    release_memory()
+    fits = longest + 1 + KV_MARGIN <= mc.max_position_embeddings
+    try:
+        if not fits:
+            raise ExecrtError(f"prompt of {longest} exceeds the model's context")
+        engine = Engine(
+            loader=RandomWeightsLoader(ctx.config, opts.seed),
+            device=opts.device,
+            attention_backend=opts.attention,
+            graph_backend="none",  # prefill runs eagerly in any mode
+            max_running_requests=1,
+            context_len=longest + 1 + KV_MARGIN,
+            kv_cache_tokens=longest + 1 + KV_MARGIN,
+            seed=opts.seed,
+            overlap_schedule=opts.overlap,
+            fused_kernels=opts.fused_kernels,
+        )
+    except Exception as exc:
+        for n in opts.ttft:
+            _add_ttft(ctx, n, None, opts.attention, failure_note(exc), peak)
+        return
+    attention = _chosen(engine, "attention")
+    chunk = engine.worker.limits.max_prefill_tokens
+    with engine:
+        for n in opts.ttft:
+            prompts = _prompts(1, n, mc.vocab_size, opts.seed + n)
+            note = f"{math.ceil(n / chunk)} chunk(s) of <= {chunk}"
+            try:
+                _generate_s(engine, prompts, 1, 1)  # warm-up: kernels for this length
+                seconds = _generate_s(engine, prompts, 1, opts.reps)
+                _add_ttft(ctx, n, seconds, attention, note, peak)
+            except Exception as exc:
+                _add_ttft(ctx, n, None, attention, failure_note(exc), peak)
+
+
+def _add_ttft(
+    ctx: _Context, n: int, seconds: float | None, attention: str, note: str, peak: float
+) -> Record:
+    """A ttft record: ``prefill_ms`` is the time to the first token, its roofline the prompt's
+    FLOPs at the measured matmul rate (``pct_roofline`` = ``pct_peak``)."""
+    opts, flops = ctx.opts, prefill_flops(ctx.model_config, n)
+    roofline_ms = flops / (peak * 1e12) * 1e3
+    achieved = None if seconds is None else flops / seconds / 1e12
+    pct = None if achieved is None else 100 * achieved / peak
+    if achieved is not None:
+        note = f"{achieved:.0f} TFLOP/s, bf16 matmul {peak:.0f}; {note}"
+    rec = Record(
+        model=opts.model,
+        layers=ctx.model_config.num_layers,
+        mode="ttft",
+        path="generate",
+        bs=1,
+        ctx=n,
+        steps=1,
+        step_ms=None,
+        prefill_ms=None if seconds is None else seconds * 1e3,
+        tokens_per_s=None if seconds is None else n / seconds,
+        roofline_ms=roofline_ms,
+        pct_roofline=pct,
+        copy_gbps=ctx.copy_gbps,
+        weight_gb=0.0,
+        kv_gb=0.0,
+        gpu=ctx.gpu,
+        date=ctx.date,
+        attention=attention,
+        overlap=opts.overlap,
+        fused_kernels=opts.fused_kernels,
+        note=note,
+        prefill_tflops=achieved,
+        peak_tflops=peak,
+        pct_peak=pct,
+    )
+    ctx.records.append(rec)
+    shown = "skipped" if seconds is None else f"{rec.prefill_ms:.1f} ms, {pct:.1f}% of peak"
+    print(f"  ttft       {n} tokens: {shown}: {note}", flush=True)
+    return rec
+
+
 # -- transformers, the peer -----------------------------------------------------------------------
 def _run_hf(ctx: _Context) -> None:
     opts, mc = ctx.opts, ctx.model_config
@@ -393,7 +508,7 @@ def _run_hf(ctx: _Context) -> None:
         model = build_hf_model(ctx.config, opts.seed, ctx.device, dtype)
     except Exception as exc:
         for bs in sizes:
-            ctx.add("hf-eager", "generate", bs, None, "hf", steps=steps, note=_reason(exc))
+            ctx.add("hf-eager", "generate", bs, None, "hf", steps=steps, note=failure_note(exc))
         return
     attention = "hf-" + str(getattr(model.config, "_attn_implementation", "?"))
     for bs in sizes:
@@ -403,7 +518,8 @@ def _run_hf(ctx: _Context) -> None:
             rec = ctx.add("hf-eager", "generate", bs, t.step_s, attention, steps=steps, note=t.note)
             rec.prefill_ms = t.prefill_s * 1e3
         except Exception as exc:
-            ctx.add("hf-eager", "generate", bs, None, attention, steps=steps, note=_reason(exc))
+            note = failure_note(exc)
+            ctx.add("hf-eager", "generate", bs, None, attention, steps=steps, note=note)
         del ids
     if 1 in opts.batch_sizes:
         _run_hf_compile(ctx, model, steps, attention)
@@ -436,7 +552,7 @@ def _run_hf_compile(ctx: _Context, model: Any, steps: int, attention: str) -> No
         rec = ctx.add("hf-compile", "generate", 1, t.step_s, attention, steps=steps, note=note)
         rec.prefill_ms = t.prefill_s * 1e3
     except (Exception, TimeLimitExceeded) as exc:
-        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=_reason(exc))
+        ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=failure_note(exc))
         torch.compiler.reset()
 
 
@@ -479,16 +595,6 @@ def _chosen(engine: Engine, kind: str) -> str:
     return (found[0] if found else None) or "none"
 
 
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-
-
-def _release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
     return config if layers is None else config | {"num_hidden_layers": layers}
 
@@ -517,10 +623,25 @@ def _compare_kv_dtypes(records: list[Record]) -> None:
             r.vs_kv_auto = r.step_ms / base
 
 
-def format_table(records: Sequence[Record]) -> str:
-    def num(value: float | None, width: int, fmt: str) -> str:
-        return ("-" if value is None else format(value, fmt)).rjust(width)
+def format_profiles(records: Sequence[Record]) -> str:
+    """Per profiled configuration: kernels, launch calls, GPU busy, wall and host per step."""
+    lines = [
+        f"{'mode':<10} {'path':<8} {'bs':>4} {'kernels':>8} {'launches':>8} {'GPU ms':>8} "
+        f"{'wall ms':>8} {'host us':>8}   (per step, profiler on)"
+    ]
+    for r in records:
+        if not r.profile:
+            continue
+        p, host = r.profile, r.profile.get("host_us_per_step")
+        lines.append(
+            f"{r.mode:<10} {r.path:<8} {r.bs:>4} {p['kernels_per_step']:>8.0f} "
+            f"{p['launch_calls_per_step']:>8.0f} {p['gpu_busy_ms_per_step']:>8.3f} "
+            f"{p['wall_ms_per_step']:>8.3f} {'-' if host is None else f'{host:.0f}':>8}"
+        )
+    return "\n".join(lines)
 
+
+def format_table(records: Sequence[Record]) -> str:
     lines = [
         f"{'mode':<10} {'path':<8} {'kv':<8} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>8} "
         f"{'prefill':>8} {'roof ms':>7} {'%roof':>6} {'vs hf':>6} {'vs hf-c':>7} "
@@ -529,10 +650,10 @@ def format_table(records: Sequence[Record]) -> str:
     for r in records:
         lines.append(
             f"{r.mode:<10} {r.path:<8} {r.kv_dtype:<8} {r.bs:>4} {r.ctx:>5} "
-            f"{num(r.step_ms, 8, '.3f')} "
-            f"{num(r.tokens_per_s, 8, '.0f')} {num(r.prefill_ms, 8, '.1f')} "
-            f"{r.roofline_ms:>7.3f} {num(r.pct_roofline, 6, '.1f')} "
-            f"{num(r.vs_hf_eager, 6, '.2f')} {num(r.vs_hf_compile, 7, '.2f')} "
-            f"{num(r.vs_kv_auto, 6, '.2f')}  {r.note}"
+            f"{cell(r.step_ms, 8, '.3f')} "
+            f"{cell(r.tokens_per_s, 8, '.0f')} {cell(r.prefill_ms, 8, '.1f')} "
+            f"{r.roofline_ms:>7.3f} {cell(r.pct_roofline, 6, '.1f')} "
+            f"{cell(r.vs_hf_eager, 6, '.2f')} {cell(r.vs_hf_compile, 7, '.2f')} "
+            f"{cell(r.vs_kv_auto, 6, '.2f')}  {r.note}"
         )
     return "\n".join(lines)

@@ -4,22 +4,37 @@ Every request has ``prefix`` cached tokens and ``new`` tokens to prefill; all of
 random slots of a page-size-1 cache (a random permutation, so no two neighbouring tokens are
 neighbours in memory). Registered backends run ``attend`` over that cache, timed
 eagerly with CUDA events (each call is a millisecond-scale kernel, far above launch cost),
-layers rotated so consecutive calls do not find their K/V in L2. The ``sdpa`` peer is torch's
-``scaled_dot_product_attention`` on contiguous ``[bs, Hq, L, D]`` copies of the same K/V (kv
-heads expanded to Hq, copies made outside the timing) with a bottom-right-aligned causal
-mask (``causal_lower_right``), which torch runs with its flash kernel.
+layers rotated so consecutive calls do not find their K/V in L2.
+
+``flashinfer`` runs once per prefill variant: ``auto`` (FlashInfer's own choice, FA3 on sm90),
+``fa2``, ``fa3``. The backend's ``attend`` is FlashInfer's planned paged-prefill wrapper
+``run``, so these records are FlashInfer's prefill; ``vs_flashinfer`` is over the best of them.
+The ``sdpa`` peer is torch's ``scaled_dot_product_attention`` on contiguous ``[bs, Hq, L, D]``
+copies of the same K/V (kv heads expanded to Hq, copies made outside the timing) with a
+bottom-right-aligned causal mask (``causal_lower_right``), which torch runs with its flash
+kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from execrt.bench.common import build_attention_backend, median_us, rank, report, utc_now
+from execrt.bench.common import (
+    build_attention_backend,
+    cell,
+    failure_note,
+    median_us,
+    rank,
+    report,
+    utc_now,
+)
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -34,6 +49,8 @@ from execrt.plugins.host import PluginHost
 DEFAULT_SHAPES = ((1, 8192, 0), (4, 2048, 0), (16, 512, 2048), (64, 128, 1024), (8, 1024, 8192))
 DEFAULT_BACKENDS = ("triton", "flashinfer", "sdpa")
 SDPA = "sdpa"
+FLASHINFER = "flashinfer"
+FLASHINFER_VARIANTS = ("auto", "fa2", "fa3")  # its prefill_backend option
 L2_BYTES = 60 << 20
 
 
@@ -43,11 +60,11 @@ class Record:
     bs: int
     new: int
     prefix: int
-    ms: float
-    tflops: float
+    ms: float | None  # None: it could not run here (``note`` says why)
+    tflops: float | None
     vs_best_peer: float  # over the row's best TFLOP/s, itself included (as in bench attention)
-    vs_flashinfer: float  # over flashinfer's TFLOP/s (issue 16's target); 0 without flashinfer
-    max_rel_err: float
+    vs_flashinfer: float  # over the best flashinfer variant's TFLOP/s; 0 without flashinfer
+    max_rel_err: float | None
     timed_on: str  # "paged cache" or "contiguous K/V"
     gpu: str
     date: str
@@ -55,6 +72,9 @@ class Record:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    variant: str = ""  # flashinfer: the prefill variant asked for (auto, fa2, fa3)
+    build_s: float | None = None  # building the backend (a first FlashInfer start: its JIT)
+    note: str = ""  # what ran ("auto runs fa3") or why nothing did
 
 
 def causal_flops(bs: int, new: int, prefix: int, num_q_heads: int, head_dim: int) -> float:
@@ -150,9 +170,14 @@ def time_calls(calls: Sequence[Callable[[], object]], iters: int, reps: int) -> 
 
 
 def backend_calls(
-    host: PluginHost, name: str, p: ExtendProblem, context: RuntimeContext
+    host: PluginHost,
+    name: str,
+    p: ExtendProblem,
+    context: RuntimeContext,
+    options: Mapping[str, Any] | None = None,
 ) -> tuple[list[Callable[[], torch.Tensor]], AttentionBackend]:
-    """One ``attend`` call per layer of a registered backend, planned once."""
+    """One ``attend`` call per layer of a registered backend (with its ``options``), planned
+    once."""
     backend = build_attention_backend(
         host,
         name,
@@ -162,6 +187,7 @@ def backend_calls(
         max_batch_size=p.bs,
         max_context_len=p.ctx,
         context=context,
+        options=options,
     )
     fb = p.forward_batch()
     step = AttentionStep(backend, backend.plan(fb), fb.out_cache_loc, fb.mode)
@@ -217,9 +243,12 @@ def run(
     dtype: torch.dtype = torch.bfloat16,
     iters: int = 10,
     reps: int = 5,
+    variants: Sequence[str] = FLASHINFER_VARIANTS,
     out_dir: str | None = "benchmarks/results",
 ) -> list[Record]:
-    """Benchmark every requested backend on every shape; print a table; save JSON."""
+    """Benchmark every requested backend (flashinfer in each of ``variants``) on every shape;
+    print a table; save JSON. A backend or variant that cannot build or run here is recorded
+    with the reason and the run goes on."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench extend: needs a CUDA device")
     host = PluginHost()
@@ -232,30 +261,17 @@ def run(
         p = ExtendProblem(bs, new, prefix, num_q_heads, num_kv_heads, head_dim, dtype)
         row = []
         for name in names:
-            context = RuntimeContext()
-            try:
-                if name == SDPA:
-                    ms, err = measure(sdpa_calls(p), p, iters, reps)
-                else:
-                    calls, backend = backend_calls(host, name, p, context)
-                    ms, err = measure(calls, p, iters, reps)
-                    backend.close()
-            except Exception as exc:  # report it and keep benchmarking the rest
-                print(f"  {name:<12} {bs}x{new}+{prefix} skipped: {exc}")
-                continue
-            finally:
-                context.close()
-            row.append(
-                Record(
+            for variant in variants if name == FLASHINFER else ("",):
+                record = Record(
                     backend=name,
                     bs=bs,
                     new=new,
                     prefix=prefix,
-                    ms=ms,
-                    tflops=p.flops / (ms * 1e-3) / 1e12,
+                    ms=None,
+                    tflops=None,
                     vs_best_peer=0.0,
                     vs_flashinfer=0.0,
-                    max_rel_err=err,
+                    max_rel_err=None,
                     timed_on="contiguous K/V" if name == SDPA else "paged cache",
                     gpu=gpu,
                     date=date,
@@ -263,26 +279,66 @@ def run(
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
                     dtype=str(dtype).replace("torch.", ""),
+                    variant=variant,
                 )
-            )
-        rank(row, "tflops")
-        flashinfer = next((r.tflops for r in row if r.backend == "flashinfer"), 0.0)
-        rank(row, "tflops", "vs_flashinfer", against=flashinfer)
+                time_into(record, host, p, iters, reps)
+                row.append(record)
+        rank_row(row)
         records += row
         del p
         torch.cuda.empty_cache()
     return report(records, format_table, out_dir, "extend")
 
 
+def rank_row(row: Sequence[Record]) -> None:
+    """Set ``vs_best_peer`` and ``vs_flashinfer`` (over the best flashinfer variant) of one
+    shape's records; those that did not run keep 0."""
+    timed = [r for r in row if r.tflops is not None]
+    rank(timed, "tflops")
+    best_fi = max((r.tflops or 0.0 for r in timed if r.backend == FLASHINFER), default=0.0)
+    rank(timed, "tflops", "vs_flashinfer", against=best_fi)
+
+
+def time_into(record: Record, host: PluginHost, p: ExtendProblem, iters: int, reps: int) -> None:
+    """Time ``record``'s backend (or variant) on ``p`` into it; a failure goes to its note."""
+    name, context = record.backend, RuntimeContext()
+    label = f"{name}[{record.variant}]" if record.variant else name
+    try:
+        if name == SDPA:
+            ms, err = measure(sdpa_calls(p), p, iters, reps)
+        else:
+            options = {"prefill_backend": record.variant} if record.variant else None
+            start = time.perf_counter()
+            calls, backend = backend_calls(host, name, p, context, options)
+            record.build_s = time.perf_counter() - start
+            chosen = getattr(backend, "prefill_variant", record.variant)
+            if chosen != record.variant:
+                record.note = f"{record.variant} runs {chosen}"
+            ms, err = measure(calls, p, iters, reps)
+            backend.close()
+    except Exception as exc:  # report it and keep benchmarking the rest
+        record.note = failure_note(exc)
+        print(f"  {label:<16} {p.bs}x{p.new}+{p.prefix} skipped: {record.note}", flush=True)
+        return
+    finally:
+        context.close()
+    record.ms, record.max_rel_err = ms, err
+    record.tflops = p.flops / (ms * 1e-3) / 1e12
+
+
 def format_table(records: Sequence[Record]) -> str:
-    """One line per (shape, backend): TFLOP/s over the row's best backend and over flashinfer."""
+    """One line per (shape, backend, variant): TFLOP/s over the row's best backend and over
+    the best flashinfer variant."""
+
     lines = [
-        f"{'backend':<12} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} {'TFLOP/s':>8} "
-        f"{'vs best':>7} {'vs fi':>6} {'rel err':>8}"
+        f"{'backend':<12} {'variant':<7} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} "
+        f"{'TFLOP/s':>8} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7}  note"
     ]
     for r in records:
         lines.append(
-            f"{r.backend:<12} {r.bs:>4} {r.new:>6} {r.prefix:>6} {r.ms:>8.3f} {r.tflops:>8.1f} "
-            f"{r.vs_best_peer:>7.2f} {r.vs_flashinfer:>6.2f} {r.max_rel_err:>8.1e}"
+            f"{r.backend:<12} {r.variant:<7} {r.bs:>4} {r.new:>6} {r.prefix:>6} "
+            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {r.vs_best_peer:>7.2f} "
+            f"{r.vs_flashinfer:>6.2f} {cell(r.max_rel_err, 8, '.1e')} {cell(r.build_s, 7, '.1f')}"
+            f"  {r.note}"
         )
     return "\n".join(lines)

@@ -286,3 +286,22 @@ def kv_bytes_per_step(config: ModelConfig, batch_size: int, ctx: int, dtype_byte
     """K and V bytes the attention of one decode step reads: bs × ctx × layers × 2 × Hkv × D."""
     c = config
     return batch_size * ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+
+
+# -- the FLOPs one prefill must do ---------------------------------------------------------------
+def prefill_flops(config: ModelConfig, tokens: int) -> float:
+    """FLOPs of prefilling one prompt of ``tokens`` from scratch: 2 per weight of every layer's
+    linear maps per token (MoE: the router and ``top_k`` experts), the causal attention (two
+    GEMMs over the visible (query, key) pairs), and the LM head for the last token only."""
+    from execrt.bench.extend import causal_flops
+
+    per_token = 0.0
+    for name, shape in checkpoint_shapes(config).items():
+        if not name.startswith("model.layers.") or len(shape) < 2:
+            continue
+        n = float(math.prod(shape))
+        if ".mlp.experts." in name:
+            n *= config.top_k / config.num_experts
+        per_token += 2 * n
+    attention = config.num_layers * causal_flops(1, tokens, 0, config.num_q_heads, config.head_dim)
+    return per_token * tokens + attention + 2.0 * config.vocab_size * config.hidden_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +29,9 @@ class StepProfile:
     graph_launches_per_step: float
     gpu_busy_ms_per_step: float  # union of GPU activity intervals
     wall_ms_per_step: float
+    # Host time per step: the forward path's from a step started on an idle GPU (profiler
+    # off); a whole generate's from cProfile, waits for the GPU excluded (profiler on).
+    host_us_per_step: float | None = None
 
     @property
     def gpu_busy_pct(self) -> float:
@@ -37,24 +42,40 @@ class StepProfile:
         )
 
     def describe(self) -> str:
+        host = "" if self.host_us_per_step is None else f", host {self.host_us_per_step:.0f} us"
         return (
             f"{self.kernels_per_step:.0f} kernels/step, {self.launch_calls_per_step:.0f} launch "
             f"calls/step ({self.graph_launches_per_step:.0f} graph), GPU busy "
             f"{self.gpu_busy_ms_per_step:.3f} of {self.wall_ms_per_step:.3f} ms wall "
-            f"({self.gpu_busy_pct:.0f}%, profiler on)"
+            f"({self.gpu_busy_pct:.0f}%, profiler on){host}"
         )
 
 
 def profile_steps(
     step: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None
 ) -> StepProfile:
-    """Run ``step`` ``steps`` times under torch.profiler; save a Chrome trace when asked."""
+    """Run ``step`` ``steps`` times under torch.profiler (save a Chrome trace when asked),
+    then time the host's part of a step (:func:`host_us_per_call`) with the profiler off."""
 
     def run() -> None:
         for _ in range(steps):
             step()
 
-    return profile_run(run, steps, device, trace_path)
+    report = profile_run(run, steps, device, trace_path)
+    return dataclasses.replace(report, host_us_per_step=host_us_per_call(step, steps, device))
+
+
+def host_us_per_call(step: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Median µs until ``step()`` returns, each call started on an idle device: the host's
+    own work and launches (a sync inside the step shows up as the device's time)."""
+    samples = []
+    for _ in range(calls):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    synchronize(device)
+    return statistics.median(samples) * 1e6
 
 
 def profile_run(
@@ -91,9 +112,19 @@ def profile_run(
     )
 
 
-def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> list[tuple[str, float]]:
+class HostProfile(NamedTuple):
+    hotspots: list[tuple[str, float]]  # (where, µs per step), most first
+    host_us_per_step: float  # every function's own time but waits for the device
+
+
+#: cProfile entries that are the host waiting (for the GPU, a copy, a thread), not working
+WAITS = ("synchronize", "wait", "sleep")
+
+
+def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> HostProfile:
     """The Python functions where ``run`` spends its own host time, as (where, µs per step),
-    most first (cProfile ``tottime``: time in the function itself, callees excluded)."""
+    most first (cProfile ``tottime``: time in the function itself, callees excluded), and
+    their sum per step without the functions that wait (``WAITS``)."""
     import cProfile
     import pstats
 
@@ -108,7 +139,8 @@ def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> list[
     for (path, line, name), (_, _, tottime, _, _) in stats.items():
         rows.append((f"{os.path.basename(path)}:{line}({name})", tottime / steps * 1e6))
     rows.sort(key=lambda r: -r[1])
-    return rows[:top]
+    working = sum(us for where, us in rows if not any(w in where for w in WAITS))
+    return HostProfile(rows[:top], working)
 
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
@@ -198,3 +230,17 @@ def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best / 1e9
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10, reps: int = 5) -> float:
+    """The dense matmul rate of ``device`` now, TFLOP/s: an ``n``-cube product (2·n³ FLOP) in
+    bf16 on CUDA (fp32 on CPU, whose bf16 matmul is emulated), median of ``reps``."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=g)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=g)
+    c = torch.empty(n, n, dtype=dtype, device=device)
+    for _ in range(3):  # cuBLAS heuristics, clocks
+        torch.mm(a, b, out=c)
+    seconds = step_seconds(lambda: torch.mm(a, b, out=c), iters, reps, device)
+    return 2 * n**3 / seconds / 1e12

@@ -9,6 +9,7 @@ construct each part from the resolved record. ModelRunner only holds what they r
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from execrt.core.interfaces import (
     AttentionBackendInit,
     AttentionCapabilities,
     AttentionRequirements,
+    Capabilities,
     GraphBackend,
     GraphBackendInit,
     GraphCapabilities,
@@ -39,9 +41,21 @@ from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
 from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 << 20
 MAX_GRAPH_BS = 512  # largest decode bucket captured unless cuda_graph_max_bs says otherwise
+# The automatic sizes (0 in the config). On CUDA, as vLLM (90% of the GPU) and SGLang (~88%)
+# do: the KV pool takes the free memory after the weights but a headroom for activations (a
+# prefill of max_prefill_tokens), CUDA graphs and workspaces; running requests go up to the
+# largest graph bucket, fewer when the pool holds fewer requests of a typical length.
+CPU_RUNNING_REQUESTS = 32
+TYPICAL_REQUEST_TOKENS = 1024
+CUDA_PREFILL_TOKENS = 16384
+PREFILL_TOKENS = 4096  # CPU, and MoE models (expert-parallel dispatch buffers grow with it)
+KV_HEADROOM_FRACTION = 0.10  # of the GPU's memory, kept out of an automatic KV pool
+KV_HEADROOM_MIN_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,9 @@ class ResolvedRuntime:
     moe_dispatch: Resolution
     graph: Resolution
     report: ResolutionReport
+    # max_running_requests is the automatic ceiling, lowered by fit_running_requests to what
+    # the KV pool holds once its size is known (after the weights load).
+    running_fits_kv: bool = False
 
     @property
     def strict(self) -> bool:
@@ -131,6 +148,8 @@ def resolve_runtime(
     context_len = min(
         config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
+    auto_running = config.max_running_requests == 0
+    config = resolve_sizes(config, spec, device, context_len)
     check_before_load(config, local, device, kv_dtype, context_len)  # before any weight loads
     partial = ResolvedRuntime(
         config=config,
@@ -146,6 +165,7 @@ def resolve_runtime(
         moe_dispatch=Resolution("moe_dispatch", config.moe_dispatcher, None),
         graph=Resolution("graph", config.graph_backend, None),
         report=ResolutionReport(),
+        running_fits_kv=auto_running and device.type == "cuda" and not config.kv_cache_tokens,
     )
     strict = config.strict
     if spec.is_moe:
@@ -170,6 +190,50 @@ def resolve_runtime(
     return _with_graph(resolved, registry)
 
 
+def resolve_sizes(
+    config: RuntimeConfig, spec: ModelSpec, device: torch.device, context_len: int
+) -> RuntimeConfig:
+    """``config`` with automatic (0) ``max_running_requests`` and ``max_prefill_tokens``
+    resolved for ``device``: on CPU 32 and 4096; on CUDA 16384 prefill tokens (4096 for MoE
+    models) and running requests up to the largest graph bucket, or as many typical requests
+    as an explicit ``kv_cache_tokens`` holds. An automatic KV pool is sized after the weights
+    load, and ``fit_running_requests`` fits the running requests to it then."""
+    cuda = device.type == "cuda"
+    prefill = config.max_prefill_tokens
+    if not prefill:
+        prefill = CUDA_PREFILL_TOKENS if cuda and not spec.is_moe else PREFILL_TOKENS
+    running = config.max_running_requests
+    if not running:
+        running = CPU_RUNNING_REQUESTS
+        if cuda:
+            running = config.cuda_graph_max_bs or MAX_GRAPH_BS
+            if config.kv_cache_tokens:
+                running = running_for_slots(running, config.kv_cache_tokens, context_len)
+    if (running, prefill) != (config.max_running_requests, config.max_prefill_tokens):
+        logger.info("auto sizes: max_running_requests %d, max_prefill_tokens %d", running, prefill)
+    return config.replace(max_running_requests=running, max_prefill_tokens=prefill)
+
+
+def running_for_slots(ceiling: int, slots: int, context_len: int) -> int:
+    """Running requests for a pool of ``slots``: as many requests of a typical length
+    (``TYPICAL_REQUEST_TOKENS``, or the whole context when shorter) as it holds, 1 to
+    ``ceiling``."""
+    return max(1, min(ceiling, slots // min(context_len, TYPICAL_REQUEST_TOKENS)))
+
+
+def fit_running_requests(resolved: ResolvedRuntime, kv_tokens: int) -> ResolvedRuntime:
+    """``resolved`` with automatic running requests fitted to a KV pool of ``kv_tokens``
+    (unchanged when they were set, or fitted already)."""
+    if not resolved.running_fits_kv:
+        return resolved
+    cfg = resolved.config
+    running = running_for_slots(cfg.max_running_requests, kv_tokens, resolved.context_len)
+    logger.info("auto sizes: %d KV slots hold max_running_requests %d", kv_tokens, running)
+    return dataclasses.replace(
+        resolved, config=cfg.replace(max_running_requests=running), running_fits_kv=False
+    )
+
+
 def _kv_note(resolved: ResolvedRuntime) -> str:
     """What the report says of a KV cache dtype asked for by name."""
     name = str(resolved.kv_dtype).removeprefix("torch.")
@@ -188,7 +252,9 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
         registry.get("graph", requested)  # an unknown name fails as "not registered"
     blockers = []
     for res in (resolved.attention, resolved.moe_dispatch):
-        if res.chosen is not None and not registry.get(res.kind, res.chosen).capabilities.graph:  # type: ignore[attr-defined]
+        if res.chosen is not None and not getattr(
+            registry.get(res.kind, res.chosen).capabilities, "graph", False
+        ):
             blockers.append(f"{res.kind} backend {res.chosen!r} is not graph-capable")
     if blockers and requested != NO_GRAPH:
         if requested != "auto" or config.strict and resolved.device.type == "cuda":
@@ -219,7 +285,7 @@ def _build(
     registry: BackendRegistry,
     resolution: Resolution,
     requirements: object,
-    make_init: Callable[[BackendSpec], object],
+    make_init: Callable[[BackendSpec[Capabilities]], object],
     strict: bool,
 ) -> tuple[object, Resolution]:
     """Build the resolved choice; under "auto" (not strict) a constructor that fails falls
@@ -252,11 +318,9 @@ def build_moe_dispatcher(
 ) -> tuple[MoEDispatcher, Resolution]:
     spec = resolved.spec
 
-    def make_init(backend: BackendSpec) -> MoEDispatcherInit:
-        caps = backend.capabilities
-        assert isinstance(caps, MoEDispatcherCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> MoEDispatcherInit:
         return MoEDispatcherInit(
-            capabilities=caps,
+            capabilities=backend.narrowed(MoEDispatcherCapabilities).capabilities,
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             hidden_size=spec.hidden_size,
@@ -282,17 +346,16 @@ def build_attention(
     req_to_token_pool: object,
     context: RuntimeContext,
 ) -> tuple[AttentionBackend, Resolution]:
-    def make_init(backend: BackendSpec) -> AttentionBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, AttentionCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> AttentionBackendInit:
         return AttentionBackendInit.over_cache(
-            caps,
+            backend.narrowed(AttentionCapabilities).capabilities,
             kv_cache,
             req_to_token_pool,  # type: ignore[arg-type]
             num_q_heads=resolved.local_spec.num_q_heads,
             max_batch_size=resolved.config.max_running_requests,
             context=context,
             dtype=resolved.dtype,
+            options=resolved.config.backend_options(backend.name),
         )
 
     built, res = _build(
@@ -314,9 +377,8 @@ def build_graph_backend(
 ) -> tuple[GraphBackend, Resolution]:
     provider = dispatcher.graph_resource_provider() if dispatcher is not None else None
 
-    def make_init(backend: BackendSpec) -> GraphBackendInit:
-        caps = backend.capabilities
-        assert isinstance(caps, GraphCapabilities)
+    def make_init(backend: BackendSpec[Capabilities]) -> GraphBackendInit:
+        caps = backend.narrowed(GraphCapabilities).capabilities
         return GraphBackendInit(caps, resolved.device, context, provider)
 
     built, res = _build(
@@ -334,11 +396,30 @@ def graph_max_bs(resolved: ResolvedRuntime) -> int:
     return min(cfg.cuda_graph_max_bs or MAX_GRAPH_BS, cfg.max_running_requests)
 
 
+def gpu_memory(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of the GPU ``device`` now. Free counts what torch's caching
+    allocator holds unused (a closed engine's KV pool, say): it hands that out first, but the
+    driver reports it as taken."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached), int(total)
+
+
+def kv_budget_bytes(free: int, total: int, fraction: float) -> int:
+    """The bytes of an automatic KV pool on a GPU with ``free`` of ``total`` bytes free after
+    the weights: ``fraction`` of the free memory, or with 0 (auto) all of it but a headroom
+    of ``KV_HEADROOM_FRACTION`` of the GPU (at least ``KV_HEADROOM_MIN_BYTES``)."""
+    if fraction:
+        return int(free * fraction)
+    headroom = max(int(total * KV_HEADROOM_FRACTION), KV_HEADROOM_MIN_BYTES)
+    return max(0, free - headroom)
+
+
 def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
     """KV slots: ``kv_cache_tokens`` when set, else every request at full context, capped by
-    a share of free GPU memory (a fixed budget on CPU) counted in bytes of the storage dtype
-    (an fp8 cache fits twice the tokens of a bf16 one). The same on every rank (the
-    smallest), since every rank runs the same schedule."""
+    the free GPU memory left after the weights (``kv_budget_bytes``; a fixed budget on CPU),
+    counted in bytes of the storage dtype (an fp8 cache fits twice the tokens of a bf16 one).
+    The same on every rank (the smallest), since every rank runs the same schedule."""
     cfg = resolved.config
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
@@ -347,8 +428,7 @@ def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
         s.num_layers, s.num_kv_heads, s.head_dim, resolved.kv_dtype
     )
     if resolved.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(resolved.device)
-        budget = int(free * cfg.kv_cache_memory_fraction)
+        budget = kv_budget_bytes(*gpu_memory(resolved.device), cfg.kv_cache_memory_fraction)
     else:
         budget = cpu_kv_budget(
             CPU_KV_BUDGET_BYTES, per_token, resolved.context_len, available_memory(resolved.device)

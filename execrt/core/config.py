@@ -21,6 +21,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch elsewhere
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
+FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), else FA2
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -43,6 +44,10 @@ class RuntimeConfig:
     measure its overhead. ``kv_cache_dtype`` stores K/V in the model's dtype (``auto``) or in
     fp8 (``fp8_e4m3``, ``fp8_e5m2``: twice the tokens in the same memory). ``strict`` turns
     any automatic fallback into an error.
+
+    Sizes of 0 are "auto": chosen for the device by ``core.assembly`` (e.g. running requests
+    and the KV pool from GPU memory, small fixed sizes on CPU). A key ``<backend>_<option>``
+    (``flashinfer_prefill_backend``) reaches only that backend, as ``options[<option>]``.
     """
 
     model: str | None = None
@@ -51,15 +56,16 @@ class RuntimeConfig:
     graph_backend: str = "auto"
     prefix_cache: str = "radix"
     prefix_cache_force_miss: bool = False
+    flashinfer_prefill_backend: str = "auto"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
-    max_running_requests: int = 32
+    max_running_requests: int = 0
     kv_cache_tokens: int = 0
-    kv_cache_memory_fraction: float = 0.5
+    kv_cache_memory_fraction: float = 0.0
     kv_cache_dtype: str = "auto"
     context_len: int = 0
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 0
     seed: int = 0
     cuda_graph_max_bs: int = 0
     cuda_graph_bs: str = ""
@@ -82,26 +88,30 @@ class RuntimeConfig:
             raise ConfigError(
                 f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
             )
-        positive = ("max_running_requests", "max_prefill_tokens", "tp_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "context_len", "cuda_graph_max_bs", "ep_size"):
+        if self.tp_size < 1:
+            raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}")
+        auto_sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_tokens")
+        for name in (*auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
                 )
         if self.seed < 0:  # 0 is a seed like any other
             raise ConfigError(f"config: seed must be >= 0, got {self.seed}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+        if not 0.0 <= self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError(
-                "config: kv_cache_memory_fraction must be in (0, 0.95], "
+                "config: kv_cache_memory_fraction must be in [0, 0.95] (0 = auto), "
                 f"got {self.kv_cache_memory_fraction}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"config: kv_cache_dtype {self.kv_cache_dtype!r} unsupported "
                 f"(supported: {', '.join(KV_CACHE_DTYPES)})"
+            )
+        if self.flashinfer_prefill_backend not in FLASHINFER_PREFILL:
+            raise ConfigError(
+                f"config: flashinfer_prefill_backend {self.flashinfer_prefill_backend!r} "
+                f"unsupported (supported: {', '.join(FLASHINFER_PREFILL)})"
             )
         if self.fused_kernels not in FUSED_KERNELS:
             raise ConfigError(
@@ -141,6 +151,15 @@ class RuntimeConfig:
                 )
             if str(f.type) == "float":
                 object.__setattr__(self, f.name, float(getattr(self, f.name)))
+
+    def backend_options(self, name: str) -> dict[str, Any]:
+        """The settings of backend ``name``: keys ``<name>_<option>`` as ``{option: value}``."""
+        prefix = f"{name}_"
+        return {
+            f.name[len(prefix) :]: getattr(self, f.name)
+            for f in fields(self)
+            if f.name.startswith(prefix)
+        }
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         """A new config with ``changes`` applied (validated like any other)."""

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from execrt.core.errors import ResourceError
 
@@ -73,7 +73,7 @@ class RuntimeContext:
     ) -> T:
         """The resource under ``name``, creating and registering it on first use."""
         if name in self._records:
-            return self._records[name].obj
+            return cast(T, self._records[name].obj)
         return self.register(name, factory(), owner=owner, close=close)
 
     def has(self, name: str) -> bool:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 from execrt.core.kv_quant import FP8_DTYPES as FP8_DTYPES  # the fp8 cache dtypes, re-exported
 from execrt.core.step import ForwardMode
@@ -32,6 +33,10 @@ class Capabilities:
     """Base of the frozen capability records: a backend's claims, readable before it is built."""
 
     kind: ClassVar[str]
+
+    def refusals(self, req: Any) -> list[str]:
+        """Reasons this backend cannot serve ``req``, its kind's requirements (empty: it can)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no refusals")
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -149,6 +154,8 @@ class AttentionBackendInit:
     max_batch_size: int
     max_context_len: int
     context: RuntimeContext
+    # This backend's own settings: config keys "<name>_<option>" as {option: value}.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def over_cache(
@@ -161,6 +168,7 @@ class AttentionBackendInit:
         max_batch_size: int,
         context: RuntimeContext,
         dtype: torch.dtype | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> AttentionBackendInit:
         """The init record of a backend over ``kv_cache`` and ``req_to_token_pool``: head
         counts, dims, layers and device come from the cache, the context length from the pool.
@@ -182,7 +190,13 @@ class AttentionBackendInit:
             max_batch_size=max_batch_size,
             max_context_len=req_to_token_pool.max_context_len,
             context=context,
+            options=dict(options or {}),
         )
+
+
+#: This step's ``(k [T, Hkv, D], v [T, Hkv, Dv])``, handed to a backend that stores K/V
+#: itself (``stores_kv``); None for every other backend.
+KV = tuple[torch.Tensor, torch.Tensor] | None
 
 
 @dataclass(frozen=True)
@@ -235,12 +249,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         """Attention of this step's queries over their requests' cached context.
 
         ``q [T, Hq, D]`` in the model dtype (``init.dtype``) -> ``[T, Hq, Dv]`` in q's dtype.
@@ -512,13 +522,22 @@ class GraphBackend(ABC):
         yield
 
     @abstractmethod
-    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any: ...
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        """Record ``fn`` (no arguments; it reads static tensors) for ``key`` and return its
+        static output objects. Runs inside ``capture_session()``; warms ``fn`` up first, as a
+        real capture needs. Raises ValueError for a ``key`` captured already (cleanup first)."""
 
     @abstractmethod
-    def replay(self, key: ShapeKey) -> Any: ...
+    def replay(self, key: ShapeKey) -> Any:
+        """Re-run ``key``'s recording over the current contents of its static inputs and return
+        the objects ``capture`` returned, overwritten in place. KeyError, naming the captured
+        keys, for a key never captured."""
 
     @abstractmethod
-    def has(self, key: ShapeKey) -> bool: ...
+    def has(self, key: ShapeKey) -> bool:
+        """Whether ``key`` is captured (and not cleaned up)."""
 
     @abstractmethod
-    def cleanup(self) -> None: ...
+    def cleanup(self) -> None:
+        """Synchronise, drop every recording and close owned resources. Idempotent; a later
+        capture starts a new generation."""

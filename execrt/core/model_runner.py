@@ -86,6 +86,9 @@ class ModelRunner:
             )
         )
         kv_tokens = assembly.kv_cache_tokens(r)
+        # Automatic running requests fit the pool, now that its size is known.
+        r = self.resolved = assembly.fit_running_requests(r, kv_tokens)
+        self.config, self.max_running_requests = r.config, r.config.max_running_requests
         s = r.local_spec
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, r.context_len, r.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, r.device)

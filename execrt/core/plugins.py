@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import pluggy
 
@@ -60,9 +60,14 @@ class Hookspecs:
         """
 
 
+C = TypeVar("C", bound=Capabilities)
+N = TypeVar("N", bound=Capabilities)
+
+
 @dataclass(frozen=True)
-class BackendSpec:
-    """A registered backend: what it claims and how to build it (lazily).
+class BackendSpec(Generic[C]):
+    """A registered backend: what it claims (its kind's capability record ``C``) and how to
+    build it (lazily).
 
     ``factory`` is ``"module:attr"`` (imported on first use) or a callable taking the kind's
     init record. ``requires`` lists modules that must be importable. ``check`` adds refusals
@@ -75,7 +80,7 @@ class BackendSpec:
     kind: str
     name: str
     factory: str | Callable[[Any], Any]
-    capabilities: Capabilities
+    capabilities: C
     plugin: str
     version: str
     requires: tuple[str, ...] = ()
@@ -85,10 +90,19 @@ class BackendSpec:
     description: str = ""
     check: Callable[[Any], list[str]] | None = None
 
+    def narrowed(self, capabilities_type: type[N]) -> BackendSpec[N]:
+        """This spec, typed by its kind's capability record (TypeError if it is not one)."""
+        if not isinstance(self.capabilities, capabilities_type):
+            raise TypeError(
+                f"{self.kind} backend {self.name!r}: capabilities are "
+                f"{type(self.capabilities).__name__}, not {capabilities_type.__name__}"
+            )
+        return cast("BackendSpec[N]", self)
+
     def refusals(self, requirements: Any) -> list[str]:
         """Why this backend cannot serve ``requirements`` here (empty: usable)."""
         out = [self._missing(m) for m in self.requires if not _importable(m)]
-        out += self.capabilities.refusals(requirements)  # type: ignore[attr-defined]
+        out += self.capabilities.refusals(requirements)
         if self.check is not None and not out:
             out += self._run_check(requirements)
         return out
@@ -202,7 +216,7 @@ class BackendRegistry:
     first registrant keeps the name."""
 
     def __init__(self) -> None:
-        self._specs: dict[tuple[str, str], BackendSpec] = {}
+        self._specs: dict[tuple[str, str], BackendSpec[Capabilities]] = {}
         # A name claimed twice stays with its first registrant; the newcomer is refused whole.
         self._conflicts: dict[tuple[str, str], tuple[str, str]] = {}
         # plugin -> its first refused registration, kept even if its hook caught the error
@@ -233,7 +247,7 @@ class BackendRegistry:
         auto_devices: frozenset[str] | None = None,
         description: str = "",
         check: Callable[[Any], list[str]] | None = None,
-    ) -> BackendSpec:
+    ) -> BackendSpec[Capabilities]:
         """Register a backend factory. Raises PluginError for an invalid or clashing entry;
         the first one per plugin is also recorded (``refusal``), so a hook that catches it
         cannot keep the rest of its backends. Every argument is checked here, element types
@@ -323,7 +337,7 @@ class BackendRegistry:
         """The first registration of ``plugin`` that was refused, None if none was."""
         return self._refused.get(plugin)
 
-    def get(self, kind: str, name: str) -> BackendSpec:
+    def get(self, kind: str, name: str) -> BackendSpec[Capabilities]:
         try:
             return self._specs[(kind, name)]
         except KeyError:
@@ -335,7 +349,7 @@ class BackendRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(name for k, name in self._specs if k == kind)
 
-    def specs(self, kind: str | None = None) -> list[BackendSpec]:
+    def specs(self, kind: str | None = None) -> list[BackendSpec[Capabilities]]:
         """Specs of one kind (or all), highest priority first, then by name."""
         found = [s for (k, _), s in self._specs.items() if kind is None or k == kind]
         return sorted(found, key=lambda s: (list(KINDS).index(s.kind), -s.priority, s.name))

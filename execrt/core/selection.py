@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from execrt.core.errors import BackendUnavailableError
+from execrt.core.interfaces import Capabilities
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
 
 #: Kinds the runtime can do without: "none" builds nothing and "auto" with no usable candidate
@@ -76,7 +77,7 @@ def build_backend(
     kind: str,
     requested: str,
     requirements: Any,
-    make_init: Callable[[BackendSpec], Any],
+    make_init: Callable[[BackendSpec[Capabilities]], object],
     *,
     strict: bool = False,
 ) -> tuple[Any, Resolution]:
@@ -96,9 +97,9 @@ def _walk(
     requested: str,
     requirements: Any,
     strict: bool,
-    build: Callable[[BackendSpec], Any] | None,
+    build: Callable[[BackendSpec[Capabilities]], object] | None,
 ) -> tuple[Resolution, Any]:
-    def attempt(spec: BackendSpec) -> tuple[list[str], Any]:
+    def attempt(spec: BackendSpec[Capabilities]) -> tuple[list[str], Any]:
         reasons = spec.refusals(requirements) or spec.factory_problems()
         if reasons or build is None:
             return reasons, None

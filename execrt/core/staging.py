@@ -65,7 +65,7 @@ class HostToDevice:
         slot.host[:n] = torch.tensor(values, dtype=ring.dtype)
         out = torch.empty(n, dtype=ring.dtype, device=self.device)
         out.copy_(slot.host[:n], non_blocking=True)
-        slot.event = torch.cuda.Event()
+        slot.event = _event()
         slot.event.record()
         return out
 
@@ -85,7 +85,7 @@ class DeviceToHost:
         slot = self._ring.take(n)
         host = slot.host[:n]
         host.copy_(tensor.flatten(), non_blocking=True)
-        slot.event = torch.cuda.Event()
+        slot.event = _event()
         slot.event.record()
         return HostCopy(host, slot.event)
 
@@ -98,9 +98,14 @@ class HostCopy:
         self._event = event
 
     def done(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
     def tolist(self) -> list[int]:
         if self._event is not None:
             self._event.synchronize()
         return list(self._host.tolist())
+
+
+def _event() -> torch.cuda.Event:
+    """A CUDA event recorded where the copy was queued (torch's constructor is untyped)."""
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -65,7 +65,7 @@ class TpModelWorker:
         self.limits = WorkerLimits(
             context_len=mr.context_len,
             max_running_requests=mr.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
+            max_prefill_tokens=mr.config.max_prefill_tokens,  # resolved: 0 was auto
             device=device,
         )
         #: Stages a step's host-built integers to the device (pinned, non-blocking on CUDA).

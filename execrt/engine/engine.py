@@ -134,7 +134,7 @@ class Engine:
                 self.chat_template = load_chat_template(converted)
             self.scheduler = Scheduler(
                 self.worker,
-                max_prefill_tokens=cfg.max_prefill_tokens,
+                max_prefill_tokens=self.worker.limits.max_prefill_tokens,
                 eos_token_ids=self.model_config.eos_token_ids,
                 overlap=cfg.overlap_schedule,
             )

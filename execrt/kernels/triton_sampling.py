@@ -455,7 +455,10 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     share = parts > 1
     best = torch.full((rows,), float("-inf"), device=device) if share else part
     args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, out)
-    block_p = max(2, next_power_of_2(parts))
+    # The most parts this vocabulary can be split into, not this batch's count: one compiled
+    # variant per vocabulary instead of one per batch-size range (a run whose batch shrinks
+    # from 256 to 1 otherwise compiles about ten finish kernels while it is timed).
+    block_p = max(2, next_power_of_2(triton.cdiv(vocab, race_block)))
     pdl = pdl_kwargs(device)
     stages = (
         (False, (rows, parts), race_block, max(1, min(4, race_block // 256))),

@@ -273,10 +273,6 @@ KV_SCALE_NAME = re.compile(
     r"(?P<tail>k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale)$"
 )
 
-# The families share one class; the names say which checkpoints it serves.
-Qwen3Model = DecoderModel
-Qwen3ForCausalLM = LlamaForCausalLM = Qwen2ForCausalLM = DecoderForCausalLM
-
 Index = tuple[slice | int, ...]
 
 

@@ -239,9 +239,6 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * local, bias=bias)
         self.down_proj = Linear(local, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``gate_up [T, 2I / tp]`` -> ``[T, H]``. SwiGLU runs inside down's skinny GEMM at
         decode sizes, else as its own kernel."""

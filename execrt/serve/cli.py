@@ -17,6 +17,7 @@ ENGINE_FLAGS = (
     "attention_backend",
     "moe_dispatcher",
     "graph_backend",
+    "flashinfer_prefill_backend",
     "device",
     "dtype",
     "kv_cache_dtype",

@@ -74,6 +74,8 @@ class AttentionBackendSuite(ConformanceSuite):
     kind: ClassVar[str] = "attention"
     cpu_profile: ClassVar[Profile] = CPU_PROFILE
     cuda_profile: ClassVar[Profile] = CUDA_PROFILE
+    #: The backend's own settings (``AttentionBackendInit.options``), e.g. a kernel variant.
+    options: ClassVar[Mapping[str, Any]] = {}
     #: An fp8 cache, against the float64 oracle over the same (dequantized) cache: the
     #: dtype's tolerance, at most this.
     kv_dtype_tolerance: ClassVar[float] = 1e-2
@@ -262,6 +264,7 @@ class AttentionBackendSuite(ConformanceSuite):
             cache_slots=sum(s.num_slots for s in steps) + 64,
             seed=seed,
             graph_max_bs=graph_max_bs,
+            options=type(self).options,
             **kv,
         )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,7 @@ class AttentionHarness:
         cache_slots: int,
         seed: int,
         graph_max_bs: int = 0,
+        options: Mapping[str, Any] | None = None,
         kv_dtype: torch.dtype | None = None,
         scales: KVScales | None = None,
     ) -> None:
@@ -155,7 +156,7 @@ class AttentionHarness:
         ]
         self.context = RuntimeContext()
         init = AttentionBackendInit(
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             num_q_heads=g.num_q_heads,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim,
@@ -168,6 +169,7 @@ class AttentionHarness:
             max_batch_size=max(max_reqs, graph_max_bs),
             max_context_len=max_context_len,
             context=self.context,
+            options=dict(options or {}),
         )
         self.backend: AttentionBackend = spec.create(init)
         self.static: InputBuffers | None = None

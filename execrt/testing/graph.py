@@ -127,7 +127,7 @@ class GraphBackendSuite(ConformanceSuite):
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         context = RuntimeContext()
         init = GraphBackendInit(
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             device=torch.device(case.device),
             context=context,
             resource_provider=provider,

@@ -216,7 +216,7 @@ class MoEDispatcherSuite(ConformanceSuite):
             kind=cls.kind,
             backend=cls.backend,
             factory=cls.factory,
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             check=spec.check,
             device=case.device,
             dtype=dtype,

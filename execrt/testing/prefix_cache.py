@@ -102,7 +102,7 @@ class PrefixCacheSuite(ConformanceSuite):
         device = torch.device(case.device)
         ledger = SlotLedger(slots, device)
         init = PrefixCacheInit(
-            capabilities=spec.capabilities,  # type: ignore[arg-type]
+            capabilities=spec.capabilities,
             device=device,
             free_slots=ledger.free_slots,
             force_miss=force_miss,

@@ -17,6 +17,7 @@ from execrt.bench.models import (
     build_hf_model,
     fill_hf_model,
     kv_bytes_per_step,
+    prefill_flops,
     weight_bytes_per_step,
 )
 from execrt.cli import main
@@ -159,6 +160,17 @@ def test_roofline_bytes_match_hand_counts() -> None:
     assert kv_bytes_per_step(dense, 3, 10) == 7680
 
 
+def test_prefill_flops_match_hand_counts() -> None:
+    dense = ModelConfig.from_dict(TINY)
+    # per token: 2 x (12288 + 24576) x 2 layers = 147456; attention 4 * 16 * 4 heads * 55
+    # visible pairs (10 tokens) * 2 layers = 28160; LM head 2 * 1000 * 64 once
+    assert prefill_flops(dense, 10) == 147456 * 10 + 28160 + 128000
+    moe = ModelConfig.from_dict(TINY_MOE)
+    # experts: 2 of 8 per token (3 * 64 * 32 each) + router 8 * 64 + attention 12288 per layer
+    per_token = 2 * 2 * (12288 + 512 + 2 * 3 * 64 * 32)
+    assert prefill_flops(moe, 1) == per_token + 4 * 16 * 4 * 1 * 2 + 128000
+
+
 def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     has_hf = _has_transformers()
     opts = decode.Options(
@@ -173,10 +185,17 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         hf_compile_timeout=0,
         profile=True,
         out_dir=str(tmp_path),
+        ttft=(16, 40),
     )
     records = decode.run(opts)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("# saved ") and out[-2 - len(records)].startswith("mode ")
+    # The profile table comes before the records' table: one line per profiled record.
+    profiled = [r for r in records if r.profile]
+    at = out.index(next(line for line in out if line.startswith("mode ") and "kernels" in line))
+    assert len(profiled) == 4 and [line.split()[:3] for line in out[at + 1 : at + 5]] == [
+        [r.mode, r.path, str(r.bs)] for r in profiled
+    ]
     by_key = {(r.mode, r.path, r.bs): r for r in records}
     for bs in (1, 2):
         for path in ("generate", "forward"):
@@ -184,24 +203,34 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
             assert r.note.startswith("noise") or r.step_ms is not None and r.step_ms > 0
             assert r.roofline_ms > 0 and r.attention == "torch_native"
         assert by_key[("eager", "generate", bs)].prefill_ms is not None
-        profile = by_key[("eager", "forward", bs)].profile
-        assert (profile is not None) == (bs == 1)  # the first batch size of each mode
-        assert profile is None or profile["steps"] == decode.PROFILE_STEPS
+        profile = by_key[("eager", "forward", bs)].profile  # every batch size is profiled
+        assert profile is not None and profile["steps"] == decode.PROFILE_STEPS
+        assert 0 < profile["host_us_per_step"] < 1e6 * profile["wall_ms_per_step"]
         gen = by_key[("eager", "generate", bs)]
-        assert (gen.profile is not None) == (bs == 1)
-        if gen.profile is not None:  # the whole generate path, host time broken down
-            assert gen.profile["steps"] == opts.steps
-            assert gen.profile["wall_ms_per_step"] > 0
-            assert gen.hotspots and all(us >= 0 for _, us in gen.hotspots)
+        assert gen.profile is not None  # the whole generate path, host time broken down
+        assert gen.profile["steps"] == opts.steps
+        assert gen.profile["wall_ms_per_step"] > 0 and gen.profile["host_us_per_step"] > 0
+        assert gen.hotspots and all(us >= 0 for _, us in gen.hotspots)
         # CPU has no CUDA graphs: the graph mode is reported, not silently dropped.
         assert "graph" in by_key[("graph", "generate", bs)].note
         if has_hf:
             assert ("hf-eager", "generate", bs) in by_key
     if has_hf:
         assert by_key[("hf-compile", "generate", 1)].note == "disabled"
+    # Time to first token: the prompt's FLOPs over the time, against a matmul of this run.
+    for n in (16, 40):
+        ttft = next(r for r in records if r.mode == "ttft" and r.ctx == n)
+        assert ttft.prefill_ms and ttft.prefill_ms > 0 and ttft.peak_tflops
+        assert ttft.prefill_tflops == pytest.approx(
+            prefill_flops(ModelConfig.from_dict(TINY), n) / ttft.prefill_ms / 1e9
+        )
+        assert ttft.pct_peak == pytest.approx(100 * ttft.prefill_tflops / ttft.peak_tflops)
+        assert "1 chunk(s) of <= 4096" in ttft.note
     (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
-    assert [f for f in os.listdir(tmp_path) if f.startswith("decode-trace-tiny-eager-bs1-")]
-    assert [f for f in os.listdir(tmp_path) if f.startswith("decode-trace-tiny-eager-generate-")]
+    for bs in (1, 2):
+        assert [f for f in os.listdir(tmp_path) if f.startswith(f"decode-trace-tiny-eager-bs{bs}-")]
+        generate = f"decode-trace-tiny-eager-generate-bs{bs}-"
+        assert [f for f in os.listdir(tmp_path) if f.startswith(generate)]
     rows = json.loads((tmp_path / saved).read_text())
     required = {"model", "layers", "mode", "path", "bs", "ctx", "step_ms", "prefill_ms"}
     required |= {"tokens_per_s", "pct_roofline", "roofline_ms", "copy_gbps", "gpu", "date"}
@@ -237,6 +266,8 @@ def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ig
         (["--modes", "eager,fast"], "modes ['eager', 'fast'] unsupported"),
         (["--layers", "0"], "layers 0 must be >= 1"),
         (["--kv-dtype", "fp8"], "--kv-dtype fp8 unsupported (supported: auto, fp8_e4m3, fp8_e5m2)"),
+        (["--ttft", "8k"], "--ttft '8k' must look like 8192,32768 or none"),
+        (["--ttft", "0"], "ttft prompt lengths [0] must be >= 1"),
     ],
 )
 def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -253,7 +284,15 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3"]
     assert main(["bench", "decode", *argv]) == 0
     assert main(["bench", "decode", "--quick"]) == 0
-    full, quick = seen
+    assert main(["bench", "decode", "--ttft", "none"]) == 0
+    assert main(["bench", "decode", "--quick", "--ttft", "4096"]) == 0
+    full, quick, no_ttft, quick_ttft = seen
+    assert (full.ttft, quick.ttft, no_ttft.ttft, quick_ttft.ttft) == (
+        (8192, 32768),
+        (),
+        (),
+        (4096,),
+    )
     # The fp8 run is always paired with the model-dtype one, so its ratio comes from one run.
     assert (full.kv_dtypes, quick.kv_dtypes) == (("auto", "fp8_e4m3"), ("auto",))
     assert (full.model, full.layers, full.batch_sizes, full.ctx, full.steps) == (

@@ -1,14 +1,18 @@
-"""bench timing helpers: the generate-difference method, interval union, time limit."""
+"""bench timing helpers: generate differences, interval union, limits, host time, matmul rate."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from execrt.bench.timing import (
     TimeLimitExceeded,
     difference_timing,
+    host_hotspots,
+    host_us_per_call,
+    matmul_tflops,
     time_limit,
     union_length,
 )
@@ -62,3 +66,33 @@ def test_time_limit_interrupts_a_long_block() -> None:
     with time_limit(5):  # a block that ends in time is left alone, and the alarm is off after
         pass
     time.sleep(0.06)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_time_of_a_step_is_its_own_work() -> None:
+    us = host_us_per_call(lambda: _busy(0.002), 5, torch.device("cpu"))
+    assert 2000 <= us < 20000
+
+
+def test_host_profile_counts_work_per_step_but_not_waits() -> None:
+    def run() -> None:
+        for _ in range(4):  # 4 steps: 3 ms of work and 10 ms of waiting each
+            _busy(0.003)
+            time.sleep(0.01)
+
+    profile = host_hotspots(run, steps=4)
+    # 3 ms of work per step (more under cProfile and a loaded machine: 8.5 ms was seen on a
+    # busy host); the 10 ms sleep counted would make it at least 13 ms.
+    assert 3000 <= profile.host_us_per_step < 10000
+    where = [w for w, _ in profile.hotspots]
+    assert any("sleep" in w for w in where) and any("_busy" in w for w in where)
+
+
+def test_matmul_rate_is_positive_and_finite() -> None:
+    rate = matmul_tflops(torch.device("cpu"), n=64, iters=2, reps=1)
+    assert 0 < rate < 1e3

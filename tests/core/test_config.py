@@ -79,7 +79,10 @@ def test_a_toml_file_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path
     [
         ({"dtype": "float64"}, "dtype 'float64' unsupported"),
         ({"device": "tpu"}, "device 'tpu' unsupported"),
-        ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
+        ({"max_running_requests": -1}, r"max_running_requests must be >= 0 \(0 = auto\)"),
+        ({"max_prefill_tokens": -4}, r"max_prefill_tokens must be >= 0 \(0 = auto\), got -4$"),
+        ({"tp_size": 0}, "tp_size must be >= 1, got 0"),
+        ({"flashinfer_prefill_backend": "fa4"}, r"'fa4' unsupported \(supported: auto, fa2, fa3\)"),
         ({"attention_backend": ""}, "attention_backend must be a backend name"),
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in"),
         (
@@ -161,10 +164,12 @@ def test_wrong_types_from_every_source_are_config_errors(tmp_path, key, value, a
 
 def test_bad_values_from_a_file_or_the_environment_name_their_source(tmp_path) -> None:
     file = tmp_path / "execrt.toml"
-    file.write_text("max_running_requests = 0\n")
+    file.write_text("max_running_requests = -2\n")
     with pytest.raises(ConfigError) as info:
         RuntimeConfig.load(file=file, environ={})
-    assert str(info.value) == f"config (file {file}): max_running_requests must be >= 1, got 0"
+    assert str(info.value) == (
+        f"config (file {file}): max_running_requests must be >= 0 (0 = auto), got -2"
+    )
     with pytest.raises(ConfigError, match=r"^config \(environment\): device 'tpu' unsupported"):
         RuntimeConfig.load(environ={"EXECRT_DEVICE": "tpu"})
 
@@ -173,7 +178,25 @@ def test_numbers_paths_and_none_of_the_right_kind_are_accepted(tmp_path) -> None
     cfg = RuntimeConfig(model=tmp_path, kv_cache_memory_fraction=0.25)
     assert cfg.model == str(tmp_path) and isinstance(cfg.model, str)
     file = tmp_path / "c.toml"
-    file.write_text("kv_cache_memory_fraction = 0\n")  # an int where a float goes
-    with pytest.raises(ConfigError, match="must be in \\(0, 0.95\\], got 0.0"):
+    file.write_text("kv_cache_memory_fraction = 1\n")  # an int where a float goes
+    with pytest.raises(ConfigError, match=r"must be in \[0, 0.95\] \(0 = auto\), got 1.0"):
         RuntimeConfig.load(file=file, environ={})
     assert RuntimeConfig(context_len=0).replace(model=None).model is None
+
+
+def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
+    env = {"EXECRT_FLASHINFER_PREFILL_BACKEND": "fa2"}
+    cfg = RuntimeConfig.load(environ=env)
+    assert cfg.backend_options("flashinfer") == {"prefill_backend": "fa2"}
+    assert RuntimeConfig().backend_options("flashinfer") == {"prefill_backend": "auto"}
+    assert cfg.backend_options("triton") == {}
+    file = tmp_path / "c.toml"
+    file.write_text('flashinfer_prefill_backend = "fa3"\n')
+    assert RuntimeConfig.load(file=file, environ=env).flashinfer_prefill_backend == "fa2"
+    assert RuntimeConfig.load(file=file, environ={}).flashinfer_prefill_backend == "fa3"
+
+
+def test_sizes_default_to_auto() -> None:
+    cfg = RuntimeConfig()
+    sizes = (cfg.max_running_requests, cfg.max_prefill_tokens, cfg.kv_cache_tokens)
+    assert sizes == (0, 0, 0) and cfg.kv_cache_memory_fraction == 0.0

@@ -234,7 +234,12 @@ def test_a_slow_capture_reports_each_bucket_and_a_fast_one_stays_quiet(  # type:
 
     progress = logging.getLogger("execrt.progress")
     handler = Collect()
-    monkeypatch.setattr(progress, "level", logging.INFO)
+    # setLevel, not a patched attribute: the logger caches isEnabledFor answers, and an earlier
+    # capture in this process may have cached INFO as off. Another test may also have disabled
+    # existing loggers (a logging dictConfig).
+    old_level = progress.level
+    progress.setLevel(logging.INFO)
+    monkeypatch.setattr(progress, "disabled", False)
     monkeypatch.setattr(runners, "SLOW_CAPTURE_S", 0.0 if slow else 1e9)
     progress.addHandler(handler)
     try:
@@ -242,6 +247,7 @@ def test_a_slow_capture_reports_each_bucket_and_a_fast_one_stays_quiet(  # type:
             worker(checkpoint("dense-tied-hd64"), ctx, "reexec").close()
     finally:
         progress.removeHandler(handler)
+        progress.setLevel(old_level)
     if not slow:
         assert lines == []
         return

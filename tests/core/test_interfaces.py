@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
+    KV,
     AttentionBackend,
     AttentionBackendInit,
     AttentionCapabilities,
@@ -284,12 +286,8 @@ class Recorder(AttentionBackend):
         return ("plan", fb.batch_size)
 
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         self.calls.append((step.meta, kv))
         return torch.full((q.shape[0], layer.num_q_heads, layer.v_head_dim), 1.0)
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from execrt.core import assembly
 from execrt.core.assembly import CPU_KV_BUDGET_BYTES, resolve_device, resolve_dtype
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import RuntimeConfig
@@ -136,6 +137,83 @@ def test_a_dense_model_ignores_the_dispatcher_but_not_an_unknown_name(runtime_co
         runner(runtime_context, moe_dispatcher="alreduce")
     mr = runner(runtime_context, moe_dispatcher="allreduce")
     assert mr.moe_dispatcher is None and not runtime_context.has("moe_dispatcher")
+
+
+# -- automatic sizes -------------------------------------------------------------------------------
+CUDA = torch.device("cuda")  # resolve_sizes and the memory arithmetic never touch the device
+GB = 10**9
+
+
+def test_cpu_defaults_stay_small(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    mr = runner(runtime_context)
+    assert (mr.max_running_requests, mr.config.max_prefill_tokens) == (32, 4096)
+    assert mr.req_to_token_pool.req_to_token.shape[0] == 33
+    assert not mr.resolved.running_fits_kv
+
+
+def test_cuda_sizes_come_from_graphs_and_kv_unless_set() -> None:
+    def sizes(spec=SPEC, **config) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+        cfg = assembly.resolve_sizes(RuntimeConfig(**config), spec, CUDA, 40960)
+        return cfg.max_running_requests, cfg.max_prefill_tokens
+
+    assert sizes() == (assembly.MAX_GRAPH_BS, 16384)
+    assert sizes(cuda_graph_max_bs=64) == (64, 16384)  # the largest graph bucket
+    assert sizes(kv_cache_tokens=20_000) == (19, 16384)  # 20,000 slots // 1024 per request
+    assert sizes(kv_cache_tokens=100) == (1, 16384)
+    assert sizes(max_running_requests=7, max_prefill_tokens=99) == (7, 99)  # set: kept
+    moe = dataclasses.replace(SPEC, num_experts=8, top_k=2)
+    assert sizes(moe) == (assembly.MAX_GRAPH_BS, 4096)
+    on_cpu = assembly.resolve_sizes(RuntimeConfig(), SPEC, CPU, 40960)
+    assert (on_cpu.max_running_requests, on_cpu.max_prefill_tokens) == (32, 4096)
+
+
+def test_kv_budget_keeps_a_headroom_or_takes_the_fraction_asked() -> None:
+    # Auto: all free memory after the weights but 10% of the GPU (at least 1 GiB).
+    assert assembly.kv_budget_bytes(100 * GB, 140 * GB, 0.0) == 86 * GB
+    assert assembly.kv_budget_bytes(6 * GB, 8 * GB, 0.0) == 6 * GB - (1 << 30)
+    assert assembly.kv_budget_bytes(GB // 2, 8 * GB, 0.0) == 0
+    assert assembly.kv_budget_bytes(100 * GB, 140 * GB, 0.5) == 50 * GB  # set: kept
+
+
+def test_cuda_pool_from_probed_memory_then_running_requests_fit_it(
+    runtime_context, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    mr = runner(runtime_context)
+    per_token = KVCache.bytes_per_token_for(
+        SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, torch.float32
+    )
+    ceiling = assembly.MAX_GRAPH_BS
+    cfg = mr.resolved.config.replace(max_running_requests=ceiling)
+    on_gpu = dataclasses.replace(mr.resolved, device=CUDA, config=cfg, running_fits_kv=True)
+    probed: list[torch.device] = []
+
+    def memory(device: torch.device) -> tuple[int, int]:
+        probed.append(device)
+        return 10 * GB + 100 * per_token, 100 * GB  # 10 GB is the headroom
+
+    monkeypatch.setattr(assembly, "gpu_memory", memory)
+    assert assembly.kv_cache_tokens(on_gpu) == 100 and probed == [CUDA]
+    fitted = assembly.fit_running_requests(on_gpu, 100)
+    assert fitted.config.max_running_requests == 1  # 100 slots hold one 64-token request
+    assert not fitted.running_fits_kv
+    assert assembly.fit_running_requests(fitted, 10**6) is fitted  # fitted once
+    roomy = assembly.fit_running_requests(on_gpu, 10**6)
+    assert roomy.config.max_running_requests == ceiling  # 15,625 requests: the ceiling
+    set_by_user = dataclasses.replace(on_gpu, running_fits_kv=False)
+    assert assembly.fit_running_requests(set_by_user, 100) is set_by_user
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_counts_the_allocators_unused_cache_as_free() -> None:
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before, total = assembly.gpu_memory(device)
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    held, _ = assembly.gpu_memory(device)
+    del block  # back to torch's cache, still taken for the driver
+    after, _ = assembly.gpu_memory(device)
+    assert held <= before - (1 << 30) + (64 << 20)
+    assert abs(after - before) < (64 << 20) and total >= before
 
 
 # -- an fp8 KV cache -------------------------------------------------------------------------------

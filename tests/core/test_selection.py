@@ -18,7 +18,7 @@ from execrt.core.interfaces import (
     GraphRequirements,
 )
 from execrt.core.plugins import BackendRegistry, BackendSpec
-from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheRequirements
+from execrt.core.prefix_cache import PrefixCache, PrefixCacheCapabilities, PrefixCacheRequirements
 from execrt.core.selection import (
     Resolution,
     ResolutionReport,
@@ -33,7 +33,7 @@ MISSING = "execrt_no_such_module_for_tests:Backend"
 
 
 @dataclass
-class Built(AttentionBackend, GraphBackend):
+class Built(AttentionBackend, GraphBackend, PrefixCache):
     """What a fake factory returns: which backend, from which init record. A backend of
     either kind selection builds here (registration checks the type, not the contract)."""
 

@@ -126,7 +126,8 @@ def test_engine_config_precedence_env_then_kwargs(monkeypatch) -> None:
     with Engine(device="cpu", max_running_requests=5) as e:
         assert (e.config.max_running_requests, e.config.kv_cache_tokens) == (5, 64)
     with Engine(config=RuntimeConfig(device="cpu")) as e:  # an explicit config is used as is
-        assert e.config.max_running_requests == 32
+        assert e.config.max_running_requests == 0  # auto: 32 on CPU
+        assert e.worker.limits.max_running_requests == 32
     monkeypatch.setenv("EXECRT_MAX_RUNNING_REQUESTS", "many")
     with pytest.raises(ConfigError, match="max_running_requests='many' is not a valid int"):
         Engine(device="cpu")

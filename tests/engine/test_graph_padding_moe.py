@@ -55,7 +55,7 @@ def test_padded_rows_get_topk_id_minus_one_in_every_replay(checkpoint, name) -> 
     for bs in (3, 4, 1, 5, 3):
         reqs, decode = prefill(w, [[7 + bs, 3, 11 * bs]] * bs)
         seen.clear()
-        out = mr.forward(ForwardBatch.init_new(decode, mr.attn_backend))
+        out = mr.forward(ForwardBatch.init_new(decode))
         assert out.can_run_graph
         bucket = runner.bucket(bs)
         assert len(seen) == len(moe_layers), f"bs {bs}: {len(seen)} dispatches"

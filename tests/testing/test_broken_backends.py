@@ -78,6 +78,7 @@ class TestBroken(AttentionBackendSuite):
 
 
 def test_wrong_scale_is_caught_by_generated_cases_too(tmp_path: Path) -> None:
+    pytest.importorskip("hypothesis")  # the generated cases draw with it (absent: they skip)
     body = """
 class TestBroken(AttentionBackendSuite):
     factory = "tests.testing.fake_backends:WrongScaleAttention"
@@ -126,6 +127,7 @@ class TestBroken(AttentionBackendSuite):
 def test_dispatcher_dropping_a_token_fails_at_world_1_and_2_and_in_generated_cases(
     tmp_path: Path,
 ) -> None:
+    pytest.importorskip("hypothesis")  # the generated cases draw with it (absent: they skip)
     body = """
 class TestBroken(MoEDispatcherSuite):
     factory = "tests.testing.fake_backends:DropLastTokenDispatcher"

@@ -20,7 +20,13 @@ class TestTritonAttention(AttentionBackendSuite):
 
 class TestFlashInferAttention(AttentionBackendSuite):
     # Registered but unusable without CUDA and the flashinfer module: every case skips saying so.
+    # Its default prefill is FA3 on sm90 (the H200), FA2 elsewhere; the class below runs FA2.
     backend = "flashinfer"
+
+
+class TestFlashInferAttentionFa2(AttentionBackendSuite):
+    backend = "flashinfer"
+    options = {"prefill_backend": "fa2"}
 
 
 class TestAllReduceDispatch(MoEDispatcherSuite):

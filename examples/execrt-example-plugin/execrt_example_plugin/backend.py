@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from execrt.core.batch import ForwardBatch, PaddedContext
-from execrt.core.interfaces import AttentionBackend, AttentionLayer, AttentionStep
+from execrt.core.interfaces import KV, AttentionBackend, AttentionLayer, AttentionStep
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -20,12 +21,8 @@ class SdpaAttentionBackend(AttentionBackend):
         return PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         # This step's K/V are already in the cache (the model stored them): read, never write.
         meta: PaddedContext = step.meta
         k_buf = self.kv_cache.k_buffers[layer.layer_id]  # [S+1, Hkv, D]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from execrt.core.batch import ForwardBatch
+from execrt.backends.attention.flashinfer_prefill import device_prefill_variant, jit_cache_dir
+from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.interfaces import (
+    KV,
     AttentionBackend,
     AttentionBackendInit,
     AttentionLayer,
@@ -21,6 +26,8 @@ WORKSPACE = "flashinfer_workspace"
 # a 32-query-head prefill at batch 1 ("batch_prefill_tmp_s ... Increase the workspace").
 WORKSPACE_BYTES = 512 << 20
 OWNER = "flashinfer_attention"
+SLOW_WARM_UP_S = 5.0  # a warm-up this long (a JIT compile) reports its time
+progress = logging.getLogger("execrt.progress")
 
 
 @dataclass
@@ -43,6 +50,11 @@ class FlashInferAttnBackend(AttentionBackend):
     ``req_to_token``. One 512 MiB workspace per process is shared through the RuntimeContext.
     An fp8 cache is planned with its dtype; FlashInfer takes the layer's scales as host
     floats (``kv_cache.scales``, fixed once the checkpoint is loaded, before any capture).
+
+    Prefill runs FlashInfer's FA3 kernels where they run (sm90), else FA2; the option
+    ``prefill_backend`` (config ``flashinfer_prefill_backend``) picks one. The constructor
+    plans and runs one tiny prefill and decode, so FlashInfer's JIT compiles (first start) or
+    loads (later starts) its kernels then, not in the first request.
     """
 
     #: Tensor-core decode (FlashInfer's prefill kernels with q_len 1) pays off for wide GQA.
@@ -55,6 +67,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.flashinfer = flashinfer
         self.context = init.context
         self.sm_scale = init.head_dim**-0.5
+        kv_dtype = init.kv_cache.k_buffers[0].dtype
+        requested = str(init.options.get("prefill_backend", "auto"))
+        #: "fa3" or "fa2": the prefill kernels this backend runs (refused before any allocation)
+        self.prefill_variant = device_prefill_variant(requested, self.device, self.dtype, kv_dtype)
         self.workspace = self.context.get_or_create(
             WORKSPACE,
             lambda: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
@@ -65,11 +81,15 @@ class FlashInferAttnBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        # fa2 on every arch: FA3 would be picked on sm90 but JIT-compiles for minutes.
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
+            self.workspace, "NHD", backend=self.prefill_variant
         )
         self._graph: dict[str, Any] | None = None
+        try:
+            self.warm_up_s = self._warm_up()
+        except BaseException:  # e.g. a failed JIT compile: release the workspace, then raise
+            self.close()
+            raise
 
     # -- planning -------------------------------------------------------------------------------
     def _fill_index(
@@ -118,14 +138,45 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         return FlashInferMetadata(self.prefill_wrapper, kv_indices)
 
+    def _warm_up(self) -> float:
+        """Plan and run a one-token prefill and decode over the padding row (slot 0, which
+        only padding reads): FlashInfer builds or loads its kernels here. Returns seconds."""
+        progress.info(
+            "flashinfer: preparing the %s prefill and decode kernels (JIT cache %s; a first "
+            "start compiles them, minutes for fa3)",
+            self.prefill_variant,
+            jit_cache_dir(),
+        )
+        start = time.perf_counter()
+        dev, hq, d = self.device, self.num_q_heads, self.head_dim
+        q = torch.zeros(1, hq, d, dtype=self.dtype, device=dev)  # [T, Hq, D]
+        first = AttentionLayer(0, hq, self.num_kv_heads, d, self.v_head_dim, self.sm_scale)
+        for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+            one = [1]
+            fb = ForwardBatch(
+                mode=mode,
+                input_ids=torch.zeros(1, dtype=torch.int64, device=dev),
+                positions=torch.zeros(1, dtype=torch.int64, device=dev),
+                req_pool_indices=torch.zeros(1, dtype=torch.int64, device=dev),  # row 0
+                seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
+                out_cache_loc=torch.zeros(1, dtype=torch.int64, device=dev),
+                seq_lens_cpu=one,
+                prefix_lens_cpu=[0],
+                extend_lens_cpu=one,
+            )
+            step = AttentionStep(self, self.plan(fb), fb.out_cache_loc, mode)
+            self.attend(q, first, step)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elapsed = time.perf_counter() - start
+        if elapsed >= SLOW_WARM_UP_S:
+            progress.info("flashinfer: kernels ready after %.0f s", elapsed)
+        return elapsed
+
     # -- attending ------------------------------------------------------------------------------
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         cache = (
             self.kv_cache.k_buffers[layer.layer_id].unsqueeze(1),  # [S, 1, Hkv, D]: page size 1
             self.kv_cache.v_buffers[layer.layer_id].unsqueeze(1),

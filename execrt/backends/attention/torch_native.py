@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from execrt.core.batch import ForwardBatch, PaddedContext
-from execrt.core.interfaces import AttentionBackend, AttentionLayer, AttentionStep
+from execrt.core.interfaces import KV, AttentionBackend, AttentionLayer, AttentionStep
 from execrt.core.kv_quant import K_SCALE, V_SCALE, dequantize
 
 
@@ -22,12 +23,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         return PaddedContext.of(fb, self.req_to_token_pool.req_to_token)
 
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         meta: PaddedContext = step.meta
         if step.mode.is_decode():
             k, v = self._gather(layer.layer_id, meta.slots)  # [B, L, Hkv, D], [B, L, Hkv, Dv]
@@ -41,7 +38,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             )[0]
         return out
 
-    def _gather(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The K and V rows at ``slots``, dequantized when the cache is fp8."""
         cache = self.kv_cache
         k, v = cache.k_buffers[layer_id][slots], cache.v_buffers[layer_id][slots]

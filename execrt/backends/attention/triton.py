@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.interfaces import (
+    KV,
     AttentionBackend,
     AttentionBackendInit,
     AttentionLayer,
@@ -115,12 +117,8 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- attending ------------------------------------------------------------------------------
     def attend(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        step: AttentionStep,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
+    ) -> Tensor:
         meta: TritonMetadata = step.meta
         cache = self.kv_cache
         k_buf, v_buf = cache.k_buffers[layer.layer_id], cache.v_buffers[layer.layer_id]

@@ -40,3 +40,51 @@ def test_problem_peers_agree_with_the_fp32_reference(name: str) -> None:
             assert p.rel_err(outs[1]) > 1e-2
     finally:
         context.close()
+
+
+def _record(backend: str, tflops: float | None, variant: str = "") -> bench.Record:
+    return bench.Record(
+        backend, 1, 8, 0, None if tflops is None else 1.0, tflops, 0.0, 0.0, None,
+        "paged cache", "gpu", "date", 4, 2, 64, "bfloat16", variant=variant,
+    )  # fmt: skip
+
+
+def test_vs_flashinfer_is_over_its_best_variant_and_failures_stay_unranked() -> None:
+    row = [
+        _record("triton", 300.0),
+        _record("flashinfer", 500.0, "auto"),
+        _record("flashinfer", 320.0, "fa2"),
+        _record("flashinfer", None, "fa3"),  # did not build here
+        _record("sdpa", 250.0),
+    ]
+    bench.rank_row(row)
+    assert [r.vs_flashinfer for r in row] == [0.6, 1.0, 0.64, 0.0, 0.5]
+    assert [r.vs_best_peer for r in row] == [0.6, 1.0, 0.64, 0.0, 0.5]
+    alone = [_record("triton", 300.0)]
+    bench.rank_row(alone)  # no flashinfer in the run: nothing to compare with
+    assert (alone[0].vs_best_peer, alone[0].vs_flashinfer) == (1.0, 0.0)
+
+
+def test_a_variant_that_cannot_build_is_recorded_with_its_reason(capsys) -> None:  # type: ignore[no-untyped-def]
+    # No GPU (or no flashinfer) here: every variant fails to build and says why, no raise.
+    p = bench.ExtendProblem(1, 4, 0, 4, 2, 64, torch.float32, device="cpu")
+    for variant in bench.FLASHINFER_VARIANTS:
+        record = _record("flashinfer", None, variant)
+        bench.time_into(record, PluginHost(autoload=False), p, iters=1, reps=1)
+        assert record.ms is None and record.tflops is None
+        assert record.note.startswith("RuntimeError: ") and "cuda" in record.note
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["flashinfer[auto]", "flashinfer[fa2]",
+                                                   "flashinfer[fa3]"]  # fmt: skip
+    table = bench.format_table([record])
+    assert table.splitlines()[1].split()[:2] == ["flashinfer", "fa3"]
+
+
+def test_cli_refuses_an_unknown_variant(capsys) -> None:  # type: ignore[no-untyped-def]
+    from execrt.cli import main
+
+    assert main(["bench", "extend", "--variants", "fa2,fa4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "execrt: error: bench extend: --variants 'fa2,fa4' unknown (known: auto, fa2, fa3)"
+    )

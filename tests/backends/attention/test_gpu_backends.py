@@ -48,7 +48,7 @@ def _decode_trace(
     dtype: str,
     follow: list[list[int]] | None = None,
     steps: int = 6,
-    kv_cache_dtype: str = "auto",
+    **config: object,
 ) -> Trace:
     ctx = RuntimeContext()
     worker = make_worker(
@@ -59,8 +59,11 @@ def _decode_trace(
         attention_backend=backend,
         max_running_requests=8,
         kv_cache_tokens=8192,
-        kv_cache_dtype=kv_cache_dtype,
+        **config,
     )
+    variant = getattr(worker.model_runner.attn_backend, "prefill_variant", None)
+    if "flashinfer_prefill_backend" in config:  # the variant asked for is the one built
+        assert variant == config["flashinfer_prefill_backend"]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (700, 33, 1, 1500)]
     trace = prefill_then_decode(worker, prompts, steps, follow=follow)
@@ -78,6 +81,35 @@ def test_model_logits_match_torch_native(qwen3_gpu_checkpoint, backend, dtype) -
     for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
         err = rel_err(a, b)
         assert err < 2e-2, f"{backend} {dtype} step {step}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+def test_flashinfer_prefill_variants_match_torch_native(qwen3_gpu_checkpoint, variant) -> None:
+    _available("flashinfer")
+    if variant == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's FA3 prefill needs an sm90 GPU")
+    ref = _decode_trace(qwen3_gpu_checkpoint, "torch_native", "bfloat16", steps=2)
+    got = _decode_trace(
+        qwen3_gpu_checkpoint, "flashinfer", "bfloat16", ref.tokens, 2,
+        flashinfer_prefill_backend=variant,
+    )  # fmt: skip
+    for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
+        err = rel_err(a, b)
+        assert err < 2e-2, f"flashinfer {variant} step {step}: relative error {err:.2e}"
+
+
+def test_flashinfer_default_prefill_is_fa3_on_sm90() -> None:
+    _available("flashinfer")
+    from execrt.bench.attention import DecodeProblem, build_backend
+
+    p = DecodeProblem(bs=1, ctx=64, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=0)
+    ctx = RuntimeContext()
+    attn = build_backend(PluginHost(autoload=False), "flashinfer", p, ctx)
+    expected = "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
+    assert getattr(attn, "prefill_variant", None) == expected
+    assert getattr(attn, "warm_up_s", 0.0) > 0  # built (or loaded) its kernels while starting
+    attn.close()
+    ctx.close()
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)

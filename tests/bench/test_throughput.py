@@ -1,0 +1,133 @@
+"""bench throughput: nano-vllm's workload, its roofline bytes, a tiny CPU run, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from random import randint
+
+import pytest
+import torch
+
+from execrt.bench import throughput
+from execrt.bench.models import kv_bytes_per_step, weight_bytes_per_step
+from execrt.cli import main
+from execrt.models.config import ModelConfig
+from tests.bench.test_decode import TINY
+
+
+def test_the_draw_is_nano_vllms_with_its_133966_output_tokens() -> None:
+    wl = throughput.draw_workload()
+    assert len(wl.prompts) == len(wl.max_tokens) == 256
+    assert wl.output_tokens == throughput.PUBLISHED_OUTPUT_TOKENS == 133_966
+    assert wl.input_tokens == 142_827
+    assert all(100 <= len(p) <= 1024 for p in wl.prompts)
+    assert all(100 <= m <= 1024 for m in wl.max_tokens)
+    assert all(0 <= t <= 10000 for p in wl.prompts for t in p)
+    # nano-vllm's bench.py, as it is written there (module-level random, seeded 0).
+    state = random.getstate()
+    try:
+        random.seed(0)
+        prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+        max_tokens = [randint(100, 1024) for _ in range(256)]
+    finally:
+        random.setstate(state)
+    assert (wl.prompts, wl.max_tokens) == (prompts, max_tokens)
+    assert throughput.draw_workload(seed=1).output_tokens != 133_966
+
+
+def test_roofline_bytes_follow_the_ideal_schedule() -> None:
+    mc = ModelConfig.from_dict(TINY)
+    # Two sequences: prompts of 3 and 5 tokens, 2 and 4 output tokens (1 and 3 decode steps).
+    wl = throughput.Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [2, 4])
+    weights, kv = throughput.workload_bytes(mc, wl)
+    # the prefill step, then 3 decode steps: 2 sequences in the first, 1 in the other two
+    w = weight_bytes_per_step(mc, 1)  # dense: the same bytes at any batch size
+    assert weights == 4 * w
+    # K/V read: sequence 1 step 1 reads 4 tokens; sequence 2 reads 6, 7, 8
+    assert kv == (4 + 6 + 7 + 8) * kv_bytes_per_step(mc, 1, 1)
+
+
+def test_cpu_run_times_each_config_and_temperature_and_saves(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    opts = throughput.Options(
+        model="tiny",
+        config=TINY,
+        device="cpu",
+        num_seqs=5,
+        min_len=3,
+        max_len=9,
+        max_token_id=999,
+        out_dir=str(tmp_path),
+    )
+    records = throughput.run(opts)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("# saved ") and out[-2 - len(records)].startswith("config ")
+    wl = throughput.draw_workload(5, 3, 9, 999)
+    by_key = {(r.config["name"], r.temperature): r for r in records}
+    assert set(by_key) == {(c, t) for c in ("defaults", "tuned") for t in (0.6, 0.0)}
+    for r in records:
+        assert r.note == "" and r.seconds and r.seconds > 0
+        assert r.out_tok_s == pytest.approx(wl.output_tokens / r.seconds)
+        assert r.total_tok_s == pytest.approx((wl.input_tokens + wl.output_tokens) / r.seconds)
+        assert r.output_tokens == wl.output_tokens and r.retractions == 0
+        # Every sequence runs at once: one prefill step, then the longest output's decode.
+        assert r.extend_steps >= 1 and r.decode_steps >= max(wl.max_tokens) - 1
+        assert r.steps == r.extend_steps + r.decode_steps
+        assert r.mean_decode_batch == pytest.approx((wl.output_tokens - 5) / r.decode_steps)
+        assert r.pct_roofline == pytest.approx(100 * r.roofline_s / r.seconds)
+        assert r.attention == "torch_native" and r.startup_s and r.startup_s > 0
+    defaults, tuned = by_key[("defaults", 0.6)].config, by_key[("tuned", 0.6)].config
+    # What the sizes resolved to is recorded: CPU defaults, and the tuned settings as given.
+    assert (defaults["max_running_requests"], defaults["max_prefill_tokens"]) == (32, 4096)
+    assert (tuned["max_running_requests"], tuned["max_prefill_tokens"]) == (256, 16384)
+    assert tuned["settings"] == throughput.TUNED and defaults["settings"] == {}
+    (saved,) = os.listdir(tmp_path)
+    assert saved.startswith("throughput-") and saved.endswith(".json")
+    rows = json.loads((tmp_path / saved).read_text())
+    required = {"out_tok_s", "total_tok_s", "pct_roofline", "config", "model", "gpu", "date"}
+    assert len(rows) == 4 and all(required <= set(row) for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--configs", "defaults,fast"], "configs ['defaults', 'fast'] unknown"),
+        (["--temperatures", "hot"], "--temperatures 'hot' must look like 0.6,0"),
+        (["--temperatures", "-1"], "temperatures [-1.0] must be >= 0"),
+        (["--model", "nope"], "model 'nope' unknown"),
+    ],
+)
+def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "throughput", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen: list[throughput.Options] = []
+    monkeypatch.setattr(throughput, "run", seen.append)
+    argv = ["--configs", "tuned,tuned-flashinfer", "--temperatures", "0", "--num-seqs", "64"]
+    assert main(["bench", "throughput", *argv, "--out", "x"]) == 0
+    assert main(["bench", "throughput"]) == 0
+    given, default = seen
+    assert (given.configs, given.temperatures, given.num_seqs, given.out_dir) == (
+        ("tuned", "tuned-flashinfer"),
+        (0.0,),
+        64,
+        "x",
+    )
+    assert (default.configs, default.temperatures, default.num_seqs, default.model) == (
+        ("defaults", "tuned"),
+        (0.6, 0.0),
+        256,
+        "qwen3-0.6b",
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "throughput"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "execrt: error: bench throughput: needs a CUDA device (none is visible)"
+    )
