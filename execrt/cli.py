@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto)")
     gen.add_argument(
+        "--kv-cache-dtype",
+        dest="kv_cache_dtype",
+        help="KV cache storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (default: auto)",
+    )
+    gen.add_argument(
         "--tp",
         dest="tp_size",
         type=int,
@@ -123,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
     attn.add_argument("--iters", type=int, default=20)
+    attn.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        default="auto",
+        help="KV cache dtypes, comma-separated: auto (bfloat16), fp8_e4m3, fp8_e5m2; auto is "
+        "always timed too, as the reference (default: auto)",
+    )
     attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     moe = bench_sub.add_parser("moe", help="one MoE layer's expert compute: µs vs copy bandwidth")
     moe.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,..,256)")
@@ -265,6 +278,14 @@ def _add_bench_decode(bench_sub: Any) -> None:
         help="overlap scheduling on the generate path (default: on)",
     )
     dec.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        default="auto",
+        help="KV cache dtypes, comma-separated: auto, fp8_e4m3, fp8_e5m2; auto is always "
+        "timed too, so each record gets its step time over auto's (default: auto)",
+    )
+    dec.add_argument(
         "--fused-kernels",
         choices=["auto", "on", "off"],
         default="auto",
@@ -363,12 +384,27 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         profile=args.profile,
         overlap=args.overlap,
         fused_kernels=args.fused_kernels,
+        kv_dtypes=_kv_dtypes("decode", args.kv_dtype),
         reps=1 if args.quick else 2,
         out_dir=args.out,
         ttft=ttft,
     )
     decode.run(opts)
     return 0
+
+
+def _kv_dtypes(bench: str, value: str) -> tuple[str, ...]:
+    """``--kv-dtype`` as config names, ``auto`` first (every ratio is against it)."""
+    from execrt.core.config import KV_CACHE_DTYPES
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if unknown:
+        raise ExecrtError(
+            f"bench {bench}: --kv-dtype {', '.join(unknown)} unsupported "
+            f"(supported: {', '.join(KV_CACHE_DTYPES)})"
+        )
+    return tuple(dict.fromkeys(["auto", *names]))
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
@@ -435,8 +471,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"bench: --shapes {args.shapes!r} must look like 1:4096,64:4096"
             ) from None
     backends = args.backends.split(",") if args.backends else None
+    kv_dtypes = _kv_dtypes("attention", args.kv_dtype)
     try:
-        attention.run(backends, shapes, iters=args.iters, out_dir=args.out)
+        attention.run(backends, shapes, iters=args.iters, out_dir=args.out, kv_dtypes=kv_dtypes)
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0
@@ -504,6 +541,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "flashinfer_prefill_backend",
         "device",
         "dtype",
+        "kv_cache_dtype",
         "strict",
         "tp_size",
         "ep_size",

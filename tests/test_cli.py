@@ -64,6 +64,22 @@ def test_generate_on_the_builtin_model(capsys) -> None:
     assert captured.out.strip() != ""
 
 
+def test_generate_with_an_fp8_kv_cache_names_it_and_refuses_a_typo(capsys, monkeypatch) -> None:
+    argv = ["generate", "Hi", "--max-new-tokens", "4", "-v", "--device", "cpu"]
+    assert main([*argv, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    err = capsys.readouterr().err
+    assert "-> torch_native (KV cache fp8_e4m3: float8_e4m3fn)" in err
+    assert main([*argv, "--kv-cache-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kv_cache_dtype 'fp8' unsupported" in err[0]
+    from execrt.bench import attention
+
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(attention, "run", lambda *a, **kw: seen.append(kw["kv_dtypes"]))
+    assert main(["bench", "attention", "--kv-dtype", "fp8_e5m2,fp8_e4m3"]) == 0
+    assert seen == [("auto", "fp8_e5m2", "fp8_e4m3")]  # the reference first, in one run
+
+
 def test_generate_json_and_token_ids(capsys) -> None:
     assert main(["generate", "1,2,3", "--token-ids", "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -29,6 +29,7 @@ from execrt.core.interfaces import (
     AttentionLayer,
     AttentionStep,
 )
+from execrt.core.kv_quant import K_SCALE, V_SCALE, dequantize, kv_storage_dtype, quantize
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.plugins.host import PluginHost
 
@@ -52,25 +53,36 @@ class Record:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_dtype: str = "auto"  # kv_cache_dtype: auto (the model dtype) or fp8_e4m3 / fp8_e5m2
+    vs_kv_auto: float | None = None  # us / the same backend's us with kv auto (< 1: faster)
 
 
 class DecodeProblem:
-    """``bs`` requests of ``ctx`` tokens each, slots a random permutation of the cache."""
+    """``bs`` requests of ``ctx`` tokens each, slots a random permutation of the cache
+    (stored in ``kv_dtype``, default the model's ``dtype``)."""
 
     def __init__(
-        self, bs: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0
+        self,
+        bs: int,
+        ctx: int,
+        hq: int,
+        hkv: int,
+        d: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.bs, self.ctx, self.hq, self.hkv, self.d, self.dtype = bs, ctx, hq, hkv, d, dtype
+        kv_dtype = kv_dtype or dtype
         tokens = bs * ctx
-        layer_bytes = 2 * tokens * hkv * d * torch.empty((), dtype=dtype).element_size()
+        layer_bytes = 2 * tokens * hkv * d * torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes = layer_bytes
         # Enough distinct layers that consecutive calls never find their K/V in L2.
         self.num_layers = max(1, min(16, math.ceil(3 * L2_BYTES / layer_bytes)))
-        self.kv_cache = KVCache(tokens, self.num_layers, hkv, d, dtype, "cuda")
-        for layer in range(self.num_layers):
-            self.kv_cache.k_buffers[layer].normal_(generator=g)
-            self.kv_cache.v_buffers[layer].normal_(generator=g)
+        self.kv_cache = KVCache(tokens, self.num_layers, hkv, d, kv_dtype, "cuda")
+        for buf in (*self.kv_cache.k_buffers, *self.kv_cache.v_buffers):
+            buf.copy_(quantize(torch.empty_like(buf, dtype=dtype).normal_(generator=g), kv_dtype))
         self.pool = ReqToTokenPool(bs, ctx, "cuda")
         perm = torch.randperm(tokens, generator=g, device="cuda") + 1
         self.pool.req_to_token[1:] = perm.view(bs, ctx).to(torch.int32)
@@ -96,9 +108,10 @@ class DecodeProblem:
         """fp32 attention of layer 0 over the gathered K/V: ``[bs, Hq, D]``."""
         slots = self.pool.req_to_token[1 : self.bs + 1].long()  # [bs, ctx]
         out = []
+        scales = self.kv_cache.layer_scales[0]
         for b in range(self.bs):  # one request at a time keeps fp32 temporaries small
-            k = self.kv_cache.k_buffers[0][slots[b]].float()  # [ctx, Hkv, D]
-            v = self.kv_cache.v_buffers[0][slots[b]].float()
+            k = dequantize(self.kv_cache.k_buffers[0][slots[b]], scales[K_SCALE])  # [ctx, Hkv, D]
+            v = dequantize(self.kv_cache.v_buffers[0][slots[b]], scales[V_SCALE])
             q = self.q[b].float().view(self.hkv, self.hq // self.hkv, self.d)
             s = torch.einsum("hgd,lhd->hgl", q, k) * self.d**-0.5
             out.append(torch.einsum("hgl,lhd->hgd", s.softmax(-1), v).reshape(self.hq, self.d))
@@ -117,6 +130,7 @@ def build_backend(
         max_batch_size=p.bs,
         max_context_len=p.ctx,
         context=ctx,
+        dtype=p.dtype,
     )
 
 
@@ -161,8 +175,11 @@ def run(
     iters: int = 20,
     reps: int = 5,
     out_dir: str | None = "benchmarks/results",
+    kv_dtypes: Sequence[str] = ("auto",),
 ) -> list[Record]:
-    """Benchmark every usable attention backend on every shape; print a table; save JSON."""
+    """Benchmark every usable attention backend on every shape and KV cache dtype
+    (``kv_cache_dtype`` names; each record also gets its time over the same backend's with
+    ``auto``); print a table; save JSON."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench attention: needs a CUDA device")
     host = PluginHost()
@@ -172,8 +189,11 @@ def run(
     copy_bw = copy_bandwidth_gbps()
     print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     records: list[Record] = []
-    for bs, ctx in shapes:
-        problem = DecodeProblem(bs, ctx, num_q_heads, num_kv_heads, head_dim, dtype)
+    for (bs, ctx), kv_name in ((shape, kv) for shape in shapes for kv in kv_dtypes):
+        kv_dtype = kv_storage_dtype(kv_name, dtype)
+        problem = DecodeProblem(
+            bs, ctx, num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype
+        )
         shape_records = []
         for name in names:
             context = RuntimeContext()
@@ -182,7 +202,7 @@ def run(
                 us, err, graphed = time_backend(backend, problem, iters, reps)
                 backend.close()
             except Exception as exc:
-                print(f"  {name:<14} bs={bs:<4} ctx={ctx:<6} skipped: {exc}")
+                print(f"  {name:<14} bs={bs:<4} ctx={ctx:<6} kv={kv_name} skipped: {exc}")
                 continue
             finally:
                 context.close()
@@ -204,23 +224,30 @@ def run(
                     num_kv_heads,
                     head_dim,
                     str(dtype).replace("torch.", ""),
+                    kv_name,
                 )
             )
         rank(shape_records, "gbps")
         records += shape_records
         del problem
         torch.cuda.empty_cache()
+    auto = {(r.backend, r.bs, r.ctx): r.us for r in records if r.kv_dtype == "auto"}
+    for r in records:
+        if (base := auto.get((r.backend, r.bs, r.ctx))) is not None:
+            r.vs_kv_auto = r.us / base
     return report(records, format_table, out_dir, "attention-decode")
 
 
 def format_table(records: Sequence[Record]) -> str:
     lines = [
-        f"{'backend':<14} {'bs':>4} {'ctx':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'vs best':>7} {'rel err':>8} graph"
+        f"{'backend':<14} {'kv':<8} {'bs':>4} {'ctx':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} "
+        f"{'vs best':>7} {'vs kv':>6} {'rel err':>8} graph"
     ]
     for r in records:
+        vs_kv = "-" if r.vs_kv_auto is None else f"{r.vs_kv_auto:.2f}"
         lines.append(
-            f"{r.backend:<14} {r.bs:>4} {r.ctx:>6} {r.us:>9.1f} {r.gbps:>7.0f} "
-            f"{r.pct_copy_bw:>5.1f}% {r.vs_best_peer:>7.2f} {r.max_rel_err:>8.1e} {r.graph}"
+            f"{r.backend:<14} {r.kv_dtype:<8} {r.bs:>4} {r.ctx:>6} {r.us:>9.1f} {r.gbps:>7.0f} "
+            f"{r.pct_copy_bw:>5.1f}% {r.vs_best_peer:>7.2f} {vs_kv:>6} {r.max_rel_err:>8.1e} "
+            f"{r.graph}"
         )
     return "\n".join(lines)

@@ -119,13 +119,18 @@ def build_attention_backend(
     max_context_len: int,
     context: RuntimeContext,
     options: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """A registered attention backend over a benchmark's own pools (shapes from the cache),
     with its own ``options``; RuntimeError with the backend's reasons when it cannot serve
-    them here."""
+    them here. ``dtype`` is the model's (None: the cache's, which must then not be fp8)."""
     spec = host.registry.get("attention", name)
-    d, hkv, dtype = kv_cache.head_dim, kv_cache.num_kv_heads, kv_cache.dtype
-    requirements = AttentionRequirements(kv_cache.device.type, dtype, d, num_q_heads, hkv)
+    d, hkv = kv_cache.head_dim, kv_cache.num_kv_heads
+    dtype = dtype or kv_cache.dtype
+    kv_dtype = None if kv_cache.dtype == dtype else kv_cache.dtype
+    requirements = AttentionRequirements(
+        kv_cache.device.type, dtype, d, num_q_heads, hkv, kv_dtype=kv_dtype
+    )
     reasons = spec.refusals(requirements)
     if reasons:
         raise RuntimeError("; ".join(reasons))

@@ -58,6 +58,7 @@ from execrt.bench.timing import (
     time_limit,
 )
 from execrt.core.batch import ForwardBatch
+from execrt.core.config import KV_CACHE_DTYPES
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.engine import Engine
@@ -91,6 +92,7 @@ class Options:
     profile: bool = False
     overlap: bool = True  # RuntimeConfig.overlap_schedule of the generate path
     fused_kernels: str = "auto"  # RuntimeConfig.fused_kernels
+    kv_dtypes: tuple[str, ...] = ("auto",)  # RuntimeConfig.kv_cache_dtype values, each timed
     reps: int = 2
     out_dir: str | None = "benchmarks/results"
     seed: int = 0
@@ -113,6 +115,11 @@ class Options:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             problems.append(f"modes {list(self.modes)} unsupported (supported: {', '.join(MODES)})")
+        if not self.kv_dtypes or any(k not in KV_CACHE_DTYPES for k in self.kv_dtypes):
+            problems.append(
+                f"kv dtypes {list(self.kv_dtypes)} unsupported "
+                f"(supported: {', '.join(KV_CACHE_DTYPES)})"
+            )
         if problems:
             raise ExecrtError("bench decode: " + "; ".join(problems))
 
@@ -141,6 +148,8 @@ class Record:
     vs_hf_compile: float | None = None
     overlap: bool | None = None  # execrt's overlap_schedule (None for the peer)
     fused_kernels: str | None = None  # execrt's fused_kernels setting (None for the peer)
+    kv_dtype: str = "auto"  # execrt's kv_cache_dtype (the peer: its own, the model dtype)
+    vs_kv_auto: float | None = None  # this step_ms / the kv auto step_ms (< 1: this is faster)
     note: str = ""
     profile: dict[str, float] | None = None
     hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
@@ -167,7 +176,8 @@ class _Context:
     ) -> Record:
         mc, steps = self.model_config, extra.pop("steps", self.opts.steps)
         weights = weight_bytes_per_step(mc, bs)
-        kv = kv_bytes_per_step(mc, bs, self.opts.ctx)
+        fp8 = extra.get("kv_dtype", "auto") != "auto"
+        kv = kv_bytes_per_step(mc, bs, self.opts.ctx, dtype_bytes=1 if fp8 else 2)
         roofline_ms = (weights + kv) / (self.copy_gbps * 1e9) * 1e3
         step_ms = None if step_s is None else step_s * 1e3
         record = Record(
@@ -193,7 +203,8 @@ class _Context:
         )
         self.records.append(record)
         shown = f"{step_ms:.3f} ms/step" if step_ms is not None else f"skipped: {record.note}"
-        print(f"  {mode:<10} {path:<8} bs={bs:<4} {shown}", flush=True)
+        kv_dtype = f" kv={record.kv_dtype}" if record.kv_dtype != "auto" else ""
+        print(f"  {mode:<10} {path:<8} bs={bs:<4}{kv_dtype} {shown}", flush=True)
         return record
 
 
@@ -218,8 +229,9 @@ def run(opts: Options) -> list[Record]:
     print(f"# {gpu}: device-to-device copy {ctx.copy_gbps:.0f} GB/s (read + write)")
     print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")
     for mode in opts.modes:
-        _run_execrt(ctx, mode)
-        release_memory()
+        for kv_dtype in opts.kv_dtypes:
+            _run_execrt(ctx, mode, kv_dtype)
+            release_memory()
     if opts.ttft:
         _run_ttft(ctx)
         release_memory()
@@ -227,18 +239,19 @@ def run(opts: Options) -> list[Record]:
         _run_hf(ctx)
         release_memory()
     _compare_to_peers(ctx.records)
+    _compare_kv_dtypes(ctx.records)
     if opts.profile:
         print(format_profiles(ctx.records))
     return report(ctx.records, format_table, opts.out_dir, "decode-step")
 
 
 # -- execrt ---------------------------------------------------------------------------------------
-def _run_execrt(ctx: _Context, mode: str) -> None:
+def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     opts = ctx.opts
     sizes = sorted(set(opts.batch_sizes))
     context_len = opts.ctx + opts.steps + KV_MARGIN
     graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
-    print(f"# execrt {mode}", flush=True)
+    print(f"# execrt {mode}, KV cache {kv_dtype}", flush=True)
     try:
         engine = Engine(
             loader=RandomWeightsLoader(ctx.config, opts.seed),
@@ -253,15 +266,22 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
             seed=opts.seed,
             overlap_schedule=opts.overlap,
             fused_kernels=opts.fused_kernels,
+            kv_cache_dtype=kv_dtype,
             **graph,
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
         for bs in opts.batch_sizes:
             note = failure_note(exc)
-            ctx.add(mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap)
+            ctx.add(
+                mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap,
+                kv_dtype=kv_dtype,
+            )  # fmt: skip
         return
     attention = _chosen(engine, "attention")
-    ov: dict[str, Any] = {"overlap": opts.overlap, "fused_kernels": opts.fused_kernels}
+    ov: dict[str, Any] = {
+        "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype
+    }  # fmt: skip
+    tag = mode if kv_dtype == "auto" else f"{mode}-{kv_dtype}"  # profile trace names
     with engine:
         for bs in opts.batch_sizes:
             prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)
@@ -271,11 +291,11 @@ def _run_execrt(ctx: _Context, mode: str) -> None:
                 rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
                 rec.prefill_ms = t.prefill_s * 1e3
                 if opts.profile:
-                    _profile_generate(engine, prompts, opts, rec, f"{mode}-generate-bs{bs}")
+                    _profile_generate(engine, prompts, opts, rec, f"{tag}-generate-bs{bs}")
             except Exception as exc:
                 ctx.add(mode, "generate", bs, None, attention, note=failure_note(exc), **ov)
             try:
-                label = f"{mode}-bs{bs}" if opts.profile else None
+                label = f"{tag}-bs{bs}" if opts.profile else None
                 fwd = _time_forward(engine, prompts, opts, profile=label)
                 note = "" if fwd.graphed or mode == "eager" else "graph not used"
                 rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note, **ov)
@@ -590,6 +610,19 @@ def _compare_to_peers(records: list[Record]) -> None:
             r.vs_hf_compile = compiled / r.step_ms
 
 
+def _compare_kv_dtypes(records: list[Record]) -> None:
+    """Each execrt record's step time over the same run's with ``kv_cache_dtype`` auto."""
+    auto = {
+        (r.mode, r.path, r.bs): r.step_ms
+        for r in records
+        if r.kv_dtype == "auto" and not r.mode.startswith("hf-") and r.step_ms
+    }
+    for r in records:
+        base = auto.get((r.mode, r.path, r.bs))
+        if base and r.step_ms and not r.mode.startswith("hf-"):
+            r.vs_kv_auto = r.step_ms / base
+
+
 def format_profiles(records: Sequence[Record]) -> str:
     """Per profiled configuration: kernels, launch calls, GPU busy, wall and host per step."""
     lines = [
@@ -610,14 +643,17 @@ def format_profiles(records: Sequence[Record]) -> str:
 
 def format_table(records: Sequence[Record]) -> str:
     lines = [
-        f"{'mode':<10} {'path':<8} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>8} "
-        f"{'prefill':>8} {'roof ms':>7} {'%roof':>6} {'vs hf':>6} {'vs hf-c':>7}  note"
+        f"{'mode':<10} {'path':<8} {'kv':<8} {'bs':>4} {'ctx':>5} {'step ms':>8} {'tok/s':>8} "
+        f"{'prefill':>8} {'roof ms':>7} {'%roof':>6} {'vs hf':>6} {'vs hf-c':>7} "
+        f"{'vs kv':>6}  note"
     ]
     for r in records:
         lines.append(
-            f"{r.mode:<10} {r.path:<8} {r.bs:>4} {r.ctx:>5} {cell(r.step_ms, 8, '.3f')} "
+            f"{r.mode:<10} {r.path:<8} {r.kv_dtype:<8} {r.bs:>4} {r.ctx:>5} "
+            f"{cell(r.step_ms, 8, '.3f')} "
             f"{cell(r.tokens_per_s, 8, '.0f')} {cell(r.prefill_ms, 8, '.1f')} "
             f"{r.roofline_ms:>7.3f} {cell(r.pct_roofline, 6, '.1f')} "
-            f"{cell(r.vs_hf_eager, 6, '.2f')} {cell(r.vs_hf_compile, 7, '.2f')}  {r.note}"
+            f"{cell(r.vs_hf_eager, 6, '.2f')} {cell(r.vs_hf_compile, 7, '.2f')} "
+            f"{cell(r.vs_kv_auto, 6, '.2f')}  {r.note}"
         )
     return "\n".join(lines)

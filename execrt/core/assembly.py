@@ -33,6 +33,7 @@ from execrt.core.interfaces import (
     MoEDispatcherInit,
     MoERequirements,
 )
+from execrt.core.kv_quant import kv_storage_dtype
 from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
 from execrt.core.parallel import ParallelState
@@ -76,6 +77,7 @@ class ResolvedRuntime:
     spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's storage dtype: ``dtype``, or fp8 (kv_cache_dtype)
     parallel: ParallelState  # this rank's layout (ep_size resolved)
     local_spec: ModelSpec  # this rank's share of the model (its attention heads)
     context_len: int
@@ -96,8 +98,9 @@ class ResolvedRuntime:
     def attention_requirements(self) -> AttentionRequirements:
         s = self.local_spec
         return AttentionRequirements(
-            self.device.type, self.dtype, s.head_dim, s.num_q_heads, s.num_kv_heads
-        )
+            self.device.type, self.dtype, s.head_dim, s.num_q_heads, s.num_kv_heads,
+            kv_dtype=None if self.kv_dtype == self.dtype else self.kv_dtype,
+        )  # fmt: skip
 
     def moe_requirements(self) -> MoERequirements:
         s, p = self.spec, self.parallel
@@ -152,17 +155,19 @@ def resolve_runtime(
     local = spec.local(parallel)
     device = resolve_device(config.device, world)
     dtype = resolve_dtype(config.dtype, spec.dtype, device)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     context_len = min(
         config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
     auto_running = config.max_running_requests == 0
     config = resolve_sizes(config, spec, device, context_len)
-    check_before_load(config, local, device, dtype, context_len)  # before any weight loads
+    check_before_load(config, local, device, kv_dtype, context_len)  # before any weight loads
     partial = ResolvedRuntime(
         config=config,
         spec=spec,
         device=device,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         parallel=parallel,
         local_spec=local,
         context_len=context_len,
@@ -191,6 +196,8 @@ def resolve_runtime(
         registry, "attention", config.attention_backend, partial.attention_requirements(),
         strict=strict,
     )  # fmt: skip
+    if config.kv_cache_dtype != "auto":
+        attention = dataclasses.replace(attention, note=_kv_note(partial))
     prefix_cache = resolve_backend(
         registry, "prefix_cache", config.prefix_cache, partial.prefix_cache_requirements(),
         strict=strict,
@@ -243,6 +250,12 @@ def fit_running_requests(resolved: ResolvedRuntime, kv_tokens: int) -> ResolvedR
     return dataclasses.replace(
         resolved, config=cfg.replace(max_running_requests=running), running_fits_kv=False
     )
+
+
+def _kv_note(resolved: ResolvedRuntime) -> str:
+    """What the report says of a KV cache dtype asked for by name."""
+    name = str(resolved.kv_dtype).removeprefix("torch.")
+    return f"KV cache {resolved.config.kv_cache_dtype}: {name}"
 
 
 def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> ResolvedRuntime:
@@ -362,6 +375,7 @@ def build_attention(
             num_q_heads=resolved.local_spec.num_q_heads,
             max_batch_size=resolved.config.max_running_requests,
             context=context,
+            dtype=resolved.dtype,
             options=resolved.config.backend_options(backend.name),
         )
 
@@ -369,6 +383,8 @@ def build_attention(
         registry, resolved.attention, resolved.attention_requirements(), make_init,
         resolved.strict,
     )  # fmt: skip
+    if res.note != resolved.attention.note:  # a fallback build keeps the KV cache note
+        res = dataclasses.replace(res, note=resolved.attention.note)
     if not isinstance(built, AttentionBackend):
         raise _not_a("AttentionBackend", built, res)
     return built, res
@@ -444,14 +460,15 @@ def kv_budget_bytes(free: int, total: int, fraction: float) -> int:
 
 def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
     """KV slots: ``kv_cache_tokens`` when set, else every request at full context, capped by
-    the free GPU memory left after the weights (``kv_budget_bytes``; a fixed budget on CPU).
+    the free GPU memory left after the weights (``kv_budget_bytes``; a fixed budget on CPU),
+    counted in bytes of the storage dtype (an fp8 cache fits twice the tokens of a bf16 one).
     The same on every rank (the smallest), since every rank runs the same schedule."""
     cfg = resolved.config
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     s = resolved.local_spec
     per_token = KVCache.bytes_per_token_for(
-        s.num_layers, s.num_kv_heads, s.head_dim, resolved.dtype
+        s.num_layers, s.num_kv_heads, s.head_dim, resolved.kv_dtype
     )
     if resolved.device.type == "cuda":
         budget = kv_budget_bytes(*gpu_memory(resolved.device), cfg.kv_cache_memory_fraction)

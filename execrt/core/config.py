@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch elsewhere
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), else FA2
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
@@ -40,7 +41,9 @@ class RuntimeConfig:
     Backend fields take a registered backend name or ``"auto"``; ``graph_backend`` and
     ``prefix_cache`` also take ``"none"`` (no graphs; no prefix cache, every prompt prefilled
     in full). ``prefix_cache_force_miss`` keeps the cache's code path but reports no match, to
-    measure its overhead. ``strict`` turns any automatic fallback into an error.
+    measure its overhead. ``kv_cache_dtype`` stores K/V in the model's dtype (``auto``) or in
+    fp8 (``fp8_e4m3``, ``fp8_e5m2``: twice the tokens in the same memory). ``strict`` turns
+    any automatic fallback into an error.
 
     Sizes of 0 are "auto": chosen for the device by ``core.assembly`` (e.g. running requests
     and the KV pool from GPU memory, small fixed sizes on CPU). A key ``<backend>_<option>``
@@ -60,6 +63,7 @@ class RuntimeConfig:
     max_running_requests: int = 0
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.0
+    kv_cache_dtype: str = "auto"
     context_len: int = 0
     max_prefill_tokens: int = 0
     seed: int = 0
@@ -98,6 +102,11 @@ class RuntimeConfig:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in [0, 0.95] (0 = auto), "
                 f"got {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"config: kv_cache_dtype {self.kv_cache_dtype!r} unsupported "
+                f"(supported: {', '.join(KV_CACHE_DTYPES)})"
             )
         if self.flashinfer_prefill_backend not in FLASHINFER_PREFILL:
             raise ConfigError(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from execrt.core.kv_quant import FP8_DTYPES as FP8_DTYPES  # the fp8 cache dtypes, re-exported
 from execrt.core.step import ForwardMode
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ class AttentionRequirements:
 
 #: The KV cache dtypes a backend reads unless it declares others: the model dtypes.
 MODEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class AttentionBackendInit:
     head_dim: int
     v_head_dim: int
     num_layers: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (q and the output); the cache's is kv_cache.dtype
     device: torch.device
     req_to_token_pool: ReqToTokenPool
     kv_cache: KVCache
@@ -167,11 +167,15 @@ class AttentionBackendInit:
         num_q_heads: int,
         max_batch_size: int,
         context: RuntimeContext,
+        dtype: torch.dtype | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> AttentionBackendInit:
         """The init record of a backend over ``kv_cache`` and ``req_to_token_pool``: head
-        counts, dims, layers, dtype and device come from the cache, the context length from
-        the pool."""
+        counts, dims, layers and device come from the cache, the context length from the pool.
+        ``dtype`` is the model's (q and the output); None: the cache's, which an fp8 cache
+        cannot be."""
+        if dtype is None and kv_cache.is_fp8:
+            raise ValueError(f"attention init: an {kv_cache.dtype} cache needs the model dtype")
         return cls(
             capabilities=capabilities,
             num_q_heads=num_q_heads,
@@ -179,7 +183,7 @@ class AttentionBackendInit:
             head_dim=kv_cache.head_dim,
             v_head_dim=kv_cache.v_head_dim,
             num_layers=kv_cache.num_layers,
-            dtype=kv_cache.dtype,
+            dtype=kv_cache.dtype if dtype is None else dtype,
             device=kv_cache.device,
             req_to_token_pool=req_to_token_pool,
             kv_cache=kv_cache,
@@ -249,7 +253,9 @@ class AttentionBackend(ABC):
     ) -> Tensor:
         """Attention of this step's queries over their requests' cached context.
 
-        ``q [T, Hq, D]`` in the cache dtype -> ``[T, Hq, Dv]`` in q's dtype. Decode
+        ``q [T, Hq, D]`` in the model dtype (``init.dtype``) -> ``[T, Hq, Dv]`` in q's dtype.
+        The cache may be stored in another dtype (fp8, with the layer's scales in
+        ``kv_cache.layer_scales``: a value reads as ``stored * scale``). Decode
         (``step.mode``): one token per request. Extend: the new tokens of every request,
         request after request; token i of request b sits at position ``prefix_len[b] + i`` and
         attends causally over the cached prefix and the new tokens. This step's K/V are in the

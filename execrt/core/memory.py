@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from execrt.core.errors import KVOwnershipError
+from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, is_fp8, store
 
 
 class ReqToTokenPool:
@@ -173,8 +174,12 @@ class SlotHolders:
 class KVCache:
     """Per-layer K and V storage ``[size + 1, n_kv_heads, head_dim]``; row 0 is the padding slot.
 
-    ``set_kv`` is the only writer. Backends read ``k_buffers[layer]`` / ``v_buffers[layer]``
-    directly (a list of tensors, one per layer, so each layer's buffer is contiguous).
+    ``set_kv`` is the torch writer (``kv_quant.store``; the fused rotary kernel is its Triton
+    twin). Backends read ``k_buffers[layer]`` / ``v_buffers[layer]`` directly (a list of
+    tensors, one per layer, so each layer's buffer is contiguous). ``dtype`` is the storage
+    dtype: the model's, or fp8 (``kv_cache_dtype``), which stores ``real / scale`` with the
+    layer's scales in ``layer_scales[layer]``, fp32 ``[4]`` on the device (k, v, 1/k, 1/v;
+    see ``kv_quant``), and their host copy ``scales``.
     """
 
     def __init__(
@@ -202,11 +207,32 @@ class KVCache:
         self.v_buffers = [
             torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        self.scales = KVScales.ones(num_layers)
+        # One tensor per layer (fixed addresses: captured graphs read them at every replay).
+        self.layer_scales = [
+            torch.tensor(self.scales.row(i), dtype=torch.float32, device=self.device)
+            for i in range(num_layers)
+        ]
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def set_scales(self, scales: KVScales) -> None:
+        """Use a checkpoint's per-layer scales (an fp8 cache only; before the first store)."""
+        if not self.is_fp8:
+            raise ValueError(f"KVCache: scales apply to an fp8 cache, not {self.dtype}")
+        if len(scales.k) != self.num_layers:
+            raise ValueError(f"KVCache: {len(scales.k)} layer scales for {self.num_layers} layers")
+        self.scales = scales
+        for i, row in enumerate(self.layer_scales):
+            row.copy_(torch.tensor(scales.row(i), dtype=torch.float32))  # in place
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's ``k [T, n_kv, D]`` and ``v [T, n_kv, Dv]`` at slots ``loc [T]``."""
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        inv = self.layer_scales[layer_id] if self.is_fp8 else None
+        store(self.k_buffers[layer_id], loc, k, None if inv is None else inv[K_INV_SCALE])
+        store(self.v_buffers[layer_id], loc, v, None if inv is None else inv[V_INV_SCALE])
 
     def bytes_per_token(self) -> int:
         return self.bytes_per_token_for(

@@ -94,8 +94,10 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(kv_tokens, r.device)
         self.kv_cache: KVCache = self._own(
             "kv_cache",
-            KVCache(kv_tokens, s.num_layers, s.num_kv_heads, s.head_dim, r.dtype, r.device),
+            KVCache(kv_tokens, s.num_layers, s.num_kv_heads, s.head_dim, r.kv_dtype, r.device),
         )
+        if self.kv_cache.is_fp8:
+            self._use_checkpoint_kv_scales()
         attn, res = assembly.build_attention(
             r, registry, self.kv_cache, self.req_to_token_pool, self.context
         )
@@ -130,6 +132,20 @@ class ModelRunner:
             [by_kind.get(res.kind, res) for res in r.report.resolutions]
         )
         logger.info("backends:\n%s", self.resolution.describe())
+
+    def _use_checkpoint_kv_scales(self) -> None:
+        """An fp8 cache stores real / scale with the checkpoint's per-layer scales; without
+        any it uses 1.0, which clips K/V beyond the format's range: say so, once."""
+        scales = self.model.kv_scales()
+        if scales is not None:
+            self.kv_cache.set_scales(scales)
+            return
+        logger.warning(
+            "model runner: the KV cache is %s but the checkpoint has no k_scale/v_scale: "
+            "using 1.0 for every layer (K/V beyond +-%g are clipped)",
+            str(self.kv_cache.dtype).removeprefix("torch."),
+            torch.finfo(self.kv_cache.dtype).max,
+        )
 
     def _own(self, name: str, obj: Any, close: Callable[[Any], None] | None = None) -> Any:
         """Register ``obj`` under ``name`` as this runner's; closed here if that fails."""

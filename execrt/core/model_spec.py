@@ -17,6 +17,7 @@ from execrt.core.parallel import ParallelState, shard_heads
 if TYPE_CHECKING:
     from execrt.core.batch import ForwardBatch, LogitsOutput
     from execrt.core.interfaces import AttentionStep, MoEDispatcher
+    from execrt.core.kv_quant import KVScales
     from execrt.core.memory import KVCache
 
 
@@ -74,12 +75,15 @@ class Model(Protocol):
     calls ``attn.backend.attend``. ``attach_kv_cache`` fixes the K/V writer once, before the
     first forward: with a cache the model stores each step's K/V in it (the one store helper,
     ``KVCache.set_kv`` or a fused kernel doing the same); with None the backend stores them
-    (it declares ``stores_kv`` and receives ``kv`` in ``attend``).
+    (it declares ``stores_kv`` and receives ``kv`` in ``attend``). ``kv_scales`` gives the
+    checkpoint's per-layer K/V scales of an fp8 cache (None: it has none, 1.0 is used).
     """
 
     def __call__(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput: ...
 
     def attach_kv_cache(self, kv_cache: KVCache | None) -> None: ...
+
+    def kv_scales(self) -> KVScales | None: ...
 
 
 class ModelLoader(Protocol):

@@ -23,12 +23,13 @@ def check_before_load(
     config: RuntimeConfig,
     local: ModelSpec,
     device: torch.device,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     context_len: int,
 ) -> None:
     """Raise ConfigError for settings this machine cannot run. ``local`` is this rank's share
-    of the model; ``device``, ``dtype`` and ``context_len`` are the resolved values."""
-    needs = pool_bytes(config, local, dtype, context_len)
+    of the model; ``device``, ``kv_dtype`` (the KV cache's storage dtype) and ``context_len``
+    are the resolved values."""
+    needs = pool_bytes(config, local, kv_dtype, context_len)
     total = sum(n for _, _, n in needs)
     available = available_memory(device)
     if available is None or total <= available:
@@ -64,7 +65,7 @@ def cpu_kv_budget(floor: int, per_token: int, context_len: int, available: int |
 
 
 def pool_bytes(
-    config: RuntimeConfig, local: ModelSpec, dtype: torch.dtype, context_len: int
+    config: RuntimeConfig, local: ModelSpec, kv_dtype: torch.dtype, context_len: int
 ) -> list[tuple[str, str, int]]:
     """``(key, what it sizes, bytes)`` for each pool a key sizes. An automatic KV cache
     (``kv_cache_tokens`` 0) is sized to fit later, so it is not counted."""
@@ -74,7 +75,7 @@ def pool_bytes(
     tokens = config.kv_cache_tokens
     if tokens:
         per_token = KVCache.bytes_per_token_for(
-            local.num_layers, local.num_kv_heads, local.head_dim, dtype
+            local.num_layers, local.num_kv_heads, local.head_dim, kv_dtype
         )
         # K and V of every layer, slot 0 included, and the allocator's int64 free list.
         what = f"KV cache ({format_bytes(per_token)} per token)"

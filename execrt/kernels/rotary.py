@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE
+from execrt.core.kv_quant import store as store_kv
 from execrt.kernels._triton import fail, import_triton
 from execrt.kernels.norm import rmsnorm_torch
 
@@ -28,13 +32,15 @@ def qk_norm_rope_torch(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     out_cache_loc: torch.Tensor | None = None,
+    cache_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference with the model's roundings: norm as ``RMSNorm``, then RoPE in ``q.dtype``.
 
     The table rows are cast to ``q.dtype`` before use and ``q * cos``, ``rotate_half(q) * sin``
-    and their sum are each rounded to the dtype, exactly as ``RotaryEmbedding`` does.
+    and their sum are each rounded to the dtype, exactly as ``RotaryEmbedding`` does. The
+    rotated k and v are stored through ``kv_quant.store``, as ``KVCache.set_kv`` stores.
     """
-    store = _store_args(v, k_cache, v_cache, out_cache_loc)
+    store = _store_args(v, k_cache, v_cache, out_cache_loc, cache_scales)
     if q_norm_weight is not None:
         q = rmsnorm_torch(q, q_norm_weight, eps)  # [T, Hq, D]
     if k_norm_weight is not None:
@@ -44,9 +50,9 @@ def qk_norm_rope_torch(
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
     if store is not None:
-        v_, k_cache_, v_cache_, loc = store
-        k_cache_[loc] = k.to(k_cache_.dtype)
-        v_cache_[loc] = v_.to(v_cache_.dtype)
+        inv = store.scales
+        store_kv(store.k_cache, store.loc, k, None if inv is None else inv[K_INV_SCALE])
+        store_kv(store.v_cache, store.loc, store.v, None if inv is None else inv[V_INV_SCALE])
     return q, k
 
 
@@ -64,6 +70,7 @@ def qk_norm_rope(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     out_cache_loc: torch.Tensor | None = None,
+    cache_scales: torch.Tensor | None = None,
     use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (and, with weights, per-head RMS-normed) ``(q [T, Hq, D], k [T, Hkv, D])``.
@@ -74,6 +81,9 @@ def qk_norm_rope(
     the results are new contiguous tensors. With ``v [T, Hkv, Dv]``, ``k_cache [S, Hkv, D]``,
     ``v_cache [S, Hkv, Dv]`` and ``out_cache_loc [T]``, the rotated k and v are also stored at
     those cache slots (cast to the cache dtype), so the attention backend need not store them.
+    An fp8 cache stores them quantized as ``kv_quant.quantize`` does, with the layer's scale
+    row ``cache_scales`` (fp32 ``[4]``, ``KVCache.layer_scales[layer]``; None: scales 1.0):
+    both paths give the same bytes.
 
     The Triton kernel (``use_triton``) rounds the norm like the reference but computes the
     rotation in fp32 from the fp32 tables and rounds once: within 1e-6 relative of the
@@ -84,17 +94,25 @@ def qk_norm_rope(
         return qk_norm_rope_torch(
             q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
             v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=out_cache_loc,
+            cache_scales=cache_scales,
         )  # fmt: skip
     import_triton()
     from execrt.kernels.triton_rotary import qk_norm_rope_triton
 
     return qk_norm_rope_triton(
         q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
-        store=_store_args(v, k_cache, v_cache, out_cache_loc),
+        store=_store_args(v, k_cache, v_cache, out_cache_loc, cache_scales),
     )  # fmt: skip
 
 
-StoreArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+class KVStore(NamedTuple):
+    """Where the rotated k (and v) go: cache buffers, slots, the layer's scale row."""
+
+    v: torch.Tensor  # [T, Hkv, Dv]
+    k_cache: torch.Tensor  # [S, Hkv, D]
+    v_cache: torch.Tensor  # [S, Hkv, Dv]
+    loc: torch.Tensor  # [T] int32/int64
+    scales: torch.Tensor | None  # fp32 [4]: k, v, 1/k, 1/v (kv_quant); None: 1.0
 
 
 def _store_args(
@@ -102,13 +120,16 @@ def _store_args(
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
     out_cache_loc: torch.Tensor | None,
-) -> StoreArgs | None:
-    """``(v, k_cache, v_cache, out_cache_loc)`` when the K/V store is asked for, else None."""
+    cache_scales: torch.Tensor | None,
+) -> KVStore | None:
+    """The K/V store when it is asked for, else None."""
     given = [t is not None for t in (v, k_cache, v_cache, out_cache_loc)]
     if not any(given):
+        if cache_scales is not None:
+            fail("qk_norm_rope", "cache_scales given without a K/V store")
         return None
     if not all(given):
         fail("qk_norm_rope", "the K/V store needs all of v, k_cache, v_cache and out_cache_loc")
     assert v is not None and k_cache is not None and v_cache is not None
     assert out_cache_loc is not None
-    return v, k_cache, v_cache, out_cache_loc
+    return KVStore(v, k_cache, v_cache, out_cache_loc, cache_scales)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, fp8_format, is_fp8
 from execrt.kernels._triton import (
     check_device,
     check_float,
@@ -17,12 +18,53 @@ from execrt.kernels._triton import (
     pdl_kwargs,
     sm_count,
 )
+from execrt.kernels.rotary import KVStore
 from execrt.kernels.triton_pdl import pdl_prologue
 
 NAME = "qk_norm_rope"
 MAX_HEAD_DIM = 512
 MAX_HEADS_PER_PROGRAM = 16
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 ``x`` clamped to +-FP8_MAX and rounded to the nearest fp8 value (ties to even),
+    still in fp32, so the cast after it is exact. The GPU's cast rounds the same way, but the
+    Triton interpreter's drops the carry into the exponent (125 -> 64 in e4m3): rounding here
+    gives torch's bytes on every backend. ``(a + c) - c`` with ``c = 1.5 * 2**(q + 23)``
+    rounds ``a`` to a multiple of ``2**q``, the format's spacing at ``a``'s exponent."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    q = tl.maximum(exponent, EMIN) - MANT
+    c = (((q + 150) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    sign = bits & -2147483648  # 0x80000000: -0.0 and tiny negatives keep their sign
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_cache(
+    x,
+    cache_ptr,
+    scales_ptr,
+    INV: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
+):
+    """``x`` as the cache stores it: ``kv_quant.quantize``, bit for bit."""
+    if FP8:
+        y = x.to(tl.float32)
+        if HAS_SCALES:
+            y = y * tl.load(scales_ptr + INV)  # real / scale, by the stored inverse
+        out = _fp8_grid(y, FP8_MAX, FP8_MANT, FP8_EMIN).to(cache_ptr.dtype.element_ty)
+    else:
+        out = x.to(cache_ptr.dtype.element_ty)
+    return out
 
 
 @triton.jit
@@ -36,21 +78,17 @@ def _norm_rope_heads(
     w_ptr,
     cos_row,
     sin_row,
-    cache_ptr,
-    stride_cs,
-    stride_ch,
     token,
-    slot,
     head0,
     num_heads,
     eps,
     HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write (and store)."""
+    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write; returns the two
+    rotated halves ``[BH, BD/2]`` as written (for the K store)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
     d = tl.arange(0, BLOCK_HALF)  # [BD/2]
     d_mask = d < HALF
@@ -80,10 +118,7 @@ def _norm_rope_heads(
     dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
-    if STORE:
-        cache = cache_ptr + slot * stride_cs + heads[:, None].to(tl.int64) * stride_ch + d[None, :]
-        tl.store(cache, o1.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(cache + HALF, o2.to(cache_ptr.dtype.element_ty), mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -101,6 +136,7 @@ def _qk_norm_rope_kernel(
     loc_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    scales_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -124,6 +160,13 @@ def _qk_norm_rope_kernel(
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    K_INV: tl.constexpr,
+    V_INV: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -132,7 +175,7 @@ def _qk_norm_rope_kernel(
     PDL: tl.constexpr,
 ):
     # Grid (T, q_blocks + kv_blocks): a program rotates BLOCK_H heads of q, or of k (and then
-    # also copies the same heads of v into the cache).
+    # stores them and the same heads of v into the cache).
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -142,27 +185,39 @@ def _qk_norm_rope_kernel(
     if hb < q_blocks:
         _norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr,
-            cos_row, sin_row, q_out_ptr, 0, 0, token, token, hb * BLOCK_H, num_q_heads, eps,
-            HAS_Q_NORM, False, HALF, BLOCK_H, BLOCK_HALF,
+            cos_row, sin_row, token, hb * BLOCK_H, num_q_heads, eps, HAS_Q_NORM, HALF, BLOCK_H,
+            BLOCK_HALF,
         )  # fmt: skip
     else:
         head0 = (hb - q_blocks) * BLOCK_H
-        slot = token
-        if STORE_KV:
-            slot = tl.load(loc_ptr + token).to(tl.int64)
-        _norm_rope_heads(
+        k1, k2 = _norm_rope_heads(
             k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr,
-            cos_row, sin_row, k_cache_ptr, stride_kcs, stride_kch, token, slot, head0,
-            num_kv_heads, eps, HAS_K_NORM, STORE_KV, HALF, BLOCK_H, BLOCK_HALF,
+            cos_row, sin_row, token, head0, num_kv_heads, eps, HAS_K_NORM, HALF, BLOCK_H,
+            BLOCK_HALF,
         )  # fmt: skip
         if STORE_KV:
+            slot = tl.load(loc_ptr + token).to(tl.int64)
             heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
-            dv = tl.arange(0, BLOCK_DV)
-            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)[None, :]
             heads64 = heads[:, None].to(tl.int64)
-            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv[None, :], mask=mask)
-            dst = v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv[None, :]
-            tl.store(dst, vals.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            d = tl.arange(0, BLOCK_HALF)[None, :]
+            mask = (heads < num_kv_heads)[:, None] & (d < HALF)  # [BH, BD/2]
+            # No tuple or starred arguments here: older Triton compilers take neither.
+            k1 = _to_cache(
+                k1, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+            )
+            k2 = _to_cache(
+                k2, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+            )
+            dst = k_cache_ptr + slot * stride_kcs + heads64 * stride_kch + d
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HALF, k2, mask=mask)
+            dv = tl.arange(0, BLOCK_DV)[None, :]
+            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)  # [BH, BDv]
+            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv, mask=mask)
+            vals = _to_cache(
+                vals, v_cache_ptr, scales_ptr, V_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+            )
+            tl.store(v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv, vals, mask=mask)
 
 
 def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int) -> int:
@@ -222,15 +277,9 @@ def _check_inputs(
     return t, hq, hkv, d
 
 
-def _check_store(
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    q: torch.Tensor,
-    t: int,
-    hkv: int,
-    d: int,
-) -> int:
-    """Validate ``(v, k_cache, v_cache, out_cache_loc)``; return ``Dv``."""
-    v, k_cache, v_cache, loc = store
+def _check_store(store: KVStore, q: torch.Tensor, t: int, hkv: int, d: int) -> int:
+    """Validate the K/V store; return ``Dv``."""
+    v, k_cache, v_cache, loc, scales = store
     if v.dim() != 3 or v.shape[:2] != (t, hkv):
         fail(NAME, f"v {tuple(v.shape)} must be [{t}, {hkv}, Dv]")
     dv = v.shape[2]
@@ -242,9 +291,16 @@ def _check_store(
         fail(NAME, f"v_cache {tuple(v_cache.shape)} must be [{k_cache.shape[0]}, {hkv}, {dv}]")
     if loc.dim() != 1 or loc.shape[0] != t or loc.dtype not in INDEX_DTYPES:
         fail(NAME, f"out_cache_loc {tuple(loc.shape)} {loc.dtype} must be [{t}] int32/64")
-    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(NAME, name, x)
-    check_same_device(NAME, q, v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=loc)
+    check_float(NAME, "v", v)
+    if not is_fp8(k_cache.dtype):
+        check_float(NAME, "k_cache", k_cache)
+    if v_cache.dtype != k_cache.dtype:
+        fail(NAME, f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
+    if scales is not None and (scales.shape != (4,) or scales.dtype != torch.float32):
+        fail(NAME, f"cache_scales {tuple(scales.shape)} {scales.dtype} must be [4] float32")
+    check_same_device(
+        NAME, q, v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=loc, cache_scales=scales
+    )
     check_last_dim_contiguous(NAME, v=v, k_cache=k_cache, v_cache=v_cache)
     return dv
 
@@ -258,7 +314,7 @@ def qk_norm_rope_triton(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    store: KVStore | None = None,
     heads_per_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for q and k of every token; see ``rotary.qk_norm_rope``.
@@ -271,7 +327,9 @@ def qk_norm_rope_triton(
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t == 0:
         return q_out, k_out
-    v, k_cache, v_cache, loc = store if store is not None else (k, k_out, k_out, positions)
+    v, k_cache, v_cache, loc, scales = store or KVStore(k, k_out, k_out, positions, None)
+    fp8 = is_fp8(k_cache.dtype)
+    fmt = fp8_format(k_cache.dtype if fp8 else torch.float8_e4m3fn)  # unused unless fp8
     bh = heads_per_block or heads_per_program(t, hq, hkv, sm_count(q.device))
     if bh & (bh - 1):
         fail(NAME, f"heads_per_block {bh} unsupported (supported: a power of two)")
@@ -281,7 +339,7 @@ def qk_norm_rope_triton(
         q, k, v, q_out, k_out,
         q_norm_weight if q_norm_weight is not None else q_out,
         k_norm_weight if k_norm_weight is not None else k_out,
-        positions, cos, sin, loc, k_cache, v_cache,
+        positions, cos, sin, loc, k_cache, v_cache, k_out if scales is None else scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0),
@@ -290,6 +348,13 @@ def qk_norm_rope_triton(
         HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None,
         STORE_KV=store is not None,
+        K_INV=K_INV_SCALE,
+        V_INV=V_INV_SCALE,
+        HAS_SCALES=scales is not None,
+        FP8=fp8,
+        FP8_MAX=fmt.max,
+        FP8_MANT=fmt.mantissa_bits,
+        FP8_EMIN=fmt.min_exponent,
         HALF=d // 2,
         HEAD_DIM_V=dv,
         BLOCK_H=bh,

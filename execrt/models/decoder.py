@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from torch import nn
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.errors import ModelLoadError
 from execrt.core.interfaces import AttentionStep, MoEDispatcher
+from execrt.core.kv_quant import KVScales
 from execrt.core.memory import KVCache
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.core.sampler import SamplingBatchInfo
@@ -134,6 +136,8 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         #: The fused sampling kernel when fused kernels are on (read by the model runner).
         self.sample_fn: Callable[[torch.Tensor, SamplingBatchInfo], torch.Tensor] | None = None
+        #: The checkpoint's fp8 KV cache scales: layer -> {"k": scale, "v": scale}
+        self._kv_scales: dict[int, dict[str, float]] = {}
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
@@ -157,6 +161,16 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kv_cache = kv_cache
+
+    def kv_scales(self) -> KVScales | None:
+        """The checkpoint's per-layer K/V scales for an fp8 cache (real = stored * scale); a
+        layer without one gets 1.0. None when the checkpoint has none at all."""
+        if not self._kv_scales:
+            return None
+        layers = [self._kv_scales.get(i, {}) for i in range(self.config.num_layers)]
+        return KVScales(
+            tuple(s.get("k", 1.0) for s in layers), tuple(s.get("v", 1.0) for s in layers)
+        )
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run norms, rotary (+ K/V store), decode-size projections (with SwiGLU fused into
@@ -208,6 +222,8 @@ class DecoderForCausalLM(nn.Module):
         filled: dict[str, int] = {}
         unexpected: list[str] = []
         for name, tensor in weights:
+            if self._load_kv_scale(name, tensor):
+                continue
             for target, index, value in _map_weight(name, tensor, self.config, experts, shard):
                 if target not in params:
                     unexpected.append(name)
@@ -231,6 +247,31 @@ class DecoderForCausalLM(nn.Module):
             loaded.add("lm_head.weight")
         return loaded
 
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep ``name`` if it is a layer's K/V cache scale (see ``KV_SCALE_NAME``)."""
+        match = KV_SCALE_NAME.match(name)
+        if match is None:
+            return False
+        if tensor.numel() != 1:
+            raise ModelLoadError(
+                f"model: tensor {name!r} has shape {tuple(tensor.shape)}; KV cache scales are "
+                "per tensor (one value)"
+            )
+        layer = int(match["layer"])
+        which = match["tail"].rsplit(".", 1)[-1].removesuffix("_scale")  # "k", "v" or "kv"
+        value = float(tensor.float())
+        for part in ("k", "v") if which == "kv" else (which,):
+            self._kv_scales.setdefault(layer, {})[part] = value
+        return True
+
+
+#: Per-layer fp8 KV cache scales under the names checkpoints use: ``self_attn.k_scale`` /
+#: ``v_scale`` (llm-compressor), ``k_proj.k_scale`` / ``v_proj.v_scale`` (ModelOpt) and the
+#: older single ``self_attn.kv_scale`` for both.
+KV_SCALE_NAME = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.self_attn\."
+    r"(?P<tail>k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale)$"
+)
 
 Index = tuple[slice | int, ...]
 

@@ -137,7 +137,7 @@ class Attention(nn.Module):
     q, k and v come from one fused projection ``qkv_proj [(Hq + 2 Hkv) D, H]``. One call
     normalises and rotates q and k and, when the model is the K/V writer, stores this step's
     K/V in the cache: a Triton kernel (fused) or its torch reference, which stores through
-    the same rule as ``KVCache.set_kv``.
+    the same rule as ``KVCache.set_kv`` (fp8: quantized with the layer's scales).
 
     Under tensor parallelism (``parallel.tp_size`` > 1) the module holds this rank's heads only
     (``shard_heads``): ``qkv_proj`` its q rows, then its kv heads' k and v rows, ``o_proj`` the
@@ -193,6 +193,7 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         cache = self.kv_cache  # the K/V writer, fixed at build: this model or the backend
+        scales = cache.layer_scales[s.layer_id] if cache is not None and cache.is_fp8 else None
         q, k = qk_norm_rope(
             q,
             k,
@@ -206,6 +207,7 @@ class Attention(nn.Module):
             k_cache=None if cache is None else cache.k_buffers[s.layer_id],
             v_cache=None if cache is None else cache.v_buffers[s.layer_id],
             out_cache_loc=attn.out_cache_loc if cache is not None else None,
+            cache_scales=scales,
             use_triton=self.fused,
         )
         kv = None if cache is not None else (k, v)

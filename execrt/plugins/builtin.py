@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from execrt.core.interfaces import (
+    FP8_DTYPES,
     AttentionCapabilities,
     DispatchFormat,
     GraphCapabilities,
@@ -20,19 +21,24 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 _ALL_FLOAT = _HALF | {torch.float32}
 
 TORCH_NATIVE_ATTENTION = AttentionCapabilities(
-    devices=frozenset({"cpu", "cuda"}), dtypes=_ALL_FLOAT, graph=False
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=_ALL_FLOAT,
+    graph=False,
+    kv_dtypes=_ALL_FLOAT | FP8_DTYPES,
 )
 TRITON_ATTENTION = AttentionCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=_ALL_FLOAT,
     head_dims=frozenset({64, 96, 128, 256}),
     graph=True,
+    kv_dtypes=_ALL_FLOAT | FP8_DTYPES,
 )
 FLASHINFER_ATTENTION = AttentionCapabilities(
     devices=frozenset({"cuda"}),
     dtypes=_HALF,
     head_dims=frozenset({64, 128, 256}),
     graph=True,
+    kv_dtypes=_HALF | FP8_DTYPES,
 )
 # Capturable: no host sync, and its one collective (all-reduce) is legal inside a CUDA graph.
 ALLREDUCE_DISPATCH = MoEDispatcherCapabilities(graph=True)

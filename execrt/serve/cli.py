@@ -20,6 +20,7 @@ ENGINE_FLAGS = (
     "flashinfer_prefill_backend",
     "device",
     "dtype",
+    "kv_cache_dtype",
     "tp_size",
     "ep_size",
     "strict",

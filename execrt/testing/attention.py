@@ -10,7 +10,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from execrt.core.interfaces import AttentionCapabilities, AttentionRequirements
+from execrt.core.interfaces import (
+    FP8_DTYPES,
+    MODEL_DTYPES,
+    AttentionCapabilities,
+    AttentionRequirements,
+)
 from execrt.testing.attention_cases import draw_step
 from execrt.testing.attention_harness import (
     TAIL,
@@ -22,6 +27,7 @@ from execrt.testing.attention_harness import (
     moved_buffers,
     tensor_fields,
 )
+from execrt.testing.attention_kv_dtype import kv_dtype_cases, run_kv_dtype_case
 from execrt.testing.attention_scenarios import (
     CPU_PROFILE,
     CUDA_PROFILE,
@@ -70,6 +76,14 @@ class AttentionBackendSuite(ConformanceSuite):
     cuda_profile: ClassVar[Profile] = CUDA_PROFILE
     #: The backend's own settings (``AttentionBackendInit.options``), e.g. a kernel variant.
     options: ClassVar[Mapping[str, Any]] = {}
+    #: An fp8 cache, against the float64 oracle over the same (dequantized) cache: the
+    #: dtype's tolerance, at most this.
+    kv_dtype_tolerance: ClassVar[float] = 1e-2
+    #: An fp8 cache, against the oracle over the unquantized K/V: what the format may cost.
+    kv_dtype_budgets: ClassVar[Mapping[torch.dtype, float]] = {
+        torch.float8_e4m3fn: 0.06,
+        torch.float8_e5m2: 0.10,
+    }
 
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
@@ -87,6 +101,12 @@ class AttentionBackendSuite(ConformanceSuite):
         return sorted(set(standard) | set(declared or ()))
 
     @classmethod
+    def kv_dtype_axis(cls) -> list[torch.dtype]:
+        """The fp8 cache dtypes (every backend lists them, declared or skipped), and any
+        other non-model dtype the backend declares."""
+        return sorted(FP8_DTYPES | (cls.caps().kv_dtypes - MODEL_DTYPES), key=str)
+
+    @classmethod
     def make_case(
         cls,
         case_id: str,
@@ -97,21 +117,26 @@ class AttentionBackendSuite(ConformanceSuite):
         *,
         mode: str | None = None,
         graph: bool = False,
+        kv_dtype: torch.dtype | None = None,
         **options: Any,
     ) -> Case:
         spec, caps = cls.collection_spec(), cls.caps()
         declared = (
             not_declared("devices", device, caps.devices)
             or not_declared("dtypes", dtype, caps.dtypes)
+            or (None if kv_dtype is None else not_declared("kv_dtypes", kv_dtype, caps.kv_dtypes))
             or not_declared("head_dims", head_dim, caps.head_dims)
             or not_declared("gqa_ratios", gqa_ratio, caps.gqa_ratios)
             or (f"capability {mode} is False" if mode and not getattr(caps, mode) else None)
             or ("capability graph is False" if graph and not caps.graph else None)
         )
         hkv = cls.profile(device).num_kv_heads
-        req = AttentionRequirements(device, dtype, head_dim, hkv * gqa_ratio, hkv, graph=graph)
+        req = AttentionRequirements(
+            device, dtype, head_dim, hkv * gqa_ratio, hkv, graph=graph, kv_dtype=kv_dtype
+        )
         skip, error = cls.runnable(spec, device, req, declared)
-        opts = {"head_dim": head_dim, "gqa_ratio": gqa_ratio, "mode": mode} | options
+        opts = {"head_dim": head_dim, "gqa_ratio": gqa_ratio, "mode": mode, "graph": graph}
+        opts |= {"kv_dtype": kv_dtype} | options
         return Case(case_id, device, dtype, opts, skip, error)
 
     @classmethod
@@ -181,6 +206,10 @@ class AttentionBackendSuite(ConformanceSuite):
         return out
 
     @classmethod
+    def kv_dtype_cases(cls) -> list[Case]:
+        return kv_dtype_cases(cls)
+
+    @classmethod
     def primary_cases(cls, *, graph: bool = False) -> list[Case]:
         out = []
         for device in cls.device_axis(cls.caps().devices):
@@ -216,7 +245,13 @@ class AttentionBackendSuite(ConformanceSuite):
         return Geometry(hkv, case["gqa_ratio"], case["head_dim"], num_layers)
 
     def harness(
-        self, case: Case, geometry: Geometry, steps: list[Step], seed: int, graph_max_bs: int = 0
+        self,
+        case: Case,
+        geometry: Geometry,
+        steps: list[Step],
+        seed: int,
+        graph_max_bs: int = 0,
+        **kv: Any,  # kv_dtype, scales: see AttentionHarness
     ) -> AttentionHarness:
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         return AttentionHarness(
@@ -230,6 +265,7 @@ class AttentionBackendSuite(ConformanceSuite):
             seed=seed,
             graph_max_bs=graph_max_bs,
             options=type(self).options,
+            **kv,
         )
 
     def run_steps(self, case: Case, geometry: Geometry, steps: list[Step], seed: int) -> Outcome:
@@ -315,6 +351,15 @@ class AttentionBackendSuite(ConformanceSuite):
             steps = [_scaled(s, 20) for s in steps]
         outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
         self.finish(case, outcome, record_property)
+
+    @cases("kv_dtype_cases")
+    def test_kv_dtype(self, case: Case, record_property: Record) -> None:
+        """An fp8 cache stored by the one store, two layers with scales (1, 1) and (0.25, 4):
+        against the float64 oracle over that cache read times its scales
+        (torch_native's reading) within ``kv_dtype_tolerance``, and against the unquantized
+        K/V within the format's budget. Graph cases plan through ``plan_graph``."""
+        self.begin(case)
+        run_kv_dtype_case(self, case, record_property)
 
     @cases("kv_writer_cases")
     def test_attend_twice_with_one_plan(self, case: Case, record_property: Record) -> None:
@@ -429,4 +474,9 @@ class AttentionBackendSuite(ConformanceSuite):
                         )
                         if undeclared and not reasons:
                             problems.append(f"{req}: accepted although not declared")
+        dtype, hd, ratio = type(self).primary(case.device)
+        for kv in type(self).kv_dtype_axis():
+            req = AttentionRequirements(case.device, dtype, hd, hkv * ratio, hkv, kv_dtype=kv)
+            if not_declared("kv_dtypes", kv, caps.kv_dtypes) and not spec.refusals(req):
+                problems.append(f"{req}: KV cache dtype accepted although not declared")
         assert not problems, "\n".join(problems[:10])

@@ -17,6 +17,7 @@ from execrt.core.interfaces import (
     AttentionLayer,
     AttentionStep,
 )
+from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, store
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.plugins import BackendSpec
 from execrt.core.runners import InputBuffers
@@ -94,6 +95,7 @@ class Prepared:
 class Outcome:
     max_error: float = 0.0
     problems: list[str] = field(default_factory=list)
+    max_exact_error: float = 0.0  # fp8 cache: against the unquantized K/V
 
 
 class AttentionHarness:
@@ -102,6 +104,10 @@ class AttentionHarness:
     The cache starts poisoned (slot 0, the padding slot, is zero). Every step takes fresh
     slots, so earlier steps' K/V stay in place; request rows are reused at random, leaving
     stale entries behind as a long-running server does.
+
+    With ``kv_dtype`` fp8 the cache stores ``kv_quant.store``'s bytes with ``scales`` (per
+    layer) and the mirror holds those bytes; ``exact_k`` / ``exact_v`` keep the same K/V in
+    the model dtype, what a cache of that dtype would hold, to measure what fp8 costs.
     """
 
     def __init__(
@@ -117,6 +123,8 @@ class AttentionHarness:
         seed: int,
         graph_max_bs: int = 0,
         options: Mapping[str, Any] | None = None,
+        kv_dtype: torch.dtype | None = None,
+        scales: KVScales | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -124,12 +132,21 @@ class AttentionHarness:
         self.gen = torch.Generator().manual_seed(seed)
         g = geometry
         self.pool = ReqToTokenPool(max_reqs, max_context_len, self.device)
-        self.kv = KVCache(cache_slots, g.num_layers, g.num_kv_heads, g.head_dim, dtype, self.device)
+        kv_dtype = kv_dtype or dtype
+        self.kv = KVCache(
+            cache_slots, g.num_layers, g.num_kv_heads, g.head_dim, kv_dtype, self.device
+        )
+        if scales is not None:
+            self.kv.set_scales(scales)
         for buf in (*self.kv.k_buffers, *self.kv.v_buffers):
             buf.fill_(POISON)
             buf[0] = 0
         self.mirror_k = [b.clone() for b in self.kv.k_buffers]
         self.mirror_v = [b.clone() for b in self.kv.v_buffers]
+        self.exact_k, self.exact_v = self.mirror_k, self.mirror_v
+        if kv_dtype != dtype:
+            self.exact_k = [b.to(dtype) for b in self.mirror_k]
+            self.exact_v = [b.to(dtype) for b in self.mirror_v]
         self.free = list(range(1, cache_slots + 1))
         # Not head_dim ** -0.5: a backend must use the layer's scaling, not its own guess.
         scaling = 0.9 * g.head_dim**-0.5
@@ -208,10 +225,9 @@ class AttentionHarness:
                     self._randn(prefix, g.num_kv_heads, g.head_dim),
                     self._randn(prefix, g.num_kv_heads, g.head_dim),
                 )
-                for buf, val in ((self.kv.k_buffers, k), (self.mirror_k, k)):
-                    buf[layer][prefix_slots] = val
-                for buf, val in ((self.kv.v_buffers, v), (self.mirror_v, v)):
-                    buf[layer][prefix_slots] = val
+                # What earlier steps stored: in the cache, as the store writes it.
+                self._store((self.kv.k_buffers, self.kv.v_buffers), layer, prefix_slots, k, v)
+                self._mirror(layer, prefix_slots, k, v)
             locs += slots[prefix:]
         t_real, pads = len(locs), step.padded_rows
         if pads and step.mode != "decode":
@@ -259,13 +275,26 @@ class AttentionHarness:
             qkv.append(new)
         real_locs = torch.tensor(locs, dtype=torch.int64, device=self.device)
         for layer, (_, k, v) in enumerate(qkv):
-            self.mirror_k[layer][real_locs] = k[:t_real]
-            self.mirror_v[layer][real_locs] = v[:t_real]
+            self._mirror(layer, real_locs, k[:t_real], v[:t_real])
             if not self.backend.capabilities.stores_kv:
                 # The model is the K/V writer (its one store helper): the backend only reads.
                 self.kv.set_kv(layer, real_locs, k[:t_real], v[:t_real])
         table = self.pool.req_to_token.clone()
         return Prepared(step, fb, qkv, rows, t_real, real_locs, table, graph)
+
+    def _store(self, bufs: tuple[list[torch.Tensor], ...], layer: int, *kv: torch.Tensor) -> None:
+        """``(slots, k, v)`` into ``bufs = (k_buffers, v_buffers)`` as the cache's store does."""
+        slots, k, v = kv
+        inv = self.kv.layer_scales[layer] if self.kv.is_fp8 else None
+        store(bufs[0][layer], slots, k, None if inv is None else inv[K_INV_SCALE])
+        store(bufs[1][layer], slots, v, None if inv is None else inv[V_INV_SCALE])
+
+    def _mirror(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What the cache must hold (its bytes) and, fp8 aside, the K/V themselves."""
+        self._store((self.mirror_k, self.mirror_v), layer, slots, k, v)
+        if self.exact_k is not self.mirror_k:
+            self.exact_k[layer][slots] = k
+            self.exact_v[layer][slots] = v
 
     # -- running and checking -------------------------------------------------------------------
     def plan(self, prepared: Prepared) -> AttentionStep:
@@ -287,8 +316,17 @@ class AttentionHarness:
         """``plan`` once, then every layer's ``attend``."""
         return self.attend_layers(prepared, self.plan(prepared))
 
-    def check(self, prepared: Prepared, outs: list[Any], tolerance: float, label: str) -> Outcome:
-        """Outputs against the float64 oracle; the cache against the mirror."""
+    def check(
+        self,
+        prepared: Prepared,
+        outs: list[Any],
+        tolerance: float,
+        label: str,
+        exact_tolerance: float | None = None,
+    ) -> Outcome:
+        """Outputs against the float64 oracle over what the cache holds (an fp8 one read
+        times its scales); the cache against the mirror. ``exact_tolerance``: also against
+        the oracle over the K/V in the model dtype (what an fp8 cache costs)."""
         result = Outcome()
         step, t_real = prepared.step, prepared.num_real_tokens
         g = self.geo
@@ -305,35 +343,49 @@ class AttentionHarness:
                     f"{want_shape} {q.dtype} on {q.device} ([T, Hq, Dv], q's dtype)"
                 )
                 continue
-            ref = attention_oracle(
-                q[:t_real],
-                self.mirror_k[layer],
-                self.mirror_v[layer],
-                prepared.table,
-                prepared.rows,
-                step.prefix_lens,
-                step.extend_lens,
-                self.layers[layer].scaling,
-            )
-            cmp = compare(out[:t_real], ref)
-            result.max_error = max(result.max_error, cmp.rel_error)
-            if not cmp.ok(tolerance):
-                token, head = cmp.worst_index[0], cmp.worst_index[1]
-                at = f"request {self._request_of(step, token)} head {head}"
-                if cmp.num_nonfinite:
-                    result.problems.append(
-                        f"{where}: {cmp.num_nonfinite} non-finite output values, first at {at}"
-                    )
-                else:
-                    result.problems.append(
-                        f"{where}: max relative error {cmp.rel_error:.3g} exceeds tolerance "
-                        f"{tolerance:.3g} ({str(self.dtype).replace('torch.', '')}); "
-                        f"worst at {at}"
-                    )
+            out, problems = out[:t_real], result.problems
+            k_scale, v_scale = self.kv.scales.k[layer], self.kv.scales.v[layer]
+            ref = self._oracle(prepared, layer, self.mirror_k, self.mirror_v, k_scale, v_scale)
+            err = self._compare(out, ref, tolerance, where, step, problems)
+            result.max_error = max(result.max_error, err)
+            if exact_tolerance is not None:
+                ref = self._oracle(prepared, layer, self.exact_k, self.exact_v, 1.0, 1.0)
+                where += " (vs the unquantized K/V)"
+                err = self._compare(out, ref, exact_tolerance, where, step, problems)
+                result.max_exact_error = max(result.max_exact_error, err)
         result.problems += self.cache_problems(prepared, label)
         if not torch.equal(self.pool.req_to_token, prepared.table):
             result.problems.append(f"{label}: the backend modified req_to_token")
         return result
+
+    def _oracle(self, p: Prepared, layer: int, *kv_and_scales: Any) -> torch.Tensor:
+        """The float64 oracle of one layer over ``(k_bufs, v_bufs, k_scale, v_scale)``."""
+        k_bufs, v_bufs, k_scale, v_scale = kv_and_scales
+        q, step = p.qkv[layer][0][: p.num_real_tokens], p.step
+        return attention_oracle(
+            q, k_bufs[layer], v_bufs[layer], p.table, p.rows, step.prefix_lens,
+            step.extend_lens, self.layers[layer].scaling, k_scale, v_scale,
+        )  # fmt: skip
+
+    def _compare(
+        self, out: torch.Tensor, ref: torch.Tensor, tol: float, where: str, step: Step,
+        problems: list[str],
+    ) -> float:  # fmt: skip
+        """The relative error of ``out``; a problem when it exceeds ``tol``."""
+        cmp = compare(out, ref)
+        if cmp.ok(tol):
+            return cmp.rel_error
+        at = f"request {self._request_of(step, cmp.worst_index[0])} head {cmp.worst_index[1]}"
+        dtypes = str(self.dtype).replace("torch.", "")
+        if self.kv.dtype != self.dtype:
+            dtypes += ", KV cache " + str(self.kv.dtype).replace("torch.", "")
+        problems.append(
+            f"{where}: {cmp.num_nonfinite} non-finite output values, first at {at}"
+            if cmp.num_nonfinite
+            else f"{where}: max relative error {cmp.rel_error:.3g} exceeds tolerance "
+            f"{tol:.3g} ({dtypes}); worst at {at}"
+        )
+        return cmp.rel_error
 
     def cache_problems(self, prepared: Prepared, label: str) -> list[str]:
         """K/V must sit exactly at out_cache_loc and nowhere else (slot 0 is padding's)."""
@@ -344,6 +396,8 @@ class AttentionHarness:
                 ("K", self.kv.k_buffers[layer], self.mirror_k[layer]),
                 ("V", self.kv.v_buffers[layer], self.mirror_v[layer]),
             ):
+                if self.kv.is_fp8:  # compare the stored bytes
+                    have, want = have.view(torch.uint8), want.view(torch.uint8)
                 differ = (have != want).flatten(1).any(1)  # [S+1]
                 if prepared.step.padded_rows:
                     differ[0] = False

@@ -18,6 +18,8 @@ def attention_oracle(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     scaling: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """float64 attention over K/V gathered through ``req_to_token``; knows nothing of backends.
 
@@ -26,6 +28,7 @@ def attention_oracle(
     ``k_buffer[req_to_token[req_pool_indices[b], :prefix + extend]]`` (``[S, Hkv, D]`` buffers,
     already holding this step's K/V). Token i sees context positions ``<= prefix + i``
     (decode is the case ``extend = 1``). Returns ``[T, Hq, Dv]`` float64 on q's device.
+    A cache that stores ``K / k_scale`` and ``V / v_scale`` (fp8) is read times the scales.
     """
     num_q_heads = q.shape[1]
     num_kv_heads, head_dim_v = v_buffer.shape[1], v_buffer.shape[2]
@@ -37,6 +40,7 @@ def attention_oracle(
         slots = req_to_token[int(row), :length].long().to(k_buffer.device)  # [L]
         k = k_buffer[slots].to(q.device, torch.float64).repeat_interleave(group, 1)  # [L, Hq, D]
         v = v_buffer[slots].to(q.device, torch.float64).repeat_interleave(group, 1)  # [L, Hq, Dv]
+        k, v = k * k_scale, v * v_scale
         qb = q[start : start + n].double()  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", qb, k) * scaling  # [Hq, n, L]
         q_pos = torch.arange(prefix, length, device=q.device)[:, None]  # [n, 1]

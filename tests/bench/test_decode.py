@@ -238,6 +238,25 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
     assert {row["layers"] for row in rows} == {2}
 
 
+def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(1, 2), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), kv_dtypes=("auto", "fp8_e5m2"), out_dir=str(tmp_path),
+    )  # fmt: skip
+    records = decode.run(opts)
+    by_key = {(r.kv_dtype, r.path, r.bs): r for r in records}
+    assert len(by_key) == len(records) == 8
+    for path in ("generate", "forward"):
+        for bs in (1, 2):
+            auto, fp8 = by_key[("auto", path, bs)], by_key[("fp8_e5m2", path, bs)]
+            assert auto.vs_kv_auto == 1.0 and fp8.kv_gb == auto.kv_gb / 2  # 1 byte per value
+            if auto.step_ms and fp8.step_ms:
+                assert fp8.vs_kv_auto == pytest.approx(fp8.step_ms / auto.step_ms)
+    (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
+    rows = json.loads((tmp_path / saved).read_text())
+    assert {row["kv_dtype"] for row in rows} == {"auto", "fp8_e5m2"}
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -246,6 +265,7 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         (["--bs", "0,8"], "batch sizes [0, 8] must be integers >= 1"),
         (["--modes", "eager,fast"], "modes ['eager', 'fast'] unsupported"),
         (["--layers", "0"], "layers 0 must be >= 1"),
+        (["--kv-dtype", "fp8"], "--kv-dtype fp8 unsupported (supported: auto, fp8_e4m3, fp8_e5m2)"),
         (["--ttft", "8k"], "--ttft '8k' must look like 8192,32768 or none"),
         (["--ttft", "0"], "ttft prompt lengths [0] must be >= 1"),
     ],
@@ -261,7 +281,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     monkeypatch.setattr(decode, "run", seen.append)
     argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
     argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
-    argv += ["--no-overlap"]
+    argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3"]
     assert main(["bench", "decode", *argv]) == 0
     assert main(["bench", "decode", "--quick"]) == 0
     assert main(["bench", "decode", "--ttft", "none"]) == 0
@@ -273,6 +293,8 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
         (),
         (4096,),
     )
+    # The fp8 run is always paired with the model-dtype one, so its ratio comes from one run.
+    assert (full.kv_dtypes, quick.kv_dtypes) == (("auto", "fp8_e4m3"), ("auto",))
     assert (full.model, full.layers, full.batch_sizes, full.ctx, full.steps) == (
         "qwen3-8b",
         4,

@@ -42,6 +42,9 @@ class ToyModel(torch.nn.Module):
     def attach_kv_cache(self, kv_cache: KVCache | None) -> None:
         self.kv_cache = kv_cache
 
+    def kv_scales(self) -> None:
+        return None  # no fp8 K/V scales in this checkpoint
+
     def forward(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput:
         s = self.spec
         h = self.embed[fb.input_ids]  # [T, H]

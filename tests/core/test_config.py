@@ -45,6 +45,18 @@ def test_prefix_cache_defaults_to_radix_and_its_switches_come_from_every_source(
         RuntimeConfig.load(environ={"EXECRT_PREFIX_CACHE_FORCE_MISS": "maybe"})
 
 
+def test_kv_cache_dtype_comes_from_every_source(tmp_path) -> None:
+    assert RuntimeConfig.load(environ={}).kv_cache_dtype == "auto"
+    env = {"EXECRT_KV_CACHE_DTYPE": "fp8_e5m2"}
+    assert RuntimeConfig.load(environ=env).kv_cache_dtype == "fp8_e5m2"
+    file = tmp_path / "c.toml"
+    file.write_text('kv_cache_dtype = "fp8_e5m2"\n')
+    cfg = RuntimeConfig.load(file=file, environ={}, cli={"kv_cache_dtype": "fp8_e4m3"})
+    assert cfg.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ConfigError, match=r"\(environment\): kv_cache_dtype 'fp8' unsupported"):
+        RuntimeConfig.load(environ={"EXECRT_KV_CACHE_DTYPE": "fp8"})
+
+
 def test_toml_execrt_table_is_accepted(tmp_path) -> None:
     file = tmp_path / "c.toml"
     file.write_text('[execrt]\ndevice = "cpu"\n')
@@ -73,6 +85,10 @@ def test_a_toml_file_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path
         ({"flashinfer_prefill_backend": "fa4"}, r"'fa4' unsupported \(supported: auto, fa2, fa3\)"),
         ({"attention_backend": ""}, "attention_backend must be a backend name"),
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in"),
+        (
+            {"kv_cache_dtype": "bfloat16"},
+            r"kv_cache_dtype 'bfloat16' unsupported \(supported: auto, fp8_e4m3, fp8_e5m2\)",
+        ),
         ({"seed": -1}, r"seed must be >= 0, got -1$"),
         ({"kv_cache_tokens": -1}, r"kv_cache_tokens must be >= 0 \(0 = auto\), got -1$"),
     ],

@@ -193,3 +193,38 @@ def test_slot_holders_refuse_slot_zero_second_holders_and_foreign_frees() -> Non
         holders.drop([5], "request 8")
     holders.reset({})
     assert len(holders) == 0
+
+
+def test_an_fp8_cache_stores_quantized_values_with_its_layer_scales() -> None:
+    from execrt.core.kv_quant import KVScales
+
+    cache = KVCache(
+        4, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float8_e4m3fn, device="cpu"
+    )
+    assert cache.is_fp8 and cache.bytes_per_token() == 2 * 2 * 2  # one byte per value
+    rows = [r.data_ptr() for r in cache.layer_scales]
+    cache.set_scales(KVScales((1.0, 0.5), (1.0, 8.0)))
+    # In place: a captured graph keeps reading the same scale rows.
+    assert [r.data_ptr() for r in cache.layer_scales] == rows
+    assert cache.layer_scales[1].tolist() == [0.5, 8.0, 2.0, 0.125]
+    k = torch.tensor([[[3.0, 1000.0]]])
+    cache.set_kv(0, torch.tensor([2]), k, k)
+    cache.set_kv(1, torch.tensor([2]), k, k)
+    assert cache.k_buffers[0][2].float().tolist() == [[3.0, 448.0]]  # clamped, scale 1
+    assert cache.k_buffers[1][2].float().tolist() == [[6.0, 448.0]]  # 3 / 0.5
+    assert cache.v_buffers[1][2].float().tolist() == [[0.375, 128.0]]  # / 8
+    assert not cache.k_buffers[1][:2].float().any() and k.tolist() == [[[3.0, 1000.0]]]
+
+
+def test_scales_are_for_an_fp8_cache_with_one_per_layer() -> None:
+    from execrt.core.kv_quant import KVScales
+
+    bf16 = KVCache(2, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="scales apply to an fp8 cache, not torch.bfloat16"):
+        bf16.set_scales(KVScales.ones(1))
+    assert bf16.layer_scales[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+    fp8 = KVCache(
+        2, num_layers=3, num_kv_heads=1, head_dim=2, dtype=torch.float8_e5m2, device="cpu"
+    )
+    with pytest.raises(ValueError, match="2 layer scales for 3 layers"):
+        fp8.set_scales(KVScales.ones(2))

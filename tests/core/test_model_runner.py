@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -13,9 +14,11 @@ from execrt.core.batch import ForwardBatch
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.errors import BackendUnavailableError, ConfigError, ResourceError
+from execrt.core.interfaces import AttentionCapabilities
 from execrt.core.kv_memory import KVMemory
 from execrt.core.memory import KVCache
 from execrt.core.model_runner import ModelRunner
+from execrt.core.plugins import hookimpl
 from execrt.core.schedule import Req, SamplingParams, ScheduleBatch
 from execrt.core.staging import HostToDevice
 from execrt.plugins.host import PluginHost
@@ -211,3 +214,100 @@ def test_gpu_memory_counts_the_allocators_unused_cache_as_free() -> None:
     after, _ = assembly.gpu_memory(device)
     assert held <= before - (1 << 30) + (64 << 20)
     assert abs(after - before) < (64 << 20) and total >= before
+
+
+# -- an fp8 KV cache -------------------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+
+
+def test_an_fp8_cache_holds_exactly_twice_the_automatic_slots_of_a_bf16_one(
+    runtime_context,
+) -> None:  # type: ignore[no-untyped-def]
+    # A fixed CPU budget (one full-context request fits in it, so it is not raised), and more
+    # requests than either cache holds: the count is budget / bytes per token of the storage.
+    big = dataclasses.replace(SPEC, num_layers=4096, max_position_embeddings=512)
+    common = {"dtype": "bfloat16", "max_running_requests": 64}
+    bf16 = runner(runtime_context, ToyLoader(big), **common)
+    other = RuntimeContext()
+    fp8 = runner(other, ToyLoader(big), kv_cache_dtype="fp8_e4m3", **common)
+    assert bf16.kv_cache.dtype == torch.bfloat16 and fp8.kv_cache.dtype == E4M3
+    slots = bf16.token_to_kv_pool_allocator.size
+    assert slots == CPU_KV_BUDGET_BYTES // bf16.kv_cache.bytes_per_token() < 64 * 512
+    assert fp8.token_to_kv_pool_allocator.size == 2 * slots
+    other.close()
+
+
+def test_the_kv_dtype_is_resolved_once_and_named_in_the_report(runtime_context, caplog) -> None:  # type: ignore[no-untyped-def]
+    with caplog.at_level("WARNING", logger="execrt.core.model_runner"):
+        mr = runner(runtime_context, kv_cache_dtype="fp8_e5m2", kv_cache_tokens=40)
+    assert mr.resolved.kv_dtype == torch.float8_e5m2 and mr.resolved.dtype == torch.float32
+    assert mr.resolved.attention_requirements().kv_dtype == torch.float8_e5m2
+    assert mr.kv_cache.dtype == torch.float8_e5m2 and mr.attn_backend.dtype == torch.float32
+    (attention,) = [r for r in mr.resolution.resolutions if r.kind == "attention"]
+    assert "KV cache fp8_e5m2: float8_e5m2" in attention.describe()
+    # The toy checkpoint has no scales: one warning, naming the dtype and the clipping.
+    warned = [r.getMessage() for r in caplog.records if "k_scale" in r.getMessage()]
+    assert len(warned) == 1 and "float8_e5m2" in warned[0] and "57344" in warned[0]
+    assert mr.kv_cache.layer_scales[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+    reqs = [Req(0, [1, 2, 3], SamplingParams(temperature=0))]
+    memory = KVMemory(mr.req_to_token_pool, mr.token_to_kv_pool_allocator, HostToDevice(CPU))
+    inputs = memory.reserve_extend(reqs, [3])
+    assert inputs is not None
+    out = mr.forward(ForwardBatch.init_new(ScheduleBatch.of(reqs, inputs, memory.stager)))
+    assert torch.isfinite(out.logits_output.next_token_logits).all()
+    written = mr.kv_cache.k_buffers[1][inputs.out_cache_loc].float()
+    assert written.abs().sum() > 0
+
+
+def test_the_checkpoint_scales_reach_the_cache_without_a_warning(runtime_context, caplog) -> None:  # type: ignore[no-untyped-def]
+    from execrt.core.kv_quant import KVScales
+    from tests.core.fakes import ToyModel
+
+    scales = KVScales((0.5, 2.0), (0.25, 4.0))
+
+    class Scaled(ToyModel):
+        def kv_scales(self) -> KVScales:  # type: ignore[override]
+            return scales
+
+    class ScaledLoader(ToyLoader):
+        def load(self, request):  # type: ignore[no-untyped-def]
+            return Scaled(self.spec, request)
+
+    with caplog.at_level("WARNING", logger="execrt.core.model_runner"):
+        mr = runner(runtime_context, ScaledLoader(), kv_cache_dtype="fp8_e4m3", kv_cache_tokens=8)
+    assert not caplog.records
+    assert mr.kv_cache.scales == scales
+    assert mr.kv_cache.layer_scales[1].tolist() == [2.0, 4.0, 0.5, 0.25]
+
+
+class _Bf16OnlyPlugin:
+    """torch_native's code, registered ahead of it for auto, declaring no fp8 cache dtype."""
+
+    @hookimpl
+    def execrt_register_backends(self, registry):  # type: ignore[no-untyped-def]
+        from execrt.core.interfaces import AttentionCapabilities
+
+        factory = "execrt.backends.attention.torch_native:TorchNativeAttnBackend"
+        registry.register("attention", "bf16_only", factory, AttentionCapabilities(), priority=90)
+
+
+def test_a_backend_that_does_not_list_the_cache_dtype_is_refused_by_name(runtime_context) -> None:  # type: ignore[no-untyped-def]
+    host = PluginHost(autoload=False)
+    assert host.add_plugin(_Bf16OnlyPlugin(), "bf16-only")
+    cfg = RuntimeConfig(device="cpu", kv_cache_dtype="fp8_e4m3", kv_cache_tokens=8)
+    refusal = "KV cache dtype float8_e4m3fn unsupported (supported: bfloat16, float16, float32)"
+    with pytest.raises(BackendUnavailableError, match=re.escape(refusal)):
+        ModelRunner(
+            ToyLoader(), cfg.replace(attention_backend="bf16_only"), runtime_context, host.registry
+        )
+    with pytest.raises(BackendUnavailableError, match="strict: preferred bf16_only unusable"):
+        ModelRunner(ToyLoader(), cfg.replace(strict=True), runtime_context, host.registry)
+    mr = ModelRunner(ToyLoader(), cfg, runtime_context, host.registry)  # auto falls through
+    (attention,) = [r for r in mr.resolution.resolutions if r.kind == "attention"]
+    assert attention.chosen == "torch_native"
+    assert dict(attention.rejected)["bf16_only"] == (refusal,)
+    mr.close()
+    bf16 = ModelRunner(
+        ToyLoader(), cfg.replace(kv_cache_dtype="auto"), runtime_context, host.registry
+    )
+    assert bf16.attn_backend.capabilities.kv_dtypes == AttentionCapabilities().kv_dtypes

@@ -7,7 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch
+from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, quantize
+from execrt.kernels.rotary import KVStore, qk_norm_rope, qk_norm_rope_torch
 from tests.kernels.helpers import (
     DEVICE,
     max_rel,
@@ -156,12 +157,85 @@ def test_head_tiles_that_do_not_divide_the_head_count(heads_per_block: int) -> N
     v_cache = torch.full((6, hkv, d), float("nan"), device=DEVICE)
     q_out, k_out = qk_norm_rope_triton(
         q, k, pos, cos, sin, qw, kw, EPS,
-        store=(v, k_cache, v_cache, loc), heads_per_block=heads_per_block,
+        store=KVStore(v, k_cache, v_cache, loc, None), heads_per_block=heads_per_block,
     )  # fmt: skip
     assert max_rel(q_out, oracle(q, pos, cos, sin, qw)) <= 1e-6
     assert max_rel(k_out, oracle(k, pos, cos, sin, kw)) <= 1e-6
     assert torch.equal(v_cache[loc], v) and torch.equal(k_cache[loc], k_out)
     assert v_cache[[1, 3, 4]].isnan().all() and k_cache[[1, 3, 4]].isnan().all()
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+#: Values whose fp8 rounding is easy to get wrong: ties (to even), a carry across an exponent
+#: (125 -> 128 in e4m3), subnormals, signed zeros, and magnitudes past the finite range.
+HARD_VALUES = [1.0625, 1.1875, 125.0, -125.0, 2.0**-8, -(2.0**-10), 0.0, -0.0, 470.0, -1e4]
+
+
+def fp8_store(
+    kv_dtype: torch.dtype, scales: tuple[float, float] | None, use_triton: bool, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """Rotate and store large K/V (plus ``HARD_VALUES`` in v) into an fp8 cache.
+
+    Returns ``([k_cache, v_cache], [k_out, v], scale row)``: what was stored and what the
+    store was given."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hq, hkv, d, slots = 5, 4, 2, 64, 12
+    q, k, v = fused_qkv(tokens, hq, hkv, d, torch.float32, gen)
+    k, v = k * 150, (v * 150).contiguous()  # past 448 after rotation for many elements
+    v.view(-1)[: len(HARD_VALUES)] = torch.tensor(HARD_VALUES)
+    row = None if scales is None else KVScales((scales[0],), (scales[1],)).row(0)
+    row_t = None if row is None else torch.tensor(row, dtype=torch.float32, device=DEVICE)
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(DEVICE)
+    caches = [torch.zeros(slots, hkv, d, dtype=kv_dtype, device=DEVICE) for _ in range(2)]
+    k_in, v_in = k.clone(), v.clone()
+    _, k_out = qk_norm_rope(
+        q, k, random_positions(tokens, gen), *tables(d), None, None, EPS, v=v,
+        k_cache=caches[0], v_cache=caches[1], out_cache_loc=loc, cache_scales=row_t,
+        use_triton=use_triton,
+    )  # fmt: skip
+    assert torch.equal(k, k_in) and torch.equal(v, v_in), "the store modified its inputs"
+    return [c[loc] for c in caches], [k_out, v], row_t
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scales", [None, (0.25, 4.0), (0.37, 3.1)])
+def test_fp8_store_gives_the_bytes_of_kv_quant(
+    use_triton: bool, kv_dtype: torch.dtype, scales: tuple[float, float] | None
+) -> None:
+    # The Triton store must give torch's bytes (kv_quant.quantize) for the same rotated k.
+    stored, given, row = fp8_store(kv_dtype, scales, use_triton, seed=7)
+    for cache, x, inv in zip(stored, given, (K_INV_SCALE, V_INV_SCALE), strict=True):
+        want = quantize(x, kv_dtype, None if row is None else row[inv])
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+        assert torch.isfinite(cache.float()).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_stores_on_the_gpu_give_no_nan_or_inf_and_the_same_bytes(
+    kv_dtype: torch.dtype,
+) -> None:
+    # torch's CUDA cast to e4m3 turns values >= 480 into NaN (CPU torch and Triton saturate):
+    # only a GPU run sees whether every store path clamps first. Inputs up to |x| = 1e4.
+    from execrt.core.memory import KVCache
+
+    values = []
+    for use_triton in (False, True):
+        stored, given, _ = fp8_store(kv_dtype, None, use_triton, seed=8)
+        assert max(float(x.abs().max()) for x in given) >= 1e4 - 1
+        for cache, x in zip(stored, given, strict=True):  # rotated k (each path's own), v
+            assert torch.isfinite(cache.float()).all()
+            assert torch.equal(cache.view(torch.uint8), quantize(x, kv_dtype).view(torch.uint8))
+        values.append(stored[1].view(torch.uint8))
+    assert torch.equal(*values)  # v is stored unrotated: both paths give the same bytes
+    cache = KVCache(8, 1, 2, 64, kv_dtype, "cuda")
+    big = torch.linspace(-1e4, 1e4, 4 * 2 * 64, device="cuda").view(4, 2, 64)
+    cache.set_kv(0, torch.tensor([1, 3, 5, 7], device="cuda"), big.bfloat16(), big)
+    largest = float(torch.tensor(1e4).to(kv_dtype).float())  # CPU torch saturates: 448, 10240
+    for buf in (cache.k_buffers[0], cache.v_buffers[0]):
+        assert torch.isfinite(buf.float()).all()
+        assert float(buf.float().abs().max()) == largest
 
 
 def _inputs(d: int = 64) -> dict[str, torch.Tensor]:

@@ -157,6 +157,47 @@ def test_misshaped_tensor_is_named(checkpoint, tmp_path) -> None:
         _load(path)
 
 
+def _add(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` to the checkpoint's one safetensors file."""
+    file = os.path.join(path, "model.safetensors")
+    save_file(load_file(file) | tensors, file)
+
+
+@pytest.mark.parametrize(
+    "k_name, v_name",
+    [
+        ("self_attn.k_scale", "self_attn.v_scale"),  # llm-compressor
+        ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
+        ("self_attn.kv_scale", None),  # the older single scale, for K and V
+    ],
+    ids=["self_attn", "k_proj-v_proj", "kv_scale"],
+)
+def test_kv_cache_scales_are_read_under_each_checkpoint_name(
+    checkpoint, tmp_path, caplog, k_name: str, v_name: str | None
+) -> None:
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    scales = {f"model.layers.1.{k_name}": torch.tensor(0.5)}  # layer 0 has none: 1.0
+    if v_name is not None:
+        scales[f"model.layers.1.{v_name}"] = torch.tensor([3.0])  # [1] as well as []
+    _add(path, scales)
+    with caplog.at_level("WARNING"):
+        model = _load(path)
+    assert not [r for r in caplog.records if "unexpected" in r.getMessage()]
+    got = model.kv_scales()
+    assert got is not None
+    assert got.k == (1.0, 0.5) and got.v == (1.0, 3.0 if v_name else 0.5)
+    reference = _load(checkpoint("dense-tied-hd64"))  # the weights are untouched by them
+    assert reference.kv_scales() is None
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_a_kv_cache_scale_must_be_one_value(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    _add(path, {"model.layers.0.self_attn.k_scale": torch.ones(2)})  # per head: unsupported
+    with pytest.raises(ModelLoadError, match=r"k_scale' has shape \(2,\); KV cache scales"):
+        _load(path)
+
+
 def test_pickle_checkpoints_are_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")

@@ -21,6 +21,7 @@ def test_serve_takes_every_engine_flag_of_generate() -> None:
     assert {"--model", "--config", "--attention", "--tp", "--ep", "--dtype", "--strict"} <= set(
         engine
     )
+    assert "--kv-cache-dtype" in engine
     for opt, action in engine.items():
         assert serve[opt].dest == action.dest and serve[opt].help == action.help
     assert {"--host", "--port", "--served-model-name"} <= set(serve)

@@ -48,6 +48,8 @@ class FlashInferAttnBackend(AttentionBackend):
     ``plan()`` runs once per step with host-side index pointers built from ``seq_lens_cpu``
     (so planning never waits for the GPU); the slot list is built on the device from
     ``req_to_token``. One 512 MiB workspace per process is shared through the RuntimeContext.
+    An fp8 cache is planned with its dtype; FlashInfer takes the layer's scales as host
+    floats (``kv_cache.scales``, fixed once the checkpoint is loaded, before any capture).
 
     Prefill runs FlashInfer's FA3 kernels where they run (sm90), else FA2; the option
     ``prefill_backend`` (config ``flashinfer_prefill_backend``) picks one. The constructor
@@ -108,7 +110,7 @@ class FlashInferAttnBackend(AttentionBackend):
             self.head_dim,
             1,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_cache.dtype,
             sm_scale=self.sm_scale,
         )
 
@@ -132,7 +134,7 @@ class FlashInferAttnBackend(AttentionBackend):
             causal=True,
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_cache.dtype,
         )
         return FlashInferMetadata(self.prefill_wrapper, kv_indices)
 
@@ -181,9 +183,20 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         meta: FlashInferMetadata = step.meta
         # One plan serves every layer; a layer with its own softmax scale rescales through
-        # k_scale, which FlashInfer multiplies into the planned scale at run time.
-        k_scale = None if layer.scaling == self.sm_scale else layer.scaling / self.sm_scale
-        return meta.wrapper.run(q.contiguous(), cache, k_scale=k_scale)
+        # k_scale, which FlashInfer multiplies into the planned scale at run time, as it does
+        # an fp8 cache's k_scale (stored = K / k_scale); v_scale multiplies the output.
+        scales = self.kv_cache.scales
+        k_scale = layer.scaling / self.sm_scale
+        v_scale = 1.0
+        if self.kv_cache.is_fp8:
+            k_scale *= scales.k[layer.layer_id]
+            v_scale = scales.v[layer.layer_id]
+        return meta.wrapper.run(
+            q.contiguous(),
+            cache,
+            k_scale=None if k_scale == 1.0 else k_scale,
+            v_scale=None if v_scale == 1.0 else v_scale,  # 1.0 costs no extra kernel
+        )
 
     # -- graphs ---------------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from execrt.core.batch import ForwardBatch, PaddedContext
 from execrt.core.interfaces import KV, AttentionBackend, AttentionLayer, AttentionStep
+from execrt.core.kv_quant import K_SCALE, V_SCALE, dequantize
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -14,6 +15,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     Runs on any device and dtype torch supports. Decode is batched over padded contexts;
     extend loops over requests. Not graph-capturable (shapes follow the longest context).
+    An fp8 cache is dequantized as it is gathered (``stored * scale``): the reference the
+    other backends' fp8 paths are held to.
     """
 
     def plan(self, fb: ForwardBatch) -> PaddedContext:
@@ -23,19 +26,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
     ) -> Tensor:
         meta: PaddedContext = step.meta
-        k_buf = self.kv_cache.k_buffers[layer.layer_id]  # [S+1, Hkv, D]
-        v_buf = self.kv_cache.v_buffers[layer.layer_id]  # [S+1, Hkv, Dv]
         if step.mode.is_decode():
+            k, v = self._gather(layer.layer_id, meta.slots)  # [B, L, Hkv, D], [B, L, Hkv, Dv]
             mask = meta.valid[:, None, None, :]  # [B, 1, 1, L]: every head sees one context
-            out = attend(q[:, None], k_buf[meta.slots], v_buf[meta.slots], layer.scaling, mask)
-            return out[:, 0]  # [B, Hq, Dv]
+            return attend(q[:, None], k, v, layer.scaling, mask)[:, 0]  # [B, Hq, Dv]
         out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         for rows, ctx, causal in meta.extend_segments():  # ctx [L], causal [n, L]
+            k, v = self._gather(layer.layer_id, ctx)  # [L, Hkv, D], [L, Hkv, Dv]
             out[rows] = attend(
-                q[None, rows], k_buf[ctx][None], v_buf[ctx][None], layer.scaling,
-                causal[None, :, None, :],
-            )[0]  # fmt: skip
+                q[None, rows], k[None], v[None], layer.scaling, causal[None, :, None, :]
+            )[0]
         return out
+
+    def _gather(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The K and V rows at ``slots``, dequantized when the cache is fp8."""
+        cache = self.kv_cache
+        k, v = cache.k_buffers[layer_id][slots], cache.v_buffers[layer_id][slots]
+        if not cache.is_fp8:
+            return k, v
+        scales = cache.layer_scales[layer_id]
+        return dequantize(k, scales[K_SCALE]), dequantize(v, scales[V_SCALE])
 
 
 def attend(

@@ -42,7 +42,8 @@ class TritonAttnBackend(AttentionBackend):
     Metadata is built on the device once per step: ``kv_indptr`` by a prefix sum of
     ``seq_lens`` and ``kv_indices`` by a kernel that copies ``req_to_token`` rows, so no K/V
     moves and no host loop runs. Decode splits each context adaptively (more splits for
-    fewer, longer requests); extend attends causally over prefix plus new tokens.
+    fewer, longer requests); extend attends causally over prefix plus new tokens. An fp8
+    cache is read through the layer's scale row on the device (graph replays see it).
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -119,8 +120,9 @@ class TritonAttnBackend(AttentionBackend):
         self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
     ) -> Tensor:
         meta: TritonMetadata = step.meta
-        k_buf = self.kv_cache.k_buffers[layer.layer_id]
-        v_buf = self.kv_cache.v_buffers[layer.layer_id]
+        cache = self.kv_cache
+        k_buf, v_buf = cache.k_buffers[layer.layer_id], cache.v_buffers[layer.layer_id]
+        scales = cache.layer_scales[layer.layer_id] if cache.is_fp8 else None  # k, v first
         o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
         if step.mode.is_decode():
             assert meta.num_splits is not None and meta.partial_o is not None
@@ -128,13 +130,14 @@ class TritonAttnBackend(AttentionBackend):
             self.kernels.decode_attention(
                 q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
                 meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
-                block_n=self.split_policy.block_n,
+                kv_scales=scales, block_n=self.split_policy.block_n,
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
         self.kernels.extend_attention(
             q, k_buf, v_buf, o, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-            meta.prefix_lens, meta.max_extend_len, layer.scaling, max_kv_len=meta.max_kv_len,
+            meta.prefix_lens, meta.max_extend_len, layer.scaling, kv_scales=scales,
+            max_kv_len=meta.max_kv_len,
         )  # fmt: skip
         return o
 

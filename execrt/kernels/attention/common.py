@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from execrt.core.kv_quant import FP8_DTYPES
 from execrt.kernels._triton import (
     check_device,
     check_index,
@@ -68,18 +69,39 @@ def check_block(name: str, value: int, minimum: int = 16) -> None:
 
 
 def check_qkvo(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> AttentionDims:
-    """Validate q/k/v/o ranks, dtypes and shapes, and that q is on a device Triton runs on."""
+    """Validate q/k/v/o ranks, dtypes and shapes, and that q is on a device Triton runs on.
+
+    K/V are in q's dtype, or fp8 with ``kv_scales`` (fp32, k_scale then v_scale first)."""
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
         if t.dim() != 3:
             fail(COMPONENT, f"{name} must be 3-D, got shape {tuple(t.shape)}")
     check_device(COMPONENT, "q", q)
     if q.dtype not in FLOAT_DTYPES:
         fail(COMPONENT, f"q dtype {q.dtype} unsupported (supported: float16, bfloat16, float32)")
-    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
-        if t.dtype != q.dtype:
-            fail(COMPONENT, f"{name} dtype {t.dtype} differs from q dtype {q.dtype} (must match)")
+    if o.dtype != q.dtype:
+        fail(COMPONENT, f"o dtype {o.dtype} differs from q dtype {q.dtype} (must match)")
+    if k_buffer.dtype != q.dtype and k_buffer.dtype not in FP8_DTYPES:
+        fail(
+            COMPONENT,
+            f"k_buffer dtype {k_buffer.dtype} differs from q dtype {q.dtype} (must match, or "
+            "be float8_e4m3fn or float8_e5m2)",
+        )
+    if v_buffer.dtype != k_buffer.dtype:
+        fail(COMPONENT, f"v_buffer dtype {v_buffer.dtype} differs from k_buffer's {k_buffer.dtype}")
+    if k_buffer.dtype in FP8_DTYPES and kv_scales is None:
+        fail(COMPONENT, f"a {k_buffer.dtype} cache needs kv_scales (k_scale, v_scale)")
+    if kv_scales is not None and (kv_scales.dtype != torch.float32 or kv_scales.numel() < 2):
+        fail(
+            COMPONENT,
+            f"kv_scales {tuple(kv_scales.shape)} {kv_scales.dtype} unsupported "
+            "(supported: float32 with k_scale, v_scale first)",
+        )
     rows, num_q_heads, head_dim = q.shape
     num_slots, num_kv_heads, k_dim = k_buffer.shape
     head_dim_v = v_buffer.shape[2]

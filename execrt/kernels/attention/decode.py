@@ -25,6 +25,7 @@ def _decode_split_kernel(
     num_splits_ptr,
     part_o_ptr,
     part_lse_ptr,
+    kv_scales_ptr,
     qk_scale,
     max_splits,
     stride_qb,
@@ -45,12 +46,15 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_SCALED:  # an fp8 cache holds K / k_scale: fold k_scale into the softmax scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
 
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
@@ -95,7 +99,7 @@ def _decode_split_kernel(
             k_base + slots[:, None] * stride_ks + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 K converted up, exactly
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
         s = tl.where(mask_n[None, :], s, float("-inf"))
         # Every block holds at least one valid token, so m_new is finite for real rows.
@@ -107,8 +111,9 @@ def _decode_split_kernel(
             v_base + slots[:, None] * stride_vs + offs_dv[None, :],
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+        # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
     # Empty splits (no loop iteration) leave l_i == 0: they publish lse = -inf, which stage 2
@@ -116,6 +121,8 @@ def _decode_split_kernel(
     nonempty = l_i > 0.0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # [BLOCK_H, BLOCK_DV]
+    if KV_SCALED:  # V / v_scale was stored; the merge is linear, so scale each split here
+        out = out * tl.load(kv_scales_ptr + 1)
 
     tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     po = part_o_ptr + b * stride_pob + split * stride_pos
@@ -191,6 +198,7 @@ def decode_attention(
     sm_scale: float,
     max_splits: int,
     *,
+    kv_scales: torch.Tensor | None = None,
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -209,8 +217,8 @@ def decode_attention(
 
     Args:
         q: ``[B, Hq, D]`` fp16/bf16/fp32 queries, last dim contiguous.
-        k_buffer: ``[S, Hkv, D]`` key cache, same dtype and device as ``q``.
-        v_buffer: ``[S, Hkv, Dv]`` value cache, same dtype and device as ``q``.
+        k_buffer: ``[S, Hkv, D]`` key cache on ``q``'s device, in ``q``'s dtype or fp8.
+        v_buffer: ``[S, Hkv, Dv]`` value cache, in ``k_buffer``'s dtype.
         o: ``[B, Hq, Dv]`` output, same dtype as ``q``; written in place.
         kv_indptr: int32/int64 ``[>= B+1]`` prefix sum of context lengths.
         kv_indices: int32/int64 slot ids of all contexts, request after request.
@@ -220,6 +228,11 @@ def decode_attention(
         partial_lse: fp32 ``[>= B, Hq, >= max_splits]`` scratch (log2 domain), overwritten.
         sm_scale: softmax scale, usually ``D ** -0.5``.
         max_splits: split grid dimension (``>= 1``), see :func:`choose_max_splits`.
+        kv_scales: fp32 device tensor whose first two values are ``k_scale`` and ``v_scale``
+            (the cache holds ``K / k_scale`` and ``V / v_scale``), read on the device so a
+            graph replays whatever it holds; required for an fp8 cache. The scores use
+            ``sm_scale * k_scale`` and the output is multiplied by ``v_scale``; K and V are
+            converted to ``q``'s dtype and the probabilities stay in it.
         block_n: tokens per stage-1 loop step (power of two >= 16).
         num_warps: warps per stage-1 program.
         num_stages: software pipelining depth of the stage-1 loop.
@@ -228,13 +241,16 @@ def decode_attention(
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
             (``Hq % Hkv != 0``), devices, block sizes or ``max_splits < 1``.
     """
-    batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(q, k_buffer, v_buffer, o)
+    batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
+        q, k_buffer, v_buffer, o, kv_scales
+    )
     if max_splits < 1:
         fail(COMPONENT, f"max_splits {max_splits} unsupported (supported: >= 1)")
     check_block("block_n", block_n)
     check_paged(
         batch, kv_indptr, kv_indices, q, k_buffer=k_buffer, v_buffer=v_buffer, o=o,
         num_splits=num_splits, partial_o=partial_o, partial_lse=partial_lse,
+        **({} if kv_scales is None else {"kv_scales": kv_scales}),
     )  # fmt: skip
     check_index(COMPONENT, "num_splits", num_splits, batch, (torch.int32,))
     if partial_o.dtype != torch.float32 or partial_lse.dtype != torch.float32:
@@ -279,6 +295,7 @@ def decode_attention(
         num_splits,
         partial_o,
         partial_lse,
+        partial_lse if kv_scales is None else kv_scales,  # unread unless KV_SCALED
         sm_scale * LOG2E,
         max_splits,
         q.stride(0),
@@ -299,6 +316,7 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
+        KV_SCALED=kv_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),

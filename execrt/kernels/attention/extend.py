@@ -140,6 +140,7 @@ def _extend_kernel(
     kv_indptr_ptr,
     kv_indices_ptr,
     prefix_lens_ptr,
+    kv_scales_ptr,
     qk_scale,
     num_m_tiles,
     num_head_blocks,
@@ -161,6 +162,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     # A tile is TOKENS consecutive new tokens x HEADS query heads of one kv head: row r holds
     # token r // HEADS and head r % HEADS, so each K/V tile gathered serves every packed head.
@@ -202,6 +204,8 @@ def _extend_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
     q_pos = prefix + tok  # [BLOCK_M] absolute position; the row sees context j <= q_pos
+    if KV_SCALED:  # an fp8 cache holds K / k_scale: fold k_scale into the softmax scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
 
     # Context [0, full_hi) is visible to every row (whole blocks, no mask math);
     # [full_hi, kv_hi) holds the diagonal, masked per row. A tile past the request's new
@@ -232,14 +236,15 @@ def _extend_kernel(
         offs_next = start + BLOCK_N + offs_b
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < full_hi, other=0)
         slots = ids.to(tl.int64)  # [BLOCK_N]; int64 offsets below
-        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None)
+        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain (qk_scale > 0)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
+        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None).to(q.dtype)
+        # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
         m_i = m_new
         ids = ids_next
 
@@ -249,19 +254,21 @@ def _extend_kernel(
         ids_next = tl.load(idx_base + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < kv_hi, other=0)
         slots = ids_diag.to(tl.int64)
         # Columns past kv_hi load zeros, not slot 0's row: p = 0 times NaN would still be NaN.
-        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv)
+        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv).to(q.dtype)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_kv)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_kv).to(q.dtype)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
         ids_diag = ids_next
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
+    if KV_SCALED:  # V / v_scale was stored
+        out = out * tl.load(kv_scales_ptr + 1)
     tl.store(
         o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -286,6 +293,7 @@ def extend_attention(
     max_extend_len: int,
     sm_scale: float,
     *,
+    kv_scales: torch.Tensor | None = None,
     max_kv_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -310,8 +318,8 @@ def extend_attention(
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16/fp32 new-token queries, last dim contiguous.
-        k_buffer: ``[S, Hkv, D]`` key cache, same dtype and device as ``q``.
-        v_buffer: ``[S, Hkv, Dv]`` value cache, same dtype and device as ``q``.
+        k_buffer: ``[S, Hkv, D]`` key cache on ``q``'s device, in ``q``'s dtype or fp8.
+        v_buffer: ``[S, Hkv, Dv]`` value cache, in ``k_buffer``'s dtype.
         o: ``[T, Hq, Dv]`` output, same dtype as ``q``; rows of the requests written in place.
         qo_indptr: int32/int64 ``[B+1]`` offsets of each request's rows in ``q``.
         kv_indptr: int32/int64 ``[>= B+1]`` offsets of each request's context in
@@ -320,6 +328,10 @@ def extend_attention(
         prefix_lens: int32/int64 ``[>= B]`` cached prefix length of each request.
         max_extend_len: upper bound on any request's new-token count (sizes the grid).
         sm_scale: softmax scale, usually ``D ** -0.5``.
+        kv_scales: fp32 device tensor whose first two values are ``k_scale`` and ``v_scale``
+            (the cache holds ``K / k_scale`` and ``V / v_scale``); required for an fp8 cache.
+            As in :func:`decode_attention`: ``sm_scale * k_scale``, output times ``v_scale``,
+            K/V converted to ``q``'s dtype, probabilities kept in it.
         max_kv_len: host upper bound on any context length, used only to size the schedule's
             chunks (``None``: ``max_extend_len``).
         block_m: rows per query tile (power of two >= 16); ``None``: :func:`default_extend_tiles`.
@@ -336,7 +348,7 @@ def extend_attention(
             block sizes, head packing, chunk sizes or a negative ``max_extend_len``.
     """
     num_tokens, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
-        q, k_buffer, v_buffer, o
+        q, k_buffer, v_buffer, o, kv_scales
     )
     if max_extend_len < 0:
         fail(COMPONENT, f"max_extend_len {max_extend_len} unsupported (supported: >= 0)")
@@ -363,6 +375,7 @@ def extend_attention(
     check_paged(
         batch, kv_indptr, kv_indices, q, k_buffer=k_buffer, v_buffer=v_buffer, o=o,
         qo_indptr=qo_indptr, prefix_lens=prefix_lens,
+        **({} if kv_scales is None else {"kv_scales": kv_scales}),
     )  # fmt: skip
     if batch == 0 or max_extend_len == 0 or num_tokens == 0:
         return
@@ -371,7 +384,7 @@ def extend_attention(
     num_head_blocks = num_q_heads // heads
     num_pairs = batch * num_head_blocks
     if pairs_per_chunk is None:
-        row_bytes = (head_dim + head_dim_v) * q.element_size()
+        row_bytes = (head_dim + head_dim_v) * k_buffer.element_size()
         kv_bound = max_extend_len if max_kv_len is None else max(max_kv_len, max_extend_len)
         pairs_per_chunk = _pairs_per_chunk(num_pairs, kv_bound, row_bytes, _l2_bytes(q.device))
     pairs_per_chunk = min(pairs_per_chunk, num_pairs)
@@ -384,6 +397,7 @@ def extend_attention(
         kv_indptr,
         kv_indices,
         prefix_lens,
+        prefix_lens if kv_scales is None else kv_scales,  # unread unless KV_SCALED
         sm_scale * LOG2E,
         num_m_tiles,
         num_head_blocks,
@@ -405,6 +419,7 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
+        KV_SCALED=kv_scales is not None,
         num_warps=tiles.num_warps if num_warps is None else num_warps,
         num_stages=tiles.num_stages if num_stages is None else num_stages,
     )

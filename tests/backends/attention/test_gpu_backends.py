@@ -146,3 +146,49 @@ def test_graph_replay_equals_eager(backend) -> None:
         assert err < 1e-2, f"{backend} replay {step}: relative error vs eager {err:.2e}"
     attn.close()
     ctx.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_fp8_cache_model_logits_match_torch_native(
+    qwen3_gpu_checkpoint, backend, kv_cache_dtype
+) -> None:  # type: ignore[no-untyped-def]
+    # Same fp8 cache semantics (the fused rotary kernel stores it for both), eager prefill and
+    # graphed decode: the fast backends read it as torch_native's dequantizing reference does.
+    _available(backend)
+    path, kv = qwen3_gpu_checkpoint, kv_cache_dtype
+    ref = _decode_trace(path, "torch_native", "bfloat16", kv_cache_dtype=kv)
+    got = _decode_trace(path, backend, "bfloat16", follow=ref.tokens, kv_cache_dtype=kv)
+    assert any(got.graphed), f"{backend}: no decode step replayed a graph"
+    for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
+        err = rel_err(a, b)
+        assert err < 2e-2, f"{backend} {kv}: step {step}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_fp8_cache_graph_replay_reads_the_scales(backend, kv_dtype) -> None:  # type: ignore[no-untyped-def]
+    from execrt.bench.attention import DecodeProblem, build_backend
+    from execrt.core.kv_quant import KVScales
+
+    _available(backend)
+    p = DecodeProblem(bs=8, ctx=1024, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=4,
+                      kv_dtype=kv_dtype)  # fmt: skip
+    n = p.kv_cache.num_layers
+    p.kv_cache.set_scales(KVScales((0.25,) * n, (4.0,) * n))  # before capture, as at load
+    ctx = RuntimeContext()
+    attn = build_backend(PluginHost(autoload=False), backend, p, ctx)
+    attn.init_graph_state(8, 8)
+    fb = p.forward_batch()
+    step = AttentionStep(attn, attn.plan_graph(fb), fb.out_cache_loc, fb.mode)
+    attn.attend(p.q, p.layers[0], step)  # warm-up / JIT
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.attend(p.q, p.layers[0], step)
+    p.q.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel_err(out.float(), p.reference())  # over the cache read times its scales
+    assert err < 1e-2, f"{backend} {kv_dtype}: replay vs the dequantized reference {err:.2e}"
+    attn.close()
+    ctx.close()

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from execrt.core.kv_quant import quantize
 from execrt.kernels import attention as tk
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
@@ -53,6 +54,12 @@ class Cache:
         """K and V rows of request b's context in order: ([L, Hkv, D], [L, Hkv, Dv])."""
         slots = self.req_to_token[int(self.rows[b]), : self.seq_lens[b]].long()
         return self.k[slots], self.v[slots]
+
+    def quantized(self, dtype: torch.dtype, k_scale: float, v_scale: float) -> Cache:
+        """The cache an fp8 store makes of this one: K / k_scale and V / v_scale in ``dtype``."""
+        k = quantize(self.k, dtype, torch.tensor(1 / k_scale, device=self.k.device))
+        v = quantize(self.v, dtype, torch.tensor(1 / v_scale, device=self.v.device))
+        return Cache(k, v, self.req_to_token, self.rows, self.seq_lens)
 
 
 def make_cache(
@@ -164,16 +171,21 @@ def run_decode(
     block_n: int = 16,
     seed: int = 0,
     spare: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
 
     ``num_splits=None`` derives the split counts with decode_num_splits. ``spare`` pads every
     index / scratch buffer past what the batch needs, as static graph buffers would be.
+    ``kv_dtype`` (fp8): the cache is stored in it with ``kv_scales``; the reference reads it
+    back times the scales.
     """
     gen = torch.Generator().manual_seed(seed)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     batch = len(seq_lens)
     cache = make_cache(seq_lens, num_kv_heads, head_dim, head_dim_v, dtype, device, gen)
+    cache, read, scales = fp8_cache(cache, kv_dtype, kv_scales)
     q = torch.randn(batch, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
     indptr, indices = flat_indices(cache)
     if spare:
@@ -193,13 +205,29 @@ def run_decode(
     sm_scale = head_dim**-0.5
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
-        max_splits, block_n=block_n,
+        max_splits, block_n=block_n, kv_scales=scales,
     )  # fmt: skip
     ref = torch.zeros_like(o, dtype=torch.float64)
     for b in range(batch):
         last = torch.tensor([seq_lens[b] - 1])
-        ref[b] = ref_attention(q[b : b + 1], *cache.context(b), last, sm_scale)[0]
+        ref[b] = ref_attention(q[b : b + 1], *read.context(b), last, sm_scale)[0]
     return o, ref
+
+
+def fp8_cache(
+    cache: Cache, kv_dtype: torch.dtype | None, kv_scales: tuple[float, float]
+) -> tuple[Cache, Cache, torch.Tensor | None]:
+    """``(cache as the kernel reads it, what it holds in fp32, the kv_scales argument)``."""
+    if kv_dtype is None:
+        return cache, cache, None
+    stored = cache.quantized(kv_dtype, *kv_scales)
+    k_scale, v_scale = kv_scales
+    read = Cache(
+        stored.k.float() * k_scale, stored.v.float() * v_scale, cache.req_to_token, cache.rows,
+        cache.seq_lens,
+    )  # fmt: skip
+    scales = torch.tensor([k_scale, v_scale, 1 / k_scale, 1 / v_scale], device=cache.k.device)
+    return stored, read, scales
 
 
 FLOATS_CPU = [torch.float32, torch.float16]
@@ -404,6 +432,21 @@ def test_decode_empty_batch_is_noop() -> None:
     assert o.numel() == 0 and ref.numel() == 0
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.25, 4.0), (3.0, 0.4)])
+def test_decode_reads_an_fp8_cache_times_its_scales(
+    kv_dtype: torch.dtype, kv_scales: tuple[float, float]
+) -> None:
+    # fp32 q: fp8 K/V convert to fp32 exactly and the probabilities stay fp32, so the output
+    # is as close to the reference over the read-back values as an fp32 cache's would be
+    # (rounding p to fp8 for the PV dot would cost percent).
+    o, ref = run_decode([1, 40, 130], max_splits=3, kv_dtype=kv_dtype, kv_scales=kv_scales, seed=85)
+    assert_close(o, ref, SMALL_TOL[torch.float32])
+
+
 def test_decode_rejects_bad_input() -> None:
     # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
     # GPU machine are refused for their device before any shape or dtype is looked at.
@@ -440,6 +483,13 @@ def test_decode_rejects_bad_input() -> None:
         call(block_n=24)
     with pytest.raises(ValueError, match="max_splits 0 unsupported"):
         call(max_splits=0)
+    fp8 = k.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="a torch.float8_e4m3fn cache needs kv_scales"):
+        call(k_buffer=fp8, v_buffer=fp8)
+    with pytest.raises(ValueError, match="v_buffer dtype torch.float32 differs from k_buffer's"):
+        call(k_buffer=fp8, kv_scales=zeros(4))
+    with pytest.raises(ValueError, match=r"kv_scales \(1,\) torch.float32 unsupported"):
+        call(k_buffer=fp8, v_buffer=fp8, kv_scales=zeros(1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,6 +553,23 @@ def test_gpu_decode_shapes(
         block_n=64,
         seed=210,
     )
+    assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    # Compiled: the fp8 loads, their conversion and the scale folding at the issue's shape.
+    seq_lens = [8192, 1, 700, 4096]
+    max_splits = tk.SplitPolicy().max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
+    o, ref = run_decode(
+        seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype,
+        device=torch.device("cuda"), max_splits=max_splits,
+        min_split_len=tk.DEFAULT_MIN_SPLIT_LEN, block_n=64, seed=220, kv_dtype=kv_dtype,
+        kv_scales=(4.0, 0.25),  # v x 0.25: outputs stay in the bf16 max-abs bound
+    )  # fmt: skip
     assert_close(o, ref, GPU_TOL[dtype])
 
 

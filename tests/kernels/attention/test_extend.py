@@ -11,11 +11,13 @@ from execrt.kernels import attention as tk
 from execrt.kernels.attention import extend as ext
 from tests.kernels.attention.test_decode import (
     CUDA,
+    FP8,
     GPU_TOL,
     SMALL,
     SMALL_TOL,
     assert_close,
     flat_indices,
+    fp8_cache,
     make_cache,
     ref_attention,
 )
@@ -38,6 +40,8 @@ def run_extend(
     extra_grid: int = 0,
     pad_rows: int = 0,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     **tiles: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run extend_attention on a fresh random case; return (output, float64 reference).
@@ -45,11 +49,13 @@ def run_extend(
     ``extra_grid`` over-sizes max_extend_len so that whole query tiles have nothing to do;
     ``pad_rows`` adds rows to q / o past the last request (they must stay NaN). ``tiles``
     go to extend_attention; block_m / block_n default to 16 (many tiles per request).
+    ``kv_dtype`` (fp8): the cache is stored in it with ``kv_scales``.
     """
     gen = torch.Generator().manual_seed(seed)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     cache = make_cache(seq_lens, num_kv_heads, head_dim, head_dim_v, dtype, device, gen)
+    cache, read, scales = fp8_cache(cache, kv_dtype, kv_scales)
     total = sum(extend_lens)
     q = torch.randn(total + pad_rows, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
     qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
@@ -62,14 +68,14 @@ def run_extend(
     tk.extend_attention(
         q, cache.k, cache.v, o, qo_indptr.to(device), kv_indptr, kv_indices,
         torch.tensor(prefix_lens, dtype=torch.int32, device=device),
-        max(extend_lens) + extra_grid, sm_scale, max_kv_len=max(seq_lens),
+        max(extend_lens) + extra_grid, sm_scale, max_kv_len=max(seq_lens), kv_scales=scales,
         **({"block_m": 16, "block_n": 16} | tiles),
     )  # fmt: skip
     assert torch.isnan(o[total:]).all(), "wrote rows past the last request"
     refs = []
     for b, (prefix, n) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
         rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        refs.append(ref_attention(q[rows], *cache.context(b), prefix + torch.arange(n), sm_scale))
+        refs.append(ref_attention(q[rows], *read.context(b), prefix + torch.arange(n), sm_scale))
     return o[:total], torch.cat(refs)
 
 
@@ -219,6 +225,16 @@ def test_extend_schedule_chunk_sizes(pairs_per_chunk: int) -> None:
     assert_close(o, ref, F32)
 
 
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.25, 4.0)])
+def test_extend_reads_an_fp8_cache_times_its_scales(
+    kv_dtype: torch.dtype, kv_scales: tuple[float, float]
+) -> None:
+    # Full and diagonal blocks both read fp8; fp32 q keeps the reference's precision.
+    o, ref = run_extend([0, 37, 5], [20, 9, 40], kv_dtype=kv_dtype, kv_scales=kv_scales, seed=190)
+    assert_close(o, ref, F32)
+
+
 def test_extend_rejects_bad_input() -> None:
     # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
     # GPU machine are refused for their device before any shape is looked at.
@@ -308,6 +324,19 @@ def test_gpu_extend(dtype: torch.dtype, prefix_lens: list[int], extend_lens: lis
         device=torch.device("cuda"), block_m=None, block_n=None, pad_rows=5, seed=220,
     )  # fmt: skip
     assert_close(o, ref, GPU_TOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_gpu_extend_fp8_cache(kv_dtype: torch.dtype) -> None:
+    # Compiled, the default tiles: fp8 K/V converted in the loops, scales folded.
+    o, ref = run_extend(
+        [0, 5, 2000], [700, 1, 1024], num_q_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16, device=torch.device("cuda"), block_m=None, block_n=None,
+        seed=230, kv_dtype=kv_dtype, kv_scales=(4.0, 0.25),  # v x 0.25: small outputs
+    )  # fmt: skip
+    assert_close(o, ref, GPU_TOL[torch.bfloat16])
 
 
 @gpu
