@@ -2,7 +2,8 @@
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
-#        [bench-moe] [bench-decode] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
+#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [bench-throughput] [bench-fp8]
+#        [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: a tests-done.txt an earlier call brought back, or a file of node ids such
 #   as benchmarks/results/gpu-tests-done-<date>.txt; what it lists as passed or skipped is
@@ -86,6 +87,14 @@ for step in "$@"; do
       done ;;
     tune-decode)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+    bench-prefix)  # PREFIX_ARGS, e.g. "--caches on,off --layers 12"
+      timeout "$(cap ${PREFIX_S:-240})" python3 -m execrt bench prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/bench-prefix.log" | tail -24 ;;
+    bench-serve)  # SERVE_ARGS, e.g. "--model qwen3-0.6b --max-concurrency 1,32,256"
+      timeout "$(cap ${SERVE_S:-200})" python3 -m execrt bench serve --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/bench-serve.log" | tail -16 ;;
+    bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
+      timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
+    bench-fp8)  # FP8_ARGS: bench decode arguments; auto and the fp8 dtype are timed in one run
+      timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" ${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512} 2>&1 | tee "$OUT/bench-fp8.log" | tail -16 ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
