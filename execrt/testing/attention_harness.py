@@ -77,13 +77,16 @@ class Geometry:
         return self.num_kv_heads * self.gqa_ratio
 
 
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class Prepared:
     """A step ready to run: the batch, per-layer q/k/v, and what the oracle needs."""
 
     step: Step
     fb: ForwardBatch
-    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer, padded rows last
+    qkv: list[QKV]  # per layer, padded rows last
     rows: list[int]
     num_real_tokens: int
     real_locs: torch.Tensor  # [T_real] int64 (device)
@@ -205,13 +208,25 @@ class AttentionHarness:
         """
         if step.num_slots > len(self.free):
             raise ValueError(f"harness: step needs {step.num_slots} slots, {len(self.free)} free")
-        g, b = self.geo, step.batch_size
-        rows = (torch.randperm(self.pool.size, generator=self.gen)[:b] + 1).tolist()
+        if step.padded_rows and step.mode != "decode":
+            raise ValueError("harness: padded rows are decode-only")
+        rows = (torch.randperm(self.pool.size, generator=self.gen)[: step.batch_size] + 1).tolist()
+        locs = self._lay_out_requests(step, rows)
+        fb = self._batch(step, rows, locs, graph)
+        qkv = self._new_qkv(len(locs) + step.padded_rows, reuse)
+        real_locs = torch.tensor(locs, dtype=torch.int64, device=self.device)
+        self._store_new_kv(qkv, real_locs)
+        table = self.pool.req_to_token.clone()
+        return Prepared(step, fb, qkv, rows, len(locs), real_locs, table, graph)
+
+    def _lay_out_requests(self, step: Step, rows: list[int]) -> list[int]:
+        """Give each request its slots in ``req_to_token`` (stale ids past its length, as a
+        reused row has) and its cached prefix's K/V; returns the new tokens' slots."""
+        g, table = self.geo, self.pool.req_to_token
         locs: list[int] = []
         for row, prefix, n in zip(rows, step.prefix_lens, step.extend_lens, strict=True):
-            slots = self._take_slots(prefix + n, step.permuted)
             length = prefix + n
-            table = self.pool.req_to_token
+            slots = self._take_slots(length, step.permuted)
             table[row, :length] = torch.tensor(slots, dtype=torch.int32)
             tail = min(TAIL, self.pool.max_context_len - length, len(self.free))
             if tail > 0:
@@ -221,66 +236,62 @@ class AttentionHarness:
                 )
             prefix_slots = torch.tensor(slots[:prefix], dtype=torch.int64, device=self.device)
             for layer in range(g.num_layers):
-                k, v = (
-                    self._randn(prefix, g.num_kv_heads, g.head_dim),
-                    self._randn(prefix, g.num_kv_heads, g.head_dim),
-                )
+                k = self._randn(prefix, g.num_kv_heads, g.head_dim)
+                v = self._randn(prefix, g.num_kv_heads, g.head_dim)
                 # What earlier steps stored: in the cache, as the store writes it.
                 self._store((self.kv.k_buffers, self.kv.v_buffers), layer, prefix_slots, k, v)
                 self._mirror(layer, prefix_slots, k, v)
             locs += slots[prefix:]
-        t_real, pads = len(locs), step.padded_rows
-        if pads and step.mode != "decode":
-            raise ValueError("harness: padded rows are decode-only")
+        return locs
+
+    def _batch(self, step: Step, rows: list[int], locs: list[int], graph: bool) -> ForwardBatch:
+        """The step's ForwardBatch, padded by the core's rule (into the static buffers for a
+        graph) when it has padded rows or runs as a graph."""
         seq_lens = [p + n for p, n in zip(step.prefix_lens, step.extend_lens, strict=True)]
-        positions: list[int] = []
-        for p, n in zip(step.prefix_lens, step.extend_lens, strict=True):
-            positions += range(p, p + n)
-        ints = {
-            "input_ids": [0] * t_real,
-            "positions": positions,
-            "req_pool_indices": rows,
-            "seq_lens": seq_lens,
-            "out_cache_loc": locs,
-        }
-        tensors: dict[str, Any] = {
-            name: torch.tensor(values, dtype=torch.int64, device=self.device)
-            for name, values in ints.items()
-        }
+        positions = [i for p, n in zip(step.prefix_lens, step.extend_lens, strict=True)
+                     for i in range(p, p + n)]  # fmt: skip
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
         fb = ForwardBatch(
-            mode=ForwardMode.DECODE if step.mode == "decode" else ForwardMode.EXTEND,
-            seq_lens_cpu=seq_lens,
-            prefix_lens_cpu=list(step.prefix_lens),
-            extend_lens_cpu=list(step.extend_lens),
-            **tensors,
-        )
-        if graph or pads:
-            # The graph runner's own padding rule, into the static buffers when capturing.
-            fill = int(self.backend.graph_seq_len_fill_value)
-            if graph:
-                assert self.static is not None, "harness: built without graph_max_bs"
-                fb = self.static.load_padded(fb, b + pads, fill)
-            else:
-                fb = padded_decode_batch(fb, b + pads, fill)
-        t_all = t_real + pads
-        qkv = []
+            ForwardMode.DECODE if step.mode == "decode" else ForwardMode.EXTEND,
+            ints([0] * len(locs)), ints(positions), ints(rows), ints(seq_lens), ints(locs),
+            seq_lens, list(step.prefix_lens), list(step.extend_lens),
+        )  # fmt: skip
+        if not (graph or step.padded_rows):
+            return fb
+        fill = int(self.backend.graph_seq_len_fill_value)
+        if graph:
+            assert self.static is not None, "harness: built without graph_max_bs"
+            return self.static.load_padded(fb, step.batch_size + step.padded_rows, fill)
+        return padded_decode_batch(fb, step.batch_size + step.padded_rows, fill)
+
+    def _new_qkv(self, tokens: int, reuse: Prepared | None) -> list[QKV]:
+        """Fresh q/k/v per layer for ``tokens`` rows (padding last); written into ``reuse``'s
+        tensors when given, so a captured graph reads them."""
+        g = self.geo
+        out: list[QKV] = []
         for layer in range(g.num_layers):
             new = (
-                self._randn(t_all, g.num_q_heads, g.head_dim),
-                self._randn(t_all, g.num_kv_heads, g.head_dim),
-                self._randn(t_all, g.num_kv_heads, g.head_dim),
+                self._randn(tokens, g.num_q_heads, g.head_dim),
+                self._randn(tokens, g.num_kv_heads, g.head_dim),
+                self._randn(tokens, g.num_kv_heads, g.head_dim),
             )
             if reuse is not None:
-                new = tuple(old.copy_(val) for old, val in zip(reuse.qkv[layer], new, strict=True))  # type: ignore[assignment]
-            qkv.append(new)
-        real_locs = torch.tensor(locs, dtype=torch.int64, device=self.device)
+                old = reuse.qkv[layer]
+                new = (old[0].copy_(new[0]), old[1].copy_(new[1]), old[2].copy_(new[2]))
+            out.append(new)
+        return out
+
+    def _store_new_kv(self, qkv: list[QKV], real_locs: torch.Tensor) -> None:
+        """This step's K/V into the mirror and, when the model is the writer, into the cache
+        (the backend only reads them); a ``stores_kv`` backend is handed them in ``attend``."""
+        t = real_locs.numel()
         for layer, (_, k, v) in enumerate(qkv):
-            self._mirror(layer, real_locs, k[:t_real], v[:t_real])
+            self._mirror(layer, real_locs, k[:t], v[:t])
             if not self.backend.capabilities.stores_kv:
-                # The model is the K/V writer (its one store helper): the backend only reads.
-                self.kv.set_kv(layer, real_locs, k[:t_real], v[:t_real])
-        table = self.pool.req_to_token.clone()
-        return Prepared(step, fb, qkv, rows, t_real, real_locs, table, graph)
+                self.kv.set_kv(layer, real_locs, k[:t], v[:t])
 
     def _store(self, bufs: tuple[list[torch.Tensor], ...], layer: int, *kv: torch.Tensor) -> None:
         """``(slots, k, v)`` into ``bufs = (k_buffers, v_buffers)`` as the cache's store does."""
