@@ -27,20 +27,31 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 STATIC_GRAPH = "static_graph"
 
 
-class _GraphAttentionPlugin:
+class _FakeAttentionPlugin:
+    """Registers one attention backend of ``tests.testing.fake_backends`` under ``name``."""
+
+    def __init__(self, name: str, cls: str, caps: str) -> None:
+        self.name, self.cls, self.caps = name, cls, caps
+
     @hookimpl
     def execrt_register_backends(self, registry):  # type: ignore[no-untyped-def]
         from tests.testing import fake_backends
 
-        factory = f"{fake_backends.__name__}:StaticGraphAttention"
-        registry.register("attention", STATIC_GRAPH, factory, fake_backends.GRAPH_CAPS)
+        factory = f"{fake_backends.__name__}:{self.cls}"
+        registry.register("attention", self.name, factory, getattr(fake_backends, self.caps))
+
+
+def fake_attention_host(name: str, cls: str, caps: str) -> PluginHost:
+    """A fresh plugin host: the built-in plugin plus fake attention backend ``cls`` (declaring
+    ``fake_backends.<caps>``) registered as ``name``."""
+    host = PluginHost(autoload=False)
+    assert host.add_plugin(_FakeAttentionPlugin(name, cls, caps), f"fake-{name}")
+    return host
 
 
 def graph_attention_host() -> PluginHost:
     """A fresh plugin host: the built-in plugin plus the ``static_graph`` attention backend."""
-    host = PluginHost(autoload=False)
-    assert host.add_plugin(_GraphAttentionPlugin(), "graph-attention")
-    return host
+    return fake_attention_host(STATIC_GRAPH, "StaticGraphAttention", "GRAPH_CAPS")
 
 
 def make_worker(

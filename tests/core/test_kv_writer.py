@@ -12,20 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from execrt.core.context import RuntimeContext
 from execrt.core.memory import KVCache
-from execrt.core.plugins import hookimpl
-from execrt.plugins.host import PluginHost
-from tests.drivers import make_worker, prefill, release
+from tests.drivers import fake_attention_host, make_worker, prefill, release
 
 STORING = "storing_native"
-
-
-class _StoringPlugin:
-    @hookimpl
-    def execrt_register_backends(self, registry):  # type: ignore[no-untyped-def]
-        from tests.testing import fake_backends
-
-        factory = f"{fake_backends.__name__}:StoringAttention"
-        registry.register("attention", STORING, factory, fake_backends.STORES_CAPS)
 
 
 class SlotWrites(TorchDispatchMode):
@@ -51,18 +40,12 @@ class SlotWrites(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _host(storing: bool) -> PluginHost:
-    host = PluginHost(autoload=False)
-    if storing:
-        assert host.add_plugin(_StoringPlugin(), "storing")
-    return host
-
-
 @pytest.mark.parametrize("storing", [False, True], ids=["model-stores", "backend-stores"])
 def test_every_new_token_is_stored_exactly_once_per_layer(checkpoint, storing: bool) -> None:  # type: ignore[no-untyped-def]
     ctx = RuntimeContext()
     attention: dict[str, Any] = {"attention_backend": STORING} if storing else {}
-    worker = make_worker(checkpoint("dense-tied-hd64"), ctx, _host(storing), **attention)
+    host = fake_attention_host(STORING, "StoringAttention", "STORES_CAPS") if storing else None
+    worker = make_worker(checkpoint("dense-tied-hd64"), ctx, host, **attention)
     mr = worker.model_runner
     assert mr.attn_backend.capabilities.stores_kv is storing
     reqs, decode = prefill(worker, [[5, 6, 7, 8], [9, 10]])
