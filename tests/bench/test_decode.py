@@ -249,8 +249,9 @@ def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ig
     for path in ("generate", "forward"):
         for bs in (1, 2):
             auto, fp8 = by_key[("auto", path, bs)], by_key[("fp8_e5m2", path, bs)]
-            assert auto.vs_kv_auto == 1.0 and fp8.kv_gb == auto.kv_gb / 2  # 1 byte per value
-            if auto.step_ms and fp8.step_ms:
+            assert fp8.kv_gb == auto.kv_gb / 2  # 1 byte per value
+            if auto.step_ms and fp8.step_ms:  # a step lost in timing noise has no ratio
+                assert auto.vs_kv_auto == 1.0
                 assert fp8.vs_kv_auto == pytest.approx(fp8.step_ms / auto.step_ms)
     (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
     rows = json.loads((tmp_path / saved).read_text())

@@ -63,7 +63,7 @@ class TestBroken(AttentionBackendSuite):
 """
     out = tmp_path / "r.json"
     code = run_suite_source(
-        source, kind="attention", name="broken", json_path=str(out), extra_pytest_args=("-k", "d64")
+        source, kind="attention", name="broken", json_path=str(out), extra_pytest_args=("-k", "head_dim and d64")
     )
     report = json.loads(out.read_text())
     assert code == 1 and report["failed"] == 2 and report["passed"] == 0
@@ -115,7 +115,7 @@ class TestKnown(AttentionBackendSuite):
 """
     out = tmp_path / "r.json"
     code = run_suite_source(
-        source, kind="attention", name="x", json_path=str(out), extra_pytest_args=("-k", "d64")
+        source, kind="attention", name="x", json_path=str(out), extra_pytest_args=("-k", "head_dim and d64")
     )
     report = json.loads(out.read_text())
     assert code == 0 and report["xfailed"] == 2 and report["failed"] == 0
