@@ -212,6 +212,11 @@ def run_suite_source(
             for key, mod in list(sys.modules.items()):
                 if str(getattr(mod, "__file__", "") or "").startswith(tmp):
                     del sys.modules[key]
+    if exit_code == pytest.ExitCode.INTERRUPTED:
+        # pytest swallowed a Ctrl-C (or a time limit's SIGINT): the caller's interrupt, not a
+        # result of the suite. Passed on, so a CLI run exits 130 and a test is interrupted
+        # rather than failing on a report that was never written.
+        raise KeyboardInterrupt
     results = list(collector.results.values())
     report = build_report(kind, name, plugin, version, results, extra_pytest_args)
     print(format_table(report), file=out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import re
 from pathlib import Path
@@ -63,7 +64,11 @@ class TestBroken(AttentionBackendSuite):
 """
     out = tmp_path / "r.json"
     code = run_suite_source(
-        source, kind="attention", name="broken", json_path=str(out), extra_pytest_args=("-k", "head_dim and d64")
+        source,
+        kind="attention",
+        name="broken",
+        json_path=str(out),
+        extra_pytest_args=("-k", "head_dim and d64"),
     )
     report = json.loads(out.read_text())
     assert code == 1 and report["failed"] == 2 and report["passed"] == 0
@@ -115,7 +120,11 @@ class TestKnown(AttentionBackendSuite):
 """
     out = tmp_path / "r.json"
     code = run_suite_source(
-        source, kind="attention", name="x", json_path=str(out), extra_pytest_args=("-k", "head_dim and d64")
+        source,
+        kind="attention",
+        name="x",
+        json_path=str(out),
+        extra_pytest_args=("-k", "head_dim and d64"),
     )
     report = json.loads(out.read_text())
     assert code == 0 and report["xfailed"] == 2 and report["failed"] == 0
@@ -193,3 +202,16 @@ def test_declaration_checks_alone_are_nothing_ran(tmp_path: Path, monkeypatch) -
         "attention", "torch_native", None, extra_pytest_args=("-k", "refusals_explain")
     )
     assert code == 3 and last_conformance("attention", "torch_native") is None
+
+
+def test_an_interrupted_run_passes_the_interrupt_on_and_writes_no_report(tmp_path: Path) -> None:
+    # A Ctrl-C (or a time limit's SIGINT) inside the suite is the caller's interrupt: pytest
+    # swallows it and returns INTERRUPTED, and the runner must not turn that into a result.
+    source = """
+def test_interrupted():
+    raise KeyboardInterrupt
+"""
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_suite_source(source, kind="attention", name="x", json_path=str(out), out=io.StringIO())
+    assert not out.exists()
