@@ -190,8 +190,11 @@ BENCH_PREFIX_FLAGS = {
     "--turn-len": ("turn_len", "new tokens per chat turn (1024)"),
     "--answer-len": ("answer_len", "tokens generated per chat turn (64)"),
     "--conversations": ("conversations", "chat conversations; TTFT per turn is their mean (3)"),
-    "--max-running": ("max_running_requests", "max_running_requests (128)"),
-    "--max-prefill": ("max_prefill_tokens", "max_prefill_tokens (8192)"),
+    "--max-running": (
+        "max_running_requests",
+        "max_running_requests, 0 for the engine's sizing (0)",
+    ),
+    "--max-prefill": ("max_prefill_tokens", "max_prefill_tokens, 0 for the engine's sizing (0)"),
     "--layers": ("layers", "decoder layers (the model's)"),
 }
 

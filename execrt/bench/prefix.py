@@ -69,9 +69,11 @@ class Options:
     turn_len: int = 1024
     answer_len: int = 64
     conversations: int = 3
-    max_running_requests: int = 128
-    max_prefill_tokens: int = 8192
-    kv_cache_memory_fraction: float = 0.8
+    # 0: the engine's own sizing, what a user gets (on a GPU every prompt of the default
+    # workload runs at once; a cap makes TTFT mostly the queue behind the running requests).
+    max_running_requests: int = 0
+    max_prefill_tokens: int = 0
+    kv_cache_memory_fraction: float = 0.0
     kv_cache_tokens: int = 0  # 0: the memory fraction decides
     device: str = "cuda"  # "cpu": the whole method on a tiny shape (tests)
     seed: int = 0
@@ -195,7 +197,9 @@ def run(opts: Options) -> list[Record]:
 
 
 def _engine(opts: Options, config: dict[str, Any], cache: str) -> Engine:
-    sizing: dict[str, Any] = {"kv_cache_memory_fraction": opts.kv_cache_memory_fraction}
+    sizing: dict[str, Any] = {}
+    if opts.kv_cache_memory_fraction:
+        sizing = {"kv_cache_memory_fraction": opts.kv_cache_memory_fraction}
     if opts.kv_cache_tokens:
         sizing = {"kv_cache_tokens": opts.kv_cache_tokens}
     positions = max(int(config["max_position_embeddings"]), opts.context_len)
