@@ -128,7 +128,6 @@ def build_backend(
         kv_cache=p.kv_cache,
         num_q_heads=p.hq,
         max_batch_size=p.bs,
-        max_context_len=p.ctx,
         context=ctx,
         dtype=p.dtype,
     )

@@ -10,7 +10,7 @@ import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -116,7 +116,6 @@ def build_attention_backend(
     kv_cache: KVCache,
     num_q_heads: int,
     max_batch_size: int,
-    max_context_len: int,
     context: RuntimeContext,
     options: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
@@ -134,21 +133,15 @@ def build_attention_backend(
     reasons = spec.refusals(requirements)
     if reasons:
         raise RuntimeError("; ".join(reasons))
-    init = AttentionBackendInit(
-        capabilities=cast(AttentionCapabilities, spec.capabilities),
+    init = AttentionBackendInit.over_cache(
+        spec.narrowed(AttentionCapabilities).capabilities,
+        kv_cache,
+        pool,
         num_q_heads=num_q_heads,
-        num_kv_heads=hkv,
-        head_dim=d,
-        v_head_dim=kv_cache.v_head_dim,
-        num_layers=kv_cache.num_layers,
-        dtype=dtype,
-        device=kv_cache.device,
-        req_to_token_pool=pool,
-        kv_cache=kv_cache,
         max_batch_size=max_batch_size,
-        max_context_len=max_context_len,
         context=context,
-        options=dict(options or {}),
+        dtype=dtype,
+        options=options,
     )
     backend: AttentionBackend = spec.create(init)
     return backend

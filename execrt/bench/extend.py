@@ -185,7 +185,6 @@ def backend_calls(
         kv_cache=p.kv_cache,
         num_q_heads=p.hq,
         max_batch_size=p.bs,
-        max_context_len=p.ctx,
         context=context,
         options=options,
     )

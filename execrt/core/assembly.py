@@ -34,7 +34,7 @@ from execrt.core.interfaces import (
     MoERequirements,
 )
 from execrt.core.kv_quant import kv_storage_dtype
-from execrt.core.memory import KVCache
+from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.model_spec import ModelSpec
 from execrt.core.parallel import ParallelState
 from execrt.core.plugins import NO_GRAPH, BackendRegistry, BackendSpec
@@ -326,14 +326,6 @@ def _build(
     return backend, done
 
 
-def _not_a(interface: str, built: object, resolution: Resolution) -> BackendUnavailableError:
-    return BackendUnavailableError(
-        resolution.kind,
-        str(resolution.chosen),
-        [f"its factory built a {type(built).__name__}, not a {interface}"],
-    )
-
-
 def build_moe_dispatcher(
     resolved: ResolvedRuntime, registry: BackendRegistry, context: RuntimeContext
 ) -> tuple[MoEDispatcher, Resolution]:
@@ -355,8 +347,7 @@ def build_moe_dispatcher(
     built, res = _build(
         registry, resolved.moe_dispatch, resolved.moe_requirements(), make_init, resolved.strict
     )
-    if not isinstance(built, MoEDispatcher):
-        raise _not_a("MoEDispatcher", built, res)
+    assert isinstance(built, MoEDispatcher)  # BackendSpec.create refuses anything else
     return built, res
 
 
@@ -364,14 +355,14 @@ def build_attention(
     resolved: ResolvedRuntime,
     registry: BackendRegistry,
     kv_cache: KVCache,
-    req_to_token_pool: object,
+    req_to_token_pool: ReqToTokenPool,
     context: RuntimeContext,
 ) -> tuple[AttentionBackend, Resolution]:
     def make_init(backend: BackendSpec[Capabilities]) -> AttentionBackendInit:
         return AttentionBackendInit.over_cache(
             backend.narrowed(AttentionCapabilities).capabilities,
             kv_cache,
-            req_to_token_pool,  # type: ignore[arg-type]
+            req_to_token_pool,
             num_q_heads=resolved.local_spec.num_q_heads,
             max_batch_size=resolved.config.max_running_requests,
             context=context,
@@ -385,8 +376,7 @@ def build_attention(
     )  # fmt: skip
     if res.note != resolved.attention.note:  # a fallback build keeps the KV cache note
         res = dataclasses.replace(res, note=resolved.attention.note)
-    if not isinstance(built, AttentionBackend):
-        raise _not_a("AttentionBackend", built, res)
+    assert isinstance(built, AttentionBackend)  # BackendSpec.create refuses anything else
     return built, res
 
 
@@ -406,8 +396,7 @@ def build_graph_backend(
         registry, resolved.graph, GraphRequirements(resolved.device.type), make_init,
         resolved.strict,
     )  # fmt: skip
-    if not isinstance(built, GraphBackend):
-        raise _not_a("GraphBackend", built, res)
+    assert isinstance(built, GraphBackend)  # BackendSpec.create refuses anything else
     return built, res
 
 
@@ -428,8 +417,7 @@ def build_prefix_cache(
         registry, resolved.prefix_cache, resolved.prefix_cache_requirements(), make_init,
         resolved.strict,
     )  # fmt: skip
-    if not isinstance(built, PrefixCache):
-        raise _not_a("PrefixCache", built, res)
+    assert isinstance(built, PrefixCache)  # BackendSpec.create refuses anything else
     return built, res
 
 

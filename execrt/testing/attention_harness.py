@@ -158,21 +158,15 @@ class AttentionHarness:
             for i in range(g.num_layers)
         ]
         self.context = RuntimeContext()
-        init = AttentionBackendInit(
-            capabilities=spec.capabilities,
+        init = AttentionBackendInit.over_cache(
+            spec.capabilities,
+            self.kv,
+            self.pool,
             num_q_heads=g.num_q_heads,
-            num_kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim,
-            v_head_dim=g.head_dim,
-            num_layers=g.num_layers,
-            dtype=dtype,
-            device=self.device,
-            req_to_token_pool=self.pool,
-            kv_cache=self.kv,
             max_batch_size=max(max_reqs, graph_max_bs),
-            max_context_len=max_context_len,
             context=self.context,
-            options=dict(options or {}),
+            dtype=dtype,
+            options=options,
         )
         self.backend: AttentionBackend = spec.create(init)
         self.static: InputBuffers | None = None
