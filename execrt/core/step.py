@@ -62,11 +62,3 @@ class StepInputs:
     @property
     def max_extend_len(self) -> int:
         return max(self.extend_lens_cpu, default=0)
-
-    def token_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(input_ids, positions, out_cache_loc)``: the ``[T]`` tensors."""
-        return self.input_ids, self.positions, self.out_cache_loc
-
-    def request_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(req_pool_indices, seq_lens)``: the ``[B]`` tensors."""
-        return self.req_pool_indices, self.seq_lens
