@@ -12,7 +12,8 @@
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TESTS_ORDER=reverse (collection back to front),
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
-#   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set), TESTS_FAILLOG.
+#   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set; each
+#   merges its entry into the tuned table, which comes back as extend-table-<GPU>.json), TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -83,7 +84,12 @@ for step in "$@"; do
       for args in "${sets[@]}"; do
         tag=$(echo "$args" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//; s/_*$//')
         timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend${tag:+-$tag}.json" $args \
-          2>&1 | tee "$OUT/tune-extend${tag:+-$tag}.log" | tail -9
+          2>&1 | tee "$OUT/tune-extend${tag:+-$tag}.log" | tail -14
+      done
+      # The tuned table the kernels now read (a later bench-extend step in this call uses it);
+      # commit it as execrt/kernels/attention/extend_configs/<its name without the prefix>.
+      for f in execrt/kernels/attention/extend_configs/*.json; do
+        [ -f "$f" ] && cp "$f" "$OUT/extend-table-$(basename "$f")"
       done ;;
     tune-decode)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;

@@ -47,6 +47,7 @@ from execrt.bench.models import (
 from execrt.bench.timing import (
     StepProfile,
     TimeLimitExceeded,
+    dense_bf16_peak_tflops,
     difference_timing,
     host_copy_gbps,
     host_hotspots,
@@ -156,6 +157,8 @@ class Record:
     prefill_tflops: float | None = None  # ttft: the prompt's FLOPs over the time to 1 token
     peak_tflops: float | None = None  # ttft: a dense bf16 matmul, timed in the same run
     pct_peak: float | None = None  # ttft: prefill_tflops / peak_tflops x 100
+    spec_peak_tflops: float | None = None  # ttft: the GPU's datasheet dense bf16 peak
+    pct_spec_peak: float | None = None  # ttft: prefill_tflops / spec_peak_tflops x 100
 
 
 @dataclass
@@ -452,13 +455,17 @@ def _add_ttft(
     ctx: _Context, n: int, seconds: float | None, attention: str, note: str, peak: float
 ) -> Record:
     """A ttft record: ``prefill_ms`` is the time to the first token, its roofline the prompt's
-    FLOPs at the measured matmul rate (``pct_roofline`` = ``pct_peak``)."""
+    FLOPs at the measured matmul rate (``pct_roofline`` = ``pct_peak``); ``pct_spec_peak``
+    is against the GPU's datasheet dense bf16 peak (None for a GPU not listed)."""
     opts, flops = ctx.opts, prefill_flops(ctx.model_config, n)
     roofline_ms = flops / (peak * 1e12) * 1e3
     achieved = None if seconds is None else flops / seconds / 1e12
     pct = None if achieved is None else 100 * achieved / peak
+    spec = dense_bf16_peak_tflops(ctx.gpu) if ctx.device.type == "cuda" else None
+    pct_spec = None if achieved is None or spec is None else 100 * achieved / spec
     if achieved is not None:
-        note = f"{achieved:.0f} TFLOP/s, bf16 matmul {peak:.0f}; {note}"
+        datasheet = "" if pct_spec is None else f", {pct_spec:.1f}% of the {spec:.0f} datasheet"
+        note = f"{achieved:.0f} TFLOP/s, bf16 matmul {peak:.0f}{datasheet}; {note}"
     rec = Record(
         model=opts.model,
         layers=ctx.model_config.num_layers,
@@ -484,6 +491,8 @@ def _add_ttft(
         prefill_tflops=achieved,
         peak_tflops=peak,
         pct_peak=pct,
+        spec_peak_tflops=spec,
+        pct_spec_peak=pct_spec,
     )
     ctx.records.append(rec)
     shown = "skipped" if seconds is None else f"{rec.prefill_ms:.1f} ms, {pct:.1f}% of peak"

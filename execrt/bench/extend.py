@@ -2,7 +2,9 @@
 
 Every request has ``prefix`` cached tokens and ``new`` tokens to prefill; all of them sit at
 random slots of a page-size-1 cache (a random permutation, so no two neighbouring tokens are
-neighbours in memory). Registered backends run ``attend`` over that cache, timed
+neighbours in memory). Registered backends run ``attend`` over that cache, handed this
+step's K/V as a model hands them (the new tokens' rows, consecutive: the triton backend reads
+those instead of their cache slots; flashinfer reads everything from the cache), timed
 eagerly with CUDA events (each call is a millisecond-scale kernel, far above launch cost),
 layers rotated so consecutive calls do not find their K/V in L2.
 
@@ -113,6 +115,13 @@ class ExtendProblem:
         perm = torch.randperm(tokens, generator=g, device=dev) + 1
         self.pool.req_to_token[1:] = perm.view(bs, self.ctx).to(torch.int32)
         self.q = torch.randn(bs * new, hq, d, dtype=dtype, device=dev, generator=g)
+        # This step's K/V per layer as a model hands them to ``attend`` (rows as q's): copies
+        # of what the cache holds at the new tokens' slots, made once, outside any timing.
+        new_slots = self.pool.req_to_token[1:, prefix:].reshape(-1).long()
+        self.kv = [
+            (self.kv_cache.k_buffers[i][new_slots], self.kv_cache.v_buffers[i][new_slots])
+            for i in range(self.num_layers)
+        ]
         self.layers = [AttentionLayer(i, hq, hkv, d, d, d**-0.5) for i in range(self.num_layers)]
         self.flops = causal_flops(bs, new, prefix, hq, d)
 
@@ -191,7 +200,8 @@ def backend_calls(
     fb = p.forward_batch()
     step = AttentionStep(backend, backend.plan(fb), fb.out_cache_loc, fb.mode)
     calls: list[Callable[[], torch.Tensor]] = [
-        functools.partial(backend.attend, p.q, layer, step) for layer in p.layers
+        functools.partial(backend.attend, p.q, layer, step, p.kv[layer.layer_id])
+        for layer in p.layers
     ]
     return calls, backend
 

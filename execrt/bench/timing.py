@@ -232,6 +232,34 @@ def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+#: Datasheet dense (no sparsity) bf16 tensor-core TFLOP/s by GPU name, most specific first:
+#: what "fraction of peak" means in NVIDIA's and FlashAttention's reports. The measured
+#: matmul (:func:`matmul_tflops`) is what cuBLAS reaches at the clocks of the run.
+DENSE_BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM
+    ("H200", 989.4),
+    ("H20", 148.0),
+    ("GH200", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+)
+
+
+def dense_bf16_peak_tflops(device_name: str) -> float | None:
+    """The datasheet dense bf16 peak of a GPU named ``device_name``, None if not listed."""
+    name = device_name.upper()
+    for key, tflops in DENSE_BF16_PEAK_TFLOPS:
+        if key.upper() in name:
+            return tflops
+    return None
+
+
 def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10, reps: int = 5) -> float:
     """The dense matmul rate of ``device`` now, TFLOP/s: an ``n``-cube product (2·n³ FLOP) in
     bf16 on CUDA (fp32 on CPU, whose bf16 matmul is emulated), median of ``reps``."""

@@ -194,8 +194,10 @@ class AttentionBackendInit:
         )
 
 
-#: This step's ``(k [T, Hkv, D], v [T, Hkv, Dv])``, handed to a backend that stores K/V
-#: itself (``stores_kv``); None for every other backend.
+#: This step's ``(k [T, Hkv, D], v [T, Hkv, Dv])`` in the model dtype, rows as ``q``'s. A backend
+#: that stores K/V itself (``stores_kv``) always receives them. Any other backend finds them
+#: stored already; a model hands them too where it has them (the built-in models do), so the
+#: backend may read the new tokens' K/V from them instead of the cache; None otherwise.
 KV = tuple[torch.Tensor, torch.Tensor] | None
 
 
@@ -261,7 +263,8 @@ class AttentionBackend(ABC):
         attends causally over the cached prefix and the new tokens. This step's K/V are in the
         cache at ``step.out_cache_loc`` already, except for a backend that declares
         ``stores_kv``: it receives ``kv = (k [T, Hkv, D], v [T, Hkv, Dv])`` and stores them
-        there first."""
+        there first. Other backends may receive ``kv`` too (see ``KV``): the same values the
+        cache holds (before an fp8 cache's quantization), in consecutive rows; None is valid."""
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static plan buffers graph capture and replay write into."""

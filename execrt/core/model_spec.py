@@ -75,8 +75,9 @@ class Model(Protocol):
     calls ``attn.backend.attend``. ``attach_kv_cache`` fixes the K/V writer once, before the
     first forward: with a cache the model stores each step's K/V in it (the one store helper,
     ``KVCache.set_kv`` or a fused kernel doing the same); with None the backend stores them
-    (it declares ``stores_kv`` and receives ``kv`` in ``attend``). ``kv_scales`` gives the
-    checkpoint's per-layer K/V scales of an fp8 cache (None: it has none, 1.0 is used).
+    (it declares ``stores_kv``). Either way ``attend`` receives ``kv``, this step's K/V.
+    ``kv_scales`` gives the checkpoint's per-layer K/V scales of an fp8 cache (None: it has
+    none, 1.0 is used).
     """
 
     def __call__(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput: ...

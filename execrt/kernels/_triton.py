@@ -166,6 +166,12 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device (cached per device index)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
+
+
 def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch for kernels on ``device``: CUDA sm90+, a triton that has
     it, not the interpreter, not disabled by ``EXECRT_DISABLE_PDL``.

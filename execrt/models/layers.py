@@ -210,8 +210,9 @@ class Attention(nn.Module):
             cache_scales=scales,
             use_triton=self.fused,
         )
-        kv = None if cache is not None else (k, v)
-        o = attn.backend.attend(q, s, attn, kv)  # [T, Hq, D]
+        # Every backend gets this step's K/V: a storing one stores them, the others may read
+        # the new tokens' rows here (consecutive, unquantized) instead of through the cache.
+        o = attn.backend.attend(q, s, attn, (k, v))  # [T, Hq, D]
         return row_parallel(self.o_proj, o.reshape(t, -1), self.parallel)  # [T, H]
 
 

@@ -310,10 +310,11 @@ class AttentionHarness:
         return AttentionStep(self.backend, meta, fb.out_cache_loc, fb.mode)
 
     def attend_layers(self, prepared: Prepared, step: AttentionStep) -> list[Any]:
-        """Every layer's ``attend``; a backend that stores K/V itself is handed them."""
-        stores = self.backend.capabilities.stores_kv
+        """Every layer's ``attend``, handed this step's K/V as a model hands them: a backend
+        that stores K/V itself must store them; the others may read them (the cache holds
+        them already)."""
         return [
-            self.backend.attend(q, layer, step, (k, v) if stores else None)
+            self.backend.attend(q, layer, step, (k, v))
             for layer, (q, k, v) in zip(self.layers, prepared.qkv, strict=True)
         ]
 

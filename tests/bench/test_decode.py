@@ -225,6 +225,7 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
             prefill_flops(ModelConfig.from_dict(TINY), n) / ttft.prefill_ms / 1e9
         )
         assert ttft.pct_peak == pytest.approx(100 * ttft.prefill_tflops / ttft.peak_tflops)
+        assert ttft.spec_peak_tflops is None and ttft.pct_spec_peak is None  # no datasheet: CPU
         assert "1 chunk(s) of <= 4096" in ttft.note
     (saved,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
     for bs in (1, 2):

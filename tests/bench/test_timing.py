@@ -96,3 +96,16 @@ def test_host_profile_counts_work_per_step_but_not_waits() -> None:
 def test_matmul_rate_is_positive_and_finite() -> None:
     rate = matmul_tflops(torch.device("cpu"), n=64, iters=2, reps=1)
     assert 0 < rate < 1e3
+
+
+def test_datasheet_peak_matches_the_most_specific_gpu_name() -> None:
+    # "H20" is a substring of "H200" and "L4" of "L40S": the longer names must win.
+    from execrt.bench.timing import dense_bf16_peak_tflops
+
+    assert dense_bf16_peak_tflops("NVIDIA H200") == 989.4
+    assert dense_bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert dense_bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert dense_bf16_peak_tflops("NVIDIA H20") == 148.0
+    assert dense_bf16_peak_tflops("NVIDIA L40S") == 362.0
+    assert dense_bf16_peak_tflops("NVIDIA L4") == 121.0
+    assert dense_bf16_peak_tflops("cpu") is None

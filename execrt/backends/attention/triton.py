@@ -42,7 +42,8 @@ class TritonAttnBackend(AttentionBackend):
     Metadata is built on the device once per step: ``kv_indptr`` by a prefix sum of
     ``seq_lens`` and ``kv_indices`` by a kernel that copies ``req_to_token`` rows, so no K/V
     moves and no host loop runs. Decode splits each context adaptively (more splits for
-    fewer, longer requests); extend attends causally over prefix plus new tokens. An fp8
+    fewer, longer requests); extend attends causally over prefix plus new tokens, reading the
+    new tokens' K/V from the step's own rows when ``attend`` is handed them. An fp8
     cache is read through the layer's scale row on the device (graph replays see it).
     """
 
@@ -134,10 +135,15 @@ class TritonAttnBackend(AttentionBackend):
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
+        # This step's K/V, when handed, feed the new tokens' part of the extend kernel from
+        # their own consecutive rows (TMA on sm90) instead of gathers through the cache; the
+        # kernel falls back to the cache where it cannot (fp8 cache, older GPU).
+        fresh = kv is not None and kv[0].shape[0] == q.shape[0] and kv[0].dtype == q.dtype
+        k_new, v_new = kv if fresh and kv is not None else (None, None)
         self.kernels.extend_attention(
             q, k_buf, v_buf, o, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
             meta.prefix_lens, meta.max_extend_len, layer.scaling, kv_scales=scales,
-            max_kv_len=meta.max_kv_len,
+            max_kv_len=meta.max_kv_len, k_new=k_new, v_new=v_new,
         )  # fmt: skip
         return o
 

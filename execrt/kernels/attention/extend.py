@@ -1,16 +1,48 @@
-"""Causal extend (prefill on top of a cached prefix) over the page-size-1 cache."""
+"""Causal extend (prefill on top of a cached prefix) over the page-size-1 cache.
+
+Two kernels, one launch function (:func:`extend_attention`):
+
+- ``gather`` reads every context row (prefix and new tokens) from the cache through its slot
+  id. It needs nothing but the cache, reads an fp8 cache, and runs on every device.
+- ``fresh`` reads the prefix the same way but this step's new tokens from their own K/V
+  tensors (``k_new`` / ``v_new``, the rows the attention layer has just computed, request
+  after request like ``q``): those rows are consecutive, so on sm90+ they are loaded by TMA
+  through tensor descriptors, and the causal diagonal lines up with the query tiles instead of
+  with the prefix length. Chosen when the caller hands the new K/V, the cache is in ``q``'s
+  dtype and the GPU is sm90+ (or the interpreter), unless the tuned table says ``gather`` won.
+"""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_index, fail, pow2_at_least
+from execrt.kernels._triton import (
+    check_index,
+    check_last_dim_contiguous,
+    check_same_device,
+    cuda_capability,
+    fail,
+    interpreter_enabled,
+    pow2_at_least,
+)
 from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
+
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the fresh kernel loads without TMA
+    TensorDescriptor = None
+
+GATHER, FRESH = "gather", "fresh"
+KERNELS = (GATHER, FRESH)
 
 # ----------------------------------------------------------------------------------------------
 # Tile choices
@@ -59,12 +91,12 @@ L2_SHARE = 0.5
 _DEFAULT_L2_BYTES = 50 << 20
 
 
-def default_extend_tiles(dtype: torch.dtype, head_dim: int, device: torch.device) -> ExtendTiles:
-    """The tile table entry for this dtype and (padded) head dim, or the interpreter's tiles."""
-    if device.type != "cuda":
-        return _CPU_TILES
-    key = (4 if dtype == torch.float32 else 2, pow2_at_least(head_dim))
-    return _GPU_TILES[key]
+def default_extend_tiles(
+    dtype: torch.dtype, head_dim: int, device: torch.device, kernel: str = GATHER
+) -> ExtendTiles:
+    """The tiles a launch of ``kernel`` uses for this dtype and (padded) head dim: the tuned
+    table's for this GPU, else ``_GPU_TILES``, or the interpreter's tiles on CPU."""
+    return extend_choice(dtype, head_dim, device, kernel).tiles
 
 
 def shared_memory_estimate(tiles: ExtendTiles, elem_bytes: int, block_d: int, block_dv: int) -> int:
@@ -100,6 +132,136 @@ def _pairs_per_chunk(num_pairs: int, max_kv_len: int, row_bytes: int, l2_bytes: 
 def _default_heads_per_tile(group: int, block_m: int) -> int:
     """Pack the whole GQA group into a tile when it fits, else its largest divisor that does."""
     return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuned tables
+# ----------------------------------------------------------------------------------------------
+
+#: Per-GPU tables written by ``benchmarks/tune_triton_extend.py``: ``<GPU name>.json`` with every
+#: character outside ``[A-Za-z0-9]`` replaced by ``_`` (``NVIDIA_H200.json``).
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "extend_configs")
+
+
+@dataclass(frozen=True)
+class ExtendChoice:
+    """One kernel's launch for a (dtype, head dim): tiles plus the knobs ``extend_attention``
+    takes (``None``: its default). ``tma`` matters to the fresh kernel only."""
+
+    tiles: ExtendTiles
+    heads_per_tile: int | None = None
+    pairs_per_chunk: int | None = None
+    tma: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self.tiles) | {
+            "heads_per_tile": self.heads_per_tile,
+            "pairs_per_chunk": self.pairs_per_chunk,
+            "tma": self.tma,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ExtendChoice:
+        tiles = ExtendTiles(d["block_m"], d["block_n"], d["num_warps"], d["num_stages"])
+        return cls(tiles, d.get("heads_per_tile"), d.get("pairs_per_chunk"), d.get("tma", True))
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """A tuned (dtype, head dim): the kernel that won (``use``) and each kernel's best launch."""
+
+    use: str
+    choices: dict[str, ExtendChoice]
+
+
+def table_key(dtype: torch.dtype, head_dim: int) -> str:
+    """``"bfloat16,128"``: the dtype and the padded head dim."""
+    return f"{str(dtype).replace('torch.', '')},{pow2_at_least(head_dim)}"
+
+
+def table_file_name(device_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", device_name) + ".json"
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: str) -> dict[str, TableEntry]:
+    """``{table_key: entry}`` of a tuned table; empty if there is none. A malformed file
+    raises (a table that silently does nothing would hide a broken tuning run)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        data = json.load(fh)
+    table = {}
+    for key, entry in data["entries"].items():
+        choices = {k: ExtendChoice.from_json(entry[k]) for k in KERNELS if k in entry}
+        use = entry.get("use", FRESH)
+        if use not in choices:
+            raise ValueError(f"{path}: entry {key} uses {use!r} but tunes only {sorted(choices)}")
+        table[key] = TableEntry(use, choices)
+    return table
+
+
+def table_entry(dtype: torch.dtype, head_dim: int, device: torch.device) -> TableEntry | None:
+    """This GPU's tuned entry for the dtype and head dim, or None (CPU, untuned)."""
+    if device.type != "cuda" or interpreter_enabled():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return load_table(os.path.join(CONFIG_DIR, table_file_name(name))).get(
+        table_key(dtype, head_dim)
+    )
+
+
+def _builtin_choice(dtype: torch.dtype, head_dim: int, device: torch.device) -> ExtendChoice:
+    if device.type != "cuda":
+        return ExtendChoice(_CPU_TILES)
+    key = (4 if dtype == torch.float32 else 2, pow2_at_least(head_dim))
+    return ExtendChoice(_GPU_TILES[key])
+
+
+def extend_choice(
+    dtype: torch.dtype, head_dim: int, device: torch.device, kernel: str = GATHER
+) -> ExtendChoice:
+    """The kernel's launch for this dtype and (padded) head dim: the tuned table's entry for
+    this GPU, else the built-in tiles (``_GPU_TILES``; the interpreter's on CPU). The fresh
+    kernel's built-in tiles are the gather kernel's: both are flash-attention loops over the
+    same q tile, and only the tuning sweep tells them apart."""
+    entry = table_entry(dtype, head_dim, device)
+    if entry is not None and kernel in entry.choices:
+        return entry.choices[kernel]
+    return _builtin_choice(dtype, head_dim, device)
+
+
+def fresh_supported(q: torch.Tensor, k_buffer: torch.Tensor, kv_scales: object) -> str | None:
+    """Why the fresh kernel cannot serve this call, or None when it can.
+
+    It reads the new tokens' K/V from the step's own (unquantized) rows: an fp8 cache would
+    then see the prefix quantized and the new tokens not, so fp8 caches stay on the gather
+    kernel (it folds their scales). On CUDA it needs sm90 (TMA; its tiles were tuned there);
+    older GPUs keep the gather kernel, whose table was measured on them.
+    """
+    if kv_scales is not None or k_buffer.dtype != q.dtype:
+        return f"the cache is {k_buffer.dtype} (the fresh kernel reads {q.dtype} caches)"
+    if q.device.type == "cuda" and not interpreter_enabled():
+        major, minor = cuda_capability(q.device)
+        if major < 9:
+            return f"sm{major}{minor} (the fresh kernel needs sm90+)"
+    return None
+
+
+def choose_kernel(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    k_new: torch.Tensor | None,
+    kv_scales: object,
+    head_dim: int,
+) -> str:
+    """``fresh`` when the new K/V were handed and the fresh kernel serves the cache and the
+    device (see :func:`fresh_supported`), unless this GPU's tuned table measured ``gather``
+    faster; else ``gather``."""
+    if k_new is None or fresh_supported(q, k_buffer, kv_scales) is not None:
+        return GATHER
+    entry = table_entry(q.dtype, head_dim, q.device)
+    return FRESH if entry is None else entry.use
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,6 +438,193 @@ def _extend_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_m_tiles", "num_head_blocks", "num_pairs", "pairs_per_chunk"])
+def _extend_fresh_kernel(
+    q_ptr,
+    k_new,  # TMA: a [T, Hkv * D] tensor descriptor; else a pointer to k_new [T, Hkv, D]
+    v_new,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    prefix_lens_ptr,
+    qk_scale,
+    num_m_tiles,
+    num_head_blocks,
+    num_pairs,
+    pairs_per_chunk,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    # Query tiles and their schedule are the gather kernel's (see _extend_kernel): TOKENS new
+    # tokens x HEADS packed query heads of one kv head, longest tiles first in L2-sized chunks.
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
+    pid = tl.program_id(0)
+    chunk_programs = pairs_per_chunk * num_m_tiles
+    chunk = pid // chunk_programs
+    local = pid - chunk * chunk_programs
+    first_pair = chunk * pairs_per_chunk
+    width = tl.minimum(pairs_per_chunk, num_pairs - first_pair)
+    m_tile = num_m_tiles - 1 - local // width
+    pair = first_pair + local % width
+    b = pair // num_head_blocks
+    head0 = (pair - b * num_head_blocks) * HEADS
+    kv_head = head0 // GROUP
+
+    q_start = tl.load(qo_indptr_ptr + b).to(tl.int32)
+    extend_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int32) - q_start
+    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
+
+    tok0 = m_tile * TOKENS
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_r // HEADS  # [BLOCK_M] new-token index of each row
+    heads = head0 + offs_r % HEADS
+    row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    # Two sources, each split into blocks every row sees (no mask math) and masked ones:
+    #   prefix  [0, prefix): every new token sees all of it; only a ragged last block is
+    #           masked (by column, not per row), gathered from the cache through slot ids;
+    #   new     [0, new_hi): new token j is row q_start + j of k_new / v_new; blocks below
+    #           full_hi are seen by every row, the rest hold the diagonal (masked per row).
+    # A tile past the request's new tokens gets empty loops and stores nothing.
+    tile_ok = tok0 < extend_len
+    pre_hi = tl.where(tile_ok, prefix, 0)
+    pre_full = pre_hi // BLOCK_N * BLOCK_N
+    new_hi = tl.where(tile_ok, tl.minimum(tok0 + TOKENS, extend_len), 0)
+    new_full = tl.where(tile_ok, (tok0 + 1) // BLOCK_N * BLOCK_N, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    idx_base = kv_indices_ptr + kv_start
+    offs_b = tl.arange(0, BLOCK_N)
+
+    # Prefix, whole blocks. Slot ids are carried one block ahead as in _extend_kernel, so the
+    # gathers never depend on a load of their own iteration (full pipelining lookahead).
+    # Whatever block runs first starts at column 0, which every row sees: m_i is finite from
+    # then on and no row computes exp2(-inf - -inf).
+    ids = tl.load(idx_base + offs_b, mask=offs_b < pre_full, other=0)
+    for start in range(0, pre_full, BLOCK_N):
+        offs_next = start + BLOCK_N + offs_b
+        ids_next = tl.load(idx_base + offs_next, mask=offs_next < pre_full, other=0)
+        slots = ids.to(tl.int64)
+        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None)
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+        ids = ids_next
+
+    # Prefix, the ragged last block (zero or one iteration).
+    for start in range(pre_full, pre_hi, BLOCK_N):
+        offs_n = start + offs_b
+        in_pre = offs_n < pre_hi
+        slots = tl.load(idx_base + offs_n, mask=in_pre, other=0).to(tl.int64)
+        # Columns past the prefix load zeros, not slot 0's row: p = 0 times NaN is NaN.
+        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_pre)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(in_pre[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_pre)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # New tokens, whole blocks: consecutive rows of k_new / v_new, below every row's diagonal.
+    for start in range(0, new_full, BLOCK_N):
+        if TMA:
+            k = k_new.load([q_start + start, kv_head * HEAD_DIM])  # [BLOCK_N, BLOCK_D]
+        else:
+            new_rows = (q_start + start + offs_b).to(tl.int64)
+            k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
+                           BLOCK_D, None)  # fmt: skip
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if TMA:
+            v = v_new.load([q_start + start, kv_head * HEAD_DIM_V])
+        else:
+            new_rows = (q_start + start + offs_b).to(tl.int64)
+            v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
+                           BLOCK_DV, None)  # fmt: skip
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # New tokens, the diagonal blocks: row r sees new tokens j <= tok[r].
+    for start in range(new_full, new_hi, BLOCK_N):
+        offs_n = start + offs_b
+        if TMA:
+            # Rows past this request (the next one's, or zeros past T) are masked below.
+            k = k_new.load([q_start + start, kv_head * HEAD_DIM])
+        else:
+            new_rows = (q_start + offs_n).to(tl.int64)
+            k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
+                           BLOCK_D, offs_n < new_hi)  # fmt: skip
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(offs_n[None, :] <= tok[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if TMA:
+            # Zero the rows past this request: p = 0 there, but 0 times a NaN row is NaN.
+            v = v_new.load([q_start + start, kv_head * HEAD_DIM_V])
+            v = tl.where((offs_n < new_hi)[:, None], v, 0.0)
+        else:
+            new_rows = (q_start + offs_n).to(tl.int64)
+            v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
+                           BLOCK_DV, offs_n < new_hi)  # fmt: skip
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +644,10 @@ def extend_attention(
     *,
     kv_scales: torch.Tensor | None = None,
     max_kv_len: int | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    kernel: str | None = None,
+    tma: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -304,17 +657,23 @@ def extend_attention(
 ) -> None:
     """Causal prefill attention for new tokens on top of an optional cached prefix.
 
-    The new tokens' K/V must already be stored in the cache. Request b owns query rows
-    ``qo_indptr[b] : qo_indptr[b+1]`` of ``q`` / ``o`` and the context slots
-    ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` (prefix followed by its new tokens, so the
-    context length is ``prefix_lens[b] + extend_len[b]``). Its new token i sits at position
-    ``prefix_lens[b] + i`` and attends to context positions ``j <= prefix_lens[b] + i``.
+    Request b owns query rows ``qo_indptr[b] : qo_indptr[b+1]`` of ``q`` / ``o`` and the
+    context slots ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` (prefix followed by its new
+    tokens, so the context length is ``prefix_lens[b] + extend_len[b]``). Its new token i sits
+    at position ``prefix_lens[b] + i`` and attends to context positions
+    ``j <= prefix_lens[b] + i``. A request may have no new tokens.
+
+    The gather kernel reads the whole context from the cache (the new tokens' K/V must be
+    stored there already). Given ``k_new`` / ``v_new``, the fresh kernel reads the prefix from
+    the cache and the new tokens from those rows (TMA on sm90+), see the module docstring;
+    ``kernel`` None picks (:func:`choose_kernel`).
 
     One program handles ``block_m // heads_per_tile`` new tokens of one request times
-    ``heads_per_tile`` query heads sharing one kv head, so each gathered K/V tile feeds all of
-    them. Context blocks every row sees run without masks; only the diagonal blocks are
-    masked. The 1-D grid covers (request, head block, query tile), longest tiles first inside
-    chunks of pairs sized to L2. No host synchronisation and no allocation.
+    ``heads_per_tile`` query heads sharing one kv head, so each K/V tile loaded feeds all of
+    them. Context blocks every row sees run without masks; only the diagonal blocks (and the
+    fresh kernel's ragged last prefix block) are masked. The 1-D grid covers (request, head
+    block, query tile), longest tiles first inside chunks of pairs sized to L2. No host
+    synchronisation and no allocation.
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16/fp32 new-token queries, last dim contiguous.
@@ -331,34 +690,60 @@ def extend_attention(
         kv_scales: fp32 device tensor whose first two values are ``k_scale`` and ``v_scale``
             (the cache holds ``K / k_scale`` and ``V / v_scale``); required for an fp8 cache.
             As in :func:`decode_attention`: ``sm_scale * k_scale``, output times ``v_scale``,
-            K/V converted to ``q``'s dtype, probabilities kept in it.
+            K/V converted to ``q``'s dtype, probabilities kept in it. Gather kernel only.
         max_kv_len: host upper bound on any context length, used only to size the schedule's
             chunks (``None``: ``max_extend_len``).
-        block_m: rows per query tile (power of two >= 16); ``None``: :func:`default_extend_tiles`.
+        k_new: ``[T, Hkv, D]`` this step's keys in ``q``'s dtype and row order (what the cache
+            holds at the new tokens' slots); rows and heads may be strided, the last dim must
+            be contiguous. Enables the fresh kernel.
+        v_new: ``[T, Hkv, Dv]`` this step's values, likewise; given with ``k_new`` or not at all.
+        kernel: ``"gather"`` or ``"fresh"`` (needs ``k_new`` / ``v_new`` and a cache in
+            ``q``'s dtype); ``None``: :func:`choose_kernel`.
+        tma: fresh kernel: load the new K/V through TMA tensor descriptors (CUDA sm90+, pow2
+            head dims, 16-byte aligned rows); ``None``: the table's choice where TMA is
+            possible. ``True`` where it is not is refused; the interpreter runs either.
+        block_m: rows per query tile (power of two >= 16); ``None``: :func:`extend_choice`.
         block_n: context tokens per loop step (power of two >= 16); ``None`` likewise.
         num_warps: warps per program; ``None`` likewise.
         num_stages: software pipelining depth of the loops; ``None`` likewise.
         heads_per_tile: query heads packed into a tile, a divisor of ``Hq // Hkv`` that is
-            ``<= block_m``; ``None``: the largest such divisor.
+            ``<= block_m``; ``None``: the tuned table's, else the largest such divisor.
         pairs_per_chunk: (request, head block) pairs per schedule chunk (>= 1); ``None``:
-            as many as have their K/V fit in half the L2 cache.
+            the tuned table's, else as many as have their K/V fit in half the L2 cache.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts, devices,
-            block sizes, head packing, chunk sizes or a negative ``max_extend_len``.
+            block sizes, head packing, chunk sizes, a negative ``max_extend_len``, a kernel
+            that cannot serve the call, or TMA asked for where it cannot run.
     """
     num_tokens, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
         q, k_buffer, v_buffer, o, kv_scales
     )
     if max_extend_len < 0:
         fail(COMPONENT, f"max_extend_len {max_extend_len} unsupported (supported: >= 0)")
-    tiles = default_extend_tiles(q.dtype, max(head_dim, head_dim_v), q.device)
+    _check_new_kv(q, k_new, v_new, num_kv_heads, head_dim, head_dim_v)
+    block_dim = max(head_dim, head_dim_v)
+    if kernel is None:
+        kernel = choose_kernel(q, k_buffer, k_new, kv_scales, block_dim)
+    elif kernel not in KERNELS:
+        fail(COMPONENT, f"kernel {kernel!r} unsupported (supported: {', '.join(KERNELS)})")
+    elif kernel == FRESH:
+        why = "no k_new / v_new given" if k_new is None else fresh_supported(q, k_buffer, kv_scales)
+        if why is not None:
+            fail(COMPONENT, f"kernel 'fresh' cannot run this call: {why}")
+    choice = extend_choice(q.dtype, block_dim, q.device, kernel)
+    tiles = choice.tiles
     block_m = tiles.block_m if block_m is None else block_m
     block_n = tiles.block_n if block_n is None else block_n
     check_block("block_m", block_m)
     check_block("block_n", block_n)
     group = num_q_heads // num_kv_heads
-    heads = _default_heads_per_tile(group, block_m) if heads_per_tile is None else heads_per_tile
+    heads = heads_per_tile
+    tuned_heads = choice.heads_per_tile
+    if heads is None and tuned_heads and group % tuned_heads == 0 and tuned_heads <= block_m:
+        heads = tuned_heads  # a table entry's packing, where this group size allows it
+    if heads is None:
+        heads = _default_heads_per_tile(group, block_m)
     if heads < 1 or group % heads or heads > block_m:
         fail(
             COMPONENT,
@@ -377,6 +762,12 @@ def extend_attention(
         qo_indptr=qo_indptr, prefix_lens=prefix_lens,
         **({} if kv_scales is None else {"kv_scales": kv_scales}),
     )  # fmt: skip
+    use_tma = False
+    if kernel == FRESH:
+        possible = _tma_possible(k_new, v_new, head_dim, head_dim_v, block_n)  # type: ignore[arg-type]
+        if tma and possible is not None:
+            fail(COMPONENT, f"tma unsupported here: {possible}")
+        use_tma = possible is None and (choice.tma if tma is None else tma)
     if batch == 0 or max_extend_len == 0 or num_tokens == 0:
         return
 
@@ -384,11 +775,42 @@ def extend_attention(
     num_head_blocks = num_q_heads // heads
     num_pairs = batch * num_head_blocks
     if pairs_per_chunk is None:
+        pairs_per_chunk = choice.pairs_per_chunk
+    if pairs_per_chunk is None:
         row_bytes = (head_dim + head_dim_v) * k_buffer.element_size()
         kv_bound = max_extend_len if max_kv_len is None else max(max_kv_len, max_extend_len)
         pairs_per_chunk = _pairs_per_chunk(num_pairs, kv_bound, row_bytes, _l2_bytes(q.device))
     pairs_per_chunk = min(pairs_per_chunk, num_pairs)
-    _extend_kernel[(num_pairs * num_m_tiles,)](
+    grid = (num_pairs * num_m_tiles,)
+    common = dict(
+        GROUP=group,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=pow2_at_least(head_dim),
+        BLOCK_DV=pow2_at_least(head_dim_v),
+        num_warps=tiles.num_warps if num_warps is None else num_warps,
+        num_stages=tiles.num_stages if num_stages is None else num_stages,
+    )
+    if kernel == FRESH:
+        assert k_new is not None and v_new is not None
+        if use_tma:
+            k_src: Any = _descriptor(k_new, block_n, head_dim)
+            v_src: Any = _descriptor(v_new, block_n, head_dim_v)
+        else:
+            k_src, v_src = k_new, v_new
+        _extend_fresh_kernel[grid](
+            q, k_src, v_src, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices,
+            prefix_lens, sm_scale * LOG2E, num_m_tiles, num_head_blocks, num_pairs,
+            pairs_per_chunk, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+            v_new.stride(0), v_new.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), o.stride(0), o.stride(1),
+            TMA=use_tma, **common,
+        )  # fmt: skip
+        return
+    _extend_kernel[grid](
         q,
         k_buffer,
         v_buffer,
@@ -411,15 +833,60 @@ def extend_attention(
         v_buffer.stride(1),
         o.stride(0),
         o.stride(1),
-        GROUP=group,
-        HEADS=heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_V=head_dim_v,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=pow2_at_least(head_dim),
-        BLOCK_DV=pow2_at_least(head_dim_v),
         KV_SCALED=kv_scales is not None,
-        num_warps=tiles.num_warps if num_warps is None else num_warps,
-        num_stages=tiles.num_stages if num_stages is None else num_stages,
+        **common,
     )
+
+
+def _check_new_kv(
+    q: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+) -> None:
+    if (k_new is None) != (v_new is None):
+        fail(COMPONENT, "k_new and v_new go together (one was given without the other)")
+    if k_new is None or v_new is None:
+        return
+    want_k = (q.shape[0], num_kv_heads, head_dim)
+    want_v = (q.shape[0], num_kv_heads, head_dim_v)
+    for name, t, want in (("k_new", k_new, want_k), ("v_new", v_new, want_v)):
+        if tuple(t.shape) != want:
+            fail(COMPONENT, f"{name} shape {tuple(t.shape)} unsupported (expected {want})")
+        if t.dtype != q.dtype:
+            fail(COMPONENT, f"{name} dtype {t.dtype} differs from q dtype {q.dtype} (must match)")
+    check_same_device(COMPONENT, q, k_new=k_new, v_new=v_new)
+    check_last_dim_contiguous(COMPONENT, k_new=k_new, v_new=v_new)
+
+
+def _tma_possible(
+    k_new: torch.Tensor, v_new: torch.Tensor, head_dim: int, head_dim_v: int, block_n: int
+) -> str | None:
+    """Why the new K/V cannot be read through TMA descriptors, or None when they can.
+
+    A descriptor spans ``[T, Hkv * D]`` (heads side by side in a row), so heads must be packed
+    (stride D); TMA wants 16-byte aligned bases and row strides, and a box of power-of-two
+    sides <= 256 (a padded head dim would read the next head's columns)."""
+    if TensorDescriptor is None:
+        return "this triton has no tensor descriptors"
+    if k_new.device.type == "cuda" and not interpreter_enabled():
+        if cuda_capability(k_new.device) < (9, 0):
+            return "TMA needs sm90+"
+    if k_new.shape[0] == 0:
+        return "no rows"
+    for name, t, d in (("k_new", k_new, head_dim), ("v_new", v_new, head_dim_v)):
+        if d & (d - 1) or not 16 <= d <= 256 or block_n > 256:
+            return f"{name} head dim {d} / block_n {block_n} is not a TMA box side"
+        if t.stride(1) != d:
+            return f"{name} heads are not packed (strides {tuple(t.stride())})"
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return f"{name} is not 16-byte aligned (strides {tuple(t.stride())})"
+    return None
+
+
+def _descriptor(t: torch.Tensor, block_n: int, head_dim: int) -> Any:
+    """A TMA descriptor of ``t [T, Hkv, D]`` as ``[T, Hkv * D]``, boxes ``[block_n, D]``."""
+    rows = t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1))
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, head_dim])

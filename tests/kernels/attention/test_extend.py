@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from tests.kernels.attention.test_decode import (
     GPU_TOL,
     SMALL,
     SMALL_TOL,
+    Cache,
     assert_close,
     flat_indices,
     fp8_cache,
@@ -42,6 +45,8 @@ def run_extend(
     seed: int = 0,
     kv_dtype: torch.dtype | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    fresh: bool = False,
+    tma: bool | None = None,
     **tiles: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run extend_attention on a fresh random case; return (output, float64 reference).
@@ -50,6 +55,11 @@ def run_extend(
     ``pad_rows`` adds rows to q / o past the last request (they must stay NaN). ``tiles``
     go to extend_attention; block_m / block_n default to 16 (many tiles per request).
     ``kv_dtype`` (fp8): the cache is stored in it with ``kv_scales``.
+
+    ``fresh``: the fresh kernel, handed the new tokens' K/V as views of one fused
+    ``[T, Hq + 2 Hkv, D]``-like buffer (strided rows, as a model's qkv projection gives them;
+    pad rows NaN); the cache's copies of those rows are then overwritten with NaN, so a read
+    of them shows. ``tma`` goes to the kernel.
     """
     gen = torch.Generator().manual_seed(seed)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -65,18 +75,51 @@ def run_extend(
         (total + pad_rows, num_q_heads, head_dim_v), float("nan"), dtype=dtype, device=device
     )
     sm_scale = head_dim**-0.5
-    tk.extend_attention(
-        q, cache.k, cache.v, o, qo_indptr.to(device), kv_indptr, kv_indices,
-        torch.tensor(prefix_lens, dtype=torch.int32, device=device),
-        max(extend_lens) + extra_grid, sm_scale, max_kv_len=max(seq_lens), kv_scales=scales,
-        **({"block_m": 16, "block_n": 16} | tiles),
-    )  # fmt: skip
-    assert torch.isnan(o[total:]).all(), "wrote rows past the last request"
     refs = []
     for b, (prefix, n) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
         rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
         refs.append(ref_attention(q[rows], *read.context(b), prefix + torch.arange(n), sm_scale))
-    return o[:total], torch.cat(refs)
+    new: dict[str, object] = {}
+    if fresh:
+        new = fresh_kv(cache, prefix_lens, pad_rows, num_q_heads) | {"kernel": "fresh", "tma": tma}
+    tk.extend_attention(
+        q, cache.k, cache.v, o, qo_indptr.to(device), kv_indptr, kv_indices,
+        torch.tensor(prefix_lens, dtype=torch.int32, device=device),
+        max(extend_lens) + extra_grid, sm_scale, max_kv_len=max(seq_lens), kv_scales=scales,
+        **({"block_m": 16, "block_n": 16} | tiles | new),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert torch.isnan(o[total:]).all(), "wrote rows past the last request"
+    return o[:total], torch.cat(refs) if refs else torch.zeros_like(o[:total], dtype=torch.float64)
+
+
+def fresh_kv(
+    cache: Cache, prefix_lens: list[int], pad_rows: int, num_q_heads: int
+) -> dict[str, torch.Tensor]:
+    """``k_new`` / ``v_new``: every request's new-token K/V rows, request after request, as
+    strided views of one fused buffer (q heads first, as a qkv projection lays them out), then
+    NaN over the cache's copies so that a kernel reading them there fails."""
+    ks, vs, slots = [], [], []
+    for b, prefix in enumerate(prefix_lens):
+        k, v = cache.context(b)
+        ks.append(k[prefix:])
+        vs.append(v[prefix:])
+        row = cache.req_to_token[int(cache.rows[b])]
+        slots.append(row[prefix : cache.seq_lens[b]].long())
+    k_rows, v_rows = torch.cat(ks), torch.cat(vs)  # [T, Hkv, D], [T, Hkv, Dv]
+    t, hkv, d = k_rows.shape
+    dv = v_rows.shape[2]
+    fused = torch.full(
+        (t + pad_rows, num_q_heads * d + hkv * d + hkv * dv), float("nan"),
+        dtype=k_rows.dtype, device=k_rows.device,
+    )  # fmt: skip
+    k_new = fused[:, num_q_heads * d : (num_q_heads + hkv) * d].view(t + pad_rows, hkv, d)
+    v_new = fused[:, (num_q_heads + hkv) * d :].view(t + pad_rows, hkv, dv)
+    k_new[:t] = k_rows
+    v_new[:t] = v_rows
+    gone = torch.cat(slots)
+    cache.k[gone] = float("nan")
+    cache.v[gone] = float("nan")
+    return {"k_new": k_new, "v_new": v_new}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +299,195 @@ def test_extend_rejects_bad_input() -> None:
         call(pairs_per_chunk=0)
     with pytest.raises(ValueError, match="max_extend_len -1 unsupported"):
         tk.extend_attention(q, k, k, q.clone(), i32, i32, i32, i32[:1], -1, 0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fresh kernel (new tokens' K/V from their own rows) on the interpreter: ``ptr`` loads them
+# with strided pointer loads, ``tma`` through tensor descriptors (the interpreter emulates
+# them; on sm90 they are TMA copies). The cache's copies of the new rows are NaN (fresh_kv).
+# ----------------------------------------------------------------------------------------------
+
+TMA_IDS = {"ids": ["ptr", "tma"], "argvalues": [False, True], "argnames": "tma"}
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+@pytest.mark.parametrize("dtype", FLOATS_CPU)
+def test_fresh_without_prefix(tma: bool, dtype: torch.dtype) -> None:
+    o, ref = run_extend([0, 0, 0], [17, 40, 1], dtype=dtype, seed=100, fresh=True, tma=tma)
+    assert_close(o, ref, SMALL_TOL[dtype])
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+def test_fresh_with_mixed_prefixes_pads_and_idle_tiles(tma: bool) -> None:
+    # pad_rows: k_new / v_new rows past the last request are NaN, and the last request's
+    # diagonal block reaches into them (TMA reads them unmasked; the kernel zeroes them).
+    o, ref = run_extend(
+        [0, 5, 40], [23, 1, 37], extra_grid=20, pad_rows=3, seed=110, fresh=True, tma=tma
+    )
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "fresh"])
+def test_requests_without_new_tokens(kernel: str) -> None:
+    # Requests with a prefix and no new tokens (and one with neither) own no rows: nothing
+    # is written for them and their neighbours are unaffected.
+    o, ref = run_extend(
+        [5, 0, 3, 0, 17], [0, 20, 0, 0, 9], pad_rows=2, seed=115, fresh=kernel == "fresh"
+    )
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+def test_fresh_single_token_each(tma: bool) -> None:
+    o, ref = run_extend([30, 0, 7, 64], [1, 1, 1, 1], seed=120, fresh=True, tma=tma)
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(8, 1), (8, 8), (8, 2), (6, 2)])
+def test_fresh_gqa_groups(tma: bool, num_q_heads: int, num_kv_heads: int) -> None:
+    # Groups 8, 1, 4 and 3 (a padding row per 16-row tile).
+    o, ref = run_extend(
+        [19, 0], [20, 9], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=130,
+        fresh=True, tma=tma,
+    )  # fmt: skip
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+@pytest.mark.parametrize(("head_dim", "head_dim_v"), [(64, 64), (128, 128), (256, 256), (64, 32)])
+def test_fresh_head_dims(tma: bool, head_dim: int, head_dim_v: int) -> None:
+    o, ref = run_extend(
+        [20, 0], [12, 21], head_dim=head_dim, head_dim_v=head_dim_v, seed=170 + head_dim_v,
+        fresh=True, tma=tma,
+    )  # fmt: skip
+    assert_close(o, ref, F32)
+
+
+def test_fresh_padded_head_dim_loads_without_tma() -> None:
+    # 96 pads to 128: a TMA box would read the next head's columns, so TMA is refused when
+    # asked for and not used when left to the kernel (masked pointer loads instead).
+    with pytest.raises(ValueError, match="tma unsupported here: k_new head dim 96"):
+        run_extend([20, 0], [12, 21], head_dim=96, seed=175, fresh=True, tma=True)
+    o, ref = run_extend([20, 0], [12, 21], head_dim=96, seed=175, fresh=True, tma=None)
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+def test_fresh_diagonal_and_prefix_on_block_boundaries(tma: bool) -> None:
+    # block_n 16, 8-token tiles (group 2): prefixes 15, 16, 31, 14, 6 end the gathered part
+    # one short of, on, or inside a block (the ragged last prefix block); new lengths 17,
+    # 16, 9, 3, 25 end the diagonal on and off block boundaries.
+    o, ref = run_extend([15, 16, 31, 14, 6], [17, 16, 9, 3, 25], seed=150, fresh=True, tma=tma)
+    assert_close(o, ref, F32)
+    # Group 3 packs 5 tokens per 16-row tile: tiles start at every residue of block_n, so the
+    # last whole block below a tile's first token is off by one if the bound is.
+    o, ref = run_extend(
+        [0, 7], [50, 41], num_q_heads=6, num_kv_heads=2, seed=151, fresh=True, tma=tma
+    )
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+def test_fresh_long_prefix_and_wide_tiles(tma: bool) -> None:
+    # Many whole prefix blocks, 32 x 32 tiles (16 tokens per tile: block_n > tokens per tile,
+    # so some tiles start mid-block) and 64-token K/V steps.
+    o, ref = run_extend(
+        [300, 0, 129], [40, 33, 1], block_m=32, block_n=32, seed=160, fresh=True, tma=tma
+    )
+    assert_close(o, ref, F32)
+    o, ref = run_extend(
+        [300, 0, 129], [70, 33, 1], block_m=32, block_n=64, seed=161, fresh=True, tma=tma
+    )
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize(**TMA_IDS)
+@pytest.mark.parametrize(("heads_per_tile", "pairs_per_chunk"), [(1, None), (2, 3), (None, 1)])
+def test_fresh_head_packing_and_schedule(
+    tma: bool, heads_per_tile: int | None, pairs_per_chunk: int | None
+) -> None:
+    o, ref = run_extend(
+        [0, 33, 4, 0, 18], [21, 2, 30, 1, 16], num_q_heads=8, num_kv_heads=2,
+        heads_per_tile=heads_per_tile, pairs_per_chunk=pairs_per_chunk, extra_grid=5, seed=180,
+        fresh=True, tma=tma,
+    )  # fmt: skip
+    assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize("key", [(2, 64), (2, 128), (2, 256)], ids=lambda k: f"d{k[1]}")
+def test_fresh_gpu_table_tiles(key: tuple[int, int]) -> None:
+    # The tiles the fresh kernel launches with by default on a GPU (the gather table's
+    # until a tuned table says otherwise), compiled on a GPU, interpreted on CPU in fp32.
+    elem, d = key
+    t = ext._GPU_TILES[key]
+    dtype = torch.float16 if CUDA else torch.float32
+    compiled = {"num_warps": t.num_warps, "num_stages": t.num_stages} if CUDA else {}
+    o, ref = run_extend(
+        [70, 0, 5], [2 * t.block_m // 4 + 3, 1, 9], num_q_heads=32, num_kv_heads=8, head_dim=d,
+        dtype=dtype, block_m=t.block_m, block_n=t.block_n, seed=260 + d, fresh=True,
+        tma=True if CUDA else None, **compiled,
+    )  # fmt: skip
+    assert_close(o, ref, SMALL_TOL[dtype])
+
+
+def test_kernel_choice_and_refusals() -> None:
+    q = torch.zeros(3, 4, 64, device=SMALL)
+    k = torch.zeros(10, 2, 64, device=SMALL)
+    new = torch.zeros(3, 2, 64, device=SMALL)
+    i32 = torch.zeros(2, dtype=torch.int32, device=SMALL)
+    scales = torch.ones(2, device=SMALL)
+    assert ext.choose_kernel(q, k, None, None, 64) == "gather"
+    assert ext.choose_kernel(q, k, new, None, 64) == ("fresh" if not CUDA or _sm90() else "gather")
+    assert ext.choose_kernel(q, k.to(torch.float16), new, None, 64) == "gather"
+    assert ext.choose_kernel(q, k, new, scales, 64) == "gather"
+
+    def call(**over: object) -> None:
+        tk.extend_attention(q, k, k, q.clone(), i32, i32, i32, i32[:1], 3, 0.1, **over)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="kernel 'fresh' cannot run this call: no k_new"):
+        call(kernel="fresh")
+    with pytest.raises(ValueError, match="kernel 'flash' unsupported"):
+        call(kernel="flash")
+    with pytest.raises(ValueError, match="k_new and v_new go together"):
+        call(k_new=new)
+    with pytest.raises(ValueError, match=r"v_new shape \(3, 2, 32\) unsupported"):
+        call(k_new=new, v_new=new[..., :32])
+    with pytest.raises(ValueError, match="k_new dtype torch.float16 differs"):
+        call(k_new=new.half(), v_new=new)
+    with pytest.raises(ValueError, match="k_new must be contiguous in its last dim"):
+        call(k_new=new.transpose(1, 2).contiguous().transpose(1, 2), v_new=new)
+
+
+def _sm90() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_tuned_table_round_trip_and_choice(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A table as the tuning sweep writes it: every field read back; "use" picks the kernel,
+    # each kernel's entry its launch; other keys (TFLOP/s, shapes, provenance) are ignored.
+    fresh = ext.ExtendChoice(ext.ExtendTiles(128, 128, 8, 2), 2, 7, False)
+    gather = ext.ExtendChoice(ext.ExtendTiles(64, 64, 4, 3))
+    entry = {"fresh": fresh.to_json() | {"tflops": [1.0]}, "gather": gather.to_json(),
+             "use": "gather", "shapes": ["1x8+0"], "tuned": {"gpu": "x"}}  # fmt: skip
+    path = tmp_path / "GPU.json"
+    path.write_text(json.dumps({"entries": {"bfloat16,128": entry}}))
+    table = ext.load_table(str(path))
+    assert table["bfloat16,128"] == ext.TableEntry("gather", {"fresh": fresh, "gather": gather})
+    assert ext.table_key(torch.bfloat16, 96) == "bfloat16,128"
+    assert ext.table_file_name("NVIDIA H200 (x) 141GB") == "NVIDIA_H200__x__141GB.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"entries": {"k": {"use": "fresh", "gather": gather.to_json()}}}))
+    with pytest.raises(ValueError, match="uses 'fresh' but tunes only"):
+        ext.load_table(str(bad))
+    # Where a GPU has a table, its entry wins over the built-in tiles and picks the kernel.
+    monkeypatch.setattr(ext, "table_entry", lambda *a: table["bfloat16,128"])
+    cuda = torch.device("cuda")
+    assert ext.extend_choice(torch.bfloat16, 128, cuda, "fresh") == fresh
+    assert ext.default_extend_tiles(torch.bfloat16, 128, cuda) == gather.tiles
+    q = torch.zeros(3, 4, 64, device=SMALL)
+    k = torch.zeros(10, 2, 64, device=SMALL)
+    assert ext.choose_kernel(q, k, k[:3], None, 64) in ("gather",)
 
 
 # ----------------------------------------------------------------------------------------------
