@@ -226,8 +226,8 @@ class KVMemory:
         key = req.fill_ids[:length]
         mine = self._hand_over(holding, slots[start:])  # [length - start]
         holding.cached, holding.owned = length, holding.owned - (length - start)
-        n = cache.insert(key, slots)  # the cache takes [n, length); [start, n) are duplicates
-        match = cache.match(key)
+        # The cache takes [n, length); [start, n) are duplicates. One walk of the key.
+        n, match = cache.insert_and_match(key, slots)
         assert match.length == length >= n >= start, (match.length, length, n, start)
         if n > start:  # readers move to the cache's slots before the duplicates are freed
             self.req_to_token_pool.write(row, start, match.slots[start:n])

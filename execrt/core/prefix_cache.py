@@ -118,6 +118,13 @@ class PrefixCache(ABC):
     @abstractmethod
     def insert(self, key: Sequence[int], slots: torch.Tensor) -> int: ...
 
+    def insert_and_match(self, key: Sequence[int], slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        """``insert(key, slots)``, then ``match(key)``: insert's count and the match (what a
+        caller that keeps reading the key's K/V locks, and points its row at). A cache may do
+        both in one walk; this default calls the two."""
+        n = self.insert(key, slots)
+        return n, self.match(key)
+
     @abstractmethod
     def lock(self, node: Any) -> None: ...
 
