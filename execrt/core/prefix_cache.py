@@ -84,7 +84,10 @@ class PrefixMatch:
 class PrefixCache(ABC):
     """Token-id prefixes -> KV slots, with lock counts and eviction.
 
-    Contract (page size 1; every key is a sequence of host token ids):
+    Contract (page size 1; every key is a read-only sequence of host token ids: KVMemory
+    passes a ``memoryview`` of int64, which indexes and iterates as ``int``, slices without a
+    copy and converts to a numpy array without one; compare keys as tuples or arrays, not
+    with ``==`` against a list):
 
     - ``match(key)`` returns the longest prefix of ``key`` that is cached, and marks it used
       (for LRU). The caller decides how much of a prompt to match (never its last token).
