@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import weakref
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -107,6 +109,8 @@ class KVMemory:
         self.total_slots = allocator.size  # sizes are fixed at build
         self.total_rows = req_to_token_pool.size
         self._held: dict[Req, Holding] = {}
+        # Each request's prompt as int64, converted once: the keys of its cache lookups.
+        self._prompts: weakref.WeakKeyDictionary[Req, array[int]] = weakref.WeakKeyDictionary()
         if debug_ownership is None:
             debug_ownership = envs.flag(envs.DEBUG_KV_OWNERSHIP)
         self._holders = SlotHolders() if debug_ownership else None
@@ -197,7 +201,7 @@ class KVMemory:
         if cache is None or self.available_rows == 0:
             return 0
         assert req.kv_len == 0 and req.num_pending == 0, "a request holding nothing"
-        match = cache.match(req.fill_ids[:-1])
+        match = cache.match(self._key(req, req.seq_len - 1))
         if match.length == 0:
             return 0
         row = self.req_to_token_pool.alloc()
@@ -223,11 +227,11 @@ class KVMemory:
             )
         start, row = holding.cached, holding.row
         slots = self.req_to_token_pool.req_to_token[row, :length].long()  # [length] copy
-        key = req.fill_ids[:length]
+        key = self._key(req, length)
         mine = self._hand_over(holding, slots[start:])  # [length - start]
         holding.cached, holding.owned = length, holding.owned - (length - start)
-        n = cache.insert(key, slots)  # the cache takes [n, length); [start, n) are duplicates
-        match = cache.match(key)
+        # The cache takes [n, length); [start, n) are duplicates. One walk of the key.
+        n, match = cache.insert_and_match(key, slots)
         assert match.length == length >= n >= start, (match.length, length, n, start)
         if n > start:  # readers move to the cache's slots before the duplicates are freed
             self.req_to_token_pool.write(row, start, match.slots[start:n])
@@ -246,6 +250,17 @@ class KVMemory:
     def close(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.close()
+
+    def _key(self, req: Req, n: int) -> memoryview:
+        """``req.fill_ids[:n]`` as the prefix cache's key: a read-only sequence of int over an
+        int64 buffer (numpy reads it without a copy). The prompt is converted once per
+        request, not at each lookup (admission, each chunk's hand-over, the finish)."""
+        prompt = self._prompts.get(req)
+        if prompt is None:
+            prompt = self._prompts[req] = array("q", req.origin_input_ids)
+        if n > len(prompt):
+            prompt = prompt + array("q", req.output_ids[: n - len(prompt)])
+        return memoryview(prompt)[:n].toreadonly()
 
     def _hand_over(self, holding: Holding, slots: torch.Tensor) -> torch.Tensor:
         """Record ``slots`` (a request's own) as the cache's in the debug map."""
@@ -410,11 +425,13 @@ class KVMemory:
         if cache is not None and keep > start:
             slots = self.req_to_token_pool.req_to_token[holding.row, :keep].long()  # [keep]
             mine = self._hand_over(holding, slots[start:])
-            n = cache.insert(req.fill_ids[:keep], slots)  # takes [n, keep)
+            n = cache.insert(self._key(req, keep), slots)  # takes [n, keep)
             self._free_cached(mine[: n - start])  # duplicates of what others cached meanwhile
             start = keep
         self._free_range(holding, start, holding.tokens)
         self.req_to_token_pool.free(holding.row)
+        if req.finished:
+            self._prompts.pop(req, None)
 
     def _free_range(self, holding: Holding, start: int, end: int) -> None:
         """Free the slots of tokens ``start..end`` of ``holding``'s row (no longer counted)."""

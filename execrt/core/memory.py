@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
 from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, is_fp8, store
 
@@ -70,45 +71,78 @@ class ReqToTokenPool:
             self.req_to_token.index_put_((rows, positions), slots.to(torch.int32))
 
 
+#: Queued frees the allocator appends to its free list at once, at the latest.
+MERGE_EVERY = 64
+
+
 class TokenToKVPoolAllocator:
     """Hands out KV slots ``1..size``; slot 0 is reserved for the writes of padded tokens.
 
     ``alloc(n)`` is all-or-nothing: it returns ``n`` slot ids or None, never a partial list.
-    The free list lives on the device so allocation needs no host->device copy.
+    The free list lives on the device so allocation needs no host->device copy, and neither
+    call makes the host wait for the device: sizes are host counts, freed slots are queued
+    (the allocator keeps the caller's tensor: do not write it afterwards) and appended to the
+    free list, in the order they came back, only when an allocation needs them.
+
+    ``free`` checks that the ids are in ``1..size``. That reads them on the host, so on a GPU
+    it is done only with ``check_ids`` (default: the ``EXECRT_DEBUG_KV_OWNERSHIP`` switch,
+    which the tests turn on): a read per free would stall the scheduler that overlaps
+    building the next step with the device running this one.
     """
 
-    def __init__(self, size: int, device: torch.device | str) -> None:
+    def __init__(
+        self, size: int, device: torch.device | str, *, check_ids: bool | None = None
+    ) -> None:
         if size < 1:
             raise ValueError(f"TokenToKVPoolAllocator: size {size} must be >= 1")
         self.size = size
         self.device = torch.device(device)
+        if check_ids is None:
+            check_ids = self.device.type == "cpu" or envs.flag(envs.DEBUG_KV_OWNERSHIP)
+        self.check_ids = check_ids
         self._free = torch.arange(1, size + 1, dtype=torch.int64, device=self.device)
+        self._returned: list[torch.Tensor] = []  # freed since the last merge, in order
+        self._returned_count = 0
 
     def available_size(self) -> int:
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._returned_count
 
     def free_slot_ids(self) -> torch.Tensor:
         """The slots not handed out, int64 ``[available_size()]`` on the device (read only)."""
+        self._merge()
         return self._free
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` free slot ids as int64 ``[n]`` on the device, or None if fewer are free."""
         if n < 0:
             raise ValueError(f"TokenToKVPoolAllocator: cannot allocate {n} slots")
-        if n > self._free.numel():
+        if n > self.available_size():
             return None
+        if n > self._free.numel():
+            self._merge()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` to the pool. Slot 0 and out-of-range ids are rejected."""
+        """Return ``slots`` to the pool. Slot 0 and out-of-range ids are rejected (see the
+        class docstring for when they are checked)."""
         if slots.numel() == 0:
             return
         slots = slots.to(device=self.device, dtype=torch.int64).flatten()
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 1 or hi > self.size:
-            raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
-        self._free = torch.cat([self._free, slots])
+        if self.check_ids:
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 1 or hi > self.size:
+                raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
+        self._returned.append(slots)
+        self._returned_count += int(slots.numel())
+        if len(self._returned) >= MERGE_EVERY:
+            self._merge()  # bounds the queue: one copy per MERGE_EVERY frees
+
+    def _merge(self) -> None:
+        """Append the queued frees to the free list (one device copy for all of them)."""
+        if self._returned:
+            self._free = torch.cat([self._free, *self._returned])
+            self._returned, self._returned_count = [], 0
 
 
 class SlotHolders:

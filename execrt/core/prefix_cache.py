@@ -84,7 +84,10 @@ class PrefixMatch:
 class PrefixCache(ABC):
     """Token-id prefixes -> KV slots, with lock counts and eviction.
 
-    Contract (page size 1; every key is a sequence of host token ids):
+    Contract (page size 1; every key is a read-only sequence of host token ids: KVMemory
+    passes a ``memoryview`` of int64, which indexes and iterates as ``int``, slices without a
+    copy and converts to a numpy array without one; compare keys as tuples or arrays, not
+    with ``==`` against a list):
 
     - ``match(key)`` returns the longest prefix of ``key`` that is cached, and marks it used
       (for LRU). The caller decides how much of a prompt to match (never its last token).
@@ -117,6 +120,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, key: Sequence[int], slots: torch.Tensor) -> int: ...
+
+    def insert_and_match(self, key: Sequence[int], slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        """``insert(key, slots)``, then ``match(key)``: insert's count and the match (what a
+        caller that keeps reading the key's K/V locks, and points its row at). A cache may do
+        both in one walk; this default calls the two."""
+        n = self.insert(key, slots)
+        return n, self.match(key)
 
     @abstractmethod
     def lock(self, node: Any) -> None: ...

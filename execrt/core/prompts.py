@@ -55,6 +55,8 @@ def prompt_token_ids(prompt: object) -> tuple[list[int], str | None]:
         kind, items = type(prompt).__name__, list(prompt)
     else:
         return [], f"prompt must be {_PROMPT_KINDS}, got {type(prompt).__name__}"
+    if set(map(type, items)) <= {int}:  # the common case, at C speed: plain ints
+        return items, None
     bad = [t for t in items if not _is_token_id(t)]
     if bad:
         return [], (

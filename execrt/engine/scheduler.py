@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
@@ -310,19 +309,29 @@ class Scheduler:
 
     def _computed_by_picks(self, req: Req, picked: list[Req], lens: list[int]) -> bool:
         """True when a pick computes at least ``dedup_min_tokens`` of ``req``'s uncached
-        prompt in this step: ``req`` then waits and hits them in the next (in-batch dedup)."""
+        prompt in this step: ``req`` then waits and hits them in the next (in-batch dedup).
+
+        That is: the pick holds ``wanted = kv_len + dedup_min_tokens`` tokens after this step
+        and its first ``wanted`` tokens are ``req``'s. Two token compares (where ``req``'s
+        uncached part starts and ends) rule out almost every pick before the whole prefix is
+        compared, so a step of many picks costs O(picks) per request, not O(picks x prompt).
+        """
         if not picked or not self.memory.reuses:
             return False
-        ids = np.asarray(req.fill_ids[:-1])  # the last token is never matched
         wanted = req.kv_len + self.dedup_min_tokens
-        if ids.size < wanted:
+        if req.seq_len - 1 < wanted:  # the last token is never matched
             return False
+        first, last = _token_at(req, req.kv_len), _token_at(req, wanted - 1)
+        ids: list[int] | None = None
         for pick, n in zip(picked, lens, strict=True):
-            end = min(pick.kv_len + n, ids.size)  # what the pick holds after this step
-            if end >= wanted:
-                other = np.asarray(pick.fill_ids[:end])
-                if _common_prefix(ids[:end], other) >= wanted:
-                    return True
+            if pick.kv_len + n < wanted:
+                continue  # holds fewer than ``wanted`` tokens after this step
+            if _token_at(pick, wanted - 1) != last or _token_at(pick, req.kv_len) != first:
+                continue
+            if ids is None:
+                ids = req.fill_ids[:wanted]
+            if pick.fill_ids[:wanted] == ids:
+                return True
         return False
 
     def _schedule_overlapped(self) -> ScheduleBatch | None:
@@ -508,10 +517,10 @@ class Scheduler:
         self.memory.release(req, keep)
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading entries ``a`` and ``b`` (the same length) share."""
-    diff = np.flatnonzero(a != b)
-    return int(diff[0]) if diff.size else int(a.size)
+def _token_at(req: Req, i: int) -> int:
+    """``req.fill_ids[i]`` without building the list."""
+    prompt = req.origin_input_ids
+    return prompt[i] if i < len(prompt) else req.output_ids[i - len(prompt)]
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -15,6 +15,7 @@ from execrt.core.prefix_cache import (
     PrefixCacheCapabilities,
     PrefixCacheInit,
     PrefixCacheRequirements,
+    PrefixMatch,
 )
 from execrt.testing.prefix_cache_harness import CACHE, REQUEST, Session, SlotLedger
 from execrt.testing.suite import Case, ConformanceSuite, cases, generated_settings, not_declared
@@ -149,16 +150,22 @@ class PrefixCacheSuite(ConformanceSuite):
 
     @cases("reuse_cases")
     def test_insert_returns_the_cached_length(self, case: Case) -> None:
-        """insert returns how many leading tokens were cached; it takes only the rest."""
+        """insert returns how many leading tokens were cached; it takes only the rest.
+        insert_and_match does the same and matches the whole key."""
         self.begin(case)
         with self.open_cache(case) as s:
             first = self.cached(s, [1, 2, 3, 4, 5])
-            for key in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 9], [1, 2, 3, 4, 5], [1, 2]):
+            keys = ([1, 2, 3, 4, 5, 6, 7], [1, 2, 9], [1, 2, 3, 4, 5], [1, 2], [1, 2, 9, 8])
+            for i, key in enumerate(keys + keys[1:]):
                 n_before = s.cache.evictable_size()
                 slots = s.ledger.alloc(len(key))
                 assert slots is not None
                 s.ledger.handing = set(slots)
-                n = s.cache.insert(key, s.tensor(slots))
+                m: PrefixMatch | None = None
+                if i < len(keys):
+                    n = s.cache.insert(key, s.tensor(slots))
+                else:
+                    n, m = s.cache.insert_and_match(key, s.tensor(slots))
                 s.ledger.handing = set()
                 want = s.ref.longest(tuple(key))
                 assert n == want, f"{case.id}: insert of {key} returned {n}, {want} were cached"
@@ -167,6 +174,8 @@ class PrefixCacheSuite(ConformanceSuite):
                 s.ledger.take(slots[n:])
                 s.ref.took(tuple(key), slots, n)
                 s.settle_frees("insert")
+                if m is not None:  # the whole key, cached now (nothing under force_miss)
+                    s.check_match(tuple(key), m)
                 s.ledger.release(slots[:n])
                 assert s.cache.evictable_size() == n_before + len(key) - n, (
                     f"{case.id}: insert of {key} ({n} cached) grew the cache by "

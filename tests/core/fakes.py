@@ -1,8 +1,10 @@
-"""A tiny model and loader that satisfy the core's protocols without execrt.models."""
+"""A tiny model and loader that satisfy the core's protocols without execrt.models, and a
+counter of host reads (what would make the host wait for a GPU)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,3 +76,54 @@ class ToyLoader:
     def load(self, request: ModelLoadRequest) -> ToyModel:
         self.requests.append(request)
         return ToyModel(self.spec, request)
+
+
+class HostReads:
+    """Counts what would make the host wait for a GPU: reading a tensor's values back (``item``,
+    ``int()``, ``tolist``, ``numpy``, ``cpu``, ``nonzero``). On CPU nothing waits, so this
+    is how a CPU test asserts that a path is sync-free. Use as a context manager; ``seen``
+    lists each read (what, and the innermost execrt frame that made it)."""
+
+    READ_FUNCS = frozenset({"tolist", "item", "numpy", "cpu", "__int__", "__bool__", "__index__"})
+    READ_OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default"})
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> HostReads:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = getattr(func, "__name__", "")
+                if name in HostReads.READ_FUNCS:
+                    reads.seen.append(f"{name} at {_caller()}")
+                return func(*args, **(kwargs or {}))
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if str(func) in HostReads.READ_OPS:
+                    reads.seen.append(f"{func} at {_caller()}")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [Functions(), Ops()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def _caller() -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/execrt/" in frame.filename and "/tests/" not in frame.filename:
+            return f"{frame.filename.rsplit('/execrt/', 1)[1]}:{frame.lineno} {frame.name}"
+    return "?"

@@ -16,9 +16,10 @@ from execrt.core.errors import KVOwnershipError
 from execrt.core.kv_memory import KVMemory, PrefixCacheFactory, Reclaimed
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit
-from execrt.core.schedule import Req, SamplingParams
+from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
+from tests.core.fakes import HostReads
 
 CPU = torch.device("cpu")
 
@@ -627,8 +628,8 @@ class CachedModel:
 
 #: Where a hand-over to the cache may be cut short: (owner, attribute) of the call that raises.
 HANDOVER_CALLS: dict[str, Callable[[KVMemory], tuple[Any, str]]] = {
-    "insert": lambda m: (m.prefix_cache, "insert"),
-    "match": lambda m: (m.prefix_cache, "match"),
+    "insert": lambda m: (m.prefix_cache, "insert"),  # release's
+    "insert_and_match": lambda m: (m.prefix_cache, "insert_and_match"),  # cache_prefix's
     "lock": lambda m: (m.prefix_cache, "lock"),
     "unlock": lambda m: (m.prefix_cache, "unlock"),
     "write": lambda m: (m.req_to_token_pool, "write"),
@@ -737,7 +738,7 @@ def test_random_sequences_with_a_prefix_cache_keep_every_slot_in_one_state(
 
 @pytest.mark.parametrize(
     "call, finish",
-    [(c, False) for c in sorted(HANDOVER_CALLS)]
+    [(c, False) for c in ("free", "insert_and_match", "lock", "unlock", "write")]
     + [(c, True) for c in ("free", "insert", "unlock")],
 )
 def test_a_hand_over_cut_short_at_any_call_loses_nothing_for_good(call: str, finish: bool) -> None:
@@ -766,3 +767,69 @@ def test_a_hand_over_cut_short_at_any_call_loses_nothing_for_good(call: str, fin
     assert mem.cached_slots == mem.evictable_slots == 7, "a lock was left behind"
     assert mem.flush_cache() == 7 and mem.free_slots == 20
     mem.check()
+
+
+def test_with_a_prefix_cache_no_operation_reads_slot_ids_back_to_the_host() -> None:
+    # On a GPU each read would make the host wait for the device, stalling the scheduler that
+    # builds step N+1 while step N runs. Admission, reservation, the hand-over of a chunk
+    # (duplicates freed), decode, finish, retraction, eviction and flush read none; only the
+    # debug map and the allocator's id check do, both off here (as on a GPU by default).
+    pool = ReqToTokenPool(4, 16, CPU)
+    alloc = TokenToKVPoolAllocator(16, CPU, check_ids=False)
+    mem = KVMemory(pool, alloc, HostToDevice(CPU), prefix_cache=radix(), debug_ownership=False)
+    a, b = req(0, [1, 2, 3, 4, 5, 6, 7, 8]), req(1, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    evicting = req(2, [5] * 10)
+    with HostReads() as reads:
+        assert mem.reserve_extend([a], [6]) is not None  # a chunk of a
+        launched([a], [6])
+        mem.cache_prefix(a, 6)
+        b.kv_len = mem.admit(b)
+        assert b.kv_len == 6
+        assert mem.reserve_extend([a, b], [2, 3]) is not None  # both compute 7 and 8
+        launched([a, b], [2, 3], tokens=[40, 41])
+        mem.cache_prefix(a, 8)
+        mem.cache_prefix(b, 9)  # 7 and 8 are duplicates of a's: rewritten, then freed
+        assert mem.reserve_decode([a, b]) is not None
+        launched([a, b], [1, 1], tokens=[42, 43])
+        a.finish_reason = FinishReason.LENGTH
+        mem.release(a, keep=a.kv_len)  # finished: its K/V to the cache
+        mem.release(b)  # retracted: frees only its own
+        assert mem.free_slots < 10 <= mem.available_slots
+        assert mem.reserve_extend([evicting], [10]) is not None  # evicts what is short
+        launched([evicting], [10])
+        mem.release(evicting)
+        assert mem.flush_cache() > 0
+    assert reads.seen == []
+    assert mem.free_slots == 16
+    mem.check()
+
+
+def test_the_prefix_cache_gets_each_prompt_converted_once_as_a_read_only_key() -> None:
+    mem = memory(cache=radix())
+    keys: list[Any] = []
+    cache = mem.prefix_cache
+    assert cache is not None
+    real_match, real_insert = cache.match, cache.insert_and_match
+
+    def match(key: Any) -> Any:
+        keys.append(key)
+        return real_match(key)
+
+    def insert_and_match(key: Any, slots: torch.Tensor) -> Any:
+        keys.append(key)
+        return real_insert(key, slots)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cache, "match", match)
+        mp.setattr(cache, "insert_and_match", insert_and_match)
+        r = req(0, [3, 1, 4, 1, 5, 9])
+        assert mem.admit(r) == 0
+        assert mem.reserve_extend([r], [4]) is not None
+        launched([r], [4])
+        mem.cache_prefix(r, 4)
+    assert [list(k) for k in keys] == [[3, 1, 4, 1, 5], [3, 1, 4, 1]]
+    assert all(isinstance(k, memoryview) and k.readonly for k in keys)
+    assert keys[0].obj is keys[1].obj, "the prompt was converted again"
+    r.output_ids.append(2)  # a key past the prompt adds the output tokens
+    assert list(mem._key(r, 7)) == [3, 1, 4, 1, 5, 9, 2]
+    mem.release(r)

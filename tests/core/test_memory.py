@@ -7,6 +7,7 @@ import torch
 
 from execrt.core.errors import KVOwnershipError
 from execrt.core.memory import KVCache, ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
+from tests.core.fakes import HostReads
 
 
 def test_req_to_token_pool_reserves_row_zero_and_recycles_rows() -> None:
@@ -228,3 +229,42 @@ def test_scales_are_for_an_fp8_cache_with_one_per_layer() -> None:
     )
     with pytest.raises(ValueError, match="2 layer scales for 3 layers"):
         fp8.set_scales(KVScales.ones(2))
+
+
+def test_allocator_frees_without_reading_slot_ids_back_unless_it_checks_them() -> None:
+    lazy = TokenToKVPoolAllocator(size=8, device="cpu", check_ids=False)
+    taken = lazy.alloc(8)
+    assert taken is not None
+    with HostReads() as reads:
+        lazy.free(taken[:3])
+        lazy.free(taken[5:])
+        assert lazy.available_size() == 6
+        got = lazy.alloc(6)
+    assert reads.seen == []  # on a GPU: no wait for the device per free
+    assert got is not None and got.tolist() == [1, 2, 3, 6, 7, 8]  # in the order given back
+    checked = TokenToKVPoolAllocator(size=8, device="cpu")
+    assert checked.check_ids  # on CPU a read costs nothing: ids are always checked
+    with HostReads() as reads:
+        checked.free(checked.alloc(2))  # type: ignore[arg-type]
+    assert reads.seen
+
+
+def test_a_gpu_allocator_checks_slot_ids_only_with_the_ownership_debug_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EXECRT_DEBUG_KV_OWNERSHIP", "1")
+    assert TokenToKVPoolAllocator(size=4, device="meta").check_ids
+    monkeypatch.delenv("EXECRT_DEBUG_KV_OWNERSHIP")
+    assert not TokenToKVPoolAllocator(size=4, device="meta").check_ids
+
+
+def test_allocator_queues_many_frees_and_hands_them_out_in_order() -> None:
+    alloc = TokenToKVPoolAllocator(size=200, device="cpu")
+    taken = alloc.alloc(200)
+    assert taken is not None
+    for i in range(199, -1, -1):  # more frees than the queue keeps before merging
+        alloc.free(taken[i : i + 1])
+    assert alloc.available_size() == 200
+    assert alloc.free_slot_ids().tolist() == list(range(200, 0, -1))
+    got = alloc.alloc(200)
+    assert got is not None and got.tolist() == list(range(200, 0, -1))

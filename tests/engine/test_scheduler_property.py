@@ -370,3 +370,97 @@ def test_admission_rule_is_exact(prompt_len: int, max_new: int, cache: int, expe
         assert f"needs up to {cache + 1} KV slots" in req.error and sched.stats.steps == 0
     else:
         assert len(req.output_ids) == min(max_new, 40 - prompt_len)
+
+
+# -- prefix cache: admission budget and in-batch dedup -------------------------------------------
+def test_cache_hits_are_charged_only_their_uncached_tokens_so_many_share_one_extend() -> None:
+    # A 40-token prefix, cached by a first request; then eight requests on it with 8 tokens
+    # each. A budget of 64 tokens takes all eight in one extend (8 x 8), not one (48 > 64/2).
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    prefix = [(7 * i) % (VOCAB - 1) + 1 for i in range(40)]
+    first = (prefix + [28], params)  # 28: no question starts with it
+    rest = [(prefix + [1 + (i + j) % 27 for j in range(8)], params) for i in range(8)]
+    w = Workload(512, 9, 64, 128, [first, *rest], prefix_cache="radix")
+    worker, sched, reqs = _setup(w, overlap=False)
+    sched.add(reqs[0])
+    sched.run()  # the prefix is cached now
+    extends: list[ScheduleBatch] = []
+    worker.on_launch = lambda b: extends.append(b) if b.mode.is_extend() else None
+    for req in reqs[1:]:
+        sched.add(req)
+    sched.run()
+    assert [len(b.reqs) for b in extends] == [8]
+    assert extends[0].inputs.extend_lens_cpu == [8] * 8
+    assert extends[0].inputs.prefix_lens_cpu == [40] * 8
+    for req, (prompt, sp) in zip(reqs, w.requests, strict=True):
+        assert req.output_ids == alone(prompt, sp, 128)[0]
+
+
+def _dedup_scheduler(min_tokens: int) -> Scheduler:
+    sched = Scheduler.__new__(Scheduler)  # _computed_by_picks reads only these two
+    sched.memory = type("Reuses", (), {"reuses": True})()  # type: ignore[assignment]
+    sched.dedup_min_tokens = min_tokens
+    return sched
+
+
+@SETTINGS
+@given(data=st.data(), min_tokens=st.sampled_from([1, 2, 3, 32]))
+def test_in_batch_dedup_waits_exactly_when_a_pick_computes_enough_of_the_prompt(
+    data: st.DataObject, min_tokens: int
+) -> None:
+    # The reference: the pick holds ``end`` tokens after the step (but never the request's
+    # last), and shares at least kv_len + min_tokens leading tokens with the request.
+    token = st.integers(1, 3)  # few values: prefixes often agree for a while
+    root = data.draw(st.lists(token, max_size=40), label="root")
+
+    def request(rid: int) -> Req:
+        shared = root[: data.draw(st.integers(0, len(root)))]
+        prompt = shared + data.draw(st.lists(token, min_size=0 if shared else 1, max_size=8))
+        r = Req(rid, prompt, SamplingParams())
+        r.output_ids = data.draw(st.lists(token, max_size=3))
+        r.kv_len = data.draw(st.integers(0, r.seq_len - 1))
+        return r
+
+    req = request(0)
+    picks = [request(i + 1) for i in range(data.draw(st.integers(0, 4)))]
+    lens = [data.draw(st.integers(1, p.seq_len - p.kv_len)) for p in picks]
+    ids, wanted = req.fill_ids[:-1], req.kv_len + min_tokens
+
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    expected = False
+    for pick, n in zip(picks, lens, strict=True):
+        end = min(pick.kv_len + n, len(ids))
+        if end >= wanted and common(ids[:end], pick.fill_ids[:end]) >= wanted:
+            expected = True
+    event(f"waits: {expected}")
+    assert _dedup_scheduler(min_tokens)._computed_by_picks(req, picks, lens) == expected
+
+
+def test_in_batch_dedup_costs_no_prompt_copy_per_pick_when_prompts_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 128 requests on one cached 2048-token prefix, each with its own question: the check of
+    # the last against the 127 others must not copy or compare whole prompts (which made
+    # a large extend's scheduling quadratic: seconds of host time on the TTFT path).
+    prefix = list(range(1, 2049))
+    picks = []
+    for i in range(128):
+        r = Req(i, prefix + [3000 + i] * 128, SamplingParams())
+        r.kv_len = 2048
+        picks.append(r)
+    built = [0]
+    fill_ids = Req.fill_ids
+
+    def counted(self: Req) -> list[int]:
+        built[0] += 1
+        return fill_ids.fget(self)  # type: ignore[attr-defined, no-any-return]
+
+    monkeypatch.setattr(Req, "fill_ids", property(counted))
+    sched = _dedup_scheduler(32)
+    assert not sched._computed_by_picks(picks[-1], picks[:-1], [128] * 127)
+    assert built[0] == 0

@@ -97,28 +97,16 @@ class RadixCache(PrefixCache):
         return PrefixMatch(slots, node)
 
     def insert(self, key: Sequence[int], slots: torch.Tensor) -> int:
+        return self._insert(_as_key(key, "insert"), slots)[0]
+
+    def insert_and_match(self, key: Sequence[int], slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        # One walk: after the insert, the node that ends the key is the match's.
         tokens = _as_key(key, "insert")
-        if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens.size,):
-            raise ValueError(
-                f"{NAME}: insert needs int64 slots of shape [{tokens.size}] (one per key token), "
-                f"got {str(slots.dtype).replace('torch.', '')} {list(slots.shape)}"
-            )
-        if slots.device.type != self.device.type:
-            raise ValueError(
-                f"{NAME}: insert slots are on {slots.device}, the cache keeps them on {self.device}"
-            )
-        tick = next(self._clock)
-        node, length = self._descend(tokens, tick)
-        if length < tokens.size:
-            # Copies: the caller's key and slot tensors (often a view of its row) stay its own.
-            leaf = self._new_node(
-                node, tokens[length:].copy(), slots[length:].clone(), lock_ref=0, last_access=tick
-            )
-            node.children[int(tokens[length])] = leaf
-            self._evictable += leaf.key.size
-            node = leaf
-        self._queue_if_evictable(node)
-        return length
+        n, node = self._insert(tokens, slots)
+        slots_of_key = self._path_slots(node)  # [len(key)]; built under force_miss too
+        if self.init.force_miss or node is self._root:
+            return n, PrefixMatch(self._empty, self._root)
+        return n, PrefixMatch(slots_of_key, node)
 
     def lock(self, node: Any) -> None:
         current = self._own(node, "lock")
@@ -191,6 +179,30 @@ class RadixCache(PrefixCache):
         self.reset()
 
     # -- the tree -------------------------------------------------------------------------------
+    def _insert(self, tokens: np.ndarray, slots: torch.Tensor) -> tuple[int, _Node]:
+        """Insert ``tokens``; returns how many were cached before and the node ending them."""
+        if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens.size,):
+            raise ValueError(
+                f"{NAME}: insert needs int64 slots of shape [{tokens.size}] (one per key token), "
+                f"got {str(slots.dtype).replace('torch.', '')} {list(slots.shape)}"
+            )
+        if slots.device.type != self.device.type:
+            raise ValueError(
+                f"{NAME}: insert slots are on {slots.device}, the cache keeps them on {self.device}"
+            )
+        tick = next(self._clock)
+        node, length = self._descend(tokens, tick)
+        if length < tokens.size:
+            # Copies: the caller's key and slot tensors (often a view of its row) stay its own.
+            leaf = self._new_node(
+                node, tokens[length:].copy(), slots[length:].clone(), lock_ref=0, last_access=tick
+            )
+            node.children[int(tokens[length])] = leaf
+            self._evictable += leaf.key.size
+            node = leaf
+        self._queue_if_evictable(node)
+        return length, node
+
     def _new_node(
         self,
         parent: _Node | None,
