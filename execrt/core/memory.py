@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
 from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, is_fp8, store
 
@@ -75,14 +76,25 @@ class TokenToKVPoolAllocator:
 
     ``alloc(n)`` is all-or-nothing: it returns ``n`` slot ids or None, never a partial list.
     The free list lives on the device so allocation needs no host->device copy.
+
+    ``free`` range-checks slot ids that are on the host, and those on the device only with
+    ``check_device_frees`` (default: ``EXECRT_DEBUG_KV_OWNERSHIP``): reading a device
+    tensor's minimum and maximum waits for the device, and a free (a request that finishes
+    with a slot its overlapped last step wrote, an eviction) would stall the overlap of the
+    step in flight. The ids a KVMemory frees come from its own rows.
     """
 
-    def __init__(self, size: int, device: torch.device | str) -> None:
+    def __init__(
+        self, size: int, device: torch.device | str, check_device_frees: bool | None = None
+    ) -> None:
         if size < 1:
             raise ValueError(f"TokenToKVPoolAllocator: size {size} must be >= 1")
         self.size = size
         self.device = torch.device(device)
         self._free = torch.arange(1, size + 1, dtype=torch.int64, device=self.device)
+        if check_device_frees is None:
+            check_device_frees = envs.flag(envs.DEBUG_KV_OWNERSHIP)
+        self.check_device_frees = check_device_frees
 
     def available_size(self) -> int:
         return int(self._free.numel())
@@ -104,10 +116,11 @@ class TokenToKVPoolAllocator:
         """Return ``slots`` to the pool. Slot 0 and out-of-range ids are rejected."""
         if slots.numel() == 0:
             return
+        if slots.device.type == "cpu" or self.check_device_frees:
+            lo, hi = int(slots.min()), int(slots.max())  # a device tensor: a sync
+            if lo < 1 or hi > self.size:
+                raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
         slots = slots.to(device=self.device, dtype=torch.int64).flatten()
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 1 or hi > self.size:
-            raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")
         self._free = torch.cat([self._free, slots])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class SchedulerStats:
     retractions: int = 0  # running requests retracted plus partial prefills given up
     prefix_query_tokens: int = 0  # tokens of every admitted request (again after a retraction)
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache
+    #: Seconds the host waited for a step's tokens (for the device). With overlap, a host
+    #: that keeps the device busy waits most of each step; one that waits ~0 is the bound.
+    wait_s: float = 0.0
 
 
 def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
@@ -434,7 +438,9 @@ class Scheduler:
 
     def _process(self, launched: Launched) -> None:
         batch = launched.batch
+        start = time.perf_counter()
         tokens = launched.result.token_ids()  # waits for this step's copy only
+        self.stats.wait_s += time.perf_counter() - start
         self.stats.steps += 1
         if batch.mode.is_decode():
             self.stats.decode_steps += 1
