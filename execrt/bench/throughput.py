@@ -286,6 +286,7 @@ def _timed_generate(
     before = dict(vars(stats))
     params = _params(temperature, workload.max_tokens)
     device = engine.worker.limits.device
+    engine.flush_cache()  # every run prefills every prompt (the warm-up's and earlier runs')
     synchronize(device)
     start = time.perf_counter()
     results = engine.generate(workload.prompts, params)

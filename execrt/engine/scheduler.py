@@ -343,7 +343,13 @@ class Scheduler:
             return None
         if self.waiting and len(self.running) < self.max_running:
             return None  # an extend may be due: decide with step N's results in hand
-        reqs = [r for r in self.running if not self._done_after_pending(r)]
+        # Leave out those that the tokens in flight end by length (that is predictable).
+        rules, rule = self._rules, self._rule
+        reqs = [
+            r
+            for r in self.running
+            if len(r.output_ids) + r.num_pending < (rules.get(r) or rule(r))[1]
+        ]
         if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
         pb = prev.batch
@@ -370,10 +376,6 @@ class Scheduler:
         input_ids = torch.where(staged_src >= 0, take, staged_host)
         inputs = self.memory.reserve_decode(reqs, input_ids=input_ids)
         return None if inputs is None else self._batch(reqs, inputs)
-
-    def _done_after_pending(self, req: Req) -> bool:
-        """True when the tokens already in flight end ``req`` by length (predictable)."""
-        return len(req.output_ids) + req.num_pending >= self._rule(req)[1]
 
     def _rule(self, req: Req) -> tuple[frozenset[int], int]:
         """``(stop tokens, output limit)`` of ``req``: it stops when it samples one of the
