@@ -6,7 +6,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -337,7 +337,7 @@ class KVMemory:
             ),
         )
 
-    def _decode_refusal(self, req: Req, holding: Holding | None, seq_len: int) -> None:
+    def _decode_refusal(self, req: Req, holding: Holding | None, seq_len: int) -> NoReturn:
         """Raise why ``req`` cannot decode to ``seq_len`` tokens."""
         if holding is None:
             raise ValueError(f"KVMemory: request {req.rid} decodes but holds no row")
@@ -347,6 +347,7 @@ class KVMemory:
                 "without K/V; a decode step computes one"
             )
         self._check_room(req, holding, seq_len)
+        raise AssertionError(f"request {req.rid}: a decode to {seq_len} tokens is fine")
 
     def _check_room(self, req: Req, holding: Holding | None, seq_len: int) -> None:
         held = 0 if holding is None else holding.tokens

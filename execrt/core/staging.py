@@ -8,6 +8,7 @@ asynchronous; each slot is reused only after the copy that used it has completed
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -131,10 +132,12 @@ def stage_floats(stager: HostToDevice, segments: Sequence[Sequence[float]]) -> l
 
 
 def _stage(
-    copy: Callable[[list], torch.Tensor], segments: Sequence[Sequence], dtype: torch.dtype
+    copy: Callable[[list[Any]], torch.Tensor],
+    segments: Sequence[Sequence[Any]],
+    dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     unit = ALIGN_BYTES // dtype.itemsize
-    flat: list = []
+    flat: list[Any] = []
     starts = []
     for seg in segments:
         starts.append(len(flat))

@@ -354,11 +354,7 @@ class Scheduler:
             return None  # nothing left to run, or a retraction is due
         pb = prev.batch
         prev_ids = prev.result.next_token_ids  # [B_prev] on the device
-        if (
-            len(reqs) == len(pb.reqs)
-            and all(pb.samples)
-            and all(map(operator.is_, reqs, pb.reqs))
-        ):
+        if len(reqs) == len(pb.reqs) and all(pb.samples) and all(map(operator.is_, reqs, pb.reqs)):
             # The steady state: the same rows feed their own samples, one token further each;
             # nothing per request is staged but the rows and lengths.
             seq = [s + 1 for s in pb.inputs.seq_lens_cpu]

@@ -72,7 +72,10 @@ def test_stage_packs_segments_aligned_in_one_copy(lens: tuple[int, ...]) -> None
     stager = CountingStager()
     ints = [[10 * i + j for j in range(n)] for i, n in enumerate(lens)]
     floats = [[float(v) + 0.5 for v in seg] for seg in ints]
-    for stage, segs, dtype in ((stage_ints, ints, torch.int64), (stage_floats, floats, torch.float32)):
+    for stage, segs, dtype in (
+        (stage_ints, ints, torch.int64),
+        (stage_floats, floats, torch.float32),
+    ):
         out = stage(stager, segs)
         assert [t.tolist() for t in out] == segs and all(t.dtype == dtype for t in out)
         # Every segment starts 16-byte aligned (a Triton kernel variant per alignment).
