@@ -314,6 +314,10 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps:
     device = engine.worker.limits.device
     best = math.inf
     for _ in range(reps):
+        # A cold prefix cache each time: the same prompts would otherwise hit it (t(1) would
+        # time no prefill), and the K/V it keeps from earlier calls fills a cache sized for
+        # one run, so decode steps would evict as they go.
+        engine.flush_cache()
         synchronize(device)
         start = time.perf_counter()
         results = engine.generate(prompts, params)

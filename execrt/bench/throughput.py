@@ -164,6 +164,10 @@ class Record:
     decode_steps: int
     mean_decode_batch: float | None  # (output tokens - sequences) / decode steps
     retractions: int
+    #: The host's time per step beside its waits for the device, and the waits: with overlap,
+    #: wait ~0 means the host (scheduling, bookkeeping, launches) bounds the step.
+    host_ms_per_step: float | None
+    wait_ms_per_step: float | None
     weight_gb: float
     kv_gb: float
     roofline_s: float
@@ -276,12 +280,13 @@ def _params(temperature: float, max_tokens: Sequence[int]) -> list[SamplingParam
 
 def _timed_generate(
     engine: Engine, workload: Workload, temperature: float
-) -> tuple[float, dict[str, int]]:
+) -> tuple[float, dict[str, float]]:
     """Seconds for one generate of the whole workload, and the scheduler's step counts."""
     stats = engine.scheduler.stats
     before = dict(vars(stats))
     params = _params(temperature, workload.max_tokens)
     device = engine.worker.limits.device
+    engine.flush_cache()  # every run prefills every prompt (the warm-up's and earlier runs')
     synchronize(device)
     start = time.perf_counter()
     results = engine.generate(workload.prompts, params)
@@ -300,14 +305,19 @@ def _add(
     config: dict[str, Any],
     temperature: float,
     seconds: float | None,
-    stats: dict[str, int] | None,
+    stats: dict[str, float] | None,
     attention: str,
     startup: float | None,
     note: str = "",
 ) -> Record:
     wl, stats = r.workload, stats or {}
     roofline_s = (r.weight_bytes + r.kv_bytes) / (r.copy_gbps * 1e9)
-    decode_steps = stats.get("decode_steps", 0)
+    decode_steps = int(stats.get("decode_steps", 0))
+    steps = int(stats.get("steps", 0))
+    wait_s = stats.get("wait_s")
+    host_ms = wait_ms = None
+    if seconds is not None and wait_s is not None and steps:
+        host_ms, wait_ms = (seconds - wait_s) / steps * 1e3, wait_s / steps * 1e3
     rec = Record(
         config=config,
         model=r.opts.model,
@@ -320,13 +330,15 @@ def _add(
         seconds=seconds,
         out_tok_s=None if seconds is None else wl.output_tokens / seconds,
         total_tok_s=None if seconds is None else (wl.input_tokens + wl.output_tokens) / seconds,
-        steps=stats.get("steps", 0),
-        extend_steps=stats.get("extend_steps", 0),
+        steps=steps,
+        extend_steps=int(stats.get("extend_steps", 0)),
         decode_steps=decode_steps,
         mean_decode_batch=(wl.output_tokens - len(wl.prompts)) / decode_steps
         if decode_steps
         else None,
-        retractions=stats.get("retractions", 0),
+        retractions=int(stats.get("retractions", 0)),
+        host_ms_per_step=host_ms,
+        wait_ms_per_step=wait_ms,
         weight_gb=r.weight_bytes / 1e9,
         kv_gb=r.kv_bytes / 1e9,
         roofline_s=roofline_s,
@@ -345,7 +357,8 @@ def _add(
 def format_table(records: Sequence[Record]) -> str:
     lines = [
         f"{'config':<16} {'temp':>4} {'out tok/s':>9} {'total tok/s':>11} {'s':>6} "
-        f"{'steps':>6} {'mean bs':>7} {'retract':>7} {'%roof':>6} {'running':>7} "
+        f"{'steps':>6} {'mean bs':>7} {'host ms':>7} {'wait ms':>7} {'retract':>7} {'%roof':>6} "
+        f"{'running':>7} "
         f"{'prefill':>7} {'KV slots':>9}  note"
     ]
     for r in records:
@@ -353,7 +366,8 @@ def format_table(records: Sequence[Record]) -> str:
         lines.append(
             f"{c['name']:<16} {r.temperature:>4} {cell(r.out_tok_s, 9, ',.0f')} "
             f"{cell(r.total_tok_s, 11, ',.0f')} {cell(r.seconds, 6, '.2f')} {r.steps:>6} "
-            f"{cell(r.mean_decode_batch, 7, '.1f')} {r.retractions:>7} "
+            f"{cell(r.mean_decode_batch, 7, '.1f')} {cell(r.host_ms_per_step, 7, '.2f')} "
+            f"{cell(r.wait_ms_per_step, 7, '.2f')} {r.retractions:>7} "
             f"{cell(r.pct_roofline, 6, '.1f')} {c.get('max_running_requests', '-'):>7} "
             f"{c.get('max_prefill_tokens', '-'):>7} {c.get('kv_cache_tokens', '-'):>9}  {r.note}"
         )

@@ -116,7 +116,8 @@ def padded_decode_batch(
         dst = src.new_empty(padded_bs) if buf is None else buf[:padded_bs]  # [padded_bs]
         if dst.data_ptr() != src.data_ptr():
             dst[:b].copy_(src, non_blocking=True)
-        dst[b:].fill_(value)
+        if padded_bs > b:  # an empty fill still costs a dispatch per tensor per step
+            dst[b:].fill_(value)
         return dst
 
     if out_count is None:

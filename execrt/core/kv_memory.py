@@ -8,7 +8,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -319,23 +319,28 @@ class KVMemory:
         )
 
     def reserve_decode(
-        self, reqs: Sequence[Req], input_ids: torch.Tensor | None = None
+        self,
+        reqs: Sequence[Req],
+        input_ids: torch.Tensor | None = None,
+        seq_lens: list[int] | None = None,
     ) -> StepInputs | None:
         """A slot for one new token of each request: its last sampled one, or ``input_ids``
         (``[B]`` on the device) when some were sampled but not yet copied back (overlap
-        scheduling). None, with nothing changed, when slots are short."""
+        scheduling). ``seq_lens``: each request's ``scheduled_len``, when the caller knows
+        them. None, with nothing changed, when slots are short."""
         if not reqs:
             raise ValueError("KVMemory: a decode step needs at least one request")
-        found = [self._held.get(r) for r in reqs]
-        for req, holding in zip(reqs, found, strict=True):
-            if holding is None:
-                raise ValueError(f"KVMemory: request {req.rid} decodes but holds no row")
-            if req.kv_len != req.scheduled_len - 1:
-                raise ValueError(
-                    f"KVMemory: request {req.rid} has {req.scheduled_len - req.kv_len} tokens "
-                    "without K/V; a decode step computes one"
-                )
-            self._check_room(req, holding, req.scheduled_len)
+        held = self._held
+        found = [held.get(r) for r in reqs]
+        seq = [r.scheduled_len for r in reqs] if seq_lens is None else seq_lens
+        limit = self.req_to_token_pool.max_context_len
+        # One pass of plain comparisons per request; the message comes from the slow path.
+        for req, holding, n in zip(reqs, found, seq, strict=True):
+            if holding is None or req.kv_len != n - 1 or n > limit:
+                self._decode_refusal(req, holding, n)
+            assert holding.cached + holding.owned == req.kv_len, (
+                f"request {req.rid} holds {holding.tokens} tokens, kv_len {req.kv_len}"
+            )
         if not self._make_room(len(reqs)):
             return None
         return self._reserve(
@@ -343,9 +348,21 @@ class KVMemory:
             found,
             [1] * len(reqs),
             lambda slots, rows: decode_inputs(
-                self.stager, self.req_to_token_pool, reqs, rows, slots, input_ids
+                self.stager, self.req_to_token_pool, reqs, rows, slots, input_ids, seq
             ),
         )
+
+    def _decode_refusal(self, req: Req, holding: Holding | None, seq_len: int) -> NoReturn:
+        """Raise why ``req`` cannot decode to ``seq_len`` tokens."""
+        if holding is None:
+            raise ValueError(f"KVMemory: request {req.rid} decodes but holds no row")
+        if req.kv_len != seq_len - 1:
+            raise ValueError(
+                f"KVMemory: request {req.rid} has {seq_len - req.kv_len} tokens "
+                "without K/V; a decode step computes one"
+            )
+        self._check_room(req, holding, seq_len)
+        raise AssertionError(f"request {req.rid}: a decode to {seq_len} tokens is fine")
 
     def _check_room(self, req: Req, holding: Holding | None, seq_len: int) -> None:
         held = 0 if holding is None else holding.tokens

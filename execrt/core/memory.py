@@ -128,8 +128,10 @@ class TokenToKVPoolAllocator:
         class docstring for when they are checked)."""
         if slots.numel() == 0:
             return
+        # Ids the host holds are read without a wait: a GPU allocator checks those too.
+        host_ids = slots.device.type == "cpu" and self.device.type != "cpu"
         slots = slots.to(device=self.device, dtype=torch.int64).flatten()
-        if self.check_ids:
+        if self.check_ids or host_ids:
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 1 or hi > self.size:
                 raise ValueError(f"TokenToKVPoolAllocator: slot ids must be in 1..{self.size}")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from execrt.core.staging import stage_floats, stage_ints
 
 if TYPE_CHECKING:
     from execrt.core.staging import HostToDevice
@@ -63,29 +65,34 @@ class SamplingBatchInfo:
         is the same whether or not the host has seen the previous token yet. An all-greedy
         batch needs no tensors: argmax is all the sampler does."""
         params = [r.sampling_params for r in reqs]
-        b = len(reqs)
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
             return cls(none, none.long(), none, none.long(), none.long(), all_greedy=True)
         # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
         # it so that one outside int64 still fits the device tensor and means the same.
-        ints = [max(-_I64_MAX, min(p.top_k, _I64_MAX)) for p in params]
-        ints += [r.sampling_seed for r in reqs]
-        ints += [len(r.output_ids) + r.num_pending for r in reqs]
-        floats = [float(p.temperature) for p in params] + [float(p.top_p) for p in params]
-        if stager is not None:
-            dev_i, dev_f = stager(ints), stager.floats(floats)
-        else:
-            dev_i = torch.tensor(ints, dtype=torch.int64, device=device)
-            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)
-        return cls(
-            temperatures=dev_f[:b],
-            top_ks=dev_i[:b],
-            top_ps=dev_f[b:],
-            seeds=dev_i[b : 2 * b],
-            steps=dev_i[2 * b :],
-            all_greedy=False,
+        ints = (
+            [max(-_I64_MAX, min(p.top_k, _I64_MAX)) for p in params],
+            [r.sampling_seed for r in reqs],
+            [len(r.output_ids) + r.num_pending for r in reqs],
         )
+        floats = ([float(p.temperature) for p in params], [float(p.top_p) for p in params])
+        if stager is not None:
+            # One copy each; every row tensor starts 16-byte aligned (see staging.ALIGN_BYTES).
+            top_ks, seeds, steps = stage_ints(stager, ints)
+            temperatures, top_ps = stage_floats(stager, floats)
+        else:
+            dev_i = torch.tensor(ints, dtype=torch.int64, device=device)  # [3, B]
+            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)  # [2, B]
+            top_ks, seeds, steps = dev_i
+            temperatures, top_ps = dev_f
+        return cls(temperatures, top_ks, top_ps, seeds, steps, all_greedy=False)
+
+    def advanced(self) -> SamplingBatchInfo:
+        """The same rows one token later (``steps + 1``, on the device: nothing is staged):
+        the next decode of the same requests when each of them sampled in this one."""
+        if self.all_greedy:
+            return self
+        return replace(self, steps=self.steps + 1)  # [B]
 
 
 #: A fused draw the Sampler can be given (``execrt.kernels.sampling.fused_sample`` is one):

@@ -7,9 +7,17 @@ asynchronous; each slot is reused only after the copy that used it has completed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+#: Each segment of a packed copy (``stage_ints`` / ``stage_floats``) starts at a multiple of this
+#: many bytes. Triton specialises a kernel on whether each pointer argument is 16-byte aligned,
+#: so views at arbitrary offsets of one staged buffer (the seeds of a batch of 3 start 24 bytes
+#: in) compile another variant of every kernel that reads them, in the middle of a run, each
+#: time a batch size of another residue first shows up.
+ALIGN_BYTES = 16
 
 
 class _Slot:
@@ -109,3 +117,31 @@ class HostCopy:
 def _event() -> torch.cuda.Event:
     """A CUDA event recorded where the copy was queued (torch's constructor is untyped)."""
     return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def stage_ints(stager: HostToDevice, segments: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """``segments`` as int64 device tensors through one ``stager`` copy, each starting
+    ``ALIGN_BYTES``-aligned in the staged buffer (see ALIGN_BYTES)."""
+    return _stage(stager.__call__, segments, torch.int64)
+
+
+def stage_floats(stager: HostToDevice, segments: Sequence[Sequence[float]]) -> list[torch.Tensor]:
+    """``segments`` as float32 device tensors through one ``stager.floats`` copy, each
+    aligned as ``stage_ints``'s are."""
+    return _stage(stager.floats, segments, torch.float32)
+
+
+def _stage(
+    copy: Callable[[list[Any]], torch.Tensor],
+    segments: Sequence[Sequence[Any]],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    unit = ALIGN_BYTES // dtype.itemsize
+    flat: list[Any] = []
+    starts = []
+    for seg in segments:
+        starts.append(len(flat))
+        flat += seg
+        flat += [0] * (-len(flat) % unit)  # the next segment starts aligned
+    dev = copy(flat)  # one host->device copy
+    return [dev[s : s + len(seg)] for s, seg in zip(starts, segments, strict=True)]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from execrt.core.memory import ReqToTokenPool
-from execrt.core.staging import HostToDevice
+from execrt.core.staging import HostToDevice, stage_ints
 from execrt.core.step import ForwardMode, StepInputs
 
 if TYPE_CHECKING:
@@ -35,16 +35,17 @@ def extend_inputs(
         positions += range(start, start + n)
     prefix = [r.kv_len for r in reqs]
     seq = [p + n for p, n in zip(prefix, lens, strict=True)]
-    t, b = len(ids), len(reqs)
-    dev = stager(ids + rows + seq + token_rows + positions)  # one host->device copy
-    pos = dev[2 * b + 2 * t :]  # [T]
-    pool.write_tokens(dev[2 * b + t : 2 * b + 2 * t], pos, slots)
+    # One host->device copy; [T], [B], [B], [T], [T]
+    dev_ids, dev_rows, dev_seq, dev_token_rows, pos = stage_ints(
+        stager, (ids, rows, seq, token_rows, positions)
+    )
+    pool.write_tokens(dev_token_rows, pos, slots)
     return StepInputs(
         mode=ForwardMode.EXTEND,
-        input_ids=dev[:t],
+        input_ids=dev_ids,
         positions=pos,
-        req_pool_indices=dev[t : t + b],
-        seq_lens=dev[t + b : t + 2 * b],
+        req_pool_indices=dev_rows,
+        seq_lens=dev_seq,
         out_cache_loc=slots,
         seq_lens_cpu=seq,
         prefix_lens_cpu=prefix,
@@ -59,20 +60,22 @@ def decode_inputs(
     rows: list[int],
     slots: torch.Tensor,
     input_ids: torch.Tensor | None,
+    seq: list[int] | None = None,
 ) -> StepInputs:
     """A decode of one token per request (its last sampled one, or ``input_ids`` ``[B]`` on
-    the device); records ``slots`` (``[B]``) in the rows."""
+    the device); records ``slots`` (``[B]``) in the rows. ``seq``: each request's
+    ``scheduled_len`` when the caller has them already."""
     b = len(reqs)
-    seq = [r.scheduled_len for r in reqs]
+    if seq is None:
+        seq = [r.scheduled_len for r in reqs]
     last = [] if input_ids is not None else [r.last_token_id for r in reqs]
-    dev = stager(last + rows + seq)  # one host->device copy
-    k = len(last)
-    req_pool_indices, seq_lens = dev[k : k + b], dev[k + b :]  # [B], [B]
+    # One host->device copy; [B] each (last: [0] when the device has the tokens)
+    dev_last, req_pool_indices, seq_lens = stage_ints(stager, (last, rows, seq))
     positions = seq_lens - 1  # [B]: where each request's new token goes
     pool.write_tokens(req_pool_indices, positions, slots)
     return StepInputs(
         mode=ForwardMode.DECODE,
-        input_ids=dev[:b] if input_ids is None else input_ids,
+        input_ids=dev_last if input_ids is None else input_ids,
         positions=positions,
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,

@@ -149,11 +149,9 @@ class Engine:
         self._rids = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self._closed = False
-        # Every token goes to its stream, or to its submitted request; generate() reads its
-        # requests' tokens when they are done.
-        self._streams: dict[Req, Callable[[int], None]] = {}
+        # Every token goes to its stream, or to its submitted request (``scheduler.sinks``);
+        # generate() reads its requests' tokens when they are done.
         self._requests = RequestTable(self.scheduler, self.worker)
-        self.scheduler.on_token.append(self._on_token)
         self._driver = Driver(self.scheduler, self._requests.deliver)
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
@@ -324,7 +322,7 @@ class Engine:
         # Filled by the token hook whichever thread steps: this stream, another one, or a
         # generate() call made while this one was suspended.
         pieces: deque[str] = deque()
-        self._streams[req] = lambda token_id: pieces.append(detok.push(token_id))
+        self.scheduler.sinks[req] = lambda token_id: pieces.append(detok.push(token_id))
         failure: Exception | None = None  # the exception of a failed step this stream drove
         try:
             self._driver.call(lambda: self._add([req]))
@@ -356,7 +354,7 @@ class Engine:
         finally:
             if not self._closed:
                 self._driver.call(lambda: self._end_stream(req))
-            self._streams.pop(req, None)
+            self.scheduler.sinks.pop(req, None)
 
     def _end_stream(self, req: Req) -> None:
         if not req.finished:  # the caller stopped early: give the request's slots back
@@ -468,17 +466,17 @@ class Engine:
         for req in reqs:
             self.scheduler.add(req)
 
-    def _on_token(self, req: Req, token_id: int) -> None:
-        stream = self._streams.get(req)
-        if stream is not None:
-            stream(token_id)
-        else:
-            self._requests.on_token(req, token_id)
-
     def _run_until_finished(self, reqs: Collection[Req]) -> None:
         """Step (or wait while another thread steps) until every request of ``reqs``
         finished, then process the step still in flight, so none is left between calls."""
-        self._driver.drive(lambda: all(r.finished for r in reqs))
+        pending = list(reqs)
+
+        def done() -> bool:  # amortised O(1) per step: a request never becomes unfinished
+            while pending and pending[-1].finished:
+                pending.pop()
+            return not pending
+
+        self._driver.drive(done)
         self._driver.call(self.scheduler.drain)
 
     def _forget(self, reqs: Iterable[Req]) -> None:

@@ -3,6 +3,7 @@ steps, are handed to each request's callback once per step, then once more when 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ class _Tracked:
 
 
 class RequestTable:
-    """Submitted requests by id. ``on_token`` is the scheduler's token hook for them;
+    """Submitted requests by id. ``on_token`` is each one's token sink (``scheduler.sinks``);
     ``deliver`` (after each step, by the stepping thread) calls each callback with what its
     request gained, and finishes and forgets the requests that are done."""
 
@@ -48,6 +49,7 @@ class RequestTable:
             self.worker.watch(req, top_logprobs)
         self._by_rid[req.rid] = tracked
         self._by_req[req] = tracked
+        self.scheduler.sinks[req] = functools.partial(self.on_token, req)
 
     def get(self, rid: int) -> Req | None:
         tracked = self._by_rid.get(rid)
@@ -88,6 +90,7 @@ class RequestTable:
     def _finish(self, tracked: _Tracked) -> None:
         req = tracked.req
         del self._by_rid[req.rid], self._by_req[req]
+        self.scheduler.sinks.pop(req, None)
         self.worker.unwatch(req)
         out = self._output(tracked)
         assert req.finish_reason is not None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import operator
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
+from execrt.core.staging import stage_ints
 from execrt.core.step import StepInputs
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 
@@ -37,6 +40,9 @@ class SchedulerStats:
     retractions: int = 0  # running requests retracted plus partial prefills given up
     prefix_query_tokens: int = 0  # tokens of every admitted request (again after a retraction)
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache
+    #: Seconds the host waited for a step's tokens (for the device). With overlap, a host
+    #: that keeps the device busy waits most of each step; one that waits ~0 is the bound.
+    wait_s: float = 0.0
 
 
 def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
@@ -145,8 +151,13 @@ class Scheduler:
         self.overlap = overlap
         self.dedup_min_tokens = DEDUP_MIN_TOKENS
         self._inflight: Launched | None = None  # launched, results not yet processed
-        #: Called as ``hook(req, token_id)`` for every token a request gains (for streaming).
+        #: Called as ``hook(req, token_id)`` for every token any request gains.
         self.on_token: list[Callable[[Req, int], None]] = []
+        #: ``sinks[req](token_id)`` for every token ``req`` gains (streams, submitted requests):
+        #: one dict lookup per token for the requests without one, instead of a call.
+        self.sinks: dict[Req, Callable[[int], None]] = {}
+        # Per unfinished request: (the tokens that stop it, the output length that ends it).
+        self._rules: dict[Req, tuple[frozenset[int], int]] = {}
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -341,36 +352,49 @@ class Scheduler:
             return None
         if self.waiting and len(self.running) < self.max_running:
             return None  # an extend may be due: decide with step N's results in hand
-        reqs = [r for r in self.running if not self._done_after_pending(r)]
+        # Leave out those that the tokens in flight end by length (that is predictable).
+        rules, rule = self._rules, self._rule
+        reqs = [
+            r
+            for r in self.running
+            if len(r.output_ids) + r.num_pending < (rules.get(r) or rule(r))[1]
+        ]
         if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
-        sampled = zip(prev.batch.reqs, prev.batch.samples, strict=True)
-        rows = {id(r): i for i, (r, s) in enumerate(sampled) if s}
+        pb = prev.batch
+        prev_ids = prev.result.next_token_ids  # [B_prev] on the device
+        if len(reqs) == len(pb.reqs) and all(pb.samples) and all(map(operator.is_, reqs, pb.reqs)):
+            # The steady state: the same rows feed their own samples, one token further each;
+            # nothing per request is staged but the rows and lengths.
+            seq = [s + 1 for s in pb.inputs.seq_lens_cpu]
+            inputs = self.memory.reserve_decode(reqs, input_ids=prev_ids, seq_lens=seq)
+            if inputs is None:
+                return None
+            return ScheduleBatch(reqs, inputs, pb.sampling_info.advanced(), [True] * len(reqs))
+        rows = {id(r): i for i, (r, s) in enumerate(zip(pb.reqs, pb.samples, strict=True)) if s}
         if any(r.num_pending != int(id(r) in rows) for r in reqs):
             return None  # tokens in flight from an older step: not this simple case
-        prev_ids = prev.result.next_token_ids  # [B_prev] on the device
-        if (
-            len(reqs) == len(prev.batch.reqs)
-            and all(prev.batch.samples)
-            and all(a is b for a, b in zip(reqs, prev.batch.reqs, strict=True))
-        ):
-            input_ids = prev_ids  # the steady state: the same rows feed their own samples
-        else:
-            b = len(reqs)
-            host = [0 if r.num_pending else r.last_token_id for r in reqs]
-            src = [rows.get(id(r), -1) for r in reqs]
-            staged = self.memory.stager(host + src)
-            take = prev_ids[staged[b:].clamp(min=0)]
-            input_ids = torch.where(staged[b:] >= 0, take, staged[:b])
+        host = [0 if r.num_pending else r.last_token_id for r in reqs]
+        src = [rows.get(id(r), -1) for r in reqs]
+        staged_host, staged_src = stage_ints(self.memory.stager, (host, src))  # [B], [B]
+        take = prev_ids[staged_src.clamp(min=0)]
+        input_ids = torch.where(staged_src >= 0, take, staged_host)
         inputs = self.memory.reserve_decode(reqs, input_ids=input_ids)
         return None if inputs is None else self._batch(reqs, inputs)
 
-    def _done_after_pending(self, req: Req) -> bool:
-        """True when the tokens already in flight end ``req`` by length (predictable)."""
-        generated = len(req.output_ids) + req.num_pending
-        return (
-            generated >= req.sampling_params.max_new_tokens or req.scheduled_len >= self.context_len
-        )
+    def _rule(self, req: Req) -> tuple[frozenset[int], int]:
+        """``(stop tokens, output limit)`` of ``req``: it stops when it samples one of the
+        tokens (EOS unless ``ignore_eos``, and its ``stop_token_ids``), and ends by length
+        when its output reaches the limit: ``max_new_tokens``, or what fills the context."""
+        rule = self._rules.get(req)
+        if rule is None:
+            params = req.sampling_params
+            stops = frozenset(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= self.eos_token_ids
+            limit = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
+            rule = self._rules[req] = (stops, limit)
+        return rule
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
@@ -401,13 +425,17 @@ class Scheduler:
         """Start ``batch`` on the device and account for it: K/V positions it writes, and a
         token in flight for every request whose sample is real."""
         result = self.worker.forward_batch_generation(batch)
+        if batch.mode.is_decode():  # one token each, and every one is sampled
+            for req in batch.reqs:
+                req.kv_len += 1
+                req.num_pending += 1
+            return Launched(batch, result)
         lens = batch.inputs.extend_lens_cpu
         for req, n, sampled in zip(batch.reqs, lens, batch.samples, strict=True):
             req.kv_len += n
             if sampled:
                 req.num_pending += 1
-                if batch.mode.is_extend():
-                    self.running.append(req)
+                self.running.append(req)
         return Launched(batch, result)
 
     def _process_inflight(self) -> None:
@@ -417,7 +445,9 @@ class Scheduler:
 
     def _process(self, launched: Launched) -> None:
         batch = launched.batch
+        start = time.perf_counter()
         tokens = launched.result.token_ids()  # waits for this step's copy only
+        self.stats.wait_s += time.perf_counter() - start
         self.stats.steps += 1
         if batch.mode.is_decode():
             self.stats.decode_steps += 1
@@ -425,25 +455,32 @@ class Scheduler:
             self.stats.extend_steps += 1
         extend = batch.mode.is_extend()
         computed = batch.inputs.seq_lens_cpu  # K/V of these tokens is written now
+        hooks, sinks, check = self.on_token, self.sinks, self._check_finished
+        finished = False
         for req, sampled, token, done in zip(
             batch.reqs, batch.samples, tokens, computed, strict=True
         ):
-            if req.finished:
+            if req.finish_reason is not None:
                 continue  # a step past the request's end (overlap)
             if sampled:  # else a chunk: its sample is meaningless
                 req.num_pending -= 1
-                req.output_ids.append(int(token))
-                for hook in self.on_token:
-                    hook(req, int(token))
-                self._check_finished(req)
-                if req.finished:  # finished first: if freeing fails, recovery frees it
+                req.output_ids.append(token)
+                for hook in hooks:
+                    hook(req, token)
+                sink = sinks.get(req)
+                if sink is not None:
+                    sink(token)
+                check(req)
+                if req.finish_reason is not None:  # finished first: if freeing fails,
+                    finished = True  # recovery frees it
                     self.finished.append(req)
                     self._hold_admission = False
                     self._free(req, keep=done)  # its K/V goes to the prefix cache
                     continue
             if extend:
                 self.memory.cache_prefix(req, done)
-        self.running = [r for r in self.running if not r.finished]
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
 
     def _guarded(self, fn: Callable[..., T], *args: Any, extra: ScheduleBatch | None = None) -> T:
         """Run ``fn``; on any exception abort every batch in flight (and ``extra``), recover,
@@ -478,11 +515,10 @@ class Scheduler:
         self._inflight = None
 
     def _check_finished(self, req: Req) -> None:
-        params = req.sampling_params
-        last = req.output_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+        stops, limit = self._rule(req)
+        if req.output_ids[-1] in stops:
             req.finish_reason = FinishReason.STOP
-        elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
+        elif len(req.output_ids) >= limit:
             req.finish_reason = FinishReason.LENGTH
 
     def _abort_batches(self, batches: list[ScheduleBatch], error: str) -> None:
@@ -499,6 +535,7 @@ class Scheduler:
         running (a retraction cut short) waits; one that lost its KV starts over; memory
         frees whatever no queued request holds (see KVMemory.reconcile)."""
         self.waiting = deque(r for r in self.waiting if not r.finished)
+        self._rules = {r: rule for r, rule in self._rules.items() if not r.finished}
         waiting = set(self.waiting)
         running = [r for r in self.running if not r.finished and r not in waiting]
         self.running = [r for r in running if self.memory.holds(r)]
@@ -514,6 +551,8 @@ class Scheduler:
         """Give back all ``req`` holds (the K/V of its first ``keep`` tokens to the prefix
         cache); it has no K/V and no token in flight afterwards."""
         req.kv_len = req.num_pending = 0
+        if req.finished:
+            self._rules.pop(req, None)
         self.memory.release(req, keep)
 
 

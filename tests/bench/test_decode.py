@@ -71,6 +71,19 @@ def test_random_loader_runs_through_engine_with_token_id_prompts(plugin_host) ->
             assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005, name
 
 
+def test_generate_timing_starts_each_run_on_a_cold_prefix_cache(plugin_host) -> None:  # type: ignore[no-untyped-def]
+    # The timed prompts repeat: a warm cache would skip their prefill (t(1) would time
+    # nothing) and keep earlier runs' K/V, which a cache sized for one run then evicts.
+    loader = RandomWeightsLoader(TINY, seed=3)
+    with Engine(loader=loader, device="cpu", plugin_host=plugin_host, context_len=64) as engine:
+        prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5]]
+        assert decode._generate_s(engine, prompts, 3, reps=3) > 0
+        stats = engine.stats()
+        assert stats.prefix_query_tokens > 0 and stats.prefix_hit_tokens == 0
+        engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0))
+        assert engine.stats().prefix_hit_tokens > 0  # the cache is on: a warm call hits
+
+
 def test_same_seed_same_weights_other_seed_other_weights() -> None:
     def qkv_proj(seed: int) -> torch.Tensor:
         ctx = RuntimeContext()

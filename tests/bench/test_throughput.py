@@ -76,6 +76,11 @@ def test_cpu_run_times_each_config_and_temperature_and_saves(tmp_path, capsys) -
         assert r.steps == r.extend_steps + r.decode_steps
         assert r.mean_decode_batch == pytest.approx((wl.output_tokens - 5) / r.decode_steps)
         assert r.pct_roofline == pytest.approx(100 * r.roofline_s / r.seconds)
+        # Host time and waits for the device split each step's time (on the CPU, no waits).
+        assert r.host_ms_per_step is not None and r.wait_ms_per_step is not None
+        step_ms = r.seconds / r.steps * 1e3
+        assert r.host_ms_per_step + r.wait_ms_per_step == pytest.approx(step_ms)
+        assert 0 <= r.wait_ms_per_step < r.host_ms_per_step
         assert r.attention == "torch_native" and r.startup_s and r.startup_s > 0
     defaults, tuned = by_key[("defaults", 0.6)].config, by_key[("tuned", 0.6)].config
     # What the sizes resolved to is recorded: CPU defaults, and the tuned settings as given.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from execrt.core.sampler import Sampler, SamplingBatchInfo, uniform_noise
@@ -152,6 +153,33 @@ def test_from_reqs_stages_ints_and_floats_in_one_copy_each() -> None:
     assert got.steps.tolist() == [2, 0] and got.top_ps.tolist() == [1.0, 0.5]
     assert SamplingBatchInfo.from_reqs([req(SamplingParams(temperature=0))], CPU, stager).all_greedy
     assert len(stager.calls) == 2  # a greedy batch stages nothing
+
+
+@pytest.mark.parametrize("b", range(1, 10))
+def test_staged_rows_start_16_byte_aligned_at_every_batch_size(b: int) -> None:
+    # Triton compiles a variant per pointer alignment: rows at offsets b and 2b of one staged
+    # buffer (seeds of an odd batch, top_ps of a batch of 2 mod 4) compiled mid-run.
+    reqs = [req(SamplingParams(temperature=0.6, top_p=0.9), seed=i, outputs=i) for i in range(b)]
+    got = SamplingBatchInfo.from_reqs(reqs, CPU, CountingStager())
+    for t in (got.temperatures, got.top_ks, got.top_ps, got.seeds, got.steps):
+        assert t.shape == (b,) and t.is_contiguous() and t.data_ptr() % 16 == 0
+    assert got.seeds.tolist() == got.steps.tolist() == list(range(b))
+    assert got.top_ps.tolist() == pytest.approx([0.9] * b) and got.top_ks.tolist() == [-1] * b
+
+
+def test_advanced_is_the_same_rows_one_step_later() -> None:
+    reqs = [req(SamplingParams(temperature=0.6), seed=5, outputs=2, pending=1)]
+    reqs.append(req(SamplingParams(temperature=0.0), seed=9, outputs=4))
+    now = SamplingBatchInfo.from_reqs(reqs, CPU, CountingStager())
+    for r in reqs:  # what one more decode of every row does to the requests
+        r.output_ids.append(1)
+    later = now.advanced()
+    again = SamplingBatchInfo.from_reqs(reqs, CPU)
+    for name in ("temperatures", "top_ks", "top_ps", "seeds", "steps"):
+        assert getattr(later, name).tolist() == getattr(again, name).tolist(), name
+    assert now.steps.tolist() == [3, 4]  # untouched: a new tensor
+    greedy = SamplingBatchInfo.from_reqs([req(SamplingParams(temperature=0.0))], CPU)
+    assert greedy.advanced() is greedy  # no tensors to advance
 
 
 def test_a_greedy_row_stays_argmax_inside_a_sampled_batch() -> None:

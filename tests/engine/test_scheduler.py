@@ -130,3 +130,47 @@ def test_requests_that_fit_alone_all_complete_with_their_own_greedy_tokens(dense
     assert [r.finish_reason for r in results] == ["length"] * 5
     assert [r.token_ids for r in results] == alone[2:]
     assert end == start and stats.retractions > 0
+
+
+def test_overlapped_decodes_sample_at_each_requests_own_step(dense) -> None:
+    # The steady state reuses the previous batch's sampling rows with steps + 1 on the device
+    # (nothing staged per request); whatever path built a batch, each row's step must be the
+    # request's output length so far, tokens in flight included, or seeded draws would shift.
+    prompts = [[5, 17, 33, 2, 90], [250, 3, 77], [9] * 11, [4, 4]]
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=1.0, top_k=20, seed=11, ignore_eos=True),
+    ]
+    with Engine(dense, device="cpu", overlap_schedule=True) as engine:
+        worker = engine.worker
+        launch = worker.forward_batch_generation
+        seen: list[tuple[list[int], list[int], int]] = []
+
+        def checked(batch):  # type: ignore[no-untyped-def]
+            info = batch.sampling_info
+            if batch.mode.is_decode() and not info.all_greedy:
+                want = [len(r.output_ids) + r.num_pending for r in batch.reqs]
+                seen.append((info.steps.tolist(), want, info.seeds.data_ptr()))
+            return launch(batch)
+
+        worker.forward_batch_generation = checked
+        got = engine.generate(prompts, params)
+    assert [len(r.token_ids) for r in got] == [12, 5, 9, 7]
+    assert seen and all(steps == want for steps, want, _ in seen)
+    # The steady state ran: consecutive decodes shared their staged rows (same seeds tensor).
+    assert any(a[2] == b[2] for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_token_sinks_get_their_requests_tokens_and_are_dropped_when_done(dense) -> None:
+    with Engine(dense, device="cpu") as engine:
+        got: list[object] = []
+        rid = engine.submit([5, 17, 33], GREEDY, on_output=got.append)
+        (req,) = list(engine.scheduler.sinks)  # the submitted request has a sink
+        assert req.rid == rid
+        while engine.has_work:
+            engine.step()
+        assert engine.scheduler.sinks == {}  # finished: no sink left behind
+        ids = [t for out in got for t in out.token_ids]  # type: ignore[attr-defined]
+        assert ids == engine.generate([5, 17, 33], GREEDY).token_ids
