@@ -14,6 +14,7 @@ import torch
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.step import StepInputs
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
+from execrt.engine.limits import kv_slots_needed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,15 +39,6 @@ class SchedulerStats:
     retractions: int = 0  # running requests retracted plus partial prefills given up
     prefix_query_tokens: int = 0  # tokens of every admitted request (again after a retraction)
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache
-
-
-def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
-    """The most KV slots one request can hold at once: every token but the last it generates.
-
-    A request stops after ``max_new_tokens`` tokens or when prompt plus output reaches
-    ``context_len``; the final sampled token is never fed back, so its K/V is never stored.
-    """
-    return min(prompt_len + max_new_tokens, context_len) - 1
 
 
 class Scheduler:
