@@ -121,7 +121,8 @@ def test_close_stops_the_engine_and_leaves_no_process_thread_or_pipe(client) -> 
     client.close()
     client.close()  # idempotent
     assert client.process.exitcode == 0  # stopped by its loop, the engine closed
-    assert client.summary is not None and client.summary.requests == 1
+    assert client.summary is not None  # what its loop did: this test and the abort test
+    assert (client.summary.requests, client.summary.aborted) == (2, 1)
     assert _left_behind(client) == []
     assert client._commands.closed and client._outputs.closed
     with pytest.raises(ProcessLookupError):
