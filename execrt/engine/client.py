@@ -187,6 +187,11 @@ class EngineClient(ABC):
         NotImplementedError when the engine has no prefix cache."""
         raise NotImplementedError("engine client: this engine has no prefix cache to flush")
 
+    def serve_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """The front end's event loop, from its thread, as it starts (``loop``) and stops
+        (None): a client may read the engine's outputs on it instead of on a thread of its
+        own. Nothing by default."""
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -292,9 +297,9 @@ def _merge(into: RequestOutput, later: RequestOutput) -> None:
 
 
 def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
-    """Hand one engine step's outputs to their holders, from the engine's thread: the holders
-    of one asyncio loop get theirs in a single call on that loop (one wake-up of the loop per
-    step, however many requests progressed), the others at once."""
+    """Hand one engine step's outputs to their holders, from any thread: the holders of one
+    asyncio loop get theirs in a single call on that loop (one wake-up of the loop per step,
+    however many requests progressed; at once when called on that loop), the others at once."""
     now = time.perf_counter()
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHolder, RequestOutput]]] = {}
     for holder, output in outputs:
@@ -303,8 +308,15 @@ def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
             holder.put(output, now)
         else:
             by_loop.setdefault(loop, []).append((holder, output))
+    try:
+        here = asyncio.get_running_loop()  # called on a loop's thread (it reads the engine)
+    except RuntimeError:
+        here = None
     for loop, items in by_loop.items():
-        _call_soon(loop, _put_all, items, now)
+        if loop is here:
+            _put_all(items, now)
+        else:
+            _call_soon(loop, _put_all, items, now)
 
 
 def _put_all(items: list[tuple[OutputHolder, RequestOutput]], now: float) -> None:

@@ -22,13 +22,16 @@ and detokenizing, nor the front end for a step.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing.connection import wait as mp_wait
 from typing import TYPE_CHECKING, Any
 
 from execrt.engine.client import (
@@ -57,6 +60,8 @@ Packed = tuple[Any, ...]
 #: Bytes a pipe buffers (Linux: F_SETPIPE_SZ, up to /proc/sys/fs/pipe-max-size): the engine
 #: writes a step's outputs without waiting while the front end is busy for a few steps.
 PIPE_BYTES = 1 << 20
+#: The most messages one pump reads before the event loop that runs it gets its turn back.
+PUMP_MESSAGES = 64
 
 
 def _pack(rid: str, out: RequestOutput) -> Packed:
@@ -70,6 +75,23 @@ def _pack(rid: str, out: RequestOutput) -> Packed:
         out.num_retractions,
         out.logprobs,
     )
+
+
+def _merge_steps(steps: list[list[Packed]]) -> list[Packed]:
+    """Several steps' outputs as one: each request's tokens joined, its last state kept."""
+    merged: dict[str, list[Any]] = {}
+    for packed in steps:
+        for p in packed:
+            m = merged.get(p[0])
+            if m is None:
+                merged[p[0]] = list(p)
+                continue
+            m[1] = m[1] + p[1]
+            m[2], m[3], m[6] = p[2], p[3], p[6]  # finish reason, error, retractions
+            m[4], m[5] = p[4] or m[4], p[5] or m[5]  # prompt and cached tokens
+            if p[7] is not None:
+                m[7] = (m[7] or []) + p[7]
+    return [tuple(m) for m in merged.values()]
 
 
 def _widen(conn: Connection) -> None:
@@ -191,6 +213,7 @@ class ProcessEngineClient(EngineClient):
         self._lock = threading.Lock()  # _live and _gone, between callers and the reader
         self._live: dict[str, OutputHolder] = {}
         self._gone = False  # the engine process ended: no output will come
+        self._ending = False  # _ended() ran or runs
         self._closing = False
         self._closed = False
         self._info: ModelInfo | None = None
@@ -212,39 +235,78 @@ class ProcessEngineClient(EngineClient):
         self.process.start()
         child_commands.close()  # the engine's ends: the reader sees EOF once the engine exits
         child_outputs.close()
-        self._reader = threading.Thread(target=self._read, name="execrt-engine-reader", daemon=True)
-        self._reader.start()
+        self._wake_r, self._wake_w = os.pipe()  # wakes the reader thread to hand over
+        self._loop: asyncio.AbstractEventLoop | None = None  # reads the outputs, if any
+        self._done = threading.Event()  # set once the pipe ended and the live requests failed
+        self._reader = self._start_reader()
 
-    # -- the reader thread -----------------------------------------------------------------------
+    # -- reading the engine's messages -------------------------------------------------------------
+    # A thread reads them until the front end's event loop takes over (``serve_on``): then the
+    # loop reads them itself when the pipe is readable, so no second thread of this process
+    # competes with the loop for the interpreter lock at every step.
     def _read(self) -> None:
+        """The reader thread: until the pipe ends, or ``serve_on`` wakes it to hand over."""
         try:
             while True:
-                try:
-                    message = self._outputs.recv()
-                except (EOFError, OSError):
-                    break
-                kind = message[0]
-                if kind == "step":
-                    self._on_step(message[1], message[2])
-                elif kind == "ready":
-                    _, self._info, self._text, self._limits, self._has_prefix_cache, stats = message
-                    self._stats = stats
-                    self._loaded.set()
-                elif kind == "flushed":
-                    future = self._flushes.pop(message[1], None)
-                    if future is not None:
-                        future.set_result(message[2])
-                elif kind == "stopped":
-                    self.summary = message[1]
-                elif kind in ("error", "failed"):
-                    self._error = message[1]
-        except BaseException:  # a bug here must still fail the live requests below
+                ready = mp_wait([self._outputs, self._wake_r])
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 64)
+                    return  # the event loop reads from here on
+                if not self._pump():
+                    return
+        except BaseException:  # a bug here must still fail the live requests
             logger.exception("engine client: the output reader failed")
-        finally:
             self._ended()
 
-    def _on_step(self, packed: list[Packed], stats: EngineStats) -> None:
-        self._stats = stats
+    def _pump(self) -> bool:
+        """Handle the messages the pipe holds now (at most ``PUMP_MESSAGES``: an event loop
+        that reads them gets its turn between pumps); False once the pipe ended (the engine
+        exited). Steps read together reach the holders as one: a front end that fell behind
+        catches up at the cost of one step, not of every step it missed."""
+        steps: list[list[Packed]] = []
+        try:
+            for _ in range(PUMP_MESSAGES):
+                if not self._outputs.poll():
+                    break
+                message = self._outputs.recv()
+                if message[0] == "step":
+                    steps.append(message[1])
+                    self._stats = message[2]
+                    continue
+                if steps:  # what came before it comes first
+                    self._on_steps(steps)
+                    steps = []
+                self._handle(message)
+        except (EOFError, OSError):
+            if steps:
+                self._on_steps(steps)
+            if self._loop is not None:  # off the event loop: the ending may wait for a join
+                self._loop.remove_reader(self._outputs.fileno())
+                threading.Thread(target=self._ended, name="execrt-engine-end").start()
+            else:
+                self._ended()
+            return False
+        if steps:
+            self._on_steps(steps)
+        return True
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "ready":
+            _, self._info, self._text, self._limits, self._has_prefix_cache, stats = message
+            self._stats = stats
+            self._loaded.set()
+        elif kind == "flushed":
+            future = self._flushes.pop(message[1], None)
+            if future is not None:
+                future.set_result(message[2])
+        elif kind == "stopped":
+            self.summary = message[1]
+        elif kind in ("error", "failed"):
+            self._error = message[1]
+
+    def _on_steps(self, steps: list[list[Packed]]) -> None:
+        packed = steps[0] if len(steps) == 1 else _merge_steps(steps)
         if not packed:
             return
         outputs = []
@@ -258,7 +320,11 @@ class ProcessEngineClient(EngineClient):
         deliver(outputs)
 
     def _ended(self) -> None:
-        """The engine process is gone: whoever still waits gets an error."""
+        """The engine process is gone: whoever still waits gets an error. Runs once."""
+        with self._lock:
+            if self._ending:
+                return
+            self._ending = True
         if self._error is None and not self._closing:
             self.process.join(30)  # its pipe closed as it exited: the code comes at once
             code = self.process.exitcode
@@ -274,6 +340,32 @@ class ProcessEngineClient(EngineClient):
                 future.set_exception(RuntimeError(why))
         self._flushes.clear()
         self._loaded.set()
+        self._done.set()
+
+    def serve_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Read the engine's outputs on ``loop`` (the running loop: call this on its thread)
+        until ``serve_on(None)`` gives the reading back to a thread of the client."""
+        if self._closed or self._done.is_set() or loop is self._loop:
+            return
+        fd = self._outputs.fileno()
+        if loop is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(fd)
+            else:  # the thread stops reading, then the loop starts
+                os.write(self._wake_w, b"x")
+                self._reader.join()
+            self._loop = loop
+            loop.add_reader(fd, self._pump)
+        else:
+            assert self._loop is not None
+            self._loop.remove_reader(fd)
+            self._loop = None
+            self._reader = self._start_reader()
+
+    def _start_reader(self) -> threading.Thread:
+        thread = threading.Thread(target=self._read, name="execrt-engine-reader", daemon=True)
+        thread.start()
+        return thread
 
     def _send(self, command: Command) -> bool:
         try:
@@ -355,8 +447,15 @@ class ProcessEngineClient(EngineClient):
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(10)
-        self._reader.join(timeout)
+        # The pipe ends as the process exits: whoever reads it fails what is still live (an
+        # event loop that reads it may have stopped: then nobody does).
+        if not self._done.wait(timeout if self._loop is None else min(timeout, 5.0)):
+            self._ended()
+        if self._loop is None:
+            self._reader.join(timeout)
         with self._send_lock:
             self._commands.close()
         self._outputs.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._closed = True

@@ -48,7 +48,9 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client.serve_on(asyncio.get_running_loop())
         yield
+        client.serve_on(None)
         if close_client:
             await asyncio.to_thread(client.close)
 

@@ -1,0 +1,204 @@
+"""The HTTP front end's own cost, on CPU, without a model: can it carry N streams at one token
+per engine step?
+
+The server process runs the real app under uvicorn over the real engine client
+(``--engine process``, what ``execrt serve`` uses, or ``thread``) whose engine is a
+``PacedEngine``: no model, every ``--step-ms`` one token for every running request. The load generator (this process) opens ``--streams`` streamed
+completions on raw sockets (no HTTP client library: it only counts bytes, so that it costs
+little beside the server) and reports:
+
+- delivered tokens/s against the engine's pace (streams / step): below 1, the front end falls
+  behind and the engine would wait for it;
+- SSE chunks per token: 1 while the front end keeps up with every step; more tokens per chunk
+  when it falls behind (holders merge the steps it could not send one by one);
+- the server process's CPU (all its threads, from /proc) per chunk and per second;
+- ITL p50 as the client reads it (gaps between reads that brought chunks).
+
+    python benchmarks/serve_frontend.py                       # 1, 32, 256 streams, 2 ms steps
+    python benchmarks/serve_frontend.py --streams 256 --profile 25   # + the server's hot spots
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import multiprocessing
+import os
+import selectors
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+# -- the server process -------------------------------------------------------------------------
+def _server(args: argparse.Namespace, pipe: Any) -> None:
+    from execrt.bench.paced_engine import PacedEngine
+    from execrt.engine.process import ProcessEngineClient
+    from execrt.engine.threaded import ThreadedEngineClient
+    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+
+    tune_interpreter()
+    kwargs: dict[str, Any] = {}
+    if args.text == "tokenizer":
+        import tokenizers
+
+        from execrt.models.builtin import builtin_model_path
+
+        path = os.path.join(builtin_model_path(), "tokenizer.json")
+        kwargs = {"tokenizer": tokenizers.Tokenizer.from_file(path), "vocab_size": 256}
+    build = functools.partial(PacedEngine, args.step_ms / 1e3, **kwargs)
+    client: Any
+    if args.engine == "process":
+        client = ProcessEngineClient(build, name="paced")
+    else:
+        client = ThreadedEngineClient(build, name="paced")
+    server = UvicornServer(client, bind("127.0.0.1", 0))
+    client.wait_ready(60)
+    pipe.send((server.url, os.getpid()))
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)  # CPU time: the machine may be shared
+        profiler.enable()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        print("\n# server hot spots (own CPU time, the event loop thread)", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+
+
+# -- the load (this process) ---------------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class StreamResult:
+    tokens: int = 0
+    chunks: int = 0
+    gaps: list[float] = field(default_factory=list)
+    pieces: list[bytes] = field(default_factory=list)
+    last: float | None = None
+
+
+def _load(url: str, streams: int, tokens: int) -> tuple[list[StreamResult], float, float]:
+    """``streams`` streamed completions at once, read with one selector (cheaper than any
+    asyncio client: the load must cost little beside the server on a small machine). Returns
+    the results, the wall time and this process's CPU time."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = orjson.dumps(
+        {
+            "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
+            "max_tokens": tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+    )
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    selector = selectors.DefaultSelector()
+    cpu, start = time.process_time(), time.perf_counter()
+    results = []
+    for _ in range(streams):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(request)
+        sock.setblocking(False)
+        result = StreamResult()
+        results.append(result)
+        selector.register(sock, selectors.EVENT_READ, result)
+    open_ = streams
+    while open_:
+        for key, _ in selector.select():
+            sock, result = key.fileobj, key.data
+            piece = sock.recv(1 << 16)  # type: ignore[union-attr]
+            if not piece:
+                selector.unregister(sock)
+                sock.close()  # type: ignore[union-attr]
+                open_ -= 1
+                continue
+            result.pieces.append(piece)
+            if b"data: " in piece:
+                now = time.perf_counter()
+                if result.last is not None:
+                    result.gaps.append(now - result.last)
+                result.last = now
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    selector.close()
+    for result in results:
+        data = b"".join(result.pieces)
+        result.chunks = data.count(b"data: ") - 2  # minus the usage chunk and [DONE]
+        usage = data.rfind(b'"completion_tokens":')
+        if usage >= 0:
+            result.tokens = int(data[usage + 20 :].split(b",", 1)[0])
+        result.pieces = []
+    return results, seconds, cpu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--streams", default="1,32,256", help="comma-separated (default: 1,32,256)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens per stream (default: 200)")
+    p.add_argument("--step-ms", type=float, default=2.0, help="engine step (default: 2 ms)")
+    p.add_argument("--text", choices=["ids", "tokenizer"], default="ids",
+                   help="token ids as text (bench serve) or a real tokenizer (default: ids)")  # fmt: skip
+    p.add_argument("--engine", choices=["process", "thread"], default="process",
+                   help="where the paced engine runs, as execrt serve --engine (default: process)")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, help="print the server's N hottest functions")
+    args = p.parse_args()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_server, args=(args, child))
+    server.start()
+    url, pid = parent.recv()
+    time.sleep(0.5)
+    print(
+        f"# front end over a paced engine ({args.engine}): {args.step_ms} ms steps, "
+        f"{args.tokens} tokens a stream, text: {args.text}"
+    )
+    print(
+        "streams  tok/s    engine_tok/s  ratio  tok/chunk  itl_p50_ms  server_cpu  "
+        "us_cpu/chunk  client_cpu"
+    )
+    try:
+        _load(url, 4, 10)  # warm-up
+        for n in (int(s) for s in args.streams.split(",") if s.strip()):
+            cpu0 = _cpu_seconds(pid)
+            results, seconds, client_cpu = _load(url, n, args.tokens)
+            cpu = _cpu_seconds(pid) - cpu0
+            tokens = sum(r.tokens for r in results)
+            chunks = sum(r.chunks for r in results)
+            ideal = n / (args.step_ms / 1e3)
+            gaps = [g for r in results for g in r.gaps]
+            itl = statistics.median(gaps) * 1e3 if gaps else float("nan")
+            assert tokens == n * args.tokens, (tokens, n * args.tokens)
+            print(
+                f"{n:<8} {tokens / seconds:<8.0f} {ideal:<13.0f} {tokens / seconds / ideal:<6.3f} "
+                f"{tokens / max(chunks, 1):<10.2f} {itl:<11.3f} {cpu / seconds:<11.2f} "
+                f"{cpu / max(chunks, 1) * 1e6:<13.1f} {client_cpu / seconds:.2f}",
+                flush=True,
+            )
+    finally:
+        import signal
+
+        os.kill(server.pid, signal.SIGINT)
+        server.join(60)
+
+
+if __name__ == "__main__":
+    main()
