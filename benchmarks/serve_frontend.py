@@ -3,19 +3,22 @@ per engine step?
 
 The server process runs the real app under uvicorn over the real engine client
 (``--engine process``, what ``execrt serve`` uses, or ``thread``) whose engine is a
-``PacedEngine``: no model, every ``--step-ms`` one token for every running request. The load generator (this process) opens ``--streams`` streamed
-completions on raw sockets (no HTTP client library: it only counts bytes, so that it costs
-little beside the server) and reports:
+``PacedEngine``: no model, every ``--step-ms`` one token for every running request. The load
+generator (this process) opens ``--streams`` streamed completions on raw sockets read by one
+selector (no HTTP client library: it only counts bytes, so it costs little beside the server)
+and reports:
 
-- delivered tokens/s against the engine's pace (streams / step): below 1, the front end falls
-  behind and the engine would wait for it;
-- SSE chunks per token: 1 while the front end keeps up with every step; more tokens per chunk
-  when it falls behind (holders merge the steps it could not send one by one);
-- the server process's CPU (all its threads, from /proc) per chunk and per second;
-- ITL p50 as the client reads it (gaps between reads that brought chunks).
+- delivered tokens/s against the engine's pace (streams / step): below 1, the front end (or the
+  machine: see server_cpu) falls behind;
+- tokens per SSE chunk: 1 while the front end sends every step; more when it fell behind (the
+  steps it missed reach each stream as one chunk);
+- ITL p50 as the client reads it (gaps between reads that brought chunks);
+- the server process's CPU (all its threads, from /proc) per second and per chunk: the figure
+  that holds on a shared machine, where wall-clock rates depend on the neighbours.
 
     python benchmarks/serve_frontend.py                       # 1, 32, 256 streams, 2 ms steps
     python benchmarks/serve_frontend.py --streams 256 --profile 25   # + the server's hot spots
+    python benchmarks/serve_frontend.py --engine thread --text tokenizer
 """
 
 from __future__ import annotations
@@ -155,10 +158,18 @@ def main() -> None:
     p.add_argument("--streams", default="1,32,256", help="comma-separated (default: 1,32,256)")
     p.add_argument("--tokens", type=int, default=200, help="tokens per stream (default: 200)")
     p.add_argument("--step-ms", type=float, default=2.0, help="engine step (default: 2 ms)")
-    p.add_argument("--text", choices=["ids", "tokenizer"], default="ids",
-                   help="token ids as text (bench serve) or a real tokenizer (default: ids)")  # fmt: skip
-    p.add_argument("--engine", choices=["process", "thread"], default="process",
-                   help="where the paced engine runs, as execrt serve --engine (default: process)")  # fmt: skip
+    p.add_argument(
+        "--text",
+        choices=["ids", "tokenizer"],
+        default="ids",
+        help="token ids as text (as bench serve) or the built-in tokenizer (default: ids)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["process", "thread"],
+        default="process",
+        help="where the paced engine runs, as execrt serve --engine (default: process)",
+    )
     p.add_argument("--profile", type=int, default=0, help="print the server's N hottest functions")
     args = p.parse_args()
     ctx = multiprocessing.get_context("spawn")

@@ -187,7 +187,7 @@ class EngineClient(ABC):
         NotImplementedError when the engine has no prefix cache."""
         raise NotImplementedError("engine client: this engine has no prefix cache to flush")
 
-    def serve_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def serve_on(self, loop: asyncio.AbstractEventLoop | None) -> None:  # noqa: B027
         """The front end's event loop, from its thread, as it starts (``loop``) and stops
         (None): a client may read the engine's outputs on it instead of on a thread of its
         own. Nothing by default."""
