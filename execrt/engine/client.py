@@ -256,20 +256,22 @@ class OutputHolder:
         """Add ``output`` (from any thread); ``now`` stamps when it was produced."""
         now = time.perf_counter() if now is None else now
         with self._lock:
+            t = self.timing
             if output.token_ids:
-                t = self.timing
                 if t.first_token is None:
                     t.first_token = now
                 elif t.last_token is not None:
                     t.gaps.append(now - t.last_token)
                 t.last_token = now
-            if output.finished:
-                self.timing.finished = now
-            if self._pending is None:
+            if output.finish_reason is not None:
+                t.finished = now
+            pending = self._pending
+            if pending is None:
                 self._pending = output
             else:
-                _merge(self._pending, output)
-        if self._waker is not None:
+                _merge(pending, output)
+        # An output already pending had woken the reader, which has not taken it yet.
+        if pending is None and self._waker is not None:
             self._waker.notify()
 
     def take(self) -> RequestOutput | None:
