@@ -12,7 +12,8 @@ and reports:
   machine: see server_cpu) falls behind;
 - tokens per SSE chunk: 1 while the front end sends every step; more when it fell behind (the
   steps it missed reach each stream as one chunk);
-- ITL p50 as the client reads it (gaps between reads that brought chunks);
+- TTFT p50 (from sending the request to the first read with text: one step of the engine and
+  the front end's handoffs both ways) and ITL p50 (gaps between reads that brought chunks);
 - the server process's CPU (all its threads, from /proc) per second and per chunk: the figure
   that holds on a shared machine, where wall-clock rates depend on the neighbours.
 
@@ -94,6 +95,8 @@ class StreamResult:
     chunks: int = 0
     gaps: list[float] = field(default_factory=list)
     pieces: list[bytes] = field(default_factory=list)
+    sent: float = 0.0
+    first: float | None = None  # the first read with a chunk that has tokens
     last: float | None = None
 
 
@@ -120,9 +123,10 @@ def _load(url: str, streams: int, tokens: int) -> tuple[list[StreamResult], floa
     results = []
     for _ in range(streams):
         sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        result = StreamResult(sent=time.perf_counter())
         sock.sendall(request)
         sock.setblocking(False)
-        result = StreamResult()
         results.append(result)
         selector.register(sock, selectors.EVENT_READ, result)
     open_ = streams
@@ -140,6 +144,8 @@ def _load(url: str, streams: int, tokens: int) -> tuple[list[StreamResult], floa
                 now = time.perf_counter()
                 if result.last is not None:
                     result.gaps.append(now - result.last)
+                elif b'"text":"' in piece:
+                    result.first = now
                 result.last = now
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     selector.close()
@@ -170,6 +176,9 @@ def main() -> None:
         default="process",
         help="where the paced engine runs, as execrt serve --engine (default: process)",
     )
+    p.add_argument(
+        "--ttft-requests", type=int, default=40, help="one-at-a-time requests for TTFT (40)"
+    )
     p.add_argument("--profile", type=int, default=0, help="print the server's N hottest functions")
     args = p.parse_args()
     ctx = multiprocessing.get_context("spawn")
@@ -182,12 +191,20 @@ def main() -> None:
         f"# front end over a paced engine ({args.engine}): {args.step_ms} ms steps, "
         f"{args.tokens} tokens a stream, text: {args.text}"
     )
-    print(
-        "streams  tok/s    engine_tok/s  ratio  tok/chunk  itl_p50_ms  server_cpu  "
-        "us_cpu/chunk  client_cpu"
-    )
     try:
         _load(url, 4, 10)  # warm-up
+        ttfts = [_load(url, 1, 2)[0][0] for _ in range(args.ttft_requests)]
+        firsts = sorted(r.first - r.sent for r in ttfts if r.first is not None)
+        if firsts:
+            p50 = statistics.median(firsts) * 1e3
+            print(
+                f"# TTFT of one request at a time: p50 {p50:.3f} ms over {len(firsts)}, of which "
+                f"the front end's handoffs (p50 - one step): {p50 - args.step_ms:.3f} ms"
+            )
+    print(
+            "streams  tok/s    engine_tok/s  ratio  tok/chunk  ttft_p50_ms  itl_p50_ms  server_cpu  "
+            "us_cpu/chunk  client_cpu"
+        )
         for n in (int(s) for s in args.streams.split(",") if s.strip()):
             cpu0 = _cpu_seconds(pid)
             results, seconds, client_cpu = _load(url, n, args.tokens)
@@ -197,11 +214,14 @@ def main() -> None:
             ideal = n / (args.step_ms / 1e3)
             gaps = [g for r in results for g in r.gaps]
             itl = statistics.median(gaps) * 1e3 if gaps else float("nan")
+            firsts = [r.first - r.sent for r in results if r.first is not None]
+            ttft = statistics.median(firsts) * 1e3 if firsts else float("nan")
             assert tokens == n * args.tokens, (tokens, n * args.tokens)
             print(
                 f"{n:<8} {tokens / seconds:<8.0f} {ideal:<13.0f} {tokens / seconds / ideal:<6.3f} "
-                f"{tokens / max(chunks, 1):<10.2f} {itl:<11.3f} {cpu / seconds:<11.2f} "
-                f"{cpu / max(chunks, 1) * 1e6:<13.1f} {client_cpu / seconds:.2f}",
+                f"{tokens / max(chunks, 1):<10.2f} {ttft:<12.3f} {itl:<11.3f} "
+                f"{cpu / seconds:<11.2f} {cpu / max(chunks, 1) * 1e6:<13.1f} "
+                f"{client_cpu / seconds:.2f}",
                 flush=True,
             )
     finally:
