@@ -201,9 +201,9 @@ def main() -> None:
                 f"# TTFT of one request at a time: p50 {p50:.3f} ms over {len(firsts)}, of which "
                 f"the front end's handoffs (p50 - one step): {p50 - args.step_ms:.3f} ms"
             )
-    print(
-            "streams  tok/s    engine_tok/s  ratio  tok/chunk  ttft_p50_ms  itl_p50_ms  server_cpu  "
-            "us_cpu/chunk  client_cpu"
+        print(
+            "streams  tok/s    engine_tok/s  ratio  tok/chunk  ttft_p50_ms  itl_p50_ms  "
+            "server_cpu  us_cpu/chunk  client_cpu"
         )
         for n in (int(s) for s in args.streams.split(",") if s.strip()):
             cpu0 = _cpu_seconds(pid)
