@@ -8,6 +8,8 @@ import functools
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -165,3 +167,49 @@ def test_close_while_loading_terminates_the_engine_process() -> None:
     client.close()
     assert not client.process.is_alive() and client.process.exitcode == -signal.SIGTERM
     assert _left_behind(client) == [] and not client.ready()
+
+
+ORPHAN_PROBE = r"""
+import functools, sys, time
+from execrt.bench.paced_engine import PacedEngine
+from execrt.engine.process import ProcessEngineClient
+
+if __name__ == "__main__":
+    client = ProcessEngineClient(functools.partial(PacedEngine, 0.002))
+    assert client.wait_ready(120), client.load_error()
+    print(client.process.pid, flush=True)
+    time.sleep(600)  # killed meanwhile
+"""
+
+
+def test_an_engine_process_does_not_outlive_a_killed_front_end(tmp_path) -> None:
+    probe = tmp_path / "front_end.py"
+    probe.write_text(ORPHAN_PROBE)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    front = subprocess.Popen(
+        [sys.executable, str(probe)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": root},
+    )
+    try:
+        engine_pid = int(front.stdout.readline())  # type: ignore[union-attr]
+        assert _running(engine_pid)
+        front.kill()  # no close(), no atexit: the engine sees its command pipe end
+        front.wait(30)
+        deadline = time.monotonic() + 30
+        while _running(engine_pid):
+            assert time.monotonic() < deadline, "the engine process outlived its front end"
+            time.sleep(0.05)
+    finally:
+        if front.poll() is None:
+            front.kill()
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed parent's child is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
