@@ -146,6 +146,7 @@ class Record(Summary):
     ttft_overhead_ms: float | None = None  # ttft_ms_p50 - engine_ttft_ms_p50
     itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
     error_samples: list[str] = field(default_factory=list)  # why the first failed requests failed
+    server_engine: str = "process"  # where the server's engine ran (execrt serve --engine)
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -294,6 +295,7 @@ def run(opts: Options) -> list[Record]:
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
             records[-1].error_samples = error_samples(timings)
+            records[-1].server_engine = opts.engine_runner
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
             for why in records[-1].error_samples:
                 print(f"    error: {why}", flush=True)
