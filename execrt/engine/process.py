@@ -144,12 +144,21 @@ def engine_main(
     sinks: dict[str, Callable[[RequestOutput], None]] = {}
     step: list[Packed] = []
     last_stats: list[EngineStats] = [ready[-1]]
+    front_end_gone = [False]  # its pipe broke: stop at the next round
+
+    def send(message: Any) -> None:
+        try:
+            outputs.send(message)
+        except (OSError, ValueError):
+            front_end_gone[0] = True
 
     def sink_of(rid: str) -> Callable[[RequestOutput], None]:
         return lambda out: step.append(_pack(rid, out))
 
     def take(block: bool) -> list[Command]:
         taken: list[Command] = []
+        if front_end_gone[0]:
+            return [("stop",)]
         try:
             if block:
                 taken.append(commands.recv())
@@ -170,10 +179,10 @@ def engine_main(
         last_stats[0] = stats
         packed = step.copy()
         step.clear()
-        outputs.send(("step", packed, stats))
+        send(("step", packed, stats))
 
     def flushed(key: int, ok: bool) -> None:
-        outputs.send(("flushed", key, ok))
+        send(("flushed", key, ok))
 
     try:
         outputs.send(ready)
@@ -232,7 +241,15 @@ class ProcessEngineClient(EngineClient):
             name="execrt-engine",
             daemon=True,  # never outlives the front end's interpreter
         )
-        self.process.start()
+        try:
+            self.process.start()
+        except Exception as exc:  # e.g. ``build`` does not pickle
+            for conn in (child_commands, self._commands, self._outputs, child_outputs):
+                conn.close()
+            raise TypeError(
+                f"ProcessEngineClient: cannot start the engine process with build={build!r} "
+                f"(it must pickle: a module-level function or a functools.partial of one): {exc}"
+            ) from exc
         child_commands.close()  # the engine's ends: the reader sees EOF once the engine exits
         child_outputs.close()
         self._wake_r, self._wake_w = os.pipe()  # wakes the reader thread to hand over

@@ -213,3 +213,8 @@ def _running(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_build_that_does_not_pickle_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="it must pickle"):
+        ProcessEngineClient(lambda: _builtin())
