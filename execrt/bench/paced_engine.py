@@ -72,6 +72,8 @@ class PacedEngine:
         top_logprobs: int | None = None,
     ) -> int:
         sp = sampling_params or SamplingParams()
+        if not self._running:  # idle until now: the next step takes a whole step from here
+            self._deadline = None
         rid = next(self._rids)
         first = (len(prompt) * 31 + rid) % self.model_config.vocab_size
         self._running[rid] = _Running(on_output, len(prompt), sp.max_new_tokens, first)
