@@ -200,3 +200,18 @@ def summarize(timings: Sequence[Timing], duration: float) -> Summary:
         duration_s=duration,
         errors=len(timings) - len(ok),
     )
+
+
+def error_samples(timings: Sequence[Timing], most: int = 3) -> list[str]:
+    """Why the first ``most`` failed requests of a run failed (as ``summarize`` counts them)."""
+    out = []
+    for t in timings:
+        if t.error is not None:
+            out.append(t.error[:300])
+        elif t.done is None:
+            out.append("the stream did not end")
+        elif not t.chunks:
+            out.append("no chunk with tokens")
+        if len(out) == most:
+            break
+    return out

@@ -21,6 +21,7 @@ Method:
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ import random
 import signal
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from execrt.bench.load import (
     Run,
     Summary,
     drive_http,
+    error_samples,
     generate_tok_s,
     replay,
     summarize,
@@ -76,6 +78,7 @@ class Options:
     seed: int = 0
     engine: bool = True  # also replay through the Engine in-process
     server: str = "process"  # "process" (measurements) or "thread" (tests: no second start)
+    engine_runner: str = "process"  # where the server's engine runs, as ``execrt serve --engine``
     plot: bool = False
     out_dir: str | None = "benchmarks/results"
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
@@ -96,6 +99,8 @@ class Options:
             problems.append("concurrencies must be >= 1 and request rates > 0")
         if self.server not in ("process", "thread"):
             problems.append(f"server {self.server!r} must be 'process' or 'thread'")
+        if self.engine_runner not in ("process", "thread"):
+            problems.append(f"engine {self.engine_runner!r} must be 'process' or 'thread'")
         if problems:
             raise ExecrtError("bench serve: " + "; ".join(problems))
 
@@ -140,6 +145,8 @@ class Record(Summary):
     generate_ratio: float | None = None  # output_tok_s / engine_generate_output_tok_s
     ttft_overhead_ms: float | None = None  # ttft_ms_p50 - engine_ttft_ms_p50
     itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
+    error_samples: list[str] = field(default_factory=list)  # why the first failed requests failed
+    server_engine: str = "process"  # where the server's engine ran (execrt serve --engine)
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -191,14 +198,14 @@ def plan_runs(opts: Options, vocab: int) -> list[Run]:
 # -- the load generator -------------------------------------------------------------------------
 def _serve_child(opts: Options, pipe: Any) -> None:
     """The server process: build, serve on a free loopback port, send its URL, run."""
-    from execrt.engine.threaded import ThreadedEngineClient
     from execrt.serve.server import UvicornServer, bind, tune_interpreter
 
     tune_interpreter()  # as execrt serve does
-    client = ThreadedEngineClient(lambda: _build_engine(opts), name=opts.model)
+    client = _client(opts)
     server = UvicornServer(client, bind("127.0.0.1", 0))
     if not client.wait_ready():
         pipe.send(("error", client.load_error()))
+        client.close()
         return
     pipe.send(("ready", server.url))
     try:
@@ -211,6 +218,17 @@ def _build_engine(opts: Options) -> Engine:
     return Engine(loader=RandomWeightsLoader(opts.model_shape(), opts.seed), **opts.engine_kwargs())
 
 
+def _client(opts: Options) -> Any:
+    """The server's EngineClient: the engine in a process of its own or on a thread."""
+    if opts.engine_runner == "process":
+        from execrt.engine.process import ProcessEngineClient
+
+        return ProcessEngineClient(functools.partial(_build_engine, opts), name=opts.model)
+    from execrt.engine.threaded import ThreadedEngineClient
+
+    return ThreadedEngineClient(functools.partial(_build_engine, opts), name=opts.model)
+
+
 class _ServerHandle:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
@@ -219,19 +237,24 @@ class _ServerHandle:
 
     def start(self) -> str:
         if self.opts.server == "thread":
-            from execrt.engine.threaded import ThreadedEngineClient
             from execrt.serve.server import UvicornServer, bind
 
-            client = ThreadedEngineClient(lambda: _build_engine(self.opts), name=self.opts.model)
+            client = _client(self.opts)
             if not client.wait_ready():
+                client.close()
                 raise ExecrtError(f"bench serve: the server failed: {client.load_error()}")
             self.thread_server = UvicornServer(client, bind("127.0.0.1", 0)).start()
             return str(self.thread_server.url)
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve_child, args=(self.opts, child), daemon=True)
+        # Not a daemon: a daemonic process may not start the engine's process.
+        self.process = ctx.Process(target=_serve_child, args=(self.opts, child))
         self.process.start()
-        kind, value = parent.recv()
+        child.close()
+        try:
+            kind, value = parent.recv()
+        except EOFError:  # it died before it could say
+            kind, value = "error", f"the server process exited ({self.process.exitcode})"
         if kind != "ready":
             raise ExecrtError(f"bench serve: the server failed: {value}")
         return str(value)
@@ -271,7 +294,11 @@ def run(opts: Options) -> list[Record]:
             timings, duration = asyncio.run(drive_http(url, opts.model, r))
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
+            records[-1].error_samples = error_samples(timings)
+            records[-1].server_engine = opts.engine_runner
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
+            for why in records[-1].error_samples:
+                print(f"    error: {why}", flush=True)
     finally:
         server.stop()
     gc.collect()

@@ -187,6 +187,11 @@ class EngineClient(ABC):
         NotImplementedError when the engine has no prefix cache."""
         raise NotImplementedError("engine client: this engine has no prefix cache to flush")
 
+    def serve_on(self, loop: asyncio.AbstractEventLoop | None) -> None:  # noqa: B027
+        """The front end's event loop, from its thread, as it starts (``loop``) and stops
+        (None): a client may read the engine's outputs on it instead of on a thread of its
+        own. Nothing by default."""
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -251,20 +256,22 @@ class OutputHolder:
         """Add ``output`` (from any thread); ``now`` stamps when it was produced."""
         now = time.perf_counter() if now is None else now
         with self._lock:
+            t = self.timing
             if output.token_ids:
-                t = self.timing
                 if t.first_token is None:
                     t.first_token = now
                 elif t.last_token is not None:
                     t.gaps.append(now - t.last_token)
                 t.last_token = now
-            if output.finished:
-                self.timing.finished = now
-            if self._pending is None:
+            if output.finish_reason is not None:
+                t.finished = now
+            pending = self._pending
+            if pending is None:
                 self._pending = output
             else:
-                _merge(self._pending, output)
-        if self._waker is not None:
+                _merge(pending, output)
+        # An output already pending had woken the reader, which has not taken it yet.
+        if pending is None and self._waker is not None:
             self._waker.notify()
 
     def take(self) -> RequestOutput | None:
@@ -292,9 +299,9 @@ def _merge(into: RequestOutput, later: RequestOutput) -> None:
 
 
 def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
-    """Hand one engine step's outputs to their holders, from the engine's thread: the holders
-    of one asyncio loop get theirs in a single call on that loop (one wake-up of the loop per
-    step, however many requests progressed), the others at once."""
+    """Hand one engine step's outputs to their holders, from any thread: the holders of one
+    asyncio loop get theirs in a single call on that loop (one wake-up of the loop per step,
+    however many requests progressed; at once when called on that loop), the others at once."""
     now = time.perf_counter()
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputHolder, RequestOutput]]] = {}
     for holder, output in outputs:
@@ -303,8 +310,15 @@ def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:
             holder.put(output, now)
         else:
             by_loop.setdefault(loop, []).append((holder, output))
+    try:
+        here = asyncio.get_running_loop()  # called on a loop's thread (it reads the engine)
+    except RuntimeError:
+        here = None
     for loop, items in by_loop.items():
-        _call_soon(loop, _put_all, items, now)
+        if loop is here:
+            _put_all(items, now)
+        else:
+            _call_soon(loop, _put_all, items, now)
 
 
 def _put_all(items: list[tuple[OutputHolder, RequestOutput]], now: float) -> None:

@@ -31,9 +31,10 @@ from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.engine.client import EngineStats, RequestOutput
 from execrt.engine.driver import Driver
-from execrt.engine.logprobs import MAX_TOP_LOGPROBS, LogprobWorker
+from execrt.engine.limits import RequestLimits, top_logprobs_problems
+from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
-from execrt.engine.scheduler import Scheduler, describe_exception, kv_slots_needed
+from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
 from execrt.models import CheckpointLoader
 from execrt.plugins.host import PluginHost, get_plugin_host
@@ -256,25 +257,16 @@ class Engine:
         Raises RequestError without a tokenizer or chat template, for messages that are not
         a list of ``{"role": str, "content": str}`` (naming the message and the field), and
         when the template refuses them."""
-        from execrt.models.tokenizer import chat_messages_problem, missing_tokenizer_reason
+        from execrt.engine.codec import chat_prompt_ids, no_chat_reason
+        from execrt.models.tokenizer import missing_tokenizer_reason
 
         if self.tokenizer is None:  # the real reason, e.g. a SentencePiece GGUF vocabulary
             raise RequestError(
                 f"engine: chat needs a tokenizer: {missing_tokenizer_reason(self.model_path)}"
             )
         if self.chat_template is None:
-            raise RequestError(
-                f"engine: {self.model_note} has no chat template "
-                "(tokenizer_config.json 'chat_template'); use generate() with plain text"
-            )
-        problem = chat_messages_problem(messages)
-        if problem is not None:
-            raise RequestError(f"engine: chat: {problem}")
-        try:
-            text = self.chat_template.render(messages, add_generation_prompt=True)
-        except ValueError as exc:  # raise_exception() in the template, or one of its errors
-            raise RequestError(f"engine: {exc}") from None
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            raise RequestError(no_chat_reason(self))
+        ids = chat_prompt_ids(self.tokenizer, self.chat_template, messages)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
             return ids, sp  # generate() / stream() reject them, naming the caller's values
@@ -410,11 +402,7 @@ class Engine:
         refused too (``generate`` instead finishes it with ``abort``)."""
         ids, error = self._validate(prompt, sp, top_logprobs)
         if error is None:
-            limit = self.worker.limits.context_len
-            needed = kv_slots_needed(len(ids), sp.max_new_tokens, limit)
-            total = kv_slot_counts(self.scheduler)[0]
-            if needed > total:
-                error = f"request needs up to {needed} KV slots but the whole cache holds {total}"
+            error = self.limits.kv_problem(len(ids), sp.max_new_tokens)
         return ids, error
 
     def abort_request(self, rid: int, reason: str = "aborted") -> None:
@@ -449,6 +437,16 @@ class Engine:
     def stats(self) -> EngineStats:
         """KV slots, queue lengths and prefix-cache counters; safe from any thread."""
         return engine_stats(self.scheduler)
+
+    @functools.cached_property
+    def limits(self) -> RequestLimits:
+        """What a request must fit in: vocabulary, context, the whole KV cache (fixed once
+        built)."""
+        return RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            context_len=self.worker.limits.context_len,
+            kv_slots_total=kv_slot_counts(self.scheduler)[0],
+        )
 
     def flush_cache(self) -> int:
         """Free every prefix-cache slot that no running request reads, between two steps;
@@ -505,17 +503,11 @@ class Engine:
             ids, problem = prompt_token_ids(prompt)
             if problem is not None:
                 problems.append(problem)
-        vocab = self.model_config.vocab_size
         if not ids and not problems:
             problems.append("empty prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            problems.append(f"token id {bad[0]} out of range (vocab size {vocab})")
-        limit = self.worker.limits.context_len
-        if len(ids) >= limit:
-            problems.append(f"prompt of {len(ids)} tokens leaves no room in the context of {limit}")
+        problems += self.limits.token_problems(ids)
         if top_logprobs is not None:
-            problems += _top_logprobs_problems(top_logprobs)
+            problems += top_logprobs_problems(top_logprobs)
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:
@@ -536,9 +528,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _top_logprobs_problems(top: object) -> list[str]:
-    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
-    return []

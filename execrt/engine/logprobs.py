@@ -13,9 +13,9 @@ from execrt.core.schedule import Req, ScheduleBatch
 from execrt.core.staging import DeviceToHost, HostCopy
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 from execrt.engine.client import TokenLogprobs
+from execrt.engine.limits import MAX_TOP_LOGPROBS
 
-#: The most alternatives one token may list (OpenAI's chat limit).
-MAX_TOP_LOGPROBS = 20
+__all__ = ["MAX_TOP_LOGPROBS", "LogprobWorker"]
 
 
 @dataclass

@@ -16,6 +16,7 @@ from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.staging import stage_ints
 from execrt.core.step import StepInputs
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
+from execrt.engine.limits import kv_slots_needed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,15 +44,6 @@ class SchedulerStats:
     #: Seconds the host waited for a step's tokens (for the device). With overlap, a host
     #: that keeps the device busy waits most of each step; one that waits ~0 is the bound.
     wait_s: float = 0.0
-
-
-def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
-    """The most KV slots one request can hold at once: every token but the last it generates.
-
-    A request stops after ``max_new_tokens`` tokens or when prompt plus output reaches
-    ``context_len``; the final sampled token is never fed back, so its K/V is never stored.
-    """
-    return min(prompt_len + max_new_tokens, context_len) - 1
 
 
 class Scheduler:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 from execrt.core.errors import RequestError
 from execrt.core.schedule import SamplingParams
 from execrt.engine.client import (
-    Detokenizer,
     EngineClient,
     EngineRequest,
     EngineStats,
@@ -33,6 +31,7 @@ from execrt.engine.client import (
     TextCodec,
     deliver,
 )
+from execrt.engine.codec import model_info, text_codec
 from execrt.engine.engine import Engine
 from execrt.engine.scheduler import describe_exception
 
@@ -43,90 +42,6 @@ Sink = Callable[[RequestOutput], None]
 Command = tuple[Any, ...]
 #: How long a rank waits for rank 0's next command: an idle server sends none for hours.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
-
-
-# -- text --------------------------------------------------------------------------------------
-class _Detokenizer(Detokenizer):
-    def __init__(self, tokenizer: Any) -> None:
-        from execrt.models.tokenizer import IncrementalDetokenizer
-
-        self._inner = IncrementalDetokenizer(tokenizer)
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        return "".join(self._inner.push(t) for t in token_ids)
-
-    def flush(self) -> str:
-        return self._inner.flush()
-
-
-class EngineTextCodec(TextCodec):
-    """The engine's tokenizer.json and chat template."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._tokenizer = engine.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
-
-    def token_text(self, token_id: int) -> str:
-        return str(self._tokenizer.decode([token_id], skip_special_tokens=False))
-
-    def detokenizer(self) -> Detokenizer:
-        return _Detokenizer(self._tokenizer)
-
-    def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[int], tuple[int, ...]]:
-        try:
-            ids, params = self._engine.chat_request(messages, SamplingParams())
-        except (RequestError, TypeError) as exc:
-            raise ValueError(str(exc)) from None
-        return ids, params.stop_token_ids
-
-
-class _IdDetokenizer(Detokenizer):
-    def __init__(self) -> None:
-        self._first = True
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        text = " ".join(map(str, token_ids))
-        if text and not self._first:
-            text = " " + text
-        self._first = self._first and not text
-        return text
-
-    def flush(self) -> str:
-        return ""
-
-
-class TokenIdCodec(TextCodec):
-    """A model without tokenizer.json (random-weight benchmarks): prompts are token ids and
-    the output text is the token ids, space-separated, as ``execrt generate`` prints them."""
-
-    def encode(self, text: str) -> list[int]:
-        raise ValueError("the model has no tokenizer.json: pass the prompt as token ids")
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return " ".join(map(str, token_ids))
-
-    def token_text(self, token_id: int) -> str:
-        return str(token_id)
-
-    def detokenizer(self) -> Detokenizer:
-        return _IdDetokenizer()
-
-    def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[int], tuple[int, ...]]:
-        raise ValueError("the model has no tokenizer.json, hence no chat template")
-
-
-def text_codec(engine: Engine) -> TextCodec:
-    return EngineTextCodec(engine) if engine.tokenizer is not None else TokenIdCodec()
 
 
 # -- the command loop, on every rank -----------------------------------------------------------
@@ -265,13 +180,7 @@ class ThreadedEngineClient(EngineClient):
         try:
             channel = CommandChannel() if engine.parallel.world_size > 1 else None
             self._text = text_codec(engine)
-            self._info = ModelInfo(
-                name=self._name or _model_name(engine),
-                context_len=engine.worker.limits.context_len,
-                vocab_size=engine.model_config.vocab_size,
-                has_tokenizer=engine.tokenizer is not None,
-                has_chat_template=engine.chat_template is not None,
-            )
+            self._info = model_info(engine, self._name)
         except BaseException as exc:
             self._error = describe_exception(exc)
             engine.close()
@@ -338,11 +247,7 @@ class ThreadedEngineClient(EngineClient):
 
     def check(self, request: EngineRequest) -> str | None:
         assert self._engine is not None, "check() before ready()"
-        try:
-            sp = SamplingParams(**request.sampling)
-        except TypeError as exc:
-            return f"sampling: {exc}"
-        return self._engine.validate(request.prompt_ids, sp, request.top_logprobs)
+        return self._engine.limits.check(request.prompt_ids, request.sampling, request.top_logprobs)
 
     def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
         rid = request.request_id
@@ -380,10 +285,3 @@ class ThreadedEngineClient(EngineClient):
         self._queue(("stop",))
         if self._loaded.is_set():
             self._thread.join(timeout)
-
-
-def _model_name(engine: Engine) -> str:
-    path = engine.model_path
-    if not isinstance(path, str):
-        return "model"
-    return os.path.basename(os.path.normpath(path)) or path

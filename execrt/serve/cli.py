@@ -4,6 +4,8 @@ listen), rank 0 serving HTTP under torchrun while the other ranks follow its sch
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import signal
 import sys
 from typing import Any
@@ -25,6 +27,24 @@ ENGINE_FLAGS = (
     "ep_size",
     "strict",
 )
+
+
+#: ``--engine`` choices
+ENGINE_RUNNERS = ("auto", "process", "thread")
+
+
+def engine_runner(choice: str, world_size: int) -> str:
+    """``process`` or ``thread`` for ``--engine choice`` in a torchrun world of
+    ``world_size`` processes (1 without torchrun)."""
+    if choice == "auto":
+        return "process" if world_size == 1 else "thread"
+    if choice == "process" and world_size > 1:
+        raise ExecrtError(
+            f"serve: --engine process needs a single process, not a torchrun world of "
+            f"{world_size} (rank 0 steps its engine on a thread, in lockstep with the other "
+            "ranks); use --engine thread or auto"
+        )
+    return choice
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -49,6 +69,17 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level; info logs every request (default: warning)",
     )
+    serve.add_argument(
+        "--engine",
+        dest="engine_runner",
+        default="auto",
+        choices=list(ENGINE_RUNNERS),
+        help="where the engine runs: 'process', a process of its own (the HTTP side and the "
+        "engine's step loop then never wait for each other's interpreter lock), or 'thread', a "
+        "thread of the HTTP server's process; 'auto' is 'process' for a single process and "
+        "'thread' under torchrun, where rank 0 steps the engine in lockstep with the other "
+        "ranks (default: auto)",
+    )
     generate = sub.choices["generate"]
     for action in generate._actions:  # the same flags, help and defaults as generate's
         if action.dest in ENGINE_FLAGS:
@@ -67,14 +98,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = RuntimeConfig.load(file=args.config, cli=cli | {"model": args.model})
     if not 0 <= args.port <= 65535:
         raise ExecrtError(f"serve: --port {args.port} must be in 0..65535")
+    runner = engine_runner(args.engine_runner, int(os.environ.get("WORLD_SIZE", "1")))
     if launch_rank():
         return _follow(Engine(config=config))
     try:
         import execrt.serve.server as server
+        from execrt.engine.process import ProcessEngineClient
         from execrt.engine.threaded import ThreadedEngineClient
     except ImportError as exc:
         raise ExecrtError(f"serve: {exc.name} is missing (pip install 'execrt[serve]')") from None
-    client = ThreadedEngineClient(lambda: Engine(config=config), name=args.served_model_name)
+    build = functools.partial(Engine, config=config)
+    client: Any
+    if runner == "process":
+        client = ProcessEngineClient(build, name=args.served_model_name)
+    else:
+        client = ThreadedEngineClient(build, name=args.served_model_name)
     try:
         sock_status = server.serve(client, args.host, args.port, log_level=args.log_level)
     except OSError as exc:
@@ -147,6 +185,14 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--attention", default="auto", help="attention backend (default: auto)")
     b.add_argument("--graph", default="auto", help="graph backend (default: auto)")
     b.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    b.add_argument(
+        "--engine",
+        dest="engine_runner",
+        default="process",
+        choices=["process", "thread"],
+        help="where the server's engine runs, as execrt serve --engine (default: process, "
+        "what execrt serve does on one GPU)",
+    )
     b.add_argument("--no-engine", action="store_true", help="skip the in-process Engine comparison")
     b.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
     b.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
@@ -186,6 +232,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         attention=args.attention,
         graph=args.graph,
         device=args.device,
+        engine_runner=args.engine_runner,
         engine=not args.no_engine,
         plot=args.plot,
         out_dir=args.out,

@@ -14,9 +14,11 @@ import uvicorn
 from execrt.engine.client import EngineClient
 from execrt.serve.app import create_app
 
-#: How long a thread may keep the GIL while another waits for it. After each GPU step the
-#: engine thread needs it back at once to launch the next step, while the HTTP thread may be
-#: busy writing chunks: CPython's default, 5 ms, can leave the GPU idle that long per step.
+#: How long a thread may keep the GIL while another waits for it. With the engine on a thread
+#: (--engine thread), after each GPU step the engine thread needs it back at once to launch the
+#: next step, while the HTTP thread may be busy writing chunks: CPython's default, 5 ms, can
+#: leave the GPU idle that long per step. (With the engine in its own process, the server's
+#: other threads are brief: the output reader before the event loop takes over, to_thread.)
 SWITCH_INTERVAL_S = 0.001
 
 

@@ -19,7 +19,7 @@ class ChoiceText:
         self._detok = detokenizer
         self._stops = stops
         self._held = ""  # text that may begin a stop string: not sent yet
-        self.text = ""  # everything sent
+        self._sent: list[str] = []  # every piece sent (joined on demand: appending stays O(1))
         self.tokens = 0
         self.stopped = False
         self.logprobs: list[TokenLogprobs] = []
@@ -68,8 +68,14 @@ class ChoiceText:
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return self._send(buffer[: len(buffer) - keep])
 
+    @property
+    def text(self) -> str:
+        """Everything sent."""
+        return "".join(self._sent)
+
     def _send(self, text: str) -> str:
-        self.text += text
+        if text:
+            self._sent.append(text)
         return text
 
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from execrt.cli import build_parser, main
-from execrt.serve.cli import ENGINE_FLAGS
+from execrt.serve.cli import ENGINE_FLAGS, ENGINE_RUNNERS, engine_runner
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -53,3 +53,13 @@ def test_bad_arguments_are_one_line(argv, needle, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_the_engine_runs_in_its_own_process_unless_under_torchrun(monkeypatch, capsys) -> None:
+    assert [engine_runner(c, 1) for c in ENGINE_RUNNERS] == ["process", "process", "thread"]
+    assert [engine_runner(c, 2) for c in ("auto", "thread")] == ["thread", "thread"]
+    assert build_parser().parse_args(["serve"]).engine_runner == "auto"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["serve", "--engine", "process", "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--engine process needs a single process" in err, err

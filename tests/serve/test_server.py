@@ -1,10 +1,13 @@
 """The real server: the openai client against uvicorn on 127.0.0.1 (port 0) over the built-in
-model on CPU. Random weights, so every answer is compared with Engine.generate (called on the
-same engine, from this thread, while the server's engine thread serves)."""
+model on CPU, with the engine on a thread of this process and in a process of its own. Random
+weights, so every answer is compared with Engine.generate: on the serving engine itself (called
+from this thread while the engine thread serves), or on an engine of the same checkpoint here
+when the serving one runs in its own process."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -16,10 +19,12 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from execrt import Engine, SamplingParams
-from execrt.engine.client import EngineStats
+from execrt.engine.client import EngineClient, EngineStats
+from execrt.engine.process import ProcessEngineClient
 from execrt.engine.threaded import ThreadedEngineClient
 from execrt.models.builtin import builtin_model_path
 from execrt.serve.protocol import Plan
@@ -35,15 +40,37 @@ TEMPLATE = (
 @dataclass
 class Served:
     url: str
-    engine: Engine
-    client: ThreadedEngineClient
+    engine: Engine  # the serving engine (thread), else one of the same checkpoint here
+    client: EngineClient
+    runner: str  # "thread" or "process"
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
+    def stats(self) -> EngineStats:
+        """The serving engine's stats (through the client: the engine may be elsewhere)."""
+        return self.client.stats()
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    def same_process(self) -> None:
+        """Skip a test that reaches into the serving engine (it runs elsewhere)."""
+        if self.runner != "thread":
+            pytest.skip("patches the serving engine, which runs in another process")
+
+
+def _build(path: str, built: list[Engine] | None = None) -> Engine:
+    # One torch thread: idle ones spin for their turn, and the engine's process shares the
+    # cores with the server and the clients here.
+    torch.set_num_threads(1)
+    engine = Engine(path, device="cpu", max_running_requests=64)
+    if built is not None:
+        built.append(engine)
+    return engine
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     # The built-in checkpoint with a chat template, so that chat is served too.
     path = tmp_path_factory.mktemp("builtin-chat")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -51,17 +78,22 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = {"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     engines: list[Engine] = []
-
-    def build() -> Engine:
-        engines.append(Engine(str(path), device="cpu", max_running_requests=64))
-        return engines[-1]
-
-    client = ThreadedEngineClient(build, name="builtin")
+    client: EngineClient
+    if request.param == "thread":
+        client = ThreadedEngineClient(functools.partial(_build, str(path), engines), name="builtin")
+    else:
+        client = ProcessEngineClient(functools.partial(_build, str(path)), name="builtin")
     server = UvicornServer(client, bind("127.0.0.1", 0)).start()
     assert client.wait_ready(120), client.load_error()
-    yield Served(server.url, engines[0], client)
+    reference = engines[0] if engines else _build(str(path))
+    yield Served(server.url, reference, client, request.param)
     server.stop()
-    assert engines[0]._closed  # the app's shutdown closed the client and the engine
+    if request.param == "thread":
+        assert reference._closed  # the app's shutdown closed the client and the engine
+    else:
+        reference.close()
+        assert isinstance(client, ProcessEngineClient)  # the app's shutdown stopped the engine
+        assert client.process.exitcode == 0 and client.summary is not None
 
 
 def greedy(n: int, **kw: object) -> SamplingParams:
@@ -72,6 +104,7 @@ def test_completions_streamed_and_not_match_the_engine(served) -> None:
     api = served.openai()
     prompts = ["Hello there", "ünïcode ✓ 日本"]
     expected = served.engine.generate(prompts, greedy(12))
+    api.completions.create(model="builtin", prompt=prompts, max_tokens=1)  # caches the prompts
     got = api.completions.create(model="builtin", prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in got.choices] == [r.text for r in expected]
     assert [c.finish_reason for c in got.choices] == [r.finish_reason for r in expected]
@@ -79,7 +112,7 @@ def test_completions_streamed_and_not_match_the_engine(served) -> None:
     assert got.usage.prompt_tokens == sum(len(tok.encode(p).ids) for p in prompts)
     assert got.usage.completion_tokens == sum(len(r.token_ids) for r in expected)
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
-    # The engine's own call just cached both prompts: all but each one's last token hit.
+    # The first call cached both prompts: all but each one's last token hit.
     cached = got.usage.prompt_tokens - len(prompts)
     assert got.usage.prompt_tokens_details.cached_tokens == cached
     stream = api.completions.create(
@@ -147,7 +180,7 @@ def test_a_stop_string_never_appears_and_ends_the_request(served, stream) -> Non
     start = next(i for i in range(3, len(full) - 1) if "\ufffd" not in full[i : i + 2])
     stop = full[start : start + 2]
     expected = full[: full.find(stop)]
-    free = served.engine.stats().kv_slots_free
+    baseline = reclaimable(served.stats())
     kw = dict(model="builtin", prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
     kw["extra_body"] = {"ignore_eos": True}
     if stream:
@@ -158,7 +191,7 @@ def test_a_stop_string_never_appears_and_ends_the_request(served, stream) -> Non
         choice = api.completions.create(**kw).choices[0]
         text, reason = choice.text, choice.finish_reason
     assert (text, reason) == (expected, "stop") and stop not in text
-    wait_until(lambda: served.engine.stats().kv_slots_free == free)
+    wait_until(lambda: reclaimable(served.stats()) == baseline)
 
 
 def test_engine_validation_is_a_400_with_the_field(served) -> None:
@@ -179,6 +212,7 @@ def test_engine_validation_is_a_400_with_the_field(served) -> None:
 
 
 def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> None:
+    served.same_process()
     worker = served.engine.worker
     real = worker.forward_batch_generation
 
@@ -196,6 +230,7 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> N
 
 
 def test_flush_cache_runs_between_steps_and_empties_the_prefix_cache(served, monkeypatch) -> None:
+    served.same_process()
     served.engine.generate("fill the prefix cache", greedy(4))
     assert served.engine.stats().kv_slots_cached > 0
     calls: list[str] = []
@@ -217,6 +252,19 @@ def test_flush_cache_runs_between_steps_and_empties_the_prefix_cache(served, mon
     assert r.status_code == 501 and "no prefix cache" in r.json()["error"]["message"]
 
 
+def test_flush_cache_empties_the_serving_engines_prefix_cache(served) -> None:
+    served.openai().completions.create(model="builtin", prompt="cache me", max_tokens=2)
+    wait_until(lambda: served.stats().kv_slots_cached > 0)
+    assert httpx.post(served.url + "/flush_cache").json() == {"flushed": True}
+    wait_until(lambda: served.stats().kv_slots_cached == 0)
+    assert served.stats().kv_slots_free == served.stats().kv_slots_total
+
+
+def reclaimable(s: EngineStats) -> int:
+    """KV slots free or held by the prefix cache only (a request could take them)."""
+    return s.kv_slots_free + s.kv_slots_cached
+
+
 def wait_until(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not condition():
@@ -225,29 +273,30 @@ def wait_until(condition, timeout: float = 30.0) -> None:  # type: ignore[no-unt
 
 
 def test_a_disconnect_mid_stream_aborts_and_frees_the_slots(served) -> None:
-    baseline = served.engine.stats()
+    baseline = served.stats()
     body = {"prompt": "long", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     steps: list[int] = []
-    real = served.engine.abort_request
+    if served.runner == "thread":
+        real = served.engine.abort_request
 
-    def abort(rid: int, reason: str = "aborted") -> None:  # when the server gives up on it
-        steps.append(served.engine.stats().steps)
-        real(rid, reason)
+        def abort(rid: int, reason: str = "aborted") -> None:  # when the server gives up on it
+            steps.append(served.engine.stats().steps)
+            real(rid, reason)
 
-    served.engine.abort_request = abort  # type: ignore[method-assign]
+        served.engine.abort_request = abort  # type: ignore[method-assign]
     try:
         abandon_stream(served.url, body, chunks=3)
-
         # Closed after three chunks of 1000: the request is aborted, its slots come back
         # (its prompt's stay in the prefix cache, evictable).
-        def reclaimable(s: EngineStats) -> int:
-            return s.kv_slots_free + s.kv_slots_cached
-
-        wait_until(lambda: reclaimable(served.engine.stats()) == reclaimable(baseline))
+        wait_until(lambda: reclaimable(served.stats()) == reclaimable(baseline))
     finally:
-        del served.engine.abort_request
-    assert len(steps) == 1 and steps[0] < baseline.steps + 50
-    assert served.engine.stats().requests_running == 0 and not served.engine.has_work
+        served.engine.__dict__.pop("abort_request", None)
+    after = served.stats()
+    assert after.requests_running == 0 and after.requests_waiting == 0
+    assert after.steps < baseline.steps + 50  # aborted long before its 1000 tokens
+    if served.runner == "thread":
+        assert len(steps) == 1 and steps[0] < baseline.steps + 50
+        assert not served.engine.has_work
 
 
 def counters(url: str) -> dict[str, float]:
@@ -297,4 +346,4 @@ def test_256_concurrent_streams_all_match_the_engine(served) -> None:
     errors = [g for g in got if isinstance(g, BaseException)]
     assert errors == []
     assert got == [r.text for r in expected]
-    wait_until(lambda: not served.engine.has_work)
+    wait_until(lambda: served.stats().requests_running == 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from execrt.engine.threaded import _Detokenizer
+from execrt.engine.codec import _Detokenizer
 from execrt.models.builtin import build_tokenizer
 from execrt.serve.text import ChoiceText
 

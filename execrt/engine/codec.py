@@ -1,0 +1,157 @@
+"""The text side of an engine for a front end (``TextCodec``) and what it reports of the model
+(``ModelInfo``), as small picklable objects: a tokenizer and a chat template, or token ids as
+text for a model without tokenizer.json. The engine's process builds them; a front end in
+another process receives them once, at start-up, and never asks the engine for text."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from execrt.core.errors import RequestError
+from execrt.engine.client import Detokenizer, ModelInfo, TextCodec
+
+if TYPE_CHECKING:
+    from execrt.engine.engine import Engine
+    from execrt.models.tokenizer import ChatTemplate
+
+
+def chat_prompt_ids(
+    tokenizer: Any, template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
+) -> list[int]:
+    """The prompt ids of ``messages`` through ``template``. Raises RequestError naming the
+    message and field that are wrong, or why the template refused them."""
+    from execrt.models.tokenizer import chat_messages_problem
+
+    problem = chat_messages_problem(messages)
+    if problem is not None:
+        raise RequestError(f"engine: chat: {problem}")
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ValueError as exc:  # raise_exception() in the template, or one of its errors
+        raise RequestError(f"engine: {exc}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class _Detokenizer(Detokenizer):
+    def __init__(self, tokenizer: Any) -> None:
+        from execrt.models.tokenizer import IncrementalDetokenizer
+
+        self._inner = IncrementalDetokenizer(tokenizer)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        push = self._inner.push
+        if len(token_ids) == 1:
+            return push(token_ids[0])
+        return "".join([push(t) for t in token_ids])
+
+    def flush(self) -> str:
+        return self._inner.flush()
+
+
+class TokenizerCodec(TextCodec):
+    """A model's tokenizer.json and chat template (``no_chat`` says why chat is refused when
+    there is none)."""
+
+    def __init__(
+        self, tokenizer: Any, template: ChatTemplate | None, no_chat: str = "no chat template"
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+        self._no_chat = no_chat
+        stops = () if template is None else template.stop_token_ids(tokenizer)
+        self._stops = tuple(dict.fromkeys(stops))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def detokenizer(self) -> Detokenizer:
+        return _Detokenizer(self._tokenizer)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        if self._template is None:
+            raise ValueError(self._no_chat)
+        try:
+            ids = chat_prompt_ids(self._tokenizer, self._template, messages)
+        except (RequestError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        return ids, self._stops
+
+
+class _IdDetokenizer(Detokenizer):
+    def __init__(self) -> None:
+        self._first = True
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        text = " ".join(map(str, token_ids))
+        if text and not self._first:
+            text = " " + text
+        self._first = self._first and not text
+        return text
+
+    def flush(self) -> str:
+        return ""
+
+
+class TokenIdCodec(TextCodec):
+    """A model without tokenizer.json (random-weight benchmarks): prompts are token ids and
+    the output text is the token ids, space-separated, as ``execrt generate`` prints them."""
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("the model has no tokenizer.json: pass the prompt as token ids")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
+
+    def detokenizer(self) -> Detokenizer:
+        return _IdDetokenizer()
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], tuple[int, ...]]:
+        raise ValueError("the model has no tokenizer.json, hence no chat template")
+
+
+def text_codec(engine: Engine) -> TextCodec:
+    """``engine``'s text side (picklable: it holds no reference to the engine)."""
+    if engine.tokenizer is None:
+        return TokenIdCodec()
+    return TokenizerCodec(engine.tokenizer, engine.chat_template, no_chat_reason(engine))
+
+
+def no_chat_reason(engine: Engine) -> str:
+    return (
+        f"engine: {engine.model_note} has no chat template "
+        "(tokenizer_config.json 'chat_template'); use generate() with plain text"
+    )
+
+
+def model_info(engine: Engine, name: str | None = None) -> ModelInfo:
+    """What a front end reports of ``engine``'s model; ``name`` defaults to the checkpoint's
+    directory or file name."""
+    return ModelInfo(
+        name=name or _model_name(engine),
+        context_len=engine.worker.limits.context_len,
+        vocab_size=engine.model_config.vocab_size,
+        has_tokenizer=engine.tokenizer is not None,
+        has_chat_template=engine.chat_template is not None,
+    )
+
+
+def _model_name(engine: Engine) -> str:
+    path = engine.model_path
+    if not isinstance(path, str):
+        return "model"
+    return os.path.basename(os.path.normpath(path)) or path

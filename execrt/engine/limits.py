@@ -1,0 +1,84 @@
+"""What a request must fit in (the vocabulary, the context, the whole KV cache), as one small
+picklable record: the Engine validates submissions with it, and a front end in another process
+gets a copy at start-up, so that it refuses a bad request with the engine's own message without
+asking the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from execrt.core.prompts import prompt_token_ids
+from execrt.core.schedule import SamplingParams
+
+#: The most alternatives one token may list (OpenAI's chat limit).
+MAX_TOP_LOGPROBS = 20
+
+
+def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> int:
+    """The most KV slots one request can hold at once: every token but the last it generates.
+
+    A request stops after ``max_new_tokens`` tokens or when prompt plus output reaches
+    ``context_len``; the final sampled token is never fed back, so its K/V is never stored.
+    """
+    return min(prompt_len + max_new_tokens, context_len) - 1
+
+
+def top_logprobs_problems(top: object) -> list[str]:
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
+    return []
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """One engine's limits on a request."""
+
+    vocab_size: int
+    context_len: int
+    kv_slots_total: int
+
+    def token_problems(self, ids: Sequence[int]) -> list[str]:
+        """What is wrong with prompt ``ids`` (already plain ints) for this model."""
+        problems = []
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            problems.append(f"token id {bad[0]} out of range (vocab size {self.vocab_size})")
+        if len(ids) >= self.context_len:
+            problems.append(
+                f"prompt of {len(ids)} tokens leaves no room in the context of {self.context_len}"
+            )
+        return problems
+
+    def kv_problem(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        """Why a valid request could not run even alone in an empty KV cache, or None."""
+        needed = kv_slots_needed(prompt_len, max_new_tokens, self.context_len)
+        if needed > self.kv_slots_total:
+            return (
+                f"request needs up to {needed} KV slots but the whole cache holds "
+                f"{self.kv_slots_total}"
+            )
+        return None
+
+    def check(
+        self, prompt_ids: object, sampling: Mapping[str, Any], top_logprobs: int | None
+    ) -> str | None:
+        """What ``Engine.validate`` says of a token-id prompt with these ``SamplingParams``
+        keywords (None: it would be served), without the engine."""
+        try:
+            sp = SamplingParams(**sampling)
+        except TypeError as exc:
+            return f"sampling: {exc}"
+        problems = sp.problems()
+        ids, problem = prompt_token_ids(prompt_ids)
+        if problem is not None:
+            problems.append(problem)
+        if not ids and not problems:
+            problems.append("empty prompt")
+        problems += self.token_problems(ids)
+        if top_logprobs is not None:
+            problems += top_logprobs_problems(top_logprobs)
+        if problems:
+            return "; ".join(problems)
+        return self.kv_problem(len(ids), sp.max_new_tokens)
