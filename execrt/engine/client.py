@@ -9,12 +9,17 @@ requests and outputs are small picklable records, and outputs reach the front en
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from execrt.engine.limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,84 @@ class EngineClient(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class BackgroundEngineClient(EngineClient):
+    """What the engine's own clients share: the engine loads in the background (a thread, a
+    process) and then hands over what the front end reads without asking it again: the
+    ``ModelInfo``, the ``TextCodec`` and the ``RequestLimits`` that ``check`` validates
+    against; or ``_error``, why it could not.
+
+    A subclass calls ``_loaded_with`` (then sets ``_loaded``) once the engine is built, sets
+    ``_error`` and ``_loaded`` when it fails, and calls ``flushed`` with its engine's answer
+    to a flush. It says whether the engine has a prefix cache (``_has_prefix_cache``) and how
+    a flush reaches the engine (``_send_flush``).
+    """
+
+    def __init__(self) -> None:
+        self._info: ModelInfo | None = None
+        self._text: TextCodec | None = None
+        self._limits: RequestLimits | None = None
+        self._error: str | None = None
+        self._loaded = threading.Event()  # built, or failed to
+        self._flushes: dict[int, Future[bool]] = {}
+        self._flush_keys = itertools.count()
+
+    def _loaded_with(self, info: ModelInfo, text: TextCodec, limits: RequestLimits) -> None:
+        self._text, self._limits = text, limits
+        self._info = info  # last: ready() from here on
+
+    @abstractmethod
+    def _has_prefix_cache(self) -> bool:
+        """Whether the (loaded) engine has a prefix cache to flush."""
+
+    @abstractmethod
+    def _send_flush(self, key: int) -> bool:
+        """Ask the engine to empty its prefix cache and answer ``flushed(key, ok)``; False
+        when the request cannot reach it (the engine is gone)."""
+
+    def flushed(self, key: int, ok: bool) -> None:
+        """The engine's answer to flush ``key``: whether the prefix cache is empty now."""
+        future = self._flushes.pop(key, None)
+        if future is not None:
+            future.set_result(ok)
+
+    # -- EngineClient ------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is built (or failed); returns ``ready()``."""
+        self._loaded.wait(timeout)
+        return self.ready()
+
+    def ready(self) -> bool:
+        return self._info is not None and self._error is None
+
+    def load_error(self) -> str | None:
+        return self._error
+
+    def model_info(self) -> ModelInfo:
+        assert self._info is not None, "model_info() before ready()"
+        return self._info
+
+    def text(self) -> TextCodec:
+        assert self._text is not None, "text() before ready()"
+        return self._text
+
+    def check(self, request: EngineRequest) -> str | None:
+        assert self._limits is not None, "check() before ready()"
+        return self._limits.check(request.prompt_ids, request.sampling, request.top_logprobs)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache between two steps (on every rank); blocks until done."""
+        assert self._info is not None, "flush_cache() before ready()"
+        if not self._has_prefix_cache():
+            return super().flush_cache()  # NotImplementedError: no prefix cache
+        key = next(self._flush_keys)
+        done: Future[bool] = Future()
+        self._flushes[key] = done
+        if not self._send_flush(key):
+            self._flushes.pop(key, None)
+            raise RuntimeError(self._error or "the engine was closed")
+        return done.result(timeout=120)
 
 
 class Waker:

@@ -23,25 +23,21 @@ and detokenizing, nor the front end for a step.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
 from typing import TYPE_CHECKING, Any
 
 from execrt.engine.client import (
-    EngineClient,
+    BackgroundEngineClient,
     EngineRequest,
     EngineStats,
-    ModelInfo,
     OutputHolder,
     RequestOutput,
-    TextCodec,
     deliver,
 )
 
@@ -49,7 +45,6 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from execrt.engine.engine import Engine
-    from execrt.engine.limits import RequestLimits
     from execrt.engine.threaded import Command
 
 logger = logging.getLogger(__name__)
@@ -203,7 +198,7 @@ def _send_quietly(conn: Connection, message: Any) -> None:
 
 
 # -- the front end's handle -----------------------------------------------------------------------
-class ProcessEngineClient(EngineClient):
+class ProcessEngineClient(BackgroundEngineClient):
     """Starts the engine process at once; ``ready()`` turns True when it has built the Engine,
     ``load_error()`` says why it could not (or why it stopped serving later).
 
@@ -213,6 +208,7 @@ class ProcessEngineClient(EngineClient):
     """
 
     def __init__(self, build: Callable[[], Engine], *, name: str | None = None) -> None:
+        super().__init__()
         ctx = multiprocessing.get_context("spawn")
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
@@ -225,15 +221,8 @@ class ProcessEngineClient(EngineClient):
         self._ending = False  # _ended() ran or runs
         self._closing = False
         self._closed = False
-        self._info: ModelInfo | None = None
-        self._text: TextCodec | None = None
-        self._limits: RequestLimits | None = None
-        self._has_prefix_cache = False
         self._stats: EngineStats | None = None
-        self._error: str | None = None
-        self._loaded = threading.Event()
-        self._flushes: dict[int, Future[bool]] = {}
-        self._flush_keys = itertools.count()
+        self._prefix_cache = False  # the engine has one (it says so when ready)
         self.summary: Any = None  # the engine loop's LoopSummary, once it stopped
         self.process = ctx.Process(
             target=engine_main,
@@ -310,13 +299,11 @@ class ProcessEngineClient(EngineClient):
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "ready":
-            _, self._info, self._text, self._limits, self._has_prefix_cache, stats = message
-            self._stats = stats
+            _, info, text, limits, self._prefix_cache, self._stats = message
+            self._loaded_with(info, text, limits)
             self._loaded.set()
         elif kind == "flushed":
-            future = self._flushes.pop(message[1], None)
-            if future is not None:
-                future.set_result(message[2])
+            self.flushed(message[1], message[2])
         elif kind == "stopped":
             self.summary = message[1]
         elif kind in ("error", "failed"):
@@ -392,29 +379,15 @@ class ProcessEngineClient(EngineClient):
         except (OSError, ValueError):  # the engine process is gone (the reader says so)
             return False
 
-    # -- EngineClient --------------------------------------------------------------------------
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the engine is built (or failed); returns ``ready()``."""
-        self._loaded.wait(timeout)
-        return self.ready()
+    def _has_prefix_cache(self) -> bool:
+        return self._prefix_cache
 
+    def _send_flush(self, key: int) -> bool:
+        return not self._gone and self._send(("flush", key))
+
+    # -- EngineClient (the rest: BackgroundEngineClient) ---------------------------------------
     def ready(self) -> bool:
-        return self._info is not None and self._error is None and not self._gone
-
-    def load_error(self) -> str | None:
-        return self._error
-
-    def model_info(self) -> ModelInfo:
-        assert self._info is not None, "model_info() before ready()"
-        return self._info
-
-    def text(self) -> TextCodec:
-        assert self._text is not None, "text() before ready()"
-        return self._text
-
-    def check(self, request: EngineRequest) -> str | None:
-        assert self._limits is not None, "check() before ready()"
-        return self._limits.check(request.prompt_ids, request.sampling, request.top_logprobs)
+        return super().ready() and not self._gone
 
     def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
         with self._lock:
@@ -434,19 +407,6 @@ class ProcessEngineClient(EngineClient):
         """The engine's stats as of its last round of commands or step (pushed with each)."""
         assert self._stats is not None, "stats() before ready()"
         return self._stats
-
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache between two steps; blocks until done."""
-        assert self._info is not None, "flush_cache() before ready()"
-        if not self._has_prefix_cache:
-            return super().flush_cache()  # NotImplementedError: no prefix cache
-        key = next(self._flush_keys)
-        done: Future[bool] = Future()
-        self._flushes[key] = done
-        if self._gone or not self._send(("flush", key)):
-            self._flushes.pop(key, None)
-            raise RuntimeError(self._error or "the engine was closed")
-        return done.result(timeout=120)
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the engine process (it closes the Engine first) and join it and the reader;

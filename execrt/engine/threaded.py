@@ -10,25 +10,21 @@ receive, so every rank runs the same schedule; a ``stop`` command ends every ran
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from execrt.core.errors import RequestError
 from execrt.core.schedule import SamplingParams
 from execrt.engine.client import (
-    EngineClient,
+    BackgroundEngineClient,
     EngineRequest,
     EngineStats,
-    ModelInfo,
     OutputHolder,
     RequestOutput,
-    TextCodec,
     deliver,
 )
 from execrt.engine.codec import model_info, text_codec
@@ -143,7 +139,7 @@ def follow(engine: Engine) -> LoopSummary:
 
 
 # -- the client --------------------------------------------------------------------------------
-class ThreadedEngineClient(EngineClient):
+class ThreadedEngineClient(BackgroundEngineClient):
     """Builds an Engine with ``build()`` on its own thread and serves it from there.
 
     ``ready()`` turns True once built; ``load_error()`` says why building failed. ``name`` is
@@ -151,20 +147,15 @@ class ThreadedEngineClient(EngineClient):
     """
 
     def __init__(self, build: Callable[[], Engine], *, name: str | None = None) -> None:
+        super().__init__()
         self._build = build
         self._name = name
         self._engine: Engine | None = None
-        self._text: TextCodec | None = None
-        self._info: ModelInfo | None = None
-        self._error: str | None = None
-        self._loaded = threading.Event()
         self._commands: deque[Command] = deque()
         self._cond = threading.Condition()
         self._sinks: dict[str, Sink] = {}
         self._outputs: list[tuple[OutputHolder, RequestOutput]] = []  # of this step
         self._live: dict[str, OutputHolder] = {}  # submitted, not finished
-        self._flushes: dict[int, Future[bool]] = {}
-        self._flush_keys = itertools.count()
         self.summary: LoopSummary | None = None
         self._thread = threading.Thread(target=self._main, name="execrt-engine", daemon=True)
         self._thread.start()
@@ -179,14 +170,14 @@ class ThreadedEngineClient(EngineClient):
             return
         try:
             channel = CommandChannel() if engine.parallel.world_size > 1 else None
-            self._text = text_codec(engine)
-            self._info = model_info(engine, self._name)
+            info, text = model_info(engine, self._name), text_codec(engine)
         except BaseException as exc:
             self._error = describe_exception(exc)
             engine.close()
             self._loaded.set()
             return
-        self._engine = engine  # ready from here on
+        self._engine = engine
+        self._loaded_with(info, text, engine.limits)  # ready from here on
         self._loaded.set()
         try:
             self.summary = run_commands(
@@ -195,7 +186,7 @@ class ThreadedEngineClient(EngineClient):
                 channel,
                 self._sinks,
                 after_step=self._deliver,
-                flushed=lambda key, ok: self._flushes.pop(key).set_result(ok),
+                flushed=self.flushed,
             )
         except BaseException as exc:
             logger.exception("engine thread: the engine failed; requests are no longer served")
@@ -225,30 +216,15 @@ class ThreadedEngineClient(EngineClient):
             self._commands.append(command)
             self._cond.notify()
 
-    # -- EngineClient ------------------------------------------------------------------------
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the engine is built (or failed); returns ``ready()``."""
-        self._loaded.wait(timeout)
-        return self.ready()
+    def _has_prefix_cache(self) -> bool:
+        assert self._engine is not None
+        return self._engine.worker.memory.prefix_cache is not None
 
-    def ready(self) -> bool:
-        return self._engine is not None and self._error is None
+    def _send_flush(self, key: int) -> bool:
+        self._queue(("flush", key))
+        return True
 
-    def load_error(self) -> str | None:
-        return self._error
-
-    def model_info(self) -> ModelInfo:
-        assert self._info is not None, "model_info() before ready()"
-        return self._info
-
-    def text(self) -> TextCodec:
-        assert self._text is not None, "text() before ready()"
-        return self._text
-
-    def check(self, request: EngineRequest) -> str | None:
-        assert self._engine is not None, "check() before ready()"
-        return self._engine.limits.check(request.prompt_ids, request.sampling, request.top_logprobs)
-
+    # -- EngineClient (the rest: BackgroundEngineClient) ---------------------------------------
     def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
         rid = request.request_id
 
@@ -267,17 +243,6 @@ class ThreadedEngineClient(EngineClient):
     def stats(self) -> EngineStats:
         assert self._engine is not None, "stats() before ready()"
         return self._engine.stats()
-
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache between two steps (on every rank); blocks until done."""
-        assert self._engine is not None, "flush_cache() before ready()"
-        if self._engine.worker.memory.prefix_cache is None:
-            return super().flush_cache()  # NotImplementedError: no prefix cache
-        key = next(self._flush_keys)
-        done: Future[bool] = Future()
-        self._flushes[key] = done
-        self._queue(("flush", key))
-        return done.result(timeout=120)
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the engine thread (every rank's loop under torchrun) and close the engine.

@@ -290,6 +290,147 @@ def _load_rows(base, slots, stride, offs, DIM: tl.constexpr, BLOCK: tl.constexpr
     return rows
 
 
+# The helpers below hold what both kernels share (tile schedule, query rows, the online-softmax
+# step, the whole-block prefix loop, the output store). Triton inlines jit calls before any
+# optimisation pass, so each kernel compiles to what it would be with the code written out.
+
+
+@triton.jit
+def _tile_coords(
+    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+):  # fmt: skip
+    """This program's query tile: ``(m_tile, request b, first query head head0, kv_head)``.
+
+    Schedule (1-D grid): chunks of pairs_per_chunk (request, head block) pairs; inside a chunk
+    the highest query tiles (the longest causal rows) are dispatched first.
+    """
+    pid = tl.program_id(0)
+    chunk_programs = pairs_per_chunk * num_m_tiles
+    chunk = pid // chunk_programs
+    local = pid - chunk * chunk_programs
+    first_pair = chunk * pairs_per_chunk
+    width = tl.minimum(pairs_per_chunk, num_pairs - first_pair)
+    m_tile = num_m_tiles - 1 - local // width
+    pair = first_pair + local % width
+    b = pair // num_head_blocks
+    head0 = (pair - b * num_head_blocks) * HEADS  # first query head of the tile
+    kv_head = head0 // GROUP
+    return m_tile, b, head0, kv_head
+
+
+@triton.jit
+def _tile_rows(qo_indptr_ptr, b, m_tile, head0, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile's rows: ``(q_start, extend_len, tok0, tok, heads, row_ok, rows)``.
+
+    A tile is TOKENS = BLOCK_M // HEADS consecutive new tokens x HEADS query heads of one kv
+    head: row r holds token r // HEADS and head r % HEADS, so each K/V tile loaded serves every
+    packed head. ``rows`` are the tokens' rows in q / o (int64: token row * row stride passes
+    2**31 early); ``row_ok`` is False for rows past the request's new tokens and for the rows
+    past TOKENS * HEADS that exist only when HEADS does not divide BLOCK_M.
+    """
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
+    q_start = tl.load(qo_indptr_ptr + b).to(tl.int32)
+    extend_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int32) - q_start
+    tok0 = m_tile * TOKENS
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_r // HEADS  # [BLOCK_M] new-token index of each row
+    heads = head0 + offs_r % HEADS  # [BLOCK_M]
+    row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
+    rows = (q_start + tok).to(tl.int64)
+    return q_start, extend_len, tok0, tok, heads, row_ok, rows
+
+
+@triton.jit
+def _load_q(
+    q_ptr, rows, heads, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The query tile ``[BLOCK_M, BLOCK_D]``; masked rows and padded columns read zeros."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _softmax_init(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Empty online-softmax state ``(m_i, l_i, acc)``: running max (log2 domain), sum, output."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, qk_scale, visible):
+    """Fold the scores ``s = q @ k^T`` of one K block into the running max and sum.
+
+    ``visible`` None: every row sees every column, so the scale is applied after the row max
+    (qk_scale > 0) and no mask is built; else a mask broadcastable to ``s``, and hidden
+    columns score -inf. Returns ``(p, alpha, m_i, l_i)``: the block's probabilities, the factor
+    that rescales the accumulator, and the new max and sum. The caller loads V after this
+    call and then updates ``acc``.
+    """
+    if visible is None:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _attend_whole_blocks(
+    q, m_i, l_i, acc, ids, k_base, v_base, idx_base, hi, stride_ks, stride_vs, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Attend to context ``[0, hi)`` (whole blocks every row sees) gathered through slot ids.
+
+    ``ids`` are the first block's slot ids, loaded by the caller. Each block's successor ids
+    are loaded during the block and carried over, so the K/V gathers never depend on a load
+    of their own iteration: the pipeliner treats them as direct loads and issues them
+    num_stages - 1 blocks ahead. K/V are converted to q's dtype (an fp8 cache, exactly).
+    Returns the new ``(m_i, l_i, acc)``.
+    """
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start in range(0, hi, BLOCK_N):
+        offs_next = start + BLOCK_N + offs_b
+        ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
+        slots = ids.to(tl.int64)  # [BLOCK_N]; int64 offsets below
+        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
+        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None).to(q.dtype)
+        # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
+        ids = ids_next
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_o(
+    o_ptr, out, rows, heads, row_ok, stride_ot, stride_oh, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Store the finished tile ``out [BLOCK_M, BLOCK_DV]`` into o's valid rows and columns."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+    )
+
+
 # Runtime sizes vary from step to step: keep them out of Triton's divisibility
 # specialisation so that a new batch shape never costs a recompile.
 @triton.jit(do_not_specialize=["num_m_tiles", "num_head_blocks", "num_pairs", "pairs_per_chunk"])
@@ -326,45 +467,21 @@ def _extend_kernel(
     BLOCK_DV: tl.constexpr,
     KV_SCALED: tl.constexpr,
 ):
-    # A tile is TOKENS consecutive new tokens x HEADS query heads of one kv head: row r holds
-    # token r // HEADS and head r % HEADS, so each K/V tile gathered serves every packed head.
+    # Query tiles (see _tile_rows) in the L2-chunked, longest-first schedule of _tile_coords.
     TOKENS: tl.constexpr = BLOCK_M // HEADS
-
-    # Schedule (1-D grid): chunks of pairs_per_chunk (request, head block) pairs; inside a
-    # chunk the highest query tiles (the longest causal rows) are dispatched first.
-    pid = tl.program_id(0)
-    chunk_programs = pairs_per_chunk * num_m_tiles
-    chunk = pid // chunk_programs
-    local = pid - chunk * chunk_programs
-    first_pair = chunk * pairs_per_chunk
-    width = tl.minimum(pairs_per_chunk, num_pairs - first_pair)
-    m_tile = num_m_tiles - 1 - local // width
-    pair = first_pair + local % width
-    b = pair // num_head_blocks
-    head0 = (pair - b * num_head_blocks) * HEADS  # first query head of the tile
-    kv_head = head0 // GROUP
-
-    q_start = tl.load(qo_indptr_ptr + b).to(tl.int32)
-    extend_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int32) - q_start
+    m_tile, b, head0, kv_head = _tile_coords(
+        num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS
+    )
+    q_start, extend_len, tok0, tok, heads, row_ok, rows = _tile_rows(
+        qo_indptr_ptr, b, m_tile, head0, HEADS, BLOCK_M
+    )
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     kv_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
-
-    tok0 = m_tile * TOKENS
-    offs_r = tl.arange(0, BLOCK_M)
-    tok = tok0 + offs_r // HEADS  # [BLOCK_M] new-token index of each row
-    heads = head0 + offs_r % HEADS  # [BLOCK_M]
-    # Rows past TOKENS * HEADS exist only when HEADS does not divide BLOCK_M.
-    row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = (q_start + tok).to(tl.int64)  # int64: token row * row stride passes 2**31 early
 
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    q = _load_q(q_ptr, rows, heads, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
     q_pos = prefix + tok  # [BLOCK_M] absolute position; the row sees context j <= q_pos
     if KV_SCALED:  # an fp8 cache holds K / k_scale: fold k_scale into the softmax scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
@@ -377,38 +494,23 @@ def _extend_kernel(
     kv_hi = tl.where(tile_ok, tl.minimum(prefix + last_tok + 1, kv_len), 0)
     full_hi = tl.where(tile_ok, tl.minimum(prefix + tok0 + 1, kv_hi) // BLOCK_N * BLOCK_N, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = _softmax_init(BLOCK_M, BLOCK_DV)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     idx_base = kv_indices_ptr + kv_start
 
-    # The slot ids of block i + 1 are loaded during block i and carried over, so the K/V
-    # gathers never depend on a load of their own iteration: the pipeliner treats them as
-    # direct loads and issues them num_stages - 1 blocks ahead. The first diagonal block's
-    # ids are loaded up front, so the switch between the loops waits for one load, not two.
+    # Slot ids run one block ahead (see _attend_whole_blocks). The first diagonal block's ids
+    # are loaded up front, so the switch between the loops waits for one load, not two.
     offs_b = tl.arange(0, BLOCK_N)
     ids = tl.load(idx_base + offs_b, mask=offs_b < full_hi, other=0)
     ids_diag = tl.load(idx_base + full_hi + offs_b, mask=full_hi + offs_b < kv_hi, other=0)
 
     # The first block processed (full or diagonal) starts at position 0, which every row
     # sees, so m_i is finite from then on and no row computes exp2(-inf - -inf).
-    for start in range(0, full_hi, BLOCK_N):
-        offs_next = start + BLOCK_N + offs_b
-        ids_next = tl.load(idx_base + offs_next, mask=offs_next < full_hi, other=0)
-        slots = ids.to(tl.int64)  # [BLOCK_N]; int64 offsets below
-        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain (qk_scale > 0)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None).to(q.dtype)
-        # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
-        m_i = m_new
-        ids = ids_next
+    m_i, l_i, acc = _attend_whole_blocks(
+        q, m_i, l_i, acc, ids, k_base, v_base, idx_base, full_hi, stride_ks, stride_vs,
+        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
 
     for start in range(full_hi, kv_hi, BLOCK_N):
         offs_n = start + offs_b
@@ -418,24 +520,16 @@ def _extend_kernel(
         # Columns past kv_hi load zeros, not slot 0's row: p = 0 times NaN would still be NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv).to(q.dtype)
         s = tl.dot(q, tl.trans(k))
-        s = tl.where(offs_n[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        visible = offs_n[None, :] <= q_pos[:, None]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, visible)
         v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_kv).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
         ids_diag = ids_next
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
     if KV_SCALED:  # V / v_scale was stored
         out = out * tl.load(kv_scales_ptr + 1)
-    tl.store(
-        o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
-    )
+    _store_o(o_ptr, out, rows, heads, row_ok, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=["num_m_tiles", "num_head_blocks", "num_pairs", "pairs_per_chunk"])
@@ -477,39 +571,19 @@ def _extend_fresh_kernel(
     BLOCK_DV: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    # Query tiles and their schedule are the gather kernel's (see _extend_kernel): TOKENS new
-    # tokens x HEADS packed query heads of one kv head, longest tiles first in L2-sized chunks.
+    # Query tiles and their schedule are the gather kernel's (_tile_coords, _tile_rows).
     TOKENS: tl.constexpr = BLOCK_M // HEADS
-    pid = tl.program_id(0)
-    chunk_programs = pairs_per_chunk * num_m_tiles
-    chunk = pid // chunk_programs
-    local = pid - chunk * chunk_programs
-    first_pair = chunk * pairs_per_chunk
-    width = tl.minimum(pairs_per_chunk, num_pairs - first_pair)
-    m_tile = num_m_tiles - 1 - local // width
-    pair = first_pair + local % width
-    b = pair // num_head_blocks
-    head0 = (pair - b * num_head_blocks) * HEADS
-    kv_head = head0 // GROUP
-
-    q_start = tl.load(qo_indptr_ptr + b).to(tl.int32)
-    extend_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int32) - q_start
+    m_tile, b, head0, kv_head = _tile_coords(
+        num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS
+    )
+    q_start, extend_len, tok0, tok, heads, row_ok, rows = _tile_rows(
+        qo_indptr_ptr, b, m_tile, head0, HEADS, BLOCK_M
+    )
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
-
-    tok0 = m_tile * TOKENS
-    offs_r = tl.arange(0, BLOCK_M)
-    tok = tok0 + offs_r // HEADS  # [BLOCK_M] new-token index of each row
-    heads = head0 + offs_r % HEADS
-    row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    q = _load_q(q_ptr, rows, heads, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
 
     # Two sources, each split into blocks every row sees (no mask math) and masked ones:
     #   prefix  [0, prefix): every new token sees all of it; only a ragged last block is
@@ -523,33 +597,20 @@ def _extend_fresh_kernel(
     new_hi = tl.where(tile_ok, tl.minimum(tok0 + TOKENS, extend_len), 0)
     new_full = tl.where(tile_ok, (tok0 + 1) // BLOCK_N * BLOCK_N, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = _softmax_init(BLOCK_M, BLOCK_DV)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     idx_base = kv_indices_ptr + kv_start
     offs_b = tl.arange(0, BLOCK_N)
 
-    # Prefix, whole blocks. Slot ids are carried one block ahead as in _extend_kernel, so the
-    # gathers never depend on a load of their own iteration (full pipelining lookahead).
-    # Whatever block runs first starts at column 0, which every row sees: m_i is finite from
-    # then on and no row computes exp2(-inf - -inf).
+    # Prefix, whole blocks, slot ids one block ahead as in the gather kernel. Whatever block
+    # runs first starts at column 0, which every row sees: m_i is finite from then on and no
+    # row computes exp2(-inf - -inf).
     ids = tl.load(idx_base + offs_b, mask=offs_b < pre_full, other=0)
-    for start in range(0, pre_full, BLOCK_N):
-        offs_next = start + BLOCK_N + offs_b
-        ids_next = tl.load(idx_base + offs_next, mask=offs_next < pre_full, other=0)
-        slots = ids.to(tl.int64)
-        k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None)
-        s = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-        ids = ids_next
+    m_i, l_i, acc = _attend_whole_blocks(
+        q, m_i, l_i, acc, ids, k_base, v_base, idx_base, pre_full, stride_ks, stride_vs,
+        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
 
     # Prefix, the ragged last block (zero or one iteration).
     for start in range(pre_full, pre_hi, BLOCK_N):
@@ -559,14 +620,9 @@ def _extend_fresh_kernel(
         # Columns past the prefix load zeros, not slot 0's row: p = 0 times NaN is NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_pre)
         s = tl.dot(q, tl.trans(k))
-        s = tl.where(in_pre[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, in_pre[None, :])
         v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_pre)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     # New tokens, whole blocks: consecutive rows of k_new / v_new, below every row's diagonal.
     for start in range(0, new_full, BLOCK_N):
@@ -577,10 +633,7 @@ def _extend_fresh_kernel(
             k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
                            BLOCK_D, None)  # fmt: skip
         s = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
         if TMA:
             v = v_new.load([q_start + start, kv_head * HEAD_DIM_V])
         else:
@@ -588,7 +641,6 @@ def _extend_fresh_kernel(
             v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
                            BLOCK_DV, None)  # fmt: skip
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     # New tokens, the diagonal blocks: row r sees new tokens j <= tok[r].
     for start in range(new_full, new_hi, BLOCK_N):
@@ -601,11 +653,8 @@ def _extend_fresh_kernel(
             k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
                            BLOCK_D, offs_n < new_hi)  # fmt: skip
         s = tl.dot(q, tl.trans(k))
-        s = tl.where(offs_n[None, :] <= tok[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        visible = offs_n[None, :] <= tok[:, None]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, visible)
         if TMA:
             # Zero the rows past this request: p = 0 there, but 0 times a NaN row is NaN.
             v = v_new.load([q_start + start, kv_head * HEAD_DIM_V])
@@ -615,14 +664,9 @@ def _extend_fresh_kernel(
             v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
                            BLOCK_DV, offs_n < new_hi)  # fmt: skip
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
-    )
+    _store_o(o_ptr, out, rows, heads, row_ok, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_DV)
 
 
 # ----------------------------------------------------------------------------------------------
