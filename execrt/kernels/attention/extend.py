@@ -255,13 +255,17 @@ def choose_kernel(
     kv_scales: object,
     head_dim: int,
 ) -> str:
-    """``fresh`` when the new K/V were handed and the fresh kernel serves the cache and the
-    device (see :func:`fresh_supported`), unless this GPU's tuned table measured ``gather``
-    faster; else ``gather``."""
+    """``fresh`` when the new K/V were handed, the fresh kernel serves the cache and the
+    device (see :func:`fresh_supported`), and this GPU's tuned table measured it faster
+    (``use``); else ``gather``. A GPU without a table keeps ``gather``: the fresh kernel
+    becomes a default only where a tuning run on that GPU checked and timed it. Under the
+    Triton interpreter (CPU) it is the default, so the CPU tests run it."""
     if k_new is None or fresh_supported(q, k_buffer, kv_scales) is not None:
         return GATHER
     entry = table_entry(q.dtype, head_dim, q.device)
-    return FRESH if entry is None else entry.use
+    if entry is None:
+        return FRESH if q.device.type == "cpu" else GATHER
+    return entry.use
 
 
 # ----------------------------------------------------------------------------------------------
