@@ -87,8 +87,8 @@ class DeviceToHost:
 
     def start(self, tensor: torch.Tensor) -> HostCopy:
         """Slots are reused round-robin: read a copy before ``slots`` more have started."""
-        if not self._ring.pinned:  # a snapshot, flat, as the pinned copy would be
-            return HostCopy(tensor.detach().flatten().clone(), None)
+        if not self._ring.pinned:  # a snapshot, flat and in the ring's dtype, as the pinned copy
+            return HostCopy(tensor.detach().flatten().to(self._ring.dtype, copy=True), None)
         n = tensor.numel()
         slot = self._ring.take(n)
         host = slot.host[:n]

@@ -51,7 +51,7 @@ class LogprobWorker(TpModelWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # TpModelWorker's arguments
         super().__init__(*args, **kwargs)
         self._watched: dict[Req, _Pending] = {}
-        self._to_host = DeviceToHost(self.limits.device, torch.float32, slots=4)
+        self._logprobs_to_host = DeviceToHost(self.limits.device, torch.float32, slots=4)
 
     def watch(self, req: Req, top: int) -> None:
         """Report ``req``'s tokens with their log-probabilities and ``top`` alternatives."""
@@ -95,6 +95,6 @@ class LogprobWorker(TpModelWorker):
         chosen = logp.gather(1, result.next_token_ids.index_select(0, index)[:, None])  # [R, 1]
         best = logp.topk(top, dim=-1)  # [R, top] values and ids
         packed = torch.cat([chosen, best.values, best.indices.float()], dim=1)  # [R, 1 + 2top]
-        step = _StepLogprobs(self._to_host.start(packed), 1 + 2 * top)
+        step = _StepLogprobs(self._logprobs_to_host.start(packed), 1 + 2 * top)
         for r, i in enumerate(rows):
             self._watched[batch.reqs[i]].steps.append((step, r, top))

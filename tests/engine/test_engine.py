@@ -49,6 +49,14 @@ def test_lists_text_and_ids_and_per_request_params(engine) -> None:
         engine.generate(["x"], [SamplingParams(), SamplingParams()])
 
 
+def test_generated_tokens_are_python_ints_also_with_logprobs_watched(engine) -> None:
+    # The token copy and the log-probability copy are two device->host rings of different
+    # dtypes: one shadowing the other once made every token a float on the GPU (CPU copies
+    # convert to the ring's dtype too, so this fails here as it did there).
+    out = engine.generate([[10, 20, 30]], SamplingParams(max_new_tokens=4, temperature=0))
+    assert out[0].token_ids and all(type(t) is int for t in out[0].token_ids)
+
+
 @pytest.mark.parametrize("temperature", [1e-39, 1e-44])
 def test_a_tiny_positive_temperature_samples_the_greedy_tokens(engine, temperature) -> None:
     # Valid (finite, > 0) yet small enough that logits / temperature overflow fp32: the
