@@ -173,20 +173,7 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 # Built on demand only (not in the parametrization over CHECKPOINTS that the parity tests run).
 EXTRA_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # dense-tiny-ctx1k with a head dim the Triton and FlashInfer kernels serve (GPU tests).
-    "dense-tiny-ctx1k-hd64": (
-        "dense",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            tie_word_embeddings=True,
-            max_position_embeddings=1024,
-        ),
-        {},
-    ),
+    "dense-tiny-ctx1k-hd64": ("dense", CHECKPOINTS["dense-tiny-ctx1k"][1] | {"head_dim": 64}, {}),
 }
 
 
