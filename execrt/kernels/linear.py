@@ -5,8 +5,10 @@ matrices of a small model at 1.2-1.6 TB/s on an H200, and the SwiGLU between gat
 and the RMSNorm before q/k/v and gate/up are one more launch each. ``linear`` sends such calls
 to a Triton kernel that streams the weight at close to copy bandwidth (``triton_linear.py``)
 and, with ``swiglu=True``, computes ``silu(gate) * up`` while it loads the activations;
-``norm_linear`` does the same with a residual add + RMSNorm. Everything else goes to
-``F.linear`` (after the separate norm / SwiGLU kernels).
+``norm_linear`` does the same with a residual add + RMSNorm and, with ``swiglu_out=True``
+for gate/up, may apply the SwiGLU to its output instead. Everything else goes to ``F.linear``
+(after the separate norm / SwiGLU kernels). ``dense_layer_kernels`` lists what a decode layer
+launches under a table's choices.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ accumulates in fp32 either on the CUDA cores (``use_dot=False``: elementwise pro
 lane and reduced once at the end, for one to a few rows) or on the tensor cores (``tl.dot`` with
 the rows padded to 16). Narrow ``BLOCK_N`` keeps enough programs in flight for the small N of a
 small model's projections. With ``SWIGLU`` the activations are ``silu(gate) * up`` computed from
-the gate/up output as they are loaded.
+the gate/up output as they are loaded; with ``SWIGLU_OUT`` a gate/up product writes
+``silu(gate) * up`` itself (each program accumulates its gate rows and the matching up rows).
+Which variant runs where is the tuned table's choice (``choose``; format 2 keys by variant).
 """
 
 from __future__ import annotations
