@@ -226,7 +226,7 @@ def test_norm_linear_swiglu_out_and_down(
             f"{h},{inter}": {"16": TILE},
         },
     )
-    mlp = MLP(h, inter).to(DEVICE).to(torch.float16)
+    mlp = MLP(h, inter).to(DEVICE).to(torch.float16).requires_grad_(False)
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen(p.numel())) * p.shape[1] ** -0.5)
