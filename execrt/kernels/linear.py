@@ -5,14 +5,18 @@ matrices of a small model at 1.2-1.6 TB/s on an H200, and the SwiGLU between gat
 and the RMSNorm before q/k/v and gate/up are one more launch each. ``linear`` sends such calls
 to a Triton kernel that streams the weight at close to copy bandwidth (``triton_linear.py``)
 and, with ``swiglu=True``, computes ``silu(gate) * up`` while it loads the activations;
-``norm_linear`` does the same with a residual add + RMSNorm. Everything else goes to
-``F.linear`` (after the separate norm / SwiGLU kernels).
+``norm_linear`` does the same with a residual add + RMSNorm and, with ``swiglu_out=True``
+for gate/up, may apply the SwiGLU to its output instead. Everything else goes to ``F.linear``
+(after the separate norm / SwiGLU kernels). ``dense_layer_kernels`` lists what a decode layer
+launches under a table's choices.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,12 +87,12 @@ def linear(
         )
     rows = x.reshape(-1, x.shape[-1])  # [T, K]
     if use_triton and skinny_eligible(rows, weight, swiglu):
-        # [T, N]; None where cuBLAS is faster
+        # [T, N]; None where the table runs this call otherwise
         out = _triton_linear().skinny_linear(rows, weight, bias, swiglu=swiglu)
         if out is not None:
             return out.view(*x.shape[:-1], weight.shape[0])
-    if swiglu:
-        x = silu_and_mul(x, use_triton=use_triton)
+    if swiglu:  # SwiGLU apart, then the plain product's own choice (tile or cuBLAS)
+        return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
     return F.linear(x, weight, bias)
 
 
@@ -100,6 +104,7 @@ def norm_linear(
     eps: float,
     *,
     residual: torch.Tensor | None = None,
+    swiglu_out: bool = False,
     use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear(rmsnorm(x + residual))`` and ``x + residual``: a norm in front of a projection.
@@ -109,26 +114,50 @@ def norm_linear(
     ``(out [T, N], new_residual [T, K])`` (``new_residual`` is ``x`` when nothing was added).
     With ``use_triton``, decode-size calls run one kernel that normalises the rows while it
     streams the weight (``skinny_eligible`` plus one dtype for the norm weight and a residual of
-    x's layout); others run ``fused_add_rmsnorm`` / ``rmsnorm``, then ``linear``.
+    x's layout) where the tuned table says so; others run ``fused_add_rmsnorm`` / ``rmsnorm``,
+    then ``linear``.
+
+    ``swiglu_out``: ``weight`` is a gate/up matrix ``[2I, K]`` (gate rows first). Where the
+    tuned table fuses SwiGLU into this product's output, ``out`` is ``silu(gate) * up``
+    ``[T, I]`` (rounded as ``silu_and_mul`` rounds ``linear``'s output); elsewhere it is the
+    gate/up output ``[T, 2I]`` and the caller runs the SwiGLU (``linear(..., swiglu=True)``
+    of the next projection). The caller tells the two apart by ``out``'s last dim.
     """
     rows = x.reshape(-1, x.shape[-1])  # [T, K]
     if use_triton and _norm_eligible(rows, weight, norm_weight, residual):
         tlin = _triton_linear()
-        tile = tlin.tile_for(rows, weight, bias, norm=True)  # None: cuBLAS or the norm apart
+        tile = None
+        if swiglu_out and weight.shape[0] % 2 == 0:
+            tile = tlin.tile_for(rows, weight, bias, tlin.SWIGLU_OUT)  # None: no epilogue
+        epilogue = tile is not None
+        out_shape = (*x.shape[:-1], weight.shape[0] // (2 if epilogue else 1))
+        if tile is not None and not tile.fuse_norm:  # the norm kernel, then the epilogue
+            normed, new_residual = _norm_apart(x, norm_weight, eps, residual, use_triton)
+            out = tlin.launch(normed.reshape(rows.shape), weight, bias, tile, swiglu_out=True)
+            return out.view(out_shape), new_residual
+        if tile is None:
+            tile = tlin.tile_for(rows, weight, bias, tlin.NORM)  # None: the norm apart
         if tile is not None:
             res_rows = None if residual is None else residual.reshape(rows.shape)
             new_res = None if res_rows is None else torch.empty_like(rows)
             norm = tlin.NormIn(norm_weight, eps, res_rows, new_res)
-            out = tlin.launch(rows, weight, bias, tile, norm=norm)
-            out_shape = (*x.shape[:-1], weight.shape[0])
+            out = tlin.launch(rows, weight, bias, tile, swiglu_out=epilogue, norm=norm)
             return out.view(out_shape), (x if new_res is None else new_res.view(x.shape))
-    if residual is None:
-        normed, new_residual = rmsnorm(x, norm_weight, eps, use_triton=use_triton), x
-    else:
-        normed, new_residual = fused_add_rmsnorm(
-            x, residual, norm_weight, eps, use_triton=use_triton
-        )
+    normed, new_residual = _norm_apart(x, norm_weight, eps, residual, use_triton)
     return linear(normed, weight, bias, use_triton=use_triton), new_residual
+
+
+def _norm_apart(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual), x + residual)`` as a kernel of its own."""
+    if residual is None:
+        return rmsnorm(x, norm_weight, eps, use_triton=use_triton), x
+    return fused_add_rmsnorm(x, residual, norm_weight, eps, use_triton=use_triton)
 
 
 def _norm_eligible(
@@ -155,3 +184,47 @@ def _norm_eligible(
             )
         )
     )
+
+
+def dense_layer_kernels(
+    pick: Callable[[int, int, int, str], Any],
+    m: int,
+    *,
+    hidden: int,
+    qkv_out: int,
+    attn_out: int,
+    intermediate: int,
+) -> list[str]:
+    """The norm / projection / activation kernels one dense decoder layer launches at ``m``
+    rows with ``use_triton``, in order, as ``norm_linear``, ``linear`` and ``MLP.down`` decide
+    them: ``pick(m, N, K, variant)`` is the tile choice (``triton_linear.choose`` over a
+    table; None: that variant runs apart). Names: ``skinny[fused parts](proj)``,
+    ``cublas(proj)``, ``norm``, ``silu_and_mul``. The layer adds q/k norm + RoPE (one kernel)
+    and the attention backend's kernels (Triton decode: split and merge)."""
+    skinny = 0 < m <= MAX_SKINNY_ROWS
+
+    def product(name: str, n: int, k: int, variant: str = "") -> list[str]:
+        tile = pick(m, n, k, variant) if skinny else None
+        if variant and tile is None:  # the fused part apart, then the plain choice
+            apart = "norm" if variant == "norm" else "silu_and_mul"
+            return [apart, *product(name, n, k)]
+        if tile is None:
+            return [f"cublas({name})"]
+        return [f"skinny[{variant}]({name})" if variant else f"skinny({name})"]
+
+    def behind_norm(name: str, n: int, k: int) -> list[str]:
+        tile = pick(m, n, k, "norm") if skinny else None
+        if tile is not None and tile.fuse_norm:
+            return [f"skinny[norm]({name})"]
+        return ["norm", *product(name, n, k)]
+
+    kernels = [*behind_norm("qkv", qkv_out, hidden), *product("o", hidden, attn_out)]
+    epilogue = pick(m, 2 * intermediate, hidden, "swiglu_out") if skinny else None
+    if epilogue is None:
+        kernels += behind_norm("gate_up", 2 * intermediate, hidden)
+        return kernels + product("down", hidden, intermediate, "swiglu_in")
+    if epilogue.fuse_norm:
+        kernels.append("skinny[norm+swiglu_out](gate_up)")
+    else:
+        kernels += ["norm", "skinny[swiglu_out](gate_up)"]
+    return kernels + product("down", hidden, intermediate)

@@ -7,7 +7,9 @@ accumulates in fp32 either on the CUDA cores (``use_dot=False``: elementwise pro
 lane and reduced once at the end, for one to a few rows) or on the tensor cores (``tl.dot`` with
 the rows padded to 16). Narrow ``BLOCK_N`` keeps enough programs in flight for the small N of a
 small model's projections. With ``SWIGLU`` the activations are ``silu(gate) * up`` computed from
-the gate/up output as they are loaded.
+the gate/up output as they are loaded; with ``SWIGLU_OUT`` a gate/up product writes
+``silu(gate) * up`` itself (each program accumulates its gate rows and the matching up rows).
+Which variant runs where is the tuned table's choice (``choose``; format 2 keys by variant).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -85,6 +87,33 @@ def _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD: tl.constexpr,
 
 
 @triton.jit
+def _acc_step(acc, xa, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step of the fp32 accumulation of ``xa [BM, BK] @ w [BN, BK]^T``."""
+    if USE_DOT:
+        if IEEE:
+            acc = tl.dot(xa, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xa, tl.trans(w), acc)
+    elif BLOCK_M == 1:
+        acc += w.to(tl.float32) * xa.to(tl.float32)  # [BN, BK] * [1, BK]
+    else:
+        acc += xa.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _acc_out(acc, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The accumulator reduced to ``[BM, BN]`` fp32."""
+    if USE_DOT:
+        out = acc
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
@@ -101,6 +130,7 @@ def _skinny_linear_kernel(
     eps,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
+    SWIGLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     ADD: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -111,6 +141,8 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """``N`` is the output width: with ``SWIGLU_OUT`` the weight has ``2N`` rows (gate rows,
+    then up rows) and each program accumulates its gate rows and the matching up rows."""
     pdl_prologue(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
@@ -122,6 +154,7 @@ def _skinny_linear_kernel(
     rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
+    wu_ptrs = w_ptr + (rn_ld + N)[:, None] * K + rk[None, :]  # the up rows (SWIGLU_OUT)
     x_off = rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
     x_ptrs = x_ptr + x_off
     r_ptrs = r_ptr + x_off
@@ -135,9 +168,12 @@ def _skinny_linear_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = acc  # SWIGLU_OUT: the up rows' accumulator
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
+            if SWIGLU_OUT:
+                wu = tl.load(wu_ptrs)
             xa = tl.load(x_ptrs)
             xb = tl.load(x_ptrs + K) if SWIGLU else xa
             if NORM:
@@ -146,6 +182,8 @@ def _skinny_linear_kernel(
         else:
             kmask = (k0 + rk)[None, :] < K
             w = tl.load(w_ptrs, mask=kmask, other=0.0)
+            if SWIGLU_OUT:
+                wu = tl.load(wu_ptrs, mask=kmask, other=0.0)
             xa = tl.load(x_ptrs, mask=kmask, other=0.0)
             xb = tl.load(x_ptrs + K, mask=kmask, other=0.0) if SWIGLU else xa
             if NORM:
@@ -161,25 +199,22 @@ def _skinny_linear_kernel(
             xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
             nw_ptrs += BLOCK_K
             r_ptrs += BLOCK_K
-        if USE_DOT:
-            if IEEE:
-                acc = tl.dot(xa, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xa, tl.trans(w), acc)
-        elif BLOCK_M == 1:
-            acc += w.to(tl.float32) * xa.to(tl.float32)  # [BN, BK] * [1, BK]
-        else:
-            acc += xa.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _acc_step(acc, xa, w, USE_DOT, IEEE, BLOCK_M)
+        if SWIGLU_OUT:
+            acc_u = _acc_step(acc_u, xa, wu, USE_DOT, IEEE, BLOCK_M)
+            wu_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if USE_DOT:
-        out = acc  # [BM, BN]
-    elif BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :]
-    else:
-        out = tl.sum(acc, axis=2)
+    out = _acc_out(acc, USE_DOT, BLOCK_M)  # [BM, BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn_ok, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU_OUT:  # gate and up rounded as the product's output, then silu_and_mul's rounding
+        up = _acc_out(acc_u, USE_DOT, BLOCK_M)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + rn, mask=rn_ok, other=0.0).to(tl.float32)[None, :]
+        gate = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=rm_ok[:, None] & rn_ok[None, :])
 
@@ -202,16 +237,31 @@ def launch(
     tile: SkinnyTile,
     *,
     swiglu: bool = False,
+    swiglu_out: bool = False,
     norm: NormIn | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run the kernel with ``tile`` (the tuner calls this directly); see ``skinny_linear``."""
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    """Run the kernel with ``tile`` (the tuner calls this directly); see ``skinny_linear``.
+    ``swiglu_out``: ``weight`` is a gate/up matrix ``[2N, K]`` (gate rows first, ``bias``
+    ``[2N]``) and the result is ``silu(gate) * up`` ``[M, N]``, rounded as ``silu_and_mul``
+    rounds the product's output."""
+    if swiglu and swiglu_out:
+        fail("linear", "swiglu (on the input) and swiglu_out (on the output) are exclusive")
+    if swiglu_out and weight.shape[0] % 2:
+        fail("linear", f"swiglu_out weight {tuple(weight.shape)} needs an even row count [2N, K]")
+    m, k = x.shape[0], weight.shape[1]
+    n = weight.shape[0] // 2 if swiglu_out else weight.shape[0]
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
-        return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
+        if bias is None:
+            return y.zero_()
+        full = bias.float().expand(m, weight.shape[0])
+        if not swiglu_out:
+            return y.copy_(full)
+        gate, up = full[:, :n].to(x.dtype).float(), full[:, n:].to(x.dtype).float()
+        return y.copy_(gate * torch.sigmoid(gate) * up)
     grid = (triton.cdiv(n, tile.block_n),)
     residual = norm.residual if norm is not None else None
     _skinny_linear_kernel[grid](
@@ -230,6 +280,7 @@ def launch(
         norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
+        SWIGLU_OUT=swiglu_out,
         NORM=norm is not None,
         ADD=residual is not None,
         USE_DOT=tile.use_dot,
@@ -253,31 +304,49 @@ def skinny_linear(
     swiglu: bool = False,
 ) -> torch.Tensor | None:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` with the tile this device's table or the default
-    gives, or None where the table says cuBLAS is faster (the caller then runs ``F.linear``).
-    The caller has checked ``linear.skinny_eligible``; a norm in front goes through
-    ``tile_for`` and ``launch`` (``linear.norm_linear``)."""
-    tile = tile_for(x, weight, bias)
+    gives, or None where the table runs this call otherwise (the caller then runs ``F.linear``;
+    with ``swiglu``, ``silu_and_mul`` first and then the plain call's own choice). The caller
+    has checked ``linear.skinny_eligible``; a norm in front goes through ``tile_for`` and
+    ``launch`` (``linear.norm_linear``)."""
+    tile = tile_for(x, weight, bias, SWIGLU_IN if swiglu else PLAIN)
     return None if tile is None else launch(x, weight, bias, tile, swiglu=swiglu)
 
 
 def tile_for(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, norm: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str = ""
 ) -> SkinnyTile | None:
-    """Check the arguments and pick the tile; None where cuBLAS is faster or, with ``norm``,
-    where this shape runs its norm better as a kernel of its own."""
+    """Check the arguments and pick the tile of the call ``variant`` (``VARIANTS``); None where
+    this call runs otherwise (see ``choose``)."""
     check_device("linear", "x", x)
     check_same_device("linear", x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         fail("linear", f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
-    tile = pick_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device)
-    return None if tile is None or (norm and not tile.fuse_norm) else tile
+    tile = pick_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device, variant)
+    if variant == NORM and tile is not None and not tile.fuse_norm:
+        return None
+    return tile
 
 
 # -- tiles ---------------------------------------------------------------------------------------
 
+#: The calls a tuned table can give a tile of their own, and what an entry of None means:
+#: ``PLAIN`` the product alone (None: cuBLAS); ``NORM`` a norm in front, inside the kernel
+#: (None: the norm kernel, then the ``PLAIN`` choice); ``SWIGLU_IN`` down's SwiGLU on the
+#: input, inside the kernel (None: ``silu_and_mul``, then the ``PLAIN`` choice);
+#: ``SWIGLU_OUT`` gate/up with SwiGLU on the output (None: gate/up as ``PLAIN`` / ``NORM``, and
+#: down takes the SwiGLU). A ``SWIGLU_OUT`` tile's ``fuse_norm`` says where a norm in front runs.
+PLAIN, NORM, SWIGLU_IN, SWIGLU_OUT = "", "norm", "swiglu_in", "swiglu_out"
+VARIANTS = (PLAIN, NORM, SWIGLU_IN, SWIGLU_OUT)
+#: Tables without a ``format`` are format 1: ``"N,K"`` keys only, a norm's place in the tile's
+#: ``fuse_norm``, SwiGLU on the input on the plain tile, never SwiGLU on the output.
+TABLE_FORMATS = (1, 2)
 
-def default_tile(m: int, n: int, k: int) -> SkinnyTile | None:
-    """Untuned shapes: the kernel for one row, cuBLAS (None) for more.
+Table = dict[tuple[int, int, str], dict[int, "SkinnyTile | None"]]
+
+
+def default_tile(m: int, n: int, k: int, variant: str = PLAIN) -> SkinnyTile | None:
+    """Untuned shapes: the kernel for one row, cuBLAS (None) for more; SwiGLU on the output
+    only under the interpreter (its tiles are untimed on GPUs).
 
     At one row the CUDA-core tile won on every shape the H200 tuner tried (1.1-3.7x over
     cuBLAS: four weight rows per program, 1024-wide K steps); with more rows the best tile
@@ -288,53 +357,103 @@ def default_tile(m: int, n: int, k: int) -> SkinnyTile | None:
     if interpreter_enabled():  # programs run one by one: few, wide ones (every path tested)
         bn = max(16, min(128, triton.next_power_of_2(n)))
         return SkinnyTile(block_n=bn, block_k=max(16, min(256, triton.next_power_of_2(k))))
-    if m > 1:
+    if m > 1 or variant == SWIGLU_OUT:
         return None
     bk = max(64, min(1024, triton.next_power_of_2(k)))
     return SkinnyTile(block_n=4, block_k=bk, num_warps=4, num_stages=3)
 
 
+def _parse_entry(where: str, value: Any) -> SkinnyTile | None:
+    if value in ("cublas", "apart"):
+        return None
+    if not isinstance(value, dict):
+        fail("linear", f"tuned table {where}: {value!r} is not a tile, 'cublas' or 'apart'")
+    return SkinnyTile(**value)
+
+
 @functools.lru_cache(maxsize=16)
-def load_table(path: str) -> dict[tuple[int, int], dict[int, SkinnyTile | None]] | None:
-    """``{(N, K): {M: tile, or None for cuBLAS}}`` from a tuned table, or None if absent."""
+def load_table(path: str) -> Table | None:
+    """``{(N, K, variant): {M: tile, or None}}`` from a tuned table, or None if absent.
+
+    JSON: ``{"format": 2, "shapes": {"N,K[,variant]": {"M": tile | "cublas" | "apart"}}}``;
+    format 1 (no ``format``) has ``"N,K"`` keys only and still loads. A ``NORM`` entry's tile
+    runs the norm inside (its ``fuse_norm`` is set)."""
     if not os.path.exists(path):
         return None
     with open(path) as fh:
         data = json.load(fh)
-    table: dict[tuple[int, int], dict[int, SkinnyTile | None]] = {}
-    for shape, by_m in data["shapes"].items():
-        n, k = (int(v) for v in shape.split(","))
-        table[(n, k)] = {
-            int(m): None if t == "cublas" else SkinnyTile(**t) for m, t in by_m.items()
-        }
+    fmt = data.get("format", 1)
+    if fmt not in TABLE_FORMATS:
+        fail("linear", f"tuned table {path}: format {fmt!r} unsupported (supported: 1, 2)")
+    table: Table = {}
+    for key, by_m in data["shapes"].items():
+        parts = key.split(",")
+        variant = parts[2] if len(parts) == 3 else PLAIN
+        if len(parts) not in (2, 3) or variant not in VARIANTS or (fmt == 1 and variant):
+            fail(
+                "linear",
+                f"tuned table {path}: key {key!r} unsupported (format {fmt}: 'N,K'"
+                + (f" or 'N,K,variant' with variant one of {VARIANTS[1:]}" if fmt > 1 else "")
+                + ")",
+            )
+        n, k = int(parts[0]), int(parts[1])
+        entries = {int(m): _parse_entry(f"{key} M={m}", t) for m, t in by_m.items()}
+        if variant == NORM:
+            entries = {m: t and replace(t, fuse_norm=True) for m, t in entries.items()}
+        table[(n, k, variant)] = entries
     return table
 
 
-def tile_to_json(tile: SkinnyTile | None) -> dict[str, Any] | str:
-    return "cublas" if tile is None else asdict(tile)
+def tile_to_json(tile: SkinnyTile | None, variant: str = PLAIN) -> dict[str, Any] | str:
+    if tile is not None:
+        return asdict(tile)
+    return "cublas" if variant in (PLAIN, SWIGLU_IN) else "apart"
+
+
+def choose(table: Table | None, m: int, n: int, k: int, variant: str = PLAIN) -> SkinnyTile | None:
+    """The table's choice for ``variant`` of (N, K) at the smallest tuned M >= m (past the
+    largest tuned M: None), else ``default_tile``. A shape tuned without this variant's own
+    entry (format 1): ``NORM`` takes the plain tile if its ``fuse_norm`` is set, ``SWIGLU_IN``
+    the plain tile, ``SWIGLU_OUT`` None. Rounding M up keeps a CUDA-core tile tuned for M = 4
+    from being stretched over more rows than its accumulators were sized for."""
+    if variant not in VARIANTS:
+        fail("linear", f"call variant {variant!r} unsupported (supported: {VARIANTS})")
+    own = table.get((n, k, variant)) if table else None
+    if own:
+        return lookup(own, m)
+    plain = table.get((n, k, PLAIN)) if table else None
+    if not plain:
+        return default_tile(m, n, k, variant)
+    if variant == SWIGLU_OUT:
+        return None
+    tile = lookup(plain, m)
+    if variant == NORM and tile is not None and not tile.fuse_norm:
+        return None
+    return tile
 
 
 def pick_tile(
-    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    variant: str = PLAIN,
 ) -> SkinnyTile | None:
-    """The tuned entry for (N, K) at the smallest tuned M >= m (None: cuBLAS; also past the
-    largest tuned M), else ``default_tile``. Rounding up keeps a CUDA-core tile tuned for
-    M = 4 from being stretched over more rows than its accumulators were sized for. Cached:
-    eager decoding calls this for every projection of every step."""
-    return _pick_tile(m, n, k, dtype, device, interpreter_enabled())
+    """``choose`` with this device's table (CUDA; none elsewhere). Cached: eager decoding
+    calls this for every projection of every step."""
+    return _pick_tile(m, n, k, dtype, device, variant, interpreter_enabled())
 
 
 @functools.lru_cache(maxsize=4096)
 def _pick_tile(
-    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, interpreter: bool
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, variant: str, interp: bool
 ) -> SkinnyTile | None:
+    table = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         table = load_table(os.path.join(CONFIG_DIR, tuned_table_name(name, dtype)))
-        by_m = table.get((n, k)) if table else None
-        if by_m:
-            return lookup(by_m, m)
-    return default_tile(m, n, k)
+    return choose(table, m, n, k, variant)
 
 
 def lookup(by_m: dict[int, SkinnyTile | None], m: int) -> SkinnyTile | None:

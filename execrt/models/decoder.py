@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
             return h, self.mlp(x, fb)
         mlp = self.mlp
         assert isinstance(mlp, MLP)
-        gate_up, h = self.post_attention_layernorm.project(mlp.gate_up_proj, h, a)
+        gate_up, h = self.post_attention_layernorm.project(mlp.gate_up_proj, h, a, swiglu_out=True)
         return h, mlp.down(gate_up)
 
 

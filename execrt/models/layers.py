@@ -42,13 +42,27 @@ class RMSNorm(nn.Module):
         return fused_add_rmsnorm(delta, residual, self.weight, self.eps, use_triton=self.fused)
 
     def project(
-        self, proj: Linear, residual: torch.Tensor, delta: torch.Tensor | None = None
+        self,
+        proj: Linear,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None = None,
+        *,
+        swiglu_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``proj(norm(residual + delta))`` and ``residual + delta`` (``residual`` itself when
-        ``delta`` is None); fused, decode-size calls normalise inside the projection's kernel."""
+        ``delta`` is None); fused, decode-size calls normalise inside the projection's kernel.
+        ``swiglu_out``: ``proj`` is a gate/up projection whose kernel may also apply the
+        SwiGLU (``norm_linear``; ``MLP.down`` takes either output)."""
         x, res = (residual, None) if delta is None else (delta, residual)
         return norm_linear(
-            x, proj.weight, proj.bias, self.weight, self.eps, residual=res, use_triton=self.fused
+            x,
+            proj.weight,
+            proj.bias,
+            self.weight,
+            self.eps,
+            residual=res,
+            swiglu_out=swiglu_out,
+            use_triton=self.fused,
         )
 
 
@@ -241,9 +255,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(local, hidden_size, bias=bias)
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate_up [T, 2I / tp]`` -> ``[T, H]``. SwiGLU runs inside down's skinny GEMM at
-        decode sizes, else as its own kernel."""
-        return row_parallel(self.down_proj, gate_up, self.parallel, swiglu=True)
+        """``gate_up [T, 2I / tp]`` -> ``[T, H]``: SwiGLU inside down's skinny GEMM where the
+        tuned table says so, else as its own kernel. Also takes ``silu(gate) * up``
+        ``[T, I / tp]`` where gate/up's kernel applied it (``RMSNorm.project(swiglu_out=)``)."""
+        activated = gate_up.shape[-1] == self.down_proj.weight.shape[1]
+        return row_parallel(self.down_proj, gate_up, self.parallel, swiglu=not activated)
 
 
 class SparseMoE(nn.Module):

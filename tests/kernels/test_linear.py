@@ -168,7 +168,7 @@ def test_tuned_table_lookup(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None: 
     path.write_text(json.dumps(table))
     loaded = tl_mod.load_table(str(path))
     assert loaded is not None
-    by_m = loaded[(1024, 2048)]
+    by_m = loaded[(1024, 2048, tl_mod.PLAIN)]
     assert by_m[1] == tl_mod.SkinnyTile(8, 512, False, 4, 3) and by_m[8] is None
     # The smallest tuned M at or above the call's: 1 -> 1, 2..8 -> 8 (cuBLAS), past 8: cuBLAS.
     assert tl_mod.lookup(by_m, 1) == by_m[1]
@@ -216,11 +216,17 @@ def test_shipped_tables_load_and_keep_cuda_core_tiles_to_few_rows() -> None:
     for path in paths:
         table = tl_mod.load_table(path)
         assert table
-        for (n, k), by_m in table.items():
-            assert n > 0 and k > 0 and by_m
+        for (n, k, variant), by_m in table.items():
+            assert n > 0 and k > 0 and by_m and variant in tl_mod.VARIANTS
             for m, tile in by_m.items():
-                # A CUDA-core tile holds BLOCK_M x BLOCK_N x BLOCK_K accumulators per program.
-                assert tile is None or tile.use_dot or m <= 4, (path, n, k, m, tile)
+                if tile is None or tile.use_dot:
+                    continue
+                # A CUDA-core tile holds BLOCK_M x BLOCK_N x BLOCK_K fp32 accumulators per
+                # program (two sets with SwiGLU on the output): at most 8 rows, 128 per lane.
+                sets = 2 if variant == tl_mod.SWIGLU_OUT else 1
+                lanes = 32 * tile.num_warps
+                per_lane = sets * tl_mod.block_m_for(m, False) * tile.block_n * tile.block_k / lanes
+                assert m <= 8 and per_lane <= 128, (path, n, k, variant, m, tile)
 
 
 def norm_oracle(x, residual, norm_w, eps, w, b):  # type: ignore[no-untyped-def]
