@@ -11,7 +11,9 @@
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TESTS_ORDER=reverse (collection back to front),
-#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
+#   TUNE_DECODE_ARGS ("short": the split policy on short contexts; "tiles": the stage-1 tiles per
+#   KV dtype at bs 1/32/128 x ctx 512/8192, tables for execrt/kernels/attention/decode_configs/),
+#   TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
 #   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set), TESTS_FAILLOG.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -85,8 +87,9 @@ for step in "$@"; do
         timeout "$(cap 300)" python3 benchmarks/tune_triton_extend.py "$OUT/tune-extend${tag:+-$tag}.json" $args \
           2>&1 | tee "$OUT/tune-extend${tag:+-$tag}.log" | tail -9
       done ;;
-    tune-decode)
-      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+    tune-decode)  # TUNE_DECODE_ARGS: "short", or "tiles [--kv-dtypes fp8_e4m3,auto]" (tile tables)
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -40
+      for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-decode-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
     bench-prefix)  # PREFIX_ARGS, e.g. "--caches on,off --layers 12"
       timeout "$(cap ${PREFIX_S:-240})" python3 -m execrt bench prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/bench-prefix.log" | tail -24 ;;
     bench-serve)  # SERVE_ARGS, e.g. "--model qwen3-0.6b --max-concurrency 1,32,256"
