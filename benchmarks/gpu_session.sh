@@ -96,8 +96,12 @@ for step in "$@"; do
       timeout "$(cap ${SERVE_S:-200})" python3 -m execrt bench serve --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/bench-serve.log" | tail -16 ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
-    bench-fp8)  # FP8_ARGS: bench decode arguments; auto and the fp8 dtype are timed in one run
-      timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" ${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512} 2>&1 | tee "$OUT/bench-fp8.log" | tail -16 ;;
+    bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
+      # per context length); auto and the fp8 dtype are timed in each run. FP8_S: seconds per run.
+      IFS=';' read -ra sets <<< "${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512}"
+      for args in "${sets[@]}"; do
+        timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" $args 2>&1 | tee -a "$OUT/bench-fp8.log" | tail -16
+      done ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
