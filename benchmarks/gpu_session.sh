@@ -11,7 +11,9 @@
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TESTS_ORDER=reverse (collection back to front),
-#   TUNE_DECODE_ARGS ("short": the split policy on short contexts), TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
+#   TUNE_DECODE_ARGS ("short": the split policy on short contexts; "tiles": the stage-1 tiles per
+#   KV dtype at bs 1/32/128 x ctx 512/8192, tables for execrt/kernels/attention/decode_configs/),
+#   TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
 #   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set; each
 #   merges its entry into the tuned table, which comes back as extend-table-<GPU>.json), TESTS_FAILLOG.
 set -u -o pipefail
@@ -91,8 +93,9 @@ for step in "$@"; do
       for f in execrt/kernels/attention/extend_configs/*.json; do
         [ -f "$f" ] && cp "$f" "$OUT/extend-table-$(basename "$f")"
       done ;;
-    tune-decode)
-      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -20 ;;
+    tune-decode)  # TUNE_DECODE_ARGS: "short", or "tiles [--kv-dtypes fp8_e4m3,auto]" (tile tables)
+      timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -40
+      for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-decode-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
     bench-prefix)  # PREFIX_ARGS, e.g. "--caches on,off --layers 12"
       timeout "$(cap ${PREFIX_S:-240})" python3 -m execrt bench prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/bench-prefix.log" | tail -24 ;;
     bench-serve)  # SERVE_ARGS, e.g. "--model qwen3-0.6b --max-concurrency 1,32,256"
@@ -101,8 +104,12 @@ for step in "$@"; do
       timeout "$(cap ${FRONTEND_S:-90})" python3 benchmarks/serve_frontend.py ${FRONTEND_ARGS:-} 2>&1 | tee "$OUT/serve-frontend.log" | tail -8 ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
-    bench-fp8)  # FP8_ARGS: bench decode arguments; auto and the fp8 dtype are timed in one run
-      timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" ${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512} 2>&1 | tee "$OUT/bench-fp8.log" | tail -16 ;;
+    bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
+      # per context length); auto and the fp8 dtype are timed in each run. FP8_S: seconds per run.
+      IFS=';' read -ra sets <<< "${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512}"
+      for args in "${sets[@]}"; do
+        timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" $args 2>&1 | tee -a "$OUT/bench-fp8.log" | tail -16
+      done ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;

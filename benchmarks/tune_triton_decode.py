@@ -1,21 +1,39 @@
 """Sweep the Triton decode kernel's tile and split parameters on the GPU (one-off tuning aid).
 
-Prints % of copy bandwidth per configuration and shape; writes every row as JSON to argv[1].
-``argv[2] == "short"`` sweeps the split policy over the short contexts of a decode step
-(``execrt bench decode`` runs ctx 512) instead of the tiles over long ones.
+Prints % of copy bandwidth per configuration and shape; writes every row as JSON to the first
+argument. The second picks the sweep:
+
+- ``long`` (default): the split policy and tiles over long contexts (bf16);
+- ``short``: the split policy over the short contexts of a decode step (``execrt bench
+  decode`` runs ctx 512);
+- ``tiles``: the stage-1 tiles (``DecodeTiles``) per KV cache dtype (``--kv-dtypes``, default
+  ``fp8_e4m3,auto``) at bs 1/32/128 x ctx 512/8192 with the default split policy. Each tile is
+  checked against the fp32 oracle over the dequantized K/V before it is timed; per batch size
+  the tile with the lowest mean time relative to the best at each context wins, and the
+  winners are written as ``decode_tiles`` reads them, ``device_name=..,dtype=<kv dtype>.json``,
+  next to the rows (copy them into ``execrt/kernels/attention/decode_configs/`` to ship them).
+
+    python benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" tiles --kv-dtypes fp8_e4m3,auto
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 import statistics
-import sys
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+import triton
 
 from execrt.bench.attention import DecodeProblem, copy_bandwidth_gbps
+from execrt.bench.common import utc_now
+from execrt.core.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 from execrt.kernels import attention as K
+from execrt.kernels._triton import tuned_table_name
 from execrt.kernels.kv_indices import fill_kv_index
 
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 2048), (64, 16384)]
@@ -25,10 +43,31 @@ SHORT_GRID = [
     (256, 128, 2), (128, 128, 2), (128, 64, 2), (128, 64, 4), (64, 64, 2), (64, 64, 4),
     (64, 32, 4), (32, 32, 4), (32, 32, 8),
 ]  # fmt: skip
+TILE_SHAPES = [(bs, ctx) for bs in (1, 32, 128) for ctx in (512, 8192)]
+# (block_n, warps, stages) by the cache's bytes per element; the 16-bit grid is there to compare
+# against with the same kernel (slot ids carried a block ahead). 256-token fp8 blocks spilled
+# registers in an AOT compile for sm90 (255 registers, triton 3.6), at 3 stages they need
+# 280 KB of shared memory; a tile the GPU cannot launch is reported and skipped.
+TILE_GRID = {
+    1: [
+        (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4),
+        (128, 8, 2), (128, 8, 3),
+    ],
+    2: [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2)],
+}  # fmt: skip
+MAX_REL_ERR = 3e-2  # vs the fp32 oracle: fp16/bf16 rounding of q, p and the output
 
 
-def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, stages: int) -> float:
-    """µs per layer call, timed over CUDA-graph replays of every layer."""
+def bench(
+    p: DecodeProblem,
+    policy: K.SplitPolicy,
+    block_n: int,
+    warps: int,
+    stages: int,
+    check: bool = False,
+) -> tuple[float, float]:
+    """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
+    layer 0 against the fp32 oracle when ``check``, else 0)."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = torch.full((bs,), p.ctx, dtype=torch.int64, device="cuda")
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -40,27 +79,24 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
     po = torch.empty(bs, p.hq, max_splits, p.d, dtype=torch.float32, device="cuda")
     pl = torch.empty(bs, p.hq, max_splits, dtype=torch.float32, device="cuda")
     outs = [torch.empty_like(p.q) for _ in p.layers]
+    cache = p.kv_cache
 
     def run() -> None:
         for layer, o in zip(p.layers, outs, strict=True):
+            i = layer.layer_id
             K.decode_attention(
-                p.q,
-                p.kv_cache.k_buffers[layer.layer_id],
-                p.kv_cache.v_buffers[layer.layer_id],
-                o,
-                indptr,
-                indices,
-                splits,
-                po,
-                pl,
-                layer.scaling,
-                max_splits,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
-            )
+                p.q, cache.k_buffers[i], cache.v_buffers[i], o, indptr, indices, splits, po,
+                pl, layer.scaling, max_splits,
+                kv_scales=cache.layer_scales[i] if cache.is_fp8 else None,
+                block_n=block_n, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
 
     run()
+    err = 0.0
+    if check:
+        torch.cuda.synchronize()
+        ref = p.reference()
+        err = float((outs[0].float() - ref).norm() / ref.norm())
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         run()
@@ -74,50 +110,163 @@ def bench(p: DecodeProblem, policy: K.SplitPolicy, block_n: int, warps: int, sta
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3 / (10 * len(p.layers)))
-    return statistics.median(times)
+    return statistics.median(times), err
 
 
-def main() -> None:
-    copy_bw = copy_bandwidth_gbps()
-    short = len(sys.argv) > 2 and sys.argv[2] == "short"
+def sweep_policy(short: bool, copy_bw: float) -> list[dict[str, Any]]:
     shapes = SHORT_SHAPES if short else SHAPES
     problems = {s: DecodeProblem(*s, 32, 8, 128, torch.bfloat16) for s in shapes}
-    rows = []
+    rows: list[dict[str, Any]] = []
     if short:
         grid = [(2048, m, n, 4, 2, ppsm) for m, n, ppsm in SHORT_GRID]
     else:
         tiles = itertools.product([512, 1024, 2048], [128, 256], [64, 128], [4, 8], [2, 3])
         grid = [(*t, K.DEFAULT_PROGRAMS_PER_SM) for t in tiles]
     for target, min_len, block_n, warps, stages, ppsm in grid:
-        policy = K.SplitPolicy(
-            min_split_len=min_len, target_split_len=target, programs_per_sm=ppsm, block_n=block_n
-        )
+        policy = K.SplitPolicy(min_split_len=min_len, target_split_len=target, programs_per_sm=ppsm)
         cells = []
         for shape, p in problems.items():
-            us = bench(p, policy, block_n, warps, stages)
+            us, _ = bench(p, policy, block_n, warps, stages)
             pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
             rows.append(
                 dict(
-                    bs=shape[0],
-                    ctx=shape[1],
-                    target=target,
-                    min_len=min_len,
-                    block_n=block_n,
-                    warps=warps,
-                    stages=stages,
-                    programs_per_sm=ppsm,
-                    us=us,
-                    pct=pct,
+                    bs=shape[0], ctx=shape[1], target=target, min_len=min_len, block_n=block_n,
+                    warps=warps, stages=stages, programs_per_sm=ppsm, us=us, pct=pct,
                 )
-            )
+            )  # fmt: skip
             cells.append(f"{pct:5.1f}")
         print(
             f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages} p{ppsm}: "
             + " ".join(cells),
             flush=True,
         )
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as fh:
+    return rows
+
+
+@dataclass
+class TileRow:
+    kv_dtype: str
+    bs: int
+    ctx: int
+    block_n: int
+    warps: int
+    stages: int
+    us: float | None = None
+    pct: float | None = None
+    err: float | None = None  # vs the fp32 oracle (first shape only)
+    note: str = ""
+
+    @property
+    def tiles(self) -> K.DecodeTiles:
+        return K.DecodeTiles(self.block_n, self.warps, self.stages)
+
+
+def best_tiles(rows: list[TileRow]) -> dict[int, K.DecodeTiles]:
+    """Per batch size: the tile with the lowest mean of (its µs / the best µs at that shape)
+    over the contexts, among tiles measured at every context."""
+    timed = [r for r in rows if r.us is not None and not r.note]
+    best_us: dict[tuple[int, int], float] = {}
+    for r in timed:
+        assert r.us is not None
+        best_us[(r.bs, r.ctx)] = min(best_us.get((r.bs, r.ctx), float("inf")), r.us)
+    rel: dict[int, dict[K.DecodeTiles, list[float]]] = {}
+    for r in timed:
+        assert r.us is not None
+        rel.setdefault(r.bs, {}).setdefault(r.tiles, []).append(r.us / best_us[(r.bs, r.ctx)])
+    chosen = {}
+    for bs, by_tile in rel.items():
+        full = max(map(len, by_tile.values()))
+        complete = {t: v for t, v in by_tile.items() if len(v) == full}
+        chosen[bs] = min(complete, key=lambda t: statistics.fmean(complete[t]))
+    return chosen
+
+
+def sweep_tiles(kv_names: list[str], copy_bw: float, out_dir: str) -> list[TileRow]:
+    policy = K.SplitPolicy()
+    device = torch.cuda.get_device_name()
+    rows: list[TileRow] = []
+    chosen_us: dict[str, dict[tuple[int, int], float]] = {}
+    shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
+    for kv_name in kv_names:
+        kv_dtype = kv_storage_dtype(kv_name, torch.bfloat16)
+        size = torch.empty((), dtype=kv_dtype).element_size()
+        print(f"# {kv_name} ({kv_dtype}): % of copy bandwidth at {shapes}", flush=True)
+        problems = [
+            DecodeProblem(bs, ctx, 32, 8, 128, torch.bfloat16, kv_dtype=kv_dtype)
+            for bs, ctx in TILE_SHAPES
+        ]
+        kv_rows: list[TileRow] = []
+        for block_n, warps, stages in TILE_GRID[size]:
+            cells = []
+            for i, p in enumerate(problems):
+                row = TileRow(kv_name, p.bs, p.ctx, block_n, warps, stages)
+                kv_rows.append(row)
+                try:
+                    row.us, err = bench(p, policy, block_n, warps, stages, check=i == 0)
+                except Exception as exc:  # out of shared memory or registers: no candidate
+                    row.note = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    cells.append(f"failed ({row.note})")
+                    break
+                row.pct = 100 * p.kv_bytes / (row.us * 1e-6) / 1e9 / copy_bw
+                if i == 0:
+                    row.err = err
+                    if err > MAX_REL_ERR:
+                        row.note = f"error {err:.3g} vs the fp32 oracle"
+                        cells.append(f"wrong ({row.note})")
+                        break
+                cells.append(f"{row.pct:5.1f}")
+            print(f"n{block_n:>3} w{warps} s{stages}: " + " ".join(cells), flush=True)
+        rows += kv_rows
+        table = best_tiles(kv_rows)
+        chosen_us[kv_name] = {
+            (r.bs, r.ctx): r.us for r in kv_rows if r.us is not None and table.get(r.bs) == r.tiles
+        }
+        picks = ", ".join(
+            f"bs {bs}: n{t.block_n} w{t.num_warps} s{t.num_stages}"
+            for bs, t in sorted(table.items())
+        )
+        print(f"# {kv_name} chosen: {picks}", flush=True)
+        path = os.path.join(out_dir, tuned_table_name(device, kv_dtype))
+        data = K.tile_table_json(
+            {128: table}, device_name=device, date=utc_now(), torch=torch.__version__,
+            triton=triton.__version__,
+            note="benchmarks/tune_triton_decode.py tiles: 32/8 heads, D 128, bf16 q, random slots",
+        )  # fmt: skip
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+        print(f"# wrote {path}", flush=True)
+    auto = chosen_us.get("auto", {})
+    for kv_name in (k for k in chosen_us if k != "auto" and auto):
+        print(f"# {kv_name} vs auto at the chosen tiles (µs per layer call):", flush=True)
+        for (bs, ctx), us in sorted(chosen_us[kv_name].items()):
+            if (bs, ctx) in auto:
+                ref = auto[(bs, ctx)]
+                print(f"#   bs {bs:>3} ctx {ctx:>5}: {ref:7.1f} -> {us:7.1f} ({ref / us:.2f}x)")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", help="JSON file for every row")
+    parser.add_argument("mode", nargs="?", default="long", choices=["long", "short", "tiles"])
+    parser.add_argument(
+        "--kv-dtypes", default="fp8_e4m3,auto",
+        help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
+    )  # fmt: skip
+    args = parser.parse_args()
+    kv_names = [k for k in args.kv_dtypes.split(",") if k]
+    bad = [k for k in kv_names if k not in KV_CACHE_DTYPES]
+    if bad:
+        parser.error(f"--kv-dtypes {bad} unsupported (supported: {', '.join(KV_CACHE_DTYPES)})")
+    copy_bw = copy_bandwidth_gbps()
+    rows: list[dict[str, Any]]
+    if args.mode == "tiles":
+        out_dir = (os.path.dirname(args.out) if args.out else "") or "."
+        rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
+    else:
+        rows = sweep_policy(args.mode == "short", copy_bw)
+    if args.out:
+        with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
 
 

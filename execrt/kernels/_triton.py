@@ -194,7 +194,13 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
 
 
 #: How tuned tables name a dtype in their file names.
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPE_NAMES = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",  # the decode tile tables are keyed by the KV dtype
+    torch.float8_e5m2: "float8_e5m2",
+}
 
 
 def tuned_table_name(device_name: str, dtype: torch.dtype, keys: str = "") -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,6 +18,9 @@ from execrt.core.interfaces import (
 )
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
+if TYPE_CHECKING:  # the kernels import triton: the backend imports them when built
+    from execrt.kernels.attention import DecodeTiles
+
 
 @dataclass
 class TritonMetadata:
@@ -27,6 +31,7 @@ class TritonMetadata:
     # decode
     num_splits: torch.Tensor | None = None  # [B] int32
     max_splits: int = 1  # host int: the split grid dimension
+    tiles: DecodeTiles | None = None  # stage-1 launch shape (host), from the tuned table
     partial_o: torch.Tensor | None = None  # [B, Hq, max_splits, Dv] fp32 scratch
     partial_lse: torch.Tensor | None = None  # [B, Hq, max_splits] fp32 scratch
     # extend
@@ -71,8 +76,9 @@ class TritonAttnBackend(AttentionBackend):
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
             self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits)
             return TritonMetadata(
-                kv_indptr, kv_indices, num_splits, max_splits, *self._partials(b, max_splits)
-            )
+                kv_indptr, kv_indices, num_splits, max_splits, self._tiles(b),
+                *self._partials(b, max_splits),
+            )  # fmt: skip
         fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices,
@@ -92,6 +98,12 @@ class TritonAttnBackend(AttentionBackend):
     def _max_splits(self, batch_size: int, max_seq_len: int) -> int:
         return self.split_policy.max_splits(
             batch_size, max_seq_len, self.num_kv_heads, self.num_sms
+        )
+
+    def _tiles(self, batch_size: int) -> DecodeTiles:
+        """Stage-1 tiles for this cache dtype and batch size (a graph bucket captures them)."""
+        return self.kernels.decode_tiles(
+            self.kv_cache.dtype, self.kv_cache.head_dim, batch_size, self.device
         )
 
     def _decode_metadata(
@@ -127,11 +139,13 @@ class TritonAttnBackend(AttentionBackend):
         o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
         if step.mode.is_decode():
             assert meta.num_splits is not None and meta.partial_o is not None
-            assert meta.partial_lse is not None
+            assert meta.partial_lse is not None and meta.tiles is not None
+            t = meta.tiles
             self.kernels.decode_attention(
                 q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
                 meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
-                kv_scales=scales, block_n=self.split_policy.block_n,
+                kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
+                num_stages=t.num_stages,
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
@@ -182,6 +196,7 @@ class TritonAttnBackend(AttentionBackend):
             g["kv_indices"],
             g["num_splits"][:b],
             max_splits,
+            self._tiles(b),
             g["partial_o"][:b],
             g["partial_lse"][:b],
         )

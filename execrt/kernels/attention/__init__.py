@@ -13,7 +13,13 @@ from execrt.kernels.attention.common import (
     DEFAULT_TARGET_SPLIT_LEN,
     MAX_HEAD_DIM,
 )
-from execrt.kernels.attention.decode import decode_attention
+from execrt.kernels.attention.decode import (
+    DecodeTiles,
+    decode_attention,
+    decode_tiles,
+    load_tile_table,
+    tile_table_json,
+)
 from execrt.kernels.attention.extend import extend_attention
 from execrt.kernels.attention.indices import (
     SplitPolicy,
@@ -27,9 +33,13 @@ __all__ = [
     "DEFAULT_PROGRAMS_PER_SM",
     "DEFAULT_TARGET_SPLIT_LEN",
     "MAX_HEAD_DIM",
+    "DecodeTiles",
     "SplitPolicy",
     "decode_attention",
+    "decode_tiles",
     "decode_metadata",
     "decode_num_splits",
     "extend_attention",
+    "load_tile_table",
+    "tile_table_json",
 ]

@@ -38,10 +38,6 @@ DEFAULT_PROGRAMS_PER_SM = 2
 # merges splits sequentially, so past this point more splits cost more than they return.
 DEFAULT_MAX_SPLITS_CAP = 64
 
-# Tokens per stage-1 loop step of decode (a split is a whole number of these, so it must not
-# exceed the shortest split).
-DEFAULT_DECODE_BLOCK_N = 128
-
 LOG2E = 1.4426950408889634
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -2,13 +2,131 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import check_index, fail, pdl_kwargs, pow2_at_least
+from execrt.core.kv_quant import FP8_DTYPES
+from execrt.kernels._triton import (
+    check_index,
+    fail,
+    pdl_kwargs,
+    pow2_at_least,
+    tuned_table_name,
+)
 from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
 from execrt.kernels.triton_pdl import pdl_prologue
+
+# ----------------------------------------------------------------------------------------------
+# Tile choices
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape of decode stage 1: tokens per loop step, warps, pipelining depth (K/V
+    blocks are gathered ``num_stages - 1`` steps ahead). ``benchmarks/tune_triton_decode.py``
+    sweeps these and writes a per-GPU table (:func:`decode_tiles` reads it)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        check_block("block_n", self.block_n)
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            fail(
+                COMPONENT,
+                f"decode tiles {self} unsupported (num_warps 1/2/4/8/16, num_stages >= 1)",
+            )
+
+
+# Untuned defaults, keyed by the cache's bytes per element. Each program has one or two K/V
+# blocks in flight, so the bytes a block moves set the bandwidth an SM can reach: a 16-bit
+# block of 128 tokens moves 64 KB (D = 128), the same block in fp8 half that. fp8 therefore
+# gathers two blocks ahead (3 stages): from an AOT compile for sm90 (triton 3.6, D 128, GQA
+# 4), 164 registers and 104 KB of shared memory (two 32 KB K/V buffers, 32 KB where V is
+# transposed as fp16), two programs per SM, 128 KB in flight per SM as for bf16 (168
+# registers, 72 KB, three programs per SM of one 64 KB block each). 16-bit: the H200 sweeps
+# of docs/kernels.md (128 tokens, 4 warps, 2 stages).
+_GPU_TILES: dict[int, DecodeTiles] = {
+    1: DecodeTiles(128, 4, 3),
+    2: DecodeTiles(128, 4, 2),
+    4: DecodeTiles(128, 4, 2),
+}
+# The interpreter ignores warps and stages; 128-token blocks keep the program count low.
+_CPU_TILES = DecodeTiles(128, 4, 1)
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "decode_configs")
+
+
+def decode_tiles(
+    kv_dtype: torch.dtype, head_dim: int, batch_size: int, device: torch.device
+) -> DecodeTiles:
+    """The tiles for a decode batch: the GPU's tuned table for this cache dtype (its entry for
+    the padded head dim at the smallest tuned batch size >= ``batch_size``, else the largest
+    tuned one), else the default for the cache's element size. Host-side and cached: a
+    graph bucket captures what its batch size gets."""
+    if device.type != "cuda":
+        return _CPU_TILES
+    return _decode_tiles(torch.cuda.get_device_name(device), kv_dtype, head_dim, batch_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_tiles(
+    device_name: str, kv_dtype: torch.dtype, head_dim: int, batch_size: int
+) -> DecodeTiles:
+    table = load_tile_table(os.path.join(CONFIG_DIR, tuned_table_name(device_name, kv_dtype)))
+    by_bs = (table or {}).get(pow2_at_least(head_dim))
+    if by_bs:
+        above = [bs for bs in by_bs if bs >= batch_size]
+        return by_bs[min(above) if above else max(by_bs)]
+    return _GPU_TILES[torch.empty((), dtype=kv_dtype).element_size()]
+
+
+@functools.lru_cache(maxsize=16)
+def load_tile_table(path: str) -> dict[int, dict[int, DecodeTiles]] | None:
+    """``{padded head dim: {batch size: tiles}}`` from a tuned table file, None if absent.
+
+    The file (``tile_table_json``): ``{"tiles": {"<head dim>": {"<batch size>": {"block_n":
+    .., "num_warps": .., "num_stages": ..}}}}`` plus free-form provenance keys.
+
+    Raises:
+        ValueError: on a malformed file, naming it.
+    """
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        return {
+            int(d): {int(bs): DecodeTiles(**t) for bs, t in by_bs.items()}
+            for d, by_bs in data["tiles"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        fail(
+            COMPONENT,
+            f"decode tile table {path} unreadable ({exc}); expected "
+            '{"tiles": {"<head dim>": {"<batch size>": {"block_n", "num_warps", "num_stages"}}}}',
+        )
+
+
+def tile_table_json(tiles: dict[int, dict[int, DecodeTiles]], **provenance: Any) -> dict[str, Any]:
+    """The file form of a tile table (what :func:`load_tile_table` reads)."""
+    return {
+        **provenance,
+        "tiles": {
+            str(d): {str(bs): asdict(t) for bs, t in sorted(by_bs.items())}
+            for d, by_bs in sorted(tiles.items())
+        },
+    }
+
 
 # ----------------------------------------------------------------------------------------------
 # Decode: split-KV flash decoding
@@ -47,15 +165,13 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if KV_SCALED:  # an fp8 cache holds K / k_scale: fold k_scale into the softmax scale
-        qk_scale = qk_scale * tl.load(kv_scales_ptr)
-
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
     # Out-of-range counts are clamped (as in stage 2) so that the launched splits still cover
@@ -83,6 +199,16 @@ def _decode_split_kernel(
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
 
+    if KV_SCALED:
+        # An fp8 cache holds K / k_scale: the softmax scale and k_scale go into q once, not
+        # into every score. With 16-bit q the dots then run in fp16: fp8 -> fp16 is one
+        # instruction per pair of values and exact, fp8 -> bf16 goes through fp16 and costs
+        # a slow conversion per value more, which left the fp8 decode no faster than bf16.
+        # fp16 q is clamped to its finite range (|q| * scale > 65504 would otherwise be inf).
+        q = q.to(tl.float32) * (qk_scale * tl.load(kv_scales_ptr))
+        if DOT_F16:
+            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
+
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
@@ -90,17 +216,30 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     idx_base = kv_indices_ptr + kv_start
+    # The slot ids of block i + 1 are loaded during block i and carried over, so the K/V
+    # gathers never depend on a load of their own iteration: the pipeliner issues them
+    # num_stages - 1 blocks ahead (with the ids loaded in the same iteration, one block ahead
+    # whatever num_stages, in the sm90 TTGIR of triton 3.9).
+    offs_b = tl.arange(0, BLOCK_N)
+    ids = tl.load(idx_base + lo + offs_b, mask=lo + offs_b < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = start + offs_b
         mask_n = offs_n < hi
+        offs_next = offs_n + BLOCK_N
+        ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
         # int64: slot * row stride overflows int32 for caches past ~2M slots at 1k elements/row.
-        slots = tl.load(idx_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
-        k = tl.load(
-            k_base + slots[:, None] * stride_ks + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
+        slots = ids.to(tl.int64)  # [BLOCK_N]
+        # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
+        # memory it is already in the dot's operand order, so an fp8 K is converted in place
+        # (transposing fp8 in registers took byte-wise shared loads and spilled).
+        kt = tl.load(
+            k_base + offs_d[:, None] + slots[None, :] * stride_ks,
+            mask=mask_d[:, None] & mask_n[None, :],
             other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 K converted up, exactly
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+        )
+        s = tl.dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
+        if not KV_SCALED:  # (fp8: q holds the scale)
+            s = s * qk_scale  # log2 domain
         s = tl.where(mask_n[None, :], s, float("-inf"))
         # Every block holds at least one valid token, so m_new is finite for real rows.
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_H]
@@ -112,9 +251,16 @@ def _decode_split_kernel(
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
         ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-        # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
+        if KV_SCALED:
+            # A no-op on the values (the load already zero-fills), but an operation between
+            # the conversion and the dot makes Triton convert V in the load's layout and
+            # transpose it through shared memory as fp16 (ldmatrix.trans); without it, it
+            # read the fp8 tile transposed one byte per load (sm90, triton 3.6 and 3.9).
+            v = tl.where(mask_n[:, None], v, 0.0)
+        # p in the compute dtype (never fp8: rounding p to V's dtype would cost the most).
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
+        ids = ids_next
 
     # Empty splits (no loop iteration) leave l_i == 0: they publish lse = -inf, which stage 2
     # reads as "skip", and do not write their partial row at all.
@@ -227,15 +373,19 @@ def decode_attention(
         partial_o: fp32 ``[>= B, Hq, >= max_splits, Dv]`` scratch, overwritten.
         partial_lse: fp32 ``[>= B, Hq, >= max_splits]`` scratch (log2 domain), overwritten.
         sm_scale: softmax scale, usually ``D ** -0.5``.
-        max_splits: split grid dimension (``>= 1``), see :func:`choose_max_splits`.
+        max_splits: split grid dimension (``>= 1``), see :meth:`SplitPolicy.max_splits`.
         kv_scales: fp32 device tensor whose first two values are ``k_scale`` and ``v_scale``
             (the cache holds ``K / k_scale`` and ``V / v_scale``), read on the device so a
-            graph replays whatever it holds; required for an fp8 cache. The scores use
-            ``sm_scale * k_scale`` and the output is multiplied by ``v_scale``; K and V are
-            converted to ``q``'s dtype and the probabilities stay in it.
-        block_n: tokens per stage-1 loop step (power of two >= 16).
+            graph replays whatever it holds; required for an fp8 cache. ``q`` is multiplied
+            by ``sm_scale * k_scale`` (once per program) and the output by ``v_scale``. With
+            fp16/bf16 ``q`` the dots run in fp16: K and V are converted to it exactly, ``q``
+            is rounded to it (clamped to +-65504), and the probabilities stay in it (never
+            fp8). With fp32 ``q`` everything stays fp32.
+        block_n: tokens per stage-1 loop step (power of two >= 16); :func:`decode_tiles`
+            gives the tuned choice, with ``num_warps`` and ``num_stages``.
         num_warps: warps per stage-1 program.
-        num_stages: software pipelining depth of the stage-1 loop.
+        num_stages: software pipelining depth of the stage-1 loop (K/V gathered
+            ``num_stages - 1`` blocks ahead).
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -317,6 +467,7 @@ def decode_attention(
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
         KV_SCALED=kv_scales is not None,
+        DOT_F16=k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),

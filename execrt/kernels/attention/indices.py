@@ -18,7 +18,6 @@ from execrt.kernels._triton import (
 )
 from execrt.kernels.attention.common import (
     COMPONENT,
-    DEFAULT_DECODE_BLOCK_N,
     DEFAULT_MAX_SPLITS_CAP,
     DEFAULT_MIN_SPLIT_LEN,
     DEFAULT_PROGRAMS_PER_SM,
@@ -115,19 +114,16 @@ class SplitPolicy:
     target_split_len: int = DEFAULT_TARGET_SPLIT_LEN
     cap: int = DEFAULT_MAX_SPLITS_CAP
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM
-    block_n: int = DEFAULT_DECODE_BLOCK_N  # tokens per stage-1 loop step; splits are multiples
 
     def __post_init__(self) -> None:
         if (
             not 1 <= self.min_split_len <= self.target_split_len
             or min(self.cap, self.programs_per_sm) < 1
-            or self.block_n < 16
-            or self.block_n & (self.block_n - 1)
         ):
             fail(
                 COMPONENT,
                 f"split policy {self} unsupported (need 1 <= min <= target, cap >= 1, "
-                "block_n a power of two >= 16)",
+                "programs_per_sm >= 1)",
             )
 
     def min_splits(self, batch_size: int, num_kv_heads: int, num_sms: int) -> int:

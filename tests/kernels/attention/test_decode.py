@@ -5,8 +5,11 @@ The cache builders and the oracle here are shared with test_extend.py.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +172,8 @@ def run_decode(
     num_splits: list[int] | None = None,
     min_split_len: int = 32,
     block_n: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
     seed: int = 0,
     spare: int = 0,
     kv_dtype: torch.dtype | None = None,
@@ -205,7 +210,8 @@ def run_decode(
     sm_scale = head_dim**-0.5
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
-        max_splits, block_n=block_n, kv_scales=scales,
+        max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        kv_scales=scales,
     )  # fmt: skip
     ref = torch.zeros_like(o, dtype=torch.float64)
     for b in range(batch):
@@ -447,6 +453,80 @@ def test_decode_reads_an_fp8_cache_times_its_scales(
     assert_close(o, ref, SMALL_TOL[torch.float32])
 
 
+# 16-bit q over fp8 K/V: the dots run in fp16 (q times its scale rounded to fp16, p in fp16).
+FP8_Q_TOL = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.25, 4.0)])
+def test_decode_fp8_cache_with_16bit_q_against_the_dequantized_oracle(
+    dtype: torch.dtype, kv_dtype: torch.dtype, kv_scales: tuple[float, float]
+) -> None:
+    # The oracle: float64 attention of the unrounded q over what the cache holds times its
+    # scales, gathered in order. fp16 keeps p to 11 bits, bf16 output rounding dominates.
+    o, ref = run_decode(
+        [1, 40, 130, 300], num_q_heads=8, num_kv_heads=2, max_splits=3, dtype=dtype,
+        kv_dtype=kv_dtype, kv_scales=kv_scales, seed=86,
+    )  # fmt: skip
+    assert_close(o, ref, FP8_Q_TOL[dtype])
+
+
+def _fp8_decode(
+    q: torch.Tensor, cache: Cache, scales: list[float], block_n: int = 16
+) -> torch.Tensor:
+    """decode_attention over an fp8 ``cache`` with the scale row ``scales`` (k, v, 1/k, 1/v)."""
+    indptr, indices = flat_indices(cache)
+    batch, num_q_heads, _ = q.shape
+    splits = torch.full((batch,), 2, dtype=torch.int32, device=q.device)
+    o = torch.empty(batch, num_q_heads, cache.v.shape[2], dtype=q.dtype, device=q.device)
+    po = torch.empty(batch, num_q_heads, 2, cache.v.shape[2], device=q.device)
+    pl = torch.empty(batch, num_q_heads, 2, device=q.device)
+    kv_scales = torch.tensor(scales, dtype=torch.float32, device=q.device)
+    tk.decode_attention(
+        q, cache.k, cache.v, o, indptr, indices, splits, po, pl, cache.k.shape[2] ** -0.5, 2,
+        kv_scales=kv_scales, block_n=block_n,
+    )  # fmt: skip
+    return o
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_fp8_scales_fold_into_q_and_the_output_exactly(dtype: torch.dtype) -> None:
+    # The same stored bytes read with k_scale 2 and v_scale 1/2 by q / 2 give the same scores
+    # (q/2 * 2 K) and half the output. Powers of two: every rounding step is the same, so the
+    # kernel, which applies k_scale to q once and v_scale to each split's output, must agree
+    # bit for bit (but for outputs that halve into fp16 subnormals: 2**-24 apart at most);
+    # an error in either fold (a scale applied twice, or to the wrong tensor) cannot.
+    gen = torch.Generator().manual_seed(87)
+    base = make_cache([37, 90], 2, 64, 64, torch.float32, SMALL, gen)
+    cache = base.quantized(torch.float8_e4m3fn, 1.0, 1.0)
+    q = torch.randn(2, 8, 64, generator=gen).to(dtype).to(SMALL)
+    plain = _fp8_decode(q, cache, [1.0, 1.0, 1.0, 1.0])
+    folded = _fp8_decode(q / 2, cache, [2.0, 0.5, 0.5, 2.0])
+    assert not torch.isnan(plain).any()
+    torch.testing.assert_close(folded.double(), plain.double() * 0.5, rtol=0, atol=2**-24)
+    # A scale that is not a power of two goes through the same path (no exact equality).
+    thrice = _fp8_decode(q, cache, [1.0, 3.0, 1.0, 1 / 3])
+    torch.testing.assert_close(thrice, plain * 3, rtol=1e-2, atol=1e-2)
+
+
+def test_decode_fp8_clamps_the_scaled_q_to_the_fp16_range() -> None:
+    # |q| * sm_scale * log2(e) * k_scale past 65504 would be inf in fp16 and the scores NaN;
+    # the kernel clamps it, as the oracle below does, and the output stays finite.
+    gen = torch.Generator().manual_seed(88)
+    base = make_cache([9, 23], 1, 64, 64, torch.float32, SMALL, gen)
+    cache = base.quantized(torch.float8_e4m3fn, 1.0, 1.0)
+    q = (torch.randn(2, 4, 64, generator=gen) * 3e6).to(torch.bfloat16).to(SMALL)
+    o = _fp8_decode(q, cache, [1.0, 1.0, 1.0, 1.0])
+    assert torch.isfinite(o).all()
+    scale = 64**-0.5 * math.log2(math.e)
+    for b in range(2):
+        k, v = (x.double() for x in cache.context(b))  # [L, 1, 64]
+        qs = (q[b].double() * scale).clamp(-65504, 65504)  # [4, 64]
+        p = torch.softmax((qs @ k[:, 0].T) * math.log(2), dim=-1)  # base-2 scores
+        torch.testing.assert_close(o[b].double(), p @ v[:, 0], rtol=1e-2, atol=5e-2)
+
+
 def test_decode_rejects_bad_input() -> None:
     # On the device the kernels run on (CUDA, or CPU under the interpreter): CPU tensors on a
     # GPU machine are refused for their device before any shape or dtype is looked at.
@@ -575,6 +655,31 @@ def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [*FP8, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tiles", [(64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)], ids=str
+)
+def test_gpu_decode_tiles_the_tuner_sweeps(
+    kv_dtype: torch.dtype, tiles: tuple[int, int, int]
+) -> None:
+    # Compiled with the tiles of benchmarks/tune_triton_decode.py (and the defaults): deeper
+    # pipelines and the fp8 layout paths (K^T gathers, V transposed as fp16) at the 8B shape.
+    block_n, warps, stages = tiles
+    seq_lens = [1, 700, 4096, 513]
+    max_splits = tk.SplitPolicy().max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
+    fp8 = kv_dtype in FP8
+    o, ref = run_decode(
+        seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+        device=torch.device("cuda"), max_splits=max_splits,
+        min_split_len=tk.DEFAULT_MIN_SPLIT_LEN, block_n=block_n, num_warps=warps,
+        num_stages=stages, seed=221, kv_dtype=kv_dtype if fp8 else None,
+        kv_scales=(0.5, 2.0) if fp8 else (1.0, 1.0),
+    )  # fmt: skip
+    assert_close(o, ref, GPU_TOL[torch.bfloat16])
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     """kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
     device = torch.device("cuda")
@@ -682,3 +787,70 @@ def test_decode_metadata_rejects_bad_input() -> None:
     indptr = torch.full((1,), 5, dtype=torch.int32, device=SMALL)
     tk.decode_metadata(table, empty, empty, indptr, one, empty, 4, policy)
     assert indptr.tolist() == [0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage-1 tile table
+# ----------------------------------------------------------------------------------------------
+
+
+def test_decode_tiles_default_by_kv_dtype_and_on_the_interpreter() -> None:
+    # No tuned table for this device name: the defaults by element size. fp8 gathers two
+    # 128-token blocks ahead (3 stages) where 16-bit gathers one.
+    from execrt.kernels.attention.decode import _decode_tiles
+
+    fp8 = tk.DecodeTiles(128, 4, 3)
+    assert _decode_tiles("No Tuned GPU", torch.float8_e4m3fn, 128, 1) == fp8
+    assert _decode_tiles("No Tuned GPU", torch.float8_e5m2, 128, 64) == fp8
+    assert _decode_tiles("No Tuned GPU", torch.bfloat16, 128, 1) == tk.DecodeTiles(128, 4, 2)
+    assert tk.decode_tiles(torch.float8_e4m3fn, 128, 8, torch.device("cpu")).num_stages == 1
+
+
+def test_decode_tile_table_round_trip_and_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execrt.kernels._triton import tuned_table_name
+    from execrt.kernels.attention import decode
+
+    a, b, c = tk.DecodeTiles(64, 4, 4), tk.DecodeTiles(128, 4, 3), tk.DecodeTiles(256, 8, 2)
+    data = tk.tile_table_json({128: {1: a, 32: b, 128: c}}, device_name="Table Test GPU")
+    name = tuned_table_name("Table Test GPU", torch.float8_e4m3fn)
+    assert name == "device_name=Table_Test_GPU,dtype=float8_e4m3fn.json"
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    assert tk.load_tile_table(str(path)) == {128: {1: a, 32: b, 128: c}}
+    monkeypatch.setattr(decode, "CONFIG_DIR", str(tmp_path))
+    pick = functools.partial(decode._decode_tiles, "Table Test GPU", torch.float8_e4m3fn)
+    # The smallest tuned batch size >= the batch, else the largest; head dims padded.
+    assert [pick(128, bs) for bs in (1, 2, 32, 33, 128, 512)] == [a, b, b, c, c, c]
+    assert pick(100, 1) == a
+    assert pick(64, 1) == tk.DecodeTiles(128, 4, 3)  # no entry for D 64: the default
+    other = decode._decode_tiles("Table Test GPU", torch.bfloat16, 128, 1)
+    assert other == tk.DecodeTiles(128, 4, 2)  # the table is per KV dtype
+
+
+def test_decode_tile_table_rejects_bad_files_and_tiles(tmp_path: Path) -> None:
+    assert tk.load_tile_table(str(tmp_path / "absent.json")) is None
+    for i, text in enumerate(['{"tiles": {"128": {"1": {"block_n": 128}}}}', "{", "[]"]):
+        path = tmp_path / f"bad{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"decode tile table .*bad{i}.json unreadable"):
+            tk.load_tile_table(str(path))
+    with pytest.raises(ValueError, match="block_n 24 unsupported"):
+        tk.DecodeTiles(24, 4, 2)
+    with pytest.raises(ValueError, match="num_warps 1/2/4/8/16"):
+        tk.DecodeTiles(64, 3, 2)
+
+
+def test_shipped_decode_tile_tables_load() -> None:
+    # Every table in the package parses into valid tiles keyed by a KV dtype's name.
+    import glob
+    import os
+
+    from execrt.kernels._triton import DTYPE_NAMES
+    from execrt.kernels.attention import decode
+
+    for path in glob.glob(os.path.join(decode.CONFIG_DIR, "*.json")):
+        table = tk.load_tile_table(path)
+        assert table, path
+        assert any(f"dtype={n}.json" in path for n in DTYPE_NAMES.values()), path
