@@ -95,7 +95,12 @@ for step in "$@"; do
       done ;;
     tune-decode)  # TUNE_DECODE_ARGS: "short", or "tiles [--kv-dtypes fp8_e4m3,auto]" (tile tables)
       timeout "$(cap 300)" python3 benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" ${TUNE_DECODE_ARGS:-} 2>&1 | tee "$OUT/tune-decode.log" | tail -40
-      for f in "$OUT"/device_name=*.json; do [ -f "$f" ] && mv "$f" "$OUT/tune-decode-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"; done ;;
+      # Installed for the later steps of this call (bench-fp8 reads them), then renamed to come back.
+      for f in "$OUT"/device_name=*.json; do
+        [ -f "$f" ] || continue
+        mkdir -p execrt/kernels/attention/decode_configs && cp "$f" execrt/kernels/attention/decode_configs/
+        mv "$f" "$OUT/tune-decode-$(basename "$f" | tr -c 'A-Za-z0-9_.\n-' _)"
+      done ;;
     bench-prefix)  # PREFIX_ARGS, e.g. "--caches on,off --layers 12"
       timeout "$(cap ${PREFIX_S:-240})" python3 -m execrt bench prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/bench-prefix.log" | tail -24 ;;
     bench-serve)  # SERVE_ARGS, e.g. "--model qwen3-0.6b --max-concurrency 1,32,256"
