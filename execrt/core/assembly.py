@@ -446,6 +446,21 @@ def kv_budget_bytes(free: int, total: int, fraction: float) -> int:
     return max(0, free - headroom)
 
 
+def check_gpu_kv_budget(
+    budget: int, per_token: int, context_len: int, free: int, device: torch.device
+) -> None:
+    """Refuse an automatic pool that cannot hold one request at full context (memory another
+    engine or process holds, say) rather than build one that aborts every long prompt."""
+    if budget // per_token >= context_len:
+        return
+    raise ConfigError(
+        f"config: the automatic KV pool on {device} gets {budget / 2**30:.2f} GiB of the "
+        f"{free / 2**30:.2f} GiB free after the weights: {budget // per_token} tokens at "
+        f"{per_token} bytes each, fewer than one request at context_len {context_len}; free "
+        "the GPU memory held elsewhere, lower context_len, or set kv_cache_tokens"
+    )
+
+
 def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
     """KV slots: ``kv_cache_tokens`` when set, else every request at full context, capped by
     the free GPU memory left after the weights (``kv_budget_bytes``; a fixed budget on CPU),
@@ -459,7 +474,9 @@ def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
         s.num_layers, s.num_kv_heads, s.head_dim, resolved.kv_dtype
     )
     if resolved.device.type == "cuda":
-        budget = kv_budget_bytes(*gpu_memory(resolved.device), cfg.kv_cache_memory_fraction)
+        free, total = gpu_memory(resolved.device)
+        budget = kv_budget_bytes(free, total, cfg.kv_cache_memory_fraction)
+        check_gpu_kv_budget(budget, per_token, resolved.context_len, free, resolved.device)
     else:
         budget = cpu_kv_budget(
             CPU_KV_BUDGET_BYTES, per_token, resolved.context_len, available_memory(resolved.device)

@@ -254,6 +254,13 @@ class KVCache:
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
+    def release(self) -> None:
+        """Free the storage (the owner is closing): the lists are emptied in place, so a
+        holder of ``k_buffers`` sees no layer rather than keeping the memory alive."""
+        self.k_buffers.clear()
+        self.v_buffers.clear()
+        self.layer_scales.clear()
+
     def set_scales(self, scales: KVScales) -> None:
         """Use a checkpoint's per-layer scales (an fp8 cache only; before the first store)."""
         if not self.is_fp8:

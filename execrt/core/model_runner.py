@@ -181,3 +181,15 @@ class ModelRunner:
             name, obj = self._owned.pop()
             if self.context.has(name) and self.context.get(name) is obj:
                 self.context.unregister(name, owner=OWNER)
+        self._release_storage()
+
+    def _release_storage(self) -> None:
+        """Free the weights and the KV pool in place. A caller may keep a closed engine (a
+        ``with`` block's name outlives the block), and the next runner in this process sizes
+        its KV pool from the device memory that is free: a closed runner must hold none."""
+        model = getattr(self, "model", None)
+        if isinstance(model, torch.nn.Module):
+            model.to_empty(device="meta")
+        kv = getattr(self, "kv_cache", None)
+        if kv is not None:
+            kv.release()

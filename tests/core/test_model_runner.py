@@ -201,6 +201,12 @@ def test_cuda_pool_from_probed_memory_then_running_requests_fit_it(
     assert roomy.config.max_running_requests == ceiling  # 15,625 requests: the ceiling
     set_by_user = dataclasses.replace(on_gpu, running_fits_kv=False)
     assert assembly.fit_running_requests(set_by_user, 100) is set_by_user
+    # Memory held elsewhere leaves less than one request at full context (64 tokens): refused
+    # with the numbers and the ways out, not built as a pool that aborts every long prompt.
+    monkeypatch.setattr(assembly, "gpu_memory", lambda d: (10 * GB + 63 * per_token, 100 * GB))
+    with pytest.raises(ConfigError, match=r"63 tokens at \d+ bytes each, fewer than one request "
+                       r"at context_len 64.*set kv_cache_tokens"):  # fmt: skip
+        assembly.kv_cache_tokens(on_gpu)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
