@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
+import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -37,6 +39,36 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
         dst.copy_(src)
     seconds = median_us(lambda: dst.copy_(src), 1, iters) / 1e6
     return 2 * nbytes / seconds / 1e9
+
+
+def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
+    """Host memory copy rate (read + write): the roofline's divisor on CPU runs."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+class CopyRate(NamedTuple):
+    """The device a run measures on and the copy rate its roofline divides by."""
+
+    gpu: str  # the GPU's name, or the device type off CUDA
+    gbps: float  # read + write
+
+
+def measure_copy_rate(device: torch.device) -> CopyRate:
+    """On CUDA the GPU's device-to-device copy rate, then its buffers freed (the allocator
+    would keep the copy's 4 GiB and the next engine would size its KV pool smaller);
+    elsewhere the host copy rate."""
+    if device.type != "cuda":
+        return CopyRate(device.type, host_copy_gbps())
+    rate = CopyRate(torch.cuda.get_device_name(device), copy_bandwidth_gbps())
+    release_memory()
+    return rate
 
 
 def median_us(launch: Callable[[], object], iters: int, reps: int) -> float:

@@ -29,8 +29,8 @@ import torch
 
 from execrt.bench.common import (
     cell,
-    copy_bandwidth_gbps,
     failure_note,
+    measure_copy_rate,
     release_memory,
     report,
     utc_now,
@@ -49,7 +49,6 @@ from execrt.bench.timing import (
     TimeLimitExceeded,
     dense_bf16_peak_tflops,
     difference_timing,
-    host_copy_gbps,
     host_hotspots,
     matmul_tflops,
     profile_run,
@@ -223,11 +222,7 @@ def run(opts: Options) -> list[Record]:
     limit = mc.max_position_embeddings
     if opts.ctx + opts.steps + KV_MARGIN > limit:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
-    if device.type == "cuda":
-        gpu, copy_gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        release_memory()  # the copy's 4 GiB stay cached otherwise
-    else:
-        gpu, copy_gbps = device.type, host_copy_gbps()
+    gpu, copy_gbps = measure_copy_rate(device)
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
     print(f"# {gpu}: device-to-device copy {ctx.copy_gbps:.0f} GB/s (read + write)")
     print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")

@@ -28,8 +28,8 @@ import torch
 
 from execrt.bench.common import (
     cell,
-    copy_bandwidth_gbps,
     failure_note,
+    measure_copy_rate,
     release_memory,
     report,
     utc_now,
@@ -41,7 +41,7 @@ from execrt.bench.models import (
     model_config,
     weight_bytes_per_step,
 )
-from execrt.bench.timing import host_copy_gbps, synchronize
+from execrt.bench.timing import synchronize
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -208,11 +208,7 @@ def run(opts: Options) -> list[Record]:
     workload = draw_workload(
         opts.num_seqs, opts.min_len, opts.max_len, opts.max_token_id, opts.seed
     )
-    if device.type == "cuda":
-        gpu, gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        release_memory()  # the copy's 4 GiB would shrink the first engine's KV pool
-    else:
-        gpu, gbps = device.type, host_copy_gbps()
+    gpu, gbps = measure_copy_rate(device)
     weights, kv = workload_bytes(mc, workload)
     r = _Run(opts, shape, mc, workload, gbps, gpu, utc_now(), weights, kv)
     print(
