@@ -24,6 +24,7 @@ from execrt.core.interfaces import (
     AttentionRequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.core.selection import ResolutionReport
 from execrt.plugins.host import PluginHost
 
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
@@ -127,6 +128,12 @@ def cell(value: float | None, width: int, fmt: str) -> str:
 def failure_note(exc: BaseException) -> str:
     """One line for a record that could not run: the exception's type and first line."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def chosen_backend(resolution: ResolutionReport, kind: str) -> str:
+    """The name of the ``kind`` backend a run chose, "none" when it built none."""
+    found = [r.chosen for r in resolution.resolutions if r.kind == kind]
+    return (found[0] if found else None) or "none"
 
 
 def report(

@@ -29,6 +29,7 @@ import torch
 
 from execrt.bench.common import (
     cell,
+    chosen_backend,
     failure_note,
     measure_copy_rate,
     release_memory,
@@ -275,7 +276,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
                 kv_dtype=kv_dtype,
             )  # fmt: skip
         return
-    attention = _chosen(engine, "attention")
+    attention = chosen_backend(engine.resolution, "attention")
     ov: dict[str, Any] = {
         "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype
     }  # fmt: skip
@@ -436,7 +437,7 @@ def _run_ttft(ctx: _Context) -> None:
         for n in opts.ttft:
             _add_ttft(ctx, n, None, opts.attention, failure_note(exc), peak)
         return
-    attention = _chosen(engine, "attention")
+    attention = chosen_backend(engine.resolution, "attention")
     chunk = engine.worker.limits.max_prefill_tokens
     with engine:
         for n in opts.ttft:
@@ -596,11 +597,6 @@ def _hf_generate_s(
 def _prompts(bs: int, ctx: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (bs, ctx), generator=g).tolist()
-
-
-def _chosen(engine: Engine, kind: str) -> str:
-    found = [r.chosen for r in engine.resolution.resolutions if r.kind == kind]
-    return (found[0] if found else None) or "none"
 
 
 def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 
 from execrt.bench.common import (
     cell,
+    chosen_backend,
     failure_note,
     measure_copy_rate,
     release_memory,
@@ -251,10 +252,7 @@ def _run_config(r: _Run, name: str) -> None:
         "kv_cache_tokens": engine.stats().kv_slots_total,
         "overlap_schedule": engine.config.overlap_schedule,
     }
-    attention = next(
-        (res.chosen or "none" for res in engine.resolution.resolutions if res.kind == "attention"),
-        "none",
-    )
+    attention = chosen_backend(engine.resolution, "attention")
     print(f"  engine ready in {startup:.1f} s: {config}", flush=True)
     with engine:
         for t in opts.temperatures:

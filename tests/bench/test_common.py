@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from execrt.bench import common
-from execrt.bench.common import CopyRate, measure_copy_rate, rank, report
+from execrt.bench.common import CopyRate, chosen_backend, measure_copy_rate, rank, report
+from execrt.core.selection import Resolution, ResolutionReport
 
 
 @dataclass
@@ -79,3 +80,12 @@ def test_measure_copy_rate_on_cuda_frees_the_copy_buffers_after_timing(
     rate = measure_copy_rate(torch.device("cuda", 0))
     assert rate == CopyRate("GPU cuda:0", 4000.0)
     assert calls == ["copy", "release"]  # else the next engine's KV pool sizes smaller
+
+
+def test_chosen_backend_names_the_kinds_choice_or_none() -> None:
+    resolution = ResolutionReport(
+        [Resolution("attention", "auto", "triton"), Resolution("graph", "auto", None)]
+    )
+    assert chosen_backend(resolution, "attention") == "triton"
+    assert chosen_backend(resolution, "graph") == "none"  # resolved to nothing
+    assert chosen_backend(resolution, "moe_dispatch") == "none"  # not in the report
