@@ -216,9 +216,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench decode: needs a CUDA device (none is visible)")
-    config = (
-        _layers(opts.config, opts.layers) if opts.config else model_config(opts.model, opts.layers)
-    )
+    config = model_config(opts.model, opts.layers, opts.config)
     mc = ModelConfig.from_dict(config)
     limit = mc.max_position_embeddings
     if opts.ctx + opts.steps + KV_MARGIN > limit:
@@ -597,10 +595,6 @@ def _hf_generate_s(
 def _prompts(bs: int, ctx: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (bs, ctx), generator=g).tolist()
-
-
-def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
-    return config if layers is None else config | {"num_hidden_layers": layers}
 
 
 def _compare_to_peers(records: list[Record]) -> None:

@@ -166,9 +166,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench prefix: needs a CUDA device (none is visible)")
-    config = dict(opts.config) if opts.config else model_config(opts.model, opts.layers)
-    if opts.config and opts.layers:
-        config["num_hidden_layers"] = opts.layers
+    config = model_config(opts.model, opts.layers, opts.config)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     date, layers = utc_now(), int(config["num_hidden_layers"])
     vocab = int(config["vocab_size"])

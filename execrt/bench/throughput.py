@@ -200,7 +200,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench throughput: needs a CUDA device (none is visible)")
-    shape = opts.config or model_config(opts.model)
+    shape = model_config(opts.model, config=opts.config)
     mc = ModelConfig.from_dict(shape)
     if opts.max_token_id >= mc.vocab_size:
         raise ExecrtError(
