@@ -267,8 +267,8 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             **graph,
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
+        note = failure_note(exc)
         for bs in opts.batch_sizes:
-            note = failure_note(exc)
             ctx.add(
                 mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap,
                 kv_dtype=kv_dtype,

@@ -184,8 +184,8 @@ def run(opts: Options) -> list[Record]:
                     print(f"  {_describe(records[-1])}", flush=True)
         except Exception as exc:  # e.g. out of memory: say so in the records, go on
             done = {r.workload for r in records if r.cache == cache}
+            note = failure_note(exc)
             for workload in (w for w in opts.workloads if w not in done):
-                note = failure_note(exc)
                 records.append(Record(workload, cache, 0.0, None, None, 0.0, opts.model, gpu, date))
                 records[-1].note, records[-1].layers = note, layers
                 print(f"  {workload:<13} {cache:<10} failed: {note}", flush=True)

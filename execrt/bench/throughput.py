@@ -238,9 +238,10 @@ def _run_config(r: _Run, name: str) -> None:
             **kwargs,
         )
     except Exception as exc:
+        given: dict[str, Any] = {"name": name, "settings": settings}
+        note = failure_note(exc)
         for t in opts.temperatures:
-            given: dict[str, Any] = {"name": name, "settings": settings}
-            _add(r, given, t, None, None, "none", None, note=failure_note(exc))
+            _add(r, given, t, None, None, "none", None, note=note)
         return
     startup = time.perf_counter() - start
     limits = engine.worker.limits
