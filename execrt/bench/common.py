@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
+import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -22,6 +24,7 @@ from execrt.core.interfaces import (
     AttentionRequirements,
 )
 from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.core.selection import ResolutionReport
 from execrt.plugins.host import PluginHost
 
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
@@ -37,6 +40,36 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
         dst.copy_(src)
     seconds = median_us(lambda: dst.copy_(src), 1, iters) / 1e6
     return 2 * nbytes / seconds / 1e9
+
+
+def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
+    """Host memory copy rate (read + write): the roofline's divisor on CPU runs."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+class CopyRate(NamedTuple):
+    """The device a run measures on and the copy rate its roofline divides by."""
+
+    gpu: str  # the GPU's name, or the device type off CUDA
+    gbps: float  # read + write
+
+
+def measure_copy_rate(device: torch.device) -> CopyRate:
+    """On CUDA the GPU's device-to-device copy rate, then its buffers freed (the allocator
+    would keep the copy's 4 GiB and the next engine would size its KV pool smaller);
+    elsewhere the host copy rate."""
+    if device.type != "cuda":
+        return CopyRate(device.type, host_copy_gbps())
+    rate = CopyRate(torch.cuda.get_device_name(device), copy_bandwidth_gbps())
+    release_memory()
+    return rate
 
 
 def median_us(launch: Callable[[], object], iters: int, reps: int) -> float:
@@ -95,6 +128,12 @@ def cell(value: float | None, width: int, fmt: str) -> str:
 def failure_note(exc: BaseException) -> str:
     """One line for a record that could not run: the exception's type and first line."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def chosen_backend(resolution: ResolutionReport, kind: str) -> str:
+    """The name of the ``kind`` backend a run chose, "none" when it built none."""
+    found = [r.chosen for r in resolution.resolutions if r.kind == kind]
+    return (found[0] if found else None) or "none"
 
 
 def report(

@@ -29,8 +29,9 @@ import torch
 
 from execrt.bench.common import (
     cell,
-    copy_bandwidth_gbps,
+    chosen_backend,
     failure_note,
+    measure_copy_rate,
     release_memory,
     report,
     utc_now,
@@ -49,7 +50,6 @@ from execrt.bench.timing import (
     TimeLimitExceeded,
     dense_bf16_peak_tflops,
     difference_timing,
-    host_copy_gbps,
     host_hotspots,
     matmul_tflops,
     profile_run,
@@ -216,18 +216,12 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench decode: needs a CUDA device (none is visible)")
-    config = (
-        _layers(opts.config, opts.layers) if opts.config else model_config(opts.model, opts.layers)
-    )
+    config = model_config(opts.model, opts.layers, opts.config)
     mc = ModelConfig.from_dict(config)
     limit = mc.max_position_embeddings
     if opts.ctx + opts.steps + KV_MARGIN > limit:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
-    if device.type == "cuda":
-        gpu, copy_gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        release_memory()  # the copy's 4 GiB stay cached otherwise
-    else:
-        gpu, copy_gbps = device.type, host_copy_gbps()
+    gpu, copy_gbps = measure_copy_rate(device)
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
     print(f"# {gpu}: device-to-device copy {ctx.copy_gbps:.0f} GB/s (read + write)")
     print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")
@@ -273,14 +267,14 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             **graph,
         )
     except Exception as exc:  # e.g. a backend that cannot run graphs: report, keep going
+        note = failure_note(exc)
         for bs in opts.batch_sizes:
-            note = failure_note(exc)
             ctx.add(
                 mode, "generate", bs, None, opts.attention, note=note, overlap=opts.overlap,
                 kv_dtype=kv_dtype,
             )  # fmt: skip
         return
-    attention = _chosen(engine, "attention")
+    attention = chosen_backend(engine.resolution, "attention")
     ov: dict[str, Any] = {
         "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype
     }  # fmt: skip
@@ -441,7 +435,7 @@ def _run_ttft(ctx: _Context) -> None:
         for n in opts.ttft:
             _add_ttft(ctx, n, None, opts.attention, failure_note(exc), peak)
         return
-    attention = _chosen(engine, "attention")
+    attention = chosen_backend(engine.resolution, "attention")
     chunk = engine.worker.limits.max_prefill_tokens
     with engine:
         for n in opts.ttft:
@@ -601,15 +595,6 @@ def _hf_generate_s(
 def _prompts(bs: int, ctx: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (bs, ctx), generator=g).tolist()
-
-
-def _chosen(engine: Engine, kind: str) -> str:
-    found = [r.chosen for r in engine.resolution.resolutions if r.kind == kind]
-    return (found[0] if found else None) or "none"
-
-
-def _layers(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
-    return config if layers is None else config | {"num_hidden_layers": layers}
 
 
 def _compare_to_peers(records: list[Record]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -81,11 +81,17 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_config(name: str, layers: int | None = None) -> dict[str, Any]:
-    """The config dict of benchmark model ``name``, cut to ``layers`` decoder layers."""
-    if name not in MODELS:
+def model_config(
+    name: str, layers: int | None = None, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config dict of benchmark model ``name``, or a copy of the custom shape ``config``
+    (which ``name`` then only labels), cut to ``layers`` decoder layers."""
+    if config:
+        cfg = dict(config)
+    elif name in MODELS:
+        cfg = dict(MODELS[name])
+    else:
         raise ValueError(f"bench models: model {name!r} unknown (known: {', '.join(MODELS)})")
-    cfg = dict(MODELS[name])
     if layers is not None:
         if layers < 1:
             raise ValueError(f"bench models: layers {layers} must be >= 1")

@@ -166,9 +166,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench prefix: needs a CUDA device (none is visible)")
-    config = dict(opts.config) if opts.config else model_config(opts.model, opts.layers)
-    if opts.config and opts.layers:
-        config["num_hidden_layers"] = opts.layers
+    config = model_config(opts.model, opts.layers, opts.config)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     date, layers = utc_now(), int(config["num_hidden_layers"])
     vocab = int(config["vocab_size"])
@@ -186,8 +184,8 @@ def run(opts: Options) -> list[Record]:
                     print(f"  {_describe(records[-1])}", flush=True)
         except Exception as exc:  # e.g. out of memory: say so in the records, go on
             done = {r.workload for r in records if r.cache == cache}
+            note = failure_note(exc)
             for workload in (w for w in opts.workloads if w not in done):
-                note = failure_note(exc)
                 records.append(Record(workload, cache, 0.0, None, None, 0.0, opts.model, gpu, date))
                 records[-1].note, records[-1].layers = note, layers
                 print(f"  {workload:<13} {cache:<10} failed: {note}", flush=True)

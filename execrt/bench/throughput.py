@@ -28,8 +28,9 @@ import torch
 
 from execrt.bench.common import (
     cell,
-    copy_bandwidth_gbps,
+    chosen_backend,
     failure_note,
+    measure_copy_rate,
     release_memory,
     report,
     utc_now,
@@ -41,7 +42,7 @@ from execrt.bench.models import (
     model_config,
     weight_bytes_per_step,
 )
-from execrt.bench.timing import host_copy_gbps, synchronize
+from execrt.bench.timing import synchronize
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -199,7 +200,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench throughput: needs a CUDA device (none is visible)")
-    shape = opts.config or model_config(opts.model)
+    shape = model_config(opts.model, config=opts.config)
     mc = ModelConfig.from_dict(shape)
     if opts.max_token_id >= mc.vocab_size:
         raise ExecrtError(
@@ -208,11 +209,7 @@ def run(opts: Options) -> list[Record]:
     workload = draw_workload(
         opts.num_seqs, opts.min_len, opts.max_len, opts.max_token_id, opts.seed
     )
-    if device.type == "cuda":
-        gpu, gbps = torch.cuda.get_device_name(device), copy_bandwidth_gbps()
-        release_memory()  # the copy's 4 GiB would shrink the first engine's KV pool
-    else:
-        gpu, gbps = device.type, host_copy_gbps()
+    gpu, gbps = measure_copy_rate(device)
     weights, kv = workload_bytes(mc, workload)
     r = _Run(opts, shape, mc, workload, gbps, gpu, utc_now(), weights, kv)
     print(
@@ -241,9 +238,10 @@ def _run_config(r: _Run, name: str) -> None:
             **kwargs,
         )
     except Exception as exc:
+        given: dict[str, Any] = {"name": name, "settings": settings}
+        note = failure_note(exc)
         for t in opts.temperatures:
-            given: dict[str, Any] = {"name": name, "settings": settings}
-            _add(r, given, t, None, None, "none", None, note=failure_note(exc))
+            _add(r, given, t, None, None, "none", None, note=note)
         return
     startup = time.perf_counter() - start
     limits = engine.worker.limits
@@ -255,10 +253,7 @@ def _run_config(r: _Run, name: str) -> None:
         "kv_cache_tokens": engine.stats().kv_slots_total,
         "overlap_schedule": engine.config.overlap_schedule,
     }
-    attention = next(
-        (res.chosen or "none" for res in engine.resolution.resolutions if res.kind == "attention"),
-        "none",
-    )
+    attention = chosen_backend(engine.resolution, "attention")
     print(f"  engine ready in {startup:.1f} s: {config}", flush=True)
     with engine:
         for t in opts.temperatures:

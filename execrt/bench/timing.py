@@ -220,18 +220,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
-    """Host memory copy rate (read + write): the roofline's divisor on CPU runs."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(iters):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best / 1e9
-
-
 #: Datasheet dense (no sparsity) bf16 tensor-core TFLOP/s by GPU name, most specific first:
 #: what "fraction of peak" means in NVIDIA's and FlashAttention's reports. The measured
 #: matmul (:func:`matmul_tflops`) is what cuBLAS reaches at the clocks of the run.

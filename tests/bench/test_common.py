@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-from execrt.bench.common import rank, report
+from execrt.bench import common
+from execrt.bench.common import CopyRate, chosen_backend, measure_copy_rate, rank, report
+from execrt.core.selection import Resolution, ResolutionReport
 
 
 @dataclass
@@ -60,3 +63,29 @@ def test_report_prints_saves_and_returns_the_records(
 def test_report_without_a_directory_saves_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     report([Row("a", 1.0)], table, None, "moe")
     assert "saved" not in capsys.readouterr().out
+
+
+def test_measure_copy_rate_off_cuda_is_the_host_copy_rate() -> None:
+    rate = measure_copy_rate(torch.device("cpu"))
+    assert rate.gpu == "cpu" and rate.gbps > 0
+
+
+def test_measure_copy_rate_on_cuda_frees_the_copy_buffers_after_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {device}")
+    monkeypatch.setattr(common, "copy_bandwidth_gbps", lambda: calls.append("copy") or 4000.0)
+    monkeypatch.setattr(common, "release_memory", lambda: calls.append("release"))
+    rate = measure_copy_rate(torch.device("cuda", 0))
+    assert rate == CopyRate("GPU cuda:0", 4000.0)
+    assert calls == ["copy", "release"]  # else the next engine's KV pool sizes smaller
+
+
+def test_chosen_backend_names_the_kinds_choice_or_none() -> None:
+    resolution = ResolutionReport(
+        [Resolution("attention", "auto", "triton"), Resolution("graph", "auto", None)]
+    )
+    assert chosen_backend(resolution, "attention") == "triton"
+    assert chosen_backend(resolution, "graph") == "none"  # resolved to nothing
+    assert chosen_backend(resolution, "moe_dispatch") == "none"  # not in the report

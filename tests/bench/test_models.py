@@ -1,0 +1,29 @@
+"""execrt.bench.models: the benchmark model shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from execrt.bench.models import MODELS, model_config
+
+
+def test_a_named_shape_is_a_copy_cut_to_the_layers_asked() -> None:
+    cfg = model_config("qwen3-0.6b", 2)
+    assert cfg == MODELS["qwen3-0.6b"] | {"num_hidden_layers": 2}
+    cfg["vocab_size"] = 1
+    assert model_config("qwen3-0.6b") == MODELS["qwen3-0.6b"]  # the table is untouched
+
+
+def test_a_custom_shape_wins_over_the_name_and_is_cut_too() -> None:
+    custom = {"num_hidden_layers": 4, "vocab_size": 64}
+    assert model_config("tiny", None, custom) == custom
+    assert model_config("tiny", None, custom) is not custom
+    assert model_config("tiny", 1, custom) == {"num_hidden_layers": 1, "vocab_size": 64}
+    assert custom["num_hidden_layers"] == 4  # the caller's dict is untouched
+
+
+def test_unknown_names_and_bad_layer_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="model 'tiny' unknown .*qwen3-0.6b"):
+        model_config("tiny")
+    with pytest.raises(ValueError, match="layers 0 must be >= 1"):
+        model_config("qwen3-0.6b", 0)
