@@ -5,9 +5,9 @@
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-fp8]
 #        [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
-#   (TESTS_SKIP_DONE: a tests-done.txt an earlier call brought back, or a file of node ids such
-#   as benchmarks/results/gpu-tests-done-<date>.txt; what it lists as passed or skipped is
-#   deselected)
+#   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
+#   as benchmarks/results/gpu-tests-done-<date>.txt, ':'-separated; what they list as passed or
+#   skipped is deselected; never re-archive $OUT yourself: the logs.tgz below carries the list)
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
 #   TESTS_ORDER=reverse (collection back to front),

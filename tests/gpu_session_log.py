@@ -7,9 +7,9 @@ Every setting is an environment variable, so a run without them is untouched:
   still leaves its failures behind).
 - ``TESTS_TIMELOG=<file>``: one line per finished test, ``"<seconds> <outcome> <node id>"``:
   what a run cut short reached, and where its time went.
-- ``TESTS_SKIP_DONE=<file>``: a ``TESTS_TIMELOG`` of an earlier call (or a file of node ids,
-  one per line); the tests it lists as passed or skipped are deselected, so the next call runs
-  only what was cut off and what failed.
+- ``TESTS_SKIP_DONE=<file>[:<file>...]``: ``TESTS_TIMELOG``s of earlier calls (or files of node
+  ids, one per line); the tests they list as passed or skipped are deselected, so the next call
+  runs only what was cut off and what failed.
 - ``TESTS_ORDER=reverse``: the collection runs back to front (a call cut short whose log was
   lost reached the front).
 
@@ -63,9 +63,9 @@ def done_node_ids(path: str) -> set[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get(ORDER) == "reverse":
         items.reverse()
-    path = os.environ.get(SKIP_DONE)
-    if not path:
+    paths = [p for p in os.environ.get(SKIP_DONE, "").split(os.pathsep) if p]
+    if not paths:
         return
-    done = done_node_ids(path)
+    done = set().union(*map(done_node_ids, paths))
     config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
     items[:] = [item for item in items if item.nodeid not in done]
