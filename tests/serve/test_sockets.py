@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,22 +21,26 @@ from tests.serve.fakes import FakeClient
 
 
 @dataclass
-class StampedClient(FakeClient):
-    """Stamps when each request got its first token from the engine."""
+class TwoStepClient(FakeClient):
+    """Each request gets its first token ``first`` seconds after it arrives (right after the
+    response headers went out) and its second, the last, ``second`` seconds after that."""
 
+    first: float = 0.003
+    second: float = 0.3
     first_put: dict[str, float] = field(default_factory=dict)
 
     def submit(self, request: EngineRequest, holder: OutputHolder) -> None:
-        put = holder.put
-        rid = request.request_id
+        self.submitted.append(request)
 
-        def stamped(output: RequestOutput, now: float | None = None) -> None:
-            if output.token_ids and rid not in self.first_put:
-                self.first_put[rid] = time.perf_counter()
-            put(output, now)
+        def step(last: bool) -> None:
+            if not last:
+                self.first_put[request.request_id] = time.perf_counter()
+            holder.put(RequestOutput([1], finish_reason="length" if last else None))
 
-        holder.put = stamped  # type: ignore[method-assign]
-        super().submit(request, holder)
+        for delay, last in ((self.first, False), (self.first + self.second, True)):
+            timer = threading.Timer(delay, step, (last,))
+            timer.daemon = True
+            timer.start()
 
 
 def test_bound_socket_is_tcp_with_nodelay() -> None:
@@ -48,10 +53,10 @@ def test_bound_socket_is_tcp_with_nodelay() -> None:
 
 
 def test_first_chunk_leaves_before_the_next_engine_step_on_a_kept_alive_connection() -> None:
-    # Steps of 300 ms: the first token's chunk must reach the client long before the engine's
-    # second step, on every request of one connection (not only the first, which Linux
-    # acknowledges at once while a connection is new).
-    client = StampedClient(tick=0.3)
+    # The first token comes 3 ms after the headers, the second 300 ms later: its chunk must
+    # reach the client long before that, on every request of one connection (not only the
+    # first, which Linux acknowledges at once while a connection is new).
+    client = TwoStepClient()
     server = UvicornServer(client, bind("127.0.0.1", 0)).start()
     body = {"prompt": "ab", "max_tokens": 2, "stream": True}
     lags = []
