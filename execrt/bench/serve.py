@@ -10,6 +10,10 @@ Method:
 - each run is either a fixed ``--max-concurrency`` (a closed loop) or Poisson arrivals at
   ``--request-rate`` (optionally capped by the concurrency); requests stream
   (``stream_options.include_usage``) and the client stamps every chunk;
+- the clients (``http_load``: kept-alive connections parsed with h11) run in this process, or,
+  for many streams, in load processes of their own (``--client-procs``, by default one per
+  ``STREAMS_PER_CLIENT_PROC`` streams) so that the load generator is not what limits the
+  numbers;
 - metrics as SGLang's ``bench_serving`` and ``vllm bench serve`` define them: TTFT (send to the
   first chunk with tokens), ITL (gaps between chunks), TPOT ((E2E - TTFT) / (tokens - 1)),
   request and output-token throughput;
@@ -20,15 +24,16 @@ Method:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
+import math
 import multiprocessing
 import os
 import random
 import signal
 import statistics
 from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,6 +58,9 @@ WORKLOADS = ("random", "shared-prefix")
 DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
 DEFAULT_RATES = (8.0, 32.0)
 CONTEXT_MARGIN = 8
+#: Streams one load process carries (at ~20-40 us of its CPU per SSE chunk: 32 streams at
+#: 1-2 ms a step fill about half a core, so its own delays stay below a step).
+STREAMS_PER_CLIENT_PROC = 32
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Options:
     engine: bool = True  # also replay through the Engine in-process
     server: str = "process"  # "process" (measurements) or "thread" (tests: no second start)
     engine_runner: str = "process"  # where the server's engine runs, as ``execrt serve --engine``
+    client_procs: int | None = None  # load processes (default: by the streams of each run)
     plot: bool = False
     out_dir: str | None = "benchmarks/results"
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
@@ -99,6 +108,8 @@ class Options:
             problems.append("concurrencies must be >= 1 and request rates > 0")
         if self.server not in ("process", "thread"):
             problems.append(f"server {self.server!r} must be 'process' or 'thread'")
+        if self.client_procs is not None and self.client_procs < 1:
+            problems.append(f"client_procs {self.client_procs} must be >= 1")
         if self.engine_runner not in ("process", "thread"):
             problems.append(f"engine {self.engine_runner!r} must be 'process' or 'thread'")
         if problems:
@@ -117,6 +128,17 @@ class Options:
             "max_prefill_tokens": max(16384, longest),
             "seed": self.seed,
         }
+
+    def processes_for(self, run: Run) -> int:
+        """Load processes of ``run``: as asked, else one per STREAMS_PER_CLIENT_PROC streams
+        (at most what the machine has cores for beside the server and its engine)."""
+        if self.client_procs is not None:
+            return self.client_procs
+        streams = run.concurrency or len(run.requests)
+        if run.request_rate is not None and run.concurrency is None:  # about rate * E2E
+            streams = min(len(run.requests), 64)
+        room = max(1, (os.cpu_count() or 1) - 2)
+        return max(1, min(room, math.ceil(streams / STREAMS_PER_CLIENT_PROC)))
 
     def model_shape(self) -> dict[str, Any]:
         return dict(self.config) if self.config else model_config(self.model, self.layers)
@@ -147,6 +169,7 @@ class Record(Summary):
     itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
     error_samples: list[str] = field(default_factory=list)  # why the first failed requests failed
     server_engine: str = "process"  # where the server's engine ran (execrt serve --engine)
+    client_procs: int = 1  # load processes the HTTP clients ran in
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -286,20 +309,35 @@ def run(opts: Options) -> list[Record]:
     records = []
     print(f"# {gpu}: {opts.model} served over HTTP, workload {opts.workload}", flush=True)
     server = _ServerHandle(opts)
+    most = max(opts.processes_for(r) for r in runs)
+    pool: Executor | None = None
     url = server.start()
     try:
         warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
-        asyncio.run(drive_http(url, opts.model, warm))
+        drive_http(url, opts.model, warm)
+        if most > 1:  # started once, warmed up (imports, first connection) before the runs
+            pool = ProcessPoolExecutor(most, mp_context=multiprocessing.get_context("spawn"))
+            drive_http(
+                url,
+                opts.model,
+                Run(most, None, warm.requests * most, (0.0,) * 4 * most),
+                pool,
+                most,
+            )
         for r in runs:
-            timings, duration = asyncio.run(drive_http(url, opts.model, r))
+            procs = opts.processes_for(r)
+            timings, duration = drive_http(url, opts.model, r, pool, procs)
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
             records[-1].error_samples = error_samples(timings)
             records[-1].server_engine = opts.engine_runner
+            records[-1].client_procs = procs if pool is not None else 1
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
             for why in records[-1].error_samples:
                 print(f"    error: {why}", flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         server.stop()
     gc.collect()
     if opts.engine:

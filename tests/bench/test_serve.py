@@ -36,6 +36,7 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         device="cpu",
         server="thread",
         engine_runner=runner,
+        client_procs=2 if runner == "thread" else None,  # the load split over two processes
         plot=plot,
         out_dir=str(tmp_path),
     )
@@ -51,6 +52,7 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         assert r.itl_ms_p50 and r.tpot_ms_p50 and r.engine_itl_ms_p50
         assert r.throughput_ratio == pytest.approx(r.output_tok_s / r.engine_output_tok_s)
         assert (r.model, r.gpu) == ("tiny", "cpu")
+        assert r.client_procs == (2 if runner == "thread" else 1)
     (saved,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert saved.startswith("serve-")
     fields = json.load(open(tmp_path / saved))[0]
