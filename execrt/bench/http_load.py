@@ -150,7 +150,7 @@ async def stream_completion(pool: _Pool, model: str, req: Request, timing: Timin
         )
         conn.writer.write(
             http.send(head) + http.send(h11.Data(data=body)) + http.send(h11.EndOfMessage())
-        )  # type: ignore[operator]
+        )
         status, pending, now = 0, b"", time.perf_counter()
         while True:
             event = http.next_event()
