@@ -12,8 +12,8 @@ Method:
   (``stream_options.include_usage``) and the client stamps every chunk;
 - the clients (``http_load``: kept-alive connections parsed with h11) run in this process, or,
   for many streams, in load processes of their own (``--client-procs``, by default one per
-  ``STREAMS_PER_CLIENT_PROC`` streams) so that the load generator is not what limits the
-  numbers;
+  ``STREAMS_PER_CLIENT_PROC`` streams, as many as the cores allow) so that the load generator
+  is not what limits the numbers;
 - metrics as SGLang's ``bench_serving`` and ``vllm bench serve`` define them: TTFT (send to the
   first chunk with tokens), ITL (gaps between chunks), TPOT ((E2E - TTFT) / (tokens - 1)),
   request and output-token throughput;
@@ -58,9 +58,11 @@ WORKLOADS = ("random", "shared-prefix")
 DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
 DEFAULT_RATES = (8.0, 32.0)
 CONTEXT_MARGIN = 8
-#: Streams one load process carries (at ~20-40 us of its CPU per SSE chunk: 32 streams at
-#: 1-2 ms a step fill about half a core, so its own delays stay below a step).
-STREAMS_PER_CLIENT_PROC = 32
+#: Streams one load process carries: at 20-40 us of its CPU per SSE chunk, 16 streams at one
+#: chunk per 1-2 ms step keep it under half busy, so its own queueing stays well below a step.
+STREAMS_PER_CLIENT_PROC = 16
+#: Cores left to the server, its engine and this process when load processes are counted.
+RESERVED_CORES = 4
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class Options:
         streams = run.concurrency or len(run.requests)
         if run.request_rate is not None and run.concurrency is None:  # about rate * E2E
             streams = min(len(run.requests), 64)
-        room = max(1, (os.cpu_count() or 1) - 2)
+        room = max(1, (os.cpu_count() or 1) - RESERVED_CORES)
         return max(1, min(room, math.ceil(streams / STREAMS_PER_CLIENT_PROC)))
 
     def model_shape(self) -> dict[str, Any]:

@@ -196,7 +196,7 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--client-procs",
         type=int,
-        help="load processes the HTTP clients run in (default: one per 32 streams of a run)",
+        help="load processes the HTTP clients run in (default: one per 16 streams of a run)",
     )
     b.add_argument("--no-engine", action="store_true", help="skip the in-process Engine comparison")
     b.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
