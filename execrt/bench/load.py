@@ -35,10 +35,17 @@ class Summary:
 
 # -- the same arrivals through the Engine ----------------------------------------------------------
 def replay(engine: Engine, run: Run) -> tuple[list[Timing], float]:
-    """``run`` through ``engine.submit`` / ``step`` in this thread: the engine's own numbers."""
+    """``run`` through ``engine.submit`` / ``step`` in this thread: the engine's own numbers.
+
+    Requests go in between steps, but each is stamped as sent when the HTTP clients would
+    have sent it: at its arrival, or (closed loop, or a capped rate) when a client became
+    free, the moment an earlier request finished, if that came later. So time a request
+    waits for the step boundary counts in its TTFT here as it does through HTTP, where the
+    engine takes new requests between steps too."""
     todo = deque(enumerate(zip(run.requests, run.arrivals, strict=True)))
     timings: list[Timing] = []
     live = 0
+    freed: deque[float] = deque()  # when each free client became free, oldest first
 
     def sink(timing: Timing) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:
@@ -49,15 +56,20 @@ def replay(engine: Engine, run: Run) -> tuple[list[Timing], float]:
                 timing.tokens += len(out.token_ids)
             if out.finished:
                 timing.done, timing.error, live = now, out.error, live - 1
+                freed.append(now)
 
         return on_output
 
     start = time.perf_counter()
+    freed.extend([start] * (run.concurrency or 0))
     while todo or live:
         now = time.perf_counter() - start
         while todo and todo[0][1][1] <= now and (run.concurrency is None or live < run.concurrency):
-            i, (req, _) = todo.popleft()
-            timing = Timing(time.perf_counter(), index=i)
+            i, (req, at) = todo.popleft()
+            sent = start + at
+            if run.concurrency is not None:
+                sent = max(sent, freed.popleft())
+            timing = Timing(sent, index=i)
             timings.append(timing)
             live += 1
             params = SamplingParams(max_new_tokens=req.output_len, temperature=0, ignore_eos=True)

@@ -78,14 +78,23 @@ def test_closed_loop_counts_every_token_and_holds_the_concurrency(url, pool, pro
 
 
 def test_the_replay_and_http_put_requests_in_at_the_same_times(url, pool) -> None:
-    arrivals = tuple(0.05 * i for i in range(8))
-    run = Run(None, 20.0, _requests(8, out=3), arrivals)
-    for timings, _ in (drive_http(url, "paced", run, pool, 2), replay(PacedEngine(STEP_S), run)):
-        start = timings[0].sent
+    # Arrivals off the replay engine's 60 ms step boundaries: the replay submits between steps
+    # but must stamp each request when a client would have sent it, as the HTTP clients do.
+    arrivals = (0.0, 0.013, 0.031, 0.077, 0.121, 0.2)
+    run = Run(None, 20.0, _requests(6, out=3), arrivals)
+    http, _ = drive_http(url, "paced", run, pool, 2)
+    replayed, _ = replay(PacedEngine(0.06), run)
+    for timings, tolerance in ((http, 0.015), (replayed, 0.002)):
+        start = min(t.sent for t in timings)
         sent = [t.sent - start for t in sorted(timings, key=lambda t: t.index)]
-        assert sent == pytest.approx(arrivals, abs=0.02)
+        assert sent == pytest.approx(arrivals, abs=tolerance)
+    assert all(t.chunks[0] - t.sent > 0.02 for t in replayed[1:3])  # waited for the boundary
+    # A closed loop: a request is sent when an earlier one finished, never more in flight.
     closed = Run(3, None, _requests(9), (0.0,) * 9)
-    assert _max_in_flight(replay(PacedEngine(STEP_S), closed)[0]) == 3
+    timings = replay(PacedEngine(STEP_S), closed)[0]
+    assert _max_in_flight(timings) == 3
+    done = sorted(t.done for t in timings if t.done is not None)
+    assert sorted(t.sent for t in timings)[3:] == pytest.approx(done[:6], abs=1e-9)
 
 
 def test_an_error_status_is_a_failed_request_and_the_run_goes_on(url) -> None:
