@@ -172,6 +172,12 @@ class Record(Summary):
     error_samples: list[str] = field(default_factory=list)  # why the first failed requests failed
     server_engine: str = "process"  # where the server's engine ran (execrt serve --engine)
     client_procs: int = 1  # load processes the HTTP clients ran in
+    # Engine steps of the run: prefill (extend) steps stall every running request, so how the
+    # arrivals batched into prefills explains throughput differences between the two sides.
+    extend_steps: int | None = None  # the server's engine, from its /metrics
+    decode_steps: int | None = None
+    engine_extend_steps: int | None = None  # the in-process replay
+    engine_decode_steps: int | None = None
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -294,6 +300,21 @@ class _ServerHandle:
                 self.process.kill()
 
 
+def server_steps(url: str) -> tuple[int, int]:
+    """The server's engine steps so far, (extend, decode), from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    steps = {"extend": 0, "decode": 0}
+    for line in text.splitlines():
+        if line.startswith("execrt:engine_steps_total{"):
+            labels, value = line.rsplit(" ", 1)
+            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+            steps[kind] = int(float(value))
+    return steps["extend"], steps["decode"]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -328,9 +349,13 @@ def run(opts: Options) -> list[Record]:
             )
         for r in runs:
             procs = opts.processes_for(r)
+            before = server_steps(url)
             timings, duration = drive_http(url, opts.model, r, pool, procs)
+            after = server_steps(url)
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
+            records[-1].extend_steps = after[0] - before[0]
+            records[-1].decode_steps = after[1] - before[1]
             records[-1].error_samples = error_samples(timings)
             records[-1].server_engine = opts.engine_runner
             records[-1].client_procs = procs if pool is not None else 1
@@ -346,7 +371,13 @@ def run(opts: Options) -> list[Record]:
         with _build_engine(opts) as engine:
             replay(engine, warm)
             for r, rec in zip(runs, records, strict=True):
+                before_stats = engine.stats()
                 timings, duration = replay(engine, r)
+                after_stats = engine.stats()
+                rec.engine_extend_steps = after_stats.extend_steps - before_stats.extend_steps
+                rec.engine_decode_steps = (after_stats.steps - after_stats.extend_steps) - (
+                    before_stats.steps - before_stats.extend_steps
+                )
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50
@@ -406,6 +437,7 @@ def format_table(records: Sequence[Record]) -> str:
         return "-" if v is None else format(v, fmt)
 
     head = "conc  rate   ttft50  ttft99  itl50   tpot50  tok/s    engine   ratio  ttft+  errors"
+    head += "  prefills(http/engine)"
     lines = [head]
     for r in records:
         lines.append(
@@ -413,7 +445,8 @@ def format_table(records: Sequence[Record]) -> str:
             f"{num(r.ttft_ms_p50, '7.2f')} {num(r.ttft_ms_p99, '7.2f')} "
             f"{num(r.itl_ms_p50, '7.2f')} {num(r.tpot_ms_p50, '7.2f')} "
             f"{num(r.output_tok_s, '8.0f')} {num(r.engine_output_tok_s, '8.0f')} "
-            f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors}"
+            f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors:<7} "
+            f"{num(r.extend_steps, 'd')}/{num(r.engine_extend_steps, 'd')}"
         )
     return "\n".join(lines)
 
