@@ -31,6 +31,7 @@ class Summary:
     output_tok_s: float
     duration_s: float
     errors: int
+    tokens_per_chunk: float | None  # > 1: the server merged steps (it fell behind)
 
 
 # -- the same arrivals through the Engine ----------------------------------------------------------
@@ -113,6 +114,7 @@ def summarize(timings: Sequence[Timing], duration: float) -> Summary:
     ]
     e2e = [(t.done - t.sent) * 1e3 for t in ok]  # type: ignore[operator]
     tokens = sum(t.tokens for t in ok)
+    chunks = sum(len(t.chunks) for t in ok)
     return Summary(
         ttft_ms_p50=percentile(ttft, 50),
         ttft_ms_p99=percentile(ttft, 99),
@@ -124,6 +126,7 @@ def summarize(timings: Sequence[Timing], duration: float) -> Summary:
         output_tok_s=tokens / duration if duration else 0.0,
         duration_s=duration,
         errors=len(timings) - len(ok),
+        tokens_per_chunk=tokens / chunks if chunks else None,
     )
 
 

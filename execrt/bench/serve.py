@@ -428,7 +428,8 @@ def _describe(s: Summary) -> str:
 
     return (
         f"TTFT p50 {ms(s.ttft_ms_p50)} ms, ITL p50 {ms(s.itl_ms_p50)} ms, "
-        f"TPOT p50 {ms(s.tpot_ms_p50)} ms, {s.output_tok_s:.0f} tok/s, {s.errors} errors"
+        f"TPOT p50 {ms(s.tpot_ms_p50)} ms, {s.output_tok_s:.0f} tok/s, "
+        f"{s.tokens_per_chunk or 0:.2f} tok/chunk, {s.errors} errors"
     )
 
 

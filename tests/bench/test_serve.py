@@ -54,6 +54,7 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         assert r.throughput_ratio == pytest.approx(r.output_tok_s / r.engine_output_tok_s)
         assert (r.model, r.gpu) == ("tiny", "cpu")
         assert r.client_procs == (2 if runner == "thread" else 1)
+        assert r.tokens_per_chunk is not None and r.tokens_per_chunk >= 1.0
         # Every request prefilled (in one step or batched with others), on both sides.
         assert r.extend_steps and r.decode_steps and r.engine_extend_steps
         assert 1 <= r.extend_steps <= r.num_requests and r.engine_extend_steps <= r.num_requests
