@@ -343,7 +343,7 @@ def run(opts: Options) -> list[Record]:
             drive_http(
                 url,
                 opts.model,
-                Run(most, None, warm.requests * most, (0.0,) * 4 * most),
+                Run(most, None, warm.requests * most, warm.arrivals * most),
                 pool,
                 most,
             )
