@@ -48,7 +48,7 @@ def _server(args: argparse.Namespace, pipe: Any) -> None:
     from execrt.bench.paced_engine import PacedEngine
     from execrt.engine.process import ProcessEngineClient
     from execrt.engine.threaded import ThreadedEngineClient
-    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+    from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
 
     tune_interpreter()
     kwargs: dict[str, Any] = {}
@@ -67,6 +67,7 @@ def _server(args: argparse.Namespace, pipe: Any) -> None:
         client = ThreadedEngineClient(build, name="paced")
     server = UvicornServer(client, bind("127.0.0.1", 0))
     client.wait_ready(60)
+    settle_heap()  # as execrt serve does once ready
     pipe.send((server.url, os.getpid()))
     profiler = None
     if args.profile:

@@ -229,7 +229,7 @@ def plan_runs(opts: Options, vocab: int) -> list[Run]:
 # -- the load generator -------------------------------------------------------------------------
 def _serve_child(opts: Options, pipe: Any) -> None:
     """The server process: build, serve on a free loopback port, send its URL, run."""
-    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+    from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
 
     tune_interpreter()  # as execrt serve does
     client = _client(opts)
@@ -238,6 +238,7 @@ def _serve_child(opts: Options, pipe: Any) -> None:
         pipe.send(("error", client.load_error()))
         client.close()
         return
+    settle_heap()  # as execrt serve does once ready
     pipe.send(("ready", server.url))
     try:
         server.run()

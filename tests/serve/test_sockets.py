@@ -81,3 +81,22 @@ def test_first_chunk_leaves_before_the_next_engine_step_on_a_kept_alive_connecti
     # may delay one request, hence the median of the four after the first.
     assert statistics.median(lags[1:]) < 0.02, [round(x * 1e3, 1) for x in lags]
     assert nodelay == 1
+
+
+def test_a_serving_process_collects_rarely_and_not_what_was_alive_when_ready() -> None:
+    import gc
+    import sys
+
+    from execrt.serve.server import GC_THRESHOLDS, settle_heap, tune_interpreter
+
+    thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
+    try:
+        tune_interpreter()
+        assert gc.get_threshold() == GC_THRESHOLDS and GC_THRESHOLDS[0] >= 10_000
+        alive = [[i] for i in range(1000)]  # e.g. the app, a thread engine's model
+        settle_heap()
+        assert gc.get_freeze_count() >= len(alive)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+        sys.setswitchinterval(interval)
