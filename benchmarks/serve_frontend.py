@@ -12,8 +12,10 @@ and reports:
   machine: see server_cpu) falls behind;
 - tokens per SSE chunk: 1 while the front end sends every step; more when it fell behind (the
   steps it missed reach each stream as one chunk);
-- TTFT p50 (from sending the request to the first read with text: one step of the engine and
-  the front end's handoffs both ways) and ITL p50 (gaps between reads that brought chunks);
+- TTFT p50 of one request at a time over one kept-alive connection (from sending the request
+  to the first read with text: one step of the engine and the front end's handoffs both
+  ways), and of the streams (their first read with text); ITL p50 (gaps between reads that
+  brought chunks);
 - the server process's CPU (all its threads, from /proc) per second and per chunk: the figure
   that holds on a shared machine, where wall-clock rates depend on the neighbours.
 
@@ -38,13 +40,15 @@ from typing import Any
 
 import orjson
 
+from execrt.bench.http_load import Request, Run, drive_http
+
 
 # -- the server process -------------------------------------------------------------------------
 def _server(args: argparse.Namespace, pipe: Any) -> None:
     from execrt.bench.paced_engine import PacedEngine
     from execrt.engine.process import ProcessEngineClient
     from execrt.engine.threaded import ThreadedEngineClient
-    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+    from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
 
     tune_interpreter()
     kwargs: dict[str, Any] = {}
@@ -63,6 +67,7 @@ def _server(args: argparse.Namespace, pipe: Any) -> None:
         client = ThreadedEngineClient(build, name="paced")
     server = UvicornServer(client, bind("127.0.0.1", 0))
     client.wait_ready(60)
+    settle_heap()  # as execrt serve does once ready
     pipe.send((server.url, os.getpid()))
     profiler = None
     if args.profile:
@@ -208,9 +213,17 @@ def main() -> None:
     try:
         _load(url, 4, 10)  # warm-up
         before = _server_ttft(url)
-        ttfts = [_load(url, 1, 2)[0][0] for _ in range(args.ttft_requests)]
+        # One kept-alive connection, as a real client holds it (a new connection each time
+        # hid Nagle's delay: Linux acknowledges at once while a connection is new).
+        probe = Run(
+            1,
+            None,
+            (Request([1, 2, 3, 4, 5, 6, 7, 8], 2),) * args.ttft_requests,
+            (0.0,) * args.ttft_requests,
+        )
+        timings, _ = drive_http(url, "paced", probe)
         after = _server_ttft(url)
-        firsts = sorted(r.first - r.sent for r in ttfts if r.first is not None)
+        firsts = sorted(t.chunks[0] - t.sent for t in timings if t.chunks)
         if firsts:
             p50 = statistics.median(firsts) * 1e3
             inside = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3

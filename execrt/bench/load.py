@@ -1,46 +1,20 @@
-"""The load side of the serving benchmark: requests, runs (closed loop or Poisson arrivals),
-streaming clients over HTTP, the same runs through the Engine's request API, and the numbers
+"""The load side of the serving benchmark: the same runs (closed loop or Poisson arrivals) as
+the HTTP clients of ``http_load`` make them, through the Engine's request API, and the numbers
 (TTFT, ITL, TPOT, throughput) as SGLang's bench_serving and vllm bench serve define them."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from execrt.bench.http_load import Request, Run, Timing, drive_http
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from execrt.engine.client import RequestOutput
 
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    output_len: int
-
-
-@dataclass(frozen=True)
-class Run:
-    """One load pattern: a closed loop of ``concurrency`` clients, or Poisson arrivals."""
-
-    concurrency: int | None
-    request_rate: float | None
-    requests: tuple[Request, ...]
-    arrivals: tuple[float, ...]  # seconds from the start (all 0 for a closed loop)
-
-
-@dataclass
-class Timing:
-    """One request as a client saw it."""
-
-    sent: float
-    chunks: list[float] = field(default_factory=list)  # arrival time of each chunk with tokens
-    tokens: int = 0
-    done: float | None = None
-    error: str | None = None
+__all__ = ["Request", "Run", "Summary", "Timing", "drive_http", "replay", "summarize"]
 
 
 @dataclass
@@ -57,75 +31,22 @@ class Summary:
     output_tok_s: float
     duration_s: float
     errors: int
-
-
-# -- clients over HTTP ---------------------------------------------------------------------------
-async def stream_completion(
-    client: Any, url: str, model: str, req: Request, timing: Timing
-) -> None:
-    """One streamed completion through ``client`` (httpx), stamped into ``timing``."""
-    import orjson
-
-    body = {
-        "model": model,
-        "prompt": req.prompt,
-        "max_tokens": req.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    timing.error = str(chunk["error"])
-                elif chunk.get("usage"):
-                    timing.tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
-                    timing.chunks.append(now)
-        timing.done = time.perf_counter()
-    except Exception as exc:  # a failed request is counted, the run goes on
-        timing.error = f"{type(exc).__name__}: {exc}"
-
-
-async def drive_http(url: str, model: str, run: Run) -> tuple[list[Timing], float]:
-    """``run`` against the server at ``url``: its timings and how long it took."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None)
-    timings: list[Timing] = []
-    gate = asyncio.Semaphore(run.concurrency or len(run.requests))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        start = time.perf_counter()
-
-        async def send(req: Request, at: float) -> None:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            async with gate:
-                timing = Timing(time.perf_counter())
-                timings.append(timing)
-                await stream_completion(client, url, model, req, timing)
-
-        await asyncio.gather(*(send(r, a) for r, a in zip(run.requests, run.arrivals, strict=True)))
-        return timings, time.perf_counter() - start
+    tokens_per_chunk: float | None  # > 1: the server merged steps (it fell behind)
 
 
 # -- the same arrivals through the Engine ----------------------------------------------------------
 def replay(engine: Engine, run: Run) -> tuple[list[Timing], float]:
-    """``run`` through ``engine.submit`` / ``step`` in this thread: the engine's own numbers."""
-    todo = deque(zip(run.requests, run.arrivals, strict=True))
+    """``run`` through ``engine.submit`` / ``step`` in this thread: the engine's own numbers.
+
+    Requests go in between steps, but each is stamped as sent when the HTTP clients would
+    have sent it: at its arrival, or (closed loop, or a capped rate) when a client became
+    free, the moment an earlier request finished, if that came later. So time a request
+    waits for the step boundary counts in its TTFT here as it does through HTTP, where the
+    engine takes new requests between steps too."""
+    todo = deque(enumerate(zip(run.requests, run.arrivals, strict=True)))
     timings: list[Timing] = []
     live = 0
+    freed: deque[float] = deque()  # when each free client became free, oldest first
 
     def sink(timing: Timing) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:
@@ -136,21 +57,26 @@ def replay(engine: Engine, run: Run) -> tuple[list[Timing], float]:
                 timing.tokens += len(out.token_ids)
             if out.finished:
                 timing.done, timing.error, live = now, out.error, live - 1
+                freed.append(now)
 
         return on_output
 
     start = time.perf_counter()
+    freed.extend([start] * (run.concurrency or 0))
     while todo or live:
         now = time.perf_counter() - start
-        while todo and todo[0][1] <= now and (run.concurrency is None or live < run.concurrency):
-            req, _ = todo.popleft()
-            timing = Timing(time.perf_counter())
+        while todo and todo[0][1][1] <= now and (run.concurrency is None or live < run.concurrency):
+            i, (req, at) = todo.popleft()
+            sent = start + at
+            if run.concurrency is not None:
+                sent = max(sent, freed.popleft())
+            timing = Timing(sent, index=i)
             timings.append(timing)
             live += 1
             params = SamplingParams(max_new_tokens=req.output_len, temperature=0, ignore_eos=True)
             engine.submit(req.prompt, params, on_output=sink(timing))
         if not engine.step() and todo:
-            time.sleep(max(0.0, min(0.01, todo[0][1] - (time.perf_counter() - start))))
+            time.sleep(max(0.0, min(0.01, todo[0][1][1] - (time.perf_counter() - start))))
     return timings, time.perf_counter() - start
 
 
@@ -188,6 +114,7 @@ def summarize(timings: Sequence[Timing], duration: float) -> Summary:
     ]
     e2e = [(t.done - t.sent) * 1e3 for t in ok]  # type: ignore[operator]
     tokens = sum(t.tokens for t in ok)
+    chunks = sum(len(t.chunks) for t in ok)
     return Summary(
         ttft_ms_p50=percentile(ttft, 50),
         ttft_ms_p99=percentile(ttft, 99),
@@ -199,6 +126,7 @@ def summarize(timings: Sequence[Timing], duration: float) -> Summary:
         output_tok_s=tokens / duration if duration else 0.0,
         duration_s=duration,
         errors=len(timings) - len(ok),
+        tokens_per_chunk=tokens / chunks if chunks else None,
     )
 
 

@@ -10,6 +10,10 @@ Method:
 - each run is either a fixed ``--max-concurrency`` (a closed loop) or Poisson arrivals at
   ``--request-rate`` (optionally capped by the concurrency); requests stream
   (``stream_options.include_usage``) and the client stamps every chunk;
+- the clients (``http_load``: kept-alive connections parsed with h11) run in this process, or,
+  for many streams, in load processes of their own (``--client-procs``, by default one per
+  ``STREAMS_PER_CLIENT_PROC`` streams, as many as the cores allow) so that the load generator
+  is not what limits the numbers;
 - metrics as SGLang's ``bench_serving`` and ``vllm bench serve`` define them: TTFT (send to the
   first chunk with tokens), ITL (gaps between chunks), TPOT ((E2E - TTFT) / (tokens - 1)),
   request and output-token throughput;
@@ -20,15 +24,16 @@ Method:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
+import math
 import multiprocessing
 import os
 import random
 import signal
 import statistics
 from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,6 +58,11 @@ WORKLOADS = ("random", "shared-prefix")
 DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
 DEFAULT_RATES = (8.0, 32.0)
 CONTEXT_MARGIN = 8
+#: Streams one load process carries: at 20-40 us of its CPU per SSE chunk, 16 streams at one
+#: chunk per 1-2 ms step keep it under half busy, so its own queueing stays well below a step.
+STREAMS_PER_CLIENT_PROC = 16
+#: Cores left to the server, its engine and this process when load processes are counted.
+RESERVED_CORES = 4
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class Options:
     engine: bool = True  # also replay through the Engine in-process
     server: str = "process"  # "process" (measurements) or "thread" (tests: no second start)
     engine_runner: str = "process"  # where the server's engine runs, as ``execrt serve --engine``
+    client_procs: int | None = None  # load processes (default: by the streams of each run)
     plot: bool = False
     out_dir: str | None = "benchmarks/results"
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
@@ -99,6 +110,8 @@ class Options:
             problems.append("concurrencies must be >= 1 and request rates > 0")
         if self.server not in ("process", "thread"):
             problems.append(f"server {self.server!r} must be 'process' or 'thread'")
+        if self.client_procs is not None and self.client_procs < 1:
+            problems.append(f"client_procs {self.client_procs} must be >= 1")
         if self.engine_runner not in ("process", "thread"):
             problems.append(f"engine {self.engine_runner!r} must be 'process' or 'thread'")
         if problems:
@@ -117,6 +130,17 @@ class Options:
             "max_prefill_tokens": max(16384, longest),
             "seed": self.seed,
         }
+
+    def processes_for(self, run: Run) -> int:
+        """Load processes of ``run``: as asked, else one per STREAMS_PER_CLIENT_PROC streams
+        (at most what the machine has cores for beside the server and its engine)."""
+        if self.client_procs is not None:
+            return self.client_procs
+        streams = run.concurrency or len(run.requests)
+        if run.request_rate is not None and run.concurrency is None:  # about rate * E2E
+            streams = min(len(run.requests), 64)
+        room = max(1, (os.cpu_count() or 1) - RESERVED_CORES)
+        return max(1, min(room, math.ceil(streams / STREAMS_PER_CLIENT_PROC)))
 
     def model_shape(self) -> dict[str, Any]:
         return dict(self.config) if self.config else model_config(self.model, self.layers)
@@ -147,6 +171,13 @@ class Record(Summary):
     itl_ratio: float | None = None  # itl_ms_p50 / engine_itl_ms_p50
     error_samples: list[str] = field(default_factory=list)  # why the first failed requests failed
     server_engine: str = "process"  # where the server's engine ran (execrt serve --engine)
+    client_procs: int = 1  # load processes the HTTP clients ran in
+    # Engine steps of the run: prefill (extend) steps stall every running request, so how the
+    # arrivals batched into prefills explains throughput differences between the two sides.
+    extend_steps: int | None = None  # the server's engine, from its /metrics
+    decode_steps: int | None = None
+    engine_extend_steps: int | None = None  # the in-process replay
+    engine_decode_steps: int | None = None
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -198,7 +229,7 @@ def plan_runs(opts: Options, vocab: int) -> list[Run]:
 # -- the load generator -------------------------------------------------------------------------
 def _serve_child(opts: Options, pipe: Any) -> None:
     """The server process: build, serve on a free loopback port, send its URL, run."""
-    from execrt.serve.server import UvicornServer, bind, tune_interpreter
+    from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
 
     tune_interpreter()  # as execrt serve does
     client = _client(opts)
@@ -207,6 +238,7 @@ def _serve_child(opts: Options, pipe: Any) -> None:
         pipe.send(("error", client.load_error()))
         client.close()
         return
+    settle_heap()  # as execrt serve does once ready
     pipe.send(("ready", server.url))
     try:
         server.run()
@@ -269,6 +301,21 @@ class _ServerHandle:
                 self.process.kill()
 
 
+def server_steps(url: str) -> tuple[int, int]:
+    """The server's engine steps so far, (extend, decode), from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    steps = {"extend": 0, "decode": 0}
+    for line in text.splitlines():
+        if line.startswith("execrt:engine_steps_total{"):
+            labels, value = line.rsplit(" ", 1)
+            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+            steps[kind] = int(float(value))
+    return steps["extend"], steps["decode"]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -286,27 +333,52 @@ def run(opts: Options) -> list[Record]:
     records = []
     print(f"# {gpu}: {opts.model} served over HTTP, workload {opts.workload}", flush=True)
     server = _ServerHandle(opts)
+    most = max(opts.processes_for(r) for r in runs)
+    pool: Executor | None = None
     url = server.start()
     try:
         warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
-        asyncio.run(drive_http(url, opts.model, warm))
+        drive_http(url, opts.model, warm)
+        if most > 1:  # started once, warmed up (imports, first connection) before the runs
+            pool = ProcessPoolExecutor(most, mp_context=multiprocessing.get_context("spawn"))
+            drive_http(
+                url,
+                opts.model,
+                Run(most, None, warm.requests * most, warm.arrivals * most),
+                pool,
+                most,
+            )
         for r in runs:
-            timings, duration = asyncio.run(drive_http(url, opts.model, r))
+            procs = opts.processes_for(r)
+            before = server_steps(url)
+            timings, duration = drive_http(url, opts.model, r, pool, procs)
+            after = server_steps(url)
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
+            records[-1].extend_steps = after[0] - before[0]
+            records[-1].decode_steps = after[1] - before[1]
             records[-1].error_samples = error_samples(timings)
             records[-1].server_engine = opts.engine_runner
+            records[-1].client_procs = procs if pool is not None else 1
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
             for why in records[-1].error_samples:
                 print(f"    error: {why}", flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         server.stop()
     gc.collect()
     if opts.engine:
         with _build_engine(opts) as engine:
             replay(engine, warm)
             for r, rec in zip(runs, records, strict=True):
+                before_stats = engine.stats()
                 timings, duration = replay(engine, r)
+                after_stats = engine.stats()
+                rec.engine_extend_steps = after_stats.extend_steps - before_stats.extend_steps
+                rec.engine_decode_steps = (after_stats.steps - after_stats.extend_steps) - (
+                    before_stats.steps - before_stats.extend_steps
+                )
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50
@@ -357,7 +429,8 @@ def _describe(s: Summary) -> str:
 
     return (
         f"TTFT p50 {ms(s.ttft_ms_p50)} ms, ITL p50 {ms(s.itl_ms_p50)} ms, "
-        f"TPOT p50 {ms(s.tpot_ms_p50)} ms, {s.output_tok_s:.0f} tok/s, {s.errors} errors"
+        f"TPOT p50 {ms(s.tpot_ms_p50)} ms, {s.output_tok_s:.0f} tok/s, "
+        f"{s.tokens_per_chunk or 0:.2f} tok/chunk, {s.errors} errors"
     )
 
 
@@ -366,6 +439,7 @@ def format_table(records: Sequence[Record]) -> str:
         return "-" if v is None else format(v, fmt)
 
     head = "conc  rate   ttft50  ttft99  itl50   tpot50  tok/s    engine   ratio  ttft+  errors"
+    head += "  prefills(http/engine)"
     lines = [head]
     for r in records:
         lines.append(
@@ -373,7 +447,8 @@ def format_table(records: Sequence[Record]) -> str:
             f"{num(r.ttft_ms_p50, '7.2f')} {num(r.ttft_ms_p99, '7.2f')} "
             f"{num(r.itl_ms_p50, '7.2f')} {num(r.tpot_ms_p50, '7.2f')} "
             f"{num(r.output_tok_s, '8.0f')} {num(r.engine_output_tok_s, '8.0f')} "
-            f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors}"
+            f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors:<7} "
+            f"{num(r.extend_steps, 'd')}/{num(r.engine_extend_steps, 'd')}"
         )
     return "\n".join(lines)
 

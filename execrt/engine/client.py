@@ -70,6 +70,7 @@ class EngineStats:
     prefix_query_tokens: int
     retractions: int
     steps: int
+    extend_steps: int = 0  # of ``steps``: prefill (extend) steps, the others decode
 
     @property
     def kv_usage(self) -> float:

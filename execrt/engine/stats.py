@@ -44,4 +44,5 @@ def engine_stats(scheduler: Scheduler) -> EngineStats:
         prefix_query_tokens=queries,
         retractions=scheduler.stats.retractions,
         steps=scheduler.stats.steps,
+        extend_steps=scheduler.stats.extend_steps,
     )

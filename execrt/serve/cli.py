@@ -193,6 +193,11 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         help="where the server's engine runs, as execrt serve --engine (default: process, "
         "what execrt serve does on one GPU)",
     )
+    b.add_argument(
+        "--client-procs",
+        type=int,
+        help="load processes the HTTP clients run in (default: one per 16 streams of a run)",
+    )
     b.add_argument("--no-engine", action="store_true", help="skip the in-process Engine comparison")
     b.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
     b.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
@@ -233,6 +238,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         graph=args.graph,
         device=args.device,
         engine_runner=args.engine_runner,
+        client_procs=args.client_procs,
         engine=not args.no_engine,
         plot=args.plot,
         out_dir=args.out,

@@ -55,6 +55,14 @@ class _EngineCollector(Collector):
             "Running requests retracted (re-queued) to make KV room.",
             value=s.retractions,
         )
+        steps = CounterMetricFamily(
+            P + "engine_steps",
+            "Engine steps by kind: extend (prefill; the running requests wait) or decode.",
+            labels=["kind"],
+        )
+        steps.add_metric(["extend"], s.extend_steps)
+        steps.add_metric(["decode"], s.steps - s.extend_steps)
+        yield steps
         yield CounterMetricFamily(
             P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
             value=s.prefix_hit_tokens,

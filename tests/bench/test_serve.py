@@ -10,6 +10,7 @@ import os
 import pytest
 
 from execrt.bench import load, serve
+from execrt.core.errors import ExecrtError
 from tests.bench.test_decode import TINY
 
 
@@ -36,6 +37,7 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         device="cpu",
         server="thread",
         engine_runner=runner,
+        client_procs=2 if runner == "thread" else None,  # the load split over two processes
         plot=plot,
         out_dir=str(tmp_path),
     )
@@ -51,6 +53,12 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         assert r.itl_ms_p50 and r.tpot_ms_p50 and r.engine_itl_ms_p50
         assert r.throughput_ratio == pytest.approx(r.output_tok_s / r.engine_output_tok_s)
         assert (r.model, r.gpu) == ("tiny", "cpu")
+        assert r.client_procs == (2 if runner == "thread" else 1)
+        assert r.tokens_per_chunk is not None and r.tokens_per_chunk >= 1.0
+        # Every request prefilled (in one step or batched with others), on both sides.
+        assert r.extend_steps and r.decode_steps and r.engine_extend_steps
+        assert 1 <= r.extend_steps <= r.num_requests and r.engine_extend_steps <= r.num_requests
+        assert r.decode_steps >= r.output_len_mean - 1
     (saved,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert saved.startswith("serve-")
     fields = json.load(open(tmp_path / saved))[0]
@@ -76,3 +84,18 @@ def test_workloads_have_the_asked_lengths() -> None:
     assert list(run.arrivals) == sorted(run.arrivals) and run.arrivals[0] == 0.0
     assert 3 < run.arrivals[-1] < 20  # 80 requests at 10/s: about 8 s
     assert load.percentile([1, 2, 3, 4], 50) == 2.5 and load.percentile([], 50) is None
+
+
+def test_load_processes_follow_the_streams_and_the_cores(monkeypatch) -> None:
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 16)
+    opts = serve.Options(config=TINY, device="cpu")
+
+    def closed(c: int) -> load.Run:
+        return load.Run(c, None, (load.Request([1], 1),) * 4 * c, (0.0,) * 4 * c)
+
+    assert [opts.processes_for(closed(c)) for c in (1, 16, 32, 256)] == [1, 1, 2, 12]
+    rated = load.Run(None, 8.0, (load.Request([1], 1),) * 64, (0.0,) * 64)
+    assert opts.processes_for(rated) == 4
+    assert serve.Options(config=TINY, client_procs=3).processes_for(closed(256)) == 3
+    with pytest.raises(ExecrtError, match="client_procs 0 must be >= 1"):
+        serve.Options(config=TINY, client_procs=0)

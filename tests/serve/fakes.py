@@ -69,6 +69,7 @@ class FakeClient(seam.EngineClient):
     submitted: list[EngineRequest] = field(default_factory=list)
     aborted: list[tuple[str, str]] = field(default_factory=list)
     closed: bool = False
+    steps: int = 0  # ticks that gave tokens (each submit counts as an extend step)
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
@@ -81,6 +82,7 @@ class FakeClient(seam.EngineClient):
             time.sleep(self.tick)
             with self._lock:
                 live = list(self._live.values())
+            self.steps += bool(live)
             for r in live:
                 token = (r.last + 1) % 26
                 r.last, r.made = token, r.made + 1
@@ -135,7 +137,10 @@ class FakeClient(seam.EngineClient):
     def stats(self) -> seam.EngineStats:
         with self._lock:
             running = len(self._live)
-        return seam.EngineStats(100, 100 - running, 0, running, 0, 0, 0, 0, 0)
+        extend = len(self.submitted)
+        return seam.EngineStats(
+            100, 100 - running, 0, running, 0, 0, 0, 0, self.steps + extend, extend
+        )
 
     def close(self) -> None:
         self.closed = True

@@ -294,6 +294,9 @@ def test_metrics_parse_and_count_requests(fake) -> None:
         assert f"execrt:{name}{{}}" in b
     for name in ("num_retractions_total", "prefix_cache_hits_total", "prefix_cache_queries_total"):
         assert b[f"execrt:{name}{{}}"] == 0
+    assert b["execrt:engine_steps_total{kind=extend}"] == 2  # the fake: one per request
+    assert b["execrt:engine_steps_total{kind=decode}"] >= 3  # 3 tokens each, together
+    assert a["execrt:engine_steps_total{kind=extend}"] == 0
 
 
 def test_an_engine_failure_is_a_500_or_an_error_event(fake) -> None:
