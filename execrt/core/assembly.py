@@ -44,7 +44,12 @@ from execrt.core.prefix_cache import (
     PrefixCacheInit,
     PrefixCacheRequirements,
 )
-from execrt.core.preflight import available_memory, check_before_load, cpu_kv_budget
+from execrt.core.preflight import (
+    available_memory,
+    check_before_load,
+    cpu_kv_budget,
+    format_bytes,
+)
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -451,13 +456,14 @@ def check_gpu_kv_budget(
 ) -> None:
     """Refuse an automatic pool that cannot hold one request at full context (memory another
     engine or process holds, say) rather than build one that aborts every long prompt."""
-    if budget // per_token >= context_len:
+    tokens = budget // per_token
+    if tokens >= context_len:
         return
     raise ConfigError(
-        f"config: the automatic KV pool on {device} gets {budget / 2**30:.2f} GiB of the "
-        f"{free / 2**30:.2f} GiB free after the weights: {budget // per_token} tokens at "
-        f"{per_token} bytes each, fewer than one request at context_len {context_len}; free "
-        "the GPU memory held elsewhere, lower context_len, or set kv_cache_tokens"
+        f"config: the automatic KV pool on {device} gets {format_bytes(budget)} of the "
+        f"{format_bytes(free)} free after the weights: {tokens} tokens at {per_token} bytes "
+        f"each, fewer than one request at context_len {context_len}; free the GPU memory held "
+        "elsewhere, lower context_len, or set kv_cache_tokens"
     )
 
 

@@ -144,8 +144,8 @@ def mlp_chain(shape: dict, m: int, dtype: torch.dtype, tile: dict, seed: int) ->
 
 # Wide tensor-core tiles keep the interpreter's program count low (the CUDA-core tiles and
 # fp16 are covered on small shapes above); fp32 keeps numpy's dots on BLAS. On a GPU that tile
-# needs 305 KiB of fp32 shared memory (an H200 has 227), so the GPU runs a tile the tuned tables
-# pick at these shapes.
+# needs 305 KiB of fp32 shared memory (an H200 has 227), so the GPU runs a 64 x 128 tensor-core
+# tile that fits.
 WIDE = (
     dict(block_n=128, block_k=256, use_dot=True)
     if DEVICE.type == "cpu"
