@@ -376,9 +376,8 @@ def run(opts: Options) -> list[Record]:
                 timings, duration = replay(engine, r)
                 after_stats = engine.stats()
                 rec.engine_extend_steps = after_stats.extend_steps - before_stats.extend_steps
-                rec.engine_decode_steps = (after_stats.steps - after_stats.extend_steps) - (
-                    before_stats.steps - before_stats.extend_steps
-                )
+                rec.engine_decode_steps = after_stats.steps - before_stats.steps
+                rec.engine_decode_steps -= rec.engine_extend_steps
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50
