@@ -67,14 +67,16 @@ def test_closed_loop_counts_every_token_and_holds_the_concurrency(url, pool, pro
     assert [t.index for t in timings] == list(range(12))
     assert all(t.error is None for t in timings), [t.error for t in timings]
     assert [t.tokens for t in timings] == [r.output_len for r in run.requests]
-    # About one chunk per engine step (the client keeps up; a busy machine may merge a few),
-    # each stamped after the request was sent.
+    # Streamed: each chunk stamped after the request was sent, and responses come in pieces
+    # (a busy machine merges some steps' tokens into one chunk, so how many is not fixed; a
+    # server that buffered whole responses would give one chunk each).
     assert all(0 < len(t.chunks) <= t.tokens and t.chunks[0] > t.sent for t in timings)
-    assert sum(len(t.chunks) for t in timings) >= 0.7 * sum(t.tokens for t in timings)
+    assert any(len(t.chunks) > 1 for t in timings)
     assert _max_in_flight(timings) == 4
     s = summarize(timings, seconds)
     assert s.errors == 0 and s.itl_ms_p50 is not None
-    assert s.itl_ms_p50 == pytest.approx(STEP_S * 1e3, rel=0.5)
+    # Tokens come no faster than the paced engine makes them (a loaded machine only slows them).
+    assert s.itl_ms_p50 >= 0.5 * STEP_S * 1e3
 
 
 def test_the_replay_and_http_put_requests_in_at_the_same_times(url, pool) -> None:

@@ -7,6 +7,9 @@ torch op (``.item()``, ``.tolist()``, ``int(tensor)``, a copy into pageable memo
 event, is explicit and allowed. Requests finish at different steps (the not-steady-state
 decode, freeing, the prefix cache), greedy and seeded rows share batches, with and without
 graphs.
+
+The suite's conftest turns on the KV ownership debug map, which reads every freed slot back
+to the host (a sync by design); these tests run as a user does, without it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
     "eos_token_id": 0,
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_debug_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXECRT_DEBUG_KV_OWNERSHIP", "0")
 
 
 @pytest.mark.parametrize("graph", ["none", "full_cuda_graph"])
