@@ -31,6 +31,10 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index \
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fi-cache"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 if [ -f .fi-cache.tgz ]; then tar -C "$FLASHINFER_WORKSPACE_BASE" -xzf .fi-cache.tgz || true; fi
+# A cache brought back in parts (see the end): carry .fi-cache-parts/, holding them in order.
+if ls .fi-cache-parts/fi-cache.part*.tgz >/dev/null 2>&1; then
+  cat .fi-cache-parts/fi-cache.part*.tgz | tar -C "$FLASHINFER_WORKSPACE_BASE" -xz || true
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
@@ -127,8 +131,14 @@ echo "===== summary ====="
 cat "$summary"
 # At most 8 files come back: results stay as JSON; logs, the summary and profiler traces travel
 # in two archives; the FlashInfer JIT cache comes home so the next session can carry it.
+# A file over 16 MiB does not come back, so a larger cache comes in 15 MiB parts
+# (fi-cache.partNN.tgz: put them in .fi-cache-parts/ and carry that folder next time).
 if [ "${FI_CACHE_BACK:-1}" = 1 ]; then
   tar -C "$FLASHINFER_WORKSPACE_BASE" -czf "$OUT/fi-cache.tgz" . 2>/dev/null || true
+  if [ -f "$OUT/fi-cache.tgz" ] && [ "$(stat -c %s "$OUT/fi-cache.tgz")" -gt $((15 << 20)) ]; then
+    split -b 15m -d -a 2 --additional-suffix=.tgz "$OUT/fi-cache.tgz" "$OUT/fi-cache.part" \
+      && rm "$OUT/fi-cache.tgz"
+  fi
 fi
 cd "$OUT" || exit 0
 traces=$(ls decode-trace-*.json 2>/dev/null)

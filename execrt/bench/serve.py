@@ -143,7 +143,9 @@ class Options:
         return max(1, min(room, math.ceil(streams / STREAMS_PER_CLIENT_PROC)))
 
     def model_shape(self) -> dict[str, Any]:
-        return dict(self.config) if self.config else model_config(self.model, self.layers)
+        """The benchmark model or the custom ``config``, cut to ``layers`` either way (as the
+        other benches do)."""
+        return model_config(self.model, self.layers, self.config)
 
 
 @dataclass

@@ -99,3 +99,10 @@ def test_load_processes_follow_the_streams_and_the_cores(monkeypatch) -> None:
     assert serve.Options(config=TINY, client_procs=3).processes_for(closed(256)) == 3
     with pytest.raises(ExecrtError, match="client_procs 0 must be >= 1"):
         serve.Options(config=TINY, client_procs=0)
+
+
+def test_layers_cut_a_named_model_and_a_custom_config_alike() -> None:
+    assert serve.Options(model="qwen3-8b", layers=3).model_shape()["num_hidden_layers"] == 3
+    custom = serve.Options(config=TINY, layers=1).model_shape()
+    assert custom["num_hidden_layers"] == 1 and custom["hidden_size"] == TINY["hidden_size"]
+    assert serve.Options(config=TINY).model_shape() == dict(TINY)  # a copy, not cut
