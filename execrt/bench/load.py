@@ -9,12 +9,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from execrt.bench.http_load import Request, Run, Timing, drive_http
+from execrt.bench.http_load import Run, Timing
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from execrt.engine.client import RequestOutput
-
-__all__ = ["Request", "Run", "Summary", "Timing", "drive_http", "replay", "summarize"]
 
 
 @dataclass

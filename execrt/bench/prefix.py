@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from execrt.bench.common import cell, failure_note, release_memory, report, utc_now
-from execrt.bench.load import Request, Run, percentile, replay
+from execrt.bench.http_load import Request, Run
+from execrt.bench.load import percentile, replay
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams

@@ -40,16 +40,8 @@ from typing import Any
 import torch
 
 from execrt.bench.common import save_records, utc_now
-from execrt.bench.load import (
-    Request,
-    Run,
-    Summary,
-    drive_http,
-    error_samples,
-    generate_tok_s,
-    replay,
-    summarize,
-)
+from execrt.bench.http_load import Request, Run, drive_http
+from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
 from execrt.core.errors import ExecrtError
 from execrt.engine import Engine
@@ -307,15 +299,28 @@ def server_steps(url: str) -> tuple[int, int]:
     """The server's engine steps so far, (extend, decode), from its /metrics."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from execrt.serve.metrics import P
+
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
         text = response.read().decode()
     steps = {"extend": 0, "decode": 0}
-    for line in text.splitlines():
-        if line.startswith("execrt:engine_steps_total{"):
-            labels, value = line.rsplit(" ", 1)
-            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
-            steps[kind] = int(float(value))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == P + "engine_steps_total":
+                steps[sample.labels["kind"]] = int(sample.value)
     return steps["extend"], steps["decode"]
+
+
+def engine_steps(engine: Engine) -> tuple[int, int]:
+    """The in-process engine's steps so far, (extend, decode), as ``server_steps`` counts."""
+    stats = engine.stats()
+    return stats.extend_steps, stats.steps - stats.extend_steps
+
+
+def _steps_between(before: tuple[int, int], after: tuple[int, int]) -> tuple[int, int]:
+    return after[0] - before[0], after[1] - before[1]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -354,11 +359,10 @@ def run(opts: Options) -> list[Record]:
             procs = opts.processes_for(r)
             before = server_steps(url)
             timings, duration = drive_http(url, opts.model, r, pool, procs)
-            after = server_steps(url)
+            steps = _steps_between(before, server_steps(url))
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
-            records[-1].extend_steps = after[0] - before[0]
-            records[-1].decode_steps = after[1] - before[1]
+            records[-1].extend_steps, records[-1].decode_steps = steps
             records[-1].error_samples = error_samples(timings)
             records[-1].server_engine = opts.engine_runner
             records[-1].client_procs = procs if pool is not None else 1
@@ -374,12 +378,10 @@ def run(opts: Options) -> list[Record]:
         with _build_engine(opts) as engine:
             replay(engine, warm)
             for r, rec in zip(runs, records, strict=True):
-                before_stats = engine.stats()
+                before = engine_steps(engine)
                 timings, duration = replay(engine, r)
-                after_stats = engine.stats()
-                rec.engine_extend_steps = after_stats.extend_steps - before_stats.extend_steps
-                rec.engine_decode_steps = after_stats.steps - before_stats.steps
-                rec.engine_decode_steps -= rec.engine_extend_steps
+                steps = _steps_between(before, engine_steps(engine))
+                rec.engine_extend_steps, rec.engine_decode_steps = steps
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50

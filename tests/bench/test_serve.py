@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from execrt.bench import load, serve
+from execrt.bench import http_load, load, serve
 from execrt.core.errors import ExecrtError
 from tests.bench.test_decode import TINY
 
@@ -90,11 +90,11 @@ def test_load_processes_follow_the_streams_and_the_cores(monkeypatch) -> None:
     monkeypatch.setattr(serve.os, "cpu_count", lambda: 16)
     opts = serve.Options(config=TINY, device="cpu")
 
-    def closed(c: int) -> load.Run:
-        return load.Run(c, None, (load.Request([1], 1),) * 4 * c, (0.0,) * 4 * c)
+    def closed(c: int) -> http_load.Run:
+        return http_load.Run(c, None, (http_load.Request([1], 1),) * 4 * c, (0.0,) * 4 * c)
 
     assert [opts.processes_for(closed(c)) for c in (1, 16, 32, 256)] == [1, 1, 2, 12]
-    rated = load.Run(None, 8.0, (load.Request([1], 1),) * 64, (0.0,) * 64)
+    rated = http_load.Run(None, 8.0, (http_load.Request([1], 1),) * 64, (0.0,) * 64)
     assert opts.processes_for(rated) == 4
     assert serve.Options(config=TINY, client_procs=3).processes_for(closed(256)) == 3
     with pytest.raises(ExecrtError, match="client_procs 0 must be >= 1"):
