@@ -20,33 +20,35 @@ import time
 import torch
 
 from execrt.bench.models import RandomWeightsLoader, model_config
+from execrt.bench.timing import synchronize
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
-
-
 class _Prefill:
-    """``Engine.generate`` of a fresh prompt of ``n`` tokens, 1 new token (no prefix hit)."""
+    """``Engine.generate`` of a prompt of ``n`` tokens, 1 new token, on a cold prefix cache
+    (flushed first, as ``bench decode`` times prefills): seconds, device synchronised."""
 
-    def __init__(self, engine: Engine, vocab: int, cuda: bool) -> None:
-        self.engine, self.vocab, self.cuda, self.seed = engine, vocab, cuda, 0
+    def __init__(self, engine: Engine, vocab: int, device: torch.device) -> None:
+        self.engine, self.vocab, self.device = engine, vocab, device
         self.params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        self.prompts: dict[int, list[int]] = {}
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def __call__(self, n: int) -> float:
-        self.seed += 1
-        prompt = _prompt(n, self.vocab, self.seed)
-        if self.cuda:
-            torch.cuda.synchronize()
+        if n not in self.prompts:
+            g = torch.Generator().manual_seed(n)
+            self.prompts[n] = torch.randint(0, self.vocab, (n,), generator=g).tolist()
+        self.engine.flush_cache()
+        synchronize(self.device)
         start = time.perf_counter()
-        self.engine.generate([prompt], self.params)
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.engine.generate([self.prompts[n]], self.params)
+        synchronize(self.device)
         return time.perf_counter() - start
 
 
@@ -106,7 +108,7 @@ def main() -> None:
     )
     with engine:
         print("resolution:", engine.resolution)
-        prefill = _Prefill(engine, cfg["vocab_size"], args.device.startswith("cuda"))
+        prefill = _Prefill(engine, cfg["vocab_size"], torch.device(args.device))
         for n in lens:
             for _ in range(3):
                 prefill(n)
