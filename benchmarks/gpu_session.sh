@@ -3,7 +3,7 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-fp8]
-#        [profile-extend] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
+#        [profile-extend] [fi-precompile] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
 #   as benchmarks/results/gpu-tests-done-<date>.txt, ':'-separated; what they list as passed or
@@ -121,6 +121,8 @@ for step in "$@"; do
       done ;;
     profile-extend)  # PROFILE_EXTEND_ARGS, e.g. "--model qwen3-0.6b --lens 32,418,2048": host vs GPU per prefill
       timeout "$(cap ${PROFILE_EXTEND_S:-120})" python3 benchmarks/profile_extend.py ${PROFILE_EXTEND_ARGS:-} 2>&1 | tee "$OUT/profile-extend.log" | tail -30 ;;
+    fi-precompile)  # FI_PRECOMPILE_ARGS: FlashInfer modules built in parallel before the tests load them
+      timeout "$(cap ${FI_PRECOMPILE_S:-420})" python3 benchmarks/fi_precompile.py ${FI_PRECOMPILE_ARGS:-} 2>&1 | tee "$OUT/fi-precompile.log" | tail -30 ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
