@@ -332,6 +332,11 @@ def _add_bench_throughput(bench_sub: Any) -> None:
     tp.add_argument("--num-seqs", type=int, default=256, help="sequences (default: 256)")
     tp.add_argument("--attention", default="auto", help="attention backend or auto (default: auto)")
     tp.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each timed run, one more under torch.profiler: GPU busy and kernels by time",
+    )
+    tp.add_argument(
         "--out",
         default="benchmarks/results",
         help="directory for the JSON file (default: benchmarks/results)",
@@ -354,6 +359,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         num_seqs=args.num_seqs,
         attention=args.attention,
         out_dir=args.out,
+        profile=args.profile,
     )
     throughput.run(opts)
     return 0

@@ -21,7 +21,7 @@ import collections
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from execrt.bench.models import (
     model_config,
     weight_bytes_per_step,
 )
-from execrt.bench.timing import synchronize
+from execrt.bench.timing import profile_kernels, synchronize
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -78,6 +78,8 @@ class Options:
     device: str = "cuda"  # "cpu" runs the method on a tiny shape (tests)
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
     out_dir: str | None = "benchmarks/results"
+    #: After each timed run, one more under torch.profiler: the GPU's time by kernel.
+    profile: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -177,6 +179,8 @@ class Record:
     attention: str
     startup_s: float | None  # building the engine (weights, KV pool, graphs, kernels)
     note: str = ""
+    #: ``--profile``: a second run under torch.profiler; GPU busy and the kernels by time
+    profile: dict[str, Any] | None = None
 
 
 @dataclass
@@ -261,7 +265,9 @@ def _run_config(r: _Run, name: str) -> None:
                 warm = r.workload.prompts[:WARMUP_SEQS]
                 engine.generate(warm, _params(t, [WARMUP_TOKENS] * len(warm)))
                 seconds, stats = _timed_generate(engine, r.workload, t)
-                _add(r, config, t, seconds, stats, attention, startup)
+                rec = _add(r, config, t, seconds, stats, attention, startup)
+                if opts.profile:
+                    rec.profile = _profile(engine, r.workload, t)
             except Exception as exc:
                 _add(r, config, t, None, None, attention, startup, note=failure_note(exc))
 
@@ -293,6 +299,19 @@ def _timed_generate(
                 f"generate gave {len(res.token_ids)} of {want} tokens ({res.error or 'no error'})"
             )
     return seconds, {k: v - before[k] for k, v in vars(stats).items()}
+
+
+def _profile(engine: Engine, workload: Workload, temperature: float) -> dict[str, Any]:
+    """The whole workload once more under torch.profiler: where the GPU's time goes."""
+    params = _params(temperature, workload.max_tokens)
+
+    def run() -> None:
+        engine.flush_cache()
+        engine.generate(workload.prompts, params)
+
+    prof = profile_kernels(run, engine.worker.limits.device)
+    print(prof.describe(), flush=True)
+    return asdict(prof)
 
 
 def _add(

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,7 +82,26 @@ def profile_run(
     run: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None
 ) -> StepProfile:
     """Profile one call of ``run`` that performs ``steps`` steps (e.g. a whole generate)."""
-    from torch.autograd import DeviceType
+    events, wall = _profiled(run, device, trace_path)
+    on_gpu = _on_gpu(events)
+    kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    launches = [e for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name]
+    graphs = [e for e in launches if "GraphLaunch" in e.name]
+    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
+    return StepProfile(
+        steps=steps,
+        kernels_per_step=len(kernels) / steps,
+        launch_calls_per_step=len(launches) / steps,
+        graph_launches_per_step=len(graphs) / steps,
+        gpu_busy_ms_per_step=busy_us / steps / 1e3,
+        wall_ms_per_step=wall / steps * 1e3,
+    )
+
+
+def _profiled(
+    run: Callable[[], object], device: torch.device, trace_path: str | None = None
+) -> tuple[list[Any], float]:
+    """torch.profiler's events of one ``run()`` (CPU, and CUDA on a GPU) and its seconds."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -94,22 +113,76 @@ def profile_run(
         run()
         synchronize(device)
         wall = time.perf_counter() - start
-    events = list(prof.events())
-    on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
-    kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
-    launches = [e for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name]
-    graphs = [e for e in launches if "GraphLaunch" in e.name]
-    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    return StepProfile(
-        steps=steps,
-        kernels_per_step=len(kernels) / steps,
-        launch_calls_per_step=len(launches) / steps,
-        graph_launches_per_step=len(graphs) / steps,
-        gpu_busy_ms_per_step=busy_us / steps / 1e3,
-        wall_ms_per_step=wall / steps * 1e3,
-    )
+    return list(prof.events()), wall
+
+
+def _on_gpu(events: Sequence[Any]) -> list[Any]:
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA]
+
+
+@dataclass(frozen=True)
+class KernelShare:
+    name: str  # the kernel's name, cut before its arguments and template parameters
+    ms: float  # its total GPU time
+    calls: int
+    pct: float  # of the GPU's busy time
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """Where the GPU's time went over one profiled ``run()``: kernels by total time."""
+
+    wall_s: float  # with the profiler on
+    gpu_busy_s: float  # union of GPU activity intervals
+    kernels: list[KernelShare]  # the ``top`` by time, most first
+    others_ms: float  # the rest together
+
+    def describe(self) -> str:
+        lines = [
+            f"GPU busy {self.gpu_busy_s:.3f} of {self.wall_s:.3f} s wall (profiler on); kernels "
+            "by GPU time:",
+            f"  {'ms':>9} {'%busy':>6} {'calls':>8}  kernel",
+        ]
+        for k in self.kernels:
+            lines.append(f"  {k.ms:9.1f} {k.pct:6.1f} {k.calls:8d}  {k.name}")
+        if self.others_ms:
+            lines.append(f"  {self.others_ms:9.1f} {'':>6} {'':>8}  (the rest)")
+        return "\n".join(lines)
+
+
+def short_kernel_name(name: str, width: int = 72) -> str:
+    """``name`` cut at its argument list or template parameters, at most ``width`` characters."""
+    for mark in ("(", "<"):
+        head = name.split(mark, 1)[0].strip()
+        if head:
+            name = head
+    name = name.removeprefix("void ")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def profile_kernels(
+    run: Callable[[], object], device: torch.device, top: int = 15
+) -> KernelProfile:
+    """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time."""
+    events, wall = _profiled(run, device)
+    on_gpu = _on_gpu(events)
+    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
+    totals: dict[str, list[float]] = {}
+    for e in on_gpu:
+        entry = totals.setdefault(short_kernel_name(e.name), [0.0, 0])
+        entry[0] += e.time_range.end - e.time_range.start
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    shares = [
+        KernelShare(name, us / 1e3, int(calls), 100 * us / busy_us if busy_us else 0.0)
+        for name, (us, calls) in ranked[:top]
+    ]
+    others = sum(us for _, (us, _) in ranked[top:]) / 1e3
+    return KernelProfile(wall, busy_us / 1e6, shares, others)
 
 
 class HostProfile(NamedTuple):

@@ -113,9 +113,10 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     seen: list[throughput.Options] = []
     monkeypatch.setattr(throughput, "run", seen.append)
     argv = ["--configs", "tuned,tuned-flashinfer", "--temperatures", "0", "--num-seqs", "64"]
-    assert main(["bench", "throughput", *argv, "--out", "x"]) == 0
+    assert main(["bench", "throughput", *argv, "--out", "x", "--profile"]) == 0
     assert main(["bench", "throughput"]) == 0
     given, default = seen
+    assert given.profile and not default.profile
     assert (given.configs, given.temperatures, given.num_seqs, given.out_dir) == (
         ("tuned", "tuned-flashinfer"),
         (0.0,),
@@ -136,3 +137,27 @@ def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-de
     assert capsys.readouterr().err.strip() == (
         "execrt: error: bench throughput: needs a CUDA device (none is visible)"
     )
+
+
+def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    opts = throughput.Options(
+        model="tiny",
+        config=TINY,
+        configs=("defaults",),
+        temperatures=(0.0,),
+        device="cpu",
+        num_seqs=3,
+        min_len=3,
+        max_len=6,
+        max_token_id=999,
+        out_dir=str(tmp_path),
+        profile=True,
+    )
+    (rec,) = throughput.run(opts)
+    assert rec.note == "" and rec.profile is not None
+    # On the CPU nothing runs on a GPU: the profile says so rather than inventing kernels.
+    assert rec.profile["kernels"] == [] and rec.profile["gpu_busy_s"] == 0
+    assert rec.profile["wall_s"] > 0
+    assert "GPU busy 0.000 of" in capsys.readouterr().out
+    (saved,) = os.listdir(tmp_path)
+    assert json.loads((tmp_path / saved).read_text())[0]["profile"]["wall_s"] > 0

@@ -7,12 +7,15 @@ import time
 import pytest
 import torch
 
+from execrt.bench import timing
 from execrt.bench.timing import (
     TimeLimitExceeded,
     difference_timing,
     host_hotspots,
     host_us_per_call,
     matmul_tflops,
+    profile_kernels,
+    short_kernel_name,
     time_limit,
     union_length,
 )
@@ -109,3 +112,42 @@ def test_datasheet_peak_matches_the_most_specific_gpu_name() -> None:
     assert dense_bf16_peak_tflops("NVIDIA L40S") == 362.0
     assert dense_bf16_peak_tflops("NVIDIA L4") == 121.0
     assert dense_bf16_peak_tflops("cpu") is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "short"),
+    [
+        ("void _decode_split_kernel<128, 64>(float*, int)", "_decode_split_kernel"),
+        ("Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD"),
+        ("nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT", "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT"),
+        ("x" * 100, "x" * 69 + "..."),
+    ],
+)
+def test_kernel_names_lose_their_arguments_and_templates(raw: str, short: str) -> None:
+    assert short_kernel_name(raw) == short
+
+
+def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        event("void attn<1>(int)", 0, 300),
+        event("void attn<2>(int)", 300, 600),  # same kernel, other template: one row
+        event("gemm(float*)", 500, 700),  # overlaps attn: busy counts it once
+        event("norm", 800, 850),
+        event("cudaLaunchKernel", 0, 900, DeviceType.CPU),  # host side: not GPU time
+    ]
+    monkeypatch.setattr(timing, "_profiled", lambda run, device: (events, 2.0))
+    prof = profile_kernels(lambda: None, torch.device("cpu"), top=2)
+    assert [(k.name, k.calls) for k in prof.kernels] == [("attn", 2), ("gemm", 1)]
+    assert prof.kernels[0].ms == pytest.approx(0.6) and prof.others_ms == pytest.approx(0.05)
+    assert prof.gpu_busy_s == pytest.approx(750e-6) and prof.wall_s == 2.0
+    assert prof.kernels[0].pct == pytest.approx(80.0)
+    assert "attn" in prof.describe() and "(the rest)" in prof.describe()
