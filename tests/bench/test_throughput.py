@@ -6,6 +6,7 @@ import json
 import os
 import random
 from random import randint
+from typing import Any
 
 import pytest
 import torch
@@ -49,18 +50,16 @@ def test_roofline_bytes_follow_the_ideal_schedule() -> None:
     assert kv == (4 + 6 + 7 + 8) * kv_bytes_per_step(mc, 1, 1)
 
 
+def _cpu_options(out_dir: str, num_seqs: int, max_len: int, **kw: Any) -> throughput.Options:
+    """The tiny shape on the CPU: ``num_seqs`` sequences of 3..``max_len`` tokens each way."""
+    return throughput.Options(
+        model="tiny", config=TINY, device="cpu", num_seqs=num_seqs, min_len=3,
+        max_len=max_len, max_token_id=999, out_dir=out_dir, **kw,
+    )  # fmt: skip
+
+
 def test_cpu_run_times_each_config_and_temperature_and_saves(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    opts = throughput.Options(
-        model="tiny",
-        config=TINY,
-        device="cpu",
-        num_seqs=5,
-        min_len=3,
-        max_len=9,
-        max_token_id=999,
-        out_dir=str(tmp_path),
-    )
-    records = throughput.run(opts)
+    records = throughput.run(_cpu_options(str(tmp_path), 5, 9))
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("# saved ") and out[-2 - len(records)].startswith("config ")
     wl = throughput.draw_workload(5, 3, 9, 999)
@@ -140,18 +139,8 @@ def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-de
 
 
 def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    opts = throughput.Options(
-        model="tiny",
-        config=TINY,
-        configs=("defaults",),
-        temperatures=(0.0,),
-        device="cpu",
-        num_seqs=3,
-        min_len=3,
-        max_len=6,
-        max_token_id=999,
-        out_dir=str(tmp_path),
-        profile=True,
+    opts = _cpu_options(
+        str(tmp_path), 3, 6, configs=("defaults",), temperatures=(0.0,), profile=True
     )
     (rec,) = throughput.run(opts)
     assert rec.note == "" and rec.profile is not None
