@@ -20,9 +20,11 @@ set -u -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+# WHEELS: the carried folder of wheels (.whl; a smaller one leaves room for the JIT cache parts).
+WHEELS=${WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 # The two plugin distributions the tests discover through entry points (as CI installs them).
