@@ -259,6 +259,13 @@ def _add_bench_decode(bench_sub: Any) -> None:
     )
     dec.add_argument("--steps", type=int, help="decode steps timed (default: 32; --quick 8)")
     dec.add_argument(
+        "--context-len",
+        default="run",
+        help="the engine's context limit: run (ctx + steps + a margin), model (the model's own "
+        "limit, a user's default; sizes a graph bucket's decode launch) or a number "
+        "(default: run)",
+    )
+    dec.add_argument(
         "--attention", default="auto", help="attention backend or auto (default: auto)"
     )
     dec.add_argument("--modes", default="eager,graph", help="eager and/or graph (default: both)")
@@ -397,6 +404,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         reps=1 if args.quick else 2,
         out_dir=args.out,
         ttft=ttft,
+        context_len=args.context_len,
     )
     decode.run(opts)
     return 0

@@ -100,9 +100,20 @@ class Options:
     device: str = "cuda"  # "cpu" runs the whole method on tiny shapes (tests)
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
     ttft: tuple[int, ...] = ()  # prompt lengths of the time-to-first-token rows (bs 1)
+    #: The engine's context limit: "run" (ctx + steps + a margin, the least the run needs),
+    #: "model" (the model's own limit: what a user's engine gets by default) or a number.
+    #: A graph bucket's decode launch is sized by it; the KV pool holds what the run needs.
+    context_len: str = "run"
 
     def __post_init__(self) -> None:
         problems = []
+        if self.context_len not in ("run", "model") and not (
+            self.context_len.isdigit() and int(self.context_len) > self.ctx + self.steps
+        ):
+            problems.append(
+                f"context_len {self.context_len!r} unsupported (run, model, or a number above "
+                f"ctx + steps = {self.ctx + self.steps})"
+            )
         if self.config is None and self.model not in MODELS:
             problems.append(f"model {self.model!r} unknown (known: {', '.join(MODELS)})")
         if self.layers is not None and self.layers < 1:
@@ -149,6 +160,7 @@ class Record:
     vs_hf_compile: float | None = None
     overlap: bool | None = None  # execrt's overlap_schedule (None for the peer)
     fused_kernels: str | None = None  # execrt's fused_kernels setting (None for the peer)
+    context_len: int | None = None  # execrt's context limit (None for the peer)
     kv_dtype: str = "auto"  # execrt's kv_cache_dtype (the peer: its own, the model dtype)
     vs_kv_auto: float | None = None  # this step_ms / the kv auto step_ms (< 1: this is faster)
     note: str = ""
@@ -246,7 +258,10 @@ def run(opts: Options) -> list[Record]:
 def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     opts = ctx.opts
     sizes = sorted(set(opts.batch_sizes))
-    context_len = opts.ctx + opts.steps + KV_MARGIN
+    needed = opts.ctx + opts.steps + KV_MARGIN
+    context_len = {"run": needed, "model": ctx.model_config.max_position_embeddings}.get(
+        opts.context_len, int(opts.context_len) if opts.context_len.isdigit() else needed
+    )
     graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
     print(f"# execrt {mode}, KV cache {kv_dtype}", flush=True)
     try:
@@ -257,7 +272,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             attention_backend=opts.attention,
             graph_backend=MODES[mode],
             max_running_requests=max(sizes),
-            kv_cache_tokens=max(sizes) * context_len,
+            kv_cache_tokens=max(sizes) * needed,
             context_len=context_len,
             max_prefill_tokens=max(opts.ctx, PREFILL_CHUNK),
             seed=opts.seed,
@@ -276,7 +291,8 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
         return
     attention = chosen_backend(engine.resolution, "attention")
     ov: dict[str, Any] = {
-        "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype
+        "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype,
+        "context_len": engine.worker.limits.context_len,
     }  # fmt: skip
     tag = mode if kv_dtype == "auto" else f"{mode}-{kv_dtype}"  # profile trace names
     with engine:

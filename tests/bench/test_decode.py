@@ -252,6 +252,21 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
     assert {row["layers"] for row in rows} == {2}
 
 
+@pytest.mark.parametrize(
+    ("context_len", "resolved"), [("run", 6 + 2 + 16), ("model", 256), ("99", 99)]
+)
+def test_cpu_run_records_the_context_limit_it_ran_with(tmp_path, context_len, resolved) -> None:  # type: ignore[no-untyped-def]
+    # "model" is what a user's engine gets by default (TINY's 256), and it sizes what a graph
+    # bucket launches; the KV pool still holds only what the run needs.
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(2,), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), out_dir=str(tmp_path), context_len=context_len,
+    )  # fmt: skip
+    records = decode.run(opts)
+    assert records and all(r.context_len == resolved for r in records)
+    assert all(r.step_ms or r.note.startswith("noise") for r in records)
+
+
 def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ignore[no-untyped-def]
     opts = decode.Options(
         model="tiny", config=TINY, device="cpu", batch_sizes=(1, 2), ctx=6, steps=2, reps=1,
@@ -283,6 +298,8 @@ def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ig
         (["--kv-dtype", "fp8"], "--kv-dtype fp8 unsupported (supported: auto, fp8_e4m3, fp8_e5m2)"),
         (["--ttft", "8k"], "--ttft '8k' must look like 8192,32768 or none"),
         (["--ttft", "0"], "ttft prompt lengths [0] must be >= 1"),
+        (["--context-len", "all"], "context_len 'all' unsupported (run, model, or a number"),
+        (["--context-len", "100", "--ctx", "90"], "above ctx + steps = 122"),
     ],
 )
 def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -296,7 +313,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     monkeypatch.setattr(decode, "run", seen.append)
     argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
     argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
-    argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3"]
+    argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3", "--context-len", "model"]
     assert main(["bench", "decode", *argv]) == 0
     assert main(["bench", "decode", "--quick"]) == 0
     assert main(["bench", "decode", "--ttft", "none"]) == 0
@@ -326,6 +343,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
         False,
     )
     assert quick.overlap
+    assert (full.context_len, quick.context_len) == ("model", "run")
     assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
         "qwen3-0.6b",
         (1, 32),
