@@ -31,6 +31,8 @@ class LogitsOutput:
 
     next_token_logits: torch.Tensor  # [B, V] fp32
     full_logits: torch.Tensor | None = None  # [T, V] fp32 (extend, when asked for)
+    #: [B] int64: the tokens already sampled, when a decode graph ran the sampler too
+    next_token_ids: torch.Tensor | None = None
 
 
 @dataclass

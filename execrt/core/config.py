@@ -43,7 +43,9 @@ class RuntimeConfig:
     in full). ``prefix_cache_force_miss`` keeps the cache's code path but reports no match, to
     measure its overhead. ``kv_cache_dtype`` stores K/V in the model's dtype (``auto``) or in
     fp8 (``fp8_e4m3``, ``fp8_e5m2``: twice the tokens in the same memory). ``strict`` turns
-    any automatic fallback into an error.
+    any automatic fallback into an error. ``cuda_graph_sampling`` lets a decode graph run
+    the sampler too when the model brings a capturable one (its ``sample_fn``): a replay then
+    yields the token ids; without one, sampling runs after the replay either way.
 
     Sizes of 0 are "auto": chosen for the device by ``core.assembly`` (e.g. running requests
     and the KV pool from GPU memory, small fixed sizes on CPU). A key ``<backend>_<option>``
@@ -69,6 +71,7 @@ class RuntimeConfig:
     seed: int = 0
     cuda_graph_max_bs: int = 0
     cuda_graph_bs: str = ""
+    cuda_graph_sampling: bool = True
     overlap_schedule: bool = True
     fused_kernels: str = "auto"
     tp_size: int = 1  # tensor-parallel ranks: 1, or the world size under torchrun

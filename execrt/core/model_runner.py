@@ -124,6 +124,7 @@ class ModelRunner:
                 self.input_buffers,
                 graphs,
                 capture_batch_sizes(assembly.graph_max_bs(r), r.config.graph_batch_sizes()),
+                sampler=self.sampler if self._samples_in_graph() else None,
             )
             self.decode_graph_runner.capture()
         # What was built, where a constructor that failed under "auto" changed the choice.
@@ -132,6 +133,11 @@ class ModelRunner:
             [by_kind.get(res.kind, res) for res in r.report.resolutions]
         )
         logger.info("backends:\n%s", self.resolution.describe())
+
+    def _samples_in_graph(self) -> bool:
+        """Whether decode graphs run the sampler too: only a fused draw is known to capture
+        (the torch draw sorts the vocabulary; it keeps running after the replay)."""
+        return self.config.cuda_graph_sampling and self.sampler.sample_fn is not None
 
     def _use_checkpoint_kv_scales(self) -> None:
         """An fp8 cache stores real / scale with the checkpoint's per-layer scales; without
@@ -167,9 +173,12 @@ class ModelRunner:
         return ModelRunnerOutput(self.eager_runner.execute(fb), can_run_graph=False)
 
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> torch.Tensor:
-        """Next token id per request ``[B]`` int64."""
-        assert fb.sampling_info is not None
-        ids = self.sampler(logits_output.next_token_logits, fb.sampling_info)
+        """Next token id per request ``[B]`` int64: those a decode graph sampled with the
+        forward (for ``fb``'s own sampling info), else the sampler's on the logits."""
+        ids = logits_output.next_token_ids
+        if ids is None:
+            assert fb.sampling_info is not None
+            ids = self.sampler(logits_output.next_token_logits, fb.sampling_info)
         # Every rank holds the full logits and samples alike; rank 0's tokens are taken anyway,
         # so that a last-bit difference between ranks can never split their schedules.
         return self.parallel.broadcast(ids, self.parallel.world)

@@ -16,6 +16,7 @@ import torch
 
 from execrt.core.batch import ForwardBatch, LogitsOutput, padded_decode_batch
 from execrt.core.interfaces import AttentionStep, ShapeKey
+from execrt.core.sampler import Sampler, SamplingBatchInfo
 from execrt.core.step import ForwardMode, StepInputs
 
 if TYPE_CHECKING:
@@ -91,6 +92,52 @@ class InputBuffers:
         )
 
 
+class SamplingBuffers:
+    """Static per-row sampling parameters (``max_bs`` rows) that a decode graph samples from.
+
+    ``load`` copies a batch's rows into the prefixes without a host sync; rows from the batch
+    size up to the bucket become greedy (temperature 0), so padding rows sample harmlessly.
+    """
+
+    def __init__(self, max_bs: int, device: torch.device) -> None:
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(max_bs, dtype=dtype, device=device)
+
+        self.static = SamplingBatchInfo(
+            temperatures=zeros(torch.float32),
+            top_ks=zeros(torch.int64),
+            top_ps=torch.ones(max_bs, dtype=torch.float32, device=device),
+            seeds=zeros(torch.int64),
+            steps=zeros(torch.int64),
+            all_greedy=False,  # the tensors are always read: greedy rows have temperature 0
+        )
+
+    def view(self, bs: int) -> SamplingBatchInfo:
+        """The first ``bs`` rows (what a graph of bucket ``bs`` reads)."""
+        st = self.static
+        return SamplingBatchInfo(
+            st.temperatures[:bs], st.top_ks[:bs], st.top_ps[:bs], st.seeds[:bs], st.steps[:bs],
+            all_greedy=False,
+        )  # fmt: skip
+
+    def load(self, info: SamplingBatchInfo | None, batch_size: int, padded_bs: int) -> None:
+        """Copy ``info``'s ``batch_size`` rows in and make rows up to ``padded_bs`` greedy. An
+        all-greedy batch (or none) holds no tensors: every row becomes greedy."""
+        rows = 0
+        if info is not None and not info.all_greedy:
+            rows = info.temperatures.shape[0]
+            if rows != batch_size:
+                raise ValueError(
+                    f"sampling buffers: {rows} rows of sampling parameters for a batch of "
+                    f"{batch_size} requests"
+                )
+            st = self.static
+            for name in ("temperatures", "top_ks", "top_ps", "seeds", "steps"):
+                getattr(st, name)[:rows].copy_(getattr(info, name), non_blocking=True)
+        if rows < padded_bs:
+            self.static.temperatures[rows:padded_bs].zero_()
+
+
 class EagerRunner:
     """Runs a batch without graphs: load inputs, plan attention, run the model."""
 
@@ -135,6 +182,10 @@ class DecodeCudaGraphRunner:
     EagerRunner); a step picks the smallest bucket >= its batch size, writes the real rows and
     the padding (the core rule, ``padded_decode_batch``) into the same buffers, re-plans the
     attention into its static buffers, replays and trims the outputs to the batch.
+
+    Given a ``sampler`` (one with a capturable ``sample_fn``), each graph also samples from
+    the logits with the parameters in static ``SamplingBuffers``: the output then carries the
+    token ids (``LogitsOutput.next_token_ids``) beside the logits.
     """
 
     def __init__(
@@ -144,6 +195,7 @@ class DecodeCudaGraphRunner:
         buffers: InputBuffers,
         graph_backend: GraphBackend,
         capture_bs: list[int],
+        sampler: Sampler | None = None,
     ) -> None:
         if not capture_bs or max(capture_bs) > buffers.max_bs:
             raise ValueError(
@@ -158,6 +210,8 @@ class DecodeCudaGraphRunner:
         self.max_bs = self.capture_bs[-1]
         self.fill = int(attn_backend.graph_seq_len_fill_value)
         self._logged: set[str] = set()
+        self.sampler = sampler
+        self.sampling = None if sampler is None else SamplingBuffers(self.max_bs, buffers.device)
         attn_backend.init_graph_state(self.max_bs, self.max_bs)
 
     def bucket(self, batch_size: int) -> int:
@@ -205,10 +259,17 @@ class DecodeCudaGraphRunner:
         fb = self._padding_batch(bs)
         step = attention_step(self.attn_backend, self.attn_backend.plan_graph(fb), fb)
 
-        def forward() -> LogitsOutput:
-            return self.model(fb, step)
+        sampler, sampling = self.sampler, self.sampling
+        if sampler is None or sampling is None:
+            return lambda: self.model(fb, step)
+        info = sampling.view(bs)
 
-        return forward
+        def forward_and_sample() -> LogitsOutput:
+            out = self.model(fb, step)
+            ids = sampler.sample(out.next_token_logits, info)  # [bs] int64
+            return dataclasses.replace(out, next_token_ids=ids)
+
+        return forward_and_sample
 
     def _padding_batch(self, bs: int) -> ForwardBatch:
         """A decode batch of ``bs`` padding rows in the static buffers (what capture runs)."""
@@ -221,10 +282,14 @@ class DecodeCudaGraphRunner:
         bs = fb.batch_size
         key = ShapeKey(self.bucket(bs))
         padded = self.buffers.load_padded(fb, key.batch_size, self.fill)
+        if self.sampling is not None:
+            self.sampling.load(fb.sampling_info, bs, key.batch_size)
         self.attn_backend.plan_graph(padded)  # into the buffers the captured graph reads
         out: LogitsOutput = self.backend.replay(key)
-        # The static output is overwritten by the next replay: callers consume it first.
-        return LogitsOutput(next_token_logits=out.next_token_logits[:bs])
+        # The static outputs are overwritten by the next replay: callers consume them first
+        # (a later step's work on the same stream, such as copying the ids in, is in order).
+        ids = None if out.next_token_ids is None else out.next_token_ids[:bs]
+        return LogitsOutput(next_token_logits=out.next_token_logits[:bs], next_token_ids=ids)
 
     def cleanup(self) -> None:
         """Drop every graph (the backend synchronises first). Idempotent."""

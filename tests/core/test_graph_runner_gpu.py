@@ -127,3 +127,48 @@ def test_recapture_cycles_do_not_grow_memory(gpu_checkpoints) -> None:  # type: 
     )
     w.close()
     ctx.close()
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_the_graph_samples_the_eager_samplers_tokens(gpu_checkpoints, model) -> None:  # type: ignore[no-untyped-def]
+    """With the fused draw the graph runs the sampler: its tokens are the eager Sampler's on
+    the replayed logits, greedy and seeded rows mixed, all-greedy batches and later steps."""
+    from execrt.core.sampler import Sampler
+    from execrt.core.schedule import ScheduleBatch
+    from tests.core.test_graph_sampling import PARAMS
+
+    _skip_unless_usable("triton")
+    ctx = RuntimeContext()
+    w = _graph_worker(gpu_checkpoints[model], ctx, "triton")
+    mr = w.model_runner
+    runner = mr.decode_graph_runner
+    assert runner is not None and runner.sampler is not None, "fused draw not in the graph"
+    eager_sampler = Sampler(sample_fn=mr.sampler.sample_fn)
+    for bs in sorted({*runner.capture_bs, 3, 7, 19}):
+        for greedy in (False, True):
+            reqs, dec = prefill(w, _prompts(bs, seed=bs))
+            if not greedy:
+                for i, req in enumerate(reqs):
+                    req.sampling_params = PARAMS[(i + bs) % len(PARAMS)]
+                    req.sampling_seed = 1000 * bs + i
+            batch = ScheduleBatch.of(reqs, dec.inputs, w.memory.stager)
+            fb = ForwardBatch.init_new(batch)
+            out = mr.forward(fb)
+            assert out.can_run_graph and out.logits_output.next_token_ids is not None
+            got = out.logits_output.next_token_ids.clone()
+            logits = out.logits_output.next_token_logits.clone()
+            assert batch.sampling_info.all_greedy == greedy
+            want = eager_sampler(logits, batch.sampling_info)
+            assert got.tolist() == want.tolist(), f"bs {bs} greedy {greedy}"
+            if greedy:
+                assert got.tolist() == logits.argmax(-1).tolist()
+            # The same rows one step later (overlap's advanced info; the KV slot is reused).
+            fb.sampling_info = batch.sampling_info.advanced()
+            out = mr.forward(fb)
+            assert out.logits_output.next_token_ids is not None
+            logits = out.logits_output.next_token_logits.clone()
+            want = eager_sampler(logits, fb.sampling_info)
+            assert out.logits_output.next_token_ids.tolist() == want.tolist(), f"bs {bs} step 2"
+            release(w, reqs)
+    w.close()
+    ctx.close()
