@@ -189,6 +189,35 @@ def _decode_split_kernel(
 ):
     pdl_prologue(PDL)
     kv_head = tl.program_id(1)
+    # The (request, split) items of the work list, round robin over this kv head's programs:
+    # the grid is sized by the batch, not by the most splits a request could have, so no
+    # program is launched only to find its split empty, and a long request's splits still
+    # run on programs of their own.
+    for item in range(tl.program_id(0), tl.load(work_ptr), tl.num_programs(0)):
+        packed = tl.load(work_ptr + 1 + item)
+        b = packed // max_splits
+        _decode_split(
+            q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
+            part_lse_ptr, kv_scales_ptr, kv_head, b, packed - b * max_splits, qk_scale,
+            max_splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, GROUP, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED, DOT_F16,
+        )  # fmt: skip
+
+
+@triton.jit
+def _decode_split(
+    q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
+    part_lse_ptr, kv_scales_ptr, kv_head, b, split, qk_scale, max_splits, stride_qb,
+    stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):  # fmt: skip
+    """One split of one request for the GROUP query heads of kv head ``kv_head``: its partial
+    output and log-sum-exp (everything per item is computed here, so nothing stays live in
+    registers across the items of a program)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -199,34 +228,6 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     offs_b = tl.arange(0, BLOCK_N)
-    # The (request, split) items of the work list, round robin over this kv head's programs:
-    # the grid is sized by the batch, not by the most splits a request could have, so no
-    # program is launched only to find its split empty, and a long request's splits still
-    # run on programs of their own.
-    for item in range(tl.program_id(0), tl.load(work_ptr), tl.num_programs(0)):
-        packed = tl.load(work_ptr + 1 + item)
-        b = packed // max_splits
-        split = packed - b * max_splits
-        _decode_split(
-            q_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr, part_lse_ptr,
-            kv_scales_ptr, k_base, v_base, b, split, heads, offs_b, offs_d, offs_dv, mask_h,
-            mask_d, mask_dv, qk_scale, max_splits, stride_qb, stride_qh, stride_ks, stride_vs,
-            stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_H, BLOCK_N,
-            BLOCK_DV, KV_SCALED, DOT_F16,
-        )  # fmt: skip
-
-
-@triton.jit
-def _decode_split(
-    q_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr, part_lse_ptr,
-    kv_scales_ptr, k_base, v_base, b, split, heads, offs_b, offs_d, offs_dv, mask_h, mask_d,
-    mask_dv, qk_scale, max_splits, stride_qb, stride_qh, stride_ks, stride_vs, stride_pob,
-    stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
-    DOT_F16: tl.constexpr,
-):  # fmt: skip
-    """One split of one request for the GROUP query heads of one kv head: its partial output
-    and log-sum-exp."""
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
     # Out-of-range counts are clamped (as in stage 2 and the work list) so that the splits
