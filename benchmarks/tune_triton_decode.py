@@ -76,6 +76,8 @@ def bench(
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms))
+    work = torch.empty(K.work_size(bs, max_splits), dtype=torch.int32, device="cuda")
+    K.decode_work(splits, max_splits, work)  # once, as the backend's metadata launch does
     po = torch.empty(bs, p.hq, max_splits, p.d, dtype=torch.float32, device="cuda")
     pl = torch.empty(bs, p.hq, max_splits, dtype=torch.float32, device="cuda")
     outs = [torch.empty_like(p.q) for _ in p.layers]
@@ -88,7 +90,7 @@ def bench(
                 p.q, cache.k_buffers[i], cache.v_buffers[i], o, indptr, indices, splits, po,
                 pl, layer.scaling, max_splits,
                 kv_scales=cache.layer_scales[i] if cache.is_fp8 else None,
-                block_n=block_n, num_warps=warps, num_stages=stages,
+                block_n=block_n, num_warps=warps, num_stages=stages, work=work,
             )  # fmt: skip
 
     run()

@@ -34,6 +34,7 @@ class TritonMetadata:
     tiles: DecodeTiles | None = None  # stage-1 launch shape (host), from the tuned table
     partial_o: torch.Tensor | None = None  # [B, Hq, max_splits, Dv] fp32 scratch
     partial_lse: torch.Tensor | None = None  # [B, Hq, max_splits] fp32 scratch
+    work: torch.Tensor | None = None  # [1 + B * max_splits] int32: (request, split) items
     # extend
     qo_indptr: torch.Tensor | None = None  # [B+1] int32 offsets of each request's new tokens
     prefix_lens: torch.Tensor | None = None  # [B] int32
@@ -74,10 +75,13 @@ class TritonAttnBackend(AttentionBackend):
         if fb.mode.is_decode():
             max_splits = self._max_splits(b, fb.max_seq_len)
             num_splits = torch.empty(b, dtype=torch.int32, device=self.device)
-            self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits)
+            work = torch.empty(
+                self.kernels.work_size(b, max_splits), dtype=torch.int32, device=self.device
+            )
+            self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits, work)
             return TritonMetadata(
                 kv_indptr, kv_indices, num_splits, max_splits, self._tiles(b),
-                *self._partials(b, max_splits),
+                *self._partials(b, max_splits), work=work,
             )  # fmt: skip
         fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
@@ -113,12 +117,13 @@ class TritonAttnBackend(AttentionBackend):
         kv_indices: torch.Tensor,
         num_splits: torch.Tensor,
         max_splits: int,
+        work: torch.Tensor,
     ) -> None:
-        """kv_indptr, kv_indices and the split counts in one launch."""
+        """kv_indptr, kv_indices, the split counts and the work list in one launch."""
         fill = self.split_policy.min_splits(fb.batch_size, self.num_kv_heads, self.num_sms)
         self.kernels.decode_metadata(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
-            kv_indices, num_splits, max_splits, self.split_policy, fill,
+            kv_indices, num_splits, max_splits, self.split_policy, fill, work,
         )  # fmt: skip
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,12 +145,13 @@ class TritonAttnBackend(AttentionBackend):
         if step.mode.is_decode():
             assert meta.num_splits is not None and meta.partial_o is not None
             assert meta.partial_lse is not None and meta.tiles is not None
+            assert meta.work is not None
             t = meta.tiles
             self.kernels.decode_attention(
                 q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
                 meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
                 kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
-                num_stages=t.num_stages,
+                num_stages=t.num_stages, work=meta.work,
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
@@ -170,6 +176,9 @@ class TritonAttnBackend(AttentionBackend):
             "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             "kv_indices": torch.zeros(max_bs * self.max_context_len, dtype=torch.int32, device=dev),
             "num_splits": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "work": torch.zeros(
+                self.kernels.work_size(max_bs, splits), dtype=torch.int32, device=dev
+            ),
             "partial_o": torch.empty(
                 (max_bs, self.num_q_heads, splits, self.v_head_dim), dtype=torch.float32, device=dev
             ),
@@ -190,7 +199,8 @@ class TritonAttnBackend(AttentionBackend):
         assert g is not None
         kv_indptr = g["kv_indptr"][: b + 1]
         max_splits = min(self._max_splits(b, self.max_context_len), g["partial_lse"].shape[2])
-        self._decode_metadata(fb, kv_indptr, g["kv_indices"], g["num_splits"], max_splits)
+        work = g["work"][: self.kernels.work_size(b, max_splits)]
+        self._decode_metadata(fb, kv_indptr, g["kv_indices"], g["num_splits"], max_splits, work)
         return TritonMetadata(
             kv_indptr,
             g["kv_indices"],
@@ -199,6 +209,7 @@ class TritonAttnBackend(AttentionBackend):
             self._tiles(b),
             g["partial_o"][:b],
             g["partial_lse"][:b],
+            work=work,
         )
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from execrt.kernels.attention.common import (
 from execrt.kernels.attention.decode import (
     DecodeTiles,
     decode_attention,
+    decode_programs,
     decode_tiles,
     load_tile_table,
     tile_table_json,
@@ -25,6 +26,8 @@ from execrt.kernels.attention.indices import (
     SplitPolicy,
     decode_metadata,
     decode_num_splits,
+    decode_work,
+    work_size,
 )
 
 __all__ = [
@@ -36,10 +39,13 @@ __all__ = [
     "DecodeTiles",
     "SplitPolicy",
     "decode_attention",
+    "decode_programs",
     "decode_tiles",
     "decode_metadata",
     "decode_num_splits",
+    "decode_work",
     "extend_attention",
     "load_tile_table",
     "tile_table_json",
+    "work_size",
 ]

@@ -18,9 +18,11 @@ from execrt.kernels._triton import (
     fail,
     pdl_kwargs,
     pow2_at_least,
+    sm_count,
     tuned_table_name,
 )
 from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
+from execrt.kernels.attention.indices import check_work, decode_work, work_size
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +134,22 @@ def tile_table_json(tiles: dict[int, dict[int, DecodeTiles]], **provenance: Any)
 # Decode: split-KV flash decoding
 # ----------------------------------------------------------------------------------------------
 
+#: Stage 1 launches programs for at least this many per SM over the kv heads (when the batch
+#: has that many work items; one per request at the least).
+PROGRAMS_PER_SM = 8
+
+
+def decode_programs(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
+    """Stage-1 programs per kv head: one per request, or ``PROGRAMS_PER_SM`` per SM over the
+    heads where that is more, never more than the work items there can be. Depends only on
+    its arguments, so a graph bucket replays the grid it captured.
+
+    The grid used to be ``(B, Hkv, max_splits)``, with ``max_splits`` set by the longest
+    context allowed: at 256 requests, 8 kv heads and a 40k context limit, 40,960 programs
+    per layer of which 2,048 had a split to do."""
+    want = max(batch, -(-PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads)))
+    return max(1, min(batch * max_splits, want))
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -141,6 +159,7 @@ def _decode_split_kernel(
     kv_indptr_ptr,
     kv_indices_ptr,
     num_splits_ptr,
+    work_ptr,
     part_o_ptr,
     part_lse_ptr,
     kv_scales_ptr,
@@ -169,20 +188,36 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
-    b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
-    seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
-    # Out-of-range counts are clamped (as in stage 2) so that the launched splits still cover
-    # the whole context and a count of 0 cannot divide by zero.
-    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
-    # Splits are whole multiples of BLOCK_N so only the last block of the context is ragged.
-    # split_len * n_splits >= seq_len, so splits at or past n_splits come out empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    # The (request, split) items of the work list, round robin over this kv head's programs:
+    # the grid is sized by the batch, not by the most splits a request could have, so no
+    # program is launched only to find its split empty, and a long request's splits still
+    # run on programs of their own.
+    for item in range(tl.program_id(0), tl.load(work_ptr), tl.num_programs(0)):
+        packed = tl.load(work_ptr + 1 + item)
+        b = packed // max_splits
+        _decode_split(
+            q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
+            part_lse_ptr, kv_scales_ptr, kv_head, b, packed - b * max_splits, qk_scale,
+            max_splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, GROUP, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED, DOT_F16,
+        )  # fmt: skip
 
+
+@triton.jit
+def _decode_split(
+    q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
+    part_lse_ptr, kv_scales_ptr, kv_head, b, split, qk_scale, max_splits, stride_qb,
+    stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):  # fmt: skip
+    """One split of one request for the GROUP query heads of kv head ``kv_head``: its partial
+    output and log-sum-exp (everything per item is computed here, so nothing stays live in
+    registers across the items of a program)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -190,6 +225,19 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_dv = offs_dv < HEAD_DIM_V
     heads = kv_head * GROUP + offs_h
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    offs_b = tl.arange(0, BLOCK_N)
+    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
+    seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
+    # Out-of-range counts are clamped (as in stage 2 and the work list) so that the splits
+    # still cover the whole context and a count of 0 cannot divide by zero.
+    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
+    # Splits are whole multiples of BLOCK_N so only the last block of the context is ragged.
+    # split_len * n_splits >= seq_len, so a split can come out empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
 
     # All GROUP query heads of this kv head share one pass over K/V; rows past GROUP are zero
     # padding so that the tile is tall enough for tl.dot.
@@ -213,14 +261,11 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
     idx_base = kv_indices_ptr + kv_start
     # The slot ids of block i + 1 are loaded during block i and carried over, so the K/V
     # gathers never depend on a load of their own iteration: the pipeliner issues them
     # num_stages - 1 blocks ahead (with the ids loaded in the same iteration, one block ahead
     # whatever num_stages, in the sm90 TTGIR of triton 3.9).
-    offs_b = tl.arange(0, BLOCK_N)
     ids = tl.load(idx_base + lo + offs_b, mask=lo + offs_b < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs_b
@@ -348,16 +393,18 @@ def decode_attention(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
+    work: torch.Tensor | None = None,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
     Request b attends, for every query head h, to the K/V rows at slots
     ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` of kv head ``h // (Hq // Hkv)``, with softmax
     scale ``sm_scale``, and the result is written to ``o[b, h]``. The context is cut into
-    ``num_splits[b]`` splits processed in parallel (stage 1, grid ``(B, Hkv, max_splits)``,
-    each program covering all query heads of one kv head) and merged with their
-    log-sum-exp weights (stage 2, grid ``(B, Hq)``). No host synchronisation and no
-    allocation: the launch can be captured in a CUDA graph with fixed ``max_splits``.
+    ``num_splits[b]`` splits processed in parallel (stage 1: each program covers all query
+    heads of one kv head and takes the (request, split) items of the work list round robin,
+    grid ``(decode_programs(...), Hkv)``) and merged with their log-sum-exp weights (stage 2,
+    grid ``(B, Hq)``). No host synchronisation, and no allocation when ``work`` is given:
+    the launch can be captured in a CUDA graph with fixed ``max_splits``.
 
     A request with an empty context (``kv_indptr[b+1] == kv_indptr[b]``) gets ``o[b] = 0``.
 
@@ -386,6 +433,9 @@ def decode_attention(
         num_warps: warps per stage-1 program.
         num_stages: software pipelining depth of the stage-1 loop (K/V gathered
             ``num_stages - 1`` blocks ahead).
+        work: int32 ``[>= 1 + B * max_splits]``, the work list of ``num_splits``
+            (:func:`decode_work`, or :func:`decode_metadata`'s ``work_out``); None builds it
+            here (one more launch and an allocation).
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -432,17 +482,24 @@ def decode_attention(
             f"partial_lse shape {tuple(partial_lse.shape)} unsupported "
             f"(need [>= {batch}, {num_q_heads}, >= {max_splits}])",
         )
+    if work is None:
+        work = torch.empty(work_size(batch, max_splits), dtype=torch.int32, device=q.device)
+        decode_work(num_splits[:batch], max_splits, work)
+    else:
+        check_work(work, batch, max_splits, q.device)
     if batch == 0:
         return
 
     group = num_q_heads // num_kv_heads
-    _decode_split_kernel[(batch, num_kv_heads, max_splits)](
+    programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
+    _decode_split_kernel[(programs, num_kv_heads)](
         q,
         k_buffer,
         v_buffer,
         kv_indptr,
         kv_indices,
         num_splits,
+        work,
         partial_o,
         partial_lse,
         partial_lse if kv_scales is None else kv_scales,  # unread unless KV_SCALED

@@ -193,6 +193,71 @@ def check_split_range(max_splits: int, min_splits: int) -> None:
 
 
 @triton.jit
+def _split_count(seq_len, min_splits, max_splits, TARGET: tl.constexpr, MIN_LEN: tl.constexpr):
+    """decode_num_splits' rule, elementwise (``seq_len`` a scalar or a vector)."""
+    by_len = tl.maximum((seq_len + TARGET - 1) // TARGET, min_splits)
+    splits = tl.minimum(by_len, (seq_len + MIN_LEN - 1) // MIN_LEN)
+    return tl.minimum(tl.maximum(splits, 1), max_splits)
+
+
+@triton.jit
+def _write_work(work_ptr, b, batch, first, count, max_splits, BLOCK_S: tl.constexpr):
+    """Request ``b``'s decode work items: ``work[1 + first + s] = b * max_splits + s`` for its
+    ``count`` splits; the last request also writes the total, ``work[0]``."""
+    offs_s = tl.arange(0, BLOCK_S)
+    tl.store(work_ptr + 1 + first + offs_s, b * max_splits + offs_s, mask=offs_s < count)
+    if b == batch - 1:
+        tl.store(work_ptr, first + count)
+
+
+@triton.jit
+def _decode_work_kernel(num_splits_ptr, work_ptr, batch, max_splits, BLOCK_B: tl.constexpr,
+                        BLOCK_S: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_prologue(PDL)
+    b = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    counts = tl.load(num_splits_ptr + offs_b, mask=offs_b < b, other=0)
+    counts = tl.where(offs_b < b, tl.minimum(tl.maximum(counts, 1), max_splits), 0)
+    count = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
+    _write_work(work_ptr, b, batch, tl.sum(counts, axis=0), count, max_splits, BLOCK_S)
+
+
+def work_size(batch: int, max_splits: int) -> int:
+    """Entries of a decode work list for ``batch`` requests of at most ``max_splits`` splits."""
+    return 1 + batch * max_splits
+
+
+def check_work(work: torch.Tensor, batch: int, max_splits: int, device: torch.device) -> None:
+    check_index(COMPONENT, "work", work, work_size(batch, max_splits), (torch.int32,))
+    if work.device != device:
+        fail(COMPONENT, f"work on {work.device} unsupported (must be on {device})")
+
+
+def decode_work(num_splits: torch.Tensor, max_splits: int, work_out: torch.Tensor) -> None:
+    """The decode work list of ``num_splits`` (int32 ``[B]``, each clamped into
+    ``[1, max_splits]`` as decode reads it): ``work_out[0]`` = the total number of (request,
+    split) items, then ``b * max_splits + s`` for each, request after request (device op, no
+    sync, no allocation: capturable). :func:`decode_metadata` writes the same list itself.
+
+    Raises:
+        ValueError: on bad dtypes, sizes (``work_out`` needs ``1 + B * max_splits`` entries)
+            or devices.
+    """
+    check_index(COMPONENT, "num_splits", num_splits, 0, (torch.int32,))
+    batch = num_splits.shape[0]
+    check_split_range(max_splits, 1)
+    check_work(work_out, batch, max_splits, num_splits.device)
+    if batch == 0:
+        work_out[:1].zero_()
+        return
+    _decode_work_kernel[(batch,)](
+        num_splits, work_out, batch, max_splits,
+        BLOCK_B=pow2_at_least(batch), BLOCK_S=pow2_at_least(max_splits, 2),
+        **pdl_kwargs(num_splits.device),
+    )  # fmt: skip
+
+
+@triton.jit
 def _decode_metadata_kernel(
     req_to_token_ptr,
     req_pool_indices_ptr,
@@ -200,6 +265,7 @@ def _decode_metadata_kernel(
     kv_indptr_ptr,
     kv_indices_ptr,
     num_splits_ptr,
+    work_ptr,
     stride_req_row,
     batch,
     min_splits,
@@ -207,7 +273,9 @@ def _decode_metadata_kernel(
     TARGET: tl.constexpr,
     MIN_LEN: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -221,11 +289,14 @@ def _decode_metadata_kernel(
     if b == 0:
         tl.store(kv_indptr_ptr, out_start.to(kv_indptr_ptr.dtype.element_ty))  # 0
     tl.store(kv_indptr_ptr + b + 1, (out_start + seq_len).to(kv_indptr_ptr.dtype.element_ty))
-    # Split count: decode_num_splits' rule.
-    by_len = tl.maximum((seq_len + TARGET - 1) // TARGET, min_splits)
-    splits = tl.minimum(by_len, (seq_len + MIN_LEN - 1) // MIN_LEN)
-    splits = tl.minimum(tl.maximum(splits, 1), max_splits)
+    # Split count: decode_num_splits' rule; the requests before this one were counted the
+    # same way, for where this request's work items start.
+    splits = _split_count(seq_len, min_splits, max_splits, TARGET, MIN_LEN)
     tl.store(num_splits_ptr + b, splits.to(tl.int32))
+    if WORK:
+        counts_before = _split_count(before, min_splits, max_splits, TARGET, MIN_LEN)
+        first = tl.sum(tl.where(offs_b < b, counts_before, 0), axis=0).to(tl.int32)
+        _write_work(work_ptr, b, batch, first, splits.to(tl.int32), max_splits, BLOCK_S)
     _copy_request_slots(
         req_to_token_ptr, req_pool_indices_ptr, kv_indices_ptr, stride_req_row, b,
         seq_len.to(tl.int32), out_start, BLOCK,
@@ -242,13 +313,16 @@ def decode_metadata(
     max_splits: int,
     policy: SplitPolicy,
     min_splits: int = 1,
+    work_out: torch.Tensor | None = None,
 ) -> None:
-    """``kv_indices.fill_kv_index`` and :func:`decode_num_splits` in one launch (no sync, no
-    allocation: capturable). A decode step's metadata used to take a scan (two kernels and a
-    costly host path), the gather and ~6 small torch ops for the split counts.
+    """``kv_indices.fill_kv_index``, :func:`decode_num_splits` and :func:`decode_work` in one
+    launch (no sync, no allocation: capturable). A decode step's metadata used to take a scan
+    (two kernels and a costly host path), the gather and ~6 small torch ops for the split
+    counts.
 
-    Args are those of the two functions it replaces; ``req_to_token`` is int32/int64
-    ``[R, max_ctx]`` with a contiguous last dim.
+    Args are those of the functions it replaces; ``req_to_token`` is int32/int64
+    ``[R, max_ctx]`` with a contiguous last dim; ``work_out`` (int32, ``1 + B * max_splits``
+    entries) receives the work list when given.
 
     Raises:
         ValueError: on bad ranks, dtypes, lengths, devices or counts.
@@ -259,8 +333,12 @@ def decode_metadata(
     )  # fmt: skip
     check_index(COMPONENT, "num_splits_out", num_splits_out, batch, (torch.int32,))
     check_split_range(max_splits, min_splits)
+    if work_out is not None:
+        check_work(work_out, batch, max_splits, num_splits_out.device)
     if batch == 0:
         kv_indptr[:1].zero_()
+        if work_out is not None:
+            work_out[:1].zero_()
         return
     _decode_metadata_kernel[(batch,)](
         req_to_token,
@@ -269,6 +347,7 @@ def decode_metadata(
         kv_indptr,
         kv_indices,
         num_splits_out,
+        num_splits_out if work_out is None else work_out,  # unread without WORK
         req_to_token.stride(0),
         batch,
         min_splits,
@@ -276,6 +355,8 @@ def decode_metadata(
         TARGET=policy.target_split_len,
         MIN_LEN=policy.min_split_len,
         BLOCK_B=pow2_at_least(batch),
+        BLOCK_S=pow2_at_least(max_splits, 2),
         BLOCK=512,
+        WORK=work_out is not None,
         **pdl_kwargs(req_to_token.device),
     )

@@ -770,6 +770,75 @@ def test_decode_metadata_equals_the_separate_builds(
     assert got[0][len(seq_lens) + 1 :].eq(99).all() and got[2][len(seq_lens) :].eq(-9).all()
 
 
+def _work_reference(counts: list[int], max_splits: int) -> list[int]:
+    clamped = [min(max(n, 1), max_splits) for n in counts]
+    items = [b * max_splits + s for b, n in enumerate(clamped) for s in range(n)]
+    return [len(items), *items]
+
+
+def test_decode_work_lists_every_split_request_after_request() -> None:
+    counts = [3, 0, 1, 9, 2, -4]  # out of range counts are clamped into [1, 4] as decode reads
+    splits = torch.tensor(counts, dtype=torch.int32, device=SMALL)
+    work = torch.full((tk.work_size(6, 4) + 3,), -1, dtype=torch.int32, device=SMALL)
+    tk.decode_work(splits, 4, work)
+    want = _work_reference(counts, 4)
+    assert work[: len(want)].tolist() == want and work[len(want) :].eq(-1).all()
+    empty = torch.zeros(0, dtype=torch.int32, device=SMALL)
+    tk.decode_work(empty, 4, work)
+    assert work[0].item() == 0
+
+
+def test_decode_work_rejects_bad_input() -> None:
+    splits = torch.ones(3, dtype=torch.int32, device=SMALL)
+    with pytest.raises(ValueError, match="work has 12 entries, need at least 13"):
+        tk.decode_work(splits, 4, torch.zeros(12, dtype=torch.int32, device=SMALL))
+    with pytest.raises(ValueError, match="work dtype"):
+        tk.decode_work(splits, 4, torch.zeros(13, dtype=torch.int64, device=SMALL))
+    with pytest.raises(ValueError, match="max_splits 0"):
+        tk.decode_work(splits, 0, torch.zeros(13, dtype=torch.int32, device=SMALL))
+
+
+@pytest.mark.parametrize("min_splits", [1, 5])
+def test_decode_metadata_writes_the_work_list_of_its_split_counts(min_splits: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [1, 7, 600, 33, 0, 1030, 129, 2]
+    cache = make_cache(seq_lens, 1, 16, 16, torch.float32, SMALL, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=SMALL)
+    policy = tk.SplitPolicy(min_split_len=32, target_split_len=256)
+    indptr = torch.empty(len(seq_lens) + 1, dtype=torch.int32, device=SMALL)
+    indices = torch.empty(sum(seq_lens), dtype=torch.int32, device=SMALL)
+    splits = torch.empty(len(seq_lens), dtype=torch.int32, device=SMALL)
+    work = torch.full((tk.work_size(len(seq_lens), 16),), -1, dtype=torch.int32, device=SMALL)
+    tk.decode_metadata(
+        cache.req_to_token, cache.rows, lens, indptr, indices, splits, 16, policy, min_splits,
+        work,
+    )  # fmt: skip
+    want = _work_reference(splits.tolist(), 16)
+    assert work[: len(want)].tolist() == want
+    assert want[0] > len(seq_lens)  # the case has requests of several splits
+
+
+def test_decode_programs_follow_the_batch_not_the_context_limit() -> None:
+    # 256 requests, 8 kv heads, a context limit worth 20 splits, 132 SMs: a program per
+    # request (the grid used to launch 20 per request, 19 of them to find no split).
+    assert tk.decode_programs(256, 8, 20, 132) == 256
+    # Few requests: up to 8 programs per SM over the heads, never more than the items.
+    assert tk.decode_programs(8, 8, 20, 132) == 132
+    assert tk.decode_programs(1, 8, 33, 132) == 33
+    assert tk.decode_programs(1, 1, 1, 132) == 1
+
+
+def test_decode_with_fewer_programs_than_splits_visits_every_split(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # As on one SM: two requests of 4 and 3 splits get 2 programs per kv head, each taking
+    # several (request, split) items round robin, across request boundaries.
+    from execrt.kernels.attention import decode
+
+    monkeypatch.setattr(decode, "sm_count", lambda device: 1)
+    assert tk.decode_programs(2, 8, 4, 1) == 2
+    out, ref = run_decode([200, 90], num_q_heads=8, num_kv_heads=8, num_splits=[4, 3])
+    assert_close(out, ref, SMALL_TOL[torch.float32])
+
+
 def test_decode_metadata_rejects_bad_input() -> None:
     table = torch.zeros(3, 8, dtype=torch.int32, device=SMALL)
     one = torch.ones(1, dtype=torch.int32, device=SMALL)
