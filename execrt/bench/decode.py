@@ -259,9 +259,11 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     opts = ctx.opts
     sizes = sorted(set(opts.batch_sizes))
     needed = opts.ctx + opts.steps + KV_MARGIN
-    context_len = {"run": needed, "model": ctx.model_config.max_position_embeddings}.get(
-        opts.context_len, int(opts.context_len) if opts.context_len.isdigit() else needed
-    )
+    context_len = needed
+    if opts.context_len == "model":
+        context_len = ctx.model_config.max_position_embeddings
+    elif opts.context_len != "run":
+        context_len = int(opts.context_len)
     graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
     print(f"# execrt {mode}, KV cache {kv_dtype}", flush=True)
     try:

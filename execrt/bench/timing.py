@@ -99,13 +99,19 @@ def profile_run(
 
 
 def _profiled(
-    run: Callable[[], object], device: torch.device, trace_path: str | None = None
+    run: Callable[[], object],
+    device: torch.device,
+    trace_path: str | None = None,
+    host: bool = True,
 ) -> tuple[list[Any], float]:
-    """torch.profiler's events of one ``run()`` (CPU, and CUDA on a GPU) and its seconds."""
+    """torch.profiler's events of one ``run()`` (CPU, and CUDA on a GPU) and its seconds.
+    ``host=False`` records only the GPU's activity where there is one (a long run's host ops
+    would be millions of events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] if host or not cuda else []
+    if cuda:
         activities.append(ProfilerActivity.CUDA)
     synchronize(device)
     with profile(activities=activities) as prof:
@@ -168,7 +174,7 @@ def profile_kernels(
     run: Callable[[], object], device: torch.device, top: int = 15
 ) -> KernelProfile:
     """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time."""
-    events, wall = _profiled(run, device)
+    events, wall = _profiled(run, device, host=False)
     on_gpu = _on_gpu(events)
     busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
     totals: dict[str, list[float]] = {}
