@@ -30,7 +30,7 @@ class TritonMetadata:
     kv_indices: torch.Tensor  # [>= sum(seq_lens)] int32 slot ids, request after request
     # decode
     num_splits: torch.Tensor | None = None  # [B] int32
-    max_splits: int = 1  # host int: the split grid dimension
+    max_splits: int = 1  # host int: the most splits per request (partials' split dim)
     tiles: DecodeTiles | None = None  # stage-1 launch shape (host), from the tuned table
     partial_o: torch.Tensor | None = None  # [B, Hq, max_splits, Dv] fp32 scratch
     partial_lse: torch.Tensor | None = None  # [B, Hq, max_splits] fp32 scratch
@@ -190,7 +190,8 @@ class TritonAttnBackend(AttentionBackend):
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.
 
-        The split grid depends only on the bucket size and the static context limit, so the
+        The split counts' bound and stage 1's grid depend only on the bucket size and the static
+        context limit, so the
         value used at capture is the value used at every replay of that bucket.
         """
         g, b = self._graph, fb.batch_size

@@ -34,7 +34,7 @@ DEFAULT_TARGET_SPLIT_LEN = 2048
 # two per SM (33 splits of 1k) at 73%.
 DEFAULT_PROGRAMS_PER_SM = 2
 
-# Upper bound on the split grid dimension: the partial buffers grow linearly with it and stage 2
+# Upper bound on the splits of one request: the partial buffers grow linearly with it and stage 2
 # merges splits sequentially, so past this point more splits cost more than they return.
 DEFAULT_MAX_SPLITS_CAP = 64
 

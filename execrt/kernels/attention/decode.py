@@ -420,7 +420,8 @@ def decode_attention(
         partial_o: fp32 ``[>= B, Hq, >= max_splits, Dv]`` scratch, overwritten.
         partial_lse: fp32 ``[>= B, Hq, >= max_splits]`` scratch (log2 domain), overwritten.
         sm_scale: softmax scale, usually ``D ** -0.5``.
-        max_splits: split grid dimension (``>= 1``), see :meth:`SplitPolicy.max_splits`.
+        max_splits: the most splits per request (``>= 1``), see
+            :meth:`SplitPolicy.max_splits`.
         kv_scales: fp32 device tensor whose first two values are ``k_scale`` and ``v_scale``
             (the cache holds ``K / k_scale`` and ``V / v_scale``), read on the device so a
             graph replays whatever it holds; required for an fp8 cache. ``q`` is multiplied

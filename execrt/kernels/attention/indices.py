@@ -131,7 +131,8 @@ class SplitPolicy:
         return max(1, -(-self.programs_per_sm * num_sms // max(1, batch_size * num_kv_heads)))
 
     def max_splits(self, batch_size: int, max_seq_len: int, num_kv_heads: int, num_sms: int) -> int:
-        """The split grid dimension: the most splits any request of the batch can get."""
+        """The most splits any request of the batch can get (the partial buffers' split
+        dimension; stage 1's grid no longer follows it, see ``decode_programs``)."""
         fill = self.min_splits(batch_size, num_kv_heads, num_sms)
         by_len = -(-max_seq_len // self.target_split_len)
         useful = -(-max_seq_len // self.min_split_len)
@@ -155,7 +156,7 @@ def decode_num_splits(
     Args:
         seq_lens: int32/int64 ``[B]`` context lengths.
         num_splits_out: int32 ``[>= B]`` output, same device as ``seq_lens``.
-        max_splits: split grid dimension the decode launch will use (``>= 1``).
+        max_splits: the most splits per request the decode launch will use (``>= 1``).
         policy: the split policy.
         min_splits: splits wanted per request to fill the GPU (see SplitPolicy.min_splits).
 
