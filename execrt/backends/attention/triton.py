@@ -190,9 +190,8 @@ class TritonAttnBackend(AttentionBackend):
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.
 
-        The split counts' bound and stage 1's grid depend only on the bucket size and the static
-        context limit, so the
-        value used at capture is the value used at every replay of that bucket.
+        The split counts' bound and stage 1's grid depend only on the bucket size and the
+        static context limit, so what a bucket captured is what every replay of it uses.
         """
         g, b = self._graph, fb.batch_size
         max_bs = None if g is None else g["kv_indptr"].shape[0] - 1
