@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import itertools
 import multiprocessing
 import sys
 import time
@@ -53,17 +54,12 @@ def jobs(
 ) -> list[Job]:
     """Every combination, less those that would build the same modules as one kept."""
     out: dict[tuple[object, ...], Job] = {}
-    for dtype in dtypes:
-        for kv in kv_dtypes:
-            fp8 = kv.startswith("float8")
-            for d in head_dims:
-                for g in groups:
-                    for v in variants:
-                        family = "fa2" if fp8 and v in ("auto", "fa2") else v
-                        if fp8 and v == "fa3":
-                            continue  # refused: FA3 cannot read an fp8 cache
-                        key = (dtype, kv, d, g >= tensor_core_min_group, family)
-                        out.setdefault(key, Job(dtype, kv, d, g, v))
+    for dtype, kv, d, g, v in itertools.product(dtypes, kv_dtypes, head_dims, groups, variants):
+        fp8 = kv.startswith("float8")
+        if fp8 and v == "fa3":
+            continue  # refused: FA3 cannot read an fp8 cache
+        family = "fa2" if fp8 else v  # an fp8 cache runs FA2 under "auto" too
+        out.setdefault((dtype, kv, d, g >= tensor_core_min_group, family), Job(dtype, kv, d, g, v))
     return list(out.values())
 
 

@@ -25,6 +25,10 @@ WHEELS=${WHEELS:-.whl}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
+  # pip stamps what it installs with the time of the install, so FlashInfer's headers would
+  # look newer than every object of a carried JIT cache and ninja would rebuild it all: give
+  # the installed files one fixed, old time instead.
+  find /tmp/site -exec touch -h -d 2000-01-01 {} + 2>/dev/null || true
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 # The two plugin distributions the tests discover through entry points (as CI installs them).
@@ -124,7 +128,14 @@ for step in "$@"; do
     profile-extend)  # PROFILE_EXTEND_ARGS, e.g. "--model qwen3-0.6b --lens 32,418,2048": host vs GPU per prefill
       timeout "$(cap ${PROFILE_EXTEND_S:-120})" python3 benchmarks/profile_extend.py ${PROFILE_EXTEND_ARGS:-} 2>&1 | tee "$OUT/profile-extend.log" | tail -30 ;;
     fi-precompile)  # FI_PRECOMPILE_ARGS: FlashInfer modules built in parallel before the tests load them
-      timeout "$(cap ${FI_PRECOMPILE_S:-420})" python3 benchmarks/fi_precompile.py ${FI_PRECOMPILE_ARGS:-} 2>&1 | tee "$OUT/fi-precompile.log" | tail -30 ;;
+      # (';'-separated sets run side by side, e.g. fp8 head dims next to one bf16 shape)
+      IFS=';' read -ra sets <<< "${FI_PRECOMPILE_ARGS:-}"
+      [ "${#sets[@]}" -eq 0 ] && sets=("")
+      limit=$(cap ${FI_PRECOMPILE_S:-420})
+      for args in "${sets[@]}"; do
+        timeout "$limit" python3 benchmarks/fi_precompile.py $args 2>&1 | tee -a "$OUT/fi-precompile.log" | tail -30 &
+      done
+      wait ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;

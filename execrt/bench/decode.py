@@ -105,6 +105,12 @@ class Options:
     #: A graph bucket's decode launch is sized by it; the KV pool holds what the run needs.
     context_len: str = "run"
 
+    def context_limit(self, model_limit: int) -> int:
+        """``context_len`` as the engine's limit (``model_limit``: the model's own)."""
+        if self.context_len == "run":
+            return self.ctx + self.steps + KV_MARGIN
+        return model_limit if self.context_len == "model" else int(self.context_len)
+
     def __post_init__(self) -> None:
         problems = []
         if self.context_len not in ("run", "model") and not (
@@ -258,12 +264,8 @@ def run(opts: Options) -> list[Record]:
 def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     opts = ctx.opts
     sizes = sorted(set(opts.batch_sizes))
-    needed = opts.ctx + opts.steps + KV_MARGIN
-    context_len = needed
-    if opts.context_len == "model":
-        context_len = ctx.model_config.max_position_embeddings
-    elif opts.context_len != "run":
-        context_len = int(opts.context_len)
+    needed = opts.ctx + opts.steps + KV_MARGIN  # the KV pool holds what the run needs
+    context_len = opts.context_limit(ctx.model_config.max_position_embeddings)
     graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
     print(f"# execrt {mode}, KV cache {kv_dtype}", flush=True)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -87,7 +88,7 @@ def profile_run(
     kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
     launches = [e for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name]
     graphs = [e for e in launches if "GraphLaunch" in e.name]
-    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
+    busy_us = _busy_us(on_gpu)
     return StepProfile(
         steps=steps,
         kernels_per_step=len(kernels) / steps,
@@ -128,6 +129,11 @@ def _on_gpu(events: Sequence[Any]) -> list[Any]:
     from torch.autograd import DeviceType
 
     return [e for e in events if e.device_type == DeviceType.CUDA]
+
+
+def _busy_us(events: Sequence[Any]) -> float:
+    """µs the GPU was busy with ``events`` (overlaps counted once)."""
+    return union_length([(e.time_range.start, e.time_range.end) for e in events])
 
 
 @dataclass(frozen=True)
@@ -176,18 +182,19 @@ def profile_kernels(
     """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time."""
     events, wall = _profiled(run, device, host=False)
     on_gpu = _on_gpu(events)
-    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in on_gpu])
-    totals: dict[str, list[float]] = {}
+    busy_us = _busy_us(on_gpu)
+    time_us: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
     for e in on_gpu:
-        entry = totals.setdefault(short_kernel_name(e.name), [0.0, 0])
-        entry[0] += e.time_range.end - e.time_range.start
-        entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        name = short_kernel_name(e.name)
+        time_us[name] += e.time_range.end - e.time_range.start
+        calls[name] += 1
+    ranked = time_us.most_common()
     shares = [
-        KernelShare(name, us / 1e3, int(calls), 100 * us / busy_us if busy_us else 0.0)
-        for name, (us, calls) in ranked[:top]
+        KernelShare(name, us / 1e3, calls[name], 100 * us / busy_us if busy_us else 0.0)
+        for name, us in ranked[:top]
     ]
-    others = sum(us for _, (us, _) in ranked[top:]) / 1e3
+    others = sum(us for _, us in ranked[top:]) / 1e3
     return KernelProfile(wall, busy_us / 1e6, shares, others)
 
 
