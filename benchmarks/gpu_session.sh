@@ -35,6 +35,9 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e tests/entrypoint_plugin -e examples/execrt-example-plugin >/dev/null 2>&1 || echo "plugin install failed"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fi-cache"
+# FlashInfer's JIT runs `ninja` from PATH: benchmarks/bin/ninja keeps each module's build log
+# beside it (one shared log, rewritten by parallel builds, lost records and rebuilt modules).
+export PATH="$PWD/benchmarks/bin:$PATH"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 if [ -f .fi-cache.tgz ]; then tar -C "$FLASHINFER_WORKSPACE_BASE" -xzf .fi-cache.tgz || true; fi
 # A cache brought back in parts (see the end): carry .fi-cache-parts/, holding them in order.
