@@ -22,6 +22,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch elsewhere
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), else FA2
+#: the triton backend's decode merge: a launch of its own, or inside stage 1 (last split)
+TRITON_DECODE_MERGE = ("separate", "fused")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -59,6 +61,7 @@ class RuntimeConfig:
     prefix_cache: str = "radix"
     prefix_cache_force_miss: bool = False
     flashinfer_prefill_backend: str = "auto"
+    triton_decode_merge: str = "separate"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -115,6 +118,11 @@ class RuntimeConfig:
             raise ConfigError(
                 f"config: flashinfer_prefill_backend {self.flashinfer_prefill_backend!r} "
                 f"unsupported (supported: {', '.join(FLASHINFER_PREFILL)})"
+            )
+        if self.triton_decode_merge not in TRITON_DECODE_MERGE:
+            raise ConfigError(
+                f"config: triton_decode_merge {self.triton_decode_merge!r} "
+                f"unsupported (supported: {', '.join(TRITON_DECODE_MERGE)})"
             )
         if self.fused_kernels not in FUSED_KERNELS:
             raise ConfigError(

@@ -189,7 +189,8 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
     cfg = RuntimeConfig.load(environ=env)
     assert cfg.backend_options("flashinfer") == {"prefill_backend": "fa2"}
     assert RuntimeConfig().backend_options("flashinfer") == {"prefill_backend": "auto"}
-    assert cfg.backend_options("triton") == {}
+    assert cfg.backend_options("triton") == {"decode_merge": "separate"}
+    assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
     file.write_text('flashinfer_prefill_backend = "fa3"\n')
     assert RuntimeConfig.load(file=file, environ=env).flashinfer_prefill_backend == "fa2"
@@ -200,3 +201,13 @@ def test_sizes_default_to_auto() -> None:
     cfg = RuntimeConfig()
     sizes = (cfg.max_running_requests, cfg.max_prefill_tokens, cfg.kv_cache_tokens)
     assert sizes == (0, 0, 0) and cfg.kv_cache_memory_fraction == 0.0
+
+
+def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() -> None:
+    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "fused"})
+    assert config.backend_options("triton") == {"decode_merge": "fused"}
+    assert "decode_merge" not in config.backend_options("flashinfer")
+    with pytest.raises(
+        ConfigError, match=r"triton_decode_merge 'last' unsupported \(supported: separate, fused\)"
+    ):
+        RuntimeConfig(triton_decode_merge="last")

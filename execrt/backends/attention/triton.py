@@ -35,6 +35,7 @@ class TritonMetadata:
     partial_o: torch.Tensor | None = None  # [B, Hq, max_splits, Dv] fp32 scratch
     partial_lse: torch.Tensor | None = None  # [B, Hq, max_splits] fp32 scratch
     work: torch.Tensor | None = None  # [1 + B * max_splits] int32: (request, split) items
+    arrivals: torch.Tensor | None = None  # [B * Hkv] int32 zeros: the merge inside stage 1
     # extend
     qo_indptr: torch.Tensor | None = None  # [B+1] int32 offsets of each request's new tokens
     prefix_lens: torch.Tensor | None = None  # [B] int32
@@ -51,6 +52,10 @@ class TritonAttnBackend(AttentionBackend):
     fewer, longer requests); extend attends causally over prefix plus new tokens, reading the
     new tokens' K/V from the step's own rows when ``attend`` is handed them. An fp8
     cache is read through the layer's scale row on the device (graph replays see it).
+
+    Option ``decode_merge`` (config ``triton_decode_merge``): ``separate`` merges the splits
+    in a launch of its own; ``fused`` merges them in the last stage-1 program of each request
+    to finish (one launch per layer, and a one-split request writes its output directly).
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -65,6 +70,7 @@ class TritonAttnBackend(AttentionBackend):
         )
         self.split_policy = kernels.SplitPolicy()
         self.max_context_len = init.max_context_len
+        self.fused_merge = str(init.options.get("decode_merge", "separate")) == "fused"
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -81,7 +87,7 @@ class TritonAttnBackend(AttentionBackend):
             self._decode_metadata(fb, kv_indptr, kv_indices, num_splits, max_splits, work)
             return TritonMetadata(
                 kv_indptr, kv_indices, num_splits, max_splits, self._tiles(b),
-                *self._partials(b, max_splits), work=work,
+                *self._partials(b, max_splits), work=work, arrivals=self._arrivals(b),
             )  # fmt: skip
         fill_kv_index(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
@@ -133,6 +139,13 @@ class TritonAttnBackend(AttentionBackend):
             torch.empty(shape, dtype=torch.float32, device=self.device),
         )
 
+    def _arrivals(self, b: int) -> torch.Tensor | None:
+        """Zeroed arrival counters for the fused merge (None: the separate merge). Every
+        layer's launch leaves them zero again, so one set serves the whole step."""
+        if not self.fused_merge:
+            return None
+        return torch.zeros(b * self.num_kv_heads, dtype=torch.int32, device=self.device)
+
     # -- attending ------------------------------------------------------------------------------
     def attend(
         self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
@@ -151,7 +164,7 @@ class TritonAttnBackend(AttentionBackend):
                 q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
                 meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
                 kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
-                num_stages=t.num_stages, work=meta.work,
+                num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals,
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
@@ -186,6 +199,9 @@ class TritonAttnBackend(AttentionBackend):
                 (max_bs, self.num_q_heads, splits), dtype=torch.float32, device=dev
             ),
         }
+        arrivals = self._arrivals(max_bs)
+        if arrivals is not None:
+            self._graph["arrivals"] = arrivals
 
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.
@@ -210,6 +226,7 @@ class TritonAttnBackend(AttentionBackend):
             g["partial_o"][:b],
             g["partial_lse"][:b],
             work=work,
+            arrivals=g["arrivals"][: b * self.num_kv_heads] if self.fused_merge else None,
         )
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from execrt.kernels._triton import (
     tuned_table_name,
 )
 from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
-from execrt.kernels.attention.indices import check_work, decode_work, work_size
+from execrt.kernels.attention.indices import check_arrivals, check_work, decode_work, work_size
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +163,8 @@ def _decode_split_kernel(
     part_o_ptr,
     part_lse_ptr,
     kv_scales_ptr,
+    o_ptr,
+    arrivals_ptr,
     qk_scale,
     max_splits,
     stride_qb,
@@ -176,6 +178,8 @@ def _decode_split_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -183,8 +187,10 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
+    FUSED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -198,26 +204,30 @@ def _decode_split_kernel(
         b = packed // max_splits
         _decode_split(
             q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-            part_lse_ptr, kv_scales_ptr, kv_head, b, packed - b * max_splits, qk_scale,
-            max_splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-            stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, GROUP, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED, DOT_F16,
+            part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, b,
+            packed - b * max_splits, qk_scale, max_splits, stride_qb, stride_qh, stride_ks,
+            stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos, stride_plb,
+            stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N,
+            BLOCK_D, BLOCK_DV, BLOCK_S, KV_SCALED, DOT_F16, FUSED,
         )  # fmt: skip
 
 
 @triton.jit
 def _decode_split(
     q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-    part_lse_ptr, kv_scales_ptr, kv_head, b, split, qk_scale, max_splits, stride_qb,
-    stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, b, split, qk_scale, max_splits,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh,
+    stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
+    FUSED: tl.constexpr,
 ):  # fmt: skip
     """One split of one request for the GROUP query heads of kv head ``kv_head``: its partial
     output and log-sum-exp (everything per item is computed here, so nothing stays live in
-    registers across the items of a program)."""
+    registers across the items of a program). ``FUSED``: a request of one split writes its
+    output directly, and the last split of a request to finish merges them all (see
+    :func:`decode_attention`'s ``arrivals``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -315,12 +325,78 @@ def _decode_split(
     if KV_SCALED:  # V / v_scale was stored; the merge is linear, so scale each split here
         out = out * tl.load(kv_scales_ptr + 1)
 
-    tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-    po = part_o_ptr + b * stride_pob + split * stride_pos
+    if FUSED and n_splits == 1:
+        # The whole context in one split: its normalised output is the answer (the separate
+        # merge would compute exactly this: weight exp2(0) = 1, denominator 1).
+        tl.store(
+            o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=mask_h[:, None] & mask_dv[None, :],
+        )
+    else:
+        tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+        po = part_o_ptr + b * stride_pob + split * stride_pos
+        tl.store(
+            po + heads[:, None] * stride_poh + offs_dv[None, :],
+            out,
+            mask=(mask_h & nonempty)[:, None] & mask_dv[None, :],
+        )
+        if FUSED:
+            # Every thread's partial stores come before the arrival (the barrier), and the
+            # arrival releases them at GPU scope; the program that arrives last acquires all
+            # the others' and merges. It then zeroes the counter for the next launch.
+            tl.debug_barrier()
+            counter = arrivals_ptr + b * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                _merge_group(
+                    o_ptr, part_o_ptr, part_lse_ptr, b, heads, mask_h, n_splits, stride_ob,
+                    stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                    HEAD_DIM_V, BLOCK_H, BLOCK_S, BLOCK_DV,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_group(
+    o_ptr, part_o_ptr, part_lse_ptr, b, heads, mask_h, n_splits, stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Stage 2 for the query heads ``heads`` of request ``b``, inside the last stage-1
+    program to finish it: the same arithmetic, per head, as ``_decode_merge_kernel``. The
+    partials are read past L1 (``.cg``): this SM may hold older lines of the same scratch
+    from an earlier layer."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM_V
+    lse_base = part_lse_ptr + b * stride_plb + heads * stride_plh  # [BLOCK_H]
+    lse_all = tl.load(
+        lse_base[:, None] + offs_s[None, :],
+        mask=mask_h[:, None] & (offs_s < n_splits)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [BLOCK_H, BLOCK_S]
+    lse_max = tl.max(lse_all, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    denom = tl.sum(tl.exp2(lse_all - lse_max[:, None]), 1)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    po_base = part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]
+    for split in range(0, n_splits):
+        lse = tl.load(lse_base + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+        written = mask_h & (lse > float("-inf"))  # empty splits wrote no partial row
+        part = tl.load(
+            po_base + split * stride_pos,
+            mask=written[:, None] & mask_dv[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.exp2(lse - lse_max)[:, None] * part
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(
-        po + heads[:, None] * stride_poh + offs_dv[None, :],
-        out,
-        mask=(mask_h & nonempty)[:, None] & mask_dv[None, :],
+        o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=mask_h[:, None] & mask_dv[None, :],
     )
 
 
@@ -394,6 +470,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     work: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -403,8 +480,9 @@ def decode_attention(
     ``num_splits[b]`` splits processed in parallel (stage 1: each program covers all query
     heads of one kv head and takes the (request, split) items of the work list round robin,
     grid ``(decode_programs(...), Hkv)``) and merged with their log-sum-exp weights (stage 2,
-    grid ``(B, Hq)``). No host synchronisation, and no allocation when ``work`` is given:
-    the launch can be captured in a CUDA graph with fixed ``max_splits``.
+    grid ``(B, Hq)``; with ``arrivals``, inside stage 1 instead). No host synchronisation, and
+    no allocation when ``work`` is given: the launch can be captured in a CUDA graph with
+    fixed ``max_splits``.
 
     A request with an empty context (``kv_indptr[b+1] == kv_indptr[b]``) gets ``o[b] = 0``.
 
@@ -437,6 +515,11 @@ def decode_attention(
         work: int32 ``[>= 1 + B * max_splits]``, the work list of ``num_splits``
             (:func:`decode_work`, or :func:`decode_metadata`'s ``work_out``); None builds it
             here (one more launch and an allocation).
+        arrivals: int32 ``[>= B * Hkv]``, zero on entry and zero again on return: one launch
+            instead of two. A request of one split writes ``o`` from stage 1; for the others
+            each split counts its arrival per (request, kv head) with a GPU-scope atomic, and
+            the split that arrives last merges them (the separate merge's arithmetic, the
+            denominator summed per head in one reduction). None: the separate merge launch.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -488,6 +571,8 @@ def decode_attention(
         decode_work(num_splits[:batch], max_splits, work)
     else:
         check_work(work, batch, max_splits, q.device)
+    if arrivals is not None:
+        check_arrivals(arrivals, batch, num_kv_heads, q.device)
     if batch == 0:
         return
 
@@ -504,6 +589,8 @@ def decode_attention(
         partial_o,
         partial_lse,
         partial_lse if kv_scales is None else kv_scales,  # unread unless KV_SCALED
+        o,
+        work if arrivals is None else arrivals,  # unread unless FUSED
         sm_scale * LOG2E,
         max_splits,
         q.stride(0),
@@ -517,6 +604,8 @@ def decode_attention(
         partial_o.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
@@ -524,12 +613,16 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
+        BLOCK_S=pow2_at_least(max_splits, 2),
         KV_SCALED=kv_scales is not None,
         DOT_F16=k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
+        FUSED=arrivals is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),
     )
+    if arrivals is not None:
+        return
     _decode_merge_kernel[(batch, num_q_heads)](
         o,
         num_splits,

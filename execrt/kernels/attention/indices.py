@@ -234,6 +234,15 @@ def check_work(work: torch.Tensor, batch: int, max_splits: int, device: torch.de
         fail(COMPONENT, f"work on {work.device} unsupported (must be on {device})")
 
 
+def check_arrivals(
+    arrivals: torch.Tensor, batch: int, num_kv_heads: int, device: torch.device
+) -> None:
+    """The fused merge's arrival counters: int32 ``[>= batch * num_kv_heads]`` on ``device``."""
+    check_index(COMPONENT, "arrivals", arrivals, batch * num_kv_heads, (torch.int32,))
+    if arrivals.device != device:
+        fail(COMPONENT, f"arrivals on {arrivals.device} unsupported (must be on {device})")
+
+
 def decode_work(num_splits: torch.Tensor, max_splits: int, work_out: torch.Tensor) -> None:
     """The decode work list of ``num_splits`` (int32 ``[B]``, each clamped into
     ``[1, max_splits]`` as decode reads it): ``work_out[0]`` = the total number of (request,

@@ -98,6 +98,21 @@ def test_flashinfer_prefill_variants_match_torch_native(qwen3_gpu_checkpoint, va
         assert err < 2e-2, f"flashinfer {variant} step {step}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("graph", ["none", "full_cuda_graph"])
+def test_triton_fused_merge_matches_the_separate_merge(qwen3_gpu_checkpoint, graph) -> None:
+    # The merge inside the split launch, eager and replayed: contexts of 1 to 1500 tokens
+    # (one split, and several), the same logits as the separate merge up to rounding.
+    _available("triton")
+    ref = _decode_trace(qwen3_gpu_checkpoint, "triton", "bfloat16", graph_backend=graph)
+    got = _decode_trace(
+        qwen3_gpu_checkpoint, "triton", "bfloat16", ref.tokens, graph_backend=graph,
+        triton_decode_merge="fused",
+    )  # fmt: skip
+    for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
+        err = rel_err(a, b)
+        assert err < 5e-3, f"fused merge, {graph}, step {step}: relative error {err:.2e}"
+
+
 def test_flashinfer_default_prefill_is_fa3_on_sm90() -> None:
     _available("flashinfer")
     from execrt.bench.attention import DecodeProblem, build_backend

@@ -178,8 +178,14 @@ def run_decode(
     spare: int = 0,
     kv_dtype: torch.dtype | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    fused: bool = False,
+    arrivals_len: int | None = None,
+    arrivals_dtype: torch.dtype = torch.int32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
+
+    ``fused``: one launch, the merge inside stage 1 (arrival counters given, and checked to
+    be zero again afterwards).
 
     ``num_splits=None`` derives the split counts with decode_num_splits. ``spare`` pads every
     index / scratch buffer past what the batch needs, as static graph buffers would be.
@@ -208,11 +214,17 @@ def run_decode(
     partial_o = torch.full((*part_shape, head_dim_v), float("nan"), device=device)
     partial_lse = torch.full(part_shape, float("nan"), device=device)
     sm_scale = head_dim**-0.5
+    arrivals = None
+    if fused:
+        n = (batch + spare) * num_kv_heads if arrivals_len is None else arrivals_len
+        arrivals = torch.zeros(n, dtype=arrivals_dtype, device=device)
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
         max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        kv_scales=scales,
+        kv_scales=scales, arrivals=arrivals,
     )  # fmt: skip
+    if arrivals is not None:
+        assert arrivals.eq(0).all(), "the last split of each request resets its counter"
     ref = torch.zeros_like(o, dtype=torch.float64)
     for b in range(batch):
         last = torch.tensor([seq_lens[b] - 1])
@@ -438,6 +450,43 @@ def test_decode_empty_batch_is_noop() -> None:
     assert o.numel() == 0 and ref.numel() == 0
 
 
+#: Cases for the merge inside stage 1 (``arrivals``): one split per request (written directly),
+#: many and empty splits, clamped counts, padded buffers, wide groups, Dv != D, empty contexts
+#: and an fp8 cache.
+FUSED_CASES = {
+    "one-split": dict(seq_lens=[77], max_splits=1, seed=10),
+    "ragged-gqa": dict(seq_lens=[1, 7, 33, 200], num_q_heads=8, num_kv_heads=2, seed=30),
+    "splits-1-2-3": dict(seq_lens=[1, 1, 1], max_splits=3, num_splits=[1, 2, 3], seed=30),
+    "empty-splits": dict(seq_lens=[517, 300, 65, 20], max_splits=9, num_splits=[9, 3, 8, 1]),
+    "padded": dict(seq_lens=[600, 5, 129, 250], max_splits=10, min_split_len=64, spare=3),
+    "clamped": dict(seq_lens=[90, 130], max_splits=4, num_splits=[0, 50], seed=75),
+    "group-32": dict(seq_lens=[40, 9], num_q_heads=32, num_kv_heads=1, max_splits=3),
+    "dv-32": dict(seq_lens=[3, 90], head_dim=64, head_dim_v=32, num_splits=[1, 4]),
+    "empty-context": dict(seq_lens=[0, 25, 0], max_splits=2, num_splits=[2, 2, 1], seed=80),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES), ids=str)
+def test_fused_merge_matches_the_oracle_and_the_separate_merge(case: str) -> None:
+    kwargs: dict = dict(FUSED_CASES[case])
+    kwargs.setdefault("seed", 90)
+    fused, ref = run_decode(**kwargs, fused=True)
+    separate, _ = run_decode(**kwargs)
+    assert_close(fused, ref, SMALL_TOL[torch.float32])
+    # The same partials and the same weights; only the denominator's reduction may round
+    # differently (a row of heads at once instead of one head).
+    torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+    empty = [b for b, n in enumerate(kwargs["seq_lens"]) if n == 0]
+    assert all(torch.all(fused[b] == 0) for b in empty)
+
+
+def test_fused_merge_rejects_bad_counters() -> None:
+    with pytest.raises(ValueError, match="arrivals has 3 entries, need at least 4"):
+        run_decode([5, 9], num_kv_heads=2, fused=True, arrivals_len=3)
+    with pytest.raises(ValueError, match="arrivals dtype torch.int64 unsupported"):
+        run_decode([5, 9], fused=True, arrivals_dtype=torch.int64)
+
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -591,7 +640,8 @@ def _num_sms() -> int:
     [[8192], [1, 7, 33, 200, 4096, 8191], "random64"],
     ids=["bs1-8k", "ragged", "bs64-random"],
 )
-def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str, fused: bool) -> None:
     if seq_lens == "random64":
         gen = torch.Generator().manual_seed(7)
         seq_lens = torch.randint(1, 8193, (64,), generator=gen).tolist()
@@ -608,6 +658,7 @@ def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str) -> None:
         min_split_len=tk.DEFAULT_MIN_SPLIT_LEN,
         block_n=64,
         seed=200,
+        fused=fused,
     )
     assert_close(o, ref, GPU_TOL[dtype])
 
@@ -618,8 +669,9 @@ def test_gpu_decode(dtype: torch.dtype, seq_lens: list[int] | str) -> None:
 @pytest.mark.parametrize(
     ("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 64), (32, 32, 128), (16, 1, 256)]
 )
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_gpu_decode_shapes(
-    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, fused: bool
 ) -> None:
     o, ref = run_decode(
         [3000, 17, 1, 1200],
@@ -632,6 +684,7 @@ def test_gpu_decode_shapes(
         num_splits=[16, 1, 5, 7],
         block_n=64,
         seed=210,
+        fused=fused,
     )
     assert_close(o, ref, GPU_TOL[dtype])
 
@@ -640,7 +693,8 @@ def test_gpu_decode_shapes(
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_dtype", FP8)
-def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype, fused: bool) -> None:
     # Compiled: the fp8 loads, their conversion and the scale folding at the issue's shape.
     seq_lens = [8192, 1, 700, 4096]
     max_splits = tk.SplitPolicy().max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
@@ -649,6 +703,7 @@ def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None
         device=torch.device("cuda"), max_splits=max_splits,
         min_split_len=tk.DEFAULT_MIN_SPLIT_LEN, block_n=64, seed=220, kv_dtype=kv_dtype,
         kv_scales=(4.0, 0.25),  # v x 0.25: outputs stay in the bf16 max-abs bound
+        fused=fused,
     )  # fmt: skip
     assert_close(o, ref, GPU_TOL[dtype])
 
@@ -680,7 +735,8 @@ def test_gpu_decode_tiles_the_tuner_sweeps(
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_decode_cuda_graph_replays_new_lengths(fused: bool) -> None:
     """kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
     device = torch.device("cuda")
     dtype, hq, hkv, d, batch, max_ctx = torch.bfloat16, 32, 8, 128, 4, 4096
@@ -697,6 +753,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
     o = torch.empty(batch, hq, d, dtype=dtype, device=device)
     partial_o = torch.empty(batch, hq, max_splits, d, device=device)
     partial_lse = torch.empty(batch, hq, max_splits, device=device)
+    arrivals = torch.zeros(batch * hkv, dtype=torch.int32, device=device) if fused else None
 
     def step() -> None:
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=indptr[1:])
@@ -704,7 +761,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
         tk.decode_num_splits(seq_lens, splits, max_splits, policy, fill)
         tk.decode_attention(
             q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
-            d**-0.5, max_splits,
+            d**-0.5, max_splits, arrivals=arrivals,
         )  # fmt: skip
 
     seq_lens.fill_(1)
@@ -727,6 +784,54 @@ def test_gpu_decode_cuda_graph_replays_new_lengths() -> None:
             last = torch.tensor([length - 1])
             ref[b] = ref_attention(q[b : b + 1], k_ctx[:length], v_ctx[:length], last, d**-0.5)[0]
         assert_close(o, ref, GPU_TOL[dtype])
+        assert arrivals is None or arrivals.eq(0).all()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_fused_merge_is_the_separate_merge_in_every_one_of_many_launches(
+    kv_dtype: torch.dtype,
+) -> None:
+    """The merge inside stage 1 hands partials between programs through a GPU-scope atomic: a
+    missing release or acquire shows as a stale partial in some launch, not in every one. 300
+    back-to-back launches (the same scratch reused, as by consecutive layers), each against
+    the separate merge's output of the same inputs."""
+    device = torch.device("cuda")
+    seq_lens = [4096, 1, 3000, 517, 8192, 64, 2000, 1500] * 4
+    gen = torch.Generator().manual_seed(230)
+    hq, hkv, d, batch = 32, 8, 128, len(seq_lens)
+    cache = make_cache(seq_lens, hkv, d, d, torch.bfloat16, device, gen)
+    cache, _, scales = fp8_cache(
+        cache, None if kv_dtype == torch.bfloat16 else kv_dtype, (1.0, 1.0)
+    )
+    policy = tk.SplitPolicy()
+    max_splits = max(8, policy.max_splits(batch, max(seq_lens), hkv, _num_sms()))
+    splits = torch.tensor(
+        [max(1, min(max_splits, n // 256)) for n in seq_lens], dtype=torch.int32, device=device
+    )
+    indptr, indices = flat_indices(cache)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).to(device)
+    partial_o = torch.empty(batch, hq, max_splits, d, device=device)
+    partial_lse = torch.empty(batch, hq, max_splits, device=device)
+    arrivals = torch.zeros(batch * hkv, dtype=torch.int32, device=device)
+
+    def run(out: torch.Tensor, counters: torch.Tensor | None) -> None:
+        tk.decode_attention(
+            q, cache.k, cache.v, out, indptr, indices, splits, partial_o, partial_lse,
+            d**-0.5, max_splits, kv_scales=scales, arrivals=counters,
+        )  # fmt: skip
+
+    want = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=device)
+    run(want, None)
+    outs = torch.empty(300, batch, hq, d, dtype=torch.bfloat16, device=device)
+    for i in range(outs.shape[0]):
+        partial_o.fill_(float("nan"))  # a stale read would be NaN, not a near miss
+        run(outs[i], arrivals)
+    torch.cuda.synchronize()
+    assert arrivals.eq(0).all()
+    bad = [i for i in range(outs.shape[0]) if not torch.allclose(outs[i], want, 0, 1e-2)]
+    assert not bad, f"{len(bad)} of 300 launches differ from the separate merge, first {bad[:5]}"
 
 
 def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
