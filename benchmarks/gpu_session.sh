@@ -80,12 +80,18 @@ for step in "$@"; do
       timeout "$(cap 240)" python3 -m execrt bench extend --out "$OUT" ${EXTEND_ARGS:-} 2>&1 | tee "$OUT/bench-extend.log" | tail -12 ;;
     bench-moe)
       timeout "$(cap 240)" python3 -m execrt bench moe --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench-moe.log" | tail -16 ;;
-    bench-decode)
-      for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
-        name=${m%%:*}; layers=""
-        [ "$name" != "$m" ] && layers="--layers ${m#*:}"
-        timeout "$(cap 400)" python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${DECODE_ARGS:-} \
-          2>&1 | tee "$OUT/bench-decode-$name.log" | tail -14
+    bench-decode)  # DECODE_ENVS: ';'-separated environment settings, one run of each model per
+      # set (an A/B of one RuntimeConfig key, e.g. "EXECRT_TRITON_DECODE_MERGE=separate;EXECRT_TRITON_DECODE_MERGE=fused")
+      IFS=';' read -ra envs <<< "${DECODE_ENVS:-}"
+      [ "${#envs[@]}" -eq 0 ] && envs=("")
+      for e in "${envs[@]}"; do
+        for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
+          name=${m%%:*}; layers=""
+          [ "$name" != "$m" ] && layers="--layers ${m#*:}"
+          echo "# bench decode $name ${e:-(environment as is)}" | tee -a "$OUT/bench-decode-$name.log"
+          timeout "$(cap 400)" env $e python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${DECODE_ARGS:-} \
+            2>&1 | tee -a "$OUT/bench-decode-$name.log" | tail -14
+        done
       done ;;
     tune-moe)
       timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20
