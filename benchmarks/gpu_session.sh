@@ -80,12 +80,18 @@ for step in "$@"; do
       timeout "$(cap 240)" python3 -m execrt bench extend --out "$OUT" ${EXTEND_ARGS:-} 2>&1 | tee "$OUT/bench-extend.log" | tail -12 ;;
     bench-moe)
       timeout "$(cap 240)" python3 -m execrt bench moe --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench-moe.log" | tail -16 ;;
-    bench-decode)
-      for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
-        name=${m%%:*}; layers=""
-        [ "$name" != "$m" ] && layers="--layers ${m#*:}"
-        timeout "$(cap 400)" python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${DECODE_ARGS:-} \
-          2>&1 | tee "$OUT/bench-decode-$name.log" | tail -14
+    bench-decode)  # DECODE_ENVS: ';'-separated environment settings, one run of each model per
+      # set (an A/B of one RuntimeConfig key, e.g. "EXECRT_TRITON_DECODE_MERGE=separate;EXECRT_TRITON_DECODE_MERGE=fused")
+      IFS=';' read -ra envs <<< "${DECODE_ENVS:-}"
+      [ "${#envs[@]}" -eq 0 ] && envs=("")
+      for e in "${envs[@]}"; do
+        for m in ${DECODE_MODELS:-qwen3-0.6b qwen3-8b qwen3-30b-a3b:4}; do
+          name=${m%%:*}; layers=""
+          [ "$name" != "$m" ] && layers="--layers ${m#*:}"
+          echo "# bench decode $name ${e:-(environment as is)}" | tee -a "$OUT/bench-decode-$name.log"
+          timeout "$(cap 400)" env $e python3 -m execrt bench decode --model "$name" $layers --out "$OUT" ${DECODE_ARGS:-} \
+            2>&1 | tee -a "$OUT/bench-decode-$name.log" | tail -14
+        done
       done ;;
     tune-moe)
       timeout "$(cap 330)" python3 benchmarks/tune_fused_moe.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune-moe.log" | tail -20
@@ -152,6 +158,10 @@ cat "$summary"
 # A file over 16 MiB does not come back, so a larger cache comes in 15 MiB parts
 # (fi-cache.partNN.tgz: put them in .fi-cache-parts/ and carry that folder next time).
 if [ "${FI_CACHE_BACK:-1}" = 1 ]; then
+  # A module benchmarks/bin/ninja marked built loads without its object files: drop them
+  # (about half the cache), so the cache and the wheels fit one call's carry.
+  find "$FLASHINFER_WORKSPACE_BASE" -name .execrt-built -printf '%h\n' 2>/dev/null \
+    | while read -r built; do find "$built" -maxdepth 1 -name '*.o' -delete; done
   tar -C "$FLASHINFER_WORKSPACE_BASE" -czf "$OUT/fi-cache.tgz" . 2>/dev/null || true
   if [ -f "$OUT/fi-cache.tgz" ] && [ "$(stat -c %s "$OUT/fi-cache.tgz")" -gt $((15 << 20)) ]; then
     split -b 15m -d -a 2 --additional-suffix=.tgz "$OUT/fi-cache.tgz" "$OUT/fi-cache.part" \
