@@ -248,10 +248,21 @@ class ConformanceSuite:
         return out
 
     @classmethod
+    def keep_case(cls, test_name: str, case: Case) -> bool:
+        """Whether ``case`` of test ``test_name`` runs in this class (all do by default). A
+        class for one variant of a backend overrides it to drop what the variant cannot
+        change, which its base class already runs."""
+        return True
+
+    @classmethod
+    def _cases_of(cls, test_name: str, generator: str) -> list[Case]:
+        return [case for case in getattr(cls, generator)() if cls.keep_case(test_name, case)]
+
+    @classmethod
     def collect_cases(cls) -> dict[str, list[Case]]:
         """Test name -> its cases, as pytest will parametrise them (no pytest needed)."""
         return {
-            name: getattr(cls, fn._execrt_cases)()  # type: ignore[attr-defined]
+            name: cls._cases_of(name, fn._execrt_cases)  # type: ignore[attr-defined]
             for name, fn in cls.suite_tests().items()
         }
 
@@ -270,7 +281,7 @@ class ConformanceSuite:
         cls = metafunc.cls
         assert cls is not None
         params = []
-        for case in getattr(cls, generator)():
+        for case in cls._cases_of(metafunc.function.__name__, generator):
             marks: list[Any] = []
             if case.skip:
                 marks.append(pytest.mark.skip(reason=case.skip))

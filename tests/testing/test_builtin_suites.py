@@ -21,33 +21,13 @@ class TestTritonAttention(AttentionBackendSuite):
 
 class TestTritonAttentionFusedMerge(AttentionBackendSuite):
     # The decode merge inside the split launch (last split merges). Extend never merges, so
-    # its cases would repeat TestTritonAttention's exactly: only decode and graph cases run.
+    # its cases would repeat TestTritonAttention's exactly: only the others run.
     backend = "triton"
     options = {"decode_merge": "fused"}
 
-    @staticmethod
-    def _decode(cases: list[Case]) -> list[Case]:
-        return [case for case in cases if "extend" not in case.id]
-
     @classmethod
-    def scenario_cases(cls) -> list[Case]:
-        return cls._decode(super().scenario_cases())
-
-    @classmethod
-    def head_dim_cases(cls) -> list[Case]:
-        return cls._decode(super().head_dim_cases())
-
-    @classmethod
-    def gqa_cases(cls) -> list[Case]:
-        return cls._decode(super().gqa_cases())
-
-    @classmethod
-    def generated_cases(cls) -> list[Case]:
-        return cls._decode(super().generated_cases())
-
-    @classmethod
-    def kv_dtype_cases(cls) -> list[Case]:
-        return cls._decode(super().kv_dtype_cases())
+    def keep_case(cls, test_name: str, case: Case) -> bool:
+        return case.get("mode") != "extend"
 
 
 class TestFlashInferAttention(AttentionBackendSuite):

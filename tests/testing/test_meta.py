@@ -227,6 +227,19 @@ def test_triton_on_cpu_runs_every_declared_value_but_bfloat16() -> None:
     assert bf16 and all("Triton interpreter" in c.skip for c in bf16)  # type: ignore[operator]
 
 
+def test_a_variant_class_keeps_only_the_cases_its_option_can_change() -> None:
+    # keep_case drops the fused-merge class's extend cases; its decode and graph cases, and
+    # every test's other cases, are the base class's.
+    base = builtin.TestTritonAttention.collect_cases()
+    fused = builtin.TestTritonAttentionFusedMerge.collect_cases()
+    assert fused.keys() == base.keys()
+    for name, cases in base.items():
+        kept = [c.id for c in cases if c.get("mode") != "extend"]
+        assert [c.id for c in fused[name]] == kept, name
+    assert any(c.get("mode") == "extend" for cs in base.values() for c in cs)
+    assert any(c.get("mode") == "decode" for cs in fused.values() for c in cs)
+
+
 def test_flashinfer_suite_skips_everything_with_its_reason() -> None:
     table = builtin.TestFlashInferAttention.collect_cases()
     del table["test_refusals_explain_themselves"]  # builds nothing, so it runs anywhere
