@@ -52,7 +52,7 @@ from execrt.bench.timing import (
     difference_timing,
     host_hotspots,
     matmul_tflops,
-    profile_run,
+    profile_difference,
     profile_steps,
     step_seconds,
     synchronize,
@@ -349,16 +349,18 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps:
 def _profile_generate(
     engine: Engine, prompts: list[list[int]], opts: Options, rec: Record, label: str
 ) -> None:
-    """Profile a whole generate of ``opts.steps`` tokens (prefill included): kernels and
-    GPU-busy vs wall per step, and where the host's own time goes (cProfile)."""
+    """Profile the generate path's decode steps: kernels and GPU busy vs wall per step by
+    difference (a generate of 1 + ``opts.steps`` tokens less one of 1, as the step is timed:
+    the prefill cancels), and where the host's own time goes over a whole generate
+    (cProfile)."""
     steps = opts.steps
     device = engine.worker.limits.device
 
-    def run() -> None:
-        _generate_s(engine, prompts, steps, 1)
+    def run(tokens: int) -> None:
+        _generate_s(engine, prompts, tokens, 1)
 
-    report = profile_run(run, steps, device, _trace_path(opts, label))
-    host = host_hotspots(run, steps)
+    report = profile_difference(run, steps, device, _trace_path(opts, label))
+    host = host_hotspots(lambda: run(steps), steps)
     report = dataclasses.replace(report, host_us_per_step=host.host_us_per_step)
     rec.profile = asdict(report) | {"gpu_busy_pct": report.gpu_busy_pct}
     rec.hotspots = [(where, round(us, 1)) for where, us in host.hotspots]

@@ -33,6 +33,9 @@ class StepProfile:
     # Host time per step: the forward path's from a step started on an idle GPU (profiler
     # off); a whole generate's from cProfile, waits for the GPU excluded (profiler on).
     host_us_per_step: float | None = None
+    # True: every count above is (run of 1 + steps) - (run of 1), over steps, so a
+    # generate's prefill cancels as in difference_timing (see profile_difference).
+    by_difference: bool = False
 
     @property
     def gpu_busy_pct(self) -> float:
@@ -48,7 +51,8 @@ class StepProfile:
             f"{self.kernels_per_step:.0f} kernels/step, {self.launch_calls_per_step:.0f} launch "
             f"calls/step ({self.graph_launches_per_step:.0f} graph), GPU busy "
             f"{self.gpu_busy_ms_per_step:.3f} of {self.wall_ms_per_step:.3f} ms wall "
-            f"({self.gpu_busy_pct:.0f}%, profiler on){host}"
+            f"({self.gpu_busy_pct:.0f}%, profiler on"
+            f"{', by difference' if self.by_difference else ''}){host}"
         )
 
 
@@ -96,6 +100,30 @@ def profile_run(
         graph_launches_per_step=len(graphs) / steps,
         gpu_busy_ms_per_step=busy_us / steps / 1e3,
         wall_ms_per_step=wall / steps * 1e3,
+    )
+
+
+def profile_difference(
+    run: Callable[[int], object], steps: int, device: torch.device, trace_path: str | None = None
+) -> StepProfile:
+    """Profile ``run(1)`` and ``run(1 + steps)`` (e.g. generates of that many new tokens) and
+    report their difference per step: the decode steps alone, the prefill and any per-call
+    cost cancelled, as :func:`difference_timing` cancels them from the wall clock. So the GPU
+    busy time per step is comparable with a timed step. The trace is the longer run's."""
+    base = profile_run(lambda: run(1), 1, device)
+    full = profile_run(lambda: run(1 + steps), 1, device, trace_path)
+
+    def per_step(name: str) -> float:
+        return float(getattr(full, name) - getattr(base, name)) / steps
+
+    return StepProfile(
+        steps=steps,
+        kernels_per_step=per_step("kernels_per_step"),
+        launch_calls_per_step=per_step("launch_calls_per_step"),
+        graph_launches_per_step=per_step("graph_launches_per_step"),
+        gpu_busy_ms_per_step=per_step("gpu_busy_ms_per_step"),
+        wall_ms_per_step=per_step("wall_ms_per_step"),
+        by_difference=True,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -220,9 +221,14 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         assert profile is not None and profile["steps"] == decode.PROFILE_STEPS
         assert 0 < profile["host_us_per_step"] < 1e6 * profile["wall_ms_per_step"]
         gen = by_key[("eager", "generate", bs)]
-        assert gen.profile is not None  # the whole generate path, host time broken down
+        # The generate path's decode steps by difference (1 + steps tokens less 1: on a busy
+        # CPU the wall difference may be noise, so only its presence is checked), and the host
+        # time of a whole generate broken down.
+        assert gen.profile is not None and gen.profile["by_difference"]
         assert gen.profile["steps"] == opts.steps
-        assert gen.profile["wall_ms_per_step"] > 0 and gen.profile["host_us_per_step"] > 0
+        assert (
+            math.isfinite(gen.profile["wall_ms_per_step"]) and gen.profile["host_us_per_step"] > 0
+        )
         assert gen.hotspots and all(us >= 0 for _, us in gen.hotspots)
         # CPU has no CUDA graphs: the graph mode is reported, not silently dropped.
         assert "graph" in by_key[("graph", "generate", bs)].note

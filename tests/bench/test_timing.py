@@ -127,6 +127,43 @@ def test_kernel_names_lose_their_arguments_and_templates(raw: str, short: str) -
     assert short_kernel_name(raw) == short
 
 
+def test_profile_by_difference_cancels_what_both_runs_share(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A run of n tokens: a "prefill" of 50 kernels (2 ms of GPU, 1 graph launch for nothing),
+    # then n - 1 steps of 3 kernels of 10 us and one graph launch each; wall 0.5 s + 1 ms/step.
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    asked: list[int] = []
+
+    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    def profiled(run, device, trace_path=None, host=True):  # type: ignore[no-untyped-def]
+        run()
+        n = asked[-1]
+        events = [event("prefill", 40 * i, 40 * i + 40) for i in range(50)]
+        events += [event("cudaGraphLaunch", 0, 1, DeviceType.CPU)]
+        for step in range(n - 1):
+            events += [
+                event("k", 5000 + 30 * (3 * step + j), 5010 + 30 * (3 * step + j)) for j in range(3)
+            ]
+            events += [event("cudaGraphLaunch", 0, 1, DeviceType.CPU)]
+        return events, 0.5 + 1e-3 * (n - 1)
+
+    monkeypatch.setattr(timing, "_profiled", profiled)
+    report = timing.profile_difference(asked.append, 8, torch.device("cpu"))
+    assert asked == [1, 9]  # the base run, then 1 + steps
+    assert report.by_difference and report.steps == 8
+    assert report.kernels_per_step == pytest.approx(3.0)
+    assert report.graph_launches_per_step == pytest.approx(1.0)
+    assert report.gpu_busy_ms_per_step == pytest.approx(0.03)  # the prefill's 2 ms cancelled
+    assert report.wall_ms_per_step == pytest.approx(1.0)
+    assert "by difference" in report.describe()
+
+
 def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
