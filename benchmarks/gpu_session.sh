@@ -25,10 +25,6 @@ WHEELS=${WHEELS:-.whl}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
-  # pip stamps what it installs with the time of the install, so FlashInfer's headers would
-  # look newer than every object of a carried JIT cache and ninja would rebuild it all: give
-  # the installed files one fixed, old time instead.
-  find /tmp/site -exec touch -h -d 2000-01-01 {} + 2>/dev/null || true
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 # The two plugin distributions the tests discover through entry points (as CI installs them).

@@ -105,10 +105,15 @@ class Options:
     #: A graph bucket's decode launch is sized by it; the KV pool holds what the run needs.
     context_len: str = "run"
 
+    @property
+    def run_len(self) -> int:
+        """Context slots one request of the run needs: ctx + steps + a margin."""
+        return self.ctx + self.steps + KV_MARGIN
+
     def context_limit(self, model_limit: int) -> int:
         """``context_len`` as the engine's limit (``model_limit``: the model's own)."""
         if self.context_len == "run":
-            return self.ctx + self.steps + KV_MARGIN
+            return self.run_len
         return model_limit if self.context_len == "model" else int(self.context_len)
 
     def __post_init__(self) -> None:
@@ -237,7 +242,7 @@ def run(opts: Options) -> list[Record]:
     config = model_config(opts.model, opts.layers, opts.config)
     mc = ModelConfig.from_dict(config)
     limit = mc.max_position_embeddings
-    if opts.ctx + opts.steps + KV_MARGIN > limit:
+    if opts.run_len > limit:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
     gpu, copy_gbps = measure_copy_rate(device)
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
@@ -264,7 +269,6 @@ def run(opts: Options) -> list[Record]:
 def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     opts = ctx.opts
     sizes = sorted(set(opts.batch_sizes))
-    needed = opts.ctx + opts.steps + KV_MARGIN  # the KV pool holds what the run needs
     context_len = opts.context_limit(ctx.model_config.max_position_embeddings)
     graph: dict[str, Any] = {"cuda_graph_bs": ",".join(map(str, sizes))} if mode == "graph" else {}
     print(f"# execrt {mode}, KV cache {kv_dtype}", flush=True)
@@ -276,7 +280,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             attention_backend=opts.attention,
             graph_backend=MODES[mode],
             max_running_requests=max(sizes),
-            kv_cache_tokens=max(sizes) * needed,
+            kv_cache_tokens=max(sizes) * opts.run_len,  # the KV pool holds what the run needs
             context_len=context_len,
             max_prefill_tokens=max(opts.ctx, PREFILL_CHUNK),
             seed=opts.seed,

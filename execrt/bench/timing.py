@@ -33,8 +33,9 @@ class StepProfile:
     # Host time per step: the forward path's from a step started on an idle GPU (profiler
     # off); a whole generate's from cProfile, waits for the GPU excluded (profiler on).
     host_us_per_step: float | None = None
-    # True: every count above is (run of 1 + steps) - (run of 1), over steps, so a
-    # generate's prefill cancels as in difference_timing (see profile_difference).
+    # True: every count but host_us_per_step is (run of 1 + steps) - (run of 1), over
+    # steps, so a generate's prefill cancels as in difference_timing (profile_difference);
+    # the host time stays a whole generate's.
     by_difference: bool = False
 
     @property
