@@ -22,7 +22,13 @@ from execrt.kernels._triton import (
     tuned_table_name,
 )
 from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
-from execrt.kernels.attention.indices import check_arrivals, check_work, decode_work, work_size
+from execrt.kernels.attention.indices import (
+    check_arrivals,
+    check_work,
+    clamp_splits,
+    decode_work,
+    work_size,
+)
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -240,9 +246,7 @@ def _decode_split(
     offs_b = tl.arange(0, BLOCK_N)
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
-    # Out-of-range counts are clamped (as in stage 2 and the work list) so that the splits
-    # still cover the whole context and a count of 0 cannot divide by zero.
-    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
+    n_splits = clamp_splits(tl.load(num_splits_ptr + b), max_splits)  # as the work list
     # Splits are whole multiples of BLOCK_N so only the last block of the context is ragged.
     # split_len * n_splits >= seq_len, so a split can come out empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
@@ -363,10 +367,10 @@ def _merge_group(
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, HEAD_DIM_V: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2 for the query heads ``heads`` of request ``b``, inside the last stage-1
-    program to finish it: the same arithmetic, per head, as ``_decode_merge_kernel``. The
-    partials are read past L1 (``.cg``): this SM may hold older lines of the same scratch
-    from an earlier layer."""
+    """Stage 2 for the query heads ``heads`` of request ``b``: in a merge program of its own
+    (``_decode_merge_kernel``, one head) or in the last stage-1 program to finish the request
+    (fused, the kv head's group). The partials are read past L1 (``.cg``): a fused merge's SM
+    may hold older lines of the same scratch from an earlier layer."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
@@ -378,13 +382,16 @@ def _merge_group(
         cache_modifier=".cg",
     )  # [BLOCK_H, BLOCK_S]
     lse_max = tl.max(lse_all, 1)
+    # Every split empty (seq_len 0): 0 as the reference keeps the exponentials 0, not NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     denom = tl.sum(tl.exp2(lse_all - lse_max[:, None]), 1)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     po_base = part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]
     for split in range(0, n_splits):
         lse = tl.load(lse_base + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-        written = mask_h & (lse > float("-inf"))  # empty splits wrote no partial row
+        # Empty splits wrote no partial row: masking the load keeps stale memory (possibly
+        # NaN) out of the sum, where a zero weight alone would not (0 * NaN).
+        written = mask_h & (lse > float("-inf"))
         part = tl.load(
             po_base + split * stride_pos,
             mask=written[:, None] & mask_dv[None, :],
@@ -419,37 +426,16 @@ def _decode_merge_kernel(
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Stage 2 as a launch of its own: one program per (request, query head)."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
-    head = tl.program_id(1)
-    n_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
-
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < HEAD_DIM_V
-    lse_base = part_lse_ptr + b * stride_plb + head * stride_plh
-    lse_all = tl.load(lse_base + offs_s, mask=offs_s < n_splits, other=float("-inf"))  # [BLOCK_S]
-    lse_max = tl.max(lse_all, 0)
-    # Every split empty (seq_len 0): use 0 as the reference so the exponentials stay 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.sum(tl.exp2(lse_all - lse_max), 0)
-
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    po_base = part_o_ptr + b * stride_pob + head * stride_poh
-    for split in range(0, n_splits):
-        lse = tl.load(lse_base + split)
-        # Empty splits never wrote their partial row; a zero-width load keeps stale memory
-        # (possibly NaN) out of the sum, where a zero weight alone would not (0 * NaN).
-        width = tl.where(lse > float("-inf"), HEAD_DIM_V, 0)
-        part = tl.load(po_base + split * stride_pos + offs_dv, mask=offs_dv < width, other=0.0)
-        acc += tl.exp2(lse - lse_max) * part
-
-    out = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(
-        o_ptr + b * stride_ob + head * stride_oh + offs_dv,
-        out.to(o_ptr.dtype.element_ty),
-        mask=mask_dv,
-    )
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    n_splits = clamp_splits(tl.load(num_splits_ptr + b), max_splits)
+    _merge_group(
+        o_ptr, part_o_ptr, part_lse_ptr, b, heads, heads >= 0, n_splits, stride_ob, stride_oh,
+        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, HEAD_DIM_V, 1, BLOCK_S,
+        BLOCK_DV,
+    )  # fmt: skip
 
 
 def decode_attention(

@@ -194,11 +194,19 @@ def check_split_range(max_splits: int, min_splits: int) -> None:
 
 
 @triton.jit
+def clamp_splits(count, max_splits):
+    """A request's split count as every decode kernel reads it: out-of-range counts are
+    clamped to ``[1, max_splits]``, so the splits still cover the whole context and a count of
+    0 cannot divide by zero (``count`` a scalar or a vector)."""
+    return tl.minimum(tl.maximum(count, 1), max_splits)
+
+
+@triton.jit
 def _split_count(seq_len, min_splits, max_splits, TARGET: tl.constexpr, MIN_LEN: tl.constexpr):
     """decode_num_splits' rule, elementwise (``seq_len`` a scalar or a vector)."""
     by_len = tl.maximum((seq_len + TARGET - 1) // TARGET, min_splits)
     splits = tl.minimum(by_len, (seq_len + MIN_LEN - 1) // MIN_LEN)
-    return tl.minimum(tl.maximum(splits, 1), max_splits)
+    return clamp_splits(splits, max_splits)
 
 
 @triton.jit
@@ -218,8 +226,8 @@ def _decode_work_kernel(num_splits_ptr, work_ptr, batch, max_splits, BLOCK_B: tl
     b = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     counts = tl.load(num_splits_ptr + offs_b, mask=offs_b < b, other=0)
-    counts = tl.where(offs_b < b, tl.minimum(tl.maximum(counts, 1), max_splits), 0)
-    count = tl.minimum(tl.maximum(tl.load(num_splits_ptr + b), 1), max_splits)
+    counts = tl.where(offs_b < b, clamp_splits(counts, max_splits), 0)
+    count = clamp_splits(tl.load(num_splits_ptr + b), max_splits)
     _write_work(work_ptr, b, batch, tl.sum(counts, axis=0), count, max_splits, BLOCK_S)
 
 
