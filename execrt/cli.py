@@ -402,7 +402,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         fused_kernels=args.fused_kernels,
         kv_dtypes=_kv_dtypes("decode", args.kv_dtype),
-        reps=1 if args.quick else 2,
+        reps=1 if args.quick else 3,
         out_dir=args.out,
         ttft=ttft,
         context_len=args.context_len,

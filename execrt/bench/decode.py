@@ -4,7 +4,8 @@ through ``generate()`` and ``ModelRunner.forward``, eager and graphed, against i
 
 Method (docs/kernels.md, "Decode-step benchmark"):
 - generate path: the step time is (t(1 + S new tokens) - t(1 new token)) / S, each the best of
-  ``reps`` synchronised wall-clock runs after a warm-up; t(1) is reported as the prefill time;
+  ``reps`` synchronised wall-clock runs after a warm-up, the garbage collector off inside each;
+  t(1) is reported as the prefill time;
 - forward path: one decode batch built after a real prefill, ``model_runner.forward`` +
   ``sample`` replayed S times on it between CUDA events (the K/V of the step lands in the same
   slots each time);
@@ -50,6 +51,7 @@ from execrt.bench.timing import (
     TimeLimitExceeded,
     dense_bf16_peak_tflops,
     difference_timing,
+    gc_paused,
     host_hotspots,
     matmul_tflops,
     profile_difference,
@@ -94,7 +96,7 @@ class Options:
     overlap: bool = True  # RuntimeConfig.overlap_schedule of the generate path
     fused_kernels: str = "auto"  # RuntimeConfig.fused_kernels
     kv_dtypes: tuple[str, ...] = ("auto",)  # RuntimeConfig.kv_cache_dtype values, each timed
-    reps: int = 2
+    reps: int = 3
     out_dir: str | None = "benchmarks/results"
     seed: int = 0
     device: str = "cuda"  # "cpu" runs the whole method on tiny shapes (tests)
@@ -336,11 +338,12 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps:
         # time no prefill), and the K/V it keeps from earlier calls fills a cache sized for
         # one run, so decode steps would evict as they go.
         engine.flush_cache()
-        synchronize(device)
-        start = time.perf_counter()
-        results = engine.generate(prompts, params)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        with gc_paused():
+            synchronize(device)
+            start = time.perf_counter()
+            results = engine.generate(prompts, params)
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
         for r in results:
             if r.error or len(r.token_ids) != new_tokens or r.num_retractions:
                 raise RuntimeError(
@@ -599,19 +602,20 @@ def _hf_generate_s(
 ) -> float:
     best = math.inf
     for _ in range(reps):
-        synchronize(ids.device)
-        start = time.perf_counter()
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            **kwargs,
-        )
-        synchronize(ids.device)
-        best = min(best, time.perf_counter() - start)
+        with gc_paused():  # as execrt's runs
+            synchronize(ids.device)
+            start = time.perf_counter()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                **kwargs,
+            )
+            synchronize(ids.device)
+            best = min(best, time.perf_counter() - start)
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"generate gave {out.shape[1] - ids.shape[1]} of {new_tokens}")
     return best

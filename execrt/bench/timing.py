@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -290,6 +291,21 @@ def difference_timing(
     if full <= start:
         return StepTiming(None, prefill, f"noise: t({base + steps}) <= t({base}) tokens")
     return StepTiming((full - start) / steps, prefill)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage, then keep the collector off inside the block (as ``timeit`` does). A
+    collection that lands in one timed run and not in the other is noise in a difference of
+    two runs, and the prefill of a large batch allocates enough to set one off."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def step_seconds(step: Callable[[], object], iters: int, reps: int, device: torch.device) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -79,6 +80,7 @@ def test_generate_timing_starts_each_run_on_a_cold_prefix_cache(plugin_host) -> 
     with Engine(loader=loader, device="cpu", plugin_host=plugin_host, context_len=64) as engine:
         prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5]]
         assert decode._generate_s(engine, prompts, 3, reps=3) > 0
+        assert gc.isenabled()  # back on after the timed runs
         stats = engine.stats()
         assert stats.prefix_query_tokens > 0 and stats.prefix_hit_tokens == 0
         engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0))
@@ -349,7 +351,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
         False,
     )
     assert quick.overlap
-    assert (full.context_len, quick.context_len) == ("model", "run")
+    assert (full.context_len, quick.context_len, full.reps) == ("model", "run", 3)
     assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
         "qwen3-0.6b",
         (1, 32),

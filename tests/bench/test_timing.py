@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from execrt.bench import timing
 from execrt.bench.timing import (
     TimeLimitExceeded,
     difference_timing,
+    gc_paused,
     host_hotspots,
     host_us_per_call,
     matmul_tflops,
@@ -188,3 +190,22 @@ def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: 
     assert prof.gpu_busy_s == pytest.approx(750e-6) and prof.wall_s == 2.0
     assert prof.kernels[0].pct == pytest.approx(80.0)
     assert "attn" in prof.describe() and "(the rest)" in prof.describe()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gc_paused_collects_first_keeps_the_collector_off_and_restores_it(enabled: bool) -> None:
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        cycle: list[object] = []
+        cycle.append(cycle)
+        del cycle
+        with gc_paused():
+            assert not gc.isenabled()
+            assert gc.collect() == 0  # the cycle was collected on entry
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), gc_paused():
+            raise RuntimeError("a failed run")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
