@@ -59,6 +59,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tuned-flashinfer": TUNED | {"attention_backend": "flashinfer"},
     "tuned-sample-after-graph": TUNED | {"cuda_graph_sampling": False},
     "defaults-fused-merge": {"triton_decode_merge": "fused"},
+    "defaults-auto-merge": {"triton_decode_merge": "auto"},
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each

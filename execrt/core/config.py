@@ -23,7 +23,7 @@ FUSED_KERNELS = ("auto", "on", "off")  # auto: the Triton kernels on CUDA, torch
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), else FA2
 #: the triton backend's decode merge: a launch of its own, or inside stage 1 (last split)
-TRITON_DECODE_MERGE = ("separate", "fused")
+TRITON_DECODE_MERGE = ("separate", "fused", "auto")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {

@@ -207,7 +207,10 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
     config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "fused"})
     assert config.backend_options("triton") == {"decode_merge": "fused"}
     assert "decode_merge" not in config.backend_options("flashinfer")
+    auto = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "auto"})
+    assert auto.backend_options("triton") == {"decode_merge": "auto"}
     with pytest.raises(
-        ConfigError, match=r"triton_decode_merge 'last' unsupported \(supported: separate, fused\)"
+        ConfigError,
+        match=r"triton_decode_merge 'last' unsupported \(supported: separate, fused, auto\)",
     ):
         RuntimeConfig(triton_decode_merge="last")

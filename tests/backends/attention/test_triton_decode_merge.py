@@ -1,0 +1,110 @@
+"""The triton backend's ``decode_merge`` option: ``auto`` fuses the merge into the split launch
+exactly where the split policy gives a batch's requests one split each (min_splits 1), and the
+outputs are those of the separate merge either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execrt.core.batch import ForwardBatch, ForwardMode
+from execrt.core.context import RuntimeContext
+from execrt.core.errors import ConfigError
+from execrt.core.interfaces import AttentionBackendInit, AttentionLayer, AttentionStep
+from execrt.core.memory import KVCache, ReqToTokenPool
+from execrt.plugins.builtin import TRITON_ATTENTION
+
+pytest.importorskip("triton")
+# On CUDA machines the kernels run on the GPU; elsewhere under the interpreter (conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HQ, HKV, D, CTX = 4, 2, 32, 640
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE.type == "cuda" else 4
+# The smallest batch the split policy gives one split per request (2 programs per SM):
+# fused under auto; every smaller batch keeps the separate merge.
+FILLS = -(-2 * SMS // HKV)
+MAX_BS = FILLS
+
+
+def _backend(merge: str, pool: ReqToTokenPool, cache: KVCache):  # type: ignore[no-untyped-def]
+    from execrt.backends.attention.triton import TritonAttnBackend
+
+    return TritonAttnBackend(
+        AttentionBackendInit(
+            capabilities=TRITON_ATTENTION, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+            v_head_dim=D, num_layers=1, dtype=torch.float32, device=DEVICE,
+            req_to_token_pool=pool, kv_cache=cache, max_batch_size=MAX_BS, max_context_len=CTX,
+            context=RuntimeContext(), options={"decode_merge": merge},
+        )
+    )  # fmt: skip
+
+
+def _state(bs: int, lens: list[int]) -> tuple[ReqToTokenPool, KVCache, ForwardBatch]:
+    g = torch.Generator().manual_seed(bs)
+    total = sum(lens)
+    pool = ReqToTokenPool(MAX_BS, CTX, DEVICE)
+    cache = KVCache(total, 1, HKV, D, torch.float32, DEVICE)
+    slots = torch.randperm(total, generator=g) + 1  # slot 0 is padding
+    start = 0
+    for row, n in enumerate(lens, start=1):
+        pool.req_to_token[row, :n] = slots[start : start + n].to(torch.int32).to(DEVICE)
+        start += n
+    for buf in (cache.k_buffers[0], cache.v_buffers[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    seq = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        positions=seq - 1,
+        req_pool_indices=torch.arange(1, bs + 1, device=DEVICE),
+        seq_lens=seq,
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        seq_lens_cpu=list(lens),
+        prefix_lens_cpu=[n - 1 for n in lens],
+        extend_lens_cpu=[1] * bs,
+    )
+    return pool, cache, fb
+
+
+def test_auto_fuses_where_requests_get_one_split_each() -> None:
+    pool, cache, _ = _state(1, [4])
+    auto, fused, separate = (_backend(m, pool, cache) for m in ("auto", "fused", "separate"))
+    assert auto.num_sms == SMS
+    for bs in range(1, MAX_BS + 1):
+        one_split = auto.split_policy.min_splits(bs, HKV, SMS) == 1
+        assert auto.fuses_merge(bs) is one_split is (bs >= FILLS), bs
+        assert fused.fuses_merge(bs) and not separate.fuses_merge(bs)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_auto_gives_the_separate_merges_output_with_counters_only_where_it_fuses(graph) -> None:  # type: ignore[no-untyped-def]
+    layer = AttentionLayer(0, HQ, HKV, D, D, D**-0.5)
+    for bs in (1, FILLS - 1, FILLS):
+        # Contexts of several minimum-length splits (128 tokens) and, in the larger batches,
+        # one of a single token: below FILLS the long ones split, at FILLS none does.
+        lens = [CTX - 1 - (97 * i) % 400 for i in range(bs - 1)] + [CTX - 1 if bs == 1 else 1]
+        pool, cache, fb = _state(bs, lens)
+        q = torch.randn(bs, HQ, D, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        outs = {}
+        for merge in ("separate", "auto"):
+            backend = _backend(merge, pool, cache)
+            if graph:
+                backend.init_graph_state(MAX_BS, MAX_BS)
+                assert ("arrivals" in backend._graph) is (merge == "auto")
+            meta = backend.plan_graph(fb) if graph else backend.plan(fb)
+            assert (meta.arrivals is not None) is backend.fuses_merge(bs)
+            splits = meta.num_splits[:bs].tolist()
+            assert (max(splits) == 1) is (bs >= FILLS), (bs, splits)
+            step = AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
+            outs[merge] = backend.attend(q, layer, step)
+            if meta.arrivals is not None:
+                assert int(meta.arrivals.abs().sum()) == 0  # every launch leaves them zero
+        torch.testing.assert_close(outs["auto"], outs["separate"], rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_merge_is_refused_naming_the_value_and_the_choices() -> None:
+    pool, cache, _ = _state(1, [4])
+    with pytest.raises(
+        ConfigError,
+        match=r"decode_merge 'last' unsupported \(supported: separate, fused, auto\)",
+    ):
+        _backend("last", pool, cache)
