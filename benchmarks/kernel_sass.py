@@ -1,20 +1,23 @@
-"""The Triton decode split kernel's main loop as the GPU would run it, without a GPU.
+"""The Triton attention kernels' inner loops as the GPU would run them, without a GPU.
 
-Compiles ``_decode_split_kernel`` ahead of time for sm90 (Triton's bundled ptxas), with the
-16-byte divisibility of pointers and strides that the JIT infers from real tensors (without
-it every K/V load is a scalar ``LDG.E.U16``, and the numbers say nothing about the GPU's).
-Prints registers, shared memory, and the instruction mix of the kernel's longest loop (the
-K/V block loop): instructions per token, per KiB of K/V, and the issue floor they set beside
-the memory floor.
+Compiles the decode split kernel (``--kernel decode``) or the extend kernel over the cache
+(``--kernel extend``) ahead of time for sm90 (Triton's bundled ptxas), with the 16-byte
+divisibility of pointers and strides that the JIT infers from real tensors (without it every
+K/V load is a scalar ``LDG.E.U16``, and the numbers say nothing about the GPU's). Prints
+registers, shared memory, and for each loop of the kernel the instruction mix and the issue
+floor it sets beside the floor of the work it does.
 
-    python benchmarks/kernel_sass.py                      # bf16 and fp8, the shipped tiles
+    python benchmarks/kernel_sass.py                      # decode: bf16 and fp8, shipped tiles
     python benchmarks/kernel_sass.py --kv bf16 --tiles 128,4,2 --top 30
+    python benchmarks/kernel_sass.py --kernel extend      # the H200 table's gather tile
 
-The issue floor: a block of ``block_n`` tokens costs ``loop instructions x num_warps``
-warp-instructions, and an sm90 SM issues at most 4 per clock. The memory floor: the block's
-K/V bytes at ``--gbps`` (copy bandwidth, default the H200's measured ~4,170 GB/s) shared by
-``--sms`` SMs at ``--mhz``. A loop whose issue floor is near or above its memory floor cannot
-stream at the copy bandwidth, whatever its tiles.
+The issue floor: one pass of a loop costs ``its instructions x num_warps`` warp-instructions,
+and an sm90 SM issues at most 4 per clock. Decode's floor is memory: the pass's K/V bytes at
+``--gbps`` (copy bandwidth, default the H200's measured ~4,170 GB/s) shared by ``--sms`` SMs at
+``--mhz``. Extend's is the tensor cores: the pass's QK^T and PV FLOPs at ``--tflops`` (dense
+bf16, default the H200's 989) over the SMs. A loop whose issue floor is near or above its
+work's floor cannot reach that floor, whatever its tiles; one well below it can, if its
+instructions overlap the loads or the wgmmas.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from execrt.kernels.attention import decode as D
+from execrt.kernels.attention import extend as E
 
 KV_TYPES = {"bf16": ("*bf16", 2), "fp8": ("*fp8e4nv", 1)}
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -43,26 +47,32 @@ PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 
 
 @dataclass(frozen=True)
-class LoopMix:
-    kv: str
-    block_n: int
-    num_warps: int
-    num_stages: int
-    registers: int
-    shared_bytes: int
+class Loop:
+    """One loop of a compiled kernel: its opcodes' counts, and what one pass does."""
+
     instructions: int
     mix: dict[str, int]
-
-    @property
-    def kv_bytes(self) -> int:
-        """K and V bytes one loop iteration reads (head dim 128)."""
-        return 2 * self.block_n * 128 * KV_TYPES[self.kv][1]
+    num_warps: int
+    kv_bytes: int  # K and V bytes one pass reads
+    flops: int  # tensor-core FLOPs one pass does (QK^T and PV)
+    inner: int = 0  # loops nested inside this one (then one pass is not one K/V block)
 
     def issue_clocks(self) -> float:
         return self.instructions * self.num_warps / 4
 
     def memory_clocks(self, gbps: float, sms: int, mhz: float) -> float:
         return self.kv_bytes / (gbps * 1e9 / sms) * mhz * 1e6
+
+    def tensor_clocks(self, tflops: float, sms: int, mhz: float) -> float:
+        return self.flops / (tflops * 1e12 / sms) * mhz * 1e6
+
+
+@dataclass(frozen=True)
+class KernelLoops:
+    name: str
+    registers: int
+    shared_bytes: int
+    loops: list[Loop]
 
 
 def compile_split_kernel(kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4):
@@ -82,13 +92,38 @@ def compile_split_kernel(kv: str, block_n: int, num_warps: int, num_stages: int,
         "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
         "KV_SCALED": kv == "fp8", "DOT_F16": kv == "fp8", "FUSED": False, "PDL": True,
     }  # fmt: skip
+    # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
+    # multiples of 16 elements (the per-head lse stride is the split count: not assumed).
+    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_plh")]
+    return _compile(fn, pointers, constants, aligned, num_warps, num_stages)
+
+
+def compile_extend_kernel(block_m: int, block_n: int, num_warps: int, num_stages: int,
+                          group: int = 4, heads: int = 1):  # fmt: skip
+    """The extend kernel over the cache (gathered K/V, the prefix path), bf16, 128-dim heads,
+    ``heads`` query heads of a ``group`` packed per tile."""
+    fn = E._extend_kernel
+    names = fn.arg_names
+    pointers = {
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
+        "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "kv_indices_ptr": "*i32",
+        "prefix_lens_ptr": "*i32", "kv_scales_ptr": "*fp32",
+    }  # fmt: skip
+    constants = {
+        "GROUP": group, "HEADS": heads, "HEAD_DIM": 128, "HEAD_DIM_V": 128,
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128,
+        "KV_SCALED": False,
+    }  # fmt: skip
+    aligned = [n for n in names if n in pointers or n.startswith("stride")]
+    return _compile(fn, pointers, constants, aligned, num_warps, num_stages)
+
+
+def _compile(fn, pointers, constants, aligned, num_warps, num_stages):  # type: ignore[no-untyped-def]
+    names = fn.arg_names
     signature = {
         n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
         for n in names
     }
-    # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
-    # multiples of 16 elements (the per-head lse stride is the split count: not assumed).
-    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_plh")]
     src = triton.compiler.ASTSource(
         fn=fn,
         signature=signature,
@@ -120,69 +155,128 @@ def sass_of(kernel) -> tuple[str, int]:  # type: ignore[no-untyped-def]
     return sass, int(match.group(1)) if match else -1
 
 
-def longest_loop(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's body (opcodes with modifiers)."""
+def loops(sass: str, min_len: int = 64) -> list[tuple[list[str], int]]:
+    """The bodies of the backward branches of at least ``min_len`` instructions, in address
+    order (opcodes with modifiers, predicates dropped), each with the number of such loops
+    nested inside it."""
     matches = map(INSTRUCTION.match, sass.splitlines())
     found = [(int(m.group(1), 16), m.group(2)) for m in matches if m]
     index = {addr: i for i, (addr, _) in enumerate(found)}
-    best: tuple[int, int] | None = None
+    spans = []
     for i, (addr, text) in enumerate(found):
         m = BRANCH_TARGET.search(text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             start = index[int(m.group(1), 16)]
-            if best is None or i - start > best[1] - best[0]:
-                best = (start, i)
-    if best is None:
-        raise RuntimeError("no loop found in the SASS")
-    return [PREDICATE.sub("", text).split()[0] for _, text in found[best[0] : best[1] + 1]]
+            if i + 1 - start >= min_len:
+                spans.append((start, i))
+    return [
+        (
+            [PREDICATE.sub("", t).split()[0] for _, t in found[a : b + 1]],
+            sum(1 for c, d in spans if a <= c and d <= b and (c, d) != (a, b)),
+        )
+        for a, b in spans
+    ]
 
 
-def loop_mix(kv: str, block_n: int, num_warps: int, num_stages: int) -> LoopMix:
-    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages)
+def kernel_loops(kernel, name: str, num_warps: int, kv_bytes: int, flops: int) -> KernelLoops:  # type: ignore[no-untyped-def]
     sass, registers = sass_of(kernel)
-    ops = longest_loop(sass)
-    return LoopMix(
-        kv, block_n, num_warps, num_stages, registers, int(kernel.metadata.shared), len(ops),
-        dict(collections.Counter(ops).most_common()),
+    found = loops(sass)
+    if not found:
+        raise RuntimeError(f"{name}: no loop found in the SASS")
+    return KernelLoops(
+        name, registers, int(kernel.metadata.shared),
+        [
+            Loop(
+                len(ops), dict(collections.Counter(ops).most_common()), num_warps, kv_bytes,
+                flops, inner,
+            )
+            for ops, inner in found
+        ],
     )  # fmt: skip
 
 
-def describe(m: LoopMix, gbps: float, sms: int, mhz: float, top: int) -> str:
-    issue, memory = m.issue_clocks(), m.memory_clocks(gbps, sms, mhz)
-    head = (
-        f"{m.kv} block_n {m.block_n}, {m.num_warps} warps, {m.num_stages} stages: "
-        f"{m.registers} registers, {m.shared_bytes // 1024} KiB shared; loop "
-        f"{m.instructions} instructions ({m.instructions / m.block_n:.1f} per token, "
-        f"{m.instructions * m.num_warps / (m.kv_bytes / 1024):.0f} warp-instructions per KiB); "
-        f"issue floor {issue:.0f} clk vs memory floor {memory:.0f} clk per block per SM "
-        f"({issue / memory:.2f})"
+def decode_loops(kv: str, block_n: int, num_warps: int, num_stages: int) -> KernelLoops:
+    """The decode split kernel at GQA 4 (16 padded query rows), head dim 128."""
+    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages)
+    name = f"decode {kv} block_n {block_n}, {num_warps} warps, {num_stages} stages"
+    flops = 2 * 2 * 16 * block_n * 128
+    return kernel_loops(kernel, name, num_warps, 2 * block_n * 128 * KV_TYPES[kv][1], flops)
+
+
+def extend_loops(block_m: int, block_n: int, num_warps: int, num_stages: int) -> KernelLoops:
+    """The extend kernel over the cache, bf16, head dim 128, one query head per tile."""
+    kernel = compile_extend_kernel(block_m, block_n, num_warps, num_stages)
+    name = (
+        f"extend bf16 block_m {block_m} block_n {block_n}, {num_warps} warps, {num_stages} stages"
     )
-    mix = ", ".join(f"{op} {n}" for op, n in list(m.mix.items())[:top])
-    return f"{head}\n    {mix}"
+    flops = 2 * 2 * block_m * block_n * 128
+    return kernel_loops(kernel, name, num_warps, 2 * block_n * 128 * 2, flops)
+
+
+def describe(k: KernelLoops, floor: str, gbps: float, tflops: float, sms: int, mhz: float,
+             top: int) -> str:  # fmt: skip
+    lines = [f"{k.name}: {k.registers} registers, {k.shared_bytes // 1024} KiB shared"]
+    for loop in k.loops:
+        if loop.inner:
+            lines.append(
+                f"  outer loop of {loop.instructions} instructions, {loop.inner} loop(s) inside"
+            )
+            continue
+        issue = loop.issue_clocks()
+        work = (
+            loop.memory_clocks(gbps, sms, mhz)
+            if floor == "memory"
+            else loop.tensor_clocks(tflops, sms, mhz)
+        )
+        lines.append(
+            f"  loop of {loop.instructions} instructions "
+            f"({loop.instructions * loop.num_warps / (loop.kv_bytes / 1024):.0f} "
+            f"warp-instructions per KiB of K/V): issue floor {issue:.0f} clk vs {floor} floor "
+            f"{work:.0f} clk per pass per SM ({issue / work:.2f})"
+        )
+        lines.append("    " + ", ".join(f"{op} {n}" for op, n in list(loop.mix.items())[:top]))
+    return "\n".join(lines)
+
+
+def _tiles(text: str, size: int, p: argparse.ArgumentParser) -> tuple[int, ...]:
+    try:
+        tiles = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        tiles = ()
+    if len(tiles) != size or min(tiles) < 1:
+        p.error(f"--tiles {text!r} unsupported (need {size} positive integers)")
+    return tiles
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kv", default="bf16,fp8", help="KV dtypes, comma-separated: bf16, fp8")
+    p.add_argument("--kernel", default="decode", choices=("decode", "extend"))
+    p.add_argument("--kv", default="bf16,fp8", help="decode: KV dtypes, comma-separated: bf16, fp8")
     p.add_argument(
         "--tiles",
         default="",
-        help="block_n,num_warps,num_stages (default: bf16 64,4,2 and 128,4,2; fp8 128,4,2 "
-        "and 128,4,3)",
+        help="decode: block_n,num_warps,num_stages (default: bf16 64,4,2 and 128,4,2; fp8 "
+        "128,4,2 and 128,4,3); extend: block_m,block_n,num_warps,num_stages (default "
+        "128,64,8,4, the H200 table's gather tile)",
     )
-    p.add_argument("--gbps", type=float, default=4170.0, help="copy bandwidth for the memory floor")
+    p.add_argument("--gbps", type=float, default=4170.0, help="copy bandwidth (decode floor)")
+    p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak (extend floor)")
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--mhz", type=float, default=1755.0, help="SM clock for the floors")
     p.add_argument("--top", type=int, default=20, help="opcodes listed per loop")
     args = p.parse_args()
+    floors = (args.gbps, args.tflops, args.sms, args.mhz, args.top)
+    if args.kernel == "extend":
+        bm, bn, warps, stages = _tiles(args.tiles or "128,64,8,4", 4, p)
+        print(describe(extend_loops(bm, bn, warps, stages), "tensor", *floors), flush=True)
+        return
     defaults = {"bf16": [(64, 4, 2), (128, 4, 2)], "fp8": [(128, 4, 2), (128, 4, 3)]}
     for kv in (k.strip() for k in args.kv.split(",") if k.strip()):
         if kv not in KV_TYPES:
             p.error(f"--kv {kv!r} unsupported (supported: {', '.join(KV_TYPES)})")
-        tiles = [tuple(int(x) for x in args.tiles.split(","))] if args.tiles else defaults[kv]
+        tiles = [_tiles(args.tiles, 3, p)] if args.tiles else defaults[kv]
         for block_n, warps, stages in tiles:
-            m = loop_mix(kv, block_n, warps, stages)
-            print(describe(m, args.gbps, args.sms, args.mhz, args.top), flush=True)
+            print(describe(decode_loops(kv, block_n, warps, stages), "memory", *floors), flush=True)
 
 
 if __name__ == "__main__":
