@@ -248,17 +248,18 @@ def _tiles(text: str, size: int, p: argparse.ArgumentParser) -> tuple[int, ...]:
     return tiles
 
 
+TILES_HELP = (
+    "decode: block_n,num_warps,num_stages (default: bf16 64,4,2 and 128,4,2; fp8 128,4,2 and "
+    "128,4,3); extend: block_m,block_n,num_warps,num_stages (default 128,64,8,4, the H200 "
+    "table's gather tile)"
+)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", default="decode", choices=("decode", "extend"))
     p.add_argument("--kv", default="bf16,fp8", help="decode: KV dtypes, comma-separated: bf16, fp8")
-    p.add_argument(
-        "--tiles",
-        default="",
-        help="decode: block_n,num_warps,num_stages (default: bf16 64,4,2 and 128,4,2; fp8 "
-        "128,4,2 and 128,4,3); extend: block_m,block_n,num_warps,num_stages (default "
-        "128,64,8,4, the H200 table's gather tile)",
-    )
+    p.add_argument("--tiles", default="", help=TILES_HELP)
     p.add_argument("--gbps", type=float, default=4170.0, help="copy bandwidth (decode floor)")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak (extend floor)")
     p.add_argument("--sms", type=int, default=132)
