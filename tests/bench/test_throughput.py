@@ -150,3 +150,12 @@ def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsy
     assert "GPU busy 0.000 of" in capsys.readouterr().out
     (saved,) = os.listdir(tmp_path)
     assert json.loads((tmp_path / saved).read_text())[0]["profile"]["wall_s"] > 0
+
+
+def test_every_named_config_is_in_the_cli_help(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--help"])
+    # argparse wraps lines at spaces and after hyphens: join both back before looking.
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    missing = [name for name in throughput.CONFIGS if name not in text]
+    assert not missing, f"bench throughput --help does not name {missing}"
