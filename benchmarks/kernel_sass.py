@@ -165,8 +165,9 @@ def loops(sass: str, min_len: int = 64) -> list[tuple[list[str], int]]:
     spans = []
     for i, (addr, text) in enumerate(found):
         m = BRANCH_TARGET.search(text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            start = index[int(m.group(1), 16)]
+        target = int(m.group(1), 16) if m else addr
+        if target < addr and target in index:
+            start = index[target]
             if i + 1 - start >= min_len:
                 spans.append((start, i))
     return [

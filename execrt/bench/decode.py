@@ -51,14 +51,13 @@ from execrt.bench.timing import (
     TimeLimitExceeded,
     dense_bf16_peak_tflops,
     difference_timing,
-    gc_paused,
     host_hotspots,
     matmul_tflops,
     profile_difference,
     profile_steps,
     step_seconds,
-    synchronize,
     time_limit,
+    timed_call,
 )
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import KV_CACHE_DTYPES
@@ -338,12 +337,8 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps:
         # time no prefill), and the K/V it keeps from earlier calls fills a cache sized for
         # one run, so decode steps would evict as they go.
         engine.flush_cache()
-        with gc_paused():
-            synchronize(device)
-            start = time.perf_counter()
-            results = engine.generate(prompts, params)
-            synchronize(device)
-            best = min(best, time.perf_counter() - start)
+        seconds, results = timed_call(lambda: engine.generate(prompts, params), device)
+        best = min(best, seconds)
         for r in results:
             if r.error or len(r.token_ids) != new_tokens or r.num_retractions:
                 raise RuntimeError(
@@ -602,10 +597,8 @@ def _hf_generate_s(
 ) -> float:
     best = math.inf
     for _ in range(reps):
-        with gc_paused():  # as execrt's runs
-            synchronize(ids.device)
-            start = time.perf_counter()
-            out = model.generate(
+        seconds, out = timed_call(
+            lambda: model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=new_tokens,
@@ -613,9 +606,10 @@ def _hf_generate_s(
                 eos_token_id=None,
                 pad_token_id=0,
                 **kwargs,
-            )
-            synchronize(ids.device)
-            best = min(best, time.perf_counter() - start)
+            ),
+            ids.device,
+        )  # as execrt's runs
+        best = min(best, seconds)
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"generate gave {out.shape[1] - ids.shape[1]} of {new_tokens}")
     return best

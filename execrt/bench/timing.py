@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -306,6 +306,20 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+T = TypeVar("T")
+
+
+def timed_call(run: Callable[[], T], device: torch.device) -> tuple[float, T]:
+    """``(seconds, result)`` of one ``run()`` between device synchronisations, with the
+    garbage collector collected first and off inside (:func:`gc_paused`)."""
+    with gc_paused():
+        synchronize(device)
+        start = time.perf_counter()
+        result = run()
+        synchronize(device)
+        return time.perf_counter() - start, result
 
 
 def step_seconds(step: Callable[[], object], iters: int, reps: int, device: torch.device) -> float:

@@ -19,6 +19,7 @@ from execrt.bench.timing import (
     profile_kernels,
     short_kernel_name,
     time_limit,
+    timed_call,
     union_length,
 )
 
@@ -209,3 +210,18 @@ def test_gc_paused_collects_first_keeps_the_collector_off_and_restores_it(enable
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_timed_call_times_one_run_with_the_collector_off_and_returns_its_result() -> None:
+    was = gc.isenabled()
+    seen: list[bool] = []
+
+    def run() -> str:
+        seen.append(gc.isenabled())
+        time.sleep(0.02)
+        return "done"
+
+    seconds, result = timed_call(run, torch.device("cpu"))
+    assert result == "done" and seen == [False]
+    assert 0.02 <= seconds < 1.0
+    assert gc.isenabled() is was

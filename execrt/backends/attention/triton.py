@@ -137,7 +137,7 @@ class TritonAttnBackend(AttentionBackend):
         work: torch.Tensor,
     ) -> None:
         """kv_indptr, kv_indices, the split counts and the work list in one launch."""
-        fill = self.split_policy.min_splits(fb.batch_size, self.num_kv_heads, self.num_sms)
+        fill = self._fill(fb.batch_size)
         self.kernels.decode_metadata(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices, num_splits, max_splits, self.split_policy, fill, work,
@@ -150,11 +150,14 @@ class TritonAttnBackend(AttentionBackend):
             torch.empty(shape, dtype=torch.float32, device=self.device),
         )
 
+    def _fill(self, batch_size: int) -> int:
+        """Splits every request of a ``batch_size`` decode batch gets to fill the GPU."""
+        return self.split_policy.min_splits(batch_size, self.num_kv_heads, self.num_sms)
+
     def fuses_merge(self, batch_size: int) -> bool:
         """Whether decode steps of ``batch_size`` requests merge inside the split launch."""
         if self.decode_merge == "auto":
-            fill = self.split_policy.min_splits(batch_size, self.num_kv_heads, self.num_sms)
-            return fill == 1
+            return self._fill(batch_size) == 1
         return self.decode_merge == "fused"
 
     def _arrivals(self, b: int) -> torch.Tensor | None:
@@ -217,10 +220,11 @@ class TritonAttnBackend(AttentionBackend):
                 (max_bs, self.num_q_heads, splits), dtype=torch.float32, device=dev
             ),
         }
-        if self.decode_merge != "separate":  # some bucket may fuse: counters for the largest
-            self._graph["arrivals"] = torch.zeros(
-                max_bs * self.num_kv_heads, dtype=torch.int32, device=dev
-            )
+        # Counters for the largest bucket, if it fuses: under auto, smaller buckets fuse
+        # only if it does (a batch's fill shrinks as the batch grows).
+        arrivals = self._arrivals(max_bs)
+        if arrivals is not None:
+            self._graph["arrivals"] = arrivals
 
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.
