@@ -332,7 +332,8 @@ def _add_bench_throughput(bench_sub: Any) -> None:
         default="defaults,tuned",
         help="named settings: defaults, tuned (256 running, 16k prefill tokens, KV fraction "
         "0.85), tuned-no-overlap, tuned-flashinfer, tuned-sample-after-graph, "
-        "defaults-fused-merge, defaults-auto-merge (triton_decode_merge fused / auto) "
+        "defaults-fused-merge, defaults-auto-merge, defaults-separate-merge (triton_decode_merge "
+        "fused / auto, the default / separate) "
         "(default: defaults,tuned)",
     )
     tp.add_argument(

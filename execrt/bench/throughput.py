@@ -60,6 +60,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tuned-sample-after-graph": TUNED | {"cuda_graph_sampling": False},
     "defaults-fused-merge": {"triton_decode_merge": "fused"},
     "defaults-auto-merge": {"triton_decode_merge": "auto"},
+    "defaults-separate-merge": {"triton_decode_merge": "separate"},
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each

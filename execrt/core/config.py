@@ -61,7 +61,7 @@ class RuntimeConfig:
     prefix_cache: str = "radix"
     prefix_cache_force_miss: bool = False
     flashinfer_prefill_backend: str = "auto"
-    triton_decode_merge: str = "separate"
+    triton_decode_merge: str = "auto"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"

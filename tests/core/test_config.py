@@ -189,7 +189,7 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
     cfg = RuntimeConfig.load(environ=env)
     assert cfg.backend_options("flashinfer") == {"prefill_backend": "fa2"}
     assert RuntimeConfig().backend_options("flashinfer") == {"prefill_backend": "auto"}
-    assert cfg.backend_options("triton") == {"decode_merge": "separate"}
+    assert cfg.backend_options("triton") == {"decode_merge": "auto"}
     assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
     file.write_text('flashinfer_prefill_backend = "fa3"\n')
