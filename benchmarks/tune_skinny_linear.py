@@ -66,6 +66,8 @@ from execrt.kernels.triton_linear import (
 ROWS = (1, 2, 4, 8, 16)
 # bf16 on the GPU; the interpreter computes bf16 dots wrongly, so a dry run uses fp16.
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float16}
+SPLITS = (2, 4, 8)  # split-K slice counts tried ...
+SPLIT_FROM_BEST = 3  # ... on this many of the fastest unsplit tensor-core tiles
 ROTATE_BYTES = 320 << 20  # weight copies per timing: several times the 60 MB L2
 TOLERANCE = 2e-2
 
@@ -141,6 +143,8 @@ class Problem:
 
     def __init__(self, n: int, k: int, m: int, device: str, copies: int | None = None) -> None:
         self.n, self.k, self.m, self.device = n, k, m, device
+        props = torch.cuda.get_device_properties(device) if device == "cuda" else None
+        self.sms = props.multi_processor_count if props else 4
         self.copies = copies or (
             max(2, min(64, ROTATE_BYTES // (n * k * 2))) if device == "cuda" else 1
         )
@@ -238,8 +242,25 @@ def best_tile(
         if err > TOLERANCE:
             raise AssertionError(f"{label} {variant or 'plain'} m={p.m} {tile}: error {err:.3g}")
         timed.append((time_us(fn, p.copies) if p.device == "cuda" else 0.0, tile))
+    # Split-K on the fastest tensor-core tiles, where a tile alone leaves SMs idle.
+    width = p.n // 2 if variant == SWIGLU_OUT else p.n
+    dots = [t for _, t in sorted(timed, key=lambda r: r[0]) if t.use_dot][:SPLIT_FROM_BEST]
+    for tile in (s for t in dots for s in split_tiles(t, width, p.k, p.sms)):
+        fn = p.tile_fn(variant, tile)
+        err = max_rel(fn(0), ref)
+        if err > TOLERANCE:
+            raise AssertionError(f"{label} {variant or 'plain'} m={p.m} {tile}: error {err:.3g}")
+        timed.append((time_us(fn, p.copies) if p.device == "cuda" else 0.0, tile))
     us, tile = min(timed, key=lambda r: r[0]) if timed else (float("inf"), None)
     return us, tile, [{"us": u, "tile": asdict(t)} for u, t in sorted(timed, key=lambda r: r[0])]
+
+
+def split_tiles(tile: SkinnyTile, n: int, k: int, sms: int) -> list[SkinnyTile]:
+    """``tile`` with its K cut in 2, 4 and 8 slices, where its tiles alone are fewer than two
+    per SM and each slice keeps at least two K steps."""
+    if -(-n // tile.block_n) >= 2 * sms:
+        return []
+    return [replace(tile, split_k=s) for s in SPLITS if k >= 2 * s * tile.block_k]
 
 
 def decide(fused_us: float, apart_us: float, margin: float) -> bool:
@@ -375,6 +396,8 @@ def compile_jobs(
             tiles = candidates(m, v)
             if v == SWIGLU_OUT:
                 tiles += [replace(t, fuse_norm=False) for t in tiles]
+            # split-K compiles once per tile (the slice count is a launch argument)
+            tiles += [replace(t, split_k=2) for t in tiles if t.use_dot]
             jobs += [(m, s.n, s.k, v, t) for t in tiles]
     return jobs
 

@@ -37,11 +37,19 @@ from execrt.kernels.triton_pdl import pdl_prologue
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
 
 
+#: The most K slices one output tile is cut into (``SkinnyTile.split_k``).
+MAX_SPLIT_K = 16
+
+
 @dataclass(frozen=True)
 class SkinnyTile:
     """Launch shape of one call. ``use_dot`` needs ``block_n >= 16`` (rows padded to 16).
     ``fuse_norm``: a norm in front (``NormIn``) runs inside this kernel; False where the tuner
-    measured the separate norm kernel + this tile faster."""
+    measured the separate norm kernel + this tile faster. ``split_k`` > 1: each output tile's
+    K is cut into that many slices, one program each (more programs for a small N: at M = 8
+    the tensor-core tiles gave 64-128 programs for 132 SMs); the slices' fp32 partials are
+    summed in slice order by whichever program finishes last, so the result does not depend
+    on timing."""
 
     block_n: int
     block_k: int
@@ -49,6 +57,7 @@ class SkinnyTile:
     num_warps: int = 4
     num_stages: int = 2
     fuse_norm: bool = True
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -59,6 +68,8 @@ class SkinnyTile:
             fail("linear", f"tile {self} uses tl.dot, which needs block_n and block_k >= 16")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             fail("linear", f"tile {self}: num_warps 1..16 (a power of two), num_stages >= 1")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            fail("linear", f"tile {self}: split_k 1..{MAX_SPLIT_K}")
 
 
 def block_m_for(m: int, use_dot: bool) -> int:
@@ -72,7 +83,7 @@ def _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD: tl.constexpr,
     """First pass of a fused RMSNorm: ``1 / rms`` of each row of ``x (+ r)`` (fp32), and
     program 0 stores the rows of ``x + r`` (the new residual stream)."""
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    first = tl.program_id(0) == 0
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + rk)[None, :] < K
         h = tl.load(x_ptrs + k0, mask=kmask, other=0.0)
@@ -122,9 +133,12 @@ def _skinny_linear_kernel(
     r_ptr,
     nw_ptr,
     nr_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_ym,
     eps,
@@ -139,10 +153,15 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``N`` is the output width: with ``SWIGLU_OUT`` the weight has ``2N`` rows (gate rows,
-    then up rows) and each program accumulates its gate rows and the matching up rows."""
+    then up rows) and each program accumulates its gate rows and the matching up rows.
+    ``SPLIT``: program ``(n, s)`` sums K range ``[s * k_per_split, (s + 1) * k_per_split)``
+    into ``part_ptr`` (fp32 ``[splits, BLOCK_M, N or 2N]``) and counts itself in
+    ``count_ptr[n]`` (zero on entry and on return); the last of a tile's slices to arrive sums
+    them all in slice order and runs the epilogue."""
     pdl_prologue(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
@@ -152,6 +171,11 @@ def _skinny_linear_kernel(
     rm = tl.arange(0, BLOCK_M)
     rm_ok = rm < M
     rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(1) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
     wu_ptrs = w_ptr + (rn_ld + N)[:, None] * K + rk[None, :]  # the up rows (SWIGLU_OUT)
@@ -161,7 +185,12 @@ def _skinny_linear_kernel(
     if NORM:  # every program normalises the (few) rows itself: one extra pass, from L2
         rstd = _norm_rows(x_ptrs, r_ptrs, nr_ptr + rm[:, None] * K + rk[None, :], rm_ok, rk, K,
                           eps, ADD, BLOCK_M, BLOCK_K)  # fmt: skip
-        nw_ptrs = nw_ptr + rk
+        nw_ptrs = nw_ptr + rk + k_lo
+        r_ptrs += k_lo
+    if SPLIT:
+        w_ptrs += k_lo
+        wu_ptrs += k_lo
+        x_ptrs += k_lo
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -169,7 +198,7 @@ def _skinny_linear_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = acc  # SWIGLU_OUT: the up rows' accumulator
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             if SWIGLU_OUT:
@@ -206,10 +235,52 @@ def _skinny_linear_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = _acc_out(acc, USE_DOT, BLOCK_M)  # [BM, BN]
+    up = _acc_out(acc_u, USE_DOT, BLOCK_M) if SWIGLU_OUT else out
+    if SPLIT:
+        width = 2 * N if SWIGLU_OUT else N
+        slice_ptrs = part_ptr + (tl.program_id(1) * BLOCK_M + rm)[:, None] * width + rn[None, :]
+        tl.store(slice_ptrs, out, mask=rn_ok[None, :])
+        if SWIGLU_OUT:
+            tl.store(slice_ptrs + N, up, mask=rn_ok[None, :])
+        # Every thread's partial stores come before the arrival (the barrier), and the arrival
+        # releases them at GPU scope; the tile's last slice to arrive acquires the others'.
+        tl.debug_barrier()
+        counter = count_ptr + tl.program_id(0)
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            out, up = _sum_slices(part_ptr, rm, rn, rn_ok, N, width, BLOCK_M, SWIGLU_OUT)
+            _epilogue(out, up, b_ptr, y_ptr, rm, rm_ok, rn, rn_ok, N, stride_ym, HAS_BIAS,
+                      SWIGLU_OUT)  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        _epilogue(out, up, b_ptr, y_ptr, rm, rm_ok, rn, rn_ok, N, stride_ym, HAS_BIAS,
+                  SWIGLU_OUT)  # fmt: skip
+
+
+@triton.jit
+def _sum_slices(part_ptr, rm, rn, rn_ok, N, width, BLOCK_M: tl.constexpr,
+                SWIGLU_OUT: tl.constexpr):  # fmt: skip
+    """A split tile's fp32 partials summed in slice order (read past L1: ``.cg``; this SM may
+    hold lines of the same scratch from an earlier launch)."""
+    ptrs = part_ptr + rm[:, None] * width + rn[None, :]
+    out = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
+    up = out
+    for s in range(0, tl.num_programs(1)):
+        at = ptrs + s * BLOCK_M * width
+        out += tl.load(at, mask=rn_ok[None, :], other=0.0, cache_modifier=".cg")
+        if SWIGLU_OUT:
+            up += tl.load(at + N, mask=rn_ok[None, :], other=0.0, cache_modifier=".cg")
+    return out, up
+
+
+@triton.jit
+def _epilogue(out, up, b_ptr, y_ptr, rm, rm_ok, rn, rn_ok, N, stride_ym, HAS_BIAS: tl.constexpr,
+              SWIGLU_OUT: tl.constexpr):  # fmt: skip
+    """Bias, SwiGLU on the output, and the store of the fp32 tile ``out`` (``up``: the up
+    rows' tile with ``SWIGLU_OUT``)."""
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn_ok, other=0.0).to(tl.float32)[None, :]
     if SWIGLU_OUT:  # gate and up rounded as the product's output, then silu_and_mul's rounding
-        up = _acc_out(acc_u, USE_DOT, BLOCK_M)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rn, mask=rn_ok, other=0.0).to(tl.float32)[None, :]
         gate = out.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -262,7 +333,17 @@ def launch(
             return y.copy_(full)
         gate, up = full[:, :n].to(x.dtype).float(), full[:, n:].to(x.dtype).float()
         return y.copy_(gate * torch.sigmoid(gate) * up)
-    grid = (triton.cdiv(n, tile.block_n),)
+    tiles = triton.cdiv(n, tile.block_n)
+    block_m = block_m_for(m, tile.use_dot)
+    # Whole BLOCK_K steps per slice; fewer slices where K has fewer steps than split_k.
+    k_per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    splits = triton.cdiv(k, k_per_split)
+    if splits > 1:
+        width = 2 * n if swiglu_out else n
+        part, counts = split_workspace(x.device, splits * block_m * width, tiles)
+    else:
+        part, counts = y, y  # unread
+    grid = (tiles, splits)
     residual = norm.residual if norm is not None else None
     _skinny_linear_kernel[grid](
         x,
@@ -272,9 +353,12 @@ def launch(
         residual if residual is not None else x,
         norm.weight if norm is not None else weight,
         norm.new_residual if norm is not None and norm.new_residual is not None else x,
+        part,
+        counts,
         m,
         n,
         k,
+        k_per_split,
         x.stride(0),
         y.stride(0),
         norm.eps if norm is not None else 0.0,
@@ -286,14 +370,40 @@ def launch(
         USE_DOT=tile.use_dot,
         IEEE=x.dtype == torch.float32,
         EVEN_K=k % tile.block_k == 0,
-        BLOCK_M=block_m_for(m, tile.use_dot),
+        BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
+        SPLIT=splits > 1,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl_kwargs(x.device),
     )
     return y
+
+
+# Split-K scratch per device: fp32 partials and int32 arrival counters (zero between launches:
+# the last slice of each tile resets its counter). Launches on one stream never overlap (PDL
+# waits for the grid ahead before anything else), so one workspace serves every call. A
+# workspace that grows is kept alive, not freed: CUDA graphs captured earlier still read it.
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+_MIN_PART_ELEMS = 1 << 20  # 4 MiB: the 8B gate/up's partials at 4 slices of 16 rows
+_MIN_COUNTERS = 4096
+
+
+def split_workspace(
+    device: torch.device, part_elems: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K scratch, at least ``part_elems`` fp32 partials and ``counters``
+    zeroed int32 counters."""
+    part, counts = _WORKSPACES.get(device, (None, None))
+    if part is None or counts is None or part.numel() < part_elems or counts.numel() < counters:
+        if part is not None and counts is not None:
+            _OUTGROWN.append((part, counts))
+        part = torch.empty(max(part_elems, _MIN_PART_ELEMS), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(counters, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (part, counts)
+    return part, counts
 
 
 def skinny_linear(

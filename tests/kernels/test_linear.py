@@ -21,6 +21,8 @@ TILES = [
     dict(block_n=16, block_k=64),
     dict(block_n=16, block_k=32, use_dot=True),
     dict(block_n=32, block_k=64, use_dot=True),
+    # split-K: 3 slices of 3 K steps (7 in all: the last slice short and ragged)
+    dict(block_n=16, block_k=32, use_dot=True, split_k=3),
 ]
 
 
@@ -295,6 +297,61 @@ def test_norm_prologue_bf16_on_gpu_and_graph_replay_is_bitwise(m: int) -> None:
         [x, residual],
         fresh,
     )
+
+
+def test_split_k_is_deterministic_resets_its_counters_and_caps_its_slices() -> None:
+    from execrt.kernels import triton_linear as tl_mod
+    from execrt.kernels.triton_linear import SkinnyTile, launch
+
+    x, w, b = make(8, 70, 96, torch.float16, False, bias=True, seed=5)
+    # 96 = 3 K steps of 32: split_k 8 runs 3 slices, no empty one
+    tile = SkinnyTile(16, 32, use_dot=True, split_k=8)
+    first = launch(x, w, b, tile)
+    assert max_rel(first, oracle(x, w, b, False)) <= 4e-3
+    for _ in range(3):
+        assert torch.equal(launch(x, w, b, tile), first)
+    _, counts = tl_mod._WORKSPACES[x.device]
+    assert counts.eq(0).all()
+    # One slice: the unsplit kernel; the sums differ only in order.
+    whole = launch(x, w, b, SkinnyTile(16, 32, use_dot=True))
+    assert max_rel(whole, first) <= 4e-3
+
+
+def test_split_workspace_grows_and_keeps_what_graphs_may_hold() -> None:
+    from execrt.kernels import triton_linear as tl_mod
+
+    dev = torch.device(DEVICE)
+    part, counts = tl_mod.split_workspace(dev, 10, 10)
+    assert tl_mod.split_workspace(dev, 10, 10)[0] is part
+    bigger, more = tl_mod.split_workspace(dev, part.numel() + 1, counts.numel() + 1)
+    assert bigger.numel() > part.numel() and more.numel() > counts.numel() and more.eq(0).all()
+    assert any(p is part for p, _ in tl_mod._OUTGROWN)
+
+
+def test_split_k_bounds_are_checked() -> None:
+    from execrt.kernels.triton_linear import MAX_SPLIT_K, SkinnyTile
+
+    with pytest.raises(ValueError, match=f"split_k 1..{MAX_SPLIT_K}"):
+        SkinnyTile(16, 32, use_dot=True, split_k=0)
+    with pytest.raises(ValueError, match=f"split_k 1..{MAX_SPLIT_K}"):
+        SkinnyTile(16, 32, use_dot=True, split_k=MAX_SPLIT_K + 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_split_k_on_gpu_in_many_launches_and_graph_replay_is_bitwise(swiglu: bool) -> None:
+    # The last slice to arrive sums in slice order: whatever the arrival order of 500
+    # launches, the same bits; and a captured graph replays them.
+    from execrt.kernels.triton_linear import SkinnyTile, launch
+
+    x, w, b = make(8, 1024, 2048, torch.bfloat16, swiglu, bias=True, seed=9)
+    tile = SkinnyTile(16, 128, use_dot=True, num_stages=3, split_k=4)
+    first = launch(x, w, b, tile, swiglu=swiglu)
+    assert max_rel(first, oracle(x, w, b, swiglu)) <= 8e-3
+    outs = [launch(x, w, b, tile, swiglu=swiglu) for _ in range(500)]
+    assert all(torch.equal(o, first) for o in outs)
+    fresh = torch.randn_like(x)
+    replay_matches_eager(lambda: [launch(x, w, b, tile, swiglu=swiglu)], [x], [fresh])
 
 
 def test_a_tile_that_keeps_the_norm_apart(monkeypatch: pytest.MonkeyPatch) -> None:

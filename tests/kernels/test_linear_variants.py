@@ -68,6 +68,7 @@ TILES = [
     dict(block_n=16, block_k=64),
     dict(block_n=16, block_k=32, use_dot=True),  # tensor cores, rows padded to 16
     dict(block_n=32, block_k=64, use_dot=True),
+    dict(block_n=16, block_k=64, split_k=2),  # split-K: gate and up partials, then SwiGLU
 ]
 
 
