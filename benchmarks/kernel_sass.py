@@ -40,7 +40,8 @@ from triton.backends.compiler import GPUTarget
 from execrt.kernels.attention import decode as D
 from execrt.kernels.attention import extend as E
 
-KV_TYPES = {"bf16": ("*bf16", 2), "fp8": ("*fp8e4nv", 1)}
+#: name -> (K/V pointer type, bytes per value); fp8w: the fp8 cache read as int32 words
+KV_TYPES = {"bf16": ("*bf16", 2), "fp8": ("*fp8e4nv", 1), "fp8w": ("*i32", 1)}
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")
@@ -90,7 +91,8 @@ def compile_split_kernel(kv: str, block_n: int, num_warps: int, num_stages: int,
     constants = {
         "GROUP": group, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BLOCK_H": max(16, group),
         "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
-        "KV_SCALED": kv == "fp8", "DOT_F16": kv == "fp8", "FUSED": False, "PDL": True,
+        "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
+        "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True,
     }  # fmt: skip
     # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
     # multiples of 16 elements (the per-head lse stride is the split count: not assumed).
@@ -112,7 +114,7 @@ def compile_extend_kernel(block_m: int, block_n: int, num_warps: int, num_stages
     constants = {
         "GROUP": group, "HEADS": heads, "HEAD_DIM": 128, "HEAD_DIM_V": 128,
         "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128,
-        "KV_SCALED": False,
+        "KV_SCALED": False, "DOT_F16": False,
     }  # fmt: skip
     aligned = [n for n in names if n in pointers or n.startswith("stride")]
     return _compile(fn, pointers, constants, aligned, num_warps, num_stages)
@@ -259,7 +261,11 @@ TILES_HELP = (
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", default="decode", choices=("decode", "extend"))
-    p.add_argument("--kv", default="bf16,fp8", help="decode: KV dtypes, comma-separated: bf16, fp8")
+    p.add_argument(
+        "--kv",
+        default="bf16,fp8",
+        help="decode: KV dtypes, comma-separated: bf16, fp8, fp8w (fp8 read as int32 words)",
+    )
     p.add_argument("--tiles", default="", help=TILES_HELP)
     p.add_argument("--gbps", type=float, default=4170.0, help="copy bandwidth (decode floor)")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak (extend floor)")

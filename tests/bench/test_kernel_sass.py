@@ -74,7 +74,7 @@ def test_fp8_converts_pairs_and_extend_uses_wgmma() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--kv", "fp4"), "--kv 'fp4' unsupported (supported: bf16, fp8)"),
+        (("--kv", "fp4"), "--kv 'fp4' unsupported (supported: bf16, fp8, fp8w)"),
         (("--tiles", "128,4"), "--tiles '128,4' unsupported (need 3 positive integers)"),
         (("--kernel", "extend", "--tiles", "a,b,c,d"), "need 4 positive integers"),
     ],

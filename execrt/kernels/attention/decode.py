@@ -16,6 +16,7 @@ from execrt.core.kv_quant import FP8_DTYPES
 from execrt.kernels._triton import (
     check_index,
     fail,
+    interpreter_enabled,
     pdl_kwargs,
     pow2_at_least,
     sm_count,
@@ -157,6 +158,99 @@ def decode_programs(batch: int, num_kv_heads: int, max_splits: int, num_sms: int
     return max(1, min(batch * max_splits, want))
 
 
+# ----------------------------------------------------------------------------------------------
+# fp8 K/V read as 32-bit words
+# ----------------------------------------------------------------------------------------------
+# Triton gives every operand of a dot fed by fp8 values kWidth 4 (sm90, triton 3.6-3.9): q and
+# p are then re-read from shared memory with LDS.64 each block and assembled by ~270 moves,
+# 1,195 instructions per 128-token block against bf16's 579 (benchmarks/kernel_sass.py). Read
+# as int32 words and unpacked by PTX into fp16 pairs, the tiles trace back to 32-bit values and
+# the dots keep kWidth 2: 625 instructions.
+
+_CVT_ASM = """{
+.reg .b16 lo, hi;
+.reg .b32 a, b;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.FMTx2 a, lo;
+cvt.rn.f16x2.FMTx2 b, hi;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+}"""
+# jit functions read module globals only as constexprs
+_CVT_E4M3 = tl.constexpr(_CVT_ASM.replace("FMT", "e4m3"))
+_CVT_E5M2 = tl.constexpr(_CVT_ASM.replace("FMT", "e5m2"))
+
+
+@triton.jit
+def _fp8_byte_to_f16(word, SHIFT: tl.constexpr, E5M2: tl.constexpr):
+    """Byte ``SHIFT // 8`` of int32 ``word`` as the fp16 value of that fp8 code (exact: every
+    e4m3 and e5m2 value is an fp16 value). The interpreter's stand-in for the PTX: e5m2 is the
+    high byte of an fp16; e4m3 (bias 7, 3 mantissa bits) placed under fp16's sign and exponent
+    bits is its value / 2^8 (fp16's bias is 15), subnormals included."""
+    byte = (word >> SHIFT) & 0xFF
+    if E5M2:
+        bits = byte << 8
+    else:
+        bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    half = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    if not E5M2:
+        half = (half * 256.0).to(tl.float16)
+    return half
+
+
+@triton.jit
+def _unpack_fp8_words(words, E5M2: tl.constexpr, ASM: tl.constexpr):
+    """The four fp8 values of each int32 word as fp16, byte 0 (the lowest address) first."""
+    if ASM:
+        if E5M2:
+            b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                _CVT_E5M2, "=h,=h,=h,=h,r", [words],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                _CVT_E4M3, "=h,=h,=h,=h,r", [words],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        b0 = _fp8_byte_to_f16(words, 0, E5M2)
+        b1 = _fp8_byte_to_f16(words, 8, E5M2)
+        b2 = _fp8_byte_to_f16(words, 16, E5M2)
+        b3 = _fp8_byte_to_f16(words, 24, E5M2)
+    # [..., 2, 2] with element [i, k] = byte 2i + k: flattening the two new dims gives bytes
+    # 0, 1, 2, 3 in order.
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3))
+
+
+@triton.jit
+def _load_kt_words(k_words, slots, mask_n, stride_ks, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """K^T ``[BLOCK_D, BLOCK_N]`` as fp16 from the int32 words of an fp8 cache (``stride_ks``
+    in words; ``HEAD_DIM % 4 == 0``); padding rows and masked tokens are 0."""
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    words = tl.load(
+        k_words + offs_w[:, None] + slots[None, :] * stride_ks,
+        mask=(offs_w < HEAD_DIM // 4)[:, None] & mask_n[None, :],
+        other=0,
+    )  # [BLOCK_D // 4, BLOCK_N]
+    quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_D // 4, BLOCK_N, 2, 2]
+    return tl.reshape(tl.permute(quads, (0, 2, 3, 1)), (BLOCK_D, slots.shape[0]))
+
+
+@triton.jit
+def _load_v_words(v_words, slots, mask_n, stride_vs, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """V ``[BLOCK_N, BLOCK_DV]`` as fp16 from the int32 words of an fp8 cache."""
+    offs_w = tl.arange(0, BLOCK_DV // 4)
+    words = tl.load(
+        v_words + slots[:, None] * stride_vs + offs_w[None, :],
+        mask=mask_n[:, None] & (offs_w < HEAD_DIM_V // 4)[None, :],
+        other=0,
+    )  # [BLOCK_N, BLOCK_DV // 4]
+    quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_N, BLOCK_DV // 4, 2, 2]
+    return tl.reshape(quads, (slots.shape[0], BLOCK_DV))
+
+
 @triton.jit
 def _decode_split_kernel(
     q_ptr,
@@ -197,6 +291,9 @@ def _decode_split_kernel(
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
     FUSED: tl.constexpr,
+    F8_WORDS: tl.constexpr,
+    F8_E5M2: tl.constexpr,
+    F8_ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -214,7 +311,7 @@ def _decode_split_kernel(
             packed - b * max_splits, qk_scale, max_splits, stride_qb, stride_qh, stride_ks,
             stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos, stride_plb,
             stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N,
-            BLOCK_D, BLOCK_DV, BLOCK_S, KV_SCALED, DOT_F16, FUSED,
+            BLOCK_D, BLOCK_DV, BLOCK_S, KV_SCALED, DOT_F16, FUSED, F8_WORDS, F8_E5M2, F8_ASM,
         )  # fmt: skip
 
 
@@ -227,13 +324,14 @@ def _decode_split(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, F8_WORDS: tl.constexpr, F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr,
 ):  # fmt: skip
     """One split of one request for the GROUP query heads of kv head ``kv_head``: its partial
     output and log-sum-exp (everything per item is computed here, so nothing stays live in
     registers across the items of a program). ``FUSED``: a request of one split writes its
     output directly, and the last split of a request to finish merges them all (see
-    :func:`decode_attention`'s ``arrivals``)."""
+    :func:`decode_attention`'s ``arrivals``). ``F8_WORDS``: ``k_ptr``/``v_ptr`` and their
+    strides address the fp8 cache as int32 words of four values (see ``fp8_words``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -291,11 +389,16 @@ def _decode_split(
         # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
         # memory it is already in the dot's operand order, so an fp8 K is converted in place
         # (transposing fp8 in registers took byte-wise shared loads and spilled).
-        kt = tl.load(
-            k_base + offs_d[:, None] + slots[None, :] * stride_ks,
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )
+        if F8_WORDS:
+            kt = _load_kt_words(
+                k_base, slots, mask_n, stride_ks, HEAD_DIM, BLOCK_D, F8_E5M2, F8_ASM
+            )
+        else:
+            kt = tl.load(
+                k_base + offs_d[:, None] + slots[None, :] * stride_ks,
+                mask=mask_d[:, None] & mask_n[None, :],
+                other=0.0,
+            )
         s = tl.dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
         if not KV_SCALED:  # (fp8: q holds the scale)
             s = s * qk_scale  # log2 domain
@@ -305,12 +408,17 @@ def _decode_split(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + slots[:, None] * stride_vs + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-        if KV_SCALED:
+        if F8_WORDS:
+            v = _load_v_words(
+                v_base, slots, mask_n, stride_vs, HEAD_DIM_V, BLOCK_DV, F8_E5M2, F8_ASM
+            )
+        else:
+            v = tl.load(
+                v_base + slots[:, None] * stride_vs + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+        if KV_SCALED and not F8_WORDS:
             # A no-op on the values (the load already zero-fills), but an operation between
             # the conversion and the dot makes Triton convert V in the load's layout and
             # transpose it through shared memory as fp16 (ldmatrix.trans); without it, it
@@ -438,6 +546,36 @@ def _decode_merge_kernel(
     )  # fmt: skip
 
 
+def fp8_words_unsupported(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
+) -> str | None:
+    """Why :func:`decode_attention` cannot read this cache as int32 words (``fp8_words``),
+    or None when it can: an fp8 cache with 16-bit ``q``, head dims and the K/V strides and
+    offsets in whole words, on a CUDA GPU of compute capability 8.9 or later (the PTX
+    conversion) or under the Triton interpreter (its emulation)."""
+    if k_buffer.dtype not in FP8_DTYPES:
+        return f"the cache dtype {k_buffer.dtype} is not fp8"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q dtype {q.dtype} is not fp16/bf16 (fp32 q keeps fp32 dots)"
+    for name, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if buf.dim() != 3 or buf.stride(2) != 1 or buf.shape[2] % 4:
+            shape = tuple(buf.shape)
+            return f"{name} shape {shape}, strides {buf.stride()}: rows not in whole words"
+        if buf.stride(0) % 4 or buf.stride(1) % 4 or buf.data_ptr() % 4:
+            return f"{name} strides {buf.stride()} or offset not in whole 4-byte words"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 9):
+            return "the GPU's compute capability is below 8.9 (no fp8x2 -> f16x2 conversion)"
+    elif not interpreter_enabled():
+        return f"device {q.device} runs no Triton kernel"
+    return None
+
+
+def fp8_words_supported(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` reads this cache as int32 words by default."""
+    return fp8_words_unsupported(q, k_buffer, v_buffer) is None
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -457,6 +595,7 @@ def decode_attention(
     num_stages: int = 2,
     work: torch.Tensor | None = None,
     arrivals: torch.Tensor | None = None,
+    fp8_words: bool | None = None,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -506,6 +645,12 @@ def decode_attention(
             each split counts its arrival per (request, kv head) with a GPU-scope atomic, and
             the split that arrives last merges them (the separate merge's arithmetic, the
             denominator summed per head in one reduction). None: the separate merge launch.
+        fp8_words: read an fp8 cache as int32 words of four values, unpacked to fp16 pairs by
+            one PTX conversion each (``cvt.rn.f16x2.e4m3x2``; sm89+, or emulated under the
+            interpreter), so that the dots keep 32-bit operands: about half the instructions
+            per block of the element path. Same values; the dots may sum in another order.
+            None takes it wherever :func:`fp8_words_supported` holds, True requires it (an
+            error naming the reason otherwise), False keeps the element path.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -562,12 +707,19 @@ def decode_attention(
     if batch == 0:
         return
 
+    why_not = fp8_words_unsupported(q, k_buffer, v_buffer)
+    if fp8_words and why_not:
+        fail(COMPONENT, f"fp8_words=True unsupported here: {why_not}")
+    words = why_not is None and fp8_words is not False
+    k_arg, v_arg = (
+        (k_buffer.view(torch.int32), v_buffer.view(torch.int32)) if words else (k_buffer, v_buffer)
+    )
     group = num_q_heads // num_kv_heads
     programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
     _decode_split_kernel[(programs, num_kv_heads)](
         q,
-        k_buffer,
-        v_buffer,
+        k_arg,
+        v_arg,
         kv_indptr,
         kv_indices,
         num_splits,
@@ -581,10 +733,10 @@ def decode_attention(
         max_splits,
         q.stride(0),
         q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
+        k_arg.stride(0),
+        k_arg.stride(1),
+        v_arg.stride(0),
+        v_arg.stride(1),
         partial_o.stride(0),
         partial_o.stride(1),
         partial_o.stride(2),
@@ -603,6 +755,9 @@ def decode_attention(
         KV_SCALED=kv_scales is not None,
         DOT_F16=k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
         FUSED=arrivals is not None,
+        F8_WORDS=words,
+        F8_E5M2=k_buffer.dtype == torch.float8_e5m2,
+        F8_ASM=q.device.type == "cuda",
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.core.kv_quant import FP8_DTYPES
 from execrt.kernels._triton import (
     check_index,
     check_last_dim_contiguous,
@@ -470,6 +471,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     # Query tiles (see _tile_rows) in the L2-chunked, longest-first schedule of _tile_coords.
     TOKENS: tl.constexpr = BLOCK_M // HEADS
@@ -489,6 +491,14 @@ def _extend_kernel(
     q_pos = prefix + tok  # [BLOCK_M] absolute position; the row sees context j <= q_pos
     if KV_SCALED:  # an fp8 cache holds K / k_scale: fold k_scale into the softmax scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
+        if DOT_F16:
+            # With 16-bit q the dots run in fp16, as decode's: fp8 -> fp16 is exact and one
+            # instruction per pair of values, fp8 -> bf16 takes a quarter-rate F2F per value
+            # more (64 per thread and block at 128 x 64, as many cycles as the block's
+            # wgmmas). The scale goes into q (clamped to fp16's range), and p stays fp16.
+            q = q.to(tl.float32) * qk_scale
+            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
+            qk_scale = 1.0
 
     # Context [0, full_hi) is visible to every row (whole blocks, no mask math);
     # [full_hi, kv_hi) holds the diagonal, masked per row. A tile past the request's new
@@ -882,6 +892,7 @@ def extend_attention(
         o.stride(0),
         o.stride(1),
         KV_SCALED=kv_scales is not None,
+        DOT_F16=kv_scales is not None and k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
         **common,
     )
 

@@ -16,6 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 from execrt.core.kv_quant import quantize
 from execrt.kernels import attention as tk
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
@@ -181,6 +184,7 @@ def run_decode(
     fused: bool = False,
     arrivals_len: int | None = None,
     arrivals_dtype: torch.dtype = torch.int32,
+    fp8_words: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
 
@@ -221,7 +225,7 @@ def run_decode(
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
         max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        kv_scales=scales, arrivals=arrivals,
+        kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words,
     )  # fmt: skip
     if arrivals is not None:
         assert arrivals.eq(0).all(), "the last split of each request resets its counter"
@@ -519,6 +523,80 @@ def test_decode_fp8_cache_with_16bit_q_against_the_dequantized_oracle(
         kv_dtype=kv_dtype, kv_scales=kv_scales, seed=86,
     )  # fmt: skip
     assert_close(o, ref, FP8_Q_TOL[dtype])
+
+
+WORDS_CASES = {
+    "e4m3-d64": (torch.float8_e4m3fn, 64, 64),
+    "e5m2-d64": (torch.float8_e5m2, 64, 64),
+    "e4m3-d32-dv96": (torch.float8_e4m3fn, 32, 96),
+    "e4m3-d36": (torch.float8_e4m3fn, 36, 36),  # padded words masked in the tile
+}
+
+
+@pytest.mark.parametrize("case", list(WORDS_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_words_give_the_element_paths_output(case: str, dtype: torch.dtype) -> None:
+    # The int32-word read unpacks the same fp16 values the element path converts; under the
+    # interpreter (PTX emulated by shifts) the tiles and so the outputs are the same bits, a
+    # byte taken from the wrong place in a word or a join in the wrong order is not. Compiled,
+    # the mma fragments may sum in another order: the fp64 oracle's tolerance holds both.
+    kv_dtype, head_dim, head_dim_v = WORDS_CASES[case]
+    run = functools.partial(
+        run_decode, [1, 40, 130, 300], num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
+        head_dim_v=head_dim_v, max_splits=3, dtype=dtype, kv_dtype=kv_dtype,
+        kv_scales=(0.25, 4.0), seed=89,
+    )  # fmt: skip
+    words, ref = run(fp8_words=True)
+    elements, _ = run(fp8_words=False)
+    assert_close(words, ref, FP8_Q_TOL[dtype] if not CUDA else GPU_TOL[dtype])
+    if not CUDA and kv_dtype == torch.float8_e4m3fn:
+        assert torch.equal(words, elements)
+    elif not CUDA:
+        # The interpreter's own fp8 cast (the element path) flushes e5m2's subnormal codes
+        # 1-3 towards 0 (triton 3.9; the unpack test above holds the words to torch's exact
+        # values), so the outputs differ in the last bits where those codes occur.
+        torch.testing.assert_close(words, elements, rtol=0, atol=1e-4)
+    else:
+        assert_close(words, elements.double(), GPU_TOL[dtype])
+
+
+@triton.jit
+def _unpack_kernel(words_ptr, out_ptr, N: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):
+    words = tl.load(words_ptr + tl.arange(0, N))
+    quads = tk.decode._unpack_fp8_words(words, E5M2, ASM)  # [N, 2, 2]
+    tl.store(out_ptr + tl.arange(0, 4 * N), tl.reshape(quads, (4 * N,)))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_fp8_words_unpack_every_code_as_torch_converts_it(kv_dtype: torch.dtype) -> None:
+    # All 256 codes, four to a word, through the PTX conversion (compiled) or the
+    # interpreter's stand-in for it (shifts and a bitcast), against torch's fp8 -> fp16 (NaN
+    # codes excepted: stores clamp, so a cache never holds them). Byte order included.
+    codes = torch.arange(256, dtype=torch.uint8, device=SMALL)
+    want = codes.view(kv_dtype).to(torch.float16)
+    got = torch.empty(256, dtype=torch.float16, device=SMALL)
+    _unpack_kernel[(1,)](
+        codes.view(torch.int32), got, N=64, E5M2=kv_dtype == torch.float8_e5m2, ASM=CUDA
+    )
+    codes_read = ~want.isnan()  # e4m3 has 2 NaN codes, e5m2 6 (its infinities are compared)
+    assert codes_read.sum() >= 250
+    assert torch.equal(got[codes_read], want[codes_read])
+
+
+def test_fp8_words_refusals() -> None:
+    dev = SMALL
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=dev)
+    fp8 = torch.zeros(8, 2, 64, dtype=torch.float8_e4m3fn, device=dev)
+    assert tk.decode.fp8_words_supported(q, fp8, fp8)
+    why = tk.decode.fp8_words_unsupported
+    assert "is not fp8" in why(q, fp8.to(torch.bfloat16), fp8.to(torch.bfloat16))
+    assert "fp32 q keeps fp32 dots" in why(q.float(), fp8, fp8)
+    odd = torch.zeros(8, 2, 66, dtype=torch.float8_e4m3fn, device=dev)
+    assert "rows not in whole words" in why(q, odd, odd)
+    shifted = torch.zeros(8 * 2 * 64 + 2, dtype=torch.float8_e4m3fn, device=dev)[2:].view(8, 2, 64)
+    assert "not in whole 4-byte words" in why(q, shifted, shifted)
+    with pytest.raises(ValueError, match="fp8_words=True unsupported here: .*is not fp8"):
+        run_decode([5], fp8_words=True)
 
 
 def _fp8_decode(

@@ -14,6 +14,7 @@ from execrt.kernels.attention import extend as ext
 from tests.kernels.attention.test_decode import (
     CUDA,
     FP8,
+    FP8_Q_TOL,
     GPU_TOL,
     SMALL,
     SMALL_TOL,
@@ -276,6 +277,20 @@ def test_extend_reads_an_fp8_cache_times_its_scales(
     # Full and diagonal blocks both read fp8; fp32 q keeps the reference's precision.
     o, ref = run_extend([0, 37, 5], [20, 9, 40], kv_dtype=kv_dtype, kv_scales=kv_scales, seed=190)
     assert_close(o, ref, F32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_extend_fp8_cache_with_16bit_q_against_the_dequantized_oracle(
+    dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    # 16-bit q over an fp8 cache: the dots run in fp16 with the softmax and k scales in q
+    # (clamped to fp16's range), p in fp16, v_scale on the output. Prefix and diagonal blocks.
+    o, ref = run_extend(
+        [0, 37, 5], [20, 9, 40], num_q_heads=8, num_kv_heads=2, dtype=dtype, kv_dtype=kv_dtype,
+        kv_scales=(0.25, 4.0), seed=191,
+    )  # fmt: skip
+    assert_close(o, ref, FP8_Q_TOL[dtype] if not CUDA else GPU_TOL[dtype])
 
 
 def test_extend_rejects_bad_input() -> None:
