@@ -403,15 +403,25 @@ def compile_jobs(
 
 
 def merged(table: dict[str, dict[str, Any]], old_path: str) -> dict[str, dict[str, Any]]:
-    """``table`` plus the entries of the table at ``old_path`` (format 1 or 2) for the (N, K)
-    this run did not tune; a tuned (N, K) keeps none of its old variant entries."""
+    """``table`` plus the entries of the table at ``old_path`` (format 1 or 2) for the (N, K, M)
+    this run did not tune: a tuned (N, K) keeps none of its old variant entries at a tuned M,
+    and all of them at the row counts this run left alone (``--rows 8`` re-tunes M = 8 only)."""
     if not os.path.exists(old_path):
         return table
     with open(old_path) as fh:
         old = json.load(fh)["shapes"]
-    tuned = {tuple(key.split(",")[:2]) for key in table}
-    kept = {key: by_m for key, by_m in old.items() if tuple(key.split(",")[:2]) not in tuned}
-    return kept | table
+    tuned: dict[tuple[str, ...], set[str]] = {}
+    for key, by_m in table.items():
+        tuned.setdefault(tuple(key.split(",")[:2]), set()).update(by_m)
+    out: dict[str, dict[str, Any]] = {}
+    for key, by_m in old.items():
+        done = tuned.get(tuple(key.split(",")[:2]), set())
+        kept = {m: t for m, t in by_m.items() if m not in done}
+        if kept:
+            out[key] = kept
+    for key, by_m in table.items():
+        out[key] = out.get(key, {}) | by_m
+    return {key: dict(sorted(by_m.items(), key=lambda e: int(e[0]))) for key, by_m in out.items()}
 
 
 def main() -> None:
