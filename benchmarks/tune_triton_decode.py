@@ -43,7 +43,7 @@ SHORT_GRID = [
     (256, 128, 2), (128, 128, 2), (128, 64, 2), (128, 64, 4), (64, 64, 2), (64, 64, 4),
     (64, 32, 4), (32, 32, 4), (32, 32, 8),
 ]  # fmt: skip
-TILE_SHAPES = [(bs, ctx) for bs in (1, 32, 128) for ctx in (512, 8192)]
+TILE_SHAPES = [(bs, ctx) for bs in (1, 8, 32, 128) for ctx in (512, 8192)]
 # (block_n, warps, stages) by the cache's bytes per element; the 16-bit grid is there to compare
 # against with the same kernel (slot ids carried a block ahead). 256-token fp8 blocks spilled
 # registers in an AOT compile for sm90 (255 registers, triton 3.6), at 3 stages they need
