@@ -381,11 +381,12 @@ def launch(
     return y
 
 
-# Split-K scratch per device: fp32 partials and int32 arrival counters (zero between launches:
-# the last slice of each tile resets its counter). Launches on one stream never overlap (PDL
-# waits for the grid ahead before anything else), so one workspace serves every call. A
+# Split-K scratch per device and stream: fp32 partials and int32 arrival counters (zero
+# between launches: the last slice of each tile resets its counter). Launches on one stream
+# never overlap (PDL waits for the grid ahead before anything else), so one workspace serves
+# every call on it; kernels on two streams may run at once, so each stream has its own. A
 # workspace that grows is kept alive, not freed: CUDA graphs captured earlier still read it.
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 _MIN_PART_ELEMS = 1 << 20  # 4 MiB: the 8B gate/up's partials at 4 slices of 16 rows
 _MIN_COUNTERS = 4096
@@ -394,15 +395,17 @@ _MIN_COUNTERS = 4096
 def split_workspace(
     device: torch.device, part_elems: int, counters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K scratch, at least ``part_elems`` fp32 partials and ``counters``
-    zeroed int32 counters."""
-    part, counts = _WORKSPACES.get(device, (None, None))
+    """The split-K scratch of ``device``'s current stream: at least ``part_elems`` fp32
+    partials and ``counters`` zeroed int32 counters."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    part, counts = _WORKSPACES.get(key, (None, None))
     if part is None or counts is None or part.numel() < part_elems or counts.numel() < counters:
         if part is not None and counts is not None:
             _OUTGROWN.append((part, counts))
         part = torch.empty(max(part_elems, _MIN_PART_ELEMS), dtype=torch.float32, device=device)
         counts = torch.zeros(max(counters, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _WORKSPACES[device] = (part, counts)
+        _WORKSPACES[key] = (part, counts)
     return part, counts
 
 

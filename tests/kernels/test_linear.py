@@ -310,7 +310,7 @@ def test_split_k_is_deterministic_resets_its_counters_and_caps_its_slices() -> N
     assert max_rel(first, oracle(x, w, b, False)) <= 4e-3
     for _ in range(3):
         assert torch.equal(launch(x, w, b, tile), first)
-    _, counts = tl_mod._WORKSPACES[x.device]
+    _, counts = tl_mod.split_workspace(x.device, 0, 0)  # the one this stream used
     assert counts.eq(0).all()
     # One slice: the unsplit kernel; the sums differ only in order.
     whole = launch(x, w, b, SkinnyTile(16, 32, use_dot=True))
