@@ -388,7 +388,7 @@ def launch(
 # workspace that grows is kept alive, not freed: CUDA graphs captured earlier still read it.
 _WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
-_MIN_PART_ELEMS = 1 << 20  # 4 MiB: the 8B gate/up's partials at 4 slices of 16 rows
+_MIN_PART_ELEMS = 1 << 20  # 4 MiB: every 0.6B projection at 8 slices of 16 rows
 _MIN_COUNTERS = 4096
 
 

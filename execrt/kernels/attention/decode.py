@@ -165,7 +165,7 @@ def decode_programs(batch: int, num_kv_heads: int, max_splits: int, num_sms: int
 # p are then re-read from shared memory with LDS.64 each block and assembled by ~270 moves,
 # 1,195 instructions per 128-token block against bf16's 579 (benchmarks/kernel_sass.py). Read
 # as int32 words and unpacked by PTX into fp16 pairs, the tiles trace back to 32-bit values and
-# the dots keep kWidth 2: 625 instructions.
+# the dots keep kWidth 2: 630 instructions (3 stages).
 
 _CVT_ASM = """{
 .reg .b16 lo, hi;
