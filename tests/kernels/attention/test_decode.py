@@ -525,22 +525,22 @@ def test_decode_fp8_cache_with_16bit_q_against_the_dequantized_oracle(
     assert_close(o, ref, FP8_Q_TOL[dtype])
 
 
-WORDS_CASES = {
-    "e4m3-d64": (torch.float8_e4m3fn, 64, 64),
-    "e5m2-d64": (torch.float8_e5m2, 64, 64),
-    "e4m3-d32-dv96": (torch.float8_e4m3fn, 32, 96),
-    "e4m3-d36": (torch.float8_e4m3fn, 36, 36),  # padded words masked in the tile
+WORDS_CASES = {  # (kv dtype, head dim, v head dim, q dtype)
+    "e4m3-d64-fp16": (torch.float8_e4m3fn, 64, 64, torch.float16),
+    "e4m3-d64-bf16": (torch.float8_e4m3fn, 64, 64, torch.bfloat16),
+    "e5m2-d64-bf16": (torch.float8_e5m2, 64, 64, torch.bfloat16),
+    "e4m3-d32-dv96-bf16": (torch.float8_e4m3fn, 32, 96, torch.bfloat16),
+    "e4m3-d36-fp16": (torch.float8_e4m3fn, 36, 36, torch.float16),  # padded words masked
 }
 
 
 @pytest.mark.parametrize("case", list(WORDS_CASES))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp8_words_give_the_element_paths_output(case: str, dtype: torch.dtype) -> None:
+def test_fp8_words_give_the_element_paths_output(case: str) -> None:
     # The int32-word read unpacks the same fp16 values the element path converts; under the
     # interpreter (PTX emulated by shifts) the tiles and so the outputs are the same bits, a
     # byte taken from the wrong place in a word or a join in the wrong order is not. Compiled,
     # the mma fragments may sum in another order: the fp64 oracle's tolerance holds both.
-    kv_dtype, head_dim, head_dim_v = WORDS_CASES[case]
+    kv_dtype, head_dim, head_dim_v, dtype = WORDS_CASES[case]
     run = functools.partial(
         run_decode, [1, 40, 130, 300], num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
         head_dim_v=head_dim_v, max_splits=3, dtype=dtype, kv_dtype=kv_dtype,
