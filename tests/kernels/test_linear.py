@@ -21,9 +21,9 @@ TILES = [
     dict(block_n=16, block_k=64),
     dict(block_n=16, block_k=32, use_dot=True),
     dict(block_n=32, block_k=64, use_dot=True),
-    # split-K: 3 slices of 3 K steps (7 in all: the last slice short and ragged)
-    dict(block_n=16, block_k=32, use_dot=True, split_k=3),
 ]
+# split-K: 3 slices of 3 K steps (7 in all: the last slice short and ragged)
+SPLIT_TILE = dict(block_n=16, block_k=32, use_dot=True, split_k=3)
 
 
 def oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
@@ -297,6 +297,37 @@ def test_norm_prologue_bf16_on_gpu_and_graph_replay_is_bitwise(m: int) -> None:
         [x, residual],
         fresh,
     )
+
+
+@pytest.mark.parametrize(
+    ("m", "dtype", "swiglu", "norm"),
+    [
+        (3, torch.float16, False, "add"),
+        (16, torch.float32, True, "none"),
+        (1, torch.float16, False, "norm"),
+    ],
+)
+def test_split_k_matches_the_oracle(m: int, dtype: torch.dtype, swiglu: bool, norm: str) -> None:
+    # Plain, SwiGLU on the input, the norm prologue with and without the residual add: each
+    # slice reads its part of K (and of the norm weight / residual), slice (0, 0) alone
+    # writes the new residual.
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, launch
+
+    n, k = 37, 200
+    x, w, b = make(m, n, k, dtype, swiglu, bias=True, seed=m + 31)
+    tile = SkinnyTile(**SPLIT_TILE)
+    if norm == "none":
+        out = launch(x, w, b, tile, swiglu=swiglu)
+        assert max_rel(out, oracle(x, w, b, swiglu)) <= bound(dtype)
+        return
+    residual = (torch.randn(m, k) * 4).to(dtype).to(DEVICE) if norm == "add" else None
+    norm_w = (torch.rand(k) + 0.5).to(dtype).to(DEVICE)
+    new_residual = torch.full_like(x, float("nan")) if residual is not None else None
+    out = launch(x, w, b, tile, norm=NormIn(norm_w, 1e-6, residual, new_residual))
+    expected, expected_residual = norm_oracle(x, residual, norm_w, 1e-6, w, b)
+    assert max_rel(out, expected) <= bound(dtype)
+    if new_residual is not None:
+        assert torch.equal(new_residual, expected_residual)
 
 
 def test_split_k_is_deterministic_resets_its_counters_and_caps_its_slices() -> None:

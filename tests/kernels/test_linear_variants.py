@@ -68,7 +68,6 @@ TILES = [
     dict(block_n=16, block_k=64),
     dict(block_n=16, block_k=32, use_dot=True),  # tensor cores, rows padded to 16
     dict(block_n=32, block_k=64, use_dot=True),
-    dict(block_n=16, block_k=64, split_k=2),  # split-K: gate and up partials, then SwiGLU
 ]
 
 
@@ -93,6 +92,26 @@ def test_swiglu_out_matches_the_oracle(tile: dict, dtype: torch.dtype, m: int, n
     assert max_rel(out, expected) <= bound(dtype)
     if new_res is not None:
         assert torch.equal(new_res, expected_res)
+
+
+@pytest.mark.parametrize(("m", "dtype"), [(3, torch.float16), (8, torch.float32)])
+def test_swiglu_out_with_split_k_matches_the_oracle(m: int, dtype: torch.dtype) -> None:
+    # Gate and up partials per slice; the last slice sums both and applies SwiGLU. The norm
+    # prologue with the residual add rides along.
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, launch
+
+    i, k = 37, 200
+    x = rand((m, k), m, dtype)
+    w13 = rand((2 * i, k), m + 1, dtype, k**-0.5)
+    b = rand((2 * i,), m + 2, dtype)
+    norm_w = (torch.rand(k, generator=gen(3)) + 0.5).to(dtype).to(DEVICE)
+    residual = rand((m, k), m + 4, dtype, 4.0)
+    new_res = torch.full_like(x, float("nan"))
+    tile = SkinnyTile(block_n=16, block_k=64, split_k=2)
+    out = launch(x, w13, b, tile, swiglu_out=True, norm=NormIn(norm_w, 1e-6, residual, new_res))
+    expected, expected_res = act_oracle(x, w13, b, norm_w, residual)
+    assert max_rel(out, expected) <= bound(dtype)
+    assert torch.equal(new_res, expected_res)
 
 
 def test_swiglu_out_equals_the_unfused_kernels_bitwise_in_fp16() -> None:
