@@ -228,7 +228,8 @@ def best_tile(
     if variant == SWIGLU_OUT:
         tiles += [replace(t, fuse_norm=False) for t in tiles]
     timed: list[tuple[float, SkinnyTile]] = []
-    for tile in tiles:
+
+    def check_and_time(tile: SkinnyTile) -> None:
         fn = p.tile_fn(variant, tile)
         try:
             out = fn(0)
@@ -237,20 +238,19 @@ def best_tile(
                 f"#   {label} {variant or 'plain'} m={p.m} {tile}: {type(exc).__name__}",
                 file=sys.stderr,
             )
-            continue
+            return
         err = max_rel(out, ref)
         if err > TOLERANCE:
             raise AssertionError(f"{label} {variant or 'plain'} m={p.m} {tile}: error {err:.3g}")
         timed.append((time_us(fn, p.copies) if p.device == "cuda" else 0.0, tile))
+
+    for tile in tiles:
+        check_and_time(tile)
     # Split-K on the fastest tensor-core tiles, where a tile alone leaves SMs idle.
     width = p.n // 2 if variant == SWIGLU_OUT else p.n
     dots = [t for _, t in sorted(timed, key=lambda r: r[0]) if t.use_dot][:SPLIT_FROM_BEST]
-    for tile in (s for t in dots for s in split_tiles(t, width, p.k, p.sms)):
-        fn = p.tile_fn(variant, tile)
-        err = max_rel(fn(0), ref)
-        if err > TOLERANCE:
-            raise AssertionError(f"{label} {variant or 'plain'} m={p.m} {tile}: error {err:.3g}")
-        timed.append((time_us(fn, p.copies) if p.device == "cuda" else 0.0, tile))
+    for tile in [s for t in dots for s in split_tiles(t, width, p.k, p.sms)]:
+        check_and_time(tile)
     us, tile = min(timed, key=lambda r: r[0]) if timed else (float("inf"), None)
     return us, tile, [{"us": u, "tile": asdict(t)} for u, t in sorted(timed, key=lambda r: r[0])]
 

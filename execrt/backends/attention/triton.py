@@ -60,10 +60,9 @@ class TritonAttnBackend(AttentionBackend):
     to finish (one launch per layer, and a one-split request writes its output directly);
     ``auto`` (the default) fuses exactly the batches whose requests the split policy gives
     one split each unless they are longer than a split (``min_splits`` 1: enough requests to
-    fill the GPU),
-    where the H200 measured fused 5-9% faster, and keeps the separate merge below, where it
-    measured fused 5-8% slower (docs/kernels.md); end to end on the H200 it was never
-    slower than ``separate`` and 4-15% faster at bs 64-128.
+    fill the GPU), where the H200 measured fused 5-9% faster, and keeps the separate merge
+    below, where it measured fused 5-8% slower (docs/kernels.md); end to end on the H200 it
+    was never slower than ``separate`` and 4-15% faster at bs 64-128.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:

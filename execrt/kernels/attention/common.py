@@ -54,6 +54,12 @@ class AttentionDims(NamedTuple):
     head_dim_v: int
 
 
+def fp16_dots(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
+    """Whether the kernels run their dots in fp16: an fp8 cache read by 16-bit q (fp8 ->
+    fp16 is exact and one instruction per pair; fp8 -> bf16 costs a slow conversion more)."""
+    return k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32
+
+
 def check_head_dim(name: str, dim: int) -> None:
     if not 1 <= dim <= MAX_HEAD_DIM:
         fail(COMPONENT, f"{name} {dim} unsupported (supported: 1..{MAX_HEAD_DIM})")

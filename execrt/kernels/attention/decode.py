@@ -22,7 +22,14 @@ from execrt.kernels._triton import (
     sm_count,
     tuned_table_name,
 )
-from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
+from execrt.kernels.attention.common import (
+    COMPONENT,
+    LOG2E,
+    check_block,
+    check_paged,
+    check_qkvo,
+    fp16_dots,
+)
 from execrt.kernels.attention.indices import (
     check_arrivals,
     check_work,
@@ -753,7 +760,7 @@ def decode_attention(
         BLOCK_DV=pow2_at_least(head_dim_v),
         BLOCK_S=pow2_at_least(max_splits, 2),
         KV_SCALED=kv_scales is not None,
-        DOT_F16=k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
+        DOT_F16=fp16_dots(q, k_buffer),
         FUSED=arrivals is not None,
         F8_WORDS=words,
         F8_E5M2=k_buffer.dtype == torch.float8_e5m2,

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.core.kv_quant import FP8_DTYPES
 from execrt.kernels._triton import (
     check_index,
     check_last_dim_contiguous,
@@ -35,7 +34,14 @@ from execrt.kernels._triton import (
     interpreter_enabled,
     pow2_at_least,
 )
-from execrt.kernels.attention.common import COMPONENT, LOG2E, check_block, check_paged, check_qkvo
+from execrt.kernels.attention.common import (
+    COMPONENT,
+    LOG2E,
+    check_block,
+    check_paged,
+    check_qkvo,
+    fp16_dots,
+)
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -892,7 +898,7 @@ def extend_attention(
         o.stride(0),
         o.stride(1),
         KV_SCALED=kv_scales is not None,
-        DOT_F16=kv_scales is not None and k_buffer.dtype in FP8_DTYPES and q.dtype != torch.float32,
+        DOT_F16=fp16_dots(q, k_buffer),  # an fp8 cache always comes with kv_scales
         **common,
     )
 
