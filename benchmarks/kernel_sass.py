@@ -278,7 +278,8 @@ def main() -> None:
         bm, bn, warps, stages = _tiles(args.tiles or "128,64,8,4", 4, p)
         print(describe(extend_loops(bm, bn, warps, stages), "tensor", *floors), flush=True)
         return
-    defaults = {"bf16": [(64, 4, 2), (128, 4, 2)], "fp8": [(128, 4, 2), (128, 4, 3)]}
+    fp8_tiles = [(128, 4, 2), (128, 4, 3)]
+    defaults = {"bf16": [(64, 4, 2), (128, 4, 2)], "fp8": fp8_tiles, "fp8w": fp8_tiles}
     for kv in (k.strip() for k in args.kv.split(",") if k.strip()):
         if kv not in KV_TYPES:
             p.error(f"--kv {kv!r} unsupported (supported: {', '.join(KV_TYPES)})")

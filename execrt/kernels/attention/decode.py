@@ -209,16 +209,10 @@ def _fp8_byte_to_f16(word, SHIFT: tl.constexpr, E5M2: tl.constexpr):
 def _unpack_fp8_words(words, E5M2: tl.constexpr, ASM: tl.constexpr):
     """The four fp8 values of each int32 word as fp16, byte 0 (the lowest address) first."""
     if ASM:
-        if E5M2:
-            b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                _CVT_E5M2, "=h,=h,=h,=h,r", [words],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
-            )  # fmt: skip
-        else:
-            b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                _CVT_E4M3, "=h,=h,=h,=h,r", [words],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
-            )  # fmt: skip
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            _CVT_E5M2 if E5M2 else _CVT_E4M3, "=h,=h,=h,=h,r", [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
     else:
         b0 = _fp8_byte_to_f16(words, 0, E5M2)
         b1 = _fp8_byte_to_f16(words, 8, E5M2)
