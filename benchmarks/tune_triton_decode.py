@@ -6,6 +6,9 @@ argument. The second picks the sweep:
 - ``long`` (default): the split policy and tiles over long contexts (bf16);
 - ``short``: the split policy over the short contexts of a decode step (``execrt bench
   decode`` runs ctx 512);
+- ``ragged``: split targets and tiles over serving batches (bs 64/128/256, each request's
+  context uniform in [100, 2048], the offline throughput workload's range), 16/8 heads as
+  Qwen3-0.6B; the tuned tiles also over uniform contexts of the same total;
 - ``tiles``: the stage-1 tiles (``DecodeTiles``) per KV cache dtype (``--kv-dtypes``, default
   ``fp8_e4m3,auto``) at bs 1/32/128 x ctx 512/8192 with the default split policy. Each tile is
   checked against the fp32 oracle over the dequantized K/V before it is timed; per batch size
@@ -69,9 +72,9 @@ def bench(
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
     layer 0 against the fp32 oracle when ``check``, else 0)."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
-    seq = torch.full((bs,), p.ctx, dtype=torch.int64, device="cuda")
+    seq = p.seq_lens()
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
-    indices = torch.empty(bs * p.ctx, dtype=torch.int32, device="cuda")
+    indices = torch.empty(sum(p.lens), dtype=torch.int32, device="cuda")
     fill_kv_index(p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices)
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
@@ -142,6 +145,47 @@ def sweep_policy(short: bool, copy_bw: float) -> list[dict[str, Any]]:
             + " ".join(cells),
             flush=True,
         )
+    return rows
+
+
+RAGGED_BATCHES = (64, 128, 256)
+RAGGED_TARGETS = (2048, 1024, 512)
+RAGGED_TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2))  # (block_n, warps, stages)
+
+
+def sweep_ragged(copy_bw: float) -> list[dict[str, Any]]:
+    """Split targets and tiles over ragged batches, and the tuned tiles over uniform ones of
+    the same total (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    g = torch.Generator().manual_seed(0)
+    print("# % of copy bandwidth by (block_n, warps, stages) and split target", flush=True)
+    for bs in RAGGED_BATCHES:
+        lens = torch.randint(100, 2049, (bs,), generator=g).tolist()
+        mean = round(sum(lens) / bs)
+        ragged = DecodeProblem(bs, max(lens), 16, 8, 128, torch.bfloat16, lens=lens)
+        uniform = DecodeProblem(bs, mean, 16, 8, 128, torch.bfloat16)
+        t = K.decode_tiles(torch.bfloat16, 128, bs, torch.device("cuda"))
+        tuned = (t.block_n, t.num_warps, t.num_stages)
+        print(f"# bs {bs}, mean ctx {mean}, tuned tiles {tuned}", flush=True)
+        for tiles in dict.fromkeys((tuned, *RAGGED_TILES)):
+            cells = []
+            for target in RAGGED_TARGETS:
+                policy = K.SplitPolicy(min_split_len=min(K.DEFAULT_MIN_SPLIT_LEN, target),
+                                       target_split_len=target)  # fmt: skip
+                kinds = [("ragged", ragged)] + ([("uniform", uniform)] if tiles == tuned else [])
+                for kind, p in kinds:
+                    try:
+                        us, _ = bench(p, policy, *tiles)
+                    except Exception as exc:  # out of shared memory or registers
+                        cells.append(f"t{target} {kind}: {type(exc).__name__}")
+                        continue
+                    pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
+                    rows.append(
+                        dict(kind=kind, bs=bs, mean_ctx=mean, target=target, block_n=tiles[0],
+                             warps=tiles[1], stages=tiles[2], us=us, pct=pct)
+                    )  # fmt: skip
+                    cells.append(f"t{target} {kind} {pct:5.1f}")
+            print(f"  n{tiles[0]:>3} w{tiles[1]} s{tiles[2]}: " + "  ".join(cells), flush=True)
     return rows
 
 
@@ -250,7 +294,9 @@ def sweep_tiles(kv_names: list[str], copy_bw: float, out_dir: str) -> list[TileR
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", help="JSON file for every row")
-    parser.add_argument("mode", nargs="?", default="long", choices=["long", "short", "tiles"])
+    parser.add_argument(
+        "mode", nargs="?", default="long", choices=["long", "short", "tiles", "ragged"]
+    )
     parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",
         help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
@@ -265,6 +311,8 @@ def main() -> None:
     if args.mode == "tiles":
         out_dir = (os.path.dirname(args.out) if args.out else "") or "."
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
+    elif args.mode == "ragged":
+        rows = sweep_ragged(copy_bw)
     else:
         rows = sweep_policy(args.mode == "short", copy_bw)
     if args.out:

@@ -58,8 +58,9 @@ class Record:
 
 
 class DecodeProblem:
-    """``bs`` requests of ``ctx`` tokens each, slots a random permutation of the cache
-    (stored in ``kv_dtype``, default the model's ``dtype``)."""
+    """``bs`` requests of ``ctx`` tokens each, or of ``lens[b]`` tokens where ``lens`` is given
+    (ragged, as a serving batch is; ``ctx`` is then their maximum), slots a random permutation
+    of the cache (stored in ``kv_dtype``, default the model's ``dtype``)."""
 
     def __init__(
         self,
@@ -71,11 +72,16 @@ class DecodeProblem:
         dtype: torch.dtype,
         seed: int = 0,
         kv_dtype: torch.dtype | None = None,
+        lens: Sequence[int] | None = None,
     ) -> None:
+        if lens is not None and (len(lens) != bs or min(lens, default=0) < 1):
+            raise ValueError(f"lens {list(lens)[:8]}... must be {bs} positive lengths")
+        self.lens = list(lens) if lens is not None else [ctx] * bs
+        ctx = max(self.lens)
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.bs, self.ctx, self.hq, self.hkv, self.d, self.dtype = bs, ctx, hq, hkv, d, dtype
         kv_dtype = kv_dtype or dtype
-        tokens = bs * ctx
+        tokens = sum(self.lens)
         layer_bytes = 2 * tokens * hkv * d * torch.empty((), dtype=kv_dtype).element_size()
         self.kv_bytes = layer_bytes
         # Enough distinct layers that consecutive calls never find their K/V in L2.
@@ -84,14 +90,18 @@ class DecodeProblem:
         for buf in (*self.kv_cache.k_buffers, *self.kv_cache.v_buffers):
             buf.copy_(quantize(torch.empty_like(buf, dtype=dtype).normal_(generator=g), kv_dtype))
         self.pool = ReqToTokenPool(bs, ctx, "cuda")
-        perm = torch.randperm(tokens, generator=g, device="cuda") + 1
-        self.pool.req_to_token[1:] = perm.view(bs, ctx).to(torch.int32)
+        perm = (torch.randperm(tokens, generator=g, device="cuda") + 1).to(torch.int32)
+        for b, part in enumerate(perm.split(self.lens)):
+            self.pool.req_to_token[b + 1, : part.numel()] = part
         self.q = torch.randn(bs, hq, d, dtype=dtype, device="cuda", generator=g)
         self.layers = [AttentionLayer(i, hq, hkv, d, d, d**-0.5) for i in range(self.num_layers)]
 
+    def seq_lens(self) -> torch.Tensor:
+        return torch.tensor(self.lens, dtype=torch.int64, device="cuda")
+
     def forward_batch(self) -> ForwardBatch:
         bs = self.bs
-        seq = torch.full((bs,), self.ctx, dtype=torch.int64, device="cuda")
+        seq = self.seq_lens()
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
@@ -99,19 +109,19 @@ class DecodeProblem:
             req_pool_indices=torch.arange(1, bs + 1, device="cuda"),
             seq_lens=seq,
             out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="cuda"),
-            seq_lens_cpu=[self.ctx] * bs,
-            prefix_lens_cpu=[self.ctx - 1] * bs,
+            seq_lens_cpu=list(self.lens),
+            prefix_lens_cpu=[n - 1 for n in self.lens],
             extend_lens_cpu=[1] * bs,
         )
 
     def reference(self) -> torch.Tensor:
         """fp32 attention of layer 0 over the gathered K/V: ``[bs, Hq, D]``."""
-        slots = self.pool.req_to_token[1 : self.bs + 1].long()  # [bs, ctx]
         out = []
         scales = self.kv_cache.layer_scales[0]
-        for b in range(self.bs):  # one request at a time keeps fp32 temporaries small
-            k = dequantize(self.kv_cache.k_buffers[0][slots[b]], scales[K_SCALE])  # [ctx, Hkv, D]
-            v = dequantize(self.kv_cache.v_buffers[0][slots[b]], scales[V_SCALE])
+        for b, n in enumerate(self.lens):  # one request at a time keeps fp32 temporaries small
+            slots = self.pool.req_to_token[b + 1, :n].long()
+            k = dequantize(self.kv_cache.k_buffers[0][slots], scales[K_SCALE])  # [n, Hkv, D]
+            v = dequantize(self.kv_cache.v_buffers[0][slots], scales[V_SCALE])
             q = self.q[b].float().view(self.hkv, self.hq // self.hkv, self.d)
             s = torch.einsum("hgd,lhd->hgl", q, k) * self.d**-0.5
             out.append(torch.einsum("hgl,lhd->hgd", s.softmax(-1), v).reshape(self.hq, self.d))
