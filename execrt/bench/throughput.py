@@ -61,6 +61,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "defaults-fused-merge": {"triton_decode_merge": "fused"},
     "defaults-auto-merge": {"triton_decode_merge": "auto"},
     "defaults-separate-merge": {"triton_decode_merge": "separate"},
+    "defaults-split-2048": {"triton_decode_split_target": 2048},
+    "defaults-split-1024": {"triton_decode_split_target": 1024},
+    "defaults-split-512": {"triton_decode_split_target": 512},
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each

@@ -62,6 +62,7 @@ class RuntimeConfig:
     prefix_cache_force_miss: bool = False
     flashinfer_prefill_backend: str = "auto"
     triton_decode_merge: str = "auto"
+    triton_decode_split_target: int = 0  # tokens per decode KV split; 0 = the kernel's default
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -97,7 +98,9 @@ class RuntimeConfig:
         if self.tp_size < 1:
             raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}")
         auto_sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_tokens")
-        for name in (*auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size"):
+        for name in (
+            *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size", "triton_decode_split_target"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"

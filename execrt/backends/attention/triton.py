@@ -63,6 +63,11 @@ class TritonAttnBackend(AttentionBackend):
     fill the GPU), where the H200 measured fused 5-9% faster, and keeps the separate merge
     below, where it measured fused 5-8% slower (docs/kernels.md); end to end on the H200 it
     was never slower than ``separate`` and 4-15% faster at bs 64-128.
+
+    Option ``decode_split_target`` (config ``triton_decode_split_target``): the tokens per
+    decode KV split a request is cut into once the batch fills the GPU (0: the kernels'
+    ``SplitPolicy`` default); shorter splits balance ragged batches, longer ones cost fewer
+    partials.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -75,7 +80,7 @@ class TritonAttnBackend(AttentionBackend):
             if init.device.type == "cuda"
             else 4
         )
-        self.split_policy = kernels.SplitPolicy()
+        self.split_policy = _split_policy(kernels, init.options.get("decode_split_target", 0))
         self.max_context_len = init.max_context_len
         self.decode_merge = str(init.options.get("decode_merge", "auto"))
         if self.decode_merge not in DECODE_MERGE:
@@ -255,3 +260,17 @@ class TritonAttnBackend(AttentionBackend):
 
     def close(self) -> None:
         self._graph = None
+
+
+def _split_policy(kernels, target: object):  # type: ignore[no-untyped-def]
+    """The decode split policy with ``target`` tokens per split (0: the default policy)."""
+    if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+        raise ConfigError(
+            f"triton attention: decode_split_target {target!r} unsupported "
+            "(a token count >= 1, or 0 for the default)"
+        )
+    if target == 0:
+        return kernels.SplitPolicy()
+    return kernels.SplitPolicy(
+        min_split_len=min(kernels.DEFAULT_MIN_SPLIT_LEN, target), target_split_len=target
+    )

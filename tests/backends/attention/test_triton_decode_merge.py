@@ -25,7 +25,7 @@ FILLS = -(-2 * SMS // HKV)
 MAX_BS = FILLS
 
 
-def _backend(merge: str, pool: ReqToTokenPool, cache: KVCache):  # type: ignore[no-untyped-def]
+def _backend(merge: str, pool: ReqToTokenPool, cache: KVCache, **options):  # type: ignore[no-untyped-def]
     from execrt.backends.attention.triton import TritonAttnBackend
 
     return TritonAttnBackend(
@@ -33,7 +33,7 @@ def _backend(merge: str, pool: ReqToTokenPool, cache: KVCache):  # type: ignore[
             capabilities=TRITON_ATTENTION, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
             v_head_dim=D, num_layers=1, dtype=torch.float32, device=DEVICE,
             req_to_token_pool=pool, kv_cache=cache, max_batch_size=MAX_BS, max_context_len=CTX,
-            context=RuntimeContext(), options={"decode_merge": merge},
+            context=RuntimeContext(), options={"decode_merge": merge, **options},
         )
     )  # fmt: skip
 
@@ -108,3 +108,39 @@ def test_unknown_merge_is_refused_naming_the_value_and_the_choices() -> None:
         match=r"decode_merge 'last' unsupported \(supported: separate, fused, auto\)",
     ):
         _backend("last", pool, cache)
+
+
+def test_a_shorter_split_target_cuts_full_batches_into_more_splits_with_the_same_output() -> None:
+    """``decode_split_target``: a full batch (one split per request by default) of contexts
+    up to 639 tokens gets cdiv(len, 128) splits at target 128, and the same attention."""
+    bs = FILLS
+    lens = [CTX - 1 - (97 * i) % 400 for i in range(bs)]
+    pool, cache, fb = _state(bs, lens)
+    layer = AttentionLayer(0, HQ, HKV, D, D, D**-0.5)
+    q = torch.randn(bs, HQ, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    outs, splits = {}, {}
+    for target in (0, 128):
+        backend = _backend("auto", pool, cache, decode_split_target=target)
+        meta = backend.plan(fb)
+        splits[target] = meta.num_splits[:bs].tolist()
+        outs[target] = backend.attend(
+            q, layer, AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
+        )
+    assert splits[0] == [1] * bs
+    assert splits[128] == [-(-n // 128) for n in lens]
+    torch.testing.assert_close(outs[128], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", [-1, "512", 2.5, True])
+def test_a_bad_split_target_is_refused_naming_the_value(target) -> None:  # type: ignore[no-untyped-def]
+    pool, cache, _ = _state(1, [4])
+    with pytest.raises(ConfigError, match=rf"decode_split_target {target!r} unsupported"):
+        _backend("auto", pool, cache, decode_split_target=target)
+
+
+def test_a_split_target_below_the_minimum_split_lowers_the_minimum() -> None:
+    pool, cache, _ = _state(1, [4])
+    policy = _backend("auto", pool, cache, decode_split_target=64).split_policy
+    assert (policy.target_split_len, policy.min_split_len) == (64, 64)
+    default = _backend("auto", pool, cache).split_policy
+    assert default == _backend("auto", pool, cache, decode_split_target=0).split_policy
