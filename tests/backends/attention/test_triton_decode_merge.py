@@ -128,7 +128,10 @@ def test_a_shorter_split_target_cuts_full_batches_into_more_splits_with_the_same
         )
     assert splits[0] == [1] * bs
     assert splits[128] == [-(-n // 128) for n in lens]
-    torch.testing.assert_close(outs[128], outs[0], rtol=1e-5, atol=1e-5)
+    # Other splits round differently: the interpreter's fp32 dots agree to 1e-5; a GPU's fp32
+    # tl.dot runs in TF32 (10 mantissa bits; the H200 measured 9e-5 apart).
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    torch.testing.assert_close(outs[128], outs[0], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("target", [-1, "512", 2.5, True])
