@@ -2,8 +2,8 @@
 the shipped SmolLM2 GGUF, and on a random checkpoint whose calibrated scales it stores.
 
 The issue's target is 97%. Measured on CPU (fp32 model, 16 prompts): SmolLM2 e4m3 95.7% and
-e5m2 93.7% over 128 tokens (94.9% and 92.7% over 64), the random checkpoint e4m3 93.1% over
-64; for scale, a bf16 model agrees with the fp32 one 97.6% (SmolLM2) and 98.3% (random). Small
+e5m2 93.7% over 128 tokens (94.9% and 92.7% over 64; 94.7% and 91.7% over the 32 the CPU
+suite runs), the random checkpoint e4m3 93.1% over 64 (93.0% over 32); for scale, a bf16 model agrees with the fp32 one 97.6% (SmolLM2) and 98.3% (random). Small
 models decide many steps by a hair (10% of SmolLM2's steps by < 0.18 logits) and e4m3 keeps 3
 mantissa bits of K, so each case fails hard below ``BROKEN_BELOW`` (ignoring the scales gives
 1%; NaN or a wrong dequantization land far lower too) and reports the gap to the target as an
@@ -32,8 +32,9 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 NUM_PROMPTS = 16
 # Decode steps per prompt: the issue's 128 on a GPU; fewer on CPU, where fp8 runs through
-# torch_native and the test shares 2 cores (~10 s per run of 16 x 64 steps when they are free).
-TOKENS = 128 if GPU else 64
+# torch_native and the test shares 2 cores (~10 s per run of 16 x 64 steps when they are free;
+# the three cases take 66 s at 32 steps).
+TOKENS = 128 if GPU else 32
 MIN_AGREEMENT = 0.97  # the issue's target
 BROKEN_BELOW = 0.90
 
