@@ -64,6 +64,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "defaults-split-2048": {"triton_decode_split_target": 2048},
     "defaults-split-1024": {"triton_decode_split_target": 1024},
     "defaults-split-512": {"triton_decode_split_target": 512},
+    # shorter splits with the merge in its own launch (auto fuses it into multi-split launches)
+    "defaults-split-1024-separate": {
+        "triton_decode_split_target": 1024,
+        "triton_decode_merge": "separate",
+    },
+    "defaults-split-512-separate": {
+        "triton_decode_split_target": 512,
+        "triton_decode_merge": "separate",
+    },
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each
