@@ -353,8 +353,8 @@ def _profile_generate(
 ) -> None:
     """Profile the generate path's decode steps: kernels and GPU busy vs wall per step by
     difference (a generate of 1 + ``opts.steps`` tokens less one of 1, as the step is timed:
-    the prefill cancels), and where the host's own time goes over a whole generate
-    (cProfile)."""
+    the prefill cancels), and where the host's own time goes per step (cProfile, by the same
+    difference)."""
     steps = opts.steps
     device = engine.worker.limits.device
 
@@ -362,7 +362,7 @@ def _profile_generate(
         _generate_s(engine, prompts, tokens, 1)
 
     report = profile_difference(run, steps, device, _trace_path(opts, label))
-    host = host_hotspots(lambda: run(steps), steps)
+    host = host_hotspots(lambda: run(1 + steps), steps, base=lambda: run(1))
     report = dataclasses.replace(report, host_us_per_step=host.host_us_per_step)
     rec.profile = asdict(report) | {"gpu_busy_pct": report.gpu_busy_pct}
     rec.hotspots = [(where, round(us, 1)) for where, us in host.hotspots]

@@ -241,11 +241,9 @@ WAITS = ("synchronize", "wait", "sleep")
 HARNESS = ("gc.collect",)
 
 
-def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> HostProfile:
-    """The Python functions where ``run`` spends its own host time, as (where, µs per step),
-    most first (cProfile ``tottime``: time in the function itself, callees excluded), and
-    their sum per step without the functions that wait (``WAITS``); the harness's own
-    entries (``HARNESS``) are left out of both."""
+def _own_times(run: Callable[[], object]) -> dict[str, float]:
+    """Seconds of each Python function's own time (cProfile ``tottime``: callees excluded)
+    over one ``run()``, the harness's entries (``HARNESS``) left out."""
     import cProfile
     import pstats
 
@@ -256,12 +254,32 @@ def host_hotspots(run: Callable[[], object], steps: int, top: int = 12) -> HostP
     finally:
         prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = []
+    own: dict[str, float] = {}
     for (path, line, name), (_, _, tottime, _, _) in stats.items():
-        if any(h in name for h in HARNESS):
-            continue
-        rows.append((f"{os.path.basename(path)}:{line}({name})", tottime / steps * 1e6))
-    rows.sort(key=lambda r: -r[1])
+        if not any(h in name for h in HARNESS):
+            where = f"{os.path.basename(path)}:{line}({name})"
+            own[where] = own.get(where, 0.0) + tottime
+    return own
+
+
+def host_hotspots(
+    run: Callable[[], object],
+    steps: int,
+    top: int = 12,
+    base: Callable[[], object] | None = None,
+) -> HostProfile:
+    """The Python functions where ``run`` spends its own host time, as (where, µs per step),
+    most first (cProfile ``tottime``: time in the function itself, callees excluded), and
+    their sum per step without the functions that wait (``WAITS``); the harness's own
+    entries (``HARNESS``) are left out of both. With ``base`` (the same work without the
+    ``steps``, e.g. a generate of one token against one of ``1 + steps``) each function's
+    time is the difference of the two runs, so what both share (a prefill) cancels, as
+    :func:`profile_difference` cancels it on the GPU."""
+    own = _own_times(run)
+    if base is not None:
+        less = _own_times(base)
+        own = {where: t - less.get(where, 0.0) for where, t in own.items()}
+    rows = sorted(((where, t / steps * 1e6) for where, t in own.items()), key=lambda r: -r[1])
     working = sum(us for where, us in rows if not any(w in where for w in WAITS))
     return HostProfile(rows[:top], working)
 

@@ -225,7 +225,7 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         gen = by_key[("eager", "generate", bs)]
         # The generate path's decode steps by difference (1 + steps tokens less 1: on a busy
         # CPU the wall difference may be noise, so only its presence is checked), and the host
-        # time of a whole generate broken down.
+        # time per step broken down by the same difference.
         assert gen.profile is not None and gen.profile["by_difference"]
         assert gen.profile["steps"] == opts.steps
         assert (

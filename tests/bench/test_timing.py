@@ -116,6 +116,31 @@ def test_host_profile_leaves_out_the_harness_collections() -> None:
     assert any("_busy" in w for w, _ in profile.hotspots)
 
 
+def _prefill_then_steps(steps: int) -> None:
+    _prefill()
+    for _ in range(steps):
+        _step()
+
+
+def _prefill() -> None:
+    _busy(0.03)  # 30 ms once: it would read as 10 ms "per step" over 3 steps
+
+
+def _step() -> None:
+    _busy(0.002)
+
+
+def test_host_profile_by_difference_cancels_what_the_base_run_shares() -> None:
+    """A generate of 1 + S tokens less one of 1: the prefill's host time cancels and the
+    steps' own time stays."""
+    whole = host_hotspots(lambda: _prefill_then_steps(3), steps=3)
+    diff = host_hotspots(
+        lambda: _prefill_then_steps(4), steps=3, base=lambda: _prefill_then_steps(1)
+    )
+    assert whole.host_us_per_step >= 10000  # 2 ms per step and the prefill spread over them
+    assert 1500 <= diff.host_us_per_step < 8000  # ~2 ms per step, noise on a busy host
+
+
 def test_matmul_rate_is_positive_and_finite() -> None:
     rate = matmul_tflops(torch.device("cpu"), n=64, iters=2, reps=1)
     assert 0 < rate < 1e3
