@@ -333,9 +333,9 @@ def _add_bench_throughput(bench_sub: Any) -> None:
         help="named settings: defaults, tuned (256 running, 16k prefill tokens, KV fraction "
         "0.85), tuned-no-overlap, tuned-flashinfer, tuned-sample-after-graph, "
         "defaults-fused-merge, defaults-auto-merge, defaults-separate-merge (triton_decode_merge "
-        "fused / auto, the default / separate), defaults-split-2048 / -1024 / -512 "
-        "(triton_decode_split_target), defaults-split-1024-separate / -512-separate (with "
-        "the separate merge) (default: defaults,tuned)",
+        "fused / auto, the default / separate), defaults-split-2048, defaults-split-1024, "
+        "defaults-split-512 (triton_decode_split_target), defaults-split-1024-separate, "
+        "defaults-split-512-separate (with the separate merge) (default: defaults,tuned)",
     )
     tp.add_argument(
         "--temperatures", default="0.6,0", help="one run per temperature (default: 0.6,0)"
