@@ -65,8 +65,8 @@ class TritonAttnBackend(AttentionBackend):
     was never slower than ``separate`` and 4-15% faster at bs 64-128.
 
     Option ``decode_split_target`` (config ``triton_decode_split_target``): the tokens per
-    decode KV split a request is cut into once the batch fills the GPU (0: the kernels'
-    ``SplitPolicy`` default); shorter splits balance ragged batches, longer ones cost fewer
+    decode KV split (0: the kernels' ``SplitPolicy`` default; a batch too small to fill the
+    GPU is still cut finer); shorter splits balance ragged batches, longer ones write fewer
     partials.
     """
 
