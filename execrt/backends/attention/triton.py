@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +22,7 @@ from execrt.core.interfaces import (
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 if TYPE_CHECKING:  # the kernels import triton: the backend imports them when built
-    from execrt.kernels.attention import DecodeTiles
+    from execrt.kernels.attention import DecodeTiles, SplitPolicy
 
 
 @dataclass
@@ -262,7 +263,7 @@ class TritonAttnBackend(AttentionBackend):
         self._graph = None
 
 
-def _split_policy(kernels, target: object):  # type: ignore[no-untyped-def]
+def _split_policy(kernels: ModuleType, target: object) -> SplitPolicy:
     """The decode split policy with ``target`` tokens per split (0: the default policy)."""
     if not isinstance(target, int) or isinstance(target, bool) or target < 0:
         raise ConfigError(
