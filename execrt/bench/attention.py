@@ -75,7 +75,8 @@ class DecodeProblem:
         lens: Sequence[int] | None = None,
     ) -> None:
         if lens is not None and (len(lens) != bs or min(lens, default=0) < 1):
-            raise ValueError(f"lens {list(lens)[:8]}... must be {bs} positive lengths")
+            shown = f"{list(lens)[:8]}" + ("..." if len(lens) > 8 else "")
+            raise ValueError(f"lens {shown} unsupported: must be {bs} positive lengths")
         self.lens = list(lens) if lens is not None else [ctx] * bs
         ctx = max(self.lens)
         g = torch.Generator(device="cuda").manual_seed(seed)
