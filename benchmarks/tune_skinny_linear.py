@@ -225,8 +225,10 @@ def best_tile(
     apart): (µs, tile, every timing)."""
     ref = p.ref(variant)
     tiles = candidates(p.m, variant)
+    if variant in (NORM, SWIGLU_OUT):  # the norm's 1 / rms on the product (no prologue pass)
+        tiles += [replace(t, late_norm=True) for t in candidates(p.m, variant)]
     if variant == SWIGLU_OUT:
-        tiles += [replace(t, fuse_norm=False) for t in tiles]
+        tiles += [replace(t, fuse_norm=False) for t in candidates(p.m, variant)]
     timed: list[tuple[float, SkinnyTile]] = []
 
     def check_and_time(tile: SkinnyTile) -> None:
@@ -257,8 +259,8 @@ def best_tile(
 
 def split_tiles(tile: SkinnyTile, n: int, k: int, sms: int) -> list[SkinnyTile]:
     """``tile`` with its K cut in 2, 4 and 8 slices, where its tiles alone are fewer than two
-    per SM and each slice keeps at least two K steps."""
-    if -(-n // tile.block_n) >= 2 * sms:
+    per SM and each slice keeps at least two K steps (not a ``late_norm`` tile)."""
+    if -(-n // tile.block_n) >= 2 * sms or tile.late_norm:  # late_norm needs whole rows
         return []
     return [replace(tile, split_k=s) for s in SPLITS if k >= 2 * s * tile.block_k]
 

@@ -49,7 +49,10 @@ class SkinnyTile:
     K is cut into that many slices, one program each (more programs for a small N: at M = 8
     the tensor-core tiles gave 64-128 programs for 132 SMs); the slices' fp32 partials are
     summed in slice order by whichever program finishes last, so the result does not depend
-    on timing."""
+    on timing. ``late_norm``: a norm inside scales the product by each row's ``1 / rms``
+    (summed in the main loop) instead of the input, so no pass over the rows comes before the
+    first weight load; it rounds ``x * weight`` where the norm kernel rounds ``x / rms`` first
+    (not bitwise the unfused path's output)."""
 
     block_n: int
     block_k: int
@@ -58,6 +61,7 @@ class SkinnyTile:
     num_stages: int = 2
     fuse_norm: bool = True
     split_k: int = 1
+    late_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -70,6 +74,8 @@ class SkinnyTile:
             fail("linear", f"tile {self}: num_warps 1..16 (a power of two), num_stages >= 1")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             fail("linear", f"tile {self}: split_k 1..{MAX_SPLIT_K}")
+        if self.late_norm and self.split_k > 1:
+            fail("linear", f"tile {self}: late_norm needs split_k 1 (a slice sees part of a row)")
 
 
 def block_m_for(m: int, use_dot: bool) -> int:
@@ -147,6 +153,7 @@ def _skinny_linear_kernel(
     SWIGLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     ADD: tl.constexpr,
+    LATE_NORM: tl.constexpr,
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -182,9 +189,12 @@ def _skinny_linear_kernel(
     x_off = rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
     x_ptrs = x_ptr + x_off
     r_ptrs = r_ptr + x_off
-    if NORM:  # every program normalises the (few) rows itself: one extra pass, from L2
-        rstd = _norm_rows(x_ptrs, r_ptrs, nr_ptr + rm[:, None] * K + rk[None, :], rm_ok, rk, K,
-                          eps, ADD, BLOCK_M, BLOCK_K)  # fmt: skip
+    nr_ptrs = nr_ptr + rm[:, None] * K + rk[None, :]
+    if NORM:
+        if LATE_NORM:  # the squares summed in the main loop; program 0 stores x + r there
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        else:  # every program normalises the (few) rows itself: one extra pass, from L2
+            rstd = _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD, BLOCK_M, BLOCK_K)
         nw_ptrs = nw_ptr + rk + k_lo
         r_ptrs += k_lo
     if SPLIT:
@@ -224,8 +234,17 @@ def _skinny_linear_kernel(
         if NORM:  # the rmsnorm kernel's roundings: x + r, then x / rms, then times the weight
             if ADD:
                 xa = (xa.to(tl.float32) + r.to(tl.float32)).to(w.dtype)
-            xa = (xa.to(tl.float32) * rstd[:, None]).to(w.dtype)
-            xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
+            if LATE_NORM:  # x + r, then times the weight; 1 / rms scales the product below
+                if ADD:
+                    if tl.program_id(0) == 0:  # the new residual stream, once
+                        kin = (k0 + rk)[None, :] < K
+                        tl.store(nr_ptrs + k0, xa, mask=rm_ok[:, None] & kin)
+                hf = xa.to(tl.float32)
+                sq += tl.sum(hf * hf, axis=1)
+                xa = (hf * nw.to(tl.float32)[None, :]).to(w.dtype)
+            else:
+                xa = (xa.to(tl.float32) * rstd[:, None]).to(w.dtype)
+                xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
             nw_ptrs += BLOCK_K
             r_ptrs += BLOCK_K
         acc = _acc_step(acc, xa, w, USE_DOT, IEEE, BLOCK_M)
@@ -236,6 +255,10 @@ def _skinny_linear_kernel(
         x_ptrs += BLOCK_K
     out = _acc_out(acc, USE_DOT, BLOCK_M)  # [BM, BN]
     up = _acc_out(acc_u, USE_DOT, BLOCK_M) if SWIGLU_OUT else out
+    if NORM and LATE_NORM:  # (rms-free x) @ W^T, times each row's 1 / rms
+        rstd = tl.rsqrt(sq / K + eps)[:, None]
+        out = out * rstd
+        up = up * rstd
     if SPLIT:
         width = 2 * N if SWIGLU_OUT else N
         slice_ptrs = part_ptr + (tl.program_id(1) * BLOCK_M + rm)[:, None] * width + rn[None, :]
@@ -367,6 +390,7 @@ def launch(
         SWIGLU_OUT=swiglu_out,
         NORM=norm is not None,
         ADD=residual is not None,
+        LATE_NORM=norm is not None and tile.late_norm,
         USE_DOT=tile.use_dot,
         IEEE=x.dtype == torch.float32,
         EVEN_K=k % tile.block_k == 0,

@@ -162,6 +162,51 @@ def mlp_chain(shape: dict, m: int, dtype: torch.dtype, tile: dict, seed: int) ->
     assert max_rel(out, act.double() @ w2.double().T) <= bound(dtype)
 
 
+# late_norm: 1 / rms scales the product, the squares summed in the main loop (no prologue).
+LATE_CASES = [  # (tile, dtype, m, residual added, SwiGLU on the output)
+    (dict(block_n=4, block_k=32), torch.float16, 1, True, False),
+    (dict(block_n=4, block_k=32), torch.float32, 3, False, True),
+    (dict(block_n=16, block_k=32, use_dot=True), torch.float16, 5, True, True),
+    (dict(block_n=32, block_k=64, use_dot=True), torch.float16, 16, False, False),
+    (dict(block_n=32, block_k=64, use_dot=True), torch.float32, 8, True, False),
+]
+
+
+@pytest.mark.parametrize(("tile", "dtype", "m", "add", "swiglu_out"), LATE_CASES)
+def test_late_norm_matches_the_oracle(
+    tile: dict, dtype: torch.dtype, m: int, add: bool, swiglu_out: bool
+) -> None:
+    from execrt.kernels.norm import fused_add_rmsnorm_torch, rmsnorm_torch
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, launch
+
+    n, k = 37, 200  # N not a multiple of any block_n, K not of any block_k
+    x = rand((m, k), m, dtype)
+    w = rand(((2 if swiglu_out else 1) * n, k), m + 1, dtype, k**-0.5)
+    norm_w = (torch.rand(k, generator=gen(3)) + 0.5).to(dtype).to(DEVICE)
+    residual = rand((m, k), m + 4, dtype, 4.0) if add else None
+    new_res = torch.full_like(x, float("nan")) if add else None
+    nin = NormIn(norm_w, 1e-6, residual, new_res)
+    out = launch(x, w, None, SkinnyTile(**tile, late_norm=True), swiglu_out=swiglu_out, norm=nin)
+    if swiglu_out:
+        expected, expected_res = act_oracle(x, w, None, norm_w, residual)
+    else:
+        if add:
+            normed, expected_res = fused_add_rmsnorm_torch(x, residual, norm_w, 1e-6)
+        else:
+            normed, expected_res = rmsnorm_torch(x, norm_w, 1e-6), x
+        expected = normed.double() @ w.double().T
+    assert out.shape == (m, n) and max_rel(out, expected) <= bound(dtype)
+    if new_res is not None:
+        assert torch.equal(new_res, expected_res)  # x + r, rounded as the norm kernel rounds it
+
+
+def test_late_norm_needs_whole_rows() -> None:
+    from execrt.kernels.triton_linear import SkinnyTile
+
+    with pytest.raises(ValueError, match=r"late_norm needs split_k 1"):
+        SkinnyTile(block_n=16, block_k=64, use_dot=True, split_k=2, late_norm=True)
+
+
 # Wide tensor-core tiles keep the interpreter's program count low (the CUDA-core tiles and
 # fp16 are covered on small shapes above); fp32 keeps numpy's dots on BLAS. On a GPU that tile
 # needs 305 KiB of fp32 shared memory (an H200 has 227), so the GPU runs a 64 x 128 tensor-core
