@@ -224,11 +224,12 @@ def best_tile(
     """The fastest checked candidate of ``variant`` (SwiGLU out: with the norm inside and
     apart): (µs, tile, every timing)."""
     ref = p.ref(variant)
-    tiles = candidates(p.m, variant)
+    base = candidates(p.m, variant)
+    tiles = list(base)
     if variant in (NORM, SWIGLU_OUT):  # the norm's 1 / rms on the product (no prologue pass)
-        tiles += [replace(t, late_norm=True) for t in candidates(p.m, variant)]
+        tiles += [replace(t, late_norm=True) for t in base]
     if variant == SWIGLU_OUT:
-        tiles += [replace(t, fuse_norm=False) for t in candidates(p.m, variant)]
+        tiles += [replace(t, fuse_norm=False) for t in base]
     timed: list[tuple[float, SkinnyTile]] = []
 
     def check_and_time(tile: SkinnyTile) -> None:

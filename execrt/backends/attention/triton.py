@@ -270,8 +270,4 @@ def _split_policy(kernels: ModuleType, target: object) -> SplitPolicy:
             f"triton attention: decode_split_target {target!r} unsupported "
             "(a token count >= 1, or 0 for the default)"
         )
-    if target == 0:
-        return kernels.SplitPolicy()
-    return kernels.SplitPolicy(
-        min_split_len=min(kernels.DEFAULT_MIN_SPLIT_LEN, target), target_split_len=target
-    )
+    return kernels.SplitPolicy.with_target(target) if target else kernels.SplitPolicy()

@@ -126,6 +126,15 @@ class SplitPolicy:
                 "programs_per_sm >= 1)",
             )
 
+    @classmethod
+    def with_target(cls, target_split_len: int) -> SplitPolicy:
+        """The default policy with ``target_split_len`` tokens per split (the minimum split
+        lowered to it where it is shorter)."""
+        return cls(
+            min_split_len=min(DEFAULT_MIN_SPLIT_LEN, target_split_len),
+            target_split_len=target_split_len,
+        )
+
     def min_splits(self, batch_size: int, num_kv_heads: int, num_sms: int) -> int:
         """Splits every request should have for ``programs_per_sm`` programs on every SM."""
         return max(1, -(-self.programs_per_sm * num_sms // max(1, batch_size * num_kv_heads)))
