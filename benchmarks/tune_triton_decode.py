@@ -6,9 +6,10 @@ argument. The second picks the sweep:
 - ``long`` (default): the split policy and tiles over long contexts (bf16);
 - ``short``: the split policy over the short contexts of a decode step (``execrt bench
   decode`` runs ctx 512);
-- ``ragged``: split targets and tiles over serving batches (bs 64/128/256, each request's
-  context uniform in [100, 2048], the offline throughput workload's range), 16/8 heads as
-  Qwen3-0.6B; the tuned tiles also over uniform contexts of the same total;
+- ``ragged``: split targets, tiles and the work list's order (longest split first, the
+  backend's default, against request order) over serving batches (bs 32/64/128/256, each
+  request's context uniform in [100, 2048], the offline throughput workload's range), 16/8
+  heads as Qwen3-0.6B; the tuned tiles also over uniform contexts of the same total;
 - ``tiles``: the stage-1 tiles (``DecodeTiles``) per KV cache dtype (``--kv-dtypes``, default
   ``fp8_e4m3,auto``) at bs 1/32/128 x ctx 512/8192 with the default split policy. Each tile is
   checked against the fp32 oracle over the dequantized K/V before it is timed; per batch size
@@ -68,9 +69,11 @@ def bench(
     warps: int,
     stages: int,
     check: bool = False,
+    longest_first: bool = True,
 ) -> tuple[float, float]:
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
-    layer 0 against the fp32 oracle when ``check``, else 0)."""
+    layer 0 against the fp32 oracle when ``check``, else 0). ``longest_first``: the work list
+    in the backend's default order (longest split first), else request after request."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = p.seq_lens()
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -80,7 +83,8 @@ def bench(
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms))
     work = torch.empty(K.work_size(bs, max_splits), dtype=torch.int32, device="cuda")
-    K.decode_work(splits, max_splits, work)  # once, as the backend's metadata launch does
+    # once, as the backend's metadata launch does
+    K.decode_work(splits, max_splits, work, seq if longest_first else None)
     po = torch.empty(bs, p.hq, max_splits, p.d, dtype=torch.float32, device="cuda")
     pl = torch.empty(bs, p.hq, max_splits, dtype=torch.float32, device="cuda")
     outs = [torch.empty_like(p.q) for _ in p.layers]
@@ -148,7 +152,7 @@ def sweep_policy(short: bool, copy_bw: float) -> list[dict[str, Any]]:
     return rows
 
 
-RAGGED_BATCHES = (64, 128, 256)
+RAGGED_BATCHES = (32, 64, 128, 256)
 RAGGED_TARGETS = (2048, 1024, 512)
 RAGGED_TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2))  # (block_n, warps, stages)
 
@@ -171,19 +175,24 @@ def sweep_ragged(copy_bw: float) -> list[dict[str, Any]]:
             cells = []
             for target in RAGGED_TARGETS:
                 policy = K.SplitPolicy.with_target(target)
-                kinds = [("ragged", ragged)] + ([("uniform", uniform)] if tiles == tuned else [])
-                for kind, p in kinds:
+                # (kind, problem, order): the work list longest first (the backend's
+                # default) and in request order, on the ragged batch
+                kinds = [("ragged", ragged, "longest"), ("ragged", ragged, "request")]
+                if tiles == tuned:
+                    kinds.append(("uniform", uniform, "longest"))
+                for kind, p, order in kinds:
+                    label = f"t{target} {kind} {order[:4]}"
                     try:
-                        us, _ = bench(p, policy, *tiles)
+                        us, _ = bench(p, policy, *tiles, longest_first=order == "longest")
                     except Exception as exc:  # out of shared memory or registers
-                        cells.append(f"t{target} {kind}: {type(exc).__name__}")
+                        cells.append(f"{label}: {type(exc).__name__}")
                         continue
                     pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
                     rows.append(
-                        dict(kind=kind, bs=bs, mean_ctx=mean, target=target, block_n=tiles[0],
-                             warps=tiles[1], stages=tiles[2], us=us, pct=pct)
+                        dict(kind=kind, order=order, bs=bs, mean_ctx=mean, target=target,
+                             block_n=tiles[0], warps=tiles[1], stages=tiles[2], us=us, pct=pct)
                     )  # fmt: skip
-                    cells.append(f"t{target} {kind} {pct:5.1f}")
+                    cells.append(f"{label} {pct:5.1f}")
             print(f"  n{tiles[0]:>3} w{tiles[1]} s{tiles[2]}: " + "  ".join(cells), flush=True)
     return rows
 

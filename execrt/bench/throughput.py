@@ -73,6 +73,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "triton_decode_split_target": 512,
         "triton_decode_merge": "separate",
     },
+    "defaults-request-order": {"triton_decode_order": "request"},
+    "defaults-split-512-separate-request-order": {
+        "triton_decode_split_target": 512,
+        "triton_decode_merge": "separate",
+        "triton_decode_order": "request",
+    },
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each

@@ -24,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), else FA2
 #: the triton backend's decode merge: a launch of its own, or inside stage 1 (last split)
 TRITON_DECODE_MERGE = ("separate", "fused", "auto")
+#: the order of the triton backend's decode work: longest split first, or request after request
+TRITON_DECODE_ORDER = ("longest", "request")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -63,6 +65,7 @@ class RuntimeConfig:
     flashinfer_prefill_backend: str = "auto"
     triton_decode_merge: str = "auto"
     triton_decode_split_target: int = 0  # tokens per decode KV split; 0 = the kernel's default
+    triton_decode_order: str = "longest"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -87,10 +90,6 @@ class RuntimeConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"config: {name} must be a backend name or 'auto', got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"config: dtype {self.dtype!r} unsupported (supported: {', '.join(DTYPES)})"
-            )
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(
                 f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
@@ -112,26 +111,20 @@ class RuntimeConfig:
                 "config: kv_cache_memory_fraction must be in [0, 0.95] (0 = auto), "
                 f"got {self.kv_cache_memory_fraction}"
             )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"config: kv_cache_dtype {self.kv_cache_dtype!r} unsupported "
-                f"(supported: {', '.join(KV_CACHE_DTYPES)})"
-            )
-        if self.flashinfer_prefill_backend not in FLASHINFER_PREFILL:
-            raise ConfigError(
-                f"config: flashinfer_prefill_backend {self.flashinfer_prefill_backend!r} "
-                f"unsupported (supported: {', '.join(FLASHINFER_PREFILL)})"
-            )
-        if self.triton_decode_merge not in TRITON_DECODE_MERGE:
-            raise ConfigError(
-                f"config: triton_decode_merge {self.triton_decode_merge!r} "
-                f"unsupported (supported: {', '.join(TRITON_DECODE_MERGE)})"
-            )
-        if self.fused_kernels not in FUSED_KERNELS:
-            raise ConfigError(
-                f"config: fused_kernels {self.fused_kernels!r} unsupported "
-                f"(supported: {', '.join(FUSED_KERNELS)})"
-            )
+        choices = {
+            "dtype": DTYPES,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
+            "flashinfer_prefill_backend": FLASHINFER_PREFILL,
+            "triton_decode_merge": TRITON_DECODE_MERGE,
+            "triton_decode_order": TRITON_DECODE_ORDER,
+            "fused_kernels": FUSED_KERNELS,
+        }
+        for name, accepted in choices.items():
+            if getattr(self, name) not in accepted:
+                raise ConfigError(
+                    f"config: {name} {getattr(self, name)!r} unsupported "
+                    f"(supported: {', '.join(accepted)})"
+                )
         self.graph_batch_sizes()  # validates cuda_graph_bs
 
     def graph_batch_sizes(self) -> tuple[int, ...]:

@@ -189,7 +189,11 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
     cfg = RuntimeConfig.load(environ=env)
     assert cfg.backend_options("flashinfer") == {"prefill_backend": "fa2"}
     assert RuntimeConfig().backend_options("flashinfer") == {"prefill_backend": "auto"}
-    assert cfg.backend_options("triton") == {"decode_merge": "auto", "decode_split_target": 0}
+    assert cfg.backend_options("triton") == {
+        "decode_merge": "auto",
+        "decode_split_target": 0,
+        "decode_order": "longest",
+    }
     assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
     file.write_text('flashinfer_prefill_backend = "fa3"\n')
@@ -205,7 +209,11 @@ def test_sizes_default_to_auto() -> None:
 
 def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() -> None:
     config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "fused"})
-    assert config.backend_options("triton") == {"decode_merge": "fused", "decode_split_target": 0}
+    assert config.backend_options("triton") == {
+        "decode_merge": "fused",
+        "decode_split_target": 0,
+        "decode_order": "longest",
+    }
     assert "decode_merge" not in config.backend_options("flashinfer")
     auto = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "auto"})
     assert auto.backend_options("triton")["decode_merge"] == "auto"
@@ -214,6 +222,18 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
         match=r"triton_decode_merge 'last' unsupported \(supported: separate, fused, auto\)",
     ):
         RuntimeConfig(triton_decode_merge="last")
+
+
+def test_triton_decode_order_is_checked_and_reaches_only_the_triton_backend() -> None:
+    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_ORDER": "request"})
+    assert config.backend_options("triton")["decode_order"] == "request"
+    assert "decode_order" not in config.backend_options("flashinfer")
+    assert RuntimeConfig().backend_options("triton")["decode_order"] == "longest"
+    with pytest.raises(
+        ConfigError,
+        match=r"triton_decode_order 'shortest' unsupported \(supported: longest, request\)",
+    ):
+        RuntimeConfig(triton_decode_order="shortest")
 
 
 def test_triton_decode_split_target_is_an_int_that_reaches_only_the_triton_backend() -> None:

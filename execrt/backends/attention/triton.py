@@ -11,6 +11,7 @@ from torch import Tensor
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
+from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
 from execrt.core.errors import ConfigError
 from execrt.core.interfaces import (
     KV,
@@ -69,6 +70,10 @@ class TritonAttnBackend(AttentionBackend):
     decode KV split (0: the kernels' ``SplitPolicy`` default; a batch too small to fill the
     GPU is still cut finer); shorter splits balance ragged batches, longer ones write fewer
     partials.
+
+    Option ``decode_order`` (config ``triton_decode_order``): ``longest`` (the default) hands
+    decode's programs the work list longest split first, so the shortest splits fill the end
+    of a ragged batch; ``request`` keeps request order.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -88,6 +93,12 @@ class TritonAttnBackend(AttentionBackend):
             raise ConfigError(
                 f"triton attention: decode_merge {self.decode_merge!r} unsupported "
                 f"(supported: {', '.join(DECODE_MERGE)})"
+            )
+        self.decode_order = str(init.options.get("decode_order", "longest"))
+        if self.decode_order not in DECODE_ORDER:
+            raise ConfigError(
+                f"triton attention: decode_order {self.decode_order!r} unsupported "
+                f"(supported: {', '.join(DECODE_ORDER)})"
             )
         self._graph: dict[str, torch.Tensor] | None = None
 
@@ -148,6 +159,7 @@ class TritonAttnBackend(AttentionBackend):
         self.kernels.decode_metadata(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
             kv_indices, num_splits, max_splits, self.split_policy, fill, work,
+            longest_first=self.decode_order == "longest",
         )  # fmt: skip
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -268,6 +268,7 @@ def _decode_split_kernel(
     arrivals_ptr,
     qk_scale,
     max_splits,
+    num_kv_heads,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -298,17 +299,23 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
-    kv_head = tl.program_id(1)
+    # One axis, kv head fastest: the GPU hands out programs in launch order, so every kv head
+    # takes the work list's items in its order together (longest first, when the list is
+    # built so: the last programs to start are then the shortest, and a ragged batch ends
+    # with fewer programs idling behind one long split).
+    pid = tl.program_id(0)
+    kv_head = pid % num_kv_heads
     # The (request, split) items of the work list, round robin over this kv head's programs:
     # the grid is sized by the batch, not by the most splits a request could have, so no
     # program is launched only to find its split empty, and a long request's splits still
     # run on programs of their own.
-    for item in range(tl.program_id(0), tl.load(work_ptr), tl.num_programs(0)):
+    programs = tl.num_programs(0) // num_kv_heads
+    for item in range(pid // num_kv_heads, tl.load(work_ptr), programs):
         packed = tl.load(work_ptr + 1 + item)
         b = packed // max_splits
         _decode_split(
             q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-            part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, b,
+            part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, num_kv_heads, b,
             packed - b * max_splits, qk_scale, max_splits, stride_qb, stride_qh, stride_ks,
             stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos, stride_plb,
             stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N,
@@ -319,7 +326,8 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_split(
     q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-    part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, b, split, qk_scale, max_splits,
+    part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, num_kv_heads, b, split,
+    qk_scale, max_splits,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh,
     stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -459,7 +467,7 @@ def _decode_split(
             # arrival releases them at GPU scope; the program that arrives last acquires all
             # the others' and merges. It then zeroes the counter for the next launch.
             tl.debug_barrier()
-            counter = arrivals_ptr + b * tl.num_programs(1) + kv_head
+            counter = arrivals_ptr + b * num_kv_heads + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_splits - 1:
                 _merge_group(
@@ -605,10 +613,10 @@ def decode_attention(
     scale ``sm_scale``, and the result is written to ``o[b, h]``. The context is cut into
     ``num_splits[b]`` splits processed in parallel (stage 1: each program covers all query
     heads of one kv head and takes the (request, split) items of the work list round robin,
-    grid ``(decode_programs(...), Hkv)``) and merged with their log-sum-exp weights (stage 2,
-    grid ``(B, Hq)``; with ``arrivals``, inside stage 1 instead). No host synchronisation, and
-    no allocation when ``work`` is given: the launch can be captured in a CUDA graph with
-    fixed ``max_splits``.
+    grid ``(decode_programs(...) * Hkv,)``, kv head fastest) and merged with their
+    log-sum-exp weights (stage 2, grid ``(B, Hq)``; with ``arrivals``, inside stage 1
+    instead). No host synchronisation, and no allocation when ``work`` is given: the launch
+    can be captured in a CUDA graph with fixed ``max_splits``.
 
     A request with an empty context (``kv_indptr[b+1] == kv_indptr[b]``) gets ``o[b] = 0``.
 
@@ -717,7 +725,7 @@ def decode_attention(
     )
     group = num_q_heads // num_kv_heads
     programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
-    _decode_split_kernel[(programs, num_kv_heads)](
+    _decode_split_kernel[(programs * num_kv_heads,)](
         q,
         k_arg,
         v_arg,
@@ -732,6 +740,7 @@ def decode_attention(
         work if arrivals is None else arrivals,  # unread unless FUSED
         sm_scale * LOG2E,
         max_splits,
+        num_kv_heads,
         q.stride(0),
         q.stride(1),
         k_arg.stride(0),

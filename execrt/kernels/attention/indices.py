@@ -219,25 +219,49 @@ def _split_count(seq_len, min_splits, max_splits, TARGET: tl.constexpr, MIN_LEN:
 
 
 @triton.jit
-def _write_work(work_ptr, b, batch, first, count, max_splits, BLOCK_S: tl.constexpr):
-    """Request ``b``'s decode work items: ``work[1 + first + s] = b * max_splits + s`` for its
-    ``count`` splits; the last request also writes the total, ``work[0]``."""
-    offs_s = tl.arange(0, BLOCK_S)
-    tl.store(work_ptr + 1 + first + offs_s, b * max_splits + offs_s, mask=offs_s < count)
-    if b == batch - 1:
-        tl.store(work_ptr, first + count)
+def _work_first(lens, counts, valid, b, seq_len, count, LONGEST_FIRST: tl.constexpr):
+    """Where request ``b``'s items start in the work list, and the list's total: ``counts``
+    (clamped) and ``lens`` are every request's (lanes ``valid``). Longest first orders the
+    requests by the tokens in each of their splits, the longest first (ties by index), so
+    the programs a launch starts last get the shortest items; else request after request."""
+    lanes = tl.arange(0, lens.shape[0])
+    if LONGEST_FIRST:
+        per_split = (lens + counts - 1) // counts
+        mine = (seq_len + count - 1) // count
+        ahead = valid & ((per_split > mine) | ((per_split == mine) & (lanes < b)))
+    else:
+        ahead = lanes < b
+    first = tl.sum(tl.where(ahead, counts, 0), axis=0)
+    return first, tl.sum(tl.where(valid, counts, 0), axis=0)
 
 
 @triton.jit
-def _decode_work_kernel(num_splits_ptr, work_ptr, batch, max_splits, BLOCK_B: tl.constexpr,
-                        BLOCK_S: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _write_work(work_ptr, b, first, total, count, max_splits, BLOCK_S: tl.constexpr):
+    """Request ``b``'s decode work items: ``work[1 + first + s] = b * max_splits + s`` for its
+    ``count`` splits; request 0 also writes the total, ``work[0]``."""
+    offs_s = tl.arange(0, BLOCK_S)
+    tl.store(work_ptr + 1 + first + offs_s, b * max_splits + offs_s, mask=offs_s < count)
+    if b == 0:
+        tl.store(work_ptr, total)
+
+
+@triton.jit
+def _decode_work_kernel(num_splits_ptr, seq_lens_ptr, work_ptr, batch, max_splits,
+                        BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
+                        LONGEST_FIRST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_prologue(PDL)
     b = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
-    counts = tl.load(num_splits_ptr + offs_b, mask=offs_b < b, other=0)
-    counts = tl.where(offs_b < b, clamp_splits(counts, max_splits), 0)
+    valid = offs_b < batch
+    counts = clamp_splits(tl.load(num_splits_ptr + offs_b, mask=valid, other=1), max_splits)
     count = clamp_splits(tl.load(num_splits_ptr + b), max_splits)
-    _write_work(work_ptr, b, batch, tl.sum(counts, axis=0), count, max_splits, BLOCK_S)
+    lens = offs_b  # unread unless LONGEST_FIRST
+    seq_len = b
+    if LONGEST_FIRST:
+        lens = tl.load(seq_lens_ptr + offs_b, mask=valid, other=0).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    first, total = _work_first(lens, counts, valid, b, seq_len, count, LONGEST_FIRST)
+    _write_work(work_ptr, b, first.to(tl.int32), total.to(tl.int32), count, max_splits, BLOCK_S)
 
 
 def work_size(batch: int, max_splits: int) -> int:
@@ -260,11 +284,18 @@ def check_arrivals(
         fail(COMPONENT, f"arrivals on {arrivals.device} unsupported (must be on {device})")
 
 
-def decode_work(num_splits: torch.Tensor, max_splits: int, work_out: torch.Tensor) -> None:
+def decode_work(
+    num_splits: torch.Tensor,
+    max_splits: int,
+    work_out: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+) -> None:
     """The decode work list of ``num_splits`` (int32 ``[B]``, each clamped into
     ``[1, max_splits]`` as decode reads it): ``work_out[0]`` = the total number of (request,
-    split) items, then ``b * max_splits + s`` for each, request after request (device op, no
-    sync, no allocation: capturable). :func:`decode_metadata` writes the same list itself.
+    split) items, then ``b * max_splits + s`` for each (device op, no sync, no allocation:
+    capturable). A request's items are consecutive. Given ``seq_lens`` (``[B]``), the
+    requests come longest split first (see :func:`decode_metadata`); else request after
+    request. :func:`decode_metadata` writes the same list itself.
 
     Raises:
         ValueError: on bad dtypes, sizes (``work_out`` needs ``1 + B * max_splits`` entries)
@@ -274,13 +305,20 @@ def decode_work(num_splits: torch.Tensor, max_splits: int, work_out: torch.Tenso
     batch = num_splits.shape[0]
     check_split_range(max_splits, 1)
     check_work(work_out, batch, max_splits, num_splits.device)
+    if seq_lens is not None:
+        check_index(COMPONENT, "seq_lens", seq_lens, batch, (torch.int32, torch.int64))
+        if seq_lens.device != num_splits.device:
+            fail(
+                COMPONENT,
+                f"seq_lens on {seq_lens.device} unsupported (must be on {num_splits.device})",
+            )
     if batch == 0:
         work_out[:1].zero_()
         return
     _decode_work_kernel[(batch,)](
-        num_splits, work_out, batch, max_splits,
+        num_splits, num_splits if seq_lens is None else seq_lens, work_out, batch, max_splits,
         BLOCK_B=pow2_at_least(batch), BLOCK_S=pow2_at_least(max_splits, 2),
-        **pdl_kwargs(num_splits.device),
+        LONGEST_FIRST=seq_lens is not None, **pdl_kwargs(num_splits.device),
     )  # fmt: skip
 
 
@@ -303,6 +341,7 @@ def _decode_metadata_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK: tl.constexpr,
     WORK: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -310,8 +349,9 @@ def _decode_metadata_kernel(
     # This request's offset: the sum of the lengths before it (B is at most a few hundred at
     # decode, so every program summing its prefix is cheaper than a separate scan launch).
     offs_b = tl.arange(0, BLOCK_B)
-    before = tl.load(seq_lens_ptr + offs_b, mask=offs_b < b, other=0).to(tl.int64)
-    out_start = tl.sum(before, axis=0)
+    valid = offs_b < batch
+    lens = tl.load(seq_lens_ptr + offs_b, mask=valid, other=0).to(tl.int64)
+    out_start = tl.sum(tl.where(offs_b < b, lens, 0), axis=0)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     if b == 0:
         tl.store(kv_indptr_ptr, out_start.to(kv_indptr_ptr.dtype.element_ty))  # 0
@@ -321,9 +361,12 @@ def _decode_metadata_kernel(
     splits = _split_count(seq_len, min_splits, max_splits, TARGET, MIN_LEN)
     tl.store(num_splits_ptr + b, splits.to(tl.int32))
     if WORK:
-        counts_before = _split_count(before, min_splits, max_splits, TARGET, MIN_LEN)
-        first = tl.sum(tl.where(offs_b < b, counts_before, 0), axis=0).to(tl.int32)
-        _write_work(work_ptr, b, batch, first, splits.to(tl.int32), max_splits, BLOCK_S)
+        counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
+        first, total = _work_first(lens, counts, valid, b, seq_len, splits, LONGEST_FIRST)
+        _write_work(
+            work_ptr, b, first.to(tl.int32), total.to(tl.int32), splits.to(tl.int32),
+            max_splits, BLOCK_S,
+        )  # fmt: skip
     _copy_request_slots(
         req_to_token_ptr, req_pool_indices_ptr, kv_indices_ptr, stride_req_row, b,
         seq_len.to(tl.int32), out_start, BLOCK,
@@ -341,6 +384,7 @@ def decode_metadata(
     policy: SplitPolicy,
     min_splits: int = 1,
     work_out: torch.Tensor | None = None,
+    longest_first: bool = True,
 ) -> None:
     """``kv_indices.fill_kv_index``, :func:`decode_num_splits` and :func:`decode_work` in one
     launch (no sync, no allocation: capturable). A decode step's metadata used to take a scan
@@ -349,7 +393,11 @@ def decode_metadata(
 
     Args are those of the functions it replaces; ``req_to_token`` is int32/int64
     ``[R, max_ctx]`` with a contiguous last dim; ``work_out`` (int32, ``1 + B * max_splits``
-    entries) receives the work list when given.
+    entries) receives the work list when given. ``longest_first`` orders it by the tokens
+    per split of each request, longest first (ties by index): decode's programs start in
+    list order, so a ragged batch's longest splits start first and its shortest fill the
+    end, where request order can leave one long split running on an otherwise idle GPU.
+    False: request after request.
 
     Raises:
         ValueError: on bad ranks, dtypes, lengths, devices or counts.
@@ -385,5 +433,6 @@ def decode_metadata(
         BLOCK_S=pow2_at_least(max_splits, 2),
         BLOCK=512,
         WORK=work_out is not None,
+        LONGEST_FIRST=longest_first,
         **pdl_kwargs(req_to_token.device),
     )

@@ -953,9 +953,15 @@ def test_decode_metadata_equals_the_separate_builds(
     assert got[0][len(seq_lens) + 1 :].eq(99).all() and got[2][len(seq_lens) :].eq(-9).all()
 
 
-def _work_reference(counts: list[int], max_splits: int) -> list[int]:
+def _work_reference(counts: list[int], max_splits: int, lens: list[int] | None = None) -> list[int]:
+    """The work list: request after request, or with ``lens`` the requests sorted by tokens
+    per split, longest first, ties by index (a request's splits stay together)."""
     clamped = [min(max(n, 1), max_splits) for n in counts]
-    items = [b * max_splits + s for b, n in enumerate(clamped) for s in range(n)]
+    order = list(range(len(counts)))
+    if lens is not None:
+        per_split = [-(-n // c) for n, c in zip(lens, clamped, strict=True)]
+        order.sort(key=lambda b: (-per_split[b], b))
+    items = [b * max_splits + s for b in order for s in range(clamped[b])]
     return [len(items), *items]
 
 
@@ -969,6 +975,21 @@ def test_decode_work_lists_every_split_request_after_request() -> None:
     empty = torch.zeros(0, dtype=torch.int32, device=SMALL)
     tk.decode_work(empty, 4, work)
     assert work[0].item() == 0
+
+
+def test_decode_work_given_lengths_lists_the_longest_splits_first() -> None:
+    counts = [3, 0, 1, 9, 2, -4, 1]
+    lens = [900, 40, 700, 5000, 700, 12, 700]  # per split: 300, 40, 700, 1250, 350, 12, 700
+    splits = torch.tensor(counts, dtype=torch.int32, device=SMALL)
+    seq = torch.tensor(lens, dtype=torch.int64, device=SMALL)
+    work = torch.full((tk.work_size(7, 4) + 2,), -1, dtype=torch.int32, device=SMALL)
+    tk.decode_work(splits, 4, work, seq)
+    want = _work_reference(counts, 4, lens)
+    # request 3 (4 splits of 1250) first; 2 and 6 tie at 700 (index order); 5 (12) last
+    assert want[1:6] == [12, 13, 14, 15, 8] and want[-1] == 20
+    assert work[: len(want)].tolist() == want and work[len(want) :].eq(-1).all()
+    with pytest.raises(ValueError, match="seq_lens has 6 entries, need at least 7"):
+        tk.decode_work(splits, 4, work, seq[:6])
 
 
 def test_decode_work_rejects_bad_input() -> None:
@@ -992,13 +1013,16 @@ def test_decode_metadata_writes_the_work_list_of_its_split_counts(min_splits: in
     indices = torch.empty(sum(seq_lens), dtype=torch.int32, device=SMALL)
     splits = torch.empty(len(seq_lens), dtype=torch.int32, device=SMALL)
     work = torch.full((tk.work_size(len(seq_lens), 16),), -1, dtype=torch.int32, device=SMALL)
-    tk.decode_metadata(
-        cache.req_to_token, cache.rows, lens, indptr, indices, splits, 16, policy, min_splits,
-        work,
-    )  # fmt: skip
-    want = _work_reference(splits.tolist(), 16)
-    assert work[: len(want)].tolist() == want
+    for longest_first in (True, False):
+        work.fill_(-1)
+        tk.decode_metadata(
+            cache.req_to_token, cache.rows, lens, indptr, indices, splits, 16, policy,
+            min_splits, work, longest_first=longest_first,
+        )  # fmt: skip
+        want = _work_reference(splits.tolist(), 16, seq_lens if longest_first else None)
+        assert work[: len(want)].tolist() == want
     assert want[0] > len(seq_lens)  # the case has requests of several splits
+    assert want != _work_reference(splits.tolist(), 16, seq_lens)  # and the orders differ
 
 
 def test_decode_programs_follow_the_batch_not_the_context_limit() -> None:
