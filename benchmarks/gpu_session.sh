@@ -3,7 +3,7 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-fp8]
-#        [profile-extend] [fi-precompile] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
+#        [step-phases] [profile-extend] [fi-precompile] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
 #   as benchmarks/results/gpu-tests-done-<date>.txt, ':'-separated; what they list as passed or
@@ -130,6 +130,8 @@ for step in "$@"; do
       for args in "${sets[@]}"; do
         timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" $args 2>&1 | tee -a "$OUT/bench-fp8.log" | tail -16
       done ;;
+    step-phases)  # PHASES_ARGS, e.g. "--model qwen3-0.6b --bs 1 8 128 --sync-debug": host phases per decode step
+      timeout "$(cap ${PHASES_S:-200})" python3 benchmarks/engine_step_phases.py ${PHASES_ARGS:-} 2>&1 | tee -a "$OUT/step-phases.log" | tail -60 ;;
     profile-extend)  # PROFILE_EXTEND_ARGS, e.g. "--model qwen3-0.6b --lens 32,418,2048": host vs GPU per prefill
       timeout "$(cap ${PROFILE_EXTEND_S:-120})" python3 benchmarks/profile_extend.py ${PROFILE_EXTEND_ARGS:-} 2>&1 | tee "$OUT/profile-extend.log" | tail -30 ;;
     fi-precompile)  # FI_PRECOMPILE_ARGS: FlashInfer modules built in parallel before the tests load them

@@ -182,6 +182,9 @@ class KernelProfile:
     gpu_busy_s: float  # union of GPU activity intervals
     kernels: list[KernelShare]  # the ``top`` by time, most first
     others_ms: float  # the rest together
+    #: ms the GPU sat idle in each tenth of the span from its first activity to its last
+    #: (where in the run the host held it up: a prefill phase at the start, a tail at the end)
+    idle_ms_by_tenth: list[float] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         lines = [
@@ -189,6 +192,12 @@ class KernelProfile:
             "by GPU time:",
             f"  {'ms':>9} {'%busy':>6} {'calls':>8}  kernel",
         ]
+        if self.idle_ms_by_tenth:
+            lines.insert(
+                1,
+                "GPU idle (ms) in each tenth of its active span: "
+                + " ".join(f"{ms:.0f}" for ms in self.idle_ms_by_tenth),
+            )
         for k in self.kernels:
             lines.append(f"  {k.ms:9.1f} {k.pct:6.1f} {k.calls:8d}  {k.name}")
         if self.others_ms:
@@ -225,7 +234,9 @@ def profile_kernels(
         for name, us in ranked[:top]
     ]
     others = sum(us for _, us in ranked[top:]) / 1e3
-    return KernelProfile(wall, busy_us / 1e6, shares, others)
+    spans = [(e.time_range.start, e.time_range.end) for e in on_gpu]
+    idle = [us / 1e3 for us in idle_by_slice(spans, 10)]
+    return KernelProfile(wall, busy_us / 1e6, shares, others, idle)
 
 
 class HostProfile(NamedTuple):
@@ -292,6 +303,28 @@ def union_length(intervals: Sequence[tuple[float, float]]) -> float:
             total += hi - max(lo, end)
             end = hi
     return total
+
+
+def idle_by_slice(intervals: Sequence[tuple[float, float]], slices: int) -> list[float]:
+    """The idle time (not covered by ``intervals``) in each of ``slices`` equal parts of the
+    span from the first start to the last end; [] without intervals."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals)
+    lo, hi = ordered[0][0], max(end for _, end in ordered)
+    width = (hi - lo) / slices or 1.0
+    idle = [0.0] * slices
+    end = lo
+    for start, stop in ordered:
+        # the gap [end, start) is idle: share it among the slices it crosses
+        while start > end:
+            k = min(slices - 1, int((end - lo) / width))
+            boundary = lo + (k + 1) * width
+            step = min(start, boundary) if k < slices - 1 and boundary > end else start
+            idle[k] += step - end
+            end = step
+        end = max(end, stop)
+    return idle
 
 
 @dataclass

@@ -267,3 +267,16 @@ def test_timed_call_times_one_run_with_the_collector_off_and_returns_its_result(
     assert result == "done" and seen == [False]
     assert 0.02 <= seconds < 1.0
     assert gc.isenabled() is was
+
+
+def test_idle_by_slice_places_each_gap_in_the_tenths_it_crosses() -> None:
+    from execrt.bench.timing import idle_by_slice
+
+    # span 0..10 in 10 slices: gap 1..3 covers slices 1 and 2, gap 4..4.5 half of slice 4
+    assert idle_by_slice([(0, 1), (3, 4), (4.5, 10)], 10) == [0, 1, 1, 0, 0.5, 0, 0, 0, 0, 0]
+    # overlapping and nested intervals leave no gap; nothing gives nothing
+    assert idle_by_slice([(0, 10), (2, 3), (9, 10)], 5) == [0.0] * 5
+    assert idle_by_slice([], 3) == []
+    # a gap ending exactly on a boundary, and thirds that are not exact in binary
+    got = idle_by_slice([(0.0, 0.1), (0.2, 0.3)], 3)
+    assert len(got) == 3 and abs(sum(got) - 0.1) < 1e-12
