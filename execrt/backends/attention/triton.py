@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -88,18 +89,8 @@ class TritonAttnBackend(AttentionBackend):
         )
         self.split_policy = _split_policy(kernels, init.options.get("decode_split_target", 0))
         self.max_context_len = init.max_context_len
-        self.decode_merge = str(init.options.get("decode_merge", "auto"))
-        if self.decode_merge not in DECODE_MERGE:
-            raise ConfigError(
-                f"triton attention: decode_merge {self.decode_merge!r} unsupported "
-                f"(supported: {', '.join(DECODE_MERGE)})"
-            )
-        self.decode_order = str(init.options.get("decode_order", "longest"))
-        if self.decode_order not in DECODE_ORDER:
-            raise ConfigError(
-                f"triton attention: decode_order {self.decode_order!r} unsupported "
-                f"(supported: {', '.join(DECODE_ORDER)})"
-            )
+        self.decode_merge = _choice(init.options, "decode_merge", "auto", DECODE_MERGE)
+        self.decode_order = _choice(init.options, "decode_order", "longest", DECODE_ORDER)
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -273,6 +264,16 @@ class TritonAttnBackend(AttentionBackend):
 
     def close(self) -> None:
         self._graph = None
+
+
+def _choice(options: Mapping[str, object], name: str, default: str, accepted: Sequence[str]) -> str:
+    """Option ``name`` (``default`` when absent), refused unless one of ``accepted``."""
+    value = str(options.get(name, default))
+    if value not in accepted:
+        raise ConfigError(
+            f"triton attention: {name} {value!r} unsupported (supported: {', '.join(accepted)})"
+        )
+    return value
 
 
 def _split_policy(kernels: ModuleType, target: object) -> SplitPolicy:
