@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from bench_layer_kernels import time_graph  # this folder: run as a script
 
 from execrt.bench.common import L2_BYTES, copy_bandwidth_gbps, median_us, utc_now
 from execrt.core.sampler import Sampler, SamplingBatchInfo
+from execrt.kernels import triton_sampling
 from execrt.kernels.sampling import fused_sample
 
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
@@ -53,6 +55,7 @@ class Row:
     pct_floor: float  # floor / fused_graph_us
     speedup: float  # today_us / fused_graph_us
     mismatches: int
+    programs_per_sm: int = 0
 
 
 def make_logits(
@@ -133,6 +136,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--mixes", default=",".join([*MIXES, "mixed"]))
     parser.add_argument("--logits", default="llm,flat", help="logit shapes: llm, flat")
+    parser.add_argument(
+        "--programs-per-sm",
+        default=str(triton_sampling.PROGRAMS_PER_SM),
+        help="comma-separated values of the race's PROGRAMS_PER_SM to compare",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampling: needs a CUDA device")
@@ -141,18 +149,23 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
     header = (
-        f"{'batch':>5} {'mix':<21} {'logits':<6} {'today us':>10} {'fused us':>9} "
+        f"{'pps':>4} {'batch':>5} {'mix':<21} {'logits':<6} {'today us':>10} {'fused us':>9} "
         f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
     )
     print(header)
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    for pps, b in itertools.product(
+        [int(x) for x in args.programs_per_sm.split(",")],
+        [int(x) for x in args.batches.split(",")],
+    ):
+        triton_sampling.PROGRAMS_PER_SM = pps
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
                 r = measure(b, args.vocab, dtype, mix, shape, copy_gbps)
+                r.programs_per_sm = pps
                 rows.append(r)
                 print(
-                    f"{r.batch:>5} {r.mix:<21} {r.logits:<6} {r.today_us:>10.1f} "
+                    f"{pps:>4} {r.batch:>5} {r.mix:<21} {r.logits:<6} {r.today_us:>10.1f} "
                     f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "
                     f"{r.pct_floor:>7.0f}% {r.speedup:>7.0f}x {r.mismatches:>5}",
                     flush=True,

@@ -15,8 +15,15 @@ step is the device's time; when ``wait`` is near zero the device waits for the h
 other phases are what to cut. ``--sync-debug`` also runs the long generate under
 ``torch.cuda.set_sync_debug_mode("warn")`` and prints each synchronising call's stack once.
 
+``--prefill``: the prefill phase of ``execrt bench throughput`` instead (its 256 prompts,
+one new token each, the engine's defaults): the phases of the whole generate, per extend
+step, and the GPU's busy and idle time under torch.profiler. With extends the host processes
+step N before it schedules step N+1, so the device idles for that step's bookkeeping,
+scheduling and launch; this mode says how long.
+
 Usage: ``PYTHONPATH=$PWD python benchmarks/engine_step_phases.py [--model qwen3-0.6b]
-[--bs 1 8 128] [--ctx 512] [--steps 32] [--temperature 0] [--sync-debug] [--eager]``
+[--bs 1 8 128] [--ctx 512] [--steps 32] [--temperature 0] [--sync-debug] [--eager]
+[--prefill]``
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from typing import Any
 import torch
 
 from execrt.bench.models import RandomWeightsLoader, model_config
-from execrt.bench.timing import timed_call
+from execrt.bench.throughput import draw_workload
+from execrt.bench.timing import profile_kernels, timed_call
 from execrt.core import staging
 from execrt.core.batch import ForwardBatch
 from execrt.core.model_runner import ModelRunner
@@ -119,6 +127,42 @@ def sync_debug_report(run: Callable[[], object]) -> list[tuple[int, str]]:
     return [(n, where) for where, n in seen.most_common()]
 
 
+def prefill_phases(
+    model: str, layers: int | None, temperature: float, reps: int, sync_debug: bool
+) -> None:
+    """The prefill phase of ``bench throughput``'s workload, phase by phase (see the module
+    docstring)."""
+    config = model_config(model, layers)
+    prompts = draw_workload().prompts
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = Engine(loader=RandomWeightsLoader(config, 0), device=device, seed=0)
+    with engine:
+        generate_phases(engine, prompts, 1, temperature)  # warm-up
+        runs = [generate_phases(engine, prompts, 1, temperature) for _ in range(reps)]
+        seconds, totals, calls = min(runs, key=lambda r: r[0])
+        extends = engine.scheduler.stats.extend_steps // (reps + 1)
+        tokens = sum(map(len, prompts))
+        print(f"\n# {model} prefill: {len(prompts)} prompts, {tokens} tokens, {extends} extend "
+              f"steps: {seconds * 1e3:.1f} ms (best of {reps})")  # fmt: skip
+        for _, _, phase in PHASES:
+            n = calls[phase]
+            per = totals[phase] / max(n, 1) * 1e3
+            print(f"  {phase:<32} {totals[phase] * 1e3:8.1f} ms  {n:4d} calls  {per:7.2f} ms/call")
+        if torch.cuda.is_available():
+            params = SamplingParams(max_new_tokens=1, temperature=temperature, ignore_eos=True)
+
+            def run() -> None:
+                engine.flush_cache()
+                engine.generate(prompts, params)
+
+            print(profile_kernels(run, engine.worker.limits.device).describe())
+            if sync_debug:
+                found = sync_debug_report(run)
+                print(f"  synchronising calls (sync debug mode): {sum(n for n, _ in found)}")
+                for n, where in found[:8]:
+                    print(f"  --- {n}x\n{where}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -132,7 +176,11 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--sync-debug", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefill", action="store_true", help="bench throughput's prefill phase")
     args = ap.parse_args()
+    if args.prefill:
+        prefill_phases(args.model, args.layers, args.temperature, args.reps, args.sync_debug)
+        return
     config = model_config(args.model, args.layers)
     sizes = sorted(set(args.bs))
     graph = {} if args.eager else {"cuda_graph_bs": ",".join(map(str, sizes))}

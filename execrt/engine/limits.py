@@ -42,9 +42,10 @@ class RequestLimits:
     def token_problems(self, ids: Sequence[int]) -> list[str]:
         """What is wrong with prompt ``ids`` (already plain ints) for this model."""
         problems = []
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            problems.append(f"token id {bad[0]} out of range (vocab size {self.vocab_size})")
+        # min/max first (C speed); the first bad id only when there is one.
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            problems.append(f"token id {bad} out of range (vocab size {self.vocab_size})")
         if len(ids) >= self.context_len:
             problems.append(
                 f"prompt of {len(ids)} tokens leaves no room in the context of {self.context_len}"

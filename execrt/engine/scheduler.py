@@ -101,14 +101,15 @@ class Scheduler:
     gains a token in every decode and is never retracted, so while it is the oldest at most
     ``min(max_new_tokens, context_len - prompt_len) - 1`` decodes happen. Hence
     ``D <= sum_i (min(M_i, C - P_i) - 1)`` over admitted requests. (3) Extend steps: each
-    makes >= 1 slot unavailable for good until a finish or a retraction: it reserves ``n >= 1``
-    per pick, and handing the chunks to the cache frees only duplicates of tokens another
-    pick of the same step computed (nothing is inserted between an admission and its
-    step's results), so the first pick to hand over keeps its ``n``. A request that finishes
-    right after its prefill makes at most its ``kv_slots_needed`` available again (once per
-    request). So a run of consecutive extends is at most ``S`` (cache slots) long plus what
-    such finishes return, and there are at most ``D + 1`` runs:
-    ``E <= (D + 1) * S + sum_i kv_slots_needed_i``. ``steps = D + E``.
+    adds ``n >= 1`` tokens to the K/V some queued request holds (its picks' prefills), and
+    only a finish or a retraction takes held tokens away. Handing the chunks to the cache
+    frees duplicates only (tokens another pick of the same step computed, or, with
+    overlap, the step before it; a long shared part waits instead: see the dedup), and the
+    request then holds the cache's copy, so what it holds never shrinks. The tokens that can
+    be held are bounded by the prompts and outputs of the requests (each at most
+    ``kv_slots_needed``), so a run of consecutive extends is at most
+    ``sum_i kv_slots_needed_i`` long, and there are at most ``D + 1`` runs:
+    ``E <= (D + 1) * sum_i kv_slots_needed_i``. ``steps = D + E``.
 
     Errors. If a step raises (any BaseException, a KeyboardInterrupt too, wherever it comes
     from: scheduling, the forward, sampling, processing results, freeing, the prefix cache),
@@ -183,13 +184,19 @@ class Scheduler:
         of the step before it.
 
         Overlap (``overlap=True``): while the GPU runs step N the host builds step N+1 and
-        only then reads step N's tokens. Step N+1 is then a decode of the running requests
-        whose tokens of step N are still on the device (they feed step N+1 directly); a
-        request that reaches ``max_new_tokens`` or the context with step N is left out, one
-        that samples EOS at step N wastes one decode whose token is dropped. Anything else
-        (an extend to admit, a retraction to make room) waits for step N's results first, so
-        outputs are the same with and without overlap. A step that raises: see the class
-        docstring ("Errors").
+        only then reads step N's tokens. Step N+1 is then either
+        - an extend, admitted against the room step N leaves before its results are in (a
+          request that finishes with step N gives its room back one step later). A candidate
+          that step N computes a long part of (``dedup_min_tokens``) waits for step N's K/V
+          to be cached, as it waits for a pick of its own step; or
+        - a decode of the running requests, whose tokens of step N are still on the device
+          (they feed step N+1 directly); a request that reaches ``max_new_tokens`` or the
+          context with step N is left out, one that samples EOS at step N wastes one decode
+          whose token is dropped.
+        A retraction (to make room) waits for step N's results first. Each request's tokens
+        are the same with and without overlap (its draw depends on its own seed and step);
+        which step admits it may differ. A step that raises: see the class docstring
+        ("Errors").
         """
         batch = self._guarded(self._schedule_overlapped)
         if batch is None:
@@ -247,8 +254,12 @@ class Scheduler:
         assert inputs is not None, "the scheduler counted the free rows and slots"
         return ScheduleBatch.of(reqs, inputs, self.memory.stager)
 
-    def _schedule_extend(self) -> ScheduleBatch | None:
+    def _schedule_extend(self, inflight: ScheduleBatch | None = None) -> ScheduleBatch | None:
+        """The next extend, or None. ``inflight``: the step still running (overlap), whose
+        results are not in: a candidate whose prompt it computes a long part of waits for
+        them (its K/V in the cache), as one that a pick computes does."""
         memory = self.memory
+        ahead = [] if inflight is None else inflight.reqs  # their kv_len counts the step
         budget = self.max_prefill_tokens
         spent = 0  # slots the picks take
         new_rows = 0  # picks that take a row when reserved (no cache hit)
@@ -278,8 +289,11 @@ class Scheduler:
             n = min(req.seq_len - req.kv_len, budget, room - reserve - keep)
             if n < 1 or (hold and growth > memory.available_slots - growth_all):
                 fits = False
-            else:  # one of the picks computes a long part of this prompt: find it cached next
-                fits = not self._computed_by_picks(req, picked, lens)
+            else:  # a pick computes a long part of this prompt: find it cached next
+                fits = not (
+                    self._computed_by_picks(req, picked, lens)
+                    or self._computed_by_picks(req, ahead, [0] * len(ahead))
+                )
             if not fits:
                 if fresh:
                     self._free(req)  # undo the admission
@@ -343,7 +357,8 @@ class Scheduler:
         if not self.overlap or prev is None:
             return None
         if self.waiting and len(self.running) < self.max_running:
-            return None  # an extend may be due: decide with step N's results in hand
+            # An extend may be due: build it now (None: decide with step N's results in hand).
+            return self._schedule_extend(prev.batch)
         # Leave out those that the tokens in flight end by length (that is predictable).
         rules, rule = self._rules, self._rule
         reqs = [

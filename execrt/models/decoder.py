@@ -147,7 +147,7 @@ class DecoderForCausalLM(nn.Module):
             h, delta = layer(h, delta, fb, attn)
         norm = self.model.norm
         if fb.mode.is_extend():
-            last = torch.tensor(fb.extend_lens_cpu, device=h.device).cumsum(0) - 1  # [B]
+            last = _on_device(fb.extend_lens_cpu, h.device).cumsum(0) - 1  # [B]
             if fb.return_full_logits:
                 full = norm.project(self.lm_head, h, delta)[0].float()
                 return LogitsOutput(next_token_logits=full[last], full_logits=full)
@@ -301,6 +301,15 @@ class _TpShard:
         dense = _has_dense_mlp(config)
         mlp = shard_rows(inter, tp, rank, "intermediate_size") if dense else slice(0, inter)
         return cls(q, kv, mlp, config.num_q_heads * d, config.num_kv_heads * d, inter)
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``device`` without waiting for the stream: a pageable copy
+    would block until the GPU finished every layer already launched, so the host could not
+    build the next step meanwhile. The pinned block goes back to torch's host cache only
+    after the copy is done."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _has_dense_mlp(config: ModelConfig) -> bool:

@@ -92,3 +92,42 @@ def test_overlapped_decode_steps_never_sync_implicitly(graph: str) -> None:
         assert scheduler.stats.decode_steps - decodes > 20
         assert [got[i] for i in range(len(prompts))] == want  # and the same tokens
         assert engine.stats().requests_running == 0
+
+
+def test_overlapped_extend_steps_never_sync_implicitly() -> None:
+    # Twelve ~300-token prompts through a 512-token prefill budget: a run of extends (chunks
+    # among them) that each build while the one before runs, then the decodes. Nothing may
+    # wait for the device but the planned token wait: a pageable copy in the model's forward
+    # (the rows whose logits are wanted) used to block each extend's launch until the GPU had
+    # finished it, so the next extend's host work could not overlap.
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 4000, (280 + 7 * i,), generator=g).tolist() for i in range(12)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.6, seed=3, ignore_eos=True)
+    with Engine(
+        loader=RandomWeightsLoader(CONFIG, 0),
+        device="cuda",
+        graph_backend="none",
+        attention_backend="triton",
+        max_running_requests=32,
+        max_prefill_tokens=512,
+        overlap_schedule=True,
+    ) as engine:
+        want = [r.token_ids for r in engine.generate(prompts, params)]  # warm: JIT
+        engine.flush_cache()
+        got: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            engine.submit(
+                p, params, on_output=lambda out, i=i: got.setdefault(i, []).extend(out.token_ids)
+            )
+        scheduler = engine.scheduler
+        extends = scheduler.stats.extend_steps
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            while scheduler.has_work:
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert scheduler.stats.extend_steps - extends >= 6
+        assert [got[i] for i in range(len(prompts))] == want
+        assert engine.stats().requests_running == 0

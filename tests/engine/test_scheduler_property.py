@@ -187,14 +187,14 @@ def _free_counts(worker: FakeWorker) -> tuple[int, int]:
 
 
 def _step_bound(reqs: list[Req], w: Workload) -> int:
-    """The bound proved in Scheduler's docstring: D + (D + 1) * S + sum of slots needed."""
+    """The bound proved in Scheduler's docstring: D + (D + 1) * sum of slots needed."""
     fit = [r for r in reqs if _fits(r, w)]
     c = w.context_len
     d = sum(min(r.sampling_params.max_new_tokens, c - len(r.origin_input_ids)) - 1 for r in fit)
     needed = sum(
         kv_slots_needed(len(r.origin_input_ids), r.sampling_params.max_new_tokens, c) for r in fit
     )
-    return d + (d + 1) * w.cache + needed
+    return d + (d + 1) * needed
 
 
 @dataclass
@@ -370,6 +370,51 @@ def test_admission_rule_is_exact(prompt_len: int, max_new: int, cache: int, expe
         assert f"needs up to {cache + 1} KV slots" in req.error and sched.stats.steps == 0
     else:
         assert len(req.output_ids) == min(max_new, 40 - prompt_len)
+
+
+# -- overlap: the next extend is built while a step runs --------------------------------------
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_with_overlap_each_extend_is_built_while_the_one_before_runs(overlap: bool) -> None:
+    # Four 16-token prompts, 16 prefill tokens a step: four extends. With overlap, extends
+    # 2-4 are scheduled and launched before the results of the one before are read.
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [[1 + (7 * i + j) % (VOCAB - 1) for j in range(16)] for i in range(4)]
+    w = Workload(512, 8, 16, 128, [(p, params) for p in prompts])
+    worker, sched, reqs = _setup(w, overlap)
+    in_flight: list[bool] = []  # per extend: was the step before still unread at its launch?
+    worker.on_launch = lambda b: (
+        b.mode.is_extend() and in_flight.append(sched._inflight is not None)
+    )
+    for req in reqs:
+        sched.add(req)
+    sched.run()
+    assert in_flight == [False] + [overlap] * 3
+    for req, (prompt, sp) in zip(reqs, w.requests, strict=True):
+        assert req.output_ids == alone(prompt, sp, 128)[0]
+    assert _free_counts(worker) == (512, 8)
+
+
+def test_an_overlapped_extend_leaves_a_prompt_the_step_in_flight_computes_for_the_cache() -> None:
+    # A fills the first extend's budget; B extends A's 20 tokens. Built while A's extend
+    # runs, B would miss A's K/V (not cached before A's results are in) and compute it
+    # again; it waits for them instead and is charged only its own 2 tokens.
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    a = [1 + (5 * j) % (VOCAB - 1) for j in range(20)]
+    w = Workload(512, 8, 20, 128, [(a, params), (a + [3, 4], params)], prefix_cache="radix")
+    w.dedup_min_tokens = 8
+    worker, sched, reqs = _setup(w, overlap=True)
+    extends: list[tuple[list[int], bool]] = []
+    worker.on_launch = lambda b: (
+        b.mode.is_extend()
+        and extends.append((b.inputs.extend_lens_cpu, sched._inflight is not None))
+    )
+    for req in reqs:
+        sched.add(req)
+    sched.run()
+    assert reqs[1].cached_tokens == 20
+    assert extends == [([20], False), ([2], False)]
+    for req, (prompt, sp) in zip(reqs, w.requests, strict=True):
+        assert req.output_ids == alone(prompt, sp, 128)[0]
 
 
 # -- prefix cache: admission budget and in-batch dedup -------------------------------------------
