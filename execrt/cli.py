@@ -345,6 +345,12 @@ def _add_bench_throughput(bench_sub: Any) -> None:
     tp.add_argument("--num-seqs", type=int, default=256, help="sequences (default: 256)")
     tp.add_argument("--attention", default="auto", help="attention backend or auto (default: auto)")
     tp.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed generates per configuration and temperature, the median reported (default: 3)",
+    )
+    tp.add_argument(
         "--profile",
         action="store_true",
         help="after each timed run, one more under torch.profiler: GPU busy and kernels by time",
@@ -373,6 +379,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         attention=args.attention,
         out_dir=args.out,
         profile=args.profile,
+        repeats=args.repeats,
     )
     throughput.run(opts)
     return 0

@@ -8,8 +8,9 @@ token ids each ``randint(0, 10000)``, then every ``max_tokens`` ``randint(100, 1
 tok/s (A100 80GB PCIe), nano-vllm 10,009 (A800).
 
 Each named configuration (``CONFIGS``: the defaults, the issue's tuned settings, ...) builds
-one engine, warms it up on the first sequences, then times one ``generate`` of the whole
-workload per temperature (0.6 as published, and greedy). The roofline is the ideal schedule's
+one engine, warms it up on the first sequences, then times ``generate`` of the whole
+workload per temperature (0.6 as published, and greedy): ``repeats`` runs, the median
+reported and every run's seconds kept. The roofline is the ideal schedule's
 bytes: every prompt prefilled in one step, then all sequences decoding together, each leaving
 after its last token; every step reads the weights once (MoE: the experts its batch touches)
 and each running sequence reads the K/V of its context. Prefill compute is not counted.
@@ -102,6 +103,8 @@ class Options:
     out_dir: str | None = "benchmarks/results"
     #: After each timed run, one more under torch.profiler: the GPU's time by kernel.
     profile: bool = False
+    #: Timed generates per configuration and temperature; the median is reported.
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +120,8 @@ class Options:
                 f"num_seqs {self.num_seqs} must be >= 1 and 1 <= min_len {self.min_len} "
                 f"<= max_len {self.max_len}"
             )
+        if self.repeats < 1:
+            problems.append(f"repeats {self.repeats} must be >= 1")
         if problems:
             raise ExecrtError("bench throughput: " + "; ".join(problems))
 
@@ -203,6 +208,8 @@ class Record:
     note: str = ""
     #: ``--profile``: a second run under torch.profiler; GPU busy and the kernels by time
     profile: dict[str, Any] | None = None
+    #: Every timed generate's seconds, in order (``seconds`` is their median)
+    seconds_each: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -286,8 +293,12 @@ def _run_config(r: _Run, name: str) -> None:
             try:
                 warm = r.workload.prompts[:WARMUP_SEQS]
                 engine.generate(warm, _params(t, [WARMUP_TOKENS] * len(warm)))
-                seconds, stats = _timed_generate(engine, r.workload, t)
+                runs = [_timed_generate(engine, r.workload, t) for _ in range(opts.repeats)]
+                seconds, stats = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
                 rec = _add(r, config, t, seconds, stats, attention, startup)
+                rec.seconds_each = [run[0] for run in runs]
+                if len(runs) > 1:
+                    print(f"    runs (s): {', '.join(f'{x:.3f}' for x in rec.seconds_each)}")
                 if opts.profile:
                     rec.profile = _profile(engine, r.workload, t)
             except Exception as exc:

@@ -41,6 +41,7 @@ from execrt.kernels._triton import (
     check_float,
     check_same_device,
     fail,
+    interpreter_enabled,
     next_power_of_2,
     pdl_kwargs,
     sm_count,
@@ -66,6 +67,11 @@ G_BOUND = tl.constexpr(16.7)
 #: Largest 1 / T used (a smaller T is not representable as a finite reciprocal): keeps
 #: (s - max) / T at 0 for the top logit instead of 0 * inf.
 MAX_INV_T = tl.constexpr(3.0e38)
+#: Above the error of ``_fast_gumbel``'s G (~1e-5, see there): a block whose cheap keys all
+#: stay this far (times T) below the best key so far cannot hold the winner.
+FAST_G_MARGIN = tl.constexpr(1e-3)
+#: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
+SERIES_W = tl.constexpr(0.03125)
 
 
 @triton.jit
@@ -84,6 +90,33 @@ def _hash3(x, a, b, ADD_B: tl.constexpr):
             else:
                 x = x ^ b
     return x
+
+
+@triton.jit
+def _log2(x, FAST_LOG: tl.constexpr):
+    """log2(x) for x > 0: the SFU's approximation (``lg2.approx``, ~2**-22 relative) with
+    FAST_LOG, else the exact software log (the interpreter cannot run inline PTX)."""
+    if FAST_LOG:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _fast_gumbel(h, FAST_LOG: tl.constexpr):
+    """The race's ``G = -ln(-ln u)`` (``u = ((h >> 9) + 0.5) / 2**23``) within ~1e-5, at a
+    fraction of the exact logs' instructions: ``E = -ln u`` from its series in ``w = 1 - u``
+    (exact in fp32) where u is near 1 (a log of u would cancel there: those are the largest
+    G, the likely winners), else from the SFU's log2; then G from the SFU's log2 of E. Used
+    only to rule blocks out (``FAST_G_MARGIN``); every key that can win is computed exactly."""
+    m = (h >> 9).to(tl.float32)
+    w = (8388608.0 - m - 0.5) * (1.0 / 8388608.0)
+    series = w * (1.0 + w * (0.5 + w * (0.3333333333 + w * (0.25 + w * 0.2))))
+    u = (m + 0.5) * (1.0 / 8388608.0)
+    e = tl.where(w <= SERIES_W, series, _log2(u, FAST_LOG) * -0.6931471805599453)  # ln 2
+    return _log2(e, FAST_LOG) * -0.6931471805599453
 
 
 @triton.jit
@@ -131,13 +164,16 @@ def _race(
     FILTER: tl.constexpr,
     SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """(key, G, id) of the race winner over tokens [start, end) of a row, and their largest
     logit. With FILTER only the kept tokens race: ``s > t_star`` and the first ``r_ties``
     (by id) with ``s == t_star``; ``start`` must then be 0. With SHARE the programs racing
     parts of one row publish their best key at ``best_ptr`` after every block and skip by the
     row's best, not only their own (a hint: any key some token has is a lower bound on the
-    winner's, so the skipped blocks never hold it)."""
+    winner's, so the skipped blocks never hold it). Without FILTER a block of a sampled row
+    is first raced with cheap keys (``_fast_gumbel``) and computed exactly only if one of
+    them comes within the margin of the best: after the first blocks few do."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -162,7 +198,13 @@ def _race(
         # reaches -inf: skipped once there is a best).
         reach = block_top + temp * G_BOUND
         margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
-        if reach + margin >= best:
+        take = reach + margin >= best
+        if not FILTER:
+            if take & (temp > 0):
+                h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
+                k = s + temp * _fast_gumbel(h, FAST_LOG)
+                take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
+        if take:
             if greedy:
                 g = tl.zeros([BLOCK], tl.float32)
             else:
@@ -323,7 +365,7 @@ def _filtered_token(
     t_star = tl.where(done > 0, t_star, m)
     r_ties = tl.where(done > 0, r_ties, 1)
     _k, _g, token, _t = _race(
-        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, base, True, False, BLOCK
+        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, base, True, False, BLOCK, False
     )
     return tl.where(inside, winner, token)
 
@@ -348,6 +390,7 @@ def _sample_kernel(
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
     largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``), the parts of a row
@@ -384,7 +427,19 @@ def _sample_kernel(
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
         win_k, win_g, win_i, top = _race(
-            base, start, end, temp, greedy, key, 0.0, 0, best_ptr + row, False, SHARE, BLOCK
+            base,
+            start,
+            end,
+            temp,
+            greedy,
+            key,
+            0.0,
+            0,
+            best_ptr + row,
+            False,
+            SHARE,
+            BLOCK,
+            FAST_LOG,
         )
         at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
@@ -471,6 +526,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             SHARE=share and not finish,
             BLOCK=block,
             BLOCK_P=block_p,
+            FAST_LOG=not interpreter_enabled(),
             num_warps=warps,
             **pdl,
         )

@@ -100,6 +100,7 @@ def test_cpu_run_times_each_config_and_temperature_and_saves(tmp_path, capsys) -
         (["--temperatures", "hot"], "--temperatures 'hot' must look like 0.6,0"),
         (["--temperatures", "-1"], "temperatures [-1.0] must be >= 0"),
         (["--model", "nope"], "model 'nope' unknown"),
+        (["--repeats", "0"], "repeats 0 must be >= 1"),
     ],
 )
 def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -112,10 +113,11 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     seen: list[throughput.Options] = []
     monkeypatch.setattr(throughput, "run", seen.append)
     argv = ["--configs", "tuned,tuned-flashinfer", "--temperatures", "0", "--num-seqs", "64"]
-    assert main(["bench", "throughput", *argv, "--out", "x", "--profile"]) == 0
+    assert main(["bench", "throughput", *argv, "--out", "x", "--profile", "--repeats", "5"]) == 0
     assert main(["bench", "throughput"]) == 0
     given, default = seen
     assert given.profile and not default.profile
+    assert (given.repeats, default.repeats) == (5, 3)
     assert (given.configs, given.temperatures, given.num_seqs, given.out_dir) == (
         ("tuned", "tuned-flashinfer"),
         (0.0,),
@@ -140,10 +142,12 @@ def test_cli_without_cuda_says_so(capsys) -> None:  # type: ignore[no-untyped-de
 
 def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     opts = _cpu_options(
-        str(tmp_path), 3, 6, configs=("defaults",), temperatures=(0.0,), profile=True
+        str(tmp_path), 3, 6, configs=("defaults",), temperatures=(0.0,), profile=True, repeats=3
     )
     (rec,) = throughput.run(opts)
     assert rec.note == "" and rec.profile is not None
+    # Three timed runs; the median is the one reported.
+    assert len(rec.seconds_each) == 3 and rec.seconds == sorted(rec.seconds_each)[1]
     # On the CPU nothing runs on a GPU: the profile says so rather than inventing kernels.
     assert rec.profile["kernels"] == [] and rec.profile["gpu_busy_s"] == 0
     assert rec.profile["wall_s"] > 0

@@ -20,6 +20,7 @@ from execrt.core.schedule import Req, SamplingParams
 from execrt.kernels import triton_sampling
 from execrt.kernels._triton import interpreter_enabled
 from execrt.kernels.sampling import fused_sample, sample, sample_fn
+from execrt.kernels.triton_sampling import _fast_gumbel as fast_gumbel
 from tests.kernels.helpers import CUDA, DEVICE, needs_cuda, replay_matches_eager
 
 # Draws per distribution test: the interpreter runs one program after another (~50 ms a row).
@@ -205,6 +206,40 @@ def test_the_noise_is_the_core_hash_bit_for_bit() -> None:
     info = params(b, 1e30, seeds=seeds, steps=steps)
     u = uniform_noise(torch.tensor(seeds), torch.tensor(steps), vocab)  # [B, V]
     assert torch.equal(draw(logits, info), u.argmax(-1))
+
+
+def test_the_cheap_noise_that_rules_blocks_out_stays_well_inside_its_margin() -> None:
+    """The race computes a block's keys exactly only where a cheap key (``_fast_gumbel``)
+    comes within ``FAST_G_MARGIN`` of the best: its G must stay far closer than that to the
+    exact ``-ln(-ln u)``, over every kind of draw - u near 1 (the series, where the largest
+    G and so the winners are), near its switch to the log, and the rest; on the GPU through
+    the SFU's log2 as the race runs it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cheap(h_ptr, out_ptr, n, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        h = tl.load(h_ptr + i, mask=i < n, other=0).to(tl.uint32)
+        tl.store(out_ptr + i, fast_gumbel(h, FAST_LOG), mask=i < n)
+
+    top = 2**23
+    w_switch = int(top * (1 - 0.03125))  # where u = 1 - 2**-5
+    m = [0, 1, 2, 3, top // 2, w_switch - 2, w_switch - 1, w_switch, w_switch + 1, top - 2]
+    m += [top - 1 - k for k in range(64)] + list(range(0, top, 4099))
+    ms = torch.tensor(m, dtype=torch.int64)
+    h = (ms << 9) | torch.randint(0, 512, ms.shape, generator=torch.Generator().manual_seed(3))
+    out = torch.empty(len(m), dtype=torch.float32, device=DEVICE)
+    n, block = len(m), 1024
+    cheap[(triton.cdiv(n, block),)](
+        h.to(torch.int32).to(DEVICE), out, n, FAST_LOG=not interpreter_enabled(), BLOCK=block
+    )
+    u = (ms.double() + 0.5) / top
+    exact = -torch.log(-torch.log(u))
+    err = (out.cpu().double() - exact).abs()
+    assert float(err.max()) < triton_sampling.FAST_G_MARGIN.value / 20, (
+        f"worst at m={m[int(err.argmax())]}: {float(err.max()):.2e}"
+    )
 
 
 # -- the rules ------------------------------------------------------------------------------------
