@@ -93,9 +93,12 @@ def timed_phases(totals: dict[str, float], calls: collections.Counter[str]) -> I
 
 
 def generate_phases(
-    engine: Engine, prompts: list[list[int]], tokens: int, temperature: float
+    engine: Engine, prompts: list[list[int]], tokens: int | list[int], temperature: float
 ) -> tuple[float, dict[str, float], collections.Counter[str]]:
-    params = SamplingParams(max_new_tokens=tokens, temperature=temperature, ignore_eos=True)
+    counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True) for n in counts
+    ]
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     engine.flush_cache()
@@ -128,28 +131,42 @@ def sync_debug_report(run: Callable[[], object]) -> list[tuple[int, str]]:
 
 
 def prefill_phases(
-    model: str, layers: int | None, temperature: float, reps: int, sync_debug: bool
+    model: str,
+    layers: int | None,
+    temperature: float,
+    reps: int,
+    sync_debug: bool,
+    full: bool = False,
 ) -> None:
     """The prefill phase of ``bench throughput``'s workload, phase by phase (see the module
-    docstring)."""
+    docstring); ``full``: the whole workload (its output lengths), not one token each. Timed
+    with the garbage collector off (``timed_call``), unlike ``bench throughput``."""
     config = model_config(model, layers)
-    prompts = draw_workload().prompts
+    workload = draw_workload()
+    prompts = workload.prompts
+    tokens: int | list[int] = workload.max_tokens if full else 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = Engine(loader=RandomWeightsLoader(config, 0), device=device, seed=0)
     with engine:
-        generate_phases(engine, prompts, 1, temperature)  # warm-up
-        runs = [generate_phases(engine, prompts, 1, temperature) for _ in range(reps)]
+        generate_phases(engine, prompts, tokens, temperature)  # warm-up
+        runs = [generate_phases(engine, prompts, tokens, temperature) for _ in range(reps)]
         seconds, totals, calls = min(runs, key=lambda r: r[0])
-        extends = engine.scheduler.stats.extend_steps // (reps + 1)
-        tokens = sum(map(len, prompts))
-        print(f"\n# {model} prefill: {len(prompts)} prompts, {tokens} tokens, {extends} extend "
-              f"steps: {seconds * 1e3:.1f} ms (best of {reps})")  # fmt: skip
+        stats = engine.scheduler.stats
+        extends, steps = stats.extend_steps // (reps + 1), stats.steps // (reps + 1)
+        size = sum(map(len, prompts))
+        print(f"\n# {model} {'workload' if full else 'prefill'}: {len(prompts)} prompts, {size} "
+              f"tokens, {extends} extend steps of {steps}: {seconds * 1e3:.1f} ms (best of "
+              f"{reps}: {', '.join(f'{r[0] * 1e3:.1f}' for r in runs)})")  # fmt: skip
         for _, _, phase in PHASES:
             n = calls[phase]
             per = totals[phase] / max(n, 1) * 1e3
             print(f"  {phase:<32} {totals[phase] * 1e3:8.1f} ms  {n:4d} calls  {per:7.2f} ms/call")
         if torch.cuda.is_available():
-            params = SamplingParams(max_new_tokens=1, temperature=temperature, ignore_eos=True)
+            counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
+            params = [
+                SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
+                for n in counts
+            ]
 
             def run() -> None:
                 engine.flush_cache()
@@ -177,9 +194,12 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prefill", action="store_true", help="bench throughput's prefill phase")
+    ap.add_argument("--full", action="store_true", help="with --prefill: the whole workload")
     args = ap.parse_args()
     if args.prefill:
-        prefill_phases(args.model, args.layers, args.temperature, args.reps, args.sync_debug)
+        prefill_phases(
+            args.model, args.layers, args.temperature, args.reps, args.sync_debug, args.full
+        )  # fmt: skip
         return
     config = model_config(args.model, args.layers)
     sizes = sorted(set(args.bs))

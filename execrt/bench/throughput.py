@@ -43,7 +43,7 @@ from execrt.bench.models import (
     model_config,
     weight_bytes_per_step,
 )
-from execrt.bench.timing import profile_kernels, synchronize
+from execrt.bench.timing import gc_timer, profile_kernels, synchronize
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -210,6 +210,8 @@ class Record:
     profile: dict[str, Any] | None = None
     #: Every timed generate's seconds, in order (``seconds`` is their median)
     seconds_each: list[float] = field(default_factory=list)
+    #: Milliseconds Python's garbage collector ran during the reported run
+    gc_ms: float | None = None
 
 
 @dataclass
@@ -297,8 +299,8 @@ def _run_config(r: _Run, name: str) -> None:
                 seconds, stats = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
                 rec = _add(r, config, t, seconds, stats, attention, startup)
                 rec.seconds_each = [run[0] for run in runs]
-                if len(runs) > 1:
-                    print(f"    runs (s): {', '.join(f'{x:.3f}' for x in rec.seconds_each)}")
+                each = ", ".join(f"{x:.3f}" for x in rec.seconds_each)
+                print(f"    runs (s): {each}; garbage collection {rec.gc_ms:.1f} ms", flush=True)
                 if opts.profile:
                     rec.profile = _profile(engine, r.workload, t)
             except Exception as exc:
@@ -322,16 +324,17 @@ def _timed_generate(
     device = engine.worker.limits.device
     engine.flush_cache()  # every run prefills every prompt (the warm-up's and earlier runs')
     synchronize(device)
-    start = time.perf_counter()
-    results = engine.generate(workload.prompts, params)
-    synchronize(device)
-    seconds = time.perf_counter() - start
+    with gc_timer() as collected:  # the collector stays on, as a user's process has it
+        start = time.perf_counter()
+        results = engine.generate(workload.prompts, params)
+        synchronize(device)
+        seconds = time.perf_counter() - start
     for res, want in zip(results, workload.max_tokens, strict=True):
         if res.error or len(res.token_ids) != want:
             raise RuntimeError(
                 f"generate gave {len(res.token_ids)} of {want} tokens ({res.error or 'no error'})"
             )
-    return seconds, {k: v - before[k] for k, v in vars(stats).items()}
+    return seconds, {k: v - before[k] for k, v in vars(stats).items()} | {"gc_s": collected[0]}
 
 
 def _profile(engine: Engine, workload: Workload, temperature: float) -> dict[str, Any]:
@@ -394,6 +397,7 @@ def _add(
         attention=attention,
         startup_s=startup,
         note=note,
+        gc_ms=None if "gc_s" not in stats else stats["gc_s"] * 1e3,
     )
     r.records.append(rec)
     shown = f"{rec.out_tok_s:,.0f} output tok/s" if rec.out_tok_s else f"skipped: {note}"

@@ -366,6 +366,26 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def gc_timer() -> Iterator[list[float]]:
+    """Yields ``[seconds]``: the time Python's garbage collector spends in collections
+    inside the block (a collection pauses the host, and so a GPU the host keeps fed)."""
+    total = [0.0]
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            total[0] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(callback)
+
+
 T = TypeVar("T")
 
 

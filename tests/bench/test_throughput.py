@@ -146,8 +146,9 @@ def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsy
     )
     (rec,) = throughput.run(opts)
     assert rec.note == "" and rec.profile is not None
-    # Three timed runs; the median is the one reported.
+    # Three timed runs; the median is the one reported, with its garbage collection time.
     assert len(rec.seconds_each) == 3 and rec.seconds == sorted(rec.seconds_each)[1]
+    assert rec.gc_ms is not None and 0 <= rec.gc_ms < rec.seconds * 1e3
     # On the CPU nothing runs on a GPU: the profile says so rather than inventing kernels.
     assert rec.profile["kernels"] == [] and rec.profile["gpu_busy_s"] == 0
     assert rec.profile["wall_s"] > 0

@@ -280,3 +280,15 @@ def test_idle_by_slice_places_each_gap_in_the_tenths_it_crosses() -> None:
     # a gap ending exactly on a boundary, and thirds that are not exact in binary
     got = idle_by_slice([(0.0, 0.1), (0.2, 0.3)], 3)
     assert len(got) == 3 and abs(sum(got) - 0.1) < 1e-12
+
+
+def test_gc_timer_counts_only_collections_inside_the_block() -> None:
+    gc.collect()
+    with timing.gc_timer() as spent:
+        junk = [[i] for i in range(200_000)]  # something for the collector to walk
+        gc.collect()
+        del junk
+    inside = spent[0]
+    gc.collect()  # after the block: not counted
+    assert inside > 0 and spent[0] == inside
+    assert all(cb.__qualname__ != "gc_timer.<locals>.callback" for cb in gc.callbacks)

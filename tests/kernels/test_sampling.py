@@ -393,3 +393,15 @@ def test_large_vocabulary_batches_match_the_sampler_on_the_gpu() -> None:
         ps = [1.0, 1.0, 0.9, 0.95] * math.ceil(b / 4)
         info = params(b, temps[:b], ks[:b], ps[:b], seeds=list(range(b)))
         assert torch.equal(draw(logits, info), reference(logits, info))
+
+
+@needs_cuda
+def test_near_uniform_rows_of_a_large_vocabulary_match_the_sampler_on_the_gpu() -> None:
+    # Near-uniform rows skip no block by their logits alone: every block is first raced with
+    # the cheap keys, and the exact race must still find the reference's token in each row.
+    gen = torch.Generator().manual_seed(12)
+    b, vocab = 96, 151936
+    logits = (torch.randn(b, vocab, generator=gen) * 0.05).cuda()
+    temps = [0.6, 1.0, 0.3, 2.0] * (b // 4)
+    info = params(b, temps, seeds=list(range(1000, 1000 + b)), steps=list(range(b)))
+    assert torch.equal(draw(logits, info), reference(logits, info))
