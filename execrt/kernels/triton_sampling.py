@@ -70,6 +70,9 @@ MAX_INV_T = tl.constexpr(3.0e38)
 #: Above the error of ``_fast_gumbel``'s G (~1e-5, see there): a block whose cheap keys all
 #: stay this far (times T) below the best key so far cannot hold the winner.
 FAST_G_MARGIN = tl.constexpr(1e-3)
+#: Blocks between two exchanges of a row's best key among its parts (an atomic's round trip
+#: each; the first block exchanges too).
+SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
 
@@ -220,10 +223,35 @@ def _race(
             best_i = tl.where(better, ids, best_i)
             best = tl.maximum(best, tl.max(k, axis=0))
         if SHARE:
-            best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
+            # Every SHARE_EVERY blocks: the atomic's round trip stalls the loop.
+            if (off - start) % (SHARE_EVERY * BLOCK) == 0:
+                best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
         off += BLOCK
     win_k, win_g, win_i = _first(best_k, best_g, best_i)
     return win_k, win_g, win_i, top
+
+
+@triton.jit
+def _race_greedy(base, start, end, BLOCK: tl.constexpr):
+    """``_race`` for a greedy row (T = 0, no filter): the largest logit over [start, end),
+    the lowest id among equals, as (key, G, id, largest logit). No noise, so nothing to skip:
+    a plain streaming max with no reduction or atomic inside the loop."""
+    lanes = tl.arange(0, BLOCK)
+    best_k = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = start + lanes
+    off = start
+    while off < end:
+        ids = off + lanes
+        s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
+        better = s > best_k  # ids grow: ties keep the first; NaN never wins
+        best_k = tl.where(better, s, best_k)
+        best_i = tl.where(better, ids, best_i)
+        off += BLOCK
+    win_k = tl.max(best_k, axis=0)
+    win_i = tl.min(tl.where(best_k == win_k, best_i, 2147483647), axis=0)
+    # G as the race gives it: 0, or -inf when no token is finite (that part loses ties).
+    win_g = tl.where(win_k > float("-inf"), 0.0, float("-inf"))
+    return win_k, win_g, win_i, win_k
 
 
 @triton.jit
@@ -426,21 +454,13 @@ def _sample_kernel(
         part = tl.program_id(1)
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
-        win_k, win_g, win_i, top = _race(
-            base,
-            start,
-            end,
-            temp,
-            greedy,
-            key,
-            0.0,
-            0,
-            best_ptr + row,
-            False,
-            SHARE,
-            BLOCK,
-            FAST_LOG,
-        )
+        if greedy:
+            win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
+        else:
+            win_k, win_g, win_i, top = _race(
+                base, start, end, temp, greedy, key, 0.0, 0, best_ptr + row, False, SHARE,
+                BLOCK, FAST_LOG,
+            )  # fmt: skip
         at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
         tl.store(part_ptr + plane + at, win_g)
