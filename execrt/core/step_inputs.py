@@ -26,20 +26,27 @@ def extend_inputs(
     """An extend of ``lens[i]`` tokens of each request after its ``kv_len`` held ones, in
     ``rows[i]``; records ``slots`` (``[T]``, in token order) in the rows."""
     ids: list[int] = []
-    token_rows: list[int] = []
-    positions: list[int] = []
-    for req, row, n in zip(reqs, rows, lens, strict=True):
-        start = req.kv_len
-        ids += req.fill_ids[start : start + n]
-        token_rows += [row] * n
-        positions += range(start, start + n)
+    for req, n in zip(reqs, lens, strict=True):
+        ids += _fill_ids(req, req.kv_len, n)
     prefix = [r.kv_len for r in reqs]
     seq = [p + n for p, n in zip(prefix, lens, strict=True)]
-    # One host->device copy; [T], [B], [B], [T], [T]
-    dev_ids, dev_rows, dev_seq, dev_token_rows, pos = stage_ints(
-        stager, (ids, rows, seq, token_rows, positions)
+    # Token i of request b sits at position prefix[b] + (i - first[b]), first[b] its first
+    # index in the step: positions = arange(T) - shift[b], shift[b] = first[b] - prefix[b].
+    shift, first = [], 0
+    for p, n in zip(prefix, lens, strict=True):
+        shift.append(first - p)
+        first += n
+    # One host->device copy; [T], [B] x 4. The per-token rows and positions are built on the
+    # device: T host ints are what an extend's staging costs.
+    dev_ids, dev_rows, dev_seq, dev_lens, dev_shift = stage_ints(
+        stager, (ids, rows, seq, list(lens), shift)
     )
-    pool.write_tokens(dev_token_rows, pos, slots)
+    total = len(ids)
+    token_rows = torch.repeat_interleave(dev_rows, dev_lens, output_size=total)  # [T]
+    pos = torch.arange(total, device=dev_ids.device) - torch.repeat_interleave(
+        dev_shift, dev_lens, output_size=total
+    )  # [T]
+    pool.write_tokens(token_rows, pos, slots)
     return StepInputs(
         mode=ForwardMode.EXTEND,
         input_ids=dev_ids,
@@ -51,6 +58,15 @@ def extend_inputs(
         prefix_lens_cpu=prefix,
         extend_lens_cpu=list(lens),
     )
+
+
+def _fill_ids(req: Req, start: int, n: int) -> list[int]:
+    """``req.fill_ids[start : start + n]`` without building the whole list."""
+    prompt = req.origin_input_ids
+    if start + n <= len(prompt):
+        return prompt[start : start + n]
+    out = req.output_ids
+    return prompt[start:] + out[max(0, start - len(prompt)) : start + n - len(prompt)]
 
 
 def decode_inputs(
