@@ -10,7 +10,10 @@ CUDA graph.
    Greedy rows (T == 0 or top_k == 1) use T = 0 and no noise: the key is the logit. It also
    keeps the part's largest logit. A block whose largest logit cannot reach the best key so
    far (``G`` is at most ``G_BOUND``) skips the hash; the parts of a row share their best key
-   through a relaxed atomic max, so the skip works row-wide.
+   through a relaxed atomic max (every ``SHARE_EVERY`` blocks), so the skip works row-wide.
+   A block that cannot be skipped is raced with cheap keys first (``_fast_gumbel``: SFU
+   logs, G within ~1e-5) and computed exactly only when one of them comes within
+   ``FAST_G_MARGIN`` of the best; greedy rows stream a plain max (``_race_greedy``).
 2. The finish (``FINISH``), one program per row: merges the parts. A row without top-k / top-p
    (or greedy) is done: the unfiltered winner is its token. Otherwise the kept set is a prefix
    of the ranking (logit descending, lowest id first among equals), found without sorting:
@@ -172,11 +175,11 @@ def _race(
     """(key, G, id) of the race winner over tokens [start, end) of a row, and their largest
     logit. With FILTER only the kept tokens race: ``s > t_star`` and the first ``r_ties``
     (by id) with ``s == t_star``; ``start`` must then be 0. With SHARE the programs racing
-    parts of one row publish their best key at ``best_ptr`` after every block and skip by the
-    row's best, not only their own (a hint: any key some token has is a lower bound on the
-    winner's, so the skipped blocks never hold it). Without FILTER a block of a sampled row
-    is first raced with cheap keys (``_fast_gumbel``) and computed exactly only if one of
-    them comes within the margin of the best: after the first blocks few do."""
+    parts of one row publish their best key at ``best_ptr`` every ``SHARE_EVERY`` blocks and
+    skip by the row's best, not only their own (a hint: any key some token has is a lower
+    bound on the winner's, so the skipped blocks never hold it). Without FILTER a block of a
+    sampled row is first raced with cheap keys (``_fast_gumbel``) and computed exactly only
+    if one of them comes within the margin of the best: after the first blocks few do."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)

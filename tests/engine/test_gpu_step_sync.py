@@ -14,6 +14,7 @@ to the host (a sync by design); these tests run as a user does, without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,6 +49,31 @@ def _no_debug_map(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXECRT_DEBUG_KV_OWNERSHIP", "0")
 
 
+def _submit_all(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+) -> dict[int, list[int]]:
+    """Submit every prompt; the returned dict collects each one's streamed tokens."""
+    got: dict[int, list[int]] = {}
+
+    def sink(rid: int) -> Any:
+        return lambda out: got.setdefault(rid, []).extend(out.token_ids)
+
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.submit(p, sp, on_output=sink(i))
+    return got
+
+
+def _step_without_syncs(engine: Engine, more: Callable[[], bool]) -> None:
+    """Step while ``more()`` with every implicit sync an error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while more():
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("graph", ["none", "full_cuda_graph"])
 def test_overlapped_decode_steps_never_sync_implicitly(graph: str) -> None:
     g = torch.Generator().manual_seed(0)
@@ -70,24 +96,12 @@ def test_overlapped_decode_steps_never_sync_implicitly(graph: str) -> None:
         overlap_schedule=True,
     ) as engine:
         want = [r.token_ids for r in engine.generate(prompts, params)]  # warm: JIT, graphs
-        got: dict[int, list[int]] = {}
-
-        def sink(rid: int) -> Any:
-            return lambda out: got.setdefault(rid, []).extend(out.token_ids)
-
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            engine.submit(p, sp, on_output=sink(i))
+        got = _submit_all(engine, prompts, params)
         scheduler = engine.scheduler
         while scheduler.waiting or not scheduler.stats.decode_steps:  # prefills may sync
             engine.step()
         decodes = scheduler.stats.decode_steps
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            while scheduler.running:
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _step_without_syncs(engine, lambda: bool(scheduler.running))
         engine.step()  # the last step's results
         assert scheduler.stats.decode_steps - decodes > 20
         assert [got[i] for i in range(len(prompts))] == want  # and the same tokens
@@ -114,20 +128,10 @@ def test_overlapped_extend_steps_never_sync_implicitly() -> None:
     ) as engine:
         want = [r.token_ids for r in engine.generate(prompts, params)]  # warm: JIT
         engine.flush_cache()
-        got: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            engine.submit(
-                p, params, on_output=lambda out, i=i: got.setdefault(i, []).extend(out.token_ids)
-            )
+        got = _submit_all(engine, prompts, [params] * len(prompts))
         scheduler = engine.scheduler
         extends = scheduler.stats.extend_steps
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            while scheduler.has_work:
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _step_without_syncs(engine, lambda: scheduler.has_work)
         assert scheduler.stats.extend_steps - extends >= 6
         assert [got[i] for i in range(len(prompts))] == want
         assert engine.stats().requests_running == 0
