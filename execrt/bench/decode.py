@@ -3,9 +3,9 @@ through ``generate()`` and ``ModelRunner.forward``, eager and graphed, against i
 (weight + K/V bytes over the measured copy bandwidth) and transformers on the same weights.
 
 Method (docs/kernels.md, "Decode-step benchmark"):
-- generate path: the step time is (t(1 + S new tokens) - t(1 new token)) / S, each the best of
-  ``reps`` synchronised wall-clock runs after a warm-up, the garbage collector off inside each;
-  t(1) is reported as the prefill time;
+- generate path: the step time is (t(1 + S new tokens) - t(1 new token)) / S, the median over
+  ``reps`` pairs of synchronised wall-clock runs timed back to back, after a warm-up, the
+  garbage collector off inside each; the best t(1) is reported as the prefill time;
 - forward path: one decode batch built after a real prefill, ``model_runner.forward`` +
   ``sample`` replayed S times on it between CUDA events (the K/V of the step lands in the same
   slots each time);

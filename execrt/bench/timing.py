@@ -339,16 +339,24 @@ class StepTiming:
 def difference_timing(
     generate_s: Callable[[int, int], float], steps: int, reps: int, base: int = 1
 ) -> StepTiming:
-    """Step time = (t(base + S new tokens) - t(base)) / S, each the best of ``reps`` after a
-    warm-up; ``generate_s(new_tokens, reps)`` times one generate. ``base`` > 1 also cancels
-    any per-call cost that t(1) lacks (e.g. a compiled peer's graph re-recording)."""
+    """Step time = the median over ``reps`` pairs of (t(base + S new tokens) - t(base)) / S,
+    the two generates of a pair timed back to back, after a warm-up; ``generate_s(new_tokens,
+    reps)`` times one generate (the best of ``reps``). Pairs, not the best of each series: a
+    drift of the machine's speed between two series (clocks, a neighbour, a first slow call)
+    would go into the difference, and one pair's jitter (the prefill's, which both generates
+    repeat) does not move a median of three. ``base`` > 1 also cancels any per-call cost that
+    t(1) lacks (e.g. a compiled peer's graph re-recording). ``prefill_s`` is the best t(1)."""
     generate_s(base + steps if base > 1 else 2, 1)  # warm-up: JIT, autotuning, first touch
-    prefill = generate_s(1, reps)
-    start = prefill if base == 1 else generate_s(base, reps)
-    full = generate_s(base + steps, reps)
-    if full <= start:
+    starts, diffs = [], []
+    for _ in range(max(1, reps)):
+        start = generate_s(base, 1)
+        diffs.append((generate_s(base + steps, 1) - start) / steps)
+        starts.append(start)
+    prefill = min(starts) if base == 1 else generate_s(1, reps)
+    step = statistics.median(diffs)
+    if step <= 0:
         return StepTiming(None, prefill, f"noise: t({base + steps}) <= t({base}) tokens")
-    return StepTiming((full - start) / steps, prefill)
+    return StepTiming(step, prefill)
 
 
 @contextlib.contextmanager
