@@ -92,13 +92,18 @@ def timed_phases(totals: dict[str, float], calls: collections.Counter[str]) -> I
             setattr(owner, name, raw)
 
 
+def _params(n: int, tokens: int | list[int], temperature: float) -> list[SamplingParams]:
+    """Parameters of ``n`` requests of ``tokens`` new tokens each (or the i-th of a list)."""
+    counts = tokens if isinstance(tokens, list) else [tokens] * n
+    return [
+        SamplingParams(max_new_tokens=m, temperature=temperature, ignore_eos=True) for m in counts
+    ]
+
+
 def generate_phases(
     engine: Engine, prompts: list[list[int]], tokens: int | list[int], temperature: float
 ) -> tuple[float, dict[str, float], collections.Counter[str]]:
-    counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
-    params = [
-        SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True) for n in counts
-    ]
+    params = _params(len(prompts), tokens, temperature)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     engine.flush_cache()
@@ -128,6 +133,14 @@ def sync_debug_report(run: Callable[[], object]) -> list[tuple[int, str]]:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = previous
     return [(n, where) for where, n in seen.most_common()]
+
+
+def print_syncs(run: Callable[[], object]) -> None:
+    """``sync_debug_report`` of ``run``: the count, and the eight most frequent stacks."""
+    found = sync_debug_report(run)
+    print(f"  synchronising calls (sync debug mode): {sum(n for n, _ in found)}")
+    for n, where in found[:8]:
+        print(f"  --- {n}x\n{where}")
 
 
 def prefill_phases(
@@ -162,11 +175,7 @@ def prefill_phases(
             per = totals[phase] / max(n, 1) * 1e3
             print(f"  {phase:<32} {totals[phase] * 1e3:8.1f} ms  {n:4d} calls  {per:7.2f} ms/call")
         if torch.cuda.is_available():
-            counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
-            params = [
-                SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
-                for n in counts
-            ]
+            params = _params(len(prompts), tokens, temperature)
 
             def run() -> None:
                 engine.flush_cache()
@@ -174,10 +183,7 @@ def prefill_phases(
 
             print(profile_kernels(run, engine.worker.limits.device).describe())
             if sync_debug:
-                found = sync_debug_report(run)
-                print(f"  synchronising calls (sync debug mode): {sum(n for n, _ in found)}")
-                for n, where in found[:8]:
-                    print(f"  --- {n}x\n{where}")
+                print_syncs(run)
 
 
 def main() -> None:
@@ -240,13 +246,8 @@ def main() -> None:
             rest = (tn - t1) - sum(pn[p] - p1[p] for p in outer)
             print(f"  {'elsewhere (driver, delivery)':<32} {rest / s * 1e6:8.0f} us/step")
             if args.sync_debug and torch.cuda.is_available():
-                params = SamplingParams(
-                    max_new_tokens=1 + s, temperature=args.temperature, ignore_eos=True
-                )
-                found = sync_debug_report(functools.partial(engine.generate, prompts, params))
-                print(f"  synchronising calls (sync debug mode): {sum(n for n, _ in found)}")
-                for n, where in found[:8]:
-                    print(f"  --- {n}x\n{where}")
+                params = _params(len(prompts), 1 + s, args.temperature)
+                print_syncs(functools.partial(engine.generate, prompts, params))
 
 
 if __name__ == "__main__":
