@@ -149,11 +149,18 @@ def test_host_profile_by_difference_cancels_what_the_base_run_shares() -> None:
     """A generate of 1 + S tokens less one of 1: the prefill's host time cancels and the
     steps' own time stays."""
     whole = host_hotspots(lambda: _prefill_then_steps(3), steps=3)
-    diff = host_hotspots(
-        lambda: _prefill_then_steps(4), steps=3, base=lambda: _prefill_then_steps(1)
-    )
     assert whole.host_us_per_step >= 10000  # 2 ms per step and the prefill spread over them
-    assert 1500 <= diff.host_us_per_step < 8000  # ~2 ms per step, noise on a busy host
+    # One difference is noisy on a loaded host: CI once read -2.2 ms per step, when the base
+    # run's 30 ms prefill lost time to the profiler's own bookkeeping under preemption. The
+    # median of five is what the test holds to; without the cancellation every one of them
+    # would be >= 10 ms per step.
+    diffs = sorted(
+        host_hotspots(
+            lambda: _prefill_then_steps(4), steps=3, base=lambda: _prefill_then_steps(1)
+        ).host_us_per_step
+        for _ in range(5)
+    )
+    assert 1500 <= diffs[2] < 8000, diffs  # ~2 ms per step, noise on a busy host
 
 
 def test_matmul_rate_is_positive_and_finite() -> None:
