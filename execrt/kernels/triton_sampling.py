@@ -22,12 +22,26 @@ CUDA graph.
      logit (and the total mass Z). If the winner is inside the kept set it wins among the kept
      tokens too, and the row is done (usually: a top-p 0.9 race lands inside with
      probability ~0.9);
-   - else a search for the threshold ``t*``, the smallest logit ``t`` with
-     ``count(s > t) < top_k`` and ``mass(s > t) < top_p * Z``: each pass tests
-     ``SEARCH_THRESHOLDS`` evenly spaced thresholds inside the bracket, snapped to the data
-     (the smallest and largest logit inside it), until the bracket holds one distinct value;
-   - ``r`` tokens equal to ``t*`` stay (the first by id: the reference's stable ranking), and a
-     last pass races the kept tokens: ``s > t*`` and the first ``r`` with ``s == t*``.
+   - else the set's threshold ``t*`` (the smallest logit ``t`` with ``count(s > t) < top_k``
+     and ``mass(s > t) < top_p * Z``) lies in a bracket ``(lo, hi]``: ``lo`` a threshold that
+     fails (at first the winner's logit), ``hi`` one that passes. The kept set lies above
+     ``lo`` and holds every token above ``hi``, so a race among the tokens above ``lo`` keeps
+     its winner with probability at least ``mass(s > hi) / mass(s > lo)``. Each step of the
+     loop is, by that bound:
+
+     - a round (at least ``ROUND_SHARE``): that race, and a counting pass that checks its
+       winner as the first pass did, with thresholds from its logit up to ``hi``. A kept
+       winner is the token; a winner at whose logit the set ends gives ``t*``; else the
+       bracket has narrowed (the winner's logit fails);
+     - a search pass (below it): ``SEARCH_THRESHOLDS`` evenly spaced thresholds inside the
+       bracket, snapped to the data (the smallest and largest logit inside it), until the
+       bracket holds one distinct value, ``t*``.
+
+     A top-p row whose winner falls outside usually ends after one round (its set holds
+     ``top_p`` of the mass; ``benchmarks/sampling_passes.py`` counts the passes);
+   - unless a round found the token, ``r`` tokens equal to ``t*`` stay (the first by id: the
+     reference's stable ranking), and a last pass races the kept tokens: ``s > t*`` and the
+     first ``r`` with ``s == t*``.
 
 A seeded row's token depends only on its own logits, parameters, seed and step.
 """
@@ -58,6 +72,10 @@ ROW_BLOCK = 1024
 MIN_BLOCK = 64
 #: Race programs wanted per SM: rows are split into parts until the grid fills the GPU.
 PROGRAMS_PER_SM = 4
+#: The finish runs a race round (two passes: a race above the bracket, and the count that
+#: checks its winner) when the bracket says the round keeps its winner with at least this
+#: probability, else a search pass (one, narrowing the bracket ~5-fold); see the module doc.
+ROUND_SHARE = 0.5
 #: Thresholds one search pass tests (NT in shape comments): each costs ~4 instructions per
 #: token, and a pass is memory-bound up to about this many.
 SEARCH_THRESHOLDS = tl.constexpr(4)
@@ -162,19 +180,21 @@ def _race(
     start,
     end,
     temp,
-    greedy,
     key,
     t_star,
     r_ties,
     best_ptr,
     FILTER: tl.constexpr,
+    TIES: tl.constexpr,
     SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
     """(key, G, id) of the race winner over tokens [start, end) of a row, and their largest
     logit. With FILTER only the kept tokens race: ``s > t_star`` and the first ``r_ties``
-    (by id) with ``s == t_star``; ``start`` must then be 0. With SHARE the programs racing
+    (by id) with ``s == t_star``; ``start`` must then be 0. That needs a running count of the
+    equal tokens (TIES: a scan per block); without TIES ``r_ties`` > 0 keeps every one of
+    them, the case where no equal token is cut. With SHARE the programs racing
     parts of one row publish their best key at ``best_ptr`` every ``SHARE_EVERY`` blocks and
     skip by the row's best, not only their own (a hint: any key some token has is a lower
     bound on the winner's, so the skipped blocks never hold it). Without FILTER a block of a
@@ -192,10 +212,13 @@ def _race(
         ids = off + lanes
         s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
         if FILTER:
-            eq = (s == t_star).to(tl.int32)
-            before = ties + tl.cumsum(eq, axis=0) - eq  # equal tokens at lower ids
-            kept = (s > t_star) | ((eq > 0) & (before < r_ties))
-            ties += tl.sum(eq, axis=0)
+            if TIES:
+                eq = (s == t_star).to(tl.int32)
+                before = ties + tl.cumsum(eq, axis=0) - eq  # equal tokens at lower ids
+                kept = (s > t_star) | ((eq > 0) & (before < r_ties))
+                ties += tl.sum(eq, axis=0)
+            else:
+                kept = (s > t_star) | ((s == t_star) & (r_ties > 0))
             s = tl.where(kept, s, float("-inf"))
         block_top = tl.max(s, axis=0)
         top = tl.maximum(top, block_top)
@@ -206,18 +229,15 @@ def _race(
         margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
         take = reach + margin >= best
         if not FILTER:
-            if take & (temp > 0):
+            if take:  # T > 0: greedy rows race in _race_greedy
                 h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
                 k = s + temp * _fast_gumbel(h, FAST_LOG)
                 take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
         if take:
-            if greedy:
-                g = tl.zeros([BLOCK], tl.float32)
-            else:
-                # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
-                # (h + 0.5) / 2**23, exact.
-                h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
-                g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+            # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
+            # (h + 0.5) / 2**23, exact.
+            h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
+            g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
             k = s + temp * g
             g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose every tie
             better = (k > best_k) | ((k == best_k) & (g > best_g))  # ids grow: ties keep the first
@@ -268,13 +288,12 @@ def _count(
     thr,
     t0,
     winner,
-    use_p,
     BLOCK: tl.constexpr,
 ):
     """One pass over a row: count and mass ``exp((s - m) / T)`` of the tokens above each
     threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
     ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
-    ``winner``. Masses are summed only for a top-p row (``use_p``)."""
+    ``winner``. Masses are summed for top-k rows too: they choose between round and search."""
     lanes = tl.arange(0, BLOCK)
     cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
     mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
@@ -290,10 +309,9 @@ def _count(
         s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
         above = s[None, :] > thr[:, None]  # [NT, BLOCK]
         cnt += above.to(tl.int32)
-        if use_p:
-            e = tl.exp((s - m) * inv_t)  # [BLOCK]; 0 for -inf
-            mass += tl.where(above, e[None, :], 0.0)
-            z += e
+        e = tl.exp((s - m) * inv_t)  # [BLOCK]; 0 for -inf
+        mass += tl.where(above, e[None, :], 0.0)
+        z += e
         inside = (s > lo) & (s <= hi)
         dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
         dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
@@ -315,16 +333,42 @@ def _count(
 
 
 @triton.jit
-def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_hi):
+def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi):
     """The bracket after a pass: the highest failing threshold and the lowest passing one,
     with their counts and masses (both fall as the threshold rises, and ``ok`` is monotone)."""
     fail = ok == 0
     lo = tl.maximum(lo, tl.max(tl.where(fail, thr, float("-inf")), axis=0))
     c_lo = tl.minimum(c_lo, tl.min(tl.where(fail, cnt, 2147483647), axis=0))
+    m_lo = tl.minimum(m_lo, tl.min(tl.where(fail, mass, float("inf")), axis=0))
     hi = tl.minimum(hi, tl.min(tl.where(ok, thr, float("inf")), axis=0))
     c_hi = tl.maximum(c_hi, tl.max(tl.where(ok, cnt, 0), axis=0))
     m_hi = tl.maximum(m_hi, tl.max(tl.where(ok, mass, 0.0), axis=0))
-    return lo, hi, c_lo, c_hi, m_hi
+    return lo, hi, c_lo, c_hi, m_lo, m_hi
+
+
+@triton.jit
+def _rank_check(
+    base, vocab, m, inv_t, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK: tl.constexpr
+):
+    """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
+    data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
+    its logit (``at_own``: every token above it stays), and the pass's data. ``zlim`` is top_p
+    times Z, or < 0 on the first pass, which sums Z."""
+    jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
+    s_w = tl.load(base + winner).to(tl.float32)
+    thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
+    cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
+        base, vocab, m, inv_t, lo, hi, thr, s_w, winner, BLOCK
+    )
+    zlim = tl.where(zlim < 0, top_p * z, zlim)
+    first = jf == 0
+    c0 = tl.sum(tl.where(first, cnt, 0), axis=0)
+    m0 = tl.sum(tl.where(first, mass, 0.0), axis=0)
+    rank = c0 + eq_w
+    mass_before = m0 + eq_w.to(tl.float32) * tl.exp((s_w - m) * inv_t)
+    inside = (rank < k_lim) & ((rank == 0) | p_off | (mass_before < zlim))
+    at_own = (c0 < k_lim) & (p_off | (m0 < zlim))
+    return inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite
 
 
 @triton.jit
@@ -338,67 +382,90 @@ def _filtered_token(
     k_lim,
     top_p,
     use_p,
+    ROUND_SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The race winner among the top-k / top-p kept tokens of a row (see the module doc)."""
+    """The race winner among the top-k / top-p kept tokens of a row (see the module doc): a
+    race round when the bracket says it keeps its winner with probability >= ``ROUND_SHARE``,
+    else a search pass."""
     inv_t = tl.minimum(1.0 / temp, MAX_INV_T)
-    j = tl.arange(0, SEARCH_THRESHOLDS)
-    jf = j.to(tl.float32) / SEARCH_THRESHOLDS
-    s_w = tl.load(base + winner).to(tl.float32)
-    # Pass 1: the winner's rank and the mass before it; thresholds from its logit up.
-    thr = s_w + (m - s_w) * jf
-    cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t, float("-inf"), m, thr, s_w, winner, use_p, BLOCK
-    )
-    zlim = top_p * z
+    jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     p_off = use_p == 0
-    first = j == 0  # thr[0] is the winner's logit
-    c0 = tl.sum(tl.where(first, cnt, 0), axis=0)
-    m0 = tl.sum(tl.where(first, mass, 0.0), axis=0)
-    rank = c0 + eq_w
-    mass_before = m0 + eq_w.to(tl.float32) * tl.exp((s_w - m) * inv_t)
-    inside = (rank < k_lim) & ((rank == 0) | p_off | (mass_before < zlim))
+    # Pass 1: the winner's rank and the mass before it, and Z.
+    inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite = _rank_check(
+        base, vocab, m, inv_t, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
+    )
     ok = (cnt < k_lim) & (p_off | (mass < zlim))
-    # Outside the kept set but passing at its own logit: only its equals at higher rank are
-    # cut, so t* is the winner's logit.
-    t_star = s_w
+    lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
+        ok, thr, cnt, mass, float("-inf"), m, finite, 0, z, 0.0
+    )
+    token = winner
+    t_star = s_w  # when at_own: t* is the winner's logit, and its equals after it are cut
     c_gt = c0
     m_gt = m0
     c_eq = eq0
-    done = (inside | (tl.sum(tl.where(first, ok, 0), axis=0) > 0)).to(tl.int32)
-    lo, hi, c_lo, c_hi, m_hi = _narrow(ok, thr, cnt, mass, float("-inf"), m, finite, 0, 0.0)
+    done = (inside | at_own).to(tl.int32)
     passes = 1
     while (done == 0) & (passes < MAX_PASSES):
-        # The data left in the bracket lies in [dmin, dmax] of the last pass.
-        a = tl.maximum(lo, dmin)
-        b = tl.minimum(hi, dmax)
-        thr = a + (b - a) * jf
-        cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-            base, vocab, m, inv_t, lo, hi, thr, m, winner, use_p, BLOCK
-        )
-        single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
-        t_star = tl.where(single, dmin, t_star)
-        c_gt = tl.where(single, c_hi, c_gt)
-        m_gt = tl.where(single, m_hi, m_gt)
-        c_eq = tl.where(single, c_lo - c_hi, c_eq)
-        ok = (cnt < k_lim) & (p_off | (mass < zlim))
-        lo, hi, c_lo, c_hi, m_hi = _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_hi)
-        done = single.to(tl.int32)
-        passes += 1
-    # How many tokens equal to t* stay: top-k's remainder, and those whose mass before stays
-    # below top_p * Z (each adds p(t*)); at least one (the first token always stays).
-    p_t = tl.exp((t_star - m) * inv_t)
-    room = tl.where(p_t > 0, (zlim - m_gt) / p_t, float("inf"))
-    r = tl.minimum(c_eq, k_lim - c_gt).to(tl.float32)
-    r = tl.where(p_off, r, tl.minimum(r, tl.ceil(room)))
-    r_ties = tl.maximum(r, 1.0).to(tl.int32)
-    # NaN rows only (no convergence): the top token.
-    t_star = tl.where(done > 0, t_star, m)
-    r_ties = tl.where(done > 0, r_ties, 1)
-    _k, _g, token, _t = _race(
-        base, 0, vocab, temp, temp == 0, key, t_star, r_ties, base, True, False, BLOCK, False
-    )
-    return tl.where(inside, winner, token)
+        # The kept set lies in s > lo and holds s > hi: a race above lo lands in it with
+        # probability >= m_hi / m_lo.
+        if m_hi >= ROUND_SHARE * m_lo:
+            _k, _g, winner, _t = _race(
+                base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, False
+            )
+            inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f = (
+                _rank_check(base, vocab, m, inv_t, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK)
+            )
+            token = tl.where(inside, winner, token)
+            t_star = tl.where(at_own, s_w, t_star)
+            c_gt = tl.where(at_own, c0, c_gt)
+            m_gt = tl.where(at_own, m0, m_gt)
+            c_eq = tl.where(at_own, eq0, c_eq)
+            ok = (cnt < k_lim) & (p_off | (mass < zlim))
+            lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
+                ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi
+            )
+            done = (inside | at_own).to(tl.int32)
+            passes += 2
+        else:
+            # The data left in the bracket lies in [dmin, dmax] of the last pass.
+            a = tl.maximum(lo, dmin)
+            b = tl.minimum(hi, dmax)
+            thr = a + (b - a) * jf
+            cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
+                base, vocab, m, inv_t, lo, hi, thr, m, winner, BLOCK
+            )
+            single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
+            t_star = tl.where(single, dmin, t_star)
+            c_gt = tl.where(single, c_hi, c_gt)
+            m_gt = tl.where(single, m_hi, m_gt)
+            c_eq = tl.where(single, c_lo - c_hi, c_eq)
+            ok = (cnt < k_lim) & (p_off | (mass < zlim))
+            lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
+                ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi
+            )
+            done = single.to(tl.int32)
+            passes += 1
+    if inside == 0:  # else the winner is the token (no last race)
+        # How many tokens equal to t* stay: top-k's remainder, and those whose mass before
+        # stays below top_p * Z (each adds p(t*)); at least one (the first token always stays).
+        p_t = tl.exp((t_star - m) * inv_t)
+        room = tl.where(p_t > 0, (zlim - m_gt) / p_t, float("inf"))
+        r = tl.minimum(c_eq, k_lim - c_gt).to(tl.float32)
+        r = tl.where(p_off, r, tl.minimum(r, tl.ceil(room)))
+        r_ties = tl.maximum(r, 1.0).to(tl.int32)
+        if (done > 0) & (r_ties >= c_eq):  # every token equal to t* stays: no scan
+            _k, _g, token, _t = _race(
+                base, 0, vocab, temp, key, t_star, 1, base, True, False, False, BLOCK, False
+            )
+        else:
+            # NaN rows only (no convergence): the top token.
+            t_star = tl.where(done > 0, t_star, m)
+            r_ties = tl.where(done > 0, r_ties, 1)
+            _k, _g, token, _t = _race(
+                base, 0, vocab, temp, key, t_star, r_ties, base, True, True, False, BLOCK, False
+            )
+    return token
 
 
 @triton.jit
@@ -417,6 +484,7 @@ def _sample_kernel(
     best_ptr,
     out_ptr,
     FINISH: tl.constexpr,
+    ROUND_SHARE: tl.constexpr,
     SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -449,8 +517,9 @@ def _sample_kernel(
         if (temp > 0) & (use_k | use_p):
             top = tl.load(part_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
             k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
+            m = tl.max(top, axis=0)
             token = _filtered_token(
-                base, vocab, temp, key, tl.max(top, axis=0), token, k_lim, top_p, use_p, BLOCK
+                base, vocab, temp, key, m, token, k_lim, top_p, use_p, ROUND_SHARE, BLOCK
             )
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
@@ -461,7 +530,7 @@ def _sample_kernel(
             win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
         else:
             win_k, win_g, win_i, top = _race(
-                base, start, end, temp, greedy, key, 0.0, 0, best_ptr + row, False, SHARE,
+                base, start, end, temp, key, 0.0, 0, best_ptr + row, False, False, SHARE,
                 BLOCK, FAST_LOG,
             )  # fmt: skip
         at = row * num_parts + part
@@ -546,6 +615,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
         _sample_kernel[grid](
             *args,
             FINISH=finish,
+            ROUND_SHARE=ROUND_SHARE,
             SHARE=share and not finish,
             BLOCK=block,
             BLOCK_P=block_p,

@@ -167,6 +167,30 @@ def test_mixed_rows_in_one_batch_match_the_sampler() -> None:
     assert torch.equal(draw(logits, info), reference(logits, info))
 
 
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("share", [2.0, 0.9, 0.0])
+def test_rounds_or_search_passes_draw_the_same_tokens(
+    share: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the finish races a round or narrows by a search pass changes only how many
+    passes it makes: at share 2 it never races (the search alone finds every set), at 0 it
+    always does (rounds alone, each narrowing the bracket as it checks its winner); the
+    default is in the tests above. Flat rows and equal logits make rounds fail and sets end
+    inside a run of ties."""
+    monkeypatch.setattr(triton_sampling, "ROUND_SHARE", share)
+    gen = torch.Generator().manual_seed(17)
+    b, vocab = 16, 1000
+    logits = torch.cat([llm_like(8, vocab, gen), torch.randn(8, vocab, generator=gen) * 0.05])
+    logits[4:8] = (logits[4:8] * 2).round() / 2
+    logits[12:] = (logits[12:] * 40).round() / 40
+    temps = [0.6, 1.0, 1.3, 0.8] * 4
+    top_ks = [-1, 5, 40, -1, 3, -1, 25, 200] * 2
+    top_ps = [0.9, 1.0, 0.5, 0.3, 1.0, 0.95, 0.8, 1.0] * 2
+    seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
+    info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
+    assert torch.equal(draw(logits, info), reference(logits, info))
+
+
 def test_the_sampler_with_the_fused_draw_samples_requests_alike() -> None:
     """End to end through the seam: requests' seeds and output lengths become the keys."""
     gen = torch.Generator().manual_seed(4)

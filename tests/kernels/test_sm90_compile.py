@@ -1,0 +1,67 @@
+"""The sampling kernels compile for sm90 (ahead of time, Triton's bundled ptxas, no GPU).
+
+The interpreter that runs the CPU suite executes a kernel as Python: it does not type the
+loops, so a loop-carried value whose type changes between iterations, or an ``if`` whose
+branches yield different types, passes there and fails only when the GPU compiles it. This
+compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
+process has the interpreter on), for bf16 and fp32 logits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    import sys
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from execrt.kernels import triton_sampling as S
+
+    fn = S._sample_kernel
+    names = fn.arg_names
+    pointers = {
+        "logits_ptr": sys.argv[1], "temps_ptr": "*fp32", "top_ks_ptr": "*i64",
+        "top_ps_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64", "part_ptr": "*fp32",
+        "part_id_ptr": "*i32", "best_ptr": "*fp32", "out_ptr": "*i64",
+    }
+    for finish in (False, True):
+        constants = {
+            "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
+            "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
+        }
+        signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+        source = triton.compiler.ASTSource(
+            fn=fn,
+            signature=signature,
+            constexprs={(names.index(k),): v for k, v in constants.items()},
+            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
+        )
+        kernel = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if finish else 4}
+        )
+        assert kernel.asm["cubin"], "no cubin"
+        print("compiled", sys.argv[1], "finish" if finish else "race")
+    """
+)
+
+
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+def test_the_sampling_kernels_compile_for_sm90(logits: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, logits], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("Triton's ptxas is not installed here")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("compiled") == 2
