@@ -2,7 +2,7 @@
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
-#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-fp8]
+#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8]
 #        [step-phases] [profile-extend] [fi-precompile] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
@@ -122,6 +122,8 @@ for step in "$@"; do
       timeout "$(cap ${SERVE_S:-200})" python3 -m execrt bench serve --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/bench-serve.log" | tail -16 ;;
     serve-frontend)  # FRONTEND_ARGS, e.g. "--streams 1,32,256 --engine thread" (CPU only)
       timeout "$(cap ${FRONTEND_S:-90})" python3 benchmarks/serve_frontend.py ${FRONTEND_ARGS:-} 2>&1 | tee "$OUT/serve-frontend.log" | tail -8 ;;
+    bench-sampling)  # SAMPLING_ARGS, e.g. "--batches 1,256 --logits flat": the fused draw vs torch
+      timeout "$(cap ${SAMPLING_S:-240})" python3 benchmarks/bench_sampling.py --out "$OUT/sampling-$(date -u +%Y%m%d-%H%M%S).json" ${SAMPLING_ARGS:-} 2>&1 | tee "$OUT/bench-sampling.log" | tail -40 ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
     bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
