@@ -197,9 +197,9 @@ def _race(
     them, the case where no equal token is cut. With SHARE the programs racing
     parts of one row publish their best key at ``best_ptr`` every ``SHARE_EVERY`` blocks and
     skip by the row's best, not only their own (a hint: any key some token has is a lower
-    bound on the winner's, so the skipped blocks never hold it). Without FILTER a block of a
-    sampled row is first raced with cheap keys (``_fast_gumbel``) and computed exactly only
-    if one of them comes within the margin of the best: after the first blocks few do."""
+    bound on the winner's, so the skipped blocks never hold it). A block that cannot be skipped
+    is first raced with cheap keys (``_fast_gumbel``) and computed exactly only if one of them
+    comes within the margin of the best: after the first blocks few do."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -228,23 +228,23 @@ def _race(
         reach = block_top + temp * G_BOUND
         margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
         take = reach + margin >= best
-        if not FILTER:
-            if take:  # T > 0: greedy rows race in _race_greedy
-                h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
-                k = s + temp * _fast_gumbel(h, FAST_LOG)
-                take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
-        if take:
-            # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
-            # (h + 0.5) / 2**23, exact.
+        if take:  # T > 0: greedy rows race in _race_greedy
+            # Cheap keys first; the exact ones only if one comes within the margin of the best.
             h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
-            g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
-            k = s + temp * g
-            g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose every tie
-            better = (k > best_k) | ((k == best_k) & (g > best_g))  # ids grow: ties keep the first
-            best_k = tl.where(better, k, best_k)
-            best_g = tl.where(better, g, best_g)
-            best_i = tl.where(better, ids, best_i)
-            best = tl.maximum(best, tl.max(k, axis=0))
+            k = s + temp * _fast_gumbel(h, FAST_LOG)
+            take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
+            if take:
+                # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
+                # (h + 0.5) / 2**23, exact.
+                g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+                k = s + temp * g
+                g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose ties
+                # ids grow: ties keep the first
+                better = (k > best_k) | ((k == best_k) & (g > best_g))
+                best_k = tl.where(better, k, best_k)
+                best_g = tl.where(better, g, best_g)
+                best_i = tl.where(better, ids, best_i)
+                best = tl.maximum(best, tl.max(k, axis=0))
         if SHARE:
             # Every SHARE_EVERY blocks: the atomic's round trip stalls the loop.
             if (off - start) % (SHARE_EVERY * BLOCK) == 0:
@@ -293,7 +293,8 @@ def _count(
     """One pass over a row: count and mass ``exp((s - m) / T)`` of the tokens above each
     threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
     ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
-    ``winner``. Masses are summed for top-k rows too: they choose between round and search."""
+    ``winner`` (what a caller leaves unused, the compiler drops). Masses are summed for top-k
+    rows too: they choose between round and search."""
     lanes = tl.arange(0, BLOCK)
     cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
     mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
@@ -384,6 +385,7 @@ def _filtered_token(
     use_p,
     ROUND_SHARE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """The race winner among the top-k / top-p kept tokens of a row (see the module doc): a
     race round when the bracket says it keeps its winner with probability >= ``ROUND_SHARE``,
@@ -411,7 +413,7 @@ def _filtered_token(
         # probability >= m_hi / m_lo.
         if m_hi >= ROUND_SHARE * m_lo:
             _k, _g, winner, _t = _race(
-                base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, False
+                base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, FAST_LOG
             )
             inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f = (
                 _rank_check(base, vocab, m, inv_t, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK)
@@ -456,14 +458,14 @@ def _filtered_token(
         r_ties = tl.maximum(r, 1.0).to(tl.int32)
         if (done > 0) & (r_ties >= c_eq):  # every token equal to t* stays: no scan
             _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, 1, base, True, False, False, BLOCK, False
+                base, 0, vocab, temp, key, t_star, 1, base, True, False, False, BLOCK, FAST_LOG
             )
         else:
             # NaN rows only (no convergence): the top token.
             t_star = tl.where(done > 0, t_star, m)
             r_ties = tl.where(done > 0, r_ties, 1)
             _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, r_ties, base, True, True, False, BLOCK, False
+                base, 0, vocab, temp, key, t_star, r_ties, base, True, True, False, BLOCK, FAST_LOG
             )
     return token
 
@@ -519,7 +521,7 @@ def _sample_kernel(
             k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
             m = tl.max(top, axis=0)
             token = _filtered_token(
-                base, vocab, temp, key, m, token, k_lim, top_p, use_p, ROUND_SHARE, BLOCK
+                base, vocab, temp, key, m, token, k_lim, top_p, use_p, ROUND_SHARE, BLOCK, FAST_LOG
             )
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
