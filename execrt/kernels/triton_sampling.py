@@ -296,6 +296,7 @@ def _count(
     ``winner`` (what a caller leaves unused, the compiler drops). Masses are summed for top-k
     rows too: they choose between round and search."""
     lanes = tl.arange(0, BLOCK)
+    inv_t2 = inv_t * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
     cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
     mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
     z = tl.zeros([BLOCK], tl.float32)
@@ -308,9 +309,9 @@ def _count(
     while off < vocab:
         ids = off + lanes
         s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+        e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
         above = s[None, :] > thr[:, None]  # [NT, BLOCK]
         cnt += above.to(tl.int32)
-        e = tl.exp((s - m) * inv_t)  # [BLOCK]; 0 for -inf
         mass += tl.where(above, e[None, :], 0.0)
         z += e
         inside = (s > lo) & (s <= hi)
