@@ -297,40 +297,42 @@ def _count(
     rows too: they choose between round and search."""
     lanes = tl.arange(0, BLOCK)
     inv_t2 = inv_t * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-    cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.int32)
+    # Counts in fp32 (a compare that yields 1.0 and an add; an int count costs a move more):
+    # exact, a lane counts at most vocab / BLOCK < 2**21 tokens.
+    cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
     mass = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
     z = tl.zeros([BLOCK], tl.float32)
     dmin = tl.full([BLOCK], float("inf"), tl.float32)
     dmax = tl.full([BLOCK], float("-inf"), tl.float32)
-    finite = tl.zeros([BLOCK], tl.int32)
-    eq0 = tl.zeros([BLOCK], tl.int32)
-    eq_w = tl.zeros([BLOCK], tl.int32)
+    finite = tl.zeros([BLOCK], tl.float32)
+    eq0 = tl.zeros([BLOCK], tl.float32)
+    eq_w = tl.zeros([BLOCK], tl.float32)
     off = 0
     while off < vocab:
         ids = off + lanes
         s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
         e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
         above = s[None, :] > thr[:, None]  # [NT, BLOCK]
-        cnt += above.to(tl.int32)
+        cnt += tl.where(above, 1.0, 0.0)
         mass += tl.where(above, e[None, :], 0.0)
         z += e
         inside = (s > lo) & (s <= hi)
         dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
         dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
-        finite += (s > float("-inf")).to(tl.int32)
+        finite += tl.where(s > float("-inf"), 1.0, 0.0)
         eq = s == t0
-        eq0 += eq.to(tl.int32)
-        eq_w += (eq & (ids < winner)).to(tl.int32)
+        eq0 += tl.where(eq, 1.0, 0.0)
+        eq_w += tl.where(eq & (ids < winner), 1.0, 0.0)
         off += BLOCK
     return (
-        tl.sum(cnt, axis=1),
+        tl.sum(cnt.to(tl.int32), axis=1),
         tl.sum(mass, axis=1),
         tl.sum(z, axis=0),
         tl.min(dmin, axis=0),
         tl.max(dmax, axis=0),
-        tl.sum(finite, axis=0),
-        tl.sum(eq0, axis=0),
-        tl.sum(eq_w, axis=0),
+        tl.sum(finite.to(tl.int32), axis=0),
+        tl.sum(eq0.to(tl.int32), axis=0),
+        tl.sum(eq_w.to(tl.int32), axis=0),
     )
 
 
