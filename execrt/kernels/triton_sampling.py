@@ -87,7 +87,7 @@ MAX_PASSES = tl.constexpr(160)
 G_BOUND = tl.constexpr(16.7)
 #: Largest 1 / T used (a smaller T is not representable as a finite reciprocal): keeps
 #: (s - max) / T at 0 for the top logit instead of 0 * inf.
-MAX_INV_T = tl.constexpr(3.0e38)
+MAX_INV_T = tl.constexpr(3.0e38)  # clamps 1 / T times log2(e) too (the finish works in exp2)
 #: Above the error of ``_fast_gumbel``'s G (~1e-5, see there): a block whose cheap keys all
 #: stay this far (times T) below the best key so far cannot hold the winner.
 FAST_G_MARGIN = tl.constexpr(1e-3)
@@ -282,7 +282,7 @@ def _count(
     base,
     vocab,
     m,
-    inv_t,
+    inv_t2,
     lo,
     hi,
     thr,
@@ -290,13 +290,13 @@ def _count(
     winner,
     BLOCK: tl.constexpr,
 ):
-    """One pass over a row: count and mass ``exp((s - m) / T)`` of the tokens above each
+    """One pass over a row: count and mass ``exp((s - m) / T)`` (``inv_t2``: 1 / T times
+    log2(e), for exp2) of the tokens above each
     threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
     ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
     ``winner`` (what a caller leaves unused, the compiler drops). Masses are summed for top-k
     rows too: they choose between round and search."""
     lanes = tl.arange(0, BLOCK)
-    inv_t2 = inv_t * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
     # Counts in fp32 (a compare that yields 1.0 and an add; an int count costs a move more):
     # exact, a lane counts at most vocab / BLOCK < 2**21 tokens.
     cnt = tl.zeros([SEARCH_THRESHOLDS, BLOCK], tl.float32)
@@ -352,7 +352,7 @@ def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi):
 
 @triton.jit
 def _rank_check(
-    base, vocab, m, inv_t, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK: tl.constexpr
+    base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK: tl.constexpr
 ):
     """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
     data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
@@ -362,14 +362,14 @@ def _rank_check(
     s_w = tl.load(base + winner).to(tl.float32)
     thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
     cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t, lo, hi, thr, s_w, winner, BLOCK
+        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, BLOCK
     )
     zlim = tl.where(zlim < 0, top_p * z, zlim)
     first = jf == 0
     c0 = tl.sum(tl.where(first, cnt, 0), axis=0)
     m0 = tl.sum(tl.where(first, mass, 0.0), axis=0)
     rank = c0 + eq_w
-    mass_before = m0 + eq_w.to(tl.float32) * tl.exp((s_w - m) * inv_t)
+    mass_before = m0 + eq_w.to(tl.float32) * tl.exp2((s_w - m) * inv_t2)
     inside = (rank < k_lim) & ((rank == 0) | p_off | (mass_before < zlim))
     at_own = (c0 < k_lim) & (p_off | (m0 < zlim))
     return inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite
@@ -393,12 +393,13 @@ def _filtered_token(
     """The race winner among the top-k / top-p kept tokens of a row (see the module doc): a
     race round when the bracket says it keeps its winner with probability >= ``ROUND_SHARE``,
     else a search pass."""
-    inv_t = tl.minimum(1.0 / temp, MAX_INV_T)
+    # 1 / T in log2 units: every mass is exp2((s - m) * inv_t2), computed alike everywhere.
+    inv_t2 = tl.minimum((1.0 / temp) * 1.4426950408889634, MAX_INV_T)
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     p_off = use_p == 0
     # Pass 1: the winner's rank and the mass before it, and Z.
     inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite = _rank_check(
-        base, vocab, m, inv_t, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
+        base, vocab, m, inv_t2, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
     )
     ok = (cnt < k_lim) & (p_off | (mass < zlim))
     lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
@@ -419,7 +420,9 @@ def _filtered_token(
                 base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, FAST_LOG
             )
             inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f = (
-                _rank_check(base, vocab, m, inv_t, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK)
+                _rank_check(
+                    base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK
+                )
             )
             token = tl.where(inside, winner, token)
             t_star = tl.where(at_own, s_w, t_star)
@@ -438,7 +441,7 @@ def _filtered_token(
             b = tl.minimum(hi, dmax)
             thr = a + (b - a) * jf
             cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-                base, vocab, m, inv_t, lo, hi, thr, m, winner, BLOCK
+                base, vocab, m, inv_t2, lo, hi, thr, m, winner, BLOCK
             )
             single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
             t_star = tl.where(single, dmin, t_star)
@@ -454,7 +457,7 @@ def _filtered_token(
     if inside == 0:  # else the winner is the token (no last race)
         # How many tokens equal to t* stay: top-k's remainder, and those whose mass before
         # stays below top_p * Z (each adds p(t*)); at least one (the first token always stays).
-        p_t = tl.exp((t_star - m) * inv_t)
+        p_t = tl.exp2((t_star - m) * inv_t2)
         room = tl.where(p_t > 0, (zlim - m_gt) / p_t, float("inf"))
         r = tl.minimum(c_eq, k_lim - c_gt).to(tl.float32)
         r = tl.where(p_off, r, tl.minimum(r, tl.ceil(room)))
@@ -464,7 +467,8 @@ def _filtered_token(
                 base, 0, vocab, temp, key, t_star, 1, base, True, False, False, BLOCK, FAST_LOG
             )
         else:
-            # NaN rows only (no convergence): the top token.
+            # Some equal tokens are cut: the first r_ties by id stay. A row that did not
+            # converge (NaNs only) takes its top token.
             t_star = tl.where(done > 0, t_star, m)
             r_ties = tl.where(done > 0, r_ties, 1)
             _k, _g, token, _t = _race(

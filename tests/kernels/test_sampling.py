@@ -274,10 +274,16 @@ def test_greedy_rows_take_the_lowest_id_among_equal_maxima() -> None:
     assert draw(logits, info).tolist() == [17] * 6  # temperature 0, or top_k 1
 
 
-def test_tiny_temperature_races_only_the_top_logits() -> None:
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45])
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5}])
+def test_tiny_temperature_races_only_the_top_logits(
+    temperature: float, filters: dict[str, float]
+) -> None:
+    """1e-45 is subnormal: 1 / T is inf, which must not make 0 * inf a NaN for the top
+    logit's mass (the filtered rows' finish works with 1 / T times log2(e))."""
     logits = torch.randn(1, 500).repeat(60, 1)
     logits[:, 3] = logits[:, 99] = 20.0
-    info = params(60, 1e-30, seeds=list(range(60)))
+    info = params(60, temperature, seeds=list(range(60)), **filters)  # type: ignore[arg-type]
     tokens = draw(logits, info)
     assert set(tokens.tolist()) == {3, 99}  # equally likely: both appear in 60 draws
     assert torch.equal(tokens, reference(logits, info))
