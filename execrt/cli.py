@@ -353,7 +353,14 @@ def _add_bench_throughput(bench_sub: Any) -> None:
     tp.add_argument(
         "--profile",
         action="store_true",
-        help="after each timed run, one more under torch.profiler: GPU busy and kernels by time",
+        help="after each timed run, one more under torch.profiler: GPU busy, kernels by time "
+        "and the longest GPU idle gaps",
+    )
+    tp.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="--profile with the host's ops recorded too, each idle gap naming those that "
+        "overlapped it (slower: every op is an event)",
     )
     tp.add_argument(
         "--out",
@@ -378,7 +385,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         num_seqs=args.num_seqs,
         attention=args.attention,
         out_dir=args.out,
-        profile=args.profile,
+        profile=args.profile or args.profile_host,
+        profile_host=args.profile_host,
         repeats=args.repeats,
     )
     throughput.run(opts)

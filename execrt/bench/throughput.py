@@ -83,6 +83,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each
+GAPS = 12  # ``--profile``: how many of the longest GPU idle gaps to report
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class Options:
     out_dir: str | None = "benchmarks/results"
     #: After each timed run, one more under torch.profiler: the GPU's time by kernel.
     profile: bool = False
+    #: With ``profile``: record the host's ops too, and name those that overlap each idle gap.
+    profile_host: bool = False
     #: Timed generates per configuration and temperature; the median is reported.
     repeats: int = 1
 
@@ -302,7 +305,7 @@ def _run_config(r: _Run, name: str) -> None:
                 each = ", ".join(f"{x:.3f}" for x in rec.seconds_each)
                 print(f"    runs (s): {each}; garbage collection {rec.gc_ms:.1f} ms", flush=True)
                 if opts.profile:
-                    rec.profile = _profile(engine, r.workload, t)
+                    rec.profile = _profile(engine, r.workload, t, host=opts.profile_host)
             except Exception as exc:
                 _add(r, config, t, None, None, attention, startup, note=failure_note(exc))
 
@@ -337,7 +340,9 @@ def _timed_generate(
     return seconds, {k: v - before[k] for k, v in vars(stats).items()} | {"gc_s": collected[0]}
 
 
-def _profile(engine: Engine, workload: Workload, temperature: float) -> dict[str, Any]:
+def _profile(
+    engine: Engine, workload: Workload, temperature: float, *, host: bool = False
+) -> dict[str, Any]:
     """The whole workload once more under torch.profiler: where the GPU's time goes."""
     params = _params(temperature, workload.max_tokens)
 
@@ -345,7 +350,7 @@ def _profile(engine: Engine, workload: Workload, temperature: float) -> dict[str
         engine.flush_cache()
         engine.generate(workload.prompts, params)
 
-    prof = profile_kernels(run, engine.worker.limits.device)
+    prof = profile_kernels(run, engine.worker.limits.device, gaps=GAPS, host=host)
     print(prof.describe(), flush=True)
     return asdict(prof)
 

@@ -185,6 +185,9 @@ class KernelProfile:
     #: ms the GPU sat idle in each tenth of the span from its first activity to its last
     #: (where in the run the host held it up: a prefill phase at the start, a tail at the end)
     idle_ms_by_tenth: list[float] = dataclasses.field(default_factory=list)
+    #: the longest idle gaps, longest first: what ran on the GPU either side of each, and
+    #: (``host=True``) the host's ops that overlapped it most
+    gaps: list[IdleGap] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         lines = [
@@ -202,7 +205,24 @@ class KernelProfile:
             lines.append(f"  {k.ms:9.1f} {k.pct:6.1f} {k.calls:8d}  {k.name}")
         if self.others_ms:
             lines.append(f"  {self.others_ms:9.1f} {'':>6} {'':>8}  (the rest)")
+        if self.gaps:
+            lines.append("longest GPU idle gaps (at ms into the span: ms, kernel before -> after):")
+            for g in self.gaps:
+                host = f"; host: {', '.join(g.host)}" if g.host else ""
+                lines.append(f"  {g.at_ms:9.2f}: {g.ms:7.3f}  {g.before} -> {g.after}{host}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class IdleGap:
+    """One stretch with nothing running on the GPU."""
+
+    at_ms: float  # its start, from the GPU's first activity
+    ms: float
+    before: str  # the kernel (or copy) that ended last before it
+    after: str  # the one that started it again
+    #: the host's ops that overlapped it most, as "name ms" (none without host events)
+    host: list[str] = dataclasses.field(default_factory=list)
 
 
 def short_kernel_name(name: str, width: int = 72) -> str:
@@ -216,10 +236,17 @@ def short_kernel_name(name: str, width: int = 72) -> str:
 
 
 def profile_kernels(
-    run: Callable[[], object], device: torch.device, top: int = 15
+    run: Callable[[], object],
+    device: torch.device,
+    top: int = 15,
+    *,
+    gaps: int = 0,
+    host: bool = False,
 ) -> KernelProfile:
-    """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time."""
-    events, wall = _profiled(run, device, host=False)
+    """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time. ``gaps``:
+    report that many of the longest idle gaps; ``host``: record the host's ops too and name
+    those that overlapped each gap (costly over a long run)."""
+    events, wall = _profiled(run, device, host=host)
     on_gpu = _on_gpu(events)
     busy_us = _busy_us(on_gpu)
     time_us: collections.Counter[str] = collections.Counter()
@@ -236,7 +263,51 @@ def profile_kernels(
     others = sum(us for _, us in ranked[top:]) / 1e3
     spans = [(e.time_range.start, e.time_range.end) for e in on_gpu]
     idle = [us / 1e3 for us in idle_by_slice(spans, 10)]
-    return KernelProfile(wall, busy_us / 1e6, shares, others, idle)
+    named = [(e.time_range.start, e.time_range.end, short_kernel_name(e.name, 40)) for e in on_gpu]
+    ops = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if host and e.device_type != on_gpu[0].device_type
+    ] if on_gpu else []  # fmt: skip
+    found = longest_gaps(named, gaps, ops)
+    return KernelProfile(wall, busy_us / 1e6, shares, others, idle, found)
+
+
+def longest_gaps(
+    spans: Sequence[tuple[float, float, str]],
+    count: int,
+    host_ops: Sequence[tuple[float, float, str]] = (),
+    per_gap: int = 3,
+) -> list[IdleGap]:
+    """The ``count`` longest stretches (µs in, ms out) that no span of ``spans`` (start, end,
+    name) covers, longest first, each with the spans either side and the ``per_gap`` host
+    ops (start, end, name) that overlap it most."""
+    if not spans or count < 1:
+        return []
+    ordered = sorted(spans)
+    first = ordered[0][0]
+    found: list[tuple[float, float, str, str]] = []  # (start, stop, before, after)
+    end, before = ordered[0][1], ordered[0][2]
+    for start, stop, name in ordered[1:]:
+        if start > end:
+            found.append((end, start, before, name))
+        if stop >= end:
+            end, before = stop, name
+    found.sort(key=lambda g: g[0] - g[1])
+    out = []
+    for lo, hi, before, after in found[:count]:
+        overlap: dict[str, float] = {}
+        for a, b, name in host_ops:
+            if a < hi and b > lo:
+                overlap[name] = overlap.get(name, 0.0) + min(b, hi) - max(a, lo)
+        busiest = sorted(overlap.items(), key=lambda kv: -kv[1])[:per_gap]
+        out.append(
+            IdleGap(
+                (lo - first) / 1e3, (hi - lo) / 1e3, before, after,
+                [f"{name} {us / 1e3:.3f}" for name, us in busiest],
+            )
+        )  # fmt: skip
+    return out
 
 
 class HostProfile(NamedTuple):

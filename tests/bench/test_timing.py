@@ -314,3 +314,64 @@ def test_gc_timer_counts_only_collections_inside_the_block() -> None:
     gc.collect()  # after the block: not counted
     assert inside > 0 and spent[0] == inside
     assert all(cb.__qualname__ != "gc_timer.<locals>.callback" for cb in gc.callbacks)
+
+
+def test_longest_gaps_name_the_work_either_side_and_the_host_ops_inside() -> None:
+    from execrt.bench.timing import longest_gaps
+
+    spans = [
+        (0.0, 1000.0, "extend"),
+        (200.0, 1500.0, "gemm"),  # overlaps and outlasts extend: the gap after is gemm's
+        (4500.0, 5000.0, "sample"),  # 3 ms idle before it
+        (5100.0, 6000.0, "decode"),  # 0.1 ms idle before it
+        (5200.0, 5300.0, "norm"),  # nested: no gap after it
+        (7000.0, 7100.0, "merge"),  # 1 ms idle before it
+    ]
+    host = [
+        (1400.0, 4600.0, "aten::to"),  # overlaps the 3 ms gap for all of it
+        (2000.0, 2500.0, "cudaMemcpyAsync"),
+        (2600.0, 2700.0, "cudaMemcpyAsync"),  # the same op twice: their overlaps add up
+        (6100.0, 6200.0, "aten::empty"),  # only in the 1 ms gap
+    ]
+    gaps = longest_gaps(spans, 2, host)
+    assert [(g.at_ms, g.ms, g.before, g.after) for g in gaps] == [
+        (1.5, 3.0, "gemm", "sample"),
+        (6.0, 1.0, "decode", "merge"),
+    ]
+    assert gaps[0].host == ["aten::to 3.000", "cudaMemcpyAsync 0.600"]
+    assert gaps[1].host == ["aten::empty 0.100"]
+    assert len(longest_gaps(spans, 10)) == 3 and longest_gaps(spans, 0) == []
+    assert longest_gaps([], 3) == [] and longest_gaps([(0.0, 1.0, "k")], 3) == []
+
+
+def test_profile_kernels_reports_gaps_with_host_ops_only_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from execrt.bench import timing
+
+    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        event("a", 0, 100),
+        event("b", 2100, 2200),
+        event("cudaStreamSynchronize", 50, 2150, DeviceType.CPU),
+    ]
+    asked: list[bool] = []
+
+    def profiled(run, device, host):  # type: ignore[no-untyped-def]
+        asked.append(host)
+        return events, 1.0
+
+    monkeypatch.setattr(timing, "_profiled", profiled)
+    plain = profile_kernels(lambda: None, torch.device("cpu"), gaps=4)
+    assert [(g.ms, g.before, g.after, g.host) for g in plain.gaps] == [(2.0, "a", "b", [])]
+    hosted = profile_kernels(lambda: None, torch.device("cpu"), gaps=4, host=True)
+    assert hosted.gaps[0].host == ["cudaStreamSynchronize 2.000"]
+    assert asked == [False, True]
+    assert "a -> b; host: cudaStreamSynchronize 2.000" in hosted.describe()
+    assert profile_kernels(lambda: None, torch.device("cpu")).gaps == []
