@@ -43,7 +43,7 @@ from execrt.bench.models import (
     model_config,
     weight_bytes_per_step,
 )
-from execrt.bench.timing import gc_timer, profile_kernels, synchronize
+from execrt.bench.timing import gc_timer, jit_compiles, profile_kernels, synchronize
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -215,6 +215,10 @@ class Record:
     seconds_each: list[float] = field(default_factory=list)
     #: Milliseconds Python's garbage collector ran during the reported run
     gc_ms: float | None = None
+    #: Triton JIT compilations during the reported run, and their milliseconds (a warm engine
+    #: has none: each is a specialisation the warm-up did not meet, and stalls the GPU)
+    jit_compiles: int | None = None
+    jit_compile_ms: float | None = None
 
 
 @dataclass
@@ -303,7 +307,11 @@ def _run_config(r: _Run, name: str) -> None:
                 rec = _add(r, config, t, seconds, stats, attention, startup)
                 rec.seconds_each = [run[0] for run in runs]
                 each = ", ".join(f"{x:.3f}" for x in rec.seconds_each)
-                print(f"    runs (s): {each}; garbage collection {rec.gc_ms:.1f} ms", flush=True)
+                print(
+                    f"    runs (s): {each}; garbage collection {rec.gc_ms:.1f} ms; "
+                    f"{rec.jit_compiles} JIT compiles ({rec.jit_compile_ms:.0f} ms)",
+                    flush=True,
+                )
                 if opts.profile:
                     rec.profile = _profile(engine, r.workload, t, host=opts.profile_host)
             except Exception as exc:
@@ -327,17 +335,24 @@ def _timed_generate(
     device = engine.worker.limits.device
     engine.flush_cache()  # every run prefills every prompt (the warm-up's and earlier runs')
     synchronize(device)
-    with gc_timer() as collected:  # the collector stays on, as a user's process has it
+    # the collector stays on, as a user's process has it
+    with gc_timer() as collected, jit_compiles() as compiled:
         start = time.perf_counter()
         results = engine.generate(workload.prompts, params)
         synchronize(device)
         seconds = time.perf_counter() - start
+    for kernel, took in compiled:
+        print(f"    JIT compile in the timed run: {took * 1e3:.0f} ms {kernel}", flush=True)
     for res, want in zip(results, workload.max_tokens, strict=True):
         if res.error or len(res.token_ids) != want:
             raise RuntimeError(
                 f"generate gave {len(res.token_ids)} of {want} tokens ({res.error or 'no error'})"
             )
-    return seconds, {k: v - before[k] for k, v in vars(stats).items()} | {"gc_s": collected[0]}
+    return seconds, {k: v - before[k] for k, v in vars(stats).items()} | {
+        "gc_s": collected[0],
+        "jit_compiles": len(compiled),
+        "jit_compile_s": sum(took for _, took in compiled),
+    }
 
 
 def _profile(
@@ -348,7 +363,10 @@ def _profile(
 
     def run() -> None:
         engine.flush_cache()
-        engine.generate(workload.prompts, params)
+        with jit_compiles() as compiled:
+            engine.generate(workload.prompts, params)
+        for kernel, took in compiled:
+            print(f"    JIT compile in the profiled run: {took * 1e3:.0f} ms {kernel}", flush=True)
 
     prof = profile_kernels(run, engine.worker.limits.device, gaps=GAPS, host=host)
     print(prof.describe(), flush=True)
@@ -403,6 +421,8 @@ def _add(
         startup_s=startup,
         note=note,
         gc_ms=None if "gc_s" not in stats else stats["gc_s"] * 1e3,
+        jit_compiles=None if "jit_compiles" not in stats else int(stats["jit_compiles"]),
+        jit_compile_ms=None if "jit_compile_s" not in stats else stats["jit_compile_s"] * 1e3,
     )
     r.records.append(rec)
     shown = f"{rec.out_tok_s:,.0f} output tok/s" if rec.out_tok_s else f"skipped: {note}"

@@ -465,6 +465,38 @@ def gc_timer() -> Iterator[list[float]]:
         gc.callbacks.remove(callback)
 
 
+@contextlib.contextmanager
+def jit_compiles() -> Iterator[list[tuple[str, float]]]:
+    """Yields a list that gains ``(kernel and argument types, seconds)`` for every Triton JIT
+    compilation inside the block (a disk-cache load counts: it is a miss in memory). A timed
+    run that compiles times the compiler, and the GPU waits for it. Any hooks already set
+    keep being called; without Triton the list stays empty."""
+    found: list[tuple[str, float]] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield found
+        return
+    runtime = knobs.runtime
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    started: list[float] = []
+
+    def on_miss(**kwargs: Any) -> bool | None:
+        started.append(time.perf_counter())
+        return before(**kwargs) if before else None
+
+    def on_compiled(**kwargs: Any) -> bool | None:
+        took = time.perf_counter() - started.pop() if started else 0.0
+        found.append((str(kwargs.get("repr", "?")), took))
+        return after(**kwargs) if after else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled
+    try:
+        yield found
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+
+
 T = TypeVar("T")
 
 

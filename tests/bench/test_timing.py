@@ -375,3 +375,28 @@ def test_profile_kernels_reports_gaps_with_host_ops_only_when_asked(monkeypatch)
     assert asked == [False, True]
     assert "a -> b; host: cudaStreamSynchronize 2.000" in hosted.describe()
     assert profile_kernels(lambda: None, torch.device("cpu")).gaps == []
+
+
+def test_jit_compiles_records_each_compilation_and_keeps_the_hooks_it_found() -> None:
+    knobs = pytest.importorskip("triton").knobs
+    from execrt.bench.timing import jit_compiles
+
+    runtime = knobs.runtime
+    seen: list[str] = []
+    old_miss, old_done = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    runtime.jit_cache_hook = lambda **kw: seen.append("miss " + kw["repr"])
+    runtime.jit_post_compile_hook = lambda **kw: seen.append("done " + kw["repr"])
+    try:
+        with jit_compiles() as compiled:
+            # what Triton's JITFunction does around a compilation
+            assert runtime.jit_cache_hook(repr="k[4](x: *fp32)") is None
+            time.sleep(0.01)
+            runtime.jit_post_compile_hook(repr="k[4](x: *fp32)")
+        assert [name for name, _ in compiled] == ["k[4](x: *fp32)"]
+        assert 0.01 <= compiled[0][1] < 1.0
+        assert seen == ["miss k[4](x: *fp32)", "done k[4](x: *fp32)"]  # chained
+        assert runtime.jit_post_compile_hook is not None
+        runtime.jit_post_compile_hook(repr="after")  # restored: not recorded
+        assert len(compiled) == 1 and seen[-1] == "done after"
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = old_miss, old_done
