@@ -84,6 +84,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each
 GAPS = 12  # ``--profile``: how many of the longest GPU idle gaps to report
+PROFILE_TOP = 40  # ... and kernels by GPU time (the rest is one sum)
 
 
 @dataclass(frozen=True)
@@ -368,7 +369,7 @@ def _profile(
         for kernel, took in compiled:
             print(f"    JIT compile in the profiled run: {took * 1e3:.0f} ms {kernel}", flush=True)
 
-    prof = profile_kernels(run, engine.worker.limits.device, gaps=GAPS, host=host)
+    prof = profile_kernels(run, engine.worker.limits.device, top=PROFILE_TOP, gaps=GAPS, host=host)
     print(prof.describe(), flush=True)
     return asdict(prof)
 

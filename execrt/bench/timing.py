@@ -242,11 +242,13 @@ def profile_kernels(
     *,
     gaps: int = 0,
     host: bool = False,
+    trace_path: str | None = None,
 ) -> KernelProfile:
     """Profile one ``run()`` and rank its GPU work (kernels, copies) by total time. ``gaps``:
     report that many of the longest idle gaps; ``host``: record the host's ops too and name
-    those that overlapped each gap (costly over a long run)."""
-    events, wall = _profiled(run, device, host=host)
+    those that overlapped each gap (costly over a long run); ``trace_path``: write the chrome
+    trace there."""
+    events, wall = _profiled(run, device, trace_path, host=host)
     on_gpu = _on_gpu(events)
     busy_us = _busy_us(on_gpu)
     time_us: collections.Counter[str] = collections.Counter()

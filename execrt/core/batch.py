@@ -29,7 +29,7 @@ __all__ = [
 class LogitsOutput:
     """What the model returns: next-token logits per request, optionally every token's."""
 
-    next_token_logits: torch.Tensor  # [B, V] fp32
+    next_token_logits: torch.Tensor  # [B, V] in the model's dtype (samplers read any float)
     full_logits: torch.Tensor | None = None  # [T, V] fp32 (extend, when asked for)
     #: [B] int64: the tokens already sampled, when a decode graph ran the sampler too
     next_token_ids: torch.Tensor | None = None

@@ -153,7 +153,9 @@ class DecoderForCausalLM(nn.Module):
                 return LogitsOutput(next_token_logits=full[last], full_logits=full)
             # The norm is per row: normalise only the rows whose logits are wanted.
             h, delta = h[last], None if delta is None else delta[last]
-        return LogitsOutput(next_token_logits=norm.project(self.lm_head, h, delta)[0].float())
+        # In the model's dtype: the samplers and logprobs widen what they read (exactly), so a
+        # separate fp32 copy would only add a kernel and twice the bytes to every step.
+        return LogitsOutput(next_token_logits=norm.project(self.lm_head, h, delta)[0])
 
     def attach_kv_cache(self, kv_cache: KVCache | None) -> None:
         """Make the model the K/V writer into ``kv_cache`` (None: the attention backend

@@ -248,7 +248,9 @@ def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: 
         event("norm", 800, 850),
         event("cudaLaunchKernel", 0, 900, DeviceType.CPU),  # host side: not GPU time
     ]
-    monkeypatch.setattr(timing, "_profiled", lambda run, device, host: (events, 2.0))
+    monkeypatch.setattr(
+        timing, "_profiled", lambda run, device, trace_path=None, host=True: (events, 2.0)
+    )
     prof = profile_kernels(lambda: None, torch.device("cpu"), top=2)
     assert [(k.name, k.calls) for k in prof.kernels] == [("attn", 2), ("gemm", 1)]
     assert prof.kernels[0].ms == pytest.approx(0.6) and prof.others_ms == pytest.approx(0.05)
@@ -363,7 +365,7 @@ def test_profile_kernels_reports_gaps_with_host_ops_only_when_asked(monkeypatch)
     ]
     asked: list[bool] = []
 
-    def profiled(run, device, host):  # type: ignore[no-untyped-def]
+    def profiled(run, device, trace_path=None, host=True):  # type: ignore[no-untyped-def]
         asked.append(host)
         return events, 1.0
 
