@@ -80,6 +80,7 @@ class RuntimeConfig:
     cuda_graph_bs: str = ""
     cuda_graph_sampling: bool = True
     overlap_schedule: bool = True
+    gc_freeze: bool = True
     fused_kernels: str = "auto"
     tp_size: int = 1  # tensor-parallel ranks: 1, or the world size under torchrun
     ep_size: int = 0  # expert-parallel ranks of a MoE model: 0 = tp_size, 1 = replicated

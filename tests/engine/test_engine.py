@@ -209,3 +209,29 @@ def test_overlap_scheduling_changes_no_output(checkpoint, name) -> None:  # type
             assert e.flush_cache() > 0 and memory.free_slots == memory.total_slots
             assert e.scheduler.stats.decode_steps > 0
     assert out[True] == out[False]
+
+
+def test_the_heap_stays_frozen_while_an_engine_that_froze_it_runs(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``gc_freeze``: each engine built with it freezes what exists then; the heap is
+    unfrozen when the last of them closes, not before; one built without it changes nothing."""
+    import gc
+
+    from execrt.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_HEAP", engine_module._HeapFreeze())
+    gc.unfreeze()  # whatever an earlier test left (the module's own holder is replaced)
+    path = checkpoint("dense-tied-hd64")
+    first = Engine(path, device="cpu")
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000  # the modules, torch's and execrt's objects
+    plain = Engine(path, device="cpu", gc_freeze=False)
+    assert gc.get_freeze_count() == frozen
+    second = Engine(path, device="cpu")
+    assert gc.get_freeze_count() > frozen  # the second engine's objects too
+    first.close()
+    assert gc.get_freeze_count() > frozen  # the second still holds the freeze
+    assert second.generate([[5, 17, 33]], SamplingParams(max_new_tokens=3))[0].token_ids
+    second.close()
+    assert gc.get_freeze_count() == 0
+    plain.close()
+    assert gc.get_freeze_count() == 0
