@@ -208,13 +208,9 @@ def _race(
     top = tl.full([], float("-inf"), tl.float32)
     ties = tl.zeros([], tl.int32)
     off = start
-    ahead = tl.load(base + start + lanes, mask=start + lanes < end, other=float("-inf"))
     while off < end:
         ids = off + lanes
-        s = ahead.to(tl.float32)
-        # The next block's load is issued before this block's work, which then hides its
-        # latency (a while loop is not software-pipelined by the compiler).
-        ahead = tl.load(base + ids + BLOCK, mask=ids + BLOCK < end, other=float("-inf"))
+        s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
         if FILTER:
             if TIES:
                 eq = (s == t_star).to(tl.int32)
@@ -267,11 +263,9 @@ def _race_greedy(base, start, end, BLOCK: tl.constexpr):
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = start + lanes
     off = start
-    ahead = tl.load(base + start + lanes, mask=start + lanes < end, other=float("-inf"))
     while off < end:
         ids = off + lanes
-        s = ahead.to(tl.float32)
-        ahead = tl.load(base + ids + BLOCK, mask=ids + BLOCK < end, other=float("-inf"))  # _race
+        s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
         better = s > best_k  # ids grow: ties keep the first; NaN never wins
         best_k = tl.where(better, s, best_k)
         best_i = tl.where(better, ids, best_i)
