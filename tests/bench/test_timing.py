@@ -194,19 +194,26 @@ def test_kernel_names_lose_their_arguments_and_templates(raw: str, short: str) -
     assert short_kernel_name(raw) == short
 
 
-def test_profile_by_difference_cancels_what_both_runs_share(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # A run of n tokens: a "prefill" of 50 kernels (2 ms of GPU, 1 graph launch for nothing),
-    # then n - 1 steps of 3 kernels of 10 us and one graph launch each; wall 0.5 s + 1 ms/step.
+def event(name: str, start: float, end: float, device: object = None) -> object:
+    """A profiler event as ``timing`` reads it: on the GPU unless ``device`` says otherwise."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    asked: list[int] = []
+    return SimpleNamespace(
+        name=name,
+        device_type=DeviceType.CUDA if device is None else device,
+        time_range=SimpleNamespace(start=start, end=end),
+    )
 
-    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
-        return SimpleNamespace(
-            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
-        )
+
+def test_profile_by_difference_cancels_what_both_runs_share(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A run of n tokens: a "prefill" of 50 kernels (2 ms of GPU, 1 graph launch for nothing),
+    # then n - 1 steps of 3 kernels of 10 us and one graph launch each; wall 0.5 s + 1 ms/step.
+
+    from torch.autograd import DeviceType
+
+    asked: list[int] = []
 
     def profiled(run, device, trace_path=None, host=True):  # type: ignore[no-untyped-def]
         run()
@@ -232,14 +239,8 @@ def test_profile_by_difference_cancels_what_both_runs_share(monkeypatch) -> None
 
 
 def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from types import SimpleNamespace
 
     from torch.autograd import DeviceType
-
-    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
-        return SimpleNamespace(
-            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
-        )
 
     events = [
         event("void attn<1>(int)", 0, 300),
@@ -347,16 +348,10 @@ def test_longest_gaps_name_the_work_either_side_and_the_host_ops_inside() -> Non
 
 
 def test_profile_kernels_reports_gaps_with_host_ops_only_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
     from execrt.bench import timing
-
-    def event(name: str, start: float, end: float, device=DeviceType.CUDA):  # type: ignore[no-untyped-def]
-        return SimpleNamespace(
-            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
-        )
 
     events = [
         event("a", 0, 100),
