@@ -56,6 +56,8 @@ class Row:
     speedup: float  # today_us / fused_graph_us
     mismatches: int
     programs_per_sm: int = 0
+    race_block: int = 0
+    race_warps: int = 0
 
 
 def make_logits(
@@ -95,7 +97,15 @@ def round_robin(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def measure(b: int, vocab: int, dtype: torch.dtype, mix: str, shape: str, copy_gbps: float) -> Row:
+def measure(
+    b: int,
+    vocab: int,
+    dtype: torch.dtype,
+    mix: str,
+    shape: str,
+    copy_gbps: float,
+    time_today: bool = True,
+) -> Row:
     gen = torch.Generator(device="cuda").manual_seed(b * 1000 + len(mix) + len(shape))
     nbytes = b * vocab * torch.empty((), dtype=dtype).element_size()
     sets = max(1, min(MAX_SETS, math.ceil(2 * L2_BYTES / nbytes)))
@@ -107,7 +117,7 @@ def measure(b: int, vocab: int, dtype: torch.dtype, mix: str, shape: str, copy_g
         functools.partial(fused_sample, x, info) for x in logits
     ]
     mismatches = int((today(logits[0], info) != fused_sample(logits[0], info)).sum())
-    today_us = median_us(round_robin(today_calls), sets, 5)
+    today_us = median_us(round_robin(today_calls), sets, 5) if time_today else math.nan
     fused_us = median_us(round_robin(fused_calls), sets, 5)
     replays = max(1, 200 // sets)
     fused_graph = time_graph(fused_calls, replays, 5)
@@ -141,6 +151,21 @@ def main() -> None:
         default=str(triton_sampling.PROGRAMS_PER_SM),
         help="comma-separated values of the race's PROGRAMS_PER_SM to compare",
     )
+    parser.add_argument(
+        "--race-blocks",
+        default=str(triton_sampling.RACE_BLOCK),
+        help="comma-separated values of the race's RACE_BLOCK (tokens per loop step) to compare",
+    )
+    parser.add_argument(
+        "--race-warps",
+        default=str(triton_sampling.RACE_WARPS),
+        help="comma-separated values of the race's RACE_WARPS to compare",
+    )
+    parser.add_argument(
+        "--no-today",
+        action="store_true",
+        help="time only the fused draw (today's tokens are still compared)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampling: needs a CUDA device")
@@ -149,31 +174,41 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
     header = (
-        f"{'pps':>4} {'batch':>5} {'mix':<21} {'logits':<6} {'today us':>10} {'fused us':>9} "
+        f"{'pps':>4} {'block':>5} {'warps':>5} {'batch':>5} {'mix':<21} {'logits':<6} "
+        f"{'today us':>10} {'fused us':>9} "
         f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
     )
     print(header)
-    rows = []
-    for pps, b in itertools.product(
+    meta = {"gpu": gpu, "copy_gbps": copy_gbps, "date": utc_now(), "vocab": args.vocab}
+    rows: list[Row] = []
+    for pps, block, warps, b in itertools.product(
         [int(x) for x in args.programs_per_sm.split(",")],
+        [int(x) for x in args.race_blocks.split(",")],
+        [int(x) for x in args.race_warps.split(",")],
         [int(x) for x in args.batches.split(",")],
     ):
         triton_sampling.PROGRAMS_PER_SM = pps
+        triton_sampling.RACE_BLOCK = block
+        triton_sampling.RACE_WARPS = warps
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
-                r = measure(b, args.vocab, dtype, mix, shape, copy_gbps)
-                r.programs_per_sm = pps
+                r = measure(b, args.vocab, dtype, mix, shape, copy_gbps, not args.no_today)
+                r.programs_per_sm, r.race_block, r.race_warps = pps, block, warps
                 rows.append(r)
                 print(
-                    f"{pps:>4} {r.batch:>5} {r.mix:<21} {r.logits:<6} {r.today_us:>10.1f} "
+                    f"{pps:>4} {block:>5} {warps:>5} {r.batch:>5} {r.mix:<21} {r.logits:<6} "
+                    f"{r.today_us:>10.1f} "
                     f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "
                     f"{r.pct_floor:>7.0f}% {r.speedup:>7.0f}x {r.mismatches:>5}",
                     flush=True,
                 )
-    meta = {"gpu": gpu, "copy_gbps": copy_gbps, "date": utc_now(), "vocab": args.vocab}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+                _write(args.out, meta, rows)  # after every row: a run cut short keeps its rows
     print(f"wrote {args.out}")
+
+
+def _write(path: str, meta: dict[str, object], rows: list[Row]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ ROW_BLOCK = 1024
 MIN_BLOCK = 64
 #: Race programs wanted per SM: rows are split into parts until the grid fills the GPU.
 PROGRAMS_PER_SM = 4
+#: Warps of a race program (fewer for a block under 256 tokens per warp).
+RACE_WARPS = 4
 #: The finish runs a race round (two passes: a race above the bracket, and the count that
 #: checks its winner) when the bracket says the round keeps its winner with at least this
 #: probability, else a search pass (one, narrowing the bracket ~5-fold); see the module doc.
@@ -617,7 +619,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     block_p = max(2, next_power_of_2(triton.cdiv(vocab, race_block)))
     pdl = pdl_kwargs(device)
     stages = (
-        (False, (rows, parts), race_block, max(1, min(4, race_block // 256))),
+        (False, (rows, parts), race_block, max(1, min(RACE_WARPS, race_block // 256))),
         (True, (rows,), row_block, max(1, min(8, row_block // 128))),
     )
     for finish, grid, block, warps in stages:
