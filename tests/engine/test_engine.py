@@ -215,6 +215,11 @@ def test_the_heap_stays_frozen_while_an_engine_that_froze_it_runs(checkpoint, mo
     """``gc_freeze``: each engine built with it freezes what exists then; the heap is
     unfrozen when the last of them closes, not before; one built without it changes nothing."""
     import gc
+    import weakref
+
+    class _Cycle:
+        def __init__(self) -> None:
+            self.me = self
 
     from execrt.engine import engine as engine_module
 
@@ -230,6 +235,16 @@ def test_the_heap_stays_frozen_while_an_engine_that_froze_it_runs(checkpoint, mo
     assert gc.get_freeze_count() > frozen  # the second engine's objects too
     first.close()
     assert gc.get_freeze_count() > frozen  # the second still holds the freeze
+    # What dies while frozen is collected when an engine closes, even if another stays open.
+    cycle = _Cycle()
+    third = Engine(path, device="cpu")  # freezes the cycle
+    dead = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    assert dead() is not None  # frozen: out of the collector's reach
+    third.close()
+    assert dead() is None
+    assert gc.get_freeze_count() > frozen  # the second engine's freeze is back
     assert second.generate([[5, 17, 33]], SamplingParams(max_new_tokens=3))[0].token_ids
     second.close()
     assert gc.get_freeze_count() == 0
