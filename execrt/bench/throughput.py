@@ -314,7 +314,16 @@ def _run_config(r: _Run, name: str) -> None:
                     flush=True,
                 )
                 if opts.profile:
-                    rec.profile = _profile(engine, r.workload, t, host=opts.profile_host)
+                    rec.profile = prof = _profile(engine, r.workload, t, host=opts.profile_host)
+                    # The profiler slows the host: the GPU's idle time is better estimated
+                    # from the unprofiled run's wall clock.
+                    prof["unprofiled_idle_s"] = seconds - prof["gpu_busy_s"]
+                    print(
+                        f"    unprofiled {seconds:.3f} s - profiled GPU busy "
+                        f"{prof['gpu_busy_s']:.3f} s = {prof['unprofiled_idle_s'] * 1e3:.0f} ms "
+                        "of GPU idle (an estimate)",
+                        flush=True,
+                    )
             except Exception as exc:
                 _add(r, config, t, None, None, attention, startup, note=failure_note(exc))
 

@@ -152,7 +152,12 @@ def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsy
     # On the CPU nothing runs on a GPU: the profile says so rather than inventing kernels.
     assert rec.profile["kernels"] == [] and rec.profile["gpu_busy_s"] == 0
     assert rec.profile["wall_s"] > 0
-    assert "GPU busy 0.000 of" in capsys.readouterr().out
+    # No GPU: the whole unprofiled run counts as the GPU's idle estimate.
+    assert rec.profile["unprofiled_idle_s"] == pytest.approx(rec.seconds)
+    assert rec.jit_compiles == 0 and rec.jit_compile_ms == 0  # the interpreter compiles nothing
+    out = capsys.readouterr().out
+    assert "GPU busy 0.000 of" in out and "of GPU idle (an estimate)" in out
+    assert "0 JIT compiles" in out
     (saved,) = os.listdir(tmp_path)
     assert json.loads((tmp_path / saved).read_text())[0]["profile"]["wall_s"] > 0
 
