@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    cdiv,
     check_device,
     check_float,
     check_last_dim_contiguous,
@@ -39,7 +40,7 @@ def _silu_and_mul_kernel(
 def block_for(tokens: int, inter: int, sms: int) -> int:
     """Columns per program: wide tiles, narrowed until the grid gives each SM two programs."""
     block = max(MIN_BLOCK, min(MAX_BLOCK, next_power_of_2(inter)))
-    while block > MIN_BLOCK and tokens * triton.cdiv(inter, block) < 2 * sms:
+    while block > MIN_BLOCK and tokens * cdiv(inter, block) < 2 * sms:
         block //= 2
     return block
 
@@ -58,7 +59,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out.view(*x.shape[:-1], inter)
     block = block_for(t, inter, sm_count(x.device))
-    grid = (t, triton.cdiv(inter, block))
+    grid = (t, cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         rows,
         out,

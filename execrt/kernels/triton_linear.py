@@ -25,10 +25,12 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    cdiv,
     check_device,
     check_same_device,
     fail,
     interpreter_enabled,
+    next_power_of_2,
     pdl_kwargs,
     tuned_table_name,
 )
@@ -80,7 +82,7 @@ class SkinnyTile:
 
 def block_m_for(m: int, use_dot: bool) -> int:
     """Rows per program: ``m`` padded to a power of two (16 for the tensor-core path)."""
-    return 16 if use_dot else triton.next_power_of_2(m)
+    return 16 if use_dot else next_power_of_2(m)
 
 
 @triton.jit
@@ -356,11 +358,11 @@ def launch(
             return y.copy_(full)
         gate, up = full[:, :n].to(x.dtype).float(), full[:, n:].to(x.dtype).float()
         return y.copy_(gate * torch.sigmoid(gate) * up)
-    tiles = triton.cdiv(n, tile.block_n)
+    tiles = cdiv(n, tile.block_n)
     block_m = block_m_for(m, tile.use_dot)
     # Whole BLOCK_K steps per slice; fewer slices where K has fewer steps than split_k.
-    k_per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
-    splits = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    splits = cdiv(k, k_per_split)
     if splits > 1:
         width = 2 * n if swiglu_out else n
         part, counts = split_workspace(x.device, splits * block_m * width, tiles)
@@ -492,11 +494,11 @@ def default_tile(m: int, n: int, k: int, variant: str = PLAIN) -> SkinnyTile | N
     two programs per SM down to N = 1056 on 132 SMs.
     """
     if interpreter_enabled():  # programs run one by one: few, wide ones (every path tested)
-        bn = max(16, min(128, triton.next_power_of_2(n)))
-        return SkinnyTile(block_n=bn, block_k=max(16, min(256, triton.next_power_of_2(k))))
+        bn = max(16, min(128, next_power_of_2(n)))
+        return SkinnyTile(block_n=bn, block_k=max(16, min(256, next_power_of_2(k))))
     if m > 1 or variant == SWIGLU_OUT:
         return None
-    bk = max(64, min(1024, triton.next_power_of_2(k)))
+    bk = max(64, min(1024, next_power_of_2(k)))
     return SkinnyTile(block_n=4, block_k=bk, num_warps=4, num_stages=3)
 
 

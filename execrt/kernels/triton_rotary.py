@@ -8,6 +8,7 @@ import triton.language as tl
 
 from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, fp8_format, is_fp8
 from execrt.kernels._triton import (
+    cdiv,
     check_device,
     check_float,
     check_last_dim_contiguous,
@@ -230,7 +231,7 @@ def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int
     bh = 1
     while bh < cap:
         nxt = 2 * bh
-        programs = tokens * (triton.cdiv(num_q_heads, nxt) + triton.cdiv(num_kv_heads, nxt))
+        programs = tokens * (cdiv(num_q_heads, nxt) + cdiv(num_kv_heads, nxt))
         if programs < 4 * sms:
             break
         bh = nxt
@@ -333,8 +334,8 @@ def qk_norm_rope_triton(
     bh = heads_per_block or heads_per_program(t, hq, hkv, sm_count(q.device))
     if bh & (bh - 1):
         fail(NAME, f"heads_per_block {bh} unsupported (supported: a power of two)")
-    q_blocks = triton.cdiv(hq, bh)
-    grid = (t, q_blocks + triton.cdiv(hkv, bh))
+    q_blocks = cdiv(hq, bh)
+    grid = (t, q_blocks + cdiv(hkv, bh))
     _qk_norm_rope_kernel[grid](
         q, k, v, q_out, k_out,
         q_norm_weight if q_norm_weight is not None else q_out,

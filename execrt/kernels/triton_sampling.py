@@ -54,6 +54,7 @@ import triton.language as tl
 
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.kernels._triton import (
+    cdiv,
     check_device,
     check_float,
     check_same_device,
@@ -590,10 +591,10 @@ def _blocks(vocab: int) -> tuple[int, int]:
 
 def _parts(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
     """(parts per row, tokens per part): split rows until the race grid fills the GPU."""
-    blocks = triton.cdiv(vocab, block)
-    wanted = max(1, triton.cdiv(PROGRAMS_PER_SM * sm_count(device), rows))
-    chunk = triton.cdiv(blocks, min(blocks, wanted)) * block
-    return triton.cdiv(vocab, chunk), chunk
+    blocks = cdiv(vocab, block)
+    wanted = max(1, cdiv(PROGRAMS_PER_SM * sm_count(device), rows))
+    chunk = cdiv(blocks, min(blocks, wanted)) * block
+    return cdiv(vocab, chunk), chunk
 
 
 def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -616,7 +617,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     # The most parts this vocabulary can be split into, not this batch's count: one compiled
     # variant per vocabulary instead of one per batch-size range (a run whose batch shrinks
     # from 256 to 1 otherwise compiles about ten finish kernels while it is timed).
-    block_p = max(2, next_power_of_2(triton.cdiv(vocab, race_block)))
+    block_p = max(2, next_power_of_2(cdiv(vocab, race_block)))
     pdl = pdl_kwargs(device)
     stages = (
         (False, (rows, parts), race_block, max(1, min(RACE_WARPS, race_block // 256))),

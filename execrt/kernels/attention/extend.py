@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from execrt.kernels._triton import (
+    cdiv,
     check_index,
     check_last_dim_contiguous,
     check_same_device,
@@ -835,7 +836,7 @@ def extend_attention(
     if batch == 0 or max_extend_len == 0 or num_tokens == 0:
         return
 
-    num_m_tiles = triton.cdiv(max_extend_len, block_m // heads)
+    num_m_tiles = cdiv(max_extend_len, block_m // heads)
     num_head_blocks = num_q_heads // heads
     num_pairs = batch * num_head_blocks
     if pairs_per_chunk is None:
