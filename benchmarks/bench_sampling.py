@@ -30,6 +30,13 @@ from execrt.core.sampler import Sampler, SamplingBatchInfo
 from execrt.kernels import triton_sampling
 from execrt.kernels.sampling import fused_sample
 
+#: The race's launch constants a run can sweep: (flag, ``triton_sampling``'s name, the
+#: argparse field, what it is).
+KNOBS = (
+    ("--programs-per-sm", "PROGRAMS_PER_SM", "programs_per_sm", "race programs wanted per SM"),
+    ("--race-blocks", "RACE_BLOCK", "race_blocks", "tokens per loop step"),
+    ("--race-warps", "RACE_WARPS", "race_warps", "warps per race program"),
+)
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
     "greedy": (0.0, -1, 1.0),
@@ -146,21 +153,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--mixes", default=",".join([*MIXES, "mixed"]))
     parser.add_argument("--logits", default="llm,flat", help="logit shapes: llm, flat")
-    parser.add_argument(
-        "--programs-per-sm",
-        default=str(triton_sampling.PROGRAMS_PER_SM),
-        help="comma-separated values of the race's PROGRAMS_PER_SM to compare",
-    )
-    parser.add_argument(
-        "--race-blocks",
-        default=str(triton_sampling.RACE_BLOCK),
-        help="comma-separated values of the race's RACE_BLOCK (tokens per loop step) to compare",
-    )
-    parser.add_argument(
-        "--race-warps",
-        default=str(triton_sampling.RACE_WARPS),
-        help="comma-separated values of the race's RACE_WARPS to compare",
-    )
+    for flag, name, _field, what in KNOBS:
+        parser.add_argument(
+            flag,
+            default=str(getattr(triton_sampling, name)),
+            help=f"comma-separated values of the race's {name} ({what}) to compare",
+        )
     parser.add_argument(
         "--no-today",
         action="store_true",
@@ -181,15 +179,11 @@ def main() -> None:
     print(header)
     meta = {"gpu": gpu, "copy_gbps": copy_gbps, "date": utc_now(), "vocab": args.vocab}
     rows: list[Row] = []
-    for pps, block, warps, b in itertools.product(
-        [int(x) for x in args.programs_per_sm.split(",")],
-        [int(x) for x in args.race_blocks.split(",")],
-        [int(x) for x in args.race_warps.split(",")],
-        [int(x) for x in args.batches.split(",")],
-    ):
-        triton_sampling.PROGRAMS_PER_SM = pps
-        triton_sampling.RACE_BLOCK = block
-        triton_sampling.RACE_WARPS = warps
+    sweep = [[int(x) for x in getattr(args, field).split(",")] for _, _, field, _ in KNOBS]
+    for *knobs, b in itertools.product(*sweep, [int(x) for x in args.batches.split(",")]):
+        for (_, name, _, _), value in zip(KNOBS, knobs, strict=True):
+            setattr(triton_sampling, name, value)
+        pps, block, warps = knobs
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
                 r = measure(b, args.vocab, dtype, mix, shape, copy_gbps, not args.no_today)
