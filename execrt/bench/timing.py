@@ -288,14 +288,7 @@ def longest_gaps(
         return []
     ordered = sorted(spans)
     first = ordered[0][0]
-    found: list[tuple[float, float, str, str]] = []  # (start, stop, before, after)
-    end, before = ordered[0][1], ordered[0][2]
-    for start, stop, name in ordered[1:]:
-        if start > end:
-            found.append((end, start, before, name))
-        if stop >= end:
-            end, before = stop, name
-    found.sort(key=lambda g: g[0] - g[1])
+    found = sorted(_uncovered(ordered), key=lambda g: g[0] - g[1])
     out = []
     for lo, hi, before, after in found[:count]:
         overlap: dict[str, float] = {}
@@ -383,12 +376,11 @@ def idle_by_slice(intervals: Sequence[tuple[float, float]], slices: int) -> list
     span from the first start to the last end; [] without intervals."""
     if not intervals:
         return []
-    ordered = sorted(intervals)
-    lo, hi = ordered[0][0], max(end for _, end in ordered)
+    ordered = sorted(((start, stop, None) for start, stop in intervals), key=lambda s: s[:2])
+    lo, hi = ordered[0][0], max(stop for _, stop, _ in ordered)
     width = (hi - lo) / slices or 1.0
     idle = [0.0] * slices
-    end = lo
-    for start, stop in ordered:
+    for end, start, _, _ in _uncovered(ordered):
         # the gap [end, start) is idle: share it among the slices it crosses
         while start > end:
             k = min(slices - 1, int((end - lo) / width))
@@ -396,8 +388,18 @@ def idle_by_slice(intervals: Sequence[tuple[float, float]], slices: int) -> list
             step = min(start, boundary) if k < slices - 1 and boundary > end else start
             idle[k] += step - end
             end = step
-        end = max(end, stop)
     return idle
+
+
+def _uncovered(ordered: Sequence[tuple[float, float, T]]) -> Iterator[tuple[float, float, T, T]]:
+    """The stretches that no span of ``ordered`` (start, stop, label; sorted) covers, in order:
+    (gap start, gap end, the label of the span that ended last before it, of the one after)."""
+    end, before = ordered[0][1], ordered[0][2]
+    for start, stop, label in ordered[1:]:
+        if start > end:
+            yield end, start, before, label
+        if stop >= end:
+            end, before = stop, label
 
 
 @dataclass
