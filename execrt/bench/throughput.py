@@ -351,8 +351,7 @@ def _timed_generate(
         results = engine.generate(workload.prompts, params)
         synchronize(device)
         seconds = time.perf_counter() - start
-    for kernel, took in compiled:
-        print(f"    JIT compile in the timed run: {took * 1e3:.0f} ms {kernel}", flush=True)
+    _say_compiles(compiled, "timed")
     for res, want in zip(results, workload.max_tokens, strict=True):
         if res.error or len(res.token_ids) != want:
             raise RuntimeError(
@@ -365,6 +364,12 @@ def _timed_generate(
     }
 
 
+def _say_compiles(compiled: list[tuple[str, float]], run: str) -> None:
+    """Print each Triton compilation ``jit_compiles`` caught in the ``run`` run."""
+    for kernel, took in compiled:
+        print(f"    JIT compile in the {run} run: {took * 1e3:.0f} ms {kernel}", flush=True)
+
+
 def _profile(
     engine: Engine, workload: Workload, temperature: float, *, host: bool = False
 ) -> dict[str, Any]:
@@ -375,8 +380,7 @@ def _profile(
         engine.flush_cache()
         with jit_compiles() as compiled:
             engine.generate(workload.prompts, params)
-        for kernel, took in compiled:
-            print(f"    JIT compile in the profiled run: {took * 1e3:.0f} ms {kernel}", flush=True)
+        _say_compiles(compiled, "profiled")
 
     prof = profile_kernels(run, engine.worker.limits.device, top=PROFILE_TOP, gaps=GAPS, host=host)
     print(prof.describe(), flush=True)
