@@ -44,22 +44,20 @@ def main() -> None:
         )
         for _ in wl.prompts
     ]
+
+    def run() -> None:  # every prompt prefilled: nothing cached from the run before
+        engine.flush_cache()
+        engine.generate(wl.prompts, params)
+
     with engine:
         for _ in range(2):  # warm: every extend shape of the phase once
-            engine.flush_cache()
-            engine.generate(wl.prompts, params)
-        engine.flush_cache()
+            run()
         synchronize(device)
         start = time.perf_counter()
         with jit_compiles() as compiled:
-            engine.generate(wl.prompts, params)
+            run()
         synchronize(device)
         print(f"timed: {time.perf_counter() - start:.3f} s, {len(compiled)} JIT compiles")
-
-        def run() -> None:
-            engine.flush_cache()
-            engine.generate(wl.prompts, params)
-
         gpu_only = profile_kernels(run, device)
         print(f"GPU busy {gpu_only.gpu_busy_s:.3f} s of {gpu_only.wall_s:.3f} s (GPU-only profile)")
         if args.cprofile:

@@ -266,11 +266,10 @@ def profile_kernels(
     spans = [(e.time_range.start, e.time_range.end) for e in on_gpu]
     idle = [us / 1e3 for us in idle_by_slice(spans, 10)]
     named = [(e.time_range.start, e.time_range.end, short_kernel_name(e.name, 40)) for e in on_gpu]
-    ops = [
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in events
-        if host and e.device_type != on_gpu[0].device_type
-    ] if on_gpu else []  # fmt: skip
+    ops = []
+    if host:  # the host's ops: every event that is not the GPU's
+        gpu = set(map(id, on_gpu))
+        ops = [(e.time_range.start, e.time_range.end, e.name) for e in events if id(e) not in gpu]
     found = longest_gaps(named, gaps, ops)
     return KernelProfile(wall, busy_us / 1e6, shares, others, idle, found)
 
