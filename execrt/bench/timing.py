@@ -172,6 +172,10 @@ class KernelShare:
     ms: float  # its total GPU time
     calls: int
     pct: float  # of the GPU's busy time
+    #: the busy time it alone adds: the part of each call past the end of every earlier-started
+    #: span (a kernel launched early under PDL, waiting on the one ahead, adds only its tail).
+    #: The kernels' critical_ms sum to the busy time.
+    critical_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ class KernelProfile:
         lines = [
             f"GPU busy {self.gpu_busy_s:.3f} of {self.wall_s:.3f} s wall (profiler on); kernels "
             "by GPU time:",
-            f"  {'ms':>9} {'%busy':>6} {'calls':>8}  kernel",
+            f"  {'ms':>9} {'crit ms':>9} {'%busy':>6} {'calls':>8}  kernel",
         ]
         if self.idle_ms_by_tenth:
             lines.insert(
@@ -202,7 +206,7 @@ class KernelProfile:
                 + " ".join(f"{ms:.0f}" for ms in self.idle_ms_by_tenth),
             )
         for k in self.kernels:
-            lines.append(f"  {k.ms:9.1f} {k.pct:6.1f} {k.calls:8d}  {k.name}")
+            lines.append(f"  {k.ms:9.1f} {k.critical_ms:9.1f} {k.pct:6.1f} {k.calls:8d}  {k.name}")
         if self.others_ms:
             lines.append(f"  {self.others_ms:9.1f} {'':>6} {'':>8}  (the rest)")
         if self.gaps:
@@ -258,10 +262,16 @@ def profile_kernels(
         time_us[name] += e.time_range.end - e.time_range.start
         calls[name] += 1
     ranked = time_us.most_common()
+    critical = critical_path_us(
+        [(e.time_range.start, e.time_range.end, short_kernel_name(e.name)) for e in on_gpu]
+    )
     shares = [
-        KernelShare(name, us / 1e3, calls[name], 100 * us / busy_us if busy_us else 0.0)
+        KernelShare(
+            name, us / 1e3, calls[name], 100 * us / busy_us if busy_us else 0.0,
+            critical.get(name, 0.0) / 1e3,
+        )
         for name, us in ranked[:top]
-    ]
+    ]  # fmt: skip
     others = sum(us for _, us in ranked[top:]) / 1e3
     spans = [(e.time_range.start, e.time_range.end) for e in on_gpu]
     idle = [us / 1e3 for us in idle_by_slice(spans, 10)]
@@ -362,12 +372,20 @@ def host_hotspots(
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
     """Total length covered by ``intervals``, overlaps counted once."""
-    total, end = 0.0, -math.inf
-    for lo, hi in sorted(intervals):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+    return sum(critical_path_us([(lo, hi, "") for lo, hi in intervals]).values(), 0.0)
+
+
+def critical_path_us(spans: Sequence[tuple[float, float, str]]) -> dict[str, float]:
+    """Per name, the covered time its spans (start, stop, name) add past the end of every span
+    that started before them: busy time attributed once, to the span that extended it. The
+    values sum to ``union_length`` of the spans."""
+    added: collections.defaultdict[str, float] = collections.defaultdict(float)
+    end = -math.inf
+    for start, stop, name in sorted(spans):
+        if stop > end:
+            added[name] += stop - max(start, end)
+            end = stop
+    return dict(added)
 
 
 def idle_by_slice(intervals: Sequence[tuple[float, float]], slices: int) -> list[float]:

@@ -257,7 +257,19 @@ def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: 
     assert prof.kernels[0].ms == pytest.approx(0.6) and prof.others_ms == pytest.approx(0.05)
     assert prof.gpu_busy_s == pytest.approx(750e-6) and prof.wall_s == 2.0
     assert prof.kernels[0].pct == pytest.approx(80.0)
+    # gemm started under attn<2> (as a kernel launched early under PDL does): it adds only
+    # the 100 µs past attn's end to the busy time
+    assert [k.critical_ms for k in prof.kernels] == [pytest.approx(0.6), pytest.approx(0.1)]
     assert "attn" in prof.describe() and "(the rest)" in prof.describe()
+
+
+def test_critical_path_gives_each_stretch_of_busy_time_to_the_span_that_extended_it() -> None:
+    from execrt.bench.timing import critical_path_us
+
+    spans = [(0.0, 10.0, "a"), (2.0, 4.0, "b"), (8.0, 15.0, "b"), (20.0, 21.0, "c")]
+    assert critical_path_us(spans) == {"a": 10.0, "b": 5.0, "c": 1.0}
+    assert sum(critical_path_us(spans).values()) == union_length([s[:2] for s in spans])
+    assert critical_path_us([]) == {}
 
 
 @pytest.mark.parametrize("enabled", [True, False])
