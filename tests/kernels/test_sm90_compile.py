@@ -65,3 +65,54 @@ def test_the_sampling_kernels_compile_for_sm90(logits: str) -> None:
         pytest.skip("Triton's ptxas is not installed here")
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("compiled") == 2
+
+
+LINEAR_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from execrt.kernels import triton_linear as L
+
+    fn = L._skinny_linear_kernel
+    names = fn.arg_names
+    bf16 = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "nr_ptr")
+    pointers = {n: "*bf16" for n in bf16}
+    pointers |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
+    constants = {
+        "HAS_BIAS": False, "SWIGLU": False, "SWIGLU_OUT": True, "NORM": True, "ADD": True,
+        "LATE_NORM": True, "USE_DOT": False, "IEEE": False, "EVEN_K": True, "BLOCK_M": 1,
+        "BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT": False, "PDL": True, "PF_ELEMS": 64,
+        "PREFETCH": True,
+    }
+    signature = {
+        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "eps" else "i32")
+        for n in names
+    }
+    source = triton.compiler.ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
+    )
+    ptx = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+    ).asm["ptx"]
+    marks = ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents")
+    print("order", *(ptx.find(m) for m in marks))
+    """
+)
+
+
+def test_the_skinny_linear_asks_the_l2_for_its_weight_before_its_pdl_wait() -> None:
+    """The prefetch only pays if it goes out while the kernel ahead runs: before the wait."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", LINEAR_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("Triton's ptxas is not installed here")
+    assert done.returncode == 0, done.stderr[-4000:]
+    prefetch, wait, launch = map(int, done.stdout.split("order", 1)[1].split())
+    assert 0 <= prefetch < wait < launch
