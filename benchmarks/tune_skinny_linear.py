@@ -53,12 +53,14 @@ from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch
 from execrt.kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_torch
 from execrt.kernels.triton_linear import (
     CONFIG_DIR,
+    CUDA_CORE_ROWS,
     NORM,
     PLAIN,
     SWIGLU_IN,
     SWIGLU_OUT,
     NormIn,
     SkinnyTile,
+    block_m_for,
     launch,
     tile_to_json,
 )
@@ -111,9 +113,12 @@ def model_shapes(names: list[str]) -> list[Shape]:
 
 def candidates(m: int, variant: str = PLAIN) -> list[SkinnyTile]:
     """CUDA-core tiles up to 8 rows (their fp32 accumulators, two sets with SwiGLU on the
-    output, within 128 per lane), tensor-core tiles from 2 rows."""
+    output, within 128 per lane), tensor-core tiles from 2 rows; past ``CUDA_CORE_ROWS`` (a
+    large decode batch, every row in one program) ``wide_candidates``."""
     out: list[SkinnyTile] = []
     sets = 2 if variant == SWIGLU_OUT else 1
+    if m > CUDA_CORE_ROWS:
+        return wide_candidates(m, sets)
     if m <= 8:
         bm = 1 << (m - 1).bit_length()
         stages = (2, 3, 4) if m == 1 else (3,)
@@ -125,6 +130,24 @@ def candidates(m: int, variant: str = PLAIN) -> list[SkinnyTile]:
         for bn, bk, st in itertools.product((16, 32, 64, 128), (128, 256), (3, 4)):
             if sets * bn * bk <= 128 * 256:  # shared memory for the weight tiles' stages
                 out.append(SkinnyTile(bn, bk, True, 4, st))
+    return out
+
+
+#: Shared memory a wide tile's stages may take (the H200 has 227 KB per block).
+WIDE_SMEM = 200 << 10
+
+
+def wide_candidates(m: int, sets: int) -> list[SkinnyTile]:
+    """Tensor-core tiles for ``m`` rows in one program: 4 warps up to 64 rows, 8 beyond; the
+    x and weight tiles of every stage within ``WIDE_SMEM`` (bf16) and the fp32 accumulators
+    (``sets`` of them) within 128 per lane."""
+    bm = block_m_for(m, True)
+    warps = 4 if bm <= 64 else 8
+    out = []
+    for bn, bk, st in itertools.product((32, 64, 128), (64, 128), (3, 4)):
+        smem = (bm + sets * bn) * bk * 2 * st
+        if smem <= WIDE_SMEM and sets * bm * bn <= 128 * 32 * warps:
+            out.append(SkinnyTile(bn, bk, True, warps, st))
     return out
 
 
@@ -397,10 +420,12 @@ def compile_jobs(
     for s, m in itertools.product(shapes, rows):
         for v in s.variants:
             tiles = candidates(m, v)
+            if v in (NORM, SWIGLU_OUT):  # best_tile also times the norm's 1 / rms on the product
+                tiles += [replace(t, late_norm=True) for t in tiles]
             if v == SWIGLU_OUT:
-                tiles += [replace(t, fuse_norm=False) for t in tiles]
+                tiles += [replace(t, fuse_norm=False) for t in tiles if not t.late_norm]
             # split-K compiles once per tile (the slice count is a launch argument)
-            tiles += [replace(t, split_k=2) for t in tiles if t.use_dot]
+            tiles += [replace(t, split_k=2) for t in tiles if t.use_dot and not t.late_norm]
             jobs += [(m, s.n, s.k, v, t) for t in tiles]
     return jobs
 

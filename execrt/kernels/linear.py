@@ -25,8 +25,10 @@ from execrt.kernels._triton import fail, import_triton
 from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 
-#: Rows (tokens) up to which the Triton kernel may take a call; larger batches are GEMMs.
-MAX_SKINNY_ROWS = 16
+#: Rows (tokens) up to which the Triton kernel may take a call (a decode batch); larger ones
+#: (prefill) are cuBLAS GEMMs. Past ``CUDA_CORE_ROWS`` only the tuned table's tensor-core
+#: tiles take a call: a GPU without a table entry at such M runs cuBLAS.
+MAX_SKINNY_ROWS = 256
 
 
 @functools.cache

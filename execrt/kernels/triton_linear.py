@@ -1,12 +1,13 @@
-"""Triton skinny GEMM: ``y [M, N] = x [M, K] @ W [N, K]^T`` for M <= 16, streaming W once.
+"""Triton skinny GEMM: ``y [M, N] = x [M, K] @ W [N, K]^T`` for a decode batch, streaming W once.
 
 One program per ``BLOCK_N`` weight rows walks the whole K dimension (no split-K, so the sum
-order is fixed and there is no second launch or atomic): it loads a ``[BLOCK_N, BLOCK_K]`` weight
-tile (16-byte loads along K) and the matching ``[BLOCK_M, BLOCK_K]`` activations, and
+order is fixed and there is no second launch or atomic): it loads a ``[BLOCK_N, BLOCK_K]``
+weight tile (16-byte loads along K) and the matching ``[BLOCK_M, BLOCK_K]`` activations, and
 accumulates in fp32 either on the CUDA cores (``use_dot=False``: elementwise products kept per
-lane and reduced once at the end, for one to a few rows) or on the tensor cores (``tl.dot`` with
-the rows padded to 16). Narrow ``BLOCK_N`` keeps enough programs in flight for the small N of a
-small model's projections. With ``SWIGLU`` the activations are ``silu(gate) * up`` computed from
+lane and reduced once at the end, for one to a few rows) or on the tensor cores (``tl.dot``
+with the rows padded to a power of two, at least 16: up to a whole decode batch in one
+program). Narrow ``BLOCK_N`` keeps enough programs in flight for the small N of a small
+model's projections. With ``SWIGLU`` the activations are ``silu(gate) * up`` computed from
 the gate/up output as they are loaded; with ``SWIGLU_OUT`` a gate/up product writes
 ``silu(gate) * up`` itself (each program accumulates its gate rows and the matching up rows).
 Which variant runs where is the tuned table's choice (``choose``; format 2 keys by variant).
@@ -81,9 +82,15 @@ class SkinnyTile:
             fail("linear", f"tile {self}: late_norm needs split_k 1 (a slice sees part of a row)")
 
 
+#: Rows up to which a CUDA-core tile (``use_dot=False``) may serve a call: its fp32
+#: accumulators are ``BLOCK_M x BLOCK_N x BLOCK_K`` per program. The tensor-core tiles take
+#: any decode batch (``linear.MAX_SKINNY_ROWS``): all of its rows in one program.
+CUDA_CORE_ROWS = 16
+
+
 def block_m_for(m: int, use_dot: bool) -> int:
-    """Rows per program: ``m`` padded to a power of two (16 for the tensor-core path)."""
-    return 16 if use_dot else next_power_of_2(m)
+    """Rows per program: ``m`` padded to a power of two (at least 16 for the tensor cores)."""
+    return max(16, next_power_of_2(m)) if use_dot else next_power_of_2(m)
 
 
 @triton.jit
@@ -364,6 +371,8 @@ def launch(
             return y.copy_(full)
         gate, up = full[:, :n].to(x.dtype).float(), full[:, n:].to(x.dtype).float()
         return y.copy_(gate * torch.sigmoid(gate) * up)
+    if m > CUDA_CORE_ROWS and not tile.use_dot:
+        fail("linear", f"tile {tile} uses the CUDA cores: at most {CUDA_CORE_ROWS} rows, got {m}")
     tiles = cdiv(n, tile.block_n)
     block_m = block_m_for(m, tile.use_dot)
     # Whole BLOCK_K steps per slice; fewer slices where K has fewer steps than split_k.
@@ -500,6 +509,8 @@ def default_tile(m: int, n: int, k: int, variant: str = PLAIN) -> SkinnyTile | N
     deep-K down projection), so only a tuned table enables them. Four rows per program keep
     two programs per SM down to N = 1056 on 132 SMs.
     """
+    if m > CUDA_CORE_ROWS:  # a tuned table's tensor-core tiles only
+        return None
     if interpreter_enabled():  # programs run one by one: few, wide ones (every path tested)
         bn = max(16, min(128, next_power_of_2(n)))
         return SkinnyTile(block_n=bn, block_k=max(16, min(256, next_power_of_2(k))))

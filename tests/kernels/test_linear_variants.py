@@ -554,3 +554,96 @@ def test_swiglu_out_bf16_on_gpu_and_graph_replay_is_bitwise(m: int) -> None:
     replay_matches_eager(
         run, [delta, residual], [torch.randn_like(delta), torch.randn_like(residual)]
     )
+
+
+# -- wide decode batches: every row of a large batch in one tensor-core program ----------------
+
+WIDE_DTYPE = torch.float16 if DEVICE.type == "cpu" else torch.bfloat16  # interpreter: no bf16 dot
+WIDE_ROWS = [17, 40, 130]  # BLOCK_M 32, 64, 256: padded rows never stored
+
+
+@pytest.mark.parametrize("m", WIDE_ROWS)
+@pytest.mark.parametrize(
+    "case", ["plain", "swiglu_in", "norm", "norm_late", "swiglu_out", "split", "split_norm"]
+)
+def test_wide_batches_match_the_oracle_in_every_variant(m: int, case: str) -> None:
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, block_m_for, launch
+
+    assert block_m_for(m, True) in (32, 64, 256)
+    n, k, dtype = 37, 200, WIDE_DTYPE  # N and K not multiples of any block
+    split = 3 if case.startswith("split") else 1
+    tile = SkinnyTile(32, 32, use_dot=True, split_k=split, late_norm=case == "norm_late")
+    x = rand((m, 2 * k if case == "swiglu_in" else k), m, dtype)
+    w = rand(((2 if case == "swiglu_out" else 1) * n, k), m + 1, dtype, k**-0.5)
+    b = rand((w.shape[0],), m + 2, dtype)
+    if case in ("plain", "split", "swiglu_in"):
+        out = launch(x, w, b, tile, swiglu=case == "swiglu_in")
+        xin = x
+        if case == "swiglu_in":
+            gate, up = x[:, :k].double(), x[:, k:].double()
+            xin = (gate / (1.0 + torch.exp(-gate)) * up).to(dtype)
+        expected = xin.double() @ w.double().T + b.double()
+        assert out.shape == (m, n) and max_rel(out, expected) <= bound(dtype)
+        return
+    residual = rand((m, k), m + 3, dtype, 4.0)
+    norm_w = (torch.rand(k, generator=gen(m)) + 0.5).to(dtype).to(DEVICE)
+    new_res = torch.full_like(x, float("nan"))
+    nin = NormIn(norm_w, 1e-6, residual, new_res)
+    out = launch(x, w, b, tile, swiglu_out=case == "swiglu_out", norm=nin)
+    if case == "swiglu_out":
+        expected, expected_res = act_oracle(x, w, b, norm_w, residual)
+    else:
+        from execrt.kernels.norm import fused_add_rmsnorm_torch
+
+        normed, expected_res = fused_add_rmsnorm_torch(x, residual, norm_w, 1e-6)
+        expected = normed.double() @ w.double().T + b.double()
+    assert out.shape == (m, n) and max_rel(out, expected) <= bound(dtype)
+    assert torch.equal(new_res, expected_res)
+
+
+def test_wide_batches_take_tensor_core_tiles_from_a_table_only() -> None:
+    from execrt.kernels.triton_linear import (
+        CUDA_CORE_ROWS,
+        SkinnyTile,
+        choose,
+        default_tile,
+        launch,
+    )
+
+    m = CUDA_CORE_ROWS + 1
+    x, w = rand((m, 64), 1, WIDE_DTYPE), rand((32, 64), 2, WIDE_DTYPE)
+    with pytest.raises(ValueError, match=r"uses the CUDA cores: at most 16 rows, got 17"):
+        launch(x, w, None, SkinnyTile(block_n=4, block_k=32))
+    # untuned (and under the interpreter): cuBLAS past the CUDA-core rows
+    assert default_tile(m, 32, 64) is None and default_tile(CUDA_CORE_ROWS, 32, 64) is not None
+    wide = SkinnyTile(32, 64, use_dot=True, num_warps=8)
+    table = {(32, 64, ""): {16: SkinnyTile(4, 64), 128: wide}}
+    assert choose(table, 100, 32, 64) == wide and choose(table, 129, 32, 64) is None
+    torch.testing.assert_close(linear(x, w, use_triton=True), x @ w.T)  # F.linear's answer
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [64, 256])
+def test_wide_batches_on_gpu_at_the_06b_shape_and_graph_replay_is_bitwise(m: int) -> None:
+    from execrt.kernels.triton_linear import NormIn, SkinnyTile, launch
+
+    h, inter = SHAPE_06B["hidden"], SHAPE_06B["inter"]
+    x, residual = rand((m, h), 1, torch.bfloat16), rand((m, h), 2, torch.bfloat16, 4.0)
+    w13 = rand((2 * inter, h), 3, torch.bfloat16, h**-0.5)
+    w2 = rand((h, inter), 4, torch.bfloat16, inter**-0.5)
+    norm_w = (torch.rand(h, generator=gen(5)) + 0.5).to(torch.bfloat16).to(DEVICE)
+    new_res = torch.empty_like(x)
+    up_tile = SkinnyTile(64, 64, use_dot=True, num_warps=8, num_stages=3, late_norm=True)
+    down_tile = SkinnyTile(32, 64, use_dot=True, num_warps=8, num_stages=3, split_k=4)
+
+    def chain() -> list[torch.Tensor]:
+        nin = NormIn(norm_w, 1e-6, residual, new_res)
+        act = launch(x, w13, None, up_tile, swiglu_out=True, norm=nin)
+        return [act, launch(act, w2, None, down_tile)]
+
+    act, out = chain()
+    expected, expected_res = act_oracle(x, w13, None, norm_w, residual)
+    assert max_rel(act, expected) <= 1.6e-2 and torch.equal(new_res, expected_res)
+    assert max_rel(out, act.double() @ w2.double().T) <= 8e-3
+    fresh = [torch.randn_like(x), torch.randn_like(residual)]
+    replay_matches_eager(chain, [x, residual], fresh)
