@@ -22,6 +22,8 @@ a pool of worker processes into Triton's on-disk cache.
 
     python benchmarks/tune_skinny_linear.py --out "$OUT"          # table + records into $OUT
     python benchmarks/tune_skinny_linear.py --models qwen3-0.6b --rows 1,8
+    python benchmarks/tune_skinny_linear.py --models qwen3-0.6b --rows 64,128,256 \
+        --projections qkv,o,down,gate_up                          # wide decode batches
     python benchmarks/tune_skinny_linear.py --dry-run              # CPU, interpreter, tiny shapes
 """
 
@@ -456,6 +458,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help="benchmark model shapes to tune")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts (M)")
+    ap.add_argument(
+        "--projections",
+        default="",
+        help="only these projections, e.g. qkv,o,down,gate_up (default: all; gate/up's SwiGLU "
+        "chain reads down's choice, so tune down with it)",
+    )
     ap.add_argument("--out", default=CONFIG_DIR, help="directory for the table and the records")
     ap.add_argument("--margin", type=float, default=0.03,
                     help="keep cuBLAS unless a tile beats it by this; keep a fused variant "
@@ -484,6 +492,9 @@ def main() -> None:
         ]
     else:
         device, shapes = "cuda", model_shapes(args.models.split(","))
+    if args.projections:
+        wanted = set(args.projections.split(","))
+        shapes = [s for s in shapes if s.name.rsplit(".", 1)[1] in wanted]
     start = time.perf_counter()
     if device == "cuda":
         precompile(compile_jobs(shapes, rows), args.workers)
