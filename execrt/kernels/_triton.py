@@ -203,21 +203,6 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
 
 #: Bytes of one L2 line: the unit ``prefetch_plan`` counts in.
 L2_LINE = 128
-#: ``prefetch_plan`` asks for at most this fraction (1 / N) of the L2.
-PREFETCH_L2_SHARE = 4
-
-
-def l2_bytes(device: torch.device) -> int:
-    """The L2 cache's size on a CUDA device (0 elsewhere)."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_l2_bytes(index)
-
-
-@functools.cache
-def _cuda_l2_bytes(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).L2_cache_size)
 
 
 def prefetch_plan(t: torch.Tensor, programs: int) -> dict[str, int]:
@@ -225,14 +210,10 @@ def prefetch_plan(t: torch.Tensor, programs: int) -> dict[str, int]:
     will stream all of ``t`` (contiguous; a weight: nothing earlier in the stream writes it).
     The first ``min(programs, SMs)`` programs, resident while the kernel ahead still runs,
     ask the L2 for an equal share of its lines each before their PDL wait; the kernel then
-    reads them from the L2. At most a quarter of the L2 (a larger weight's first lines). Off
-    (0 lines) without PDL, with ``EXECRT_DISABLE_PREFETCH``, or for a tensor that is not
-    contiguous."""
+    reads them from the L2. Off (0 lines) without PDL, with ``EXECRT_DISABLE_PREFETCH``, or
+    for a tensor that is not contiguous."""
     on = use_pdl(t.device) and not envs.flag(envs.DISABLE_PREFETCH) and t.is_contiguous()
     lines = cdiv(t.numel() * t.element_size(), L2_LINE) if on and programs > 0 else 0
-    # A weight larger than the L2 would evict its own first lines before they are read: ask
-    # for the part the first programs read, a quarter of the L2 at most.
-    lines = min(lines, l2_bytes(t.device) // PREFETCH_L2_SHARE // L2_LINE)
     early = min(programs, sm_count(t.device))
     return {
         "pf_lines": lines,

@@ -45,16 +45,11 @@ def test_the_prefetch_plan_shares_the_lines_among_the_programs_resident_first(
     assert _triton.prefetch_plan(weight, 8) == off  # no PDL on a CPU tensor
     monkeypatch.setattr(_triton, "use_pdl", lambda device: True)
     monkeypatch.setattr(_triton, "sm_count", lambda device: 4)
-    monkeypatch.setattr(_triton, "l2_bytes", lambda device: 1 << 20)
     plan = _triton.prefetch_plan(weight, 8)
     # the first 4 programs (one per SM) take 28 lines each: 4 * 28 >= 110
     assert plan == {"pf_lines": 110, "pf_per_prog": 28, "PF_ELEMS": 64, "PREFETCH": True}
     assert _triton.prefetch_plan(weight, 2)["pf_per_prog"] == 55  # fewer programs than SMs
     assert _triton.prefetch_plan(weight.float(), 8)["PF_ELEMS"] == 32
-    # a weight larger than the L2: its first quarter-L2 of lines (2 KiB of L2 -> 4 lines)
-    monkeypatch.setattr(_triton, "l2_bytes", lambda device: 2048)
-    assert _triton.prefetch_plan(weight, 8)["pf_lines"] == 4
-    monkeypatch.setattr(_triton, "l2_bytes", lambda device: 1 << 20)
     assert _triton.prefetch_plan(weight.t(), 8) == off | {"PF_ELEMS": 64}  # not contiguous
     monkeypatch.setenv(envs.DISABLE_PREFETCH, "1")
     assert _triton.prefetch_plan(weight, 8) == off
