@@ -20,9 +20,6 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
-#: "1" keeps PDL kernels from asking the L2 for their weights before they wait for the kernel
-#: ahead (``triton_pdl.pdl_prologue_prefetch``), e.g. to measure what that saves.
-DISABLE_PREFETCH = "EXECRT_DISABLE_PREFETCH"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -33,15 +30,7 @@ CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.
 NON_CONFIG = frozenset(
-    {
-        PLUGINS,
-        DISABLE_PLUGIN_AUTOLOAD,
-        CACHE_DIR,
-        DEFAULT_MODEL,
-        DISABLE_PDL,
-        DISABLE_PREFETCH,
-        DEBUG_KV_OWNERSHIP,
-    }
+    {PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL, DISABLE_PDL, DEBUG_KV_OWNERSHIP}
 )
 
 

@@ -201,28 +201,6 @@ def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
-#: Bytes of one L2 line: the unit ``prefetch_plan`` counts in.
-L2_LINE = 128
-
-
-def prefetch_plan(t: torch.Tensor, programs: int) -> dict[str, int]:
-    """Launch keywords of ``pdl_prologue_prefetch`` for a kernel of ``programs`` programs that
-    will stream all of ``t`` (contiguous; a weight: nothing earlier in the stream writes it).
-    The first ``min(programs, SMs)`` programs, resident while the kernel ahead still runs,
-    ask the L2 for an equal share of its lines each before their PDL wait; the kernel then
-    reads them from the L2. Off (0 lines) without PDL, with ``EXECRT_DISABLE_PREFETCH``, or
-    for a tensor that is not contiguous."""
-    on = use_pdl(t.device) and not envs.flag(envs.DISABLE_PREFETCH) and t.is_contiguous()
-    lines = cdiv(t.numel() * t.element_size(), L2_LINE) if on and programs > 0 else 0
-    early = min(programs, sm_count(t.device))
-    return {
-        "pf_lines": lines,
-        "pf_per_prog": cdiv(lines, early) if lines else 0,
-        "PF_ELEMS": max(1, L2_LINE // t.element_size()),
-        "PREFETCH": lines > 0,
-    }
-
-
 #: How tuned tables name a dtype in their file names.
 DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",

@@ -33,10 +33,9 @@ from execrt.kernels._triton import (
     interpreter_enabled,
     next_power_of_2,
     pdl_kwargs,
-    prefetch_plan,
     tuned_table_name,
 )
-from execrt.kernels.triton_pdl import pdl_prologue_prefetch
+from execrt.kernels.triton_pdl import pdl_prologue
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
 
@@ -172,19 +171,14 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-    pf_lines,
-    pf_per_prog,
-    PF_ELEMS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """``N`` is the output width: with ``SWIGLU_OUT`` the weight has ``2N`` rows (gate rows,
     then up rows) and each program accumulates its gate rows and the matching up rows.
     ``SPLIT``: program ``(n, s)`` sums K range ``[s * k_per_split, (s + 1) * k_per_split)``
     into ``part_ptr`` (fp32 ``[splits, BLOCK_M, N or 2N]``) and counts itself in
     ``count_ptr[n]`` (zero on entry and on return); the last of a tile's slices to arrive sums
-    them all in slice order and runs the epilogue. The weight is asked of the L2 before the
-    PDL wait (``pdl_prologue_prefetch``): it streams while the kernel ahead runs."""
-    pdl_prologue_prefetch(PDL, w_ptr, pf_lines, pf_per_prog, PF_ELEMS, PREFETCH)
+    them all in slice order and runs the epilogue."""
+    pdl_prologue(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
     # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
@@ -418,7 +412,6 @@ def launch(
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl_kwargs(x.device),
-        **prefetch_plan(weight, tiles * splits),
     )
     return y
 

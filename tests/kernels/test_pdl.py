@@ -1,5 +1,4 @@
-"""Programmatic dependent launch and the L2 prefetch ahead of its wait: when each is asked for,
-and that neither changes a result."""
+"""Programmatic dependent launch: when it is asked for, and that it changes no result."""
 
 from __future__ import annotations
 
@@ -33,26 +32,8 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
     assert not _triton.use_pdl(cuda)
 
 
-def test_the_variables_are_not_config_keys() -> None:
-    assert envs.config_overrides({envs.DISABLE_PDL: "1", envs.DISABLE_PREFETCH: "1"}) == {}
-
-
-def test_the_prefetch_plan_shares_the_lines_among_the_programs_resident_first(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    weight = torch.empty(100, 70, dtype=torch.bfloat16)  # 14,000 bytes: 110 lines of 128
-    off = {"pf_lines": 0, "pf_per_prog": 0, "PF_ELEMS": 64, "PREFETCH": False}
-    assert _triton.prefetch_plan(weight, 8) == off  # no PDL on a CPU tensor
-    monkeypatch.setattr(_triton, "use_pdl", lambda device: True)
-    monkeypatch.setattr(_triton, "sm_count", lambda device: 4)
-    plan = _triton.prefetch_plan(weight, 8)
-    # the first 4 programs (one per SM) take 28 lines each: 4 * 28 >= 110
-    assert plan == {"pf_lines": 110, "pf_per_prog": 28, "PF_ELEMS": 64, "PREFETCH": True}
-    assert _triton.prefetch_plan(weight, 2)["pf_per_prog"] == 55  # fewer programs than SMs
-    assert _triton.prefetch_plan(weight.float(), 8)["PF_ELEMS"] == 32
-    assert _triton.prefetch_plan(weight.t(), 8) == off | {"PF_ELEMS": 64}  # not contiguous
-    monkeypatch.setenv(envs.DISABLE_PREFETCH, "1")
-    assert _triton.prefetch_plan(weight, 8) == off
+def test_the_variable_is_not_a_config_key() -> None:
+    assert envs.config_overrides({envs.DISABLE_PDL: "1"}) == {}
 
 
 @needs_cuda
@@ -77,10 +58,8 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         return x
 
     results = {}
-    # PDL off; on without the weights' L2 prefetch; on with it
-    for disabled in ("1", "0", "0-prefetch"):
-        monkeypatch.setenv(envs.DISABLE_PDL, disabled[0])
-        monkeypatch.setenv(envs.DISABLE_PREFETCH, "0" if disabled.endswith("prefetch") else "1")
+    for disabled in ("1", "0"):
+        monkeypatch.setenv(envs.DISABLE_PDL, disabled)
         eager = chain()
         graph = torch.cuda.CUDAGraph()
         chain()
@@ -92,4 +71,3 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         assert torch.equal(out, eager)
         results[disabled] = eager
     assert torch.equal(results["0"], results["1"])
-    assert torch.equal(results["0-prefetch"], results["1"])
