@@ -614,8 +614,9 @@ def test_wide_batches_take_tensor_core_tiles_from_a_table_only() -> None:
     x, w = rand((m, 64), 1, WIDE_DTYPE), rand((32, 64), 2, WIDE_DTYPE)
     with pytest.raises(ValueError, match=r"uses the CUDA cores: at most 16 rows, got 17"):
         launch(x, w, None, SkinnyTile(block_n=4, block_k=32))
-    # untuned (and under the interpreter): cuBLAS past the CUDA-core rows
-    assert default_tile(m, 32, 64) is None and default_tile(CUDA_CORE_ROWS, 32, 64) is not None
+    # untuned (and under the interpreter): cuBLAS past the CUDA-core rows; the kernel at one
+    # row (on a GPU untuned shapes take it at one row only)
+    assert default_tile(m, 32, 64) is None and default_tile(1, 32, 64) is not None
     wide = SkinnyTile(32, 64, use_dot=True, num_warps=8)
     table = {(32, 64, ""): {16: SkinnyTile(4, 64), 128: wide}}
     assert choose(table, 100, 32, 64) == wide and choose(table, 129, 32, 64) is None
