@@ -9,11 +9,16 @@ Each captured call reads its own copy of the inputs (``--calls`` sets, round rob
 shapes stream from HBM rather than from the 60 MB L2; small shapes are judged in µs anyway.
 
     python benchmarks/bench_layer_kernels.py [--tokens 1,32,128] [--json out.json]
+    python benchmarks/bench_layer_kernels.py --sweep --tokens 128,256   # launch shapes
+
+``--sweep`` times the Triton kernels alone over their launch shapes instead: qk_norm_rope's heads
+per program and warps (the heuristics' choice marked ``*``), the norms' warps.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from execrt.bench.attention import copy_bandwidth_gbps
+from execrt.kernels._triton import next_power_of_2
 from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
 from execrt.kernels.rotary import qk_norm_rope
@@ -165,6 +171,46 @@ def time_graph(calls: list[Call], replays: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+#: ``--sweep``: qk_norm_rope's heads per program and warps, the norms' warps.
+SWEEP_HEADS = (1, 2, 4, 8, 16)
+SWEEP_WARPS = (1, 2, 4, 8)
+
+
+def sweep(shapes: list[Shape], tokens: list[int], args: argparse.Namespace) -> None:
+    """µs per call of each launch shape the heuristics could pick (``*``: what they pick)."""
+    import execrt.kernels.triton_norm as tn
+    import execrt.kernels.triton_rotary as tr
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads_for, rope_warps, norm_warps = tr.heads_per_program, tr.num_warps_for, tn.num_warps_for
+    try:
+        for s, t in itertools.product(shapes, tokens):
+            fused, _ = make_calls("qk_norm_rope+store", s, t, args.calls, torch.bfloat16, gen)
+            picked_bh = heads_for(t, s.hq, s.hkv, sms)
+            picked = (picked_bh, rope_warps(picked_bh * D // 2))
+            cells = []
+            for bh, warps in itertools.product(SWEEP_HEADS, SWEEP_WARPS):
+                tr.heads_per_program = lambda *a, bh=bh: bh  # type: ignore[misc]
+                tr.num_warps_for = lambda block, *a, w=warps: w  # type: ignore[misc]
+                us = time_graph(fused, args.replays, args.repeats)
+                cells.append(f"{bh}h{warps}w {us:5.2f}{'*' if (bh, warps) == picked else ' '}")
+            tr.heads_per_program, tr.num_warps_for = heads_for, rope_warps
+            print(f"qk_norm_rope+store {s.name} T={t}: " + "  ".join(cells), flush=True)
+            for op in ("rmsnorm", "fused_add_rmsnorm"):
+                fused, _ = make_calls(op, s, t, args.calls, torch.bfloat16, gen)
+                picked_w = norm_warps(next_power_of_2(s.hidden))
+                cells = []
+                for warps in (*SWEEP_WARPS, 16):
+                    tn.num_warps_for = lambda block, *a, w=warps: w  # type: ignore[misc]
+                    us = time_graph(fused, args.replays, args.repeats)
+                    cells.append(f"{warps}w {us:5.2f}{'*' if warps == picked_w else ' '}")
+                tn.num_warps_for = norm_warps
+                print(f"{op} {s.name} T={t}: " + "  ".join(cells), flush=True)
+    finally:
+        tr.heads_per_program, tr.num_warps_for, tn.num_warps_for = heads_for, rope_warps, norm_warps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,32,128", help="comma-separated token counts")
@@ -172,9 +218,15 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="", help="write every row here as JSON")
+    parser.add_argument("--sweep", action="store_true", help="time the launch shapes instead")
+    parser.add_argument("--shapes", default="", help="model shapes (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_layer_kernels: needs a CUDA device")
+    if args.sweep:
+        chosen = [s for s in SHAPES if not args.shapes or s.name in args.shapes.split(",")]
+        sweep(chosen, [int(x) for x in args.tokens.split(",")], args)
+        return
     dtype = torch.bfloat16
     elem = torch.empty((), dtype=dtype).element_size()
     copy_bw = copy_bandwidth_gbps()
