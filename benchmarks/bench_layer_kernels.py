@@ -183,19 +183,19 @@ def sweep(shapes: list[Shape], tokens: list[int], args: argparse.Namespace) -> N
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    heads_for, rope_warps, norm_warps = tr.heads_per_program, tr.num_warps_for, tn.num_warps_for
+    heads_for, rope_warps, norm_warps = tr.heads_per_program, tr.rope_warps, tn.num_warps_for
     try:
         for s, t in itertools.product(shapes, tokens):
             fused, _ = make_calls("qk_norm_rope+store", s, t, args.calls, torch.bfloat16, gen)
             picked_bh = heads_for(t, s.hq, s.hkv, sms)
-            picked = (picked_bh, rope_warps(picked_bh * D // 2))
+            picked = (picked_bh, rope_warps(picked_bh))
             cells = []
             for bh, warps in itertools.product(SWEEP_HEADS, SWEEP_WARPS):
                 tr.heads_per_program = lambda *a, bh=bh: bh  # type: ignore[misc]
-                tr.num_warps_for = lambda block, *a, w=warps: w  # type: ignore[misc]
+                tr.rope_warps = lambda heads, w=warps: w  # type: ignore[misc]
                 us = time_graph(fused, args.replays, args.repeats)
                 cells.append(f"{bh}h{warps}w {us:5.2f}{'*' if (bh, warps) == picked else ' '}")
-            tr.heads_per_program, tr.num_warps_for = heads_for, rope_warps
+            tr.heads_per_program, tr.rope_warps = heads_for, rope_warps
             print(f"qk_norm_rope+store {s.name} T={t}: " + "  ".join(cells), flush=True)
             for op in ("rmsnorm", "fused_add_rmsnorm"):
                 fused, _ = make_calls(op, s, t, args.calls, torch.bfloat16, gen)
@@ -208,7 +208,7 @@ def sweep(shapes: list[Shape], tokens: list[int], args: argparse.Namespace) -> N
                 tn.num_warps_for = norm_warps
                 print(f"{op} {s.name} T={t}: " + "  ".join(cells), flush=True)
     finally:
-        tr.heads_per_program, tr.num_warps_for, tn.num_warps_for = heads_for, rope_warps, norm_warps
+        tr.heads_per_program, tr.rope_warps, tn.num_warps_for = heads_for, rope_warps, norm_warps
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from execrt.kernels._triton import (
     check_same_device,
     fail,
     next_power_of_2,
-    num_warps_for,
     pdl_kwargs,
     sm_count,
 )
@@ -238,6 +237,15 @@ def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int
     return bh
 
 
+def rope_warps(heads: int) -> int:
+    """Warps of a program of ``heads`` heads: one up to two heads, else one per head (at most
+    8). The H200 sweep (``bench_layer_kernels.py --sweep``, 0.6B shape, µs per call) at 128
+    tokens: 4 heads on 4 warps 3.05 against 4.17 on the one warp that 8 elements per thread
+    gave; at 256 tokens 8 heads on 8 warps 3.67 against 4.74 on 2; 2 heads on 2 warps lost to
+    one (4.09 against 3.09)."""
+    return 1 if heads <= 2 else min(8, heads)
+
+
 def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,7 +369,7 @@ def qk_norm_rope_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_power_of_2(d // 2),
         BLOCK_DV=next_power_of_2(dv),
-        num_warps=num_warps_for(bh * next_power_of_2(d // 2)),  # 16-byte loads per half
+        num_warps=rope_warps(bh),
         **pdl_kwargs(q.device),
     )  # fmt: skip
     return q_out, k_out

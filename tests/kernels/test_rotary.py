@@ -335,3 +335,12 @@ def test_capturable_in_a_cuda_graph() -> None:
         [q, k, v, pos],
         [torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), fresh_pos],
     )
+
+
+def test_launch_shape_follows_the_h200_sweep() -> None:
+    """Heads per program grow with the tokens while every SM keeps four programs; warps are
+    one up to two heads, then one per head (``bench_layer_kernels.py --sweep``)."""
+    from execrt.kernels.triton_rotary import heads_per_program, rope_warps
+
+    assert [heads_per_program(t, 16, 8, 132) for t in (1, 8, 64, 128, 256)] == [1, 1, 2, 4, 8]
+    assert [rope_warps(h) for h in (1, 2, 4, 8, 16)] == [1, 1, 4, 8, 8]
