@@ -310,47 +310,63 @@ def _decode_split_kernel(
     # program is launched only to find its split empty, and a long request's splits still
     # run on programs of their own.
     programs = tl.num_programs(0) // num_kv_heads
-    for item in range(pid // num_kv_heads, tl.load(work_ptr), programs):
-        packed = tl.load(work_ptr + 1 + item)
-        b = packed // max_splits
-        _decode_split(
-            q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-            part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, num_kv_heads, b,
-            packed - b * max_splits, qk_scale, max_splits, stride_qb, stride_qh, stride_ks,
-            stride_kh, stride_vs, stride_vh, stride_pob, stride_poh, stride_pos, stride_plb,
-            stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N,
-            BLOCK_D, BLOCK_DV, BLOCK_S, KV_SCALED, DOT_F16, FUSED, F8_WORDS, F8_E5M2, F8_ASM,
+    n_items = tl.load(work_ptr)
+    item = pid // num_kv_heads
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    # An item's inputs are a chain of loads (its record, its request's lengths, its slot ids,
+    # then K/V): loaded in its own turn they left the SM idle for several round trips per item,
+    # most of a short split's time at a large batch (one program per SM holds 128-token
+    # tiles). So the program loads them ahead: the record two items ahead, the lengths one
+    # item ahead, and the next item's q and first slot ids before this item's epilogue.
+    # Records past the list read item 0's (in bounds, never computed).
+    b, split, kv_start, lo, hi, n_splits = _item_bounds(
+        _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
+    )
+    q, ids = _item_inputs(
+        q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b, kv_start, lo, hi, qk_scale, stride_qb,
+        stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, KV_SCALED, DOT_F16,
+    )  # fmt: skip
+    record_next = _record(work_ptr, item + programs, n_items)
+    while item < n_items:
+        b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n = _item_bounds(
+            record_next, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
+        )
+        record_next = _record(work_ptr, item + 2 * programs, n_items)
+        m_i, l_i, acc = _split_blocks(
+            q, ids, k_base, v_base, kv_indices_ptr + kv_start, lo, hi, stride_ks, stride_vs,
+            qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED,
+            F8_WORDS, F8_E5M2, F8_ASM,
         )  # fmt: skip
+        q_n, ids_n = _item_inputs(
+            q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b_n, kv_start_n, lo_n, hi_n,
+            qk_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
+            KV_SCALED, DOT_F16,
+        )  # fmt: skip
+        _split_epilogue(
+            m_i, l_i, acc, part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr,
+            kv_head, num_kv_heads, b, split, n_splits, stride_pob, stride_poh, stride_pos,
+            stride_plb, stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM_V, BLOCK_H, BLOCK_DV,
+            BLOCK_S, KV_SCALED, FUSED,
+        )  # fmt: skip
+        b, split, kv_start, lo, hi, n_splits = b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n
+        q = q_n
+        ids = ids_n
+        item += programs
 
 
 @triton.jit
-def _decode_split(
-    q_ptr, k_ptr, v_ptr, kv_indices_ptr, kv_indptr_ptr, num_splits_ptr, part_o_ptr,
-    part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head, num_kv_heads, b, split,
-    qk_scale, max_splits,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pob, stride_poh,
-    stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
-    FUSED: tl.constexpr, F8_WORDS: tl.constexpr, F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr,
-):  # fmt: skip
-    """One split of one request for the GROUP query heads of kv head ``kv_head``: its partial
-    output and log-sum-exp (everything per item is computed here, so nothing stays live in
-    registers across the items of a program). ``FUSED``: a request of one split writes its
-    output directly, and the last split of a request to finish merges them all (see
-    :func:`decode_attention`'s ``arrivals``). ``F8_WORDS``: ``k_ptr``/``v_ptr`` and their
-    strides address the fp8 cache as int32 words of four values (see ``fp8_words``)."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_h = offs_h < GROUP
-    mask_d = offs_d < HEAD_DIM
-    mask_dv = offs_dv < HEAD_DIM_V
-    heads = kv_head * GROUP + offs_h
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    offs_b = tl.arange(0, BLOCK_N)
+def _record(work_ptr, item, n_items):
+    """The work list's packed (request, split) of ``item``, item 0's past the list."""
+    return tl.load(work_ptr + 1 + tl.where(item < n_items, item, 0))
+
+
+@triton.jit
+def _item_bounds(packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N: tl.constexpr):
+    """(request, split, its context's start in kv_indices, the split's [lo, hi) in it, the
+    request's split count) of a packed work item."""
+    b = packed // max_splits
+    split = packed - b * max_splits
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
     seq_len = tl.load(kv_indptr_ptr + b + 1).to(tl.int32) - kv_start
     n_splits = clamp_splits(tl.load(num_splits_ptr + b), max_splits)  # as the work list
@@ -359,15 +375,26 @@ def _decode_split(
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    return b, split, kv_start, lo, hi, n_splits
 
-    # All GROUP query heads of this kv head share one pass over K/V; rows past GROUP are zero
-    # padding so that the tile is tall enough for tl.dot.
+
+@triton.jit
+def _item_inputs(
+    q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b, kv_start, lo, hi, qk_scale, stride_qb,
+    stride_qh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):  # fmt: skip
+    """An item's query tile (the GROUP query heads of ``kv_head``; rows past GROUP are zero
+    padding so that the tile is tall enough for tl.dot) and the slot ids of its first block."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
+        mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
-
     if KV_SCALED:
         # An fp8 cache holds K / k_scale: the softmax scale and k_scale go into q once, not
         # into every score. With 16-bit q the dots then run in fp16: fp8 -> fp16 is one
@@ -377,17 +404,34 @@ def _decode_split(
         q = q.to(tl.float32) * (qk_scale * tl.load(kv_scales_ptr))
         if DOT_F16:
             q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
+    offs_b = lo + tl.arange(0, BLOCK_N)
+    ids = tl.load(kv_indices_ptr + kv_start + offs_b, mask=offs_b < hi, other=0)
+    return q, ids
 
+
+@triton.jit
+def _split_blocks(
+    q, ids, k_base, v_base, idx_base, lo, hi, stride_ks, stride_vs, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
+    F8_WORDS: tl.constexpr, F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of ``q`` over the split's tokens ``[lo, hi)`` (``ids``: the slot ids
+    of its first block): (running max, sum, unnormalised output), log2 domain.
+    ``F8_WORDS``: ``k_base``/``v_base`` and their strides address the fp8 cache as int32 words
+    of four values (see ``fp8_words``)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
+    offs_b = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-
-    idx_base = kv_indices_ptr + kv_start
     # The slot ids of block i + 1 are loaded during block i and carried over, so the K/V
     # gathers never depend on a load of their own iteration: the pipeliner issues them
     # num_stages - 1 blocks ahead (with the ids loaded in the same iteration, one block ahead
     # whatever num_stages, in the sm90 TTGIR of triton 3.9).
-    ids = tl.load(idx_base + lo + offs_b, mask=lo + offs_b < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs_b
         mask_n = offs_n < hi
@@ -437,7 +481,25 @@ def _decode_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
         ids = ids_next
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _split_epilogue(
+    m_i, l_i, acc, part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head,
+    num_kv_heads, b, split, n_splits, stride_pob, stride_poh, stride_pos, stride_plb,
+    stride_plh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    KV_SCALED: tl.constexpr, FUSED: tl.constexpr,
+):  # fmt: skip
+    """One split's partial output and log-sum-exp. ``FUSED``: a request of one split writes
+    its output directly, and the last split of a request to finish merges them all (see
+    :func:`decode_attention`'s ``arrivals``)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < GROUP
+    mask_dv = offs_dv < HEAD_DIM_V
+    heads = kv_head * GROUP + offs_h
     # Empty splits (no loop iteration) leave l_i == 0: they publish lse = -inf, which stage 2
     # reads as "skip", and do not write their partial row at all.
     nonempty = l_i > 0.0
