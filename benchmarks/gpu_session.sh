@@ -3,7 +3,8 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8]
-#        [step-phases] [profile-extend] [fi-precompile] [tune-moe] [tune-linear] [tune-extend] [tune-decode] [probe-nccl-ep]
+#        [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
+#        [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
 #   as benchmarks/results/gpu-tests-done-<date>.txt, ':'-separated; what they list as passed or
@@ -145,6 +146,20 @@ for step in "$@"; do
         timeout "$limit" python3 benchmarks/fi_precompile.py $args 2>&1 | tee -a "$OUT/fi-precompile.log" | tail -30 &
       done
       wait ;;
+    fi-start-times)  # issue 28: the flashinfer backend's first start (empty JIT cache: compiles)
+      # and warm start (the cache it left), per prefill variant (FI_START_VARIANTS, default
+      # "auto fa2"); a one-shape bench extend, the whole process timed (docs/kernels.md)
+      for v in ${FI_START_VARIANTS:-auto fa2}; do
+        base=$(mktemp -d)
+        for run in first warm; do
+          t0=$(date +%s%N)
+          timeout "$(cap ${FI_START_S:-400})" env FLASHINFER_WORKSPACE_BASE="$base" python3 -m execrt bench extend \
+            --backends flashinfer --variants "$v" --shapes 1:512:0 --iters 1 --out '' \
+            > "$OUT/fi-start-$v-$run.log" 2>&1
+          rc=$?
+          note "fi-start-times $v $run start: $(( ($(date +%s%N) - t0) / 1000000 )) ms (rc $rc)"
+        done
+      done ;;
     probe-nccl-ep)
       python3 -m execrt backends --kind moe_dispatch 2>&1 | tee "$OUT/probe-nccl-ep.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
