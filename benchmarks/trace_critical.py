@@ -1,6 +1,7 @@
 """Where a profiled run's GPU time went, from its Chrome trace, with each kernel's critical path.
 
     python benchmarks/trace_critical.py TRACE.json [--steps N] [--top 30] [--layers 28]
+    python benchmarks/trace_critical.py TRACE.json --timeline 300:24   # 24 kernels from the 300th
 
 ``bench decode --profile --out DIR`` writes such traces (``bench throughput --profile`` prints
 the same columns itself: ``crit ms``). Per
@@ -8,7 +9,9 @@ kernel name: calls, total duration, and its critical time (``execrt.bench.timing
 the busy time it adds past the end of every span that started before it). Under PDL a kernel
 starts early and waits for the one ahead, so its duration overstates what it costs the step;
 the critical time does not. ``--steps`` divides by the steps the trace holds (µs per step);
-``--layers`` also divides by the layers (µs per layer and step).
+``--layers`` also divides by the layers (µs per layer and step). ``--timeline FIRST:COUNT``
+lists COUNT spans in start order from the FIRST: start and end (µs from the first), duration,
+critical time, and the launch's grid, block and registers where the trace has them.
 """
 
 from __future__ import annotations
@@ -23,15 +26,39 @@ from execrt.bench.timing import critical_path_us, short_kernel_name, union_lengt
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_spans(path: str) -> list[tuple[float, float, str]]:
+def gpu_events(path: str) -> list[dict]:
+    """The trace's GPU spans, in start order."""
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    found = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    return sorted(found, key=lambda e: float(e["ts"]))
+
+
+def spans_of(events: list[dict]) -> list[tuple[float, float, str]]:
     return [
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), short_kernel_name(e["name"]))
         for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     ]
+
+
+def timeline(events: list[dict], first: int, count: int) -> list[str]:
+    """One line per span ``first .. first + count``: its times from span 0's start, its
+    duration, what it adds past every earlier-started span, and its launch shape."""
+    spans = spans_of(events)
+    t0 = spans[0][0]
+    end = max((stop for _, stop, _ in spans[:first]), default=-float("inf"))
+    lines = [f"  {'start':>10} {'end':>10} {'dur':>7} {'crit':>7}  kernel (grid, block, registers)"]
+    for e, (start, stop, name) in list(zip(events, spans, strict=True))[first : first + count]:
+        crit = max(0.0, stop - max(start, end))
+        end = max(end, stop)
+        a = e.get("args", {})
+        shape = f"grid {a.get('grid')} block {a.get('block')} regs {a.get('registers per thread')}"
+        lines.append(
+            f"  {start - t0:10.2f} {stop - t0:10.2f} {stop - start:7.2f} {crit:7.2f}  {name}"
+            + (f" ({shape})" if "grid" in a else "")
+        )
+    return lines
 
 
 def main() -> None:
@@ -40,10 +67,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (default 1)")
     ap.add_argument("--layers", type=int, default=0, help="also per layer (default off)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--timeline", default="", help="FIRST:COUNT spans in start order instead")
     args = ap.parse_args()
-    spans = gpu_spans(args.trace)
+    events = gpu_events(args.trace)
+    spans = spans_of(events)
     if not spans:
         raise SystemExit(f"{args.trace}: no GPU spans (categories {GPU_CATEGORIES})")
+    if args.timeline:
+        first, count = (int(v) for v in args.timeline.split(":"))
+        print("\n".join(timeline(events, first, count)))
+        return
     total: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     for start, stop, name in spans:
