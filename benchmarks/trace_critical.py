@@ -42,10 +42,12 @@ def spans_of(events: list[dict]) -> list[tuple[float, float, str]]:
     ]
 
 
-def timeline(events: list[dict], first: int, count: int) -> list[str]:
-    """One line per span ``first .. first + count``: its times from span 0's start, its
-    duration, what it adds past every earlier-started span, and its launch shape."""
-    spans = spans_of(events)
+def timeline(
+    events: list[dict], spans: list[tuple[float, float, str]], first: int, count: int
+) -> list[str]:
+    """One line per span ``first .. first + count`` (``spans``: ``spans_of(events)``): its
+    times from span 0's start, its duration, what it adds past every earlier-started span,
+    and its launch shape."""
     t0 = spans[0][0]
     end = max((stop for _, stop, _ in spans[:first]), default=-float("inf"))
     lines = [f"  {'start':>10} {'end':>10} {'dur':>7} {'crit':>7}  kernel (grid, block, registers)"]
@@ -75,7 +77,7 @@ def main() -> None:
         raise SystemExit(f"{args.trace}: no GPU spans (categories {GPU_CATEGORIES})")
     if args.timeline:
         first, count = (int(v) for v in args.timeline.split(":"))
-        print("\n".join(timeline(events, first, count)))
+        print("\n".join(timeline(events, spans, first, count)))
         return
     total: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()

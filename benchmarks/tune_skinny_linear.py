@@ -153,6 +153,19 @@ def wide_candidates(m: int, sets: int) -> list[SkinnyTile]:
     return out
 
 
+def variant_tiles(m: int, variant: str) -> list[SkinnyTile]:
+    """Every tile ``best_tile`` times for ``variant`` (before split-K): the candidates, with a
+    norm in front also as ``late_norm`` (the norm's 1 / rms on the product, no prologue
+    pass), and SwiGLU on the output also with the norm apart."""
+    base = candidates(m, variant)
+    tiles = list(base)
+    if variant in (NORM, SWIGLU_OUT):
+        tiles += [replace(t, late_norm=True) for t in base]
+    if variant == SWIGLU_OUT:
+        tiles += [replace(t, fuse_norm=False) for t in base]
+    return tiles
+
+
 def max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest difference relative to the reference's largest magnitude (fp32)."""
     ref = ref.float()
@@ -249,12 +262,7 @@ def best_tile(
     """The fastest checked candidate of ``variant`` (SwiGLU out: with the norm inside and
     apart): (µs, tile, every timing)."""
     ref = p.ref(variant)
-    base = candidates(p.m, variant)
-    tiles = list(base)
-    if variant in (NORM, SWIGLU_OUT):  # the norm's 1 / rms on the product (no prologue pass)
-        tiles += [replace(t, late_norm=True) for t in base]
-    if variant == SWIGLU_OUT:
-        tiles += [replace(t, fuse_norm=False) for t in base]
+    tiles = variant_tiles(p.m, variant)
     timed: list[tuple[float, SkinnyTile]] = []
 
     def check_and_time(tile: SkinnyTile) -> None:
@@ -421,11 +429,7 @@ def compile_jobs(
     jobs = []
     for s, m in itertools.product(shapes, rows):
         for v in s.variants:
-            tiles = candidates(m, v)
-            if v in (NORM, SWIGLU_OUT):  # best_tile also times the norm's 1 / rms on the product
-                tiles += [replace(t, late_norm=True) for t in tiles]
-            if v == SWIGLU_OUT:
-                tiles += [replace(t, fuse_norm=False) for t in tiles if not t.late_norm]
+            tiles = variant_tiles(m, v)
             # split-K compiles once per tile (the slice count is a launch argument)
             tiles += [replace(t, split_k=2) for t in tiles if t.use_dot and not t.late_norm]
             jobs += [(m, s.n, s.k, v, t) for t in tiles]

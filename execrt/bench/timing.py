@@ -255,16 +255,14 @@ def profile_kernels(
     events, wall = _profiled(run, device, trace_path, host=host)
     on_gpu = _on_gpu(events)
     busy_us = _busy_us(on_gpu)
+    named = [(e.time_range.start, e.time_range.end, short_kernel_name(e.name)) for e in on_gpu]
     time_us: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
-    for e in on_gpu:
-        name = short_kernel_name(e.name)
-        time_us[name] += e.time_range.end - e.time_range.start
+    for start, end, name in named:
+        time_us[name] += end - start
         calls[name] += 1
     ranked = time_us.most_common()
-    critical = critical_path_us(
-        [(e.time_range.start, e.time_range.end, short_kernel_name(e.name)) for e in on_gpu]
-    )
+    critical = critical_path_us(named)
     shares = [
         KernelShare(
             name, us / 1e3, calls[name], 100 * us / busy_us if busy_us else 0.0,
@@ -273,14 +271,12 @@ def profile_kernels(
         for name, us in ranked[:top]
     ]  # fmt: skip
     others = sum(us for _, us in ranked[top:]) / 1e3
-    spans = [(e.time_range.start, e.time_range.end) for e in on_gpu]
-    idle = [us / 1e3 for us in idle_by_slice(spans, 10)]
-    named = [(e.time_range.start, e.time_range.end, short_kernel_name(e.name, 40)) for e in on_gpu]
+    idle = [us / 1e3 for us in idle_by_slice([(start, end) for start, end, _ in named], 10)]
     ops = []
     if host:  # the host's ops: every event that is not the GPU's
         gpu = set(map(id, on_gpu))
         ops = [(e.time_range.start, e.time_range.end, e.name) for e in events if id(e) not in gpu]
-    found = longest_gaps(named, gaps, ops)
+    found = longest_gaps([(a, b, short_kernel_name(n, 40)) for a, b, n in named], gaps, ops)
     return KernelProfile(wall, busy_us / 1e6, shares, others, idle, found)
 
 

@@ -33,6 +33,7 @@ from execrt.kernels._triton import (
     interpreter_enabled,
     next_power_of_2,
     pdl_kwargs,
+    pow2_at_least,
     tuned_table_name,
 )
 from execrt.kernels.triton_pdl import pdl_prologue
@@ -89,7 +90,7 @@ CUDA_CORE_ROWS = 16
 
 def block_m_for(m: int, use_dot: bool) -> int:
     """Rows per program: ``m`` padded to a power of two (at least 16 for the tensor cores)."""
-    return max(16, next_power_of_2(m)) if use_dot else next_power_of_2(m)
+    return pow2_at_least(m) if use_dot else next_power_of_2(m)
 
 
 @triton.jit

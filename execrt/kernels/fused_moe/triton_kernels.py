@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from execrt.kernels._triton import cdiv, next_power_of_2, pdl_kwargs
+from execrt.kernels._triton import cdiv, next_power_of_2, pdl_kwargs, pow2_at_least
 from execrt.kernels.fused_moe.config import GemmTile
 from execrt.kernels.triton_pdl import pdl_prologue
 
@@ -91,7 +91,7 @@ def launch_align(
     num_tokens_post_padded: torch.Tensor,
 ) -> None:
     num_pairs = topk_ids.numel()
-    block_e = max(16, next_power_of_2(num_experts))
+    block_e = pow2_at_least(num_experts)
     block_s = max(16, min(next_power_of_2(num_pairs), 8192 // block_e, 128))
     num_warps = 4 if num_pairs <= 256 else 8 if num_pairs <= 2048 else 16
     _align_kernel[(1,)](
@@ -268,8 +268,8 @@ def launch_gemm(
     ``swiglu``, ``b`` holds gate rows then up rows and ``c`` gets ``silu(gate) * up``.
     """
     k = a.shape[1]
-    block_n = min(tile.block_n, max(16, next_power_of_2(n)))
-    block_k = min(tile.block_k, max(16, next_power_of_2(k)))
+    block_n = min(tile.block_n, pow2_at_least(n))
+    block_k = min(tile.block_k, pow2_at_least(k))
     expert_major = rows.expert_counts is not None
     dummy = c  # never read: the flags that would read it are off
     grid = (rows.num_m_blocks * cdiv(n, block_n),)
@@ -348,7 +348,7 @@ def launch_sum(
     """``out [T, H] = sum_k y[t*K + k]`` over slots with a local expert; ``y [T*K, H]``."""
     t, top_k = topk_ids.shape
     h = out.shape[1]
-    block_h = min(1024, max(16, next_power_of_2(h)))
+    block_h = min(1024, pow2_at_least(h))
     _moe_sum_kernel[(t, cdiv(h, block_h))](
         y, topk_ids, out, h, num_experts, y.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
