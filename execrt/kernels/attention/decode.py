@@ -315,10 +315,11 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     # An item's inputs are a chain of loads (its record, its request's lengths, its slot ids,
-    # then K/V): loaded in its own turn they left the SM idle for several round trips per item,
-    # most of a short split's time at a large batch (one program per SM holds 128-token
-    # tiles). So the program loads them ahead: the record two items ahead, the lengths one
-    # item ahead, and the next item's q and first slot ids before this item's epilogue.
+    # then K/V): loaded in its own turn, each is a round trip before the item's first K/V
+    # block. So the program loads them ahead: the record two items ahead, the lengths one item
+    # ahead, and the next item's q and first slot ids before this item's epilogue. Only
+    # programs with several items gain (a ragged batch past ~132 requests, or long splits);
+    # on the H200 +1.3% end to end on the throughput workload (docs/kernels.md, session 14).
     # Records past the list read item 0's (in bounds, never computed).
     b, split, kv_start, lo, hi, n_splits = _item_bounds(
         _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
