@@ -3,7 +3,7 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8]
-#        [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
+#        [harness] [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
 #        [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
 #   (TESTS_SKIP_DONE: tests-done.txt files earlier calls brought back, or files of node ids such
@@ -132,6 +132,14 @@ for step in "$@"; do
       IFS=';' read -ra sets <<< "${FP8_ARGS:---model qwen3-8b --bs 1,128 --ctx 512}"
       for args in "${sets[@]}"; do
         timeout "$(cap ${FP8_S:-200})" python3 -m execrt bench decode --kv-dtype fp8_e4m3 --modes graph --no-hf --ttft none --out "$OUT" $args 2>&1 | tee -a "$OUT/bench-fp8.log" | tail -16
+      done ;;
+    harness)  # HARNESS_ARGS: benchmarks/harness_generate.py argument sets, ';'-separated (issue 29's
+      # second harness: a transformers checkpoint on disk, Engine(path) with its defaults)
+      IFS=';' read -ra sets <<< "${HARNESS_ARGS:-throughput --temperature 0.6,0 --repeats 2;decode}"
+      for args in "${sets[@]}"; do
+        read -r what _ <<< "$args"
+        timeout "$(cap ${HARNESS_S:-240})" python3 benchmarks/harness_generate.py $args \
+          --out "$OUT/harness-$what-$(date -u +%Y%m%d-%H%M%S).json" 2>&1 | tee -a "$OUT/harness.log" | grep -v "^Writing" | tail -12
       done ;;
     step-phases)  # PHASES_ARGS, e.g. "--model qwen3-0.6b --bs 1 8 128 --sync-debug": host phases per decode step
       timeout "$(cap ${PHASES_S:-200})" python3 benchmarks/engine_step_phases.py ${PHASES_ARGS:-} 2>&1 | tee -a "$OUT/step-phases.log" | tail -60 ;;
