@@ -1,10 +1,9 @@
 """The Triton attention kernels' inner loops as the GPU would run them, without a GPU.
 
-Compiles the decode split kernel (``--kernel decode``), its persistent variant (``--kernel
-stream``) or the extend kernel over the cache (``--kernel extend``) ahead of time for sm90
-(Triton's bundled ptxas), with the 16-byte divisibility of pointers and strides that the JIT
-infers from real tensors (without it every K/V load is a scalar ``LDG.E.U16``, and the
-numbers say nothing about the GPU's). Prints
+Compiles the decode split kernel (``--kernel decode``) or the extend kernel over the cache
+(``--kernel extend``) ahead of time for sm90 (Triton's bundled ptxas), with the 16-byte
+divisibility of pointers and strides that the JIT infers from real tensors (without it every
+K/V load is a scalar ``LDG.E.U16``, and the numbers say nothing about the GPU's). Prints
 registers, shared memory, and for each loop of the kernel the instruction mix and the issue
 floor it sets beside the floor of the work it does.
 
@@ -77,12 +76,10 @@ class KernelLoops:
     loops: list[Loop]
 
 
-def compile_split_kernel(
-    kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4, stream: bool = False
-):  # fmt: skip
+def compile_split_kernel(kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4):
     """The compiled kernel (``triton.compile``'s object) for a 128-dim head, ``group`` query
-    heads per KV head, bf16 q. ``stream``: the persistent stage 1 (16 pairs per program)."""
-    fn = D._decode_stream_kernel if stream else D._decode_split_kernel
+    heads per KV head, bf16 q."""
+    fn = D._decode_split_kernel
     names = fn.arg_names
     kv_type = KV_TYPES[kv][0]
     pointers = {
@@ -97,8 +94,6 @@ def compile_split_kernel(
         "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
         "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True,
     }  # fmt: skip
-    if stream:
-        constants["PAIRS"] = 16
     # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
     # multiples of 16 elements (the per-head lse stride is the split count: not assumed).
     aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_plh")]
@@ -203,14 +198,10 @@ def kernel_loops(kernel, name: str, num_warps: int, kv_bytes: int, flops: int) -
     )  # fmt: skip
 
 
-def decode_loops(
-    kv: str, block_n: int, num_warps: int, num_stages: int, stream: bool = False
-) -> KernelLoops:
-    """The decode split kernel (``stream``: the persistent one) at GQA 4 (16 padded query
-    rows), head dim 128."""
-    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages, stream=stream)
-    kind = "stream" if stream else "decode"
-    name = f"{kind} {kv} block_n {block_n}, {num_warps} warps, {num_stages} stages"
+def decode_loops(kv: str, block_n: int, num_warps: int, num_stages: int) -> KernelLoops:
+    """The decode split kernel at GQA 4 (16 padded query rows), head dim 128."""
+    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages)
+    name = f"decode {kv} block_n {block_n}, {num_warps} warps, {num_stages} stages"
     flops = 2 * 2 * 16 * block_n * 128
     return kernel_loops(kernel, name, num_warps, 2 * block_n * 128 * KV_TYPES[kv][1], flops)
 
@@ -269,7 +260,7 @@ TILES_HELP = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", default="decode", choices=("decode", "stream", "extend"))
+    p.add_argument("--kernel", default="decode", choices=("decode", "extend"))
     p.add_argument(
         "--kv",
         default="bf16,fp8",
@@ -294,8 +285,7 @@ def main() -> None:
             p.error(f"--kv {kv!r} unsupported (supported: {', '.join(KV_TYPES)})")
         tiles = [_tiles(args.tiles, 3, p)] if args.tiles else defaults[kv]
         for block_n, warps, stages in tiles:
-            loops = decode_loops(kv, block_n, warps, stages, stream=args.kernel == "stream")
-            print(describe(loops, "memory", *floors), flush=True)
+            print(describe(decode_loops(kv, block_n, warps, stages), "memory", *floors), flush=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "triton_decode_merge": "separate",
     },
     "defaults-request-order": {"triton_decode_order": "request"},
-    "defaults-persistent": {"triton_decode_schedule": "persistent"},
     "defaults-split-512-separate-request-order": {
         "triton_decode_split_target": 512,
         "triton_decode_merge": "separate",

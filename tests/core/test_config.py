@@ -236,18 +236,6 @@ def test_triton_decode_order_is_checked_and_reaches_only_the_triton_backend() ->
         RuntimeConfig(triton_decode_order="shortest")
 
 
-def test_triton_decode_schedule_is_checked_and_reaches_only_the_triton_backend() -> None:
-    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_SCHEDULE": "persistent"})
-    assert config.backend_options("triton")["decode_schedule"] == "persistent"
-    assert "decode_schedule" not in config.backend_options("flashinfer")
-    assert RuntimeConfig().backend_options("triton")["decode_schedule"] == "programs"
-    with pytest.raises(
-        ConfigError,
-        match=r"triton_decode_schedule 'stream' unsupported \(supported: programs, persistent\)",
-    ):
-        RuntimeConfig(triton_decode_schedule="stream")
-
-
 def test_triton_decode_split_target_is_an_int_that_reaches_only_the_triton_backend() -> None:
     config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_SPLIT_TARGET": "512"})
     assert config.backend_options("triton")["decode_split_target"] == 512

@@ -13,7 +13,6 @@ from torch import Tensor
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
 from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
-from execrt.core.config import TRITON_DECODE_SCHEDULE as DECODE_SCHEDULE
 from execrt.core.errors import ConfigError
 from execrt.core.interfaces import (
     KV,
@@ -76,12 +75,6 @@ class TritonAttnBackend(AttentionBackend):
     Option ``decode_order`` (config ``triton_decode_order``): ``longest`` (the default) hands
     decode's programs the work list longest split first, so the shortest splits fill the end
     of a ragged batch; ``request`` keeps request order.
-
-    Option ``decode_schedule`` (config ``triton_decode_schedule``): ``programs`` (the default)
-    launches a program per (item, kv head) pair, each starting, filling and draining its own
-    K/V pipeline; ``persistent`` launches what fits on the GPU at once and has each program
-    stream through its share of the pairs with the pipeline running on across them
-    (``decode_attention(persistent=True)``). The outputs are the same bytes.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -98,9 +91,6 @@ class TritonAttnBackend(AttentionBackend):
         self.max_context_len = init.max_context_len
         self.decode_merge = _choice(init.options, "decode_merge", "auto", DECODE_MERGE)
         self.decode_order = _choice(init.options, "decode_order", "longest", DECODE_ORDER)
-        self.persistent = (
-            _choice(init.options, "decode_schedule", "programs", DECODE_SCHEDULE) == "persistent"
-        )
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -206,7 +196,6 @@ class TritonAttnBackend(AttentionBackend):
                 meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
                 kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
                 num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals,
-                persistent=self.persistent,
             )  # fmt: skip
             return o
         assert meta.qo_indptr is not None and meta.prefix_lens is not None

@@ -19,7 +19,6 @@ from execrt.kernels.attention.decode import (
     decode_programs,
     decode_tiles,
     load_tile_table,
-    stream_programs,
     tile_table_json,
 )
 from execrt.kernels.attention.extend import extend_attention
@@ -47,7 +46,6 @@ __all__ = [
     "decode_work",
     "extend_attention",
     "load_tile_table",
-    "stream_programs",
     "tile_table_json",
     "work_size",
 ]

@@ -165,45 +165,6 @@ def decode_programs(batch: int, num_kv_heads: int, max_splits: int, num_sms: int
     return max(1, min(batch * max_splits, want))
 
 
-def stream_programs(pairs: int, num_sms: int, per_sm: int) -> int:
-    """The persistent stage 1's grid: every program resident at once (``per_sm`` on each
-    SM), never more than the (item, kv head) pairs there can be. Depends only on its
-    arguments, so a graph bucket replays the grid it captured."""
-    return max(1, min(pairs, num_sms * max(1, per_sm)))
-
-
-def programs_per_sm(shared: int, registers: int, num_warps: int, props: Any) -> int:
-    """Programs of a compiled kernel that one SM holds at once: by shared memory (each program
-    also reserves 1 KB), registers (allocated per warp in units of 256) and threads. ``props``:
-    the device's properties (``torch.cuda.get_device_properties``)."""
-    smem = int(getattr(props, "shared_memory_per_multiprocessor", 233_472))
-    regs = int(getattr(props, "regs_per_multiprocessor", 65_536))
-    threads = int(getattr(props, "max_threads_per_multi_processor", 2048))
-    per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    return max(
-        1, min(smem // (shared + 1024), regs // (per_warp * num_warps), threads // (32 * num_warps))
-    )
-
-
-_RESIDENT: dict[tuple[Any, ...], int] = {}
-
-
-def _stream_per_sm(args: tuple[Any, ...], meta: dict[str, Any], device: torch.device) -> int:
-    """:func:`programs_per_sm` of the persistent kernel as compiled for this launch (one per
-    SM under the interpreter), cached per device and launch shape."""
-    if device.type != "cuda" or interpreter_enabled():
-        return 1
-    key = (device.index, *sorted(meta.items()))
-    if key not in _RESIDENT:
-        kernel = _decode_stream_kernel.warmup(*args, grid=(1,), PAIRS=16, **meta)
-        kernel._init_handles()  # loads the module: n_regs is known from then on
-        props = torch.cuda.get_device_properties(device)
-        _RESIDENT[key] = programs_per_sm(
-            int(kernel.metadata.shared), int(kernel.n_regs), int(meta["num_warps"]), props
-        )
-    return _RESIDENT[key]
-
-
 # ----------------------------------------------------------------------------------------------
 # fp8 K/V read as 32-bit words
 # ----------------------------------------------------------------------------------------------
@@ -396,155 +357,6 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_stream_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    num_splits_ptr,
-    work_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    kv_scales_ptr,
-    o_ptr,
-    arrivals_ptr,
-    qk_scale,
-    max_splits,
-    num_kv_heads,
-    stride_qb,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    PAIRS: tl.constexpr,
-    KV_SCALED: tl.constexpr,
-    DOT_F16: tl.constexpr,
-    FUSED: tl.constexpr,
-    F8_WORDS: tl.constexpr,
-    F8_E5M2: tl.constexpr,
-    F8_ASM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Stage 1 as one pass per program over every K/V block of all its (item, kv head) pairs
-    (see :func:`decode_attention`'s ``persistent``). Each pair's arithmetic is the split
-    kernel's, block for block, so the outputs are the same bytes."""
-    pdl_prologue(PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    n_pairs = tl.load(work_ptr) * num_kv_heads
-    # The pass's length: every pair of this program, one block at the least (an empty split
-    # still publishes its empty partial). One vector of loads, not a chain.
-    ks = tl.arange(0, PAIRS)
-    g = _pair_index(ks, pid, programs)
-    _, _, _, lo_k, hi_k, _ = _item_bounds(
-        tl.load(work_ptr + 1 + g // num_kv_heads, mask=g < n_pairs, other=0),
-        kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N,
-    )  # fmt: skip
-    total = tl.sum(tl.where(g < n_pairs, tl.maximum(tl.cdiv(hi_k - lo_k, BLOCK_N), 1), 0))
-    # The current pair, and the next one's inputs loaded ahead (its q and first slot ids are
-    # in registers before the current pair's last block), and the record after that.
-    packed, kv_head = _pair(work_ptr, 0, pid, programs, n_pairs, num_kv_heads)
-    b, split, kv_start, lo, hi, n_splits = _item_bounds(
-        packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
-    )
-    q, ids = _item_inputs(
-        q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b, kv_start, lo, hi, qk_scale, stride_qb,
-        stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, KV_SCALED, DOT_F16,
-    )  # fmt: skip
-    packed_n, head_n = _pair(work_ptr, 1, pid, programs, n_pairs, num_kv_heads)
-    b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n = _item_bounds(
-        packed_n, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
-    )
-    q_n, ids_n = _item_inputs(
-        q_ptr, kv_indices_ptr, kv_scales_ptr, head_n, b_n, kv_start_n, lo_n, hi_n, qk_scale,
-        stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, KV_SCALED, DOT_F16,
-    )  # fmt: skip
-    packed_nn, head_nn = _pair(work_ptr, 2, pid, programs, n_pairs, num_kv_heads)
-    k = 0
-    pos = lo
-    offs_b = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for _ in range(0, total):
-        offs_n = pos + offs_b
-        last = pos + BLOCK_N >= hi
-        # The next block's slot ids: this pair's next block, or (after its last) the next
-        # pair's first, loaded ahead: the K/V gathers never wait on an id load of their own
-        # iteration, across pairs too, so the pipeline does not drain between pairs.
-        offs_next = offs_n + BLOCK_N
-        ids_next = tl.load(kv_indices_ptr + kv_start + offs_next, mask=offs_next < hi, other=0)
-        ids_next = tl.where(last, ids_n, ids_next)
-        m_i, l_i, acc = _block_step(
-            q, ids, offs_n < hi, m_i, l_i, acc, k_ptr + kv_head * stride_kh,
-            v_ptr + kv_head * stride_vh, stride_ks, stride_vs, qk_scale, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, KV_SCALED, F8_WORDS, F8_E5M2, F8_ASM, True,
-        )  # fmt: skip
-        if last:
-            _split_epilogue(
-                m_i, l_i, acc, part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr,
-                kv_head, num_kv_heads, b, split, n_splits, stride_pob, stride_poh, stride_pos,
-                stride_plb, stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM_V, BLOCK_H,
-                BLOCK_DV, BLOCK_S, KV_SCALED, FUSED,
-            )  # fmt: skip
-            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-            b, split, kv_start, lo, hi, n_splits = b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n
-            kv_head = head_n
-            q = q_n
-            pos = lo
-            k += 1
-            b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n = _item_bounds(
-                packed_nn, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
-            )
-            head_n = head_nn
-            q_n, ids_n = _item_inputs(
-                q_ptr, kv_indices_ptr, kv_scales_ptr, head_n, b_n, kv_start_n, lo_n, hi_n,
-                qk_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
-                KV_SCALED, DOT_F16,
-            )  # fmt: skip
-            packed_nn, head_nn = _pair(work_ptr, k + 2, pid, programs, n_pairs, num_kv_heads)
-        else:
-            pos += BLOCK_N
-        ids = ids_next
-
-
-@triton.jit
-def _pair_index(k, pid, programs):
-    """Global index of program ``pid``'s ``k``-th (item, kv head) pair: the pairs are dealt
-    in rounds of one per program, forward in even rounds and backward in odd ones, so that
-    over a longest-first list every program's share comes out about even."""
-    return k * programs + tl.where(k % 2 == 0, pid, programs - 1 - pid)
-
-
-@triton.jit
-def _pair(work_ptr, k, pid, programs, n_pairs, num_kv_heads):
-    """(packed work item, kv head) of program ``pid``'s ``k``-th pair, kv head fastest; pair
-    0's past the list (in bounds, never computed)."""
-    g = _pair_index(k, pid, programs)
-    g = tl.where(g < n_pairs, g, 0)
-    return tl.load(work_ptr + 1 + g // num_kv_heads), g % num_kv_heads
-
-
-@triton.jit
 def _record(work_ptr, item, n_items):
     """The work list's packed (request, split) of ``item``, item 0's past the list."""
     return tl.load(work_ptr + 1 + tl.where(item < n_items, item, 0))
@@ -609,6 +421,10 @@ def _split_blocks(
     of its first block): (running max, sum, unnormalised output), log2 domain.
     ``F8_WORDS``: ``k_base``/``v_base`` and their strides address the fp8 cache as int32 words
     of four values (see ``fp8_words``)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
     offs_b = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -619,73 +435,54 @@ def _split_blocks(
     # whatever num_stages, in the sm90 TTGIR of triton 3.9).
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs_b
+        mask_n = offs_n < hi
         offs_next = offs_n + BLOCK_N
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
-        m_i, l_i, acc = _block_step(
-            q, ids, offs_n < hi, m_i, l_i, acc, k_base, v_base, stride_ks, stride_vs, qk_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, KV_SCALED, F8_WORDS, F8_E5M2, F8_ASM, False,
-        )  # fmt: skip
+        # int64: slot * row stride overflows int32 for caches past ~2M slots at 1k elements/row.
+        slots = ids.to(tl.int64)  # [BLOCK_N]
+        # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
+        # memory it is already in the dot's operand order, so an fp8 K is converted in place
+        # (transposing fp8 in registers took byte-wise shared loads and spilled).
+        if F8_WORDS:
+            kt = _load_kt_words(
+                k_base, slots, mask_n, stride_ks, HEAD_DIM, BLOCK_D, F8_E5M2, F8_ASM
+            )
+        else:
+            kt = tl.load(
+                k_base + offs_d[:, None] + slots[None, :] * stride_ks,
+                mask=mask_d[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+        s = tl.dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
+        if not KV_SCALED:  # (fp8: q holds the scale)
+            s = s * qk_scale  # log2 domain
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # Every block holds at least one valid token, so m_new is finite for real rows.
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_H]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F8_WORDS:
+            v = _load_v_words(
+                v_base, slots, mask_n, stride_vs, HEAD_DIM_V, BLOCK_DV, F8_E5M2, F8_ASM
+            )
+        else:
+            v = tl.load(
+                v_base + slots[:, None] * stride_vs + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+        if KV_SCALED and not F8_WORDS:
+            # A no-op on the values (the load already zero-fills), but an operation between
+            # the conversion and the dot makes Triton convert V in the load's layout and
+            # transpose it through shared memory as fp16 (ldmatrix.trans); without it, it
+            # read the fp8 tile transposed one byte per load (sm90, triton 3.6 and 3.9).
+            v = tl.where(mask_n[:, None], v, 0.0)
+        # p in the compute dtype (never fp8: rounding p to V's dtype would cost the most).
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
         ids = ids_next
     return m_i, l_i, acc
-
-
-@triton.jit
-def _block_step(
-    q, ids, mask_n, m_i, l_i, acc, k_base, v_base, stride_ks, stride_vs, qk_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr, F8_WORDS: tl.constexpr,
-    F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr, MAYBE_EMPTY: tl.constexpr,
-):  # fmt: skip
-    """One K/V block of the online softmax: the tokens at slots ``ids`` where ``mask_n``.
-    ``MAYBE_EMPTY``: the block may hold no valid token (the persistent kernel's one pass over
-    an empty split), so the running max may stay -inf and is not subtracted then."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < HEAD_DIM
-    mask_dv = offs_dv < HEAD_DIM_V
-    # int64: slot * row stride overflows int32 for caches past ~2M slots at 1k elements/row.
-    slots = ids.to(tl.int64)  # [BLOCK_N]
-    # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
-    # memory it is already in the dot's operand order, so an fp8 K is converted in place
-    # (transposing fp8 in registers took byte-wise shared loads and spilled).
-    if F8_WORDS:
-        kt = _load_kt_words(k_base, slots, mask_n, stride_ks, HEAD_DIM, BLOCK_D, F8_E5M2, F8_ASM)
-    else:
-        kt = tl.load(
-            k_base + offs_d[:, None] + slots[None, :] * stride_ks,
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-    s = tl.dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
-    if not KV_SCALED:  # (fp8: q holds the scale)
-        s = s * qk_scale  # log2 domain
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-    # Every block of a split holds at least one valid token, so m_new is finite for real rows
-    # (MAYBE_EMPTY: where it is not, 0 is subtracted instead and every p is 0).
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_H]
-    m_sub = m_new
-    if MAYBE_EMPTY:
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_sub)
-    p = tl.exp2(s - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if F8_WORDS:
-        v = _load_v_words(v_base, slots, mask_n, stride_vs, HEAD_DIM_V, BLOCK_DV, F8_E5M2, F8_ASM)
-    else:
-        v = tl.load(
-            v_base + slots[:, None] * stride_vs + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-    if KV_SCALED and not F8_WORDS:
-        # A no-op on the values (the load already zero-fills), but an operation between
-        # the conversion and the dot makes Triton convert V in the load's layout and
-        # transpose it through shared memory as fp16 (ldmatrix.trans); without it, it
-        # read the fp8 tile transposed one byte per load (sm90, triton 3.6 and 3.9).
-        v = tl.where(mask_n[:, None], v, 0.0)
-    # p in the compute dtype (never fp8: rounding p to V's dtype would cost the most).
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -871,7 +668,6 @@ def decode_attention(
     work: torch.Tensor | None = None,
     arrivals: torch.Tensor | None = None,
     fp8_words: bool | None = None,
-    persistent: bool = False,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -927,12 +723,6 @@ def decode_attention(
             per block of the element path. Same values; the dots may sum in another order.
             None takes it wherever :func:`fp8_words_supported` holds, True requires it (an
             error naming the reason otherwise), False keeps the element path.
-        persistent: stage 1 as as many programs as fit on the GPU at once
-            (:func:`stream_programs`), each making one pass over every K/V block of its share
-            of the (item, kv head) pairs, dealt round by round in alternating directions. The
-            next pair's q and first slot ids are loaded before the current pair's last block,
-            so the K/V pipeline runs on across pairs; the split kernel's programs each start,
-            fill and drain their own. Same bytes out (each pair's arithmetic is unchanged).
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -997,7 +787,8 @@ def decode_attention(
         (k_buffer.view(torch.int32), v_buffer.view(torch.int32)) if words else (k_buffer, v_buffer)
     )
     group = num_q_heads // num_kv_heads
-    args = (
+    programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
+    _decode_split_kernel[(programs * num_kv_heads,)](
         q,
         k_arg,
         v_arg,
@@ -1026,8 +817,6 @@ def decode_attention(
         partial_lse.stride(1),
         o.stride(0),
         o.stride(1),
-    )
-    meta: dict[str, Any] = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
@@ -1046,15 +835,6 @@ def decode_attention(
         num_stages=num_stages,
         **pdl_kwargs(q.device),
     )
-    if persistent:
-        pairs = batch * max_splits * num_kv_heads
-        programs = stream_programs(pairs, sm_count(q.device), _stream_per_sm(args, meta, q.device))
-        _decode_stream_kernel[(programs,)](
-            *args, PAIRS=pow2_at_least(-(-pairs // programs)), **meta
-        )
-    else:
-        programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
-        _decode_split_kernel[(programs * num_kv_heads,)](*args, **meta)
     if arrivals is not None:
         return
     _decode_merge_kernel[(batch, num_q_heads)](

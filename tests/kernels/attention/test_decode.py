@@ -185,7 +185,6 @@ def run_decode(
     arrivals_len: int | None = None,
     arrivals_dtype: torch.dtype = torch.int32,
     fp8_words: bool | None = None,
-    persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
 
@@ -226,7 +225,7 @@ def run_decode(
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
         max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words, persistent=persistent,
+        kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words,
     )  # fmt: skip
     if arrivals is not None:
         assert arrivals.eq(0).all(), "the last split of each request resets its counter"
@@ -483,53 +482,6 @@ def test_fused_merge_matches_the_oracle_and_the_separate_merge(case: str) -> Non
     torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
     empty = [b for b, n in enumerate(kwargs["seq_lens"]) if n == 0]
     assert all(torch.all(fused[b] == 0) for b in empty)
-
-
-#: The persistent stage 1 against the split kernel: the merge cases, an fp8 cache and a batch
-#: with several pairs per program (the interpreter has few SMs), fused and separate.
-PERSISTENT_CASES = FUSED_CASES | {
-    "many-pairs": dict(seq_lens=[5, 300, 1, 64, 129, 0, 77, 16], num_kv_heads=2, max_splits=3),
-    "fp8": dict(seq_lens=[50, 9, 200], kv_dtype=torch.float8_e4m3fn, kv_scales=(0.5, 2.0)),
-}
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-@pytest.mark.parametrize("case", list(PERSISTENT_CASES), ids=str)
-def test_persistent_stage1_writes_the_split_kernels_bytes(case: str, fused: bool) -> None:
-    kwargs: dict = dict(PERSISTENT_CASES[case])
-    kwargs.setdefault("seed", 95)
-    got, ref = run_decode(**kwargs, fused=fused, persistent=True)
-    want, _ = run_decode(**kwargs, fused=fused)
-    # Each (item, kv head) pair's blocks in the same order with the same arithmetic, and
-    # the same epilogue: the same bytes, whichever program ran the pair.
-    assert torch.equal(got, want)
-    tol = SMALL_TOL[torch.float32]  # fp32 q: fp8 K/V convert exactly
-    assert_close(got, ref, tol)
-
-
-def test_persistent_grid_is_what_fits_at_once() -> None:
-    assert tk.stream_programs(pairs=2048, num_sms=132, per_sm=1) == 132
-    assert tk.stream_programs(pairs=2048, num_sms=132, per_sm=2) == 264
-    assert tk.stream_programs(pairs=40, num_sms=132, per_sm=2) == 40  # no program without a pair
-    assert tk.stream_programs(pairs=0, num_sms=132, per_sm=0) == 1
-
-
-def test_programs_per_sm_takes_the_scarcest_resource() -> None:
-    from types import SimpleNamespace
-
-    from execrt.kernels.attention.decode import programs_per_sm
-
-    h200 = SimpleNamespace(
-        shared_memory_per_multiprocessor=233_472,
-        regs_per_multiprocessor=65_536,
-        max_threads_per_multi_processor=2048,
-    )
-    # The bf16 128/4/2 stream kernel as compiled for sm90: 72 KiB, 182 registers -> registers
-    assert programs_per_sm(72 * 1024, 182, 4, h200) == 2
-    assert programs_per_sm(72 * 1024, 96, 4, h200) == 3  # then shared memory
-    assert programs_per_sm(8 * 1024, 32, 4, h200) == 16  # then threads
-    assert programs_per_sm(300 * 1024, 255, 8, h200) == 1  # at least one
-    assert programs_per_sm(72 * 1024, 182, 4, SimpleNamespace()) == 2  # H100/H200 defaults
 
 
 def test_fused_merge_rejects_bad_counters() -> None:
@@ -861,36 +813,8 @@ def test_gpu_decode_tiles_the_tuner_sweeps(
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("tiles", [(64, 4, 3), (128, 4, 2), (128, 4, 3)], ids=str)
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_gpu_persistent_writes_the_split_kernels_bytes(
-    kv_dtype: torch.dtype, tiles: tuple[int, int, int], fused: bool
-) -> None:
-    # Compiled at the 8B shape over a ragged batch of 200 (several pairs per program, an
-    # empty context, requests of several splits): the same bytes as the split kernel.
-    gen = torch.Generator().manual_seed(230)
-    seq_lens = [0, 5000, *torch.randint(1, 2049, (198,), generator=gen).tolist()]
-    block_n, warps, stages = tiles
-    fp8 = kv_dtype != torch.bfloat16
-    kwargs: dict = dict(
-        num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-        device=torch.device("cuda"), max_splits=4, min_split_len=tk.DEFAULT_MIN_SPLIT_LEN,
-        block_n=block_n, num_warps=warps, num_stages=stages, seed=231, fused=fused,
-        kv_dtype=kv_dtype if fp8 else None, kv_scales=(0.5, 2.0) if fp8 else (1.0, 1.0),
-    )  # fmt: skip
-    got, ref = run_decode(seq_lens, **kwargs, persistent=True)
-    want, _ = run_decode(seq_lens, **kwargs)
-    assert torch.equal(got, want)
-    assert_close(got[1:], ref[1:], GPU_TOL[torch.bfloat16])
-    assert torch.all(got[0] == 0)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [False, True], ids=["programs", "persistent"])
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_gpu_decode_cuda_graph_replays_new_lengths(fused: bool, persistent: bool) -> None:
+def test_gpu_decode_cuda_graph_replays_new_lengths(fused: bool) -> None:
     """kv_indices + decode_num_splits + decode_attention captured once, replayed twice."""
     device = torch.device("cuda")
     dtype, hq, hkv, d, batch, max_ctx = torch.bfloat16, 32, 8, 128, 4, 4096
@@ -915,7 +839,7 @@ def test_gpu_decode_cuda_graph_replays_new_lengths(fused: bool, persistent: bool
         tk.decode_num_splits(seq_lens, splits, max_splits, policy, fill)
         tk.decode_attention(
             q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
-            d**-0.5, max_splits, arrivals=arrivals, persistent=persistent,
+            d**-0.5, max_splits, arrivals=arrivals,
         )  # fmt: skip
 
     seq_lens.fill_(1)
