@@ -157,7 +157,12 @@ RAGGED_TARGETS = (2048, 1024, 512)
 RAGGED_TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2))  # (block_n, warps, stages)
 
 
-def sweep_ragged(copy_bw: float) -> list[dict[str, Any]]:
+def sweep_ragged(
+    copy_bw: float,
+    tiles_grid: tuple[tuple[int, int, int], ...] = RAGGED_TILES,
+    targets: tuple[int, ...] = RAGGED_TARGETS,
+    orders: tuple[str, ...] = ("longest", "request"),
+) -> list[dict[str, Any]]:
     """Split targets and tiles over ragged batches, and the tuned tiles over uniform ones of
     the same total (see the module docstring)."""
     rows: list[dict[str, Any]] = []
@@ -171,13 +176,13 @@ def sweep_ragged(copy_bw: float) -> list[dict[str, Any]]:
         t = K.decode_tiles(torch.bfloat16, 128, bs, torch.device("cuda"))
         tuned = (t.block_n, t.num_warps, t.num_stages)
         print(f"# bs {bs}, mean ctx {mean}, tuned tiles {tuned}", flush=True)
-        for tiles in dict.fromkeys((tuned, *RAGGED_TILES)):
+        for tiles in dict.fromkeys((tuned, *tiles_grid)):
             cells = []
-            for target in RAGGED_TARGETS:
+            for target in targets:
                 policy = K.SplitPolicy.with_target(target)
                 # (kind, problem, order): the work list longest first (the backend's
                 # default) and in request order, on the ragged batch
-                kinds = [("ragged", ragged, "longest"), ("ragged", ragged, "request")]
+                kinds = [("ragged", ragged, order) for order in orders]
                 if tiles == tuned:
                     kinds.append(("uniform", uniform, "longest"))
                 for kind, p, order in kinds:
@@ -309,6 +314,18 @@ def main() -> None:
         "--kv-dtypes", default="fp8_e4m3,auto",
         help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
     )  # fmt: skip
+    parser.add_argument(
+        "--ragged-tiles", default="",
+        help="ragged: block_n,warps,stages tiles, ';'-separated (default: "
+        + "; ".join(",".join(map(str, t)) for t in RAGGED_TILES) + ")",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ragged-targets", default=",".join(map(str, RAGGED_TARGETS)),
+        help="ragged: split targets, comma-separated",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ragged-orders", default="longest,request", help="ragged: work orders, comma-separated"
+    )
     args = parser.parse_args()
     kv_names = [k for k in args.kv_dtypes.split(",") if k]
     bad = [k for k in kv_names if k not in KV_CACHE_DTYPES]
@@ -320,7 +337,13 @@ def main() -> None:
         out_dir = (os.path.dirname(args.out) if args.out else "") or "."
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
     elif args.mode == "ragged":
-        rows = sweep_ragged(copy_bw)
+        grid = tuple(tuple(int(x) for x in t.split(",")) for t in args.ragged_tiles.split(";") if t)
+        rows = sweep_ragged(
+            copy_bw,
+            grid or RAGGED_TILES,  # type: ignore[arg-type]
+            tuple(int(t) for t in args.ragged_targets.split(",") if t),
+            tuple(o for o in args.ragged_orders.split(",") if o),
+        )
     else:
         rows = sweep_policy(args.mode == "short", copy_bw)
     if args.out:
