@@ -70,10 +70,12 @@ def bench(
     stages: int,
     check: bool = False,
     longest_first: bool = True,
+    fused: bool = False,
 ) -> tuple[float, float]:
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
     layer 0 against the fp32 oracle when ``check``, else 0). ``longest_first``: the work list
-    in the backend's default order (longest split first), else request after request."""
+    in the backend's default order (longest split first), else request after request.
+    ``fused``: the merge inside the split launch (arrival counters), else its own launch."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = p.seq_lens()
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -89,6 +91,7 @@ def bench(
     pl = torch.empty(bs, p.hq, max_splits, dtype=torch.float32, device="cuda")
     outs = [torch.empty_like(p.q) for _ in p.layers]
     cache = p.kv_cache
+    arrivals = torch.zeros(bs * p.hkv, dtype=torch.int32, device="cuda") if fused else None
 
     def run() -> None:
         for layer, o in zip(p.layers, outs, strict=True):
@@ -98,6 +101,7 @@ def bench(
                 pl, layer.scaling, max_splits,
                 kv_scales=cache.layer_scales[i] if cache.is_fp8 else None,
                 block_n=block_n, num_warps=warps, num_stages=stages, work=work,
+                arrivals=arrivals,
             )  # fmt: skip
 
     run()
@@ -122,7 +126,9 @@ def bench(
     return statistics.median(times), err
 
 
-def sweep_policy(short: bool, copy_bw: float) -> list[dict[str, Any]]:
+def sweep_policy(
+    short: bool, copy_bw: float, merges: tuple[str, ...] = ("separate",)
+) -> list[dict[str, Any]]:
     shapes = SHORT_SHAPES if short else SHAPES
     problems = {s: DecodeProblem(*s, 32, 8, 128, torch.bfloat16) for s in shapes}
     rows: list[dict[str, Any]] = []
@@ -131,22 +137,23 @@ def sweep_policy(short: bool, copy_bw: float) -> list[dict[str, Any]]:
     else:
         tiles = itertools.product([512, 1024, 2048], [128, 256], [64, 128], [4, 8], [2, 3])
         grid = [(*t, K.DEFAULT_PROGRAMS_PER_SM) for t in tiles]
-    for target, min_len, block_n, warps, stages, ppsm in grid:
+    for (target, min_len, block_n, warps, stages, ppsm), merge in itertools.product(grid, merges):
         policy = K.SplitPolicy(min_split_len=min_len, target_split_len=target, programs_per_sm=ppsm)
         cells = []
         for shape, p in problems.items():
-            us, _ = bench(p, policy, block_n, warps, stages)
+            us, _ = bench(p, policy, block_n, warps, stages, fused=merge == "fused")
             pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
             rows.append(
                 dict(
                     bs=shape[0], ctx=shape[1], target=target, min_len=min_len, block_n=block_n,
-                    warps=warps, stages=stages, programs_per_sm=ppsm, us=us, pct=pct,
+                    warps=warps, stages=stages, programs_per_sm=ppsm, merge=merge, us=us,
+                    pct=pct,
                 )
             )  # fmt: skip
             cells.append(f"{pct:5.1f}")
         print(
-            f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages} p{ppsm}: "
-            + " ".join(cells),
+            f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages} p{ppsm} "
+            f"{merge}: " + " ".join(cells),
             flush=True,
         )
     return rows
@@ -328,11 +335,19 @@ def main() -> None:
     parser.add_argument(
         "--ragged-orders", default="longest,request", help="ragged: work orders, comma-separated"
     )
+    parser.add_argument(
+        "--merges", default="separate",
+        help="long/short: the split merge, comma-separated: separate (its own launch), fused "
+        "(inside the split launch)",
+    )  # fmt: skip
     args = parser.parse_args()
     kv_names = [k for k in args.kv_dtypes.split(",") if k]
     bad = [k for k in kv_names if k not in KV_CACHE_DTYPES]
     if bad:
         parser.error(f"--kv-dtypes {bad} unsupported (supported: {', '.join(KV_CACHE_DTYPES)})")
+    merges = tuple(m for m in args.merges.split(",") if m)
+    if not merges or set(merges) - {"separate", "fused"}:
+        parser.error(f"--merges {args.merges!r} unsupported (supported: separate, fused)")
     copy_bw = copy_bandwidth_gbps()
     rows: list[dict[str, Any]]
     if args.mode == "tiles":
@@ -347,7 +362,7 @@ def main() -> None:
             tuple(o for o in args.ragged_orders.split(",") if o),
         )
     else:
-        rows = sweep_policy(args.mode == "short", copy_bw)
+        rows = sweep_policy(args.mode == "short", copy_bw, merges)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
