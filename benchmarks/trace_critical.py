@@ -20,7 +20,12 @@ import argparse
 import collections
 import json
 
-from execrt.bench.timing import critical_path_us, short_kernel_name, union_length
+from execrt.bench.timing import (
+    critical_path_us,
+    short_kernel_name,
+    span_critical_us,
+    union_length,
+)
 
 #: Trace categories that run on the GPU.
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -49,11 +54,9 @@ def timeline(
     times from span 0's start, its duration, what it adds past every earlier-started span,
     and its launch shape."""
     t0 = spans[0][0]
-    end = max((stop for _, stop, _ in spans[:first]), default=-float("inf"))
     lines = [f"  {'start':>10} {'end':>10} {'dur':>7} {'crit':>7}  kernel (grid, block, registers)"]
-    for e, (start, stop, name) in list(zip(events, spans, strict=True))[first : first + count]:
-        crit = max(0.0, stop - max(start, end))
-        end = max(end, stop)
+    rows = list(zip(events, spans, span_critical_us(spans), strict=True))
+    for e, (start, stop, name), crit in rows[first : first + count]:
         a = e.get("args", {})
         shape = f"grid {a.get('grid')} block {a.get('block')} regs {a.get('registers per thread')}"
         lines.append(

@@ -375,13 +375,22 @@ def critical_path_us(spans: Sequence[tuple[float, float, str]]) -> dict[str, flo
     """Per name, the covered time its spans (start, stop, name) add past the end of every span
     that started before them: busy time attributed once, to the span that extended it. The
     values sum to ``union_length`` of the spans."""
+    ordered = sorted(spans)
     added: collections.defaultdict[str, float] = collections.defaultdict(float)
-    end = -math.inf
-    for start, stop, name in sorted(spans):
-        if stop > end:
-            added[name] += stop - max(start, end)
-            end = stop
+    for (_, _, name), us in zip(ordered, span_critical_us(ordered), strict=True):
+        if us:
+            added[name] += us
     return dict(added)
+
+
+def span_critical_us(ordered: Sequence[tuple[float, float, str]]) -> list[float]:
+    """Per span of ``ordered`` (start, stop, name; in start order), the covered time it adds
+    past the end of every span before it (0 for a span inside them)."""
+    out, end = [], -math.inf
+    for start, stop, _ in ordered:
+        out.append(max(0.0, stop - max(start, end)))
+        end = max(end, stop)
+    return out
 
 
 def idle_by_slice(intervals: Sequence[tuple[float, float]], slices: int) -> list[float]:
