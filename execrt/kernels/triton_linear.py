@@ -506,12 +506,10 @@ def default_tile(m: int, n: int, k: int, variant: str = PLAIN) -> SkinnyTile | N
     if m > CUDA_CORE_ROWS:  # a tuned table's tensor-core tiles only
         return None
     if interpreter_enabled():  # programs run one by one: few, wide ones (every path tested)
-        bn = max(16, min(128, next_power_of_2(n)))
-        return SkinnyTile(block_n=bn, block_k=max(16, min(256, next_power_of_2(k))))
+        return SkinnyTile(block_n=min(128, pow2_at_least(n)), block_k=min(256, pow2_at_least(k)))
     if m > 1 or variant == SWIGLU_OUT:
         return None
-    bk = max(64, min(1024, next_power_of_2(k)))
-    return SkinnyTile(block_n=4, block_k=bk, num_warps=4, num_stages=3)
+    return SkinnyTile(block_n=4, block_k=min(1024, pow2_at_least(k, 64)), num_warps=4, num_stages=3)
 
 
 def _parse_entry(where: str, value: Any) -> SkinnyTile | None:
