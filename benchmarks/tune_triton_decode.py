@@ -354,10 +354,13 @@ def main() -> None:
         out_dir = (os.path.dirname(args.out) if args.out else "") or "."
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
     elif args.mode == "ragged":
-        grid = tuple(tuple(int(x) for x in t.split(",")) for t in args.ragged_tiles.split(";") if t)
+        grid = tuple(
+            (n, w, st)
+            for n, w, st in (map(int, t.split(",")) for t in args.ragged_tiles.split(";") if t)
+        )
         rows = sweep_ragged(
             copy_bw,
-            grid or RAGGED_TILES,  # type: ignore[arg-type]
+            grid or RAGGED_TILES,
             tuple(int(t) for t in args.ragged_targets.split(",") if t),
             tuple(o for o in args.ragged_orders.split(",") if o),
         )
