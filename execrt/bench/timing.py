@@ -49,6 +49,8 @@ class StepProfile:
 
     def describe(self) -> str:
         host = "" if self.host_us_per_step is None else f", host {self.host_us_per_step:.0f} us"
+        if self.host_us_per_step is not None and self.host_us_per_step <= 0:
+            host += " (noise: a difference of two runs at or below 0)"
         return (
             f"{self.kernels_per_step:.0f} kernels/step, {self.launch_calls_per_step:.0f} launch "
             f"calls/step ({self.graph_launches_per_step:.0f} graph), GPU busy "

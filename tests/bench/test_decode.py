@@ -223,15 +223,16 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         assert profile is not None and profile["steps"] == decode.PROFILE_STEPS
         assert 0 < profile["host_us_per_step"] < 1e6 * profile["wall_ms_per_step"]
         gen = by_key[("eager", "generate", bs)]
-        # The generate path's decode steps by difference (1 + steps tokens less 1: on a busy
-        # CPU the wall difference may be noise, so only its presence is checked), and the host
-        # time per step broken down by the same difference.
+        # The generate path's decode steps by difference (1 + steps tokens less 1), and the
+        # host time per step broken down by the same difference. On a busy 2-core CPU both
+        # differences of two short runs may be noise, negative even (CI once saw -408 us of
+        # host time), so only that they are numbers, and the hotspots' order, are checked.
         assert gen.profile is not None and gen.profile["by_difference"]
         assert gen.profile["steps"] == opts.steps
-        assert (
-            math.isfinite(gen.profile["wall_ms_per_step"]) and gen.profile["host_us_per_step"] > 0
-        )
-        assert gen.hotspots and all(us >= 0 for _, us in gen.hotspots)
+        assert math.isfinite(gen.profile["wall_ms_per_step"])
+        assert math.isfinite(gen.profile["host_us_per_step"])
+        us = [us for _, us in gen.hotspots]
+        assert us and all(map(math.isfinite, us)) and us == sorted(us, reverse=True)
         # CPU has no CUDA graphs: the graph mode is reported, not silently dropped.
         assert "graph" in by_key[("graph", "generate", bs)].note
         if has_hf:
