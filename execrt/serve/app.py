@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: completions, chat completions, models, health, metrics.
+"""The OpenAI-compatible HTTP app: completions, chat completions, models (list and retrieve),
+health, metrics.
 
 It talks to the engine only through an ``EngineClient`` and never imports torch. Each choice
 of a request is one engine request with its own ``OutputHolder``; the handler reads the
@@ -20,6 +21,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from execrt.engine.client import (
     EngineClient,
@@ -70,12 +72,42 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
             return json_response({"status": "ok"})
         return json_response(_unavailable(client).body(), 503)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Routing's own refusals (no such path, a method the path does not take) in OpenAI's
+        # error shape too, so a client reads every error the same way.
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} on this server"
+            error = APIError(message, status=404, type="not_found_error")
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+            error = APIError(message, status=405, type="invalid_request_error")
+        else:
+            error = APIError(str(exc.detail), status=exc.status_code)
+        response = json_response(error.body(), error.status)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
+
+    def model_card() -> dict[str, Any]:
         info = _ready(client).model_info()
         model = {"id": info.name, "object": "model", "created": 0, "owned_by": "execrt"}
-        model["max_model_len"] = info.context_len
-        return json_response({"object": "list", "data": [model]})
+        return model | {"max_model_len": info.context_len}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        card = model_card()
+        if model != card["id"]:
+            raise APIError(
+                f"model {model!r} does not exist (this server serves {card['id']!r})",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+        return json_response(card)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -70,8 +70,30 @@ def test_models_names_the_model_and_its_context(fake) -> None:
     assert (model["id"], model["object"], model["max_model_len"]) == ("fake", "model", 64)
 
 
-def test_unknown_route_is_404(fake) -> None:
-    assert call(fake, "POST", "/v1/embeddings", {"input": "a"}).status_code == 404
+def test_a_model_is_retrieved_by_its_id_and_another_is_404(fake) -> None:
+    r = call(fake, "GET", "/v1/models/fake")
+    assert r.status_code == 200 and r.json() == call(fake, "GET", "/v1/models").json()["data"][0]
+    r = call(fake, "GET", "/v1/models/other/name")  # ids may hold slashes (org/model)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'other/name' does not exist (this server serves 'fake')" in r.json()["error"]["message"]
+    loading = FakeClient(is_ready=False)
+    assert call(loading, "GET", "/v1/models/fake").status_code == 503
+    loading.close()
+
+
+def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> None:
+    r = call(fake, "POST", "/v1/embeddings", {"input": "a"})
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": "no route POST /v1/embeddings on this server",
+        "type": "not_found_error",
+        "param": None,
+        "code": None,
+    }
+    r = call(fake, "GET", "/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["message"] == "/v1/completions does not take GET"
+    assert r.headers["allow"] == "POST"
 
 
 @pytest.mark.parametrize(
