@@ -8,6 +8,7 @@ sees.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -153,7 +154,9 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
         param = "logprobs" if endpoint == "completion" else "top_logprobs"
     else:
         param = None
-    return APIError(message, param=param)
+    # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).
+    tokens_field = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
+    return APIError(re.sub(r"\bmax_new_tokens\b", tokens_field, message), param=param)
 
 
 # -- fields -------------------------------------------------------------------------------------

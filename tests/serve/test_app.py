@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from execrt.serve.app import create_app
+from execrt.serve.protocol import engine_error
 from tests.serve.fakes import FakeClient
 
 
@@ -148,6 +149,18 @@ def test_a_bad_chat_request_is_a_400(fake, body, param, needle) -> None:
     assert needle in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field"), [("completion", "max_tokens"), ("chat", "max_completion_tokens")]
+)
+def test_an_engine_refusal_names_the_request_field_not_the_engine_keyword(endpoint, field) -> None:
+    error = engine_error("max_new_tokens 0 must be an integer >= 1; top_p 2 bad", endpoint)
+    assert (error.param, error.message) == (
+        field,
+        f"{field} 0 must be an integer >= 1; top_p 2 bad",
+    )
+    assert engine_error("top_p 0 must be in (0, 1]", endpoint).param == "top_p"
 
 
 def test_bad_json_a_non_object_and_a_wrong_model(fake) -> None:
