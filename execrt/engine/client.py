@@ -135,10 +135,13 @@ class TextCodec(ABC):
 
     @abstractmethod
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
-        """The prompt ids of a conversation through the chat template, and the token ids that
-        end the assistant's turn. Raises ValueError naming what is wrong."""
+        """The prompt ids of a conversation through the chat template (``template_kwargs``:
+        more variables for it), and the token ids that end the assistant's turn. Raises
+        ValueError naming what is wrong."""
 
 
 class EngineClient(ABC):

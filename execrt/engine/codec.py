@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 
 
 def chat_prompt_ids(
-    tokenizer: Any, template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
+    tokenizer: Any,
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt ids of ``messages`` through ``template``. Raises RequestError naming the
+    """The prompt ids of ``messages`` through ``template`` (``template_kwargs``: more
+    variables for it, e.g. ``{"enable_thinking": False}``). Raises RequestError naming the
     message and field that are wrong, or why the template refused them."""
     from execrt.models.tokenizer import chat_messages_problem
 
@@ -28,7 +32,7 @@ def chat_prompt_ids(
     if problem is not None:
         raise RequestError(f"engine: chat: {problem}")
     try:
-        text = template.render(messages, add_generation_prompt=True)
+        text = template.render(messages, add_generation_prompt=True, variables=template_kwargs)
     except ValueError as exc:  # raise_exception() in the template, or one of its errors
         raise RequestError(f"engine: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
@@ -76,12 +80,14 @@ class TokenizerCodec(TextCodec):
         return _Detokenizer(self._tokenizer)
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
         if self._template is None:
             raise ValueError(self._no_chat)
         try:
-            ids = chat_prompt_ids(self._tokenizer, self._template, messages)
+            ids = chat_prompt_ids(self._tokenizer, self._template, messages, template_kwargs)
         except (RequestError, TypeError) as exc:
             raise ValueError(str(exc)) from None
         return ids, self._stops
@@ -119,7 +125,9 @@ class TokenIdCodec(TextCodec):
         return _IdDetokenizer()
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
         raise ValueError("the model has no tokenizer.json, hence no chat template")
 

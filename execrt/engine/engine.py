@@ -246,16 +246,20 @@ class Engine:
         self,
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerationResult:
         """Answer a conversation (``[{"role": "user", "content": "..."}]``) through the model's
-        chat template; generation stops at the template's end-of-turn token."""
-        ids, params = self.chat_request(messages, sampling_params)
+        chat template; generation stops at the template's end-of-turn token.
+        ``chat_template_kwargs``: more variables for the template (e.g. Qwen3's
+        ``{"enable_thinking": False}``)."""
+        ids, params = self.chat_request(messages, sampling_params, chat_template_kwargs)
         return cast(GenerationResult, self.generate(ids, params))
 
     def chat_request(
         self,
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], SamplingParams]:
         """The prompt ids and sampling parameters ``chat`` uses (for ``stream``, say).
 
@@ -271,7 +275,7 @@ class Engine:
             )
         if self.chat_template is None:
             raise RequestError(no_chat_reason(self))
-        ids = chat_prompt_ids(self.tokenizer, self.chat_template, messages)
+        ids = chat_prompt_ids(self.tokenizer, self.chat_template, messages, chat_template_kwargs)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
             return ids, sp  # generate() / stream() reject them, naming the caller's values

@@ -195,6 +195,17 @@ def _byte_spelling() -> dict[int, str]:
     return out
 
 
+#: The names a chat template is rendered with; ``variables`` cannot replace them.
+TEMPLATE_NAMES = (
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "raise_exception",
+    "strftime_now",
+)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A Jinja chat template, rendered the way transformers' ``apply_chat_template`` does."""
@@ -205,8 +216,14 @@ class ChatTemplate:
     end_tokens: tuple[str, ...] = ()  # tokens that end the assistant's turn
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
+        """The conversation as text. ``variables`` are more names for the template to read
+        (``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``); they may not replace
+        the ones set here (``TEMPLATE_NAMES``)."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -222,8 +239,16 @@ class ChatTemplate:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        variables = dict(variables or {})
+        taken = sorted(set(variables) & set(TEMPLATE_NAMES))
+        if taken:
+            raise ValueError(
+                f"chat template: variable {taken[0]!r} is reserved: the renderer sets "
+                f"{', '.join(TEMPLATE_NAMES)}"
+            )
         try:
             return env.from_string(self.source).render(
+                variables,
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

@@ -30,7 +30,10 @@ SAMPLING_FIELDS = {
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 FIELDS: dict[Endpoint, frozenset[str]] = {
     "completion": frozenset(_COMMON | {"prompt", "logprobs"}),
-    "chat": frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}),
+    "chat": frozenset(
+        _COMMON
+        | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
+    ),
 }
 #: Fields accepted only at a value that changes nothing (what clients send by default).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -45,6 +48,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True, False),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
 }
 MAX_N = 64
 MAX_STOPS = 4
@@ -119,7 +125,13 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
         top = None if logprobs is None else _int(fields, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
         default_tokens = DEFAULT_COMPLETION_TOKENS
     else:
-        ids, end_ids = _chat_prompt(fields.get("messages"), text)
+        variables = fields.get("chat_template_kwargs", {})
+        if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
+            raise APIError(
+                f"chat_template_kwargs {variables!r} must be an object (variable name -> value)",
+                param="chat_template_kwargs",
+            )
+        ids, end_ids = _chat_prompt(fields.get("messages"), text, variables)
         prompts = [ids]
         top = None
         if _bool(fields, "logprobs", False):
@@ -256,14 +268,17 @@ def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chat_prompt(messages: object, text: TextCodec) -> tuple[list[int], tuple[int, ...]]:
+def _chat_prompt(
+    messages: object, text: TextCodec, variables: Mapping[str, Any]
+) -> tuple[list[int], tuple[int, ...]]:
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list of messages", param="messages")
     plain = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        return text.chat_prompt(plain)
+        return text.chat_prompt(plain, variables)
     except ValueError as exc:
-        raise APIError(str(exc), param="messages") from None
+        param = "chat_template_kwargs" if "is reserved: the renderer" in str(exc) else "messages"
+        raise APIError(str(exc), param=param) from None
 
 
 def _message(message: object, index: int) -> dict[str, str]:

@@ -349,3 +349,46 @@ def test_chat_refuses_malformed_messages_naming_the_message_and_field(
         engine.chat(messages)
     assert str(info.value).startswith("engine: ") and error in str(info.value), info.value
     assert not engine.scheduler.has_work
+
+
+THINKING = (  # the shape of Qwen3's switch: an empty think block when thinking is off
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_template_variables_render_like_transformers_kwargs_and_reserved_names_are_refused(
+    tmp_path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    tok_file = tmp_path / "tokenizer.json"
+    build_tokenizer().save(str(tok_file))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_file))
+    ours = ChatTemplate(THINKING)
+    messages = [{"role": "user", "content": "hi"}]
+    for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        expected = ref.apply_chat_template(
+            messages, chat_template=THINKING, tokenize=False, add_generation_prompt=True,
+            **variables,
+        )  # fmt: skip
+        assert ours.render(messages, variables=variables) == expected
+    assert "<think>" in ours.render(messages, variables={"enable_thinking": False})
+    assert "<think>" not in ours.render(messages)
+    for name in ("messages", "add_generation_prompt", "bos_token", "raise_exception"):
+        with pytest.raises(ValueError, match=f"variable '{name}' is reserved"):
+            ours.render(messages, variables={name: 1})
+
+
+def test_chat_passes_template_variables_through(engine, monkeypatch) -> None:
+    monkeypatch.setattr(engine, "chat_template", ChatTemplate(THINKING, end_tokens=("<|im_end|>",)))
+    messages = [{"role": "user", "content": "hi"}]
+    plain, _ = engine.chat_request(messages)
+    off, _ = engine.chat_request(messages, None, {"enable_thinking": False})
+    think = engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False).ids
+    assert off == plain + think
+    with pytest.raises(RequestError, match="variable 'messages' is reserved"):
+        engine.chat_request(messages, None, {"messages": []})
+    result = engine.chat(messages, SamplingParams(max_new_tokens=2), {"enable_thinking": False})
+    assert result.prompt_token_ids == off

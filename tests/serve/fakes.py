@@ -42,11 +42,16 @@ class LetterCodec(seam.TextCodec):
         return _D()
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
         if any(m["role"] not in ("system", "user", "assistant") for m in messages):
             raise ValueError("chat template: bad role")
-        return self.encode("".join(m["content"] for m in messages)), (25,)  # "z" ends a turn
+        # Each template variable set true prefixes its first letter (what a test can see).
+        flags = "".join(k[0] for k, v in sorted((template_kwargs or {}).items()) if v is True)
+        text = flags + "".join(m["content"] for m in messages)
+        return self.encode(text), (25,)  # "z" ends a turn
 
 
 @dataclass

@@ -11,8 +11,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from execrt.engine.codec import TokenizerCodec
+from execrt.models.builtin import build_tokenizer
+from execrt.models.tokenizer import ChatTemplate
 from execrt.serve.app import create_app
-from execrt.serve.protocol import engine_error
+from execrt.serve.protocol import APIError, engine_error, parse
 from tests.serve.fakes import FakeClient
 
 
@@ -209,6 +212,31 @@ def test_chat_shape_and_template_stop(fake) -> None:
     assert choice["finish_reason"] == "stop"
     assert fake.submitted[0].sampling["max_new_tokens"] == 10
     assert fake.submitted[0].sampling["stop_token_ids"] == [25]
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_bad_value_is_a_400(fake) -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 1}
+    variables = {"enable_thinking": True, "other": False}
+    call(fake, "POST", "/v1/chat/completions", body | {"chat_template_kwargs": variables})
+    call(fake, "POST", "/v1/chat/completions", body | {"chat_template_kwargs": None})
+    # The fake's template prefixes the initial of each variable set true.
+    assert [r.prompt_ids for r in fake.submitted] == [fake.text().encode(t) for t in ("ew", "w")]
+    r = call(fake, "POST", "/v1/chat/completions", body | {"chat_template_kwargs": [1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = call(fake, "POST", "/v1/completions", {"prompt": "a", "chat_template_kwargs": {}})
+    assert r.status_code == 400 and "'chat_template_kwargs' is unsupported" in r.text
+    assert len(fake.submitted) == 2
+
+
+def test_a_reserved_template_variable_is_a_400_on_chat_template_kwargs() -> None:
+    text = TokenizerCodec(build_tokenizer(), ChatTemplate("{{ messages[0]['content'] }}"))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(body | {"chat_template_kwargs": {"x": 1}}, "chat", text, 64).prompts
+    with pytest.raises(APIError) as info:
+        parse(body | {"chat_template_kwargs": {"eos_token": "!"}}, "chat", text, 64)
+    assert info.value.param == "chat_template_kwargs" and "'eos_token' is reserved" in str(
+        info.value
+    )
 
 
 def test_chat_stream_framing(fake) -> None:
