@@ -177,6 +177,7 @@ def test_bad_json_a_non_object_and_a_wrong_model(fake) -> None:
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(fake) -> None:
     body = {"prompt": "a", "max_tokens": 3, "model": "fake", "echo": False, "best_of": 1}
+    body |= {"store": False, "service_tier": "auto", "modalities": ["text"]}
     body |= {"frequency_penalty": 0, "presence_penalty": 0.0, "user": "me", "suffix": None}
     r = call(fake, "POST", "/v1/completions", body)
     assert r.status_code == 200, r.text
