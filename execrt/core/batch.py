@@ -31,6 +31,8 @@ class LogitsOutput:
 
     next_token_logits: torch.Tensor  # [B, V] in the model's dtype (samplers read any float)
     full_logits: torch.Tensor | None = None  # [T, V] fp32 (extend, when asked for)
+    #: [R, V] in the model's dtype: the logits of ``ForwardBatch.logit_rows`` (extend)
+    row_logits: torch.Tensor | None = None
     #: [B] int64: the tokens already sampled, when a decode graph ran the sampler too
     next_token_ids: torch.Tensor | None = None
 
@@ -46,6 +48,9 @@ class ForwardBatch(StepInputs):
 
     sampling_info: SamplingBatchInfo | None = None
     return_full_logits: bool = False
+    #: [R] int64 on the device: rows of an extend whose logits are wanted beside each
+    #: request's last (prompt log-probabilities), returned as ``LogitsOutput.row_logits``.
+    logit_rows: torch.Tensor | None = None
     # Tokens that are real rather than graph padding (padded rows sit at the end).
     num_token_non_padded: int = -1
     # The same count on the device ([1] int64), set whenever rows may be padding: a captured
@@ -62,6 +67,7 @@ class ForwardBatch(StepInputs):
         inputs: StepInputs,
         sampling_info: SamplingBatchInfo | None = None,
         return_full_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """``inputs`` (by reference) with what the forward pass needs beside them."""
         return cls(
@@ -76,13 +82,18 @@ class ForwardBatch(StepInputs):
             inputs.extend_lens_cpu,
             sampling_info=sampling_info,
             return_full_logits=return_full_logits,
+            logit_rows=logit_rows,
         )
 
     @classmethod
     def init_new(cls, schedule_batch: ScheduleBatch) -> ForwardBatch:
         """The forward batch of a scheduled step."""
         sb = schedule_batch
-        return cls.of(sb.inputs, sb.sampling_info, sb.return_full_logits)
+        rows = None
+        if sb.logit_rows is not None:
+            device = sb.inputs.input_ids.device
+            rows = torch.tensor(sb.logit_rows, dtype=torch.int64).to(device, non_blocking=True)
+        return cls.of(sb.inputs, sb.sampling_info, sb.return_full_logits, rows)
 
 
 # -- the one padding rule for decode graphs -------------------------------------------------------

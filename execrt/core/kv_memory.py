@@ -193,12 +193,13 @@ class KVMemory:
         """Start ``req``, which holds nothing, on the longest cached prefix of its known tokens
         but the last (whose logits must be computed): lock it, take a row, write the cached
         slots into it. Returns how many tokens ``req`` holds now, its new ``kv_len``; 0, with
-        nothing taken, without a cache, on a miss, or with no row free. ``release`` undoes it.
+        nothing taken, without a cache, on a miss, with no row free, or for a request that
+        wants its prompt's logits (``Req.prompt_logits``). ``release`` undoes it.
         Locking makes those slots protected: ``available_slots`` may shrink."""
         cache = self.prefix_cache
         if req in self._held:
             raise ValueError(f"KVMemory: request {req.rid} is admitted but already holds a row")
-        if cache is None or self.available_rows == 0:
+        if cache is None or self.available_rows == 0 or req.prompt_logits:
             return 0
         assert req.kv_len == 0 and req.num_pending == 0, "a request holding nothing"
         match = cache.match(self._key(req, req.seq_len - 1))

@@ -145,6 +145,9 @@ class Req:
     num_retractions: int = 0
     num_pending: int = 0
     cached_tokens: int = 0
+    #: The caller wants the logits of the prompt's rows (prompt log-probabilities): while set,
+    #: the prefix cache serves none of its prompt (those rows must be computed).
+    prompt_logits: bool = False
 
     @property
     def fill_ids(self) -> list[int]:
@@ -183,6 +186,9 @@ class ScheduleBatch:
     sampling_info: SamplingBatchInfo
     samples: list[bool]
     return_full_logits: bool = False
+    #: Rows of an extend (indices into its tokens) whose logits are wanted beside each
+    #: request's last: the model returns them as ``LogitsOutput.row_logits``.
+    logit_rows: list[int] | None = None
 
     @property
     def mode(self) -> ForwardMode:

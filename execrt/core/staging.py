@@ -128,6 +128,19 @@ def _host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype) ->
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
 
 
+def copy_to_host(tensor: torch.Tensor) -> HostCopy:
+    """A non-blocking copy of ``tensor`` (flattened) into a host buffer of its own, pinned on
+    CUDA: for values read later than a ``DeviceToHost`` ring's turn allows."""
+    flat = tensor.detach().flatten()
+    if flat.device.type != "cuda":
+        return HostCopy(flat.to("cpu", copy=True), None)
+    host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = _event()
+    event.record()
+    return HostCopy(host, event)
+
+
 def _event() -> torch.cuda.Event:
     """A CUDA event recorded where the copy was queued (torch's constructor is untyped)."""
     return torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -39,7 +39,8 @@ class RequestOutput:
 
     ``finish_reason`` is None while the request runs, else ``stop`` / ``length`` / ``abort``
     / ``error`` (``error`` then says why). ``cached_tokens`` counts prompt tokens served from
-    the prefix cache.
+    the prefix cache. ``prompt_logprobs`` (asked for with ``prompt_logprobs``) come once,
+    with the first output: one per prompt token but the first, which has none.
     """
 
     token_ids: list[int]
@@ -49,6 +50,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -97,12 +99,15 @@ class EngineRequest:
     ``sampling`` holds ``SamplingParams`` keywords (``max_new_tokens``, ``temperature``, ...);
     the engine validates them and names what is wrong. ``top_logprobs`` None returns no
     log-probabilities; 0 returns the sampled token's only; k > 0 also the k most likely.
+    ``prompt_logprobs`` likewise for the prompt's tokens (all but the first; computing them
+    bypasses the prefix cache for this prompt).
     """
 
     request_id: str
     prompt_ids: list[int]
     sampling: Mapping[str, Any]
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class Detokenizer(ABC):
@@ -267,7 +272,9 @@ class BackgroundEngineClient(EngineClient):
 
     def check(self, request: EngineRequest) -> str | None:
         assert self._limits is not None, "check() before ready()"
-        return self._limits.check(request.prompt_ids, request.sampling, request.top_logprobs)
+        return self._limits.check(
+            request.prompt_ids, request.sampling, request.top_logprobs, request.prompt_logprobs
+        )
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache between two steps (on every rank); blocks until done."""
@@ -383,6 +390,8 @@ def _merge(into: RequestOutput, later: RequestOutput) -> None:
     into.prompt_tokens = later.prompt_tokens or into.prompt_tokens
     into.cached_tokens = later.cached_tokens or into.cached_tokens
     into.num_retractions = later.num_retractions
+    if later.prompt_logprobs is not None:
+        into.prompt_logprobs = later.prompt_logprobs
 
 
 def deliver(outputs: Sequence[tuple[OutputHolder, RequestOutput]]) -> None:

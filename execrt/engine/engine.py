@@ -371,6 +371,7 @@ class Engine:
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> int:
         """Queue one request and return its id; it runs as whichever thread steps the engine
         (``step``, or any ``generate``) steps it.
@@ -378,38 +379,49 @@ class Engine:
         ``on_output`` is called by the stepping thread after each step that gave the request
         tokens, with those tokens, and once more with ``finish_reason`` set (a callback that
         raises is logged and ignored). ``top_logprobs`` (0..20) adds each token's
-        log-probability and that many alternatives. Raises RequestError for an invalid
+        log-probability and that many alternatives. ``prompt_logprobs`` (0..20) does the same
+        for the prompt's tokens but the first (``RequestOutput.prompt_logprobs``, with the
+        first output); the prefix cache then serves none of this prompt, and its prefill runs
+        at most ``PROMPT_LOGIT_TOKENS`` tokens per step. Raises RequestError for an invalid
         request, as ``stream`` does.
         """
         if self._closed:
             raise RuntimeError("engine: submit() after close()")
         sp = SamplingParams() if sampling_params is None else sampling_params
-        ids, error = self._check_submission(prompt, sp, top_logprobs)
+        ids, error = self._check_submission(prompt, sp, top_logprobs, prompt_logprobs)
         if error is not None:
             raise RequestError(error)
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         req = Req(next(self._rids), ids, sp, sampling_seed=seed)
 
         def add() -> None:
-            self._requests.track(req, on_output, top_logprobs)
+            self._requests.track(req, on_output, top_logprobs, prompt_logprobs)
             self._add([req])
 
         self._driver.call(add)
         return req.rid
 
     def validate(
-        self, prompt: Prompt, sampling_params: SamplingParams, top_logprobs: int | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams,
+        top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str | None:
         """Why ``submit`` would refuse this request (the message it raises), or None. Safe
         from any thread."""
-        return self._check_submission(prompt, sampling_params, top_logprobs)[1]
+        return self._check_submission(prompt, sampling_params, top_logprobs, prompt_logprobs)[1]
 
     def _check_submission(
-        self, prompt: object, sp: SamplingParams, top_logprobs: int | None
+        self,
+        prompt: object,
+        sp: SamplingParams,
+        top_logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> tuple[list[int], str | None]:
         """``_validate``, and a request that could not run even in an empty KV cache is
         refused too (``generate`` instead finishes it with ``abort``)."""
-        ids, error = self._validate(prompt, sp, top_logprobs)
+        ids, error = self._validate(prompt, sp, top_logprobs, prompt_logprobs)
         if error is None:
             error = self.limits.kv_problem(len(ids), sp.max_new_tokens)
         return ids, error
@@ -493,7 +505,11 @@ class Engine:
         self.scheduler.finished = [r for r in self.scheduler.finished if r not in done]
 
     def _validate(
-        self, prompt: object, sp: SamplingParams, top_logprobs: int | None = None
+        self,
+        prompt: object,
+        sp: SamplingParams,
+        top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> tuple[list[int], str | None]:
         problems = (
             sp.problems()
@@ -517,6 +533,8 @@ class Engine:
         problems += self.limits.token_problems(ids)
         if top_logprobs is not None:
             problems += top_logprobs_problems(top_logprobs)
+        if prompt_logprobs is not None:
+            problems += top_logprobs_problems(prompt_logprobs, "prompt_logprobs")
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:

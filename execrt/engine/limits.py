@@ -25,9 +25,9 @@ def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> i
     return min(prompt_len + max_new_tokens, context_len) - 1
 
 
-def top_logprobs_problems(top: object) -> list[str]:
+def top_logprobs_problems(top: object, name: str = "top_logprobs") -> list[str]:
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        return [f"top_logprobs {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
+        return [f"{name} {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
     return []
 
 
@@ -63,7 +63,11 @@ class RequestLimits:
         return None
 
     def check(
-        self, prompt_ids: object, sampling: Mapping[str, Any], top_logprobs: int | None
+        self,
+        prompt_ids: object,
+        sampling: Mapping[str, Any],
+        top_logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> str | None:
         """What ``Engine.validate`` says of a token-id prompt with these ``SamplingParams``
         keywords (None: it would be served), without the engine."""
@@ -80,6 +84,8 @@ class RequestLimits:
         problems += self.token_problems(ids)
         if top_logprobs is not None:
             problems += top_logprobs_problems(top_logprobs)
+        if prompt_logprobs is not None:
+            problems += top_logprobs_problems(prompt_logprobs, "prompt_logprobs")
         if problems:
             return "; ".join(problems)
         return self.kv_problem(len(ids), sp.max_new_tokens)

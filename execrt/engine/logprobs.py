@@ -1,5 +1,6 @@
 """Log-probabilities of sampled tokens for the requests that ask for them, read off each step's
-logits right after sampling (before a later step can overwrite graph-static logits)."""
+logits right after sampling (before a later step can overwrite graph-static logits); and of
+their prompt's tokens (each prompt row's logits, which the extends compute on request)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from execrt.core.schedule import Req, ScheduleBatch
-from execrt.core.staging import DeviceToHost, HostCopy
+from execrt.core.staging import DeviceToHost, HostCopy, copy_to_host
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 from execrt.engine.client import TokenLogprobs
 from execrt.engine.limits import MAX_TOP_LOGPROBS
@@ -40,6 +41,25 @@ class _Pending:
     steps: deque[tuple[_StepLogprobs, int, int]] = field(default_factory=deque)
 
 
+@dataclass
+class _PromptPending:
+    """A request's prompt log-probabilities so far: ``parts`` of consecutive prompt tokens
+    (a step's values, its first row there, the token ids) from token 1 up to ``next``."""
+
+    top: int
+    end: int  # the prompt's length: tokens 1 .. end - 1 have a log-probability
+    next: int = 1  # the next prompt token to score (row next - 1 predicts it)
+    parts: list[tuple[_StepLogprobs, int, list[int]]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.next >= self.end
+
+
+#: Rows per log-softmax of prompt logits: bounds the fp32 copy ([rows, vocab]) it makes.
+PROMPT_ROWS_PER_PASS = 128
+
+
 class LogprobWorker(TpModelWorker):
     """A TpModelWorker that also reports log-probabilities for the requests in ``watch``.
 
@@ -51,6 +71,7 @@ class LogprobWorker(TpModelWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # TpModelWorker's arguments
         super().__init__(*args, **kwargs)
         self._watched: dict[Req, _Pending] = {}
+        self._prompts: dict[Req, _PromptPending] = {}
         self._logprobs_to_host = DeviceToHost(self.limits.device, torch.float32, slots=4)
 
     def watch(self, req: Req, top: int) -> None:
@@ -59,8 +80,37 @@ class LogprobWorker(TpModelWorker):
             raise ValueError(f"logprobs: top {top} out of range (0..{MAX_TOP_LOGPROBS})")
         self._watched[req] = _Pending(top)
 
+    def watch_prompt(self, req: Req, top: int) -> None:
+        """Score ``req``'s prompt tokens (all but the first) with ``top`` alternatives each;
+        the prefix cache then serves none of its prompt (``Req.prompt_logits``) until they
+        are all computed."""
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs: top {top} out of range (0..{MAX_TOP_LOGPROBS})")
+        pending = self._prompts[req] = _PromptPending(top, len(req.origin_input_ids))
+        req.prompt_logits = not pending.complete
+
     def unwatch(self, req: Req) -> None:
         self._watched.pop(req, None)
+        self._prompts.pop(req, None)
+        req.prompt_logits = False
+
+    def take_prompt(self, req: Req) -> list[TokenLogprobs] | None:
+        """``req``'s prompt log-probabilities (tokens 1 .. end), once all are computed; each
+        request's once. None before, after, and for a request not watched."""
+        pending = self._prompts.get(req)
+        if pending is None or not pending.complete:
+            return None
+        del self._prompts[req]
+        out = []
+        for step, first, ids in pending.parts:
+            step_top = (step.width - 1) // 2  # the most any request of that step asked for
+            for j, token_id in enumerate(ids):
+                values = step.row(first + j)
+                alternatives = tuple(
+                    (int(values[1 + step_top + k]), values[1 + k]) for k in range(pending.top)
+                )
+                out.append(TokenLogprobs(token_id, values[0], alternatives))
+        return out
 
     def take(self, req: Req, token_id: int) -> TokenLogprobs | None:
         """The log-probabilities of the token ``req`` just gained (None if not watched)."""
@@ -75,10 +125,68 @@ class LogprobWorker(TpModelWorker):
         return TokenLogprobs(token_id, values[0], alternatives)
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
+        wanted = self._prompt_rows(schedule_batch) if self._prompts else None
         result = super().forward_batch_generation(schedule_batch)
         if self._watched:
             self._record(schedule_batch, result)
+        if wanted:
+            self._record_prompts(wanted, result)
         return result
+
+    def _prompt_rows(
+        self, batch: ScheduleBatch
+    ) -> list[tuple[_PromptPending, int, list[int]]] | None:
+        """Ask the extend ``batch`` for the logits of the prompt rows its watched requests
+        still need (``batch.logit_rows``); returns, per such request, its pending record, the
+        first of its rows there and the prompt tokens those rows predict."""
+        if not batch.mode.is_extend():
+            return None
+        inputs = batch.inputs
+        rows: list[int] = []
+        wanted = []
+        offset = 0
+        for req, start, n in zip(
+            batch.reqs, inputs.prefix_lens_cpu, inputs.extend_lens_cpu, strict=True
+        ):
+            pending = self._prompts.get(req)
+            if pending is not None and not pending.complete:
+                # Row p (a token at position p) predicts token p + 1; these rows are
+                # positions start .. start + n - 1, and tokens 1 .. next - 1 are scored.
+                lo, hi = max(start, pending.next - 1), min(start + n, pending.end - 1)
+                if lo < hi:
+                    wanted.append((pending, len(rows), req.origin_input_ids[lo + 1 : hi + 1]))
+                    rows += range(offset + lo - start, offset + hi - start)
+                    pending.next = hi + 1
+                    req.prompt_logits = not pending.complete
+            offset += n
+        if not rows:
+            return None
+        batch.logit_rows = rows
+        return wanted
+
+    def _record_prompts(
+        self, wanted: list[tuple[_PromptPending, int, list[int]]], result: GenerationBatchResult
+    ) -> None:
+        logits = result.logits_output.row_logits  # [R, V]
+        if logits is None:
+            raise RuntimeError(
+                "logprobs: the model returned no logits for the prompt rows asked for "
+                "(ForwardBatch.logit_rows -> LogitsOutput.row_logits); prompt log-probabilities "
+                "need a model that computes them"
+            )
+        targets = self.stager([t for _, _, ids in wanted for t in ids])  # [R]
+        top = max(pending.top for pending, _, _ in wanted)
+        packed = []
+        for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_PASS):
+            hi = lo + PROMPT_ROWS_PER_PASS
+            logp = torch.log_softmax(logits[lo:hi].float(), dim=-1)  # [r, V]
+            chosen = logp.gather(1, targets[lo:hi, None])
+            best = logp.topk(top, dim=-1)
+            packed.append(torch.cat([chosen, best.values, best.indices.float()], dim=1))
+        # Read when the request's first token is out, maybe many steps later: a copy of its own.
+        step = _StepLogprobs(copy_to_host(torch.cat(packed)), 1 + 2 * top)
+        for pending, first, ids in wanted:
+            pending.parts.append((step, first, ids))
 
     def _record(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         rows = [

@@ -69,6 +69,7 @@ def _pack(rid: str, out: RequestOutput) -> Packed:
         out.cached_tokens,
         out.num_retractions,
         out.logprobs,
+        out.prompt_logprobs,
     )
 
 
@@ -86,6 +87,8 @@ def _merge_steps(steps: list[list[Packed]]) -> list[Packed]:
             m[4], m[5] = p[4] or m[4], p[5] or m[5]  # prompt and cached tokens
             if p[7] is not None:
                 m[7] = (m[7] or []) + p[7]
+            if p[8] is not None:  # sent once
+                m[8] = p[8]
     return [tuple(m) for m in merged.values()]
 
 
@@ -316,10 +319,12 @@ class ProcessEngineClient(BackgroundEngineClient):
         outputs = []
         live = self._live
         with self._lock:
-            for rid, ids, finish, error, prompt, cached, retractions, logprobs in packed:
+            for rid, ids, finish, error, prompt, cached, retractions, lps, prompt_lps in packed:
                 holder = live.pop(rid, None) if finish is not None else live.get(rid)
                 if holder is not None:
-                    out = RequestOutput(ids, logprobs, finish, error, prompt, cached, retractions)
+                    out = RequestOutput(
+                        ids, lps, finish, error, prompt, cached, retractions, prompt_lps
+                    )
                     outputs.append((holder, out))
         deliver(outputs)
 

@@ -24,6 +24,7 @@ class _Tracked:
     req: Req
     on_output: OutputCallback | None
     logprobs: bool
+    prompt_logprobs: bool = False  # not yet sent: they go with the first output
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -43,10 +44,18 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._by_rid)
 
-    def track(self, req: Req, on_output: OutputCallback | None, top_logprobs: int | None) -> None:
-        tracked = _Tracked(req, on_output, top_logprobs is not None)
+    def track(
+        self,
+        req: Req,
+        on_output: OutputCallback | None,
+        top_logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> None:
+        tracked = _Tracked(req, on_output, top_logprobs is not None, prompt_logprobs is not None)
         if top_logprobs is not None:
             self.worker.watch(req, top_logprobs)
+        if prompt_logprobs is not None:
+            self.worker.watch_prompt(req, prompt_logprobs)
         self._by_rid[req.rid] = tracked
         self._by_req[req] = tracked
         self.scheduler.sinks[req] = functools.partial(self.on_token, req)
@@ -91,8 +100,8 @@ class RequestTable:
         req = tracked.req
         del self._by_rid[req.rid], self._by_req[req]
         self.scheduler.sinks.pop(req, None)
+        out = self._output(tracked)  # before unwatch: it may take the prompt's log-probs
         self.worker.unwatch(req)
-        out = self._output(tracked)
         assert req.finish_reason is not None
         out.finish_reason = req.finish_reason.value
         out.error = req.error
@@ -107,6 +116,9 @@ class RequestTable:
             cached_tokens=cached_prompt_tokens(tracked.req),
         )
         tracked.new_ids, tracked.new_logprobs = [], []
+        if tracked.prompt_logprobs:
+            out.prompt_logprobs = self.worker.take_prompt(tracked.req)
+            tracked.prompt_logprobs = out.prompt_logprobs is None
         return out
 
     @staticmethod

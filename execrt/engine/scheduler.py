@@ -23,6 +23,9 @@ T = TypeVar("T")
 #: A waiting request that shares at least this many uncached tokens with one picked for the
 #: same extend waits a step, to find them cached instead of computing them twice.
 DEDUP_MIN_TOKENS = 32
+#: Prompt tokens per extend of the requests that want their prompt's logits (prompt
+#: log-probabilities): 1024 rows of a 152k vocabulary are 311 MB of bf16 logits.
+PROMPT_LOGIT_TOKENS = 1024
 
 
 @dataclass
@@ -143,6 +146,9 @@ class Scheduler:
         self._hold_admission = False
         self.overlap = overlap
         self.dedup_min_tokens = DEDUP_MIN_TOKENS
+        #: Prompt tokens per extend of the requests that want their prompt's logits: bounds
+        #: the step's ``[rows, vocab]`` logits (and their log-softmax).
+        self.prompt_logit_tokens = PROMPT_LOGIT_TOKENS
         self._inflight: Launched | None = None  # launched, results not yet processed
         #: Called as ``hook(req, token_id)`` for every token any request gains.
         self.on_token: list[Callable[[Req, int], None]] = []
@@ -273,6 +279,7 @@ class Scheduler:
         growth_all = sum(self._slots_needed(r) - r.kv_len for r in self.running) if hold else 0
         picked: list[Req] = []
         lens: list[int] = []
+        logit_rows = self.prompt_logit_tokens  # left for requests that want prompt logits
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running:
                 break
@@ -287,6 +294,8 @@ class Scheduler:
             growth = self._slots_needed(req) - req.kv_len
             keep = int(req.seq_len + 1 <= self._slots_needed(req))
             n = min(req.seq_len - req.kv_len, budget, room - reserve - keep)
+            if req.prompt_logits:
+                n = min(n, logit_rows)
             if n < 1 or (hold and growth > memory.available_slots - growth_all):
                 fits = False
             else:  # a pick computes a long part of this prompt: find it cached next
@@ -306,6 +315,10 @@ class Scheduler:
             spent += n
             reserve += keep
             growth_all += growth if hold else 0
+            if req.prompt_logits:
+                logit_rows -= n
+                if req.kv_len + n < req.seq_len:
+                    break  # a chunk: only the last pick may be one
         if not picked:
             return None
         batch = self._batch(picked, memory.reserve_extend(picked, lens))
@@ -333,8 +346,8 @@ class Scheduler:
         uncached part starts and ends) rule out almost every pick before the whole prefix is
         compared, so a step of many picks costs O(picks) per request, not O(picks x prompt).
         """
-        if not picked or not self.memory.reuses:
-            return False
+        if not picked or not self.memory.reuses or req.prompt_logits:
+            return False  # (a request that wants its prompt's logits never reads the cache)
         wanted = req.kv_len + self.dedup_min_tokens
         if req.seq_len - 1 < wanted:  # the last token is never matched
             return False

@@ -96,7 +96,11 @@ def run_commands(
         try:
             sp = SamplingParams(**request.sampling)
             rids[request.request_id] = engine.submit(
-                request.prompt_ids, sp, on_output=on_output, top_logprobs=request.top_logprobs
+                request.prompt_ids,
+                sp,
+                on_output=on_output,
+                top_logprobs=request.top_logprobs,
+                prompt_logprobs=request.prompt_logprobs,
             )
             summary.requests += 1
         except (RequestError, TypeError) as exc:  # check() passed: only a racing change

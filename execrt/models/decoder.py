@@ -146,16 +146,21 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.model.layers:
             h, delta = layer(h, delta, fb, attn)
         norm = self.model.norm
+        rows = None
         if fb.mode.is_extend():
             last = _on_device(fb.extend_lens_cpu, h.device).cumsum(0) - 1  # [B]
             if fb.return_full_logits:
                 full = norm.project(self.lm_head, h, delta)[0].float()
                 return LogitsOutput(next_token_logits=full[last], full_logits=full)
+            if fb.logit_rows is not None:  # prompt rows, e.g. for prompt log-probabilities
+                at = fb.logit_rows
+                rows = norm.project(self.lm_head, h[at], None if delta is None else delta[at])[0]
             # The norm is per row: normalise only the rows whose logits are wanted.
             h, delta = h[last], None if delta is None else delta[last]
         # In the model's dtype: the samplers and logprobs widen what they read (exactly), so a
         # separate fp32 copy would only add a kernel and twice the bytes to every step.
-        return LogitsOutput(next_token_logits=norm.project(self.lm_head, h, delta)[0])
+        logits = norm.project(self.lm_head, h, delta)[0]
+        return LogitsOutput(next_token_logits=logits, row_logits=rows)
 
     def attach_kv_cache(self, kv_cache: KVCache | None) -> None:
         """Make the model the K/V writer into ``kv_cache`` (None: the attention backend

@@ -34,7 +34,14 @@ from execrt.engine.client import (
 )
 from execrt.serve.metrics import Metrics
 from execrt.serve.protocol import APIError, Endpoint, Plan, engine_error, parse
-from execrt.serve.text import ChoiceText, chat_logprobs, completion_logprobs
+from execrt.serve.text import (
+    ChoiceText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    logprob_text_len,
+)
 
 OBJECTS = {"completion": "text_completion", "chat": "chat.completion"}
 ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
@@ -177,10 +184,13 @@ class _Choice:
     holder: OutputHolder
     text: ChoiceText
     counts_prompt: bool  # the first choice of its prompt: counts the prompt in metrics
+    echo: str | None = None  # the prompt's text, when the choice begins with it
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
     parts: list[str] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    started: bool = False  # an update was made
 
     @property
     def done(self) -> bool:
@@ -192,6 +202,7 @@ class _Update:
     choice: _Choice
     text: str
     logprobs: list[TokenLogprobs]
+    first: bool = False  # the choice's first: an echo goes before it
 
 
 class Job:
@@ -212,13 +223,19 @@ class Job:
             for c in range(plan.n):
                 index = p * plan.n + c
                 sampling = dict(plan.sampling, seed=plan.choice_seed(c))
-                req = EngineRequest(f"{self.id}-{index}", prompt, sampling, plan.top_logprobs)
+                req = EngineRequest(
+                    f"{self.id}-{index}", prompt, sampling, plan.top_logprobs, plan.prompt_logprobs
+                )
                 if c == 0:  # the others differ by their derived seed only
                     problem = client.check(req)
                     if problem is not None:
                         raise engine_error(problem, plan.endpoint)
                 text = ChoiceText(self.codec.detokenizer(), plan.stops)
-                self.choices.append(_Choice(index, req, OutputHolder(self.waker), text, c == 0))
+                choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
+                if plan.echo:  # the client's own text, else the ids decoded
+                    given = plan.prompt_texts[p] if p < len(plan.prompt_texts) else None
+                    choice.echo = self.codec.decode(prompt) if given is None else given
+                self.choices.append(choice)
 
     def submit(self) -> None:
         for choice in self.choices:
@@ -245,7 +262,11 @@ class Job:
             await self.waker.wait()
 
     def _apply(self, choice: _Choice, out: RequestOutput) -> _Update:
-        text, logprobs = choice.text.feed(out.token_ids, out.logprobs)
+        ids, lps = ([], None) if self.plan.prompt_only else (out.token_ids, out.logprobs)
+        text, logprobs = choice.text.feed(ids, lps)
+        first, choice.started = not choice.started, True
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.cached_tokens = out.cached_tokens
         self.metrics.gaps(choice.holder.take_gaps())
         if choice.text.stopped:
@@ -259,7 +280,7 @@ class Job:
                 choice.finish_reason = out.finish_reason
         if choice.done:
             self._count(choice)
-        return _Update(choice, text, logprobs)
+        return _Update(choice, text, logprobs, first)
 
     def _count(self, choice: _Choice) -> None:
         t = choice.holder.timing
@@ -317,14 +338,27 @@ class Job:
             update.choice.parts.append(update.text)
 
     def _final_choice(self, choice: _Choice) -> dict[str, Any]:
-        text = "".join(choice.parts)
-        logprobs = self._logprobs(choice.text.logprobs)
+        echo, echo_lp = self._echo(choice)
+        text = echo + "".join(choice.parts)
+        logprobs = self._logprobs(choice.text.logprobs, logprob_text_len(echo_lp or {"tokens": []}))
+        if echo_lp is not None:
+            logprobs = join_logprobs(echo_lp, logprobs)
         if self.plan.endpoint == "completion":
             body: dict[str, Any] = {"index": choice.index, "text": text}
         else:
             message = {"role": "assistant", "content": text}
             body = {"index": choice.index, "message": message}
         return body | {"logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+    def _echo(self, choice: _Choice) -> tuple[str, dict[str, Any] | None]:
+        """The text and log-probabilities a choice begins with: its prompt under ``echo``."""
+        top = self.plan.top_logprobs
+        if choice.echo is None:
+            return "", None
+        if top is None:
+            return choice.echo, None
+        prompt = choice.request.prompt_ids
+        return choice.echo, echo_logprobs(prompt, choice.prompt_logprobs, self.codec, top)
 
     def _logprobs(self, logprobs: list[TokenLogprobs], offset: int = 0) -> Any:
         top = self.plan.top_logprobs
@@ -347,25 +381,33 @@ class Job:
             offsets = [0] * len(self.choices)  # text_offset of each choice's next token
             async for u in self.updates():
                 c = u.choice
-                if not u.logprobs and not c.done:  # the usual piece: text only
-                    if u.text:
-                        yield self._text_chunk(c.index, u.text)
+                text, echo_lp = u.text, None
+                if u.first and c.echo is not None:  # the prompt first (completions' echo)
+                    echo, echo_lp = self._echo(c)
+                    text = echo + text
+                    if echo_lp is not None:
+                        offsets[c.index] = logprob_text_len(echo_lp)
+                if not u.logprobs and echo_lp is None and not c.done:  # text only
+                    if text:
+                        yield self._text_chunk(c.index, text)
                     continue
                 lp = self._logprobs(u.logprobs, offsets[c.index]) if u.logprobs else None
                 offsets[c.index] += sum(len(self.codec.token_text(x.token_id)) for x in u.logprobs)
-                content = bool(u.text or u.logprobs)
+                if echo_lp is not None:
+                    lp = echo_lp if lp is None else join_logprobs(echo_lp, lp)
+                content = bool(text or u.logprobs or echo_lp)
                 if c.finish_reason == "error":
                     if content:
-                        yield self._chunk(c.index, self._piece(u.text, lp))
+                        yield self._chunk(c.index, self._piece(text, lp))
                     error = APIError(c.error or "request failed", status=500, type="server_error")
                     yield _sse(error.body())
                 elif chat:
                     if content:
-                        yield self._chunk(c.index, self._piece(u.text, lp))
+                        yield self._chunk(c.index, self._piece(text, lp))
                     if c.done:  # an empty delta ends the choice
                         yield self._chunk(c.index, {"delta": {}, "finish_reason": c.finish_reason})
                 elif content or c.done:  # the last piece carries the finish reason
-                    body = self._piece(u.text, lp) | {"finish_reason": c.finish_reason}
+                    body = self._piece(text, lp) | {"finish_reason": c.finish_reason}
                     yield self._chunk(c.index, body)
             if self.plan.include_usage:
                 yield _sse(self._envelope([]) | {"usage": self.usage()})

@@ -29,7 +29,7 @@ SAMPLING_FIELDS = {
 }
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 FIELDS: dict[Endpoint, frozenset[str]] = {
-    "completion": frozenset(_COMMON | {"prompt", "logprobs"}),
+    "completion": frozenset(_COMMON | {"prompt", "logprobs", "echo"}),
     "chat": frozenset(
         _COMMON
         | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
@@ -40,7 +40,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
-    "echo": (False,),
+    "echo": (False,),  # chat (completions implement it)
     "best_of": (1,),
     "logit_bias": ({},),
     "suffix": ("",),
@@ -97,6 +97,18 @@ class Plan:
     sampling: dict[str, Any]  # SamplingParams keywords shared by every choice (seed apart)
     seed: int | None
     top_logprobs: int | None  # None: no log-probabilities
+    #: completions' ``echo``: each choice's text (and log-probabilities) begins with its prompt
+    echo: bool = False
+    #: ``echo`` with ``max_tokens: 0``: the prompt alone (the engine's one token is dropped)
+    prompt_only: bool = False
+    #: per prompt, its text as the client sent it (None for token ids): what ``echo`` repeats
+    prompt_texts: tuple[str | None, ...] = ()
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """What each engine request asks of its prompt: an echo with log-probabilities
+        scores the prompt's tokens too."""
+        return self.top_logprobs if self.echo else None
 
     def choice_seed(self, choice: int) -> int | None:
         """Choice 0 takes ``seed`` itself (n=1 and n>1 agree on it); the others get distinct
@@ -119,11 +131,16 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"model {model!r} must be a string", param="model")
+    echo = prompt_only = False
+    texts: tuple[str | None, ...] = ()
     if endpoint == "completion":
-        prompts = _completion_prompts(fields.get("prompt"), text)
+        prompts, texts = _completion_prompts(fields.get("prompt"), text)
         logprobs = fields.get("logprobs")
         top = None if logprobs is None else _int(fields, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
         default_tokens = DEFAULT_COMPLETION_TOKENS
+        echo = _bool(fields, "echo", False)
+        if echo and _is_token(fields.get("max_tokens")) and fields["max_tokens"] == 0:
+            fields["max_tokens"], prompt_only = 1, True  # scoring a prompt (lm-eval's way)
     else:
         variables = fields.get("chat_template_kwargs", {})
         if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
@@ -149,7 +166,10 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     sampling.setdefault("max_new_tokens", default_tokens)
     seed = sampling.pop("seed", None)
-    return Plan(endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top)
+    return Plan(
+        endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top,
+        echo, prompt_only, texts,
+    )  # fmt: skip
 
 
 def engine_error(message: str, endpoint: Endpoint) -> APIError:
@@ -235,8 +255,11 @@ def _stops(stop: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _completion_prompts(prompt: object, text: TextCodec) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
+def _completion_prompts(
+    prompt: object, text: TextCodec
+) -> tuple[list[list[int]], tuple[str | None, ...]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists: each
+    prompt's ids, and its text where it came as text."""
     bad = APIError(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists "
         "of token ids",
@@ -261,7 +284,7 @@ def _completion_prompts(prompt: object, text: TextCodec) -> list[list[int]]:
             out.append(list(item))
         else:
             raise bad
-    return out
+    return out, tuple(item if isinstance(item, str) else None for item in items)
 
 
 def _is_token(value: object) -> bool:

@@ -107,6 +107,36 @@ def completion_logprobs(
     }
 
 
+def echo_logprobs(
+    prompt_ids: Sequence[int], scored: Sequence[TokenLogprobs], codec: TextCodec, top: int
+) -> dict[str, Any]:
+    """An echoed prompt in the completions shape: its first token has no log-probability
+    (None, as its alternatives), the others ``scored``'s."""
+    first = codec.token_text(prompt_ids[0])
+    rest = completion_logprobs(scored, codec, top, offset=len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": None if rest["top_logprobs"] is None else [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions-shape listings, one after the other (``then``'s offsets already
+    counted past ``first``'s text)."""
+    return {
+        key: None if first[key] is None or then[key] is None else first[key] + then[key]
+        for key in first
+    }
+
+
+def logprob_text_len(listing: dict[str, Any]) -> int:
+    """The length of the text a completions-shape listing spells (its offsets' end)."""
+    tokens = listing["tokens"]
+    return listing["text_offset"][-1] + len(tokens[-1]) if tokens else 0
+
+
 def chat_logprobs(logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int) -> dict[str, Any]:
     """The chat shape: one entry per token with its bytes and its top alternatives."""
 

@@ -80,6 +80,7 @@ class FakeWorker:
             prefix_cache=PREFIX_CACHES[w.prefix_cache],
         )
         self.limits = WorkerLimits(w.context_len, w.max_running, w.max_prefill, cpu)
+        self.prompt_logit_tokens = w.prompt_logit_tokens
         cache = w.cache
         self.kv = torch.full((cache + 1,), -1, dtype=torch.int64)  # token id per slot
         self.calls = 0
@@ -97,6 +98,9 @@ class FakeWorker:
             self.on_launch(batch)
         self.memory.check()  # free + held == total, for slots and rows, at every step
         inputs = batch.inputs
+        if batch.mode.is_extend():  # prompt-logit requests: at most the cap's tokens a step
+            lens = zip(batch.reqs, inputs.extend_lens_cpu, strict=True)
+            assert sum(n for r, n in lens if r.prompt_logits) <= self.prompt_logit_tokens
         loc = inputs.out_cache_loc
         assert len(set(loc.tolist())) == loc.numel() and int(loc.min()) >= 1
         self.kv[loc] = inputs.input_ids  # [T]
@@ -125,6 +129,8 @@ class Workload:
     requests: list[tuple[list[int], SamplingParams]]
     prefix_cache: str = "none"  # a key of PREFIX_CACHES
     dedup_min_tokens: int = 32  # Scheduler's: shared uncached tokens that make a request wait
+    prompt_logits: frozenset[int] = frozenset()  # rids that want their prompt's logits
+    prompt_logit_tokens: int = 1024  # Scheduler's: their tokens per extend
 
 
 @st.composite
@@ -161,6 +167,10 @@ def workloads(draw: st.DrawFn) -> Workload:
         requests=requests,
         prefix_cache=draw(st.sampled_from(["radix", "none", "force_miss"]), label="prefix cache"),
         dedup_min_tokens=draw(st.sampled_from([32, 1, 3]), label="dedup"),
+        prompt_logits=frozenset(
+            draw(st.sets(st.integers(0, len(requests) - 1)), label="prompt logits")
+        ),
+        prompt_logit_tokens=draw(st.sampled_from([1024, 1, 4]), label="prompt logit tokens"),
     )
 
 
@@ -173,7 +183,10 @@ def _setup(w: Workload, overlap: bool) -> tuple[FakeWorker, Scheduler, list[Req]
         overlap=overlap,
     )
     sched.dedup_min_tokens = w.dedup_min_tokens
+    sched.prompt_logit_tokens = w.prompt_logit_tokens
     reqs = [Req(i, list(p), sp) for i, (p, sp) in enumerate(w.requests)]
+    for req in reqs:
+        req.prompt_logits = req.rid in w.prompt_logits
     return worker, sched, reqs
 
 
@@ -285,6 +298,7 @@ def test_every_request_that_fits_alone_completes_with_its_own_tokens(
     assert worker.memory.cached_slots == worker.memory.evictable_slots, "a lock was left"
     if w.prefix_cache != "radix":
         assert sched.stats.prefix_hit_tokens == 0 and all(r.cached_tokens == 0 for r in reqs)
+    assert all(r.cached_tokens == 0 for r in reqs if r.prompt_logits)  # computed, not read
     assert sched.stats.steps <= _step_bound(reqs, w)
     for req in reqs:
         if _fits(req, w):

@@ -93,6 +93,12 @@ class FakeClient(seam.EngineClient):
                 r.last, r.made = token, r.made + 1
                 lp = [seam.TokenLogprobs(token, -0.5, ((token, -0.5), (0, -2.0)))]
                 out = RequestOutput([token], lp if r.request.top_logprobs is not None else None)
+                if r.made == 1 and r.request.prompt_logprobs is not None:
+                    # each prompt token but the first at -1.0, with itself and "a" on top
+                    out.prompt_logprobs = [
+                        seam.TokenLogprobs(t, -1.0, ((t, -1.0), (0, -3.0)))
+                        for t in r.request.prompt_ids[1:]
+                    ]
                 sp = r.request.sampling
                 stop = token in sp.get("stop_token_ids", ())
                 if r.request.prompt_ids[0] == FAIL:  # the engine fails after one token

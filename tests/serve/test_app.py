@@ -105,7 +105,6 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
     [
         ({"foo": 1}, "foo", "field 'foo' is unsupported"),
         ({"best_of": 2}, "best_of", "field 'best_of' = 2 is unsupported"),
-        ({"echo": True}, "echo", "accepted only as False"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "'frequency_penalty' = 0.5"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "'logit_bias'"),
         ({"temperature": -1}, "temperature", "temperature -1 must be a finite number >= 0"),
@@ -238,6 +237,61 @@ def test_a_reserved_template_variable_is_a_400_on_chat_template_kwargs() -> None
     assert info.value.param == "chat_template_kwargs" and "'eos_token' is reserved" in str(
         info.value
     )
+
+
+def _choice_of(fake, body):  # type: ignore[no-untyped-def]
+    """The first choice's text and logprobs, non-streamed and streamed (must agree)."""
+    (choice,) = call(fake, "POST", "/v1/completions", body).json()["choices"]
+    chunks = events(call(fake, "POST", "/v1/completions", body | {"stream": True}))
+    parts = [c["choices"][0] for c in chunks]
+    assert "".join(p["text"] for p in parts) == choice["text"]
+    assert parts[-1]["finish_reason"] == choice["finish_reason"]
+    streamed = [p["logprobs"] for p in parts if p["logprobs"] is not None]
+    if choice["logprobs"] is None:
+        assert streamed == []
+    else:
+        joined = {
+            k: None if streamed[0][k] is None else sum((lp[k] for lp in streamed), [])
+            for k in choice["logprobs"]
+        }
+        assert joined == choice["logprobs"]
+    return choice
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(fake) -> None:
+    body = {"prompt": "abc", "max_tokens": 2, "echo": True, "logprobs": 1}
+    choice = _choice_of(fake, body)
+    assert choice["text"] == "abcde" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b", "c", "d", "e"],
+        "token_logprobs": [None, -1.0, -1.0, -0.5, -0.5],  # the first token has none
+        "top_logprobs": [None, {"b": -1.0}, {"c": -1.0}, {"d": -0.5}, {"e": -0.5}],
+        "text_offset": [0, 1, 2, 3, 4],
+    }
+    assert all(r.prompt_logprobs == 1 for r in fake.submitted)
+    # Without logprobs the text alone is echoed, and the prompt is not scored.
+    choice = _choice_of(fake, {"prompt": [0, 1], "max_tokens": 1, "echo": True})
+    assert (choice["text"], choice["logprobs"]) == ("abc", None)  # token ids, decoded
+    assert fake.submitted[-1].prompt_logprobs is None
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(fake) -> None:
+    body = {"prompt": ["ab", "xyz"], "max_tokens": 0, "echo": True, "logprobs": 0}
+    r = call(fake, "POST", "/v1/completions", body).json()
+    assert [c["text"] for c in r["choices"]] == ["ab", "xyz"]
+    assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"]
+    assert r["choices"][1]["logprobs"] == {
+        "tokens": ["x", "y", "z"],
+        "token_logprobs": [None, -1.0, -1.0],
+        "top_logprobs": None,
+        "text_offset": [0, 1, 2],
+    }
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 5
+    assert all(req.sampling["max_new_tokens"] == 1 for req in fake.submitted)
+    assert _choice_of(fake, body | {"prompt": "ab"})["text"] == "ab"
+    # max_tokens 0 without echo is the engine's refusal, as before
+    plan = parse({"prompt": "ab", "max_tokens": 0}, "completion", fake.text(), 64)
+    assert plan.sampling["max_new_tokens"] == 0 and not plan.prompt_only
 
 
 def test_chat_stream_framing(fake) -> None:

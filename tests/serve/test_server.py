@@ -347,3 +347,30 @@ def test_256_concurrent_streams_all_match_the_engine(served) -> None:
     assert errors == []
     assert got == [r.text for r in expected]
     wait_until(lambda: served.stats().requests_running == 0)
+
+
+def test_echo_scores_a_prompt_as_lm_eval_asks(served) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, max_tokens 0 (or 1,
+    the last token then dropped). The prompt is a greedy continuation, so each scored token
+    is the most likely one, with the log-probability its decode step gave it."""
+    api = served.openai()
+    prompt = served.engine.tokenizer.encode("Hello there").ids
+    made = api.completions.create(
+        model="builtin", prompt=prompt, max_tokens=4, temperature=0, logprobs=1
+    ).choices[0]
+    assert made.logprobs is not None
+    ids = prompt + served.engine.generate(prompt, greedy(4)).token_ids[:3]  # made's tokens
+    for max_tokens in (0, 1):
+        choice = api.completions.create(
+            model="builtin", prompt=ids, max_tokens=max_tokens, logprobs=1, echo=True
+        ).choices[0]
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+        scored = lp.token_logprobs[len(prompt) : len(ids)]
+        assert scored == pytest.approx(made.logprobs.token_logprobs[:3], abs=1e-4)
+        scored_tops = lp.top_logprobs[len(prompt) : len(ids)]
+        for token, top in zip(lp.tokens[len(prompt) : len(ids)], scored_tops, strict=True):
+            assert max(top, key=top.get) == token  # greedy: each token is the best
+        assert choice.text.startswith(served.engine.tokenizer.decode(prompt))
+    assert served.stats().requests_running == 0
