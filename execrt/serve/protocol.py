@@ -53,7 +53,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
 }
 MAX_N = 64
-MAX_STOPS = 4
+MAX_STOPS = 16  # OpenAI allows 4; lm-eval's completions send a task's whole list
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions

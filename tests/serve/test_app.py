@@ -109,7 +109,7 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
         ({"logit_bias": {"1": 5}}, "logit_bias", "'logit_bias'"),
         ({"temperature": -1}, "temperature", "temperature -1 must be a finite number >= 0"),
         ({"n": 0}, "n", "n 0 must be an integer in 1..64"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "a list of up to 4"),
+        ({"stop": list("abcdefghijklmnopq")}, "stop", "a list of up to 16"),
         ({"stop": [""]}, "stop", "non-empty string"),
         ({"logprobs": 6}, "logprobs", "logprobs 6 must be an integer in 0..5"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),

@@ -372,5 +372,7 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(served) -> None:
         scored_tops = lp.top_logprobs[len(prompt) : len(ids)]
         for token, top in zip(lp.tokens[len(prompt) : len(ids)], scored_tops, strict=True):
             assert max(top, key=top.get) == token  # greedy: each token is the best
+        # lm-eval's is_greedy test compares the floats exactly
+        assert all(v == max(t.values()) for v, t in zip(scored, scored_tops, strict=True))
         assert choice.text.startswith(served.engine.tokenizer.decode(prompt))
     assert served.stats().requests_running == 0
