@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (default: auto)",
     )
     gen.add_argument(
+        "--kv-cache-rotation",
+        dest="kv_cache_rotation",
+        help="rotate q and k by a Hadamard matrix after RoPE: hadamard, none, or auto (for an "
+        "fp8 cache: less rounding error; default: auto)",
+    )
+    gen.add_argument(
         "--tp",
         dest="tp_size",
         type=int,
@@ -580,6 +586,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "device",
         "dtype",
         "kv_cache_dtype",
+        "kv_cache_rotation",
         "strict",
         "tp_size",
         "ep_size",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from execrt.core.assembly import ResolvedRuntime, resolve_runtime
 from execrt.core.batch import ForwardBatch, LogitsOutput
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
+from execrt.core.errors import ConfigError
 from execrt.core.interfaces import AttentionBackend, MoEDispatcher
 from execrt.core.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from execrt.core.model_spec import Model, ModelLoader, ModelLoadRequest
@@ -85,6 +87,8 @@ class ModelRunner:
                 fused_kernels=r.config.fused_kernels,
             )
         )
+        if r.kv_rotation:
+            r = self.resolved = self._rotate_keys(r)
         kv_tokens = assembly.kv_cache_tokens(r)
         # Automatic running requests fit the pool, now that its size is known.
         r = self.resolved = assembly.fit_running_requests(r, kv_tokens)
@@ -165,6 +169,20 @@ class ModelRunner:
         return obj
 
     # -- running ------------------------------------------------------------------------------
+    def _rotate_keys(self, r: ResolvedRuntime) -> ResolvedRuntime:
+        """Have the model rotate q and k (``kv_cache_rotation``) through its optional
+        ``set_kv_rotation``; a model without one runs unrotated when ``auto`` chose it."""
+        rotate = getattr(self.model, "set_kv_rotation", None)
+        if rotate is not None:
+            rotate(True)
+            return r
+        if r.config.kv_cache_rotation == "hadamard":
+            raise ConfigError(
+                f"config: kv_cache_rotation 'hadamard' needs a model that rotates q and k "
+                f"(set_kv_rotation); {type(self.model).__name__} has none (use 'none')"
+            )
+        return dataclasses.replace(r, kv_rotation=False)
+
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
         """Run one forward pass, through a captured graph when one fits, else eagerly."""
         graphs = self.decode_graph_runner

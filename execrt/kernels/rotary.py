@@ -12,6 +12,24 @@ from execrt.kernels._triton import fail, import_triton
 from execrt.kernels.norm import rmsnorm_torch
 
 
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` in fp32 over the last dim (a power of two, D): ``H`` the Sylvester Hadamard
+    matrix over sqrt(D), orthogonal and symmetric, so rotating q and k alike keeps every q.k.
+    A fast Walsh-Hadamard transform, its butterflies from the widest (D/2) down, in the order
+    the Triton kernel adds them (the same fp32 values)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"hadamard_rotate: last dim {d} must be a power of two")
+    y = x.float()
+    h = d // 2
+    while h >= 1:
+        pairs = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
+        h //= 2
+    return y * d**-0.5
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """NeoX convention: ``[x1, x2] -> [-x2, x1]`` over the last dim."""
     half = x.shape[-1] // 2
@@ -33,11 +51,13 @@ def qk_norm_rope_torch(
     v_cache: torch.Tensor | None = None,
     out_cache_loc: torch.Tensor | None = None,
     cache_scales: torch.Tensor | None = None,
+    hadamard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference with the model's roundings: norm as ``RMSNorm``, then RoPE in ``q.dtype``.
 
     The table rows are cast to ``q.dtype`` before use and ``q * cos``, ``rotate_half(q) * sin``
-    and their sum are each rounded to the dtype, exactly as ``RotaryEmbedding`` does. The
+    and their sum are each rounded to the dtype, exactly as ``RotaryEmbedding`` does;
+    ``hadamard`` then rotates both (``hadamard_rotate``, rounded to the dtype once). The
     rotated k and v are stored through ``kv_quant.store``, as ``KVCache.set_kv`` stores.
     """
     store = _store_args(v, k_cache, v_cache, out_cache_loc, cache_scales)
@@ -49,6 +69,8 @@ def qk_norm_rope_torch(
     s = sin[positions].to(q.dtype)[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
+    if hadamard:
+        q, k = hadamard_rotate(q).to(q.dtype), hadamard_rotate(k).to(k.dtype)
     if store is not None:
         inv = store.scales
         store_kv(store.k_cache, store.loc, k, None if inv is None else inv[K_INV_SCALE])
@@ -71,6 +93,7 @@ def qk_norm_rope(
     v_cache: torch.Tensor | None = None,
     out_cache_loc: torch.Tensor | None = None,
     cache_scales: torch.Tensor | None = None,
+    hadamard: bool = False,
     use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (and, with weights, per-head RMS-normed) ``(q [T, Hq, D], k [T, Hkv, D])``.
@@ -83,7 +106,9 @@ def qk_norm_rope(
     those cache slots (cast to the cache dtype), so the attention backend need not store them.
     An fp8 cache stores them quantized as ``kv_quant.quantize`` does, with the layer's scale
     row ``cache_scales`` (fp32 ``[4]``, ``KVCache.layer_scales[layer]``; None: scales 1.0):
-    both paths give the same bytes.
+    both paths give the same bytes. ``hadamard`` (a power-of-two head dim) rotates q and k,
+    after RoPE, by the same orthogonal matrix (``hadamard_rotate``): q.k is unchanged and k is
+    stored rotated, its outlier channels spread over the head before an fp8 rounding.
 
     The Triton kernel (``use_triton``) rounds the norm like the reference but computes the
     rotation in fp32 from the fp32 tables and rounds once: within 1e-6 relative of the
@@ -94,14 +119,14 @@ def qk_norm_rope(
         return qk_norm_rope_torch(
             q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
             v=v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=out_cache_loc,
-            cache_scales=cache_scales,
+            cache_scales=cache_scales, hadamard=hadamard,
         )  # fmt: skip
     import_triton()
     from execrt.kernels.triton_rotary import qk_norm_rope_triton
 
     return qk_norm_rope_triton(
         q, k, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
-        store=_store_args(v, k_cache, v_cache, out_cache_loc, cache_scales),
+        store=_store_args(v, k_cache, v_cache, out_cache_loc, cache_scales), hadamard=hadamard,
     )  # fmt: skip
 
 

@@ -68,6 +68,19 @@ def _to_cache(
 
 
 @triton.jit
+def _walsh_hadamard(x, BLOCK_H: tl.constexpr, N: tl.constexpr):
+    """``x [BH, N]`` (fp32, N a power of two) times the unnormalised Sylvester Hadamard
+    matrix: butterflies ``(a + b, a - b)`` of elements ``h`` apart, from h = N/2 down to 1 (the
+    order of ``rotary.hadamard_rotate``), by reshapes, so that no element leaves registers
+    but through Triton's own layout conversions."""
+    for stage in tl.static_range(N.bit_length() - 1):  # h = N >> (stage + 1)
+        pairs = tl.reshape(x, (BLOCK_H, 1 << stage, 2, N >> (stage + 1)))  # [BH, N/2h, 2, h]
+        a, b = tl.split(tl.permute(pairs, (0, 1, 3, 2)))  # [BH, N / 2h, h] each
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_H, N))
+    return x
+
+
+@triton.jit
 def _norm_rope_heads(
     src_ptr,
     stride_st,
@@ -86,9 +99,11 @@ def _norm_rope_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HADAMARD: tl.constexpr,
 ):
-    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate, write; returns the two
-    rotated halves ``[BH, BD/2]`` as written (for the K store)."""
+    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate (RoPE, then with
+    ``HADAMARD`` the Hadamard rotation), write; returns the two halves ``[BH, BD/2]`` as
+    written (for the K store)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
     d = tl.arange(0, BLOCK_HALF)  # [BD/2]
     d_mask = d < HALF
@@ -113,8 +128,15 @@ def _norm_rope_heads(
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     # rotate_half([x1, x2]) = [-x2, x1]; fp32 throughout, one rounding at the end.
-    o1 = (f1 * c1 - f2 * s1).to(dst_ptr.dtype.element_ty)
-    o2 = (f2 * c2 + f1 * s2).to(dst_ptr.dtype.element_ty)
+    r1 = f1 * c1 - f2 * s1
+    r2 = f2 * c2 + f1 * s2
+    if HADAMARD:  # [r1, r2] H: the widest butterfly joins the halves, the rest is per half
+        r1, r2 = r1 + r2, r1 - r2
+        norm = 1.0 / tl.sqrt(2.0 * HALF)
+        r1 = _walsh_hadamard(r1, BLOCK_H, BLOCK_HALF) * norm
+        r2 = _walsh_hadamard(r2, BLOCK_H, BLOCK_HALF) * norm
+    o1 = r1.to(dst_ptr.dtype.element_ty)
+    o2 = r2.to(dst_ptr.dtype.element_ty)
     dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
@@ -172,6 +194,7 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HADAMARD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Grid (T, q_blocks + kv_blocks): a program rotates BLOCK_H heads of q, or of k (and then
@@ -186,14 +209,14 @@ def _qk_norm_rope_kernel(
         _norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr,
             cos_row, sin_row, token, hb * BLOCK_H, num_q_heads, eps, HAS_Q_NORM, HALF, BLOCK_H,
-            BLOCK_HALF,
+            BLOCK_HALF, HADAMARD,
         )  # fmt: skip
     else:
         head0 = (hb - q_blocks) * BLOCK_H
         k1, k2 = _norm_rope_heads(
             k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr,
             cos_row, sin_row, token, head0, num_kv_heads, eps, HAS_K_NORM, HALF, BLOCK_H,
-            BLOCK_HALF,
+            BLOCK_HALF, HADAMARD,
         )  # fmt: skip
         if STORE_KV:
             slot = tl.load(loc_ptr + token).to(tl.int64)
@@ -325,6 +348,7 @@ def qk_norm_rope_triton(
     eps: float,
     store: KVStore | None = None,
     heads_per_block: int | None = None,
+    hadamard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for q and k of every token; see ``rotary.qk_norm_rope``.
 
@@ -332,6 +356,8 @@ def qk_norm_rope_triton(
     """
     t, hq, hkv, d = _check_inputs(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
     dv = _check_store(store, q, t, hkv, d) if store is not None else 1
+    if hadamard and d & (d - 1):
+        fail(NAME, f"hadamard rotation: head_dim {d} unsupported (supported: a power of two)")
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t == 0:
@@ -369,6 +395,7 @@ def qk_norm_rope_triton(
         BLOCK_H=bh,
         BLOCK_HALF=next_power_of_2(d // 2),
         BLOCK_DV=next_power_of_2(dv),
+        HADAMARD=hadamard,
         num_warps=rope_warps(bh),
         **pdl_kwargs(q.device),
     )  # fmt: skip

@@ -169,6 +169,14 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.kv_cache = kv_cache
 
+    def set_kv_rotation(self, enabled: bool) -> None:
+        """Rotate each head's q and k by a Hadamard matrix after RoPE (``kv_cache_rotation``):
+        attention scores are unchanged and the cache holds rotated keys. Before the first
+        forward."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.hadamard = enabled
+
     def kv_scales(self) -> KVScales | None:
         """The checkpoint's per-layer K/V scales for an fp8 cache (real = stored * scale); a
         layer without one gets 1.0. None when the checkpoint has none at all."""

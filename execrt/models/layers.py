@@ -184,6 +184,8 @@ class Attention(nn.Module):
         self.eps = rms_norm_eps
         self.rotary = rotary
         self.fused = False
+        #: q and k rotated by a Hadamard matrix after RoPE (``kv_cache_rotation``)
+        self.hadamard = False
         #: Where the model stores this step's K/V (set by ``attach_kv_cache``); None: the
         #: attention backend stores them (it declares ``stores_kv``).
         self.kv_cache: KVCache | None = None
@@ -222,6 +224,7 @@ class Attention(nn.Module):
             v_cache=None if cache is None else cache.v_buffers[s.layer_id],
             out_cache_loc=attn.out_cache_loc if cache is not None else None,
             cache_scales=scales,
+            hadamard=self.hadamard,
             use_triton=self.fused,
         )
         # Every backend gets this step's K/V: a storing one stores them, the others may read

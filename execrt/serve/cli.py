@@ -23,6 +23,7 @@ ENGINE_FLAGS = (
     "device",
     "dtype",
     "kv_cache_dtype",
+    "kv_cache_rotation",
     "tp_size",
     "ep_size",
     "strict",

@@ -165,6 +165,76 @@ def test_head_tiles_that_do_not_divide_the_head_count(heads_per_block: int) -> N
     assert v_cache[[1, 3, 4]].isnan().all() and k_cache[[1, 3, 4]].isnan().all()
 
 
+def sylvester(d: int) -> torch.Tensor:
+    """The Hadamard matrix of size ``d`` over sqrt(d) in fp64, built by Sylvester's doubling
+    (independent of the butterflies under test)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / d**0.5).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("tokens", "heads_per_block"), [(1, None), (7, 2), (33, 16)])
+def test_hadamard_rotation_against_an_fp64_oracle_keeps_every_score(
+    dtype: torch.dtype, head_dim: int, tokens: int, heads_per_block: int | None
+) -> None:
+    from execrt.kernels.triton_rotary import qk_norm_rope_triton
+
+    gen = torch.Generator().manual_seed(head_dim + tokens)
+    q, k, v = fused_qkv(tokens, 8, 2, head_dim, dtype, gen)
+    pos = random_positions(tokens, gen)
+    cos, sin = tables(head_dim)
+    qw, kw = norm_weight(head_dim, dtype, gen), norm_weight(head_dim, dtype, gen)
+    h = sylvester(head_dim)
+    slots = tokens + 3
+    caches = [torch.zeros(slots, 2, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(DEVICE)
+    store = KVStore(v, caches[0], caches[1], loc, None)
+    outs = {
+        "triton": qk_norm_rope_triton(
+            q,
+            k,
+            pos,
+            cos,
+            sin,
+            qw,
+            kw,
+            EPS,
+            store=store,
+            heads_per_block=heads_per_block,
+            hadamard=True,
+        ),  # fmt: skip
+        "torch": qk_norm_rope_torch(q, k, pos, cos, sin, qw, kw, EPS, hadamard=True),
+    }
+    assert torch.equal(caches[0][loc], outs["triton"][1]), "the cache holds the rotated k"
+    exact_q, exact_k = oracle(q, pos, cos, sin, qw) @ h, oracle(k, pos, cos, sin, kw) @ h
+    bound = 2e-6 if dtype == torch.float32 else 2e-3
+    for name, (q_out, k_out) in outs.items():
+        assert max_rel(q_out, exact_q) <= bound, name
+        assert max_rel(k_out, exact_k) <= bound, name
+    # q.k of every query head with its kv head is the unrotated one.
+    q_rot, k_rot = (x.double() for x in outs["triton"])
+    q_plain, k_plain = oracle(q, pos, cos, sin, qw), oracle(k, pos, cos, sin, kw)
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("thd,thd->th", q_rot, k_rot.repeat_interleave(group, 1))
+    plain = torch.einsum("thd,thd->th", q_plain, k_plain.repeat_interleave(group, 1))
+    assert max_rel(scores, plain) <= 50 * bound
+
+
+def test_hadamard_needs_a_power_of_two_head_dim() -> None:
+    from execrt.kernels.rotary import hadamard_rotate
+
+    q = torch.randn(2, 4, 96, device=DEVICE)
+    cos, sin = tables(96)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 96 unsupported .*power of two"):
+        qk_norm_rope(q, q[:, :2], pos, cos, sin, None, None, EPS, hadamard=True, use_triton=True)
+    with pytest.raises(ValueError, match="last dim 96 must be a power of two"):
+        hadamard_rotate(q)
+
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 #: Values whose fp8 rounding is easy to get wrong: ties (to even), a carry across an exponent
 #: (125 -> 128 in e4m3), subnormals, signed zeros, and magnitudes past the finite range.
@@ -172,7 +242,11 @@ HARD_VALUES = [1.0625, 1.1875, 125.0, -125.0, 2.0**-8, -(2.0**-10), 0.0, -0.0, 4
 
 
 def fp8_store(
-    kv_dtype: torch.dtype, scales: tuple[float, float] | None, use_triton: bool, seed: int
+    kv_dtype: torch.dtype,
+    scales: tuple[float, float] | None,
+    use_triton: bool,
+    seed: int,
+    hadamard: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """Rotate and store large K/V (plus ``HARD_VALUES`` in v) into an fp8 cache.
 
@@ -191,7 +265,7 @@ def fp8_store(
     _, k_out = qk_norm_rope(
         q, k, random_positions(tokens, gen), *tables(d), None, None, EPS, v=v,
         k_cache=caches[0], v_cache=caches[1], out_cache_loc=loc, cache_scales=row_t,
-        use_triton=use_triton,
+        hadamard=hadamard, use_triton=use_triton,
     )  # fmt: skip
     assert torch.equal(k, k_in) and torch.equal(v, v_in), "the store modified its inputs"
     return [c[loc] for c in caches], [k_out, v], row_t
@@ -200,11 +274,12 @@ def fp8_store(
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("scales", [None, (0.25, 4.0), (0.37, 3.1)])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["rope", "rope+hadamard"])
 def test_fp8_store_gives_the_bytes_of_kv_quant(
-    use_triton: bool, kv_dtype: torch.dtype, scales: tuple[float, float] | None
+    use_triton: bool, kv_dtype: torch.dtype, scales: tuple[float, float] | None, hadamard: bool
 ) -> None:
     # The Triton store must give torch's bytes (kv_quant.quantize) for the same rotated k.
-    stored, given, row = fp8_store(kv_dtype, scales, use_triton, seed=7)
+    stored, given, row = fp8_store(kv_dtype, scales, use_triton, seed=7, hadamard=hadamard)
     for cache, x, inv in zip(stored, given, (K_INV_SCALE, V_INV_SCALE), strict=True):
         want = quantize(x, kv_dtype, None if row is None else row[inv])
         assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
@@ -213,8 +288,9 @@ def test_fp8_store_gives_the_bytes_of_kv_quant(
 
 @needs_cuda
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["rope", "rope+hadamard"])
 def test_fp8_stores_on_the_gpu_give_no_nan_or_inf_and_the_same_bytes(
-    kv_dtype: torch.dtype,
+    kv_dtype: torch.dtype, hadamard: bool
 ) -> None:
     # torch's CUDA cast to e4m3 turns values >= 480 into NaN (CPU torch and Triton saturate):
     # only a GPU run sees whether every store path clamps first. Inputs up to |x| = 1e4.
@@ -222,7 +298,7 @@ def test_fp8_stores_on_the_gpu_give_no_nan_or_inf_and_the_same_bytes(
 
     values = []
     for use_triton in (False, True):
-        stored, given, _ = fp8_store(kv_dtype, None, use_triton, seed=8)
+        stored, given, _ = fp8_store(kv_dtype, None, use_triton, seed=8, hadamard=hadamard)
         assert max(float(x.abs().max()) for x in given) >= 1e4 - 1
         for cache, x in zip(stored, given, strict=True):  # rotated k (each path's own), v
             assert torch.isfinite(cache.float()).all()
