@@ -126,7 +126,14 @@ class TextCodec(ABC):
     """The text side of a model: prompts to token ids, tokens to text."""
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; ``add_special_tokens`` False leaves out what the tokenizer's
+        post-processor adds (a BOS, say)."""
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (``/tokenizer_info``: the
+        special tokens' text and the chat template). Raises ValueError without a tokenizer."""
+        raise ValueError("the model has no tokenizer.json")
 
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str: ...

@@ -59,19 +59,36 @@ class TokenizerCodec(TextCodec):
     there is none)."""
 
     def __init__(
-        self, tokenizer: Any, template: ChatTemplate | None, no_chat: str = "no chat template"
+        self,
+        tokenizer: Any,
+        template: ChatTemplate | None,
+        no_chat: str = "no chat template",
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._template = template
         self._no_chat = no_chat
+        self._eos_ids = tuple(eos_token_ids)
         stops = () if template is None else template.stop_token_ids(tokenizer)
         self._stops = tuple(dict.fromkeys(stops))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        t = self._template
+        eos = t.eos_token if t is not None and t.eos_token else None
+        if eos is None and self._eos_ids:  # the model's first end-of-sequence token
+            eos = self._tokenizer.id_to_token(self._eos_ids[0])
+        return {
+            "eos_token": eos,
+            "bos_token": t.bos_token if t is not None and t.bos_token else None,
+            "pad_token": None,
+            "chat_template": None if t is None else t.source,
+        }
 
     def token_text(self, token_id: int) -> str:
         return str(self._tokenizer.decode([token_id], skip_special_tokens=False))
@@ -112,7 +129,7 @@ class TokenIdCodec(TextCodec):
     """A model without tokenizer.json (random-weight benchmarks): prompts are token ids and
     the output text is the token ids, space-separated, as ``execrt generate`` prints them."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError("the model has no tokenizer.json: pass the prompt as token ids")
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -136,7 +153,12 @@ def text_codec(engine: Engine) -> TextCodec:
     """``engine``'s text side (picklable: it holds no reference to the engine)."""
     if engine.tokenizer is None:
         return TokenIdCodec()
-    return TokenizerCodec(engine.tokenizer, engine.chat_template, no_chat_reason(engine))
+    return TokenizerCodec(
+        engine.tokenizer,
+        engine.chat_template,
+        no_chat_reason(engine),
+        engine.model_config.eos_token_ids,
+    )
 
 
 def no_chat_reason(engine: Engine) -> str:

@@ -33,7 +33,15 @@ from execrt.engine.client import (
     Waker,
 )
 from execrt.serve.metrics import Metrics
-from execrt.serve.protocol import APIError, Endpoint, Plan, engine_error, parse
+from execrt.serve.protocol import (
+    APIError,
+    Endpoint,
+    Plan,
+    engine_error,
+    parse,
+    parse_detokenize,
+    parse_tokenize,
+)
 from execrt.serve.text import (
     ChoiceText,
     chat_logprobs,
@@ -107,13 +115,7 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
         card = model_card()
-        if model != card["id"]:
-            raise APIError(
-                f"model {model!r} does not exist (this server serves {card['id']!r})",
-                param="model",
-                status=404,
-                code="model_not_found",
-            )
+        _check_model(model, card["id"])
         return json_response(card)
 
     @app.get("/metrics")
@@ -130,6 +132,29 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
             raise APIError("flush_cache: running requests hold cached KV slots", status=409)
         return json_response({"flushed": True})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        info = _ready(client).model_info()
+        try:
+            body = client.text().tokenizer_info()
+        except ValueError as exc:
+            raise APIError(f"tokenizer_info: {exc}") from None
+        return json_response(body | {"model_max_length": info.context_len})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        info = _ready(client).model_info()
+        model, ids = parse_tokenize(await _json_body(request), client.text())
+        _check_model(model, info.name)
+        return json_response({"count": len(ids), "max_model_len": info.context_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        info = _ready(client).model_info()
+        model, ids = parse_detokenize(await _json_body(request), info.vocab_size)
+        _check_model(model, info.name)
+        return json_response({"prompt": client.text().decode(ids)})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(client, metrics, request, "completion")
@@ -139,6 +164,24 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
         return await _generate(client, metrics, request, "chat")
 
     return app
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise APIError(f"the request body is not valid JSON ({exc})") from None
+
+
+def _check_model(model: object, served: str) -> None:
+    """A request naming another model than the one served is a 404, as OpenAI answers."""
+    if model is not None and model != served:
+        raise APIError(
+            f"model {model!r} does not exist (this server serves {served!r})",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
 
 
 def _unavailable(client: EngineClient) -> APIError:
@@ -157,19 +200,10 @@ async def _generate(
     client: EngineClient, metrics: Metrics, request: Request, endpoint: Endpoint
 ) -> Response:
     _ready(client)
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise APIError(f"the request body is not valid JSON ({exc})") from None
+    body = await _json_body(request)
     info = client.model_info()
     plan = parse(body, endpoint, client.text(), info.context_len)
-    if plan.model is not None and plan.model != info.name:
-        raise APIError(
-            f"model {plan.model!r} does not exist (this server serves {info.name!r})",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+    _check_model(plan.model, info.name)
     job = Job(client, metrics, plan, info.name)
     job.submit()
     if plan.stream:

@@ -120,9 +120,7 @@ class Plan:
 
 def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -> Plan:
     """Read an OpenAI request body; APIError (400) naming the first field that is wrong."""
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    fields = {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    fields = _fields(body)
     _refuse_unknown(fields, endpoint)
     n = _int(fields, "n", 1, 1, MAX_N)
     stream = _bool(fields, "stream", False)
@@ -142,13 +140,7 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
         if echo and _is_token(fields.get("max_tokens")) and fields["max_tokens"] == 0:
             fields["max_tokens"], prompt_only = 1, True  # scoring a prompt (lm-eval's way)
     else:
-        variables = fields.get("chat_template_kwargs", {})
-        if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
-            raise APIError(
-                f"chat_template_kwargs {variables!r} must be an object (variable name -> value)",
-                param="chat_template_kwargs",
-            )
-        ids, end_ids = _chat_prompt(fields.get("messages"), text, variables)
+        ids, end_ids = _chat_prompt(fields.get("messages"), text, _template_variables(fields))
         prompts = [ids]
         top = None
         if _bool(fields, "logprobs", False):
@@ -170,6 +162,64 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
         endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top,
         echo, prompt_only, texts,
     )  # fmt: skip
+
+
+TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"}
+)
+
+
+def parse_tokenize(body: object, text: TextCodec) -> tuple[str | None, list[int]]:
+    """``/tokenize``: ``{"prompt": str}`` (``add_special_tokens``, default true) or
+    ``{"messages": [...]}`` through the chat template (``chat_template_kwargs``), as the
+    completions and chat endpoints encode them. Returns ``(model, token ids)``."""
+    fields = _fields(body)
+    unknown = sorted(set(fields) - TOKENIZE_FIELDS)
+    if unknown:
+        raise APIError(f"field {unknown[0]!r} is unsupported by /tokenize", param=unknown[0])
+    model = fields.get("model")
+    if ("prompt" in fields) == ("messages" in fields):
+        raise APIError("give one of prompt (a string) and messages (a chat)", param="prompt")
+    if "messages" in fields:
+        return model, _chat_prompt(fields["messages"], text, _template_variables(fields))[0]
+    prompt = fields["prompt"]
+    if not isinstance(prompt, str):
+        raise APIError(f"prompt {prompt!r} must be a string", param="prompt")
+    try:
+        return model, text.encode(prompt, _bool(fields, "add_special_tokens", True))
+    except ValueError as exc:
+        raise APIError(str(exc), param="prompt") from None
+
+
+def parse_detokenize(body: object, vocab_size: int) -> tuple[str | None, list[int]]:
+    """``/detokenize``: ``{"tokens": [ids]}``, each id in the vocabulary."""
+    fields = _fields(body)
+    unknown = sorted(set(fields) - {"model", "tokens"})
+    if unknown:
+        raise APIError(f"field {unknown[0]!r} is unsupported by /detokenize", param=unknown[0])
+    tokens = fields.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
+        raise APIError(f"tokens {tokens!r} must be a list of token ids", param="tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(f"token id {bad} out of range (vocab size {vocab_size})", param="tokens")
+    return fields.get("model"), tokens
+
+
+def _fields(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return {k: v for k, v in body.items() if v is not None}  # null means "not given"
+
+
+def _template_variables(fields: Mapping[str, Any]) -> dict[str, Any]:
+    variables = fields.get("chat_template_kwargs", {})
+    if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
+        raise APIError(
+            f"chat_template_kwargs {variables!r} must be an object (variable name -> value)",
+            param="chat_template_kwargs",
+        )
+    return variables
 
 
 def engine_error(message: str, endpoint: Endpoint) -> APIError:

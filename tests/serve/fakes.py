@@ -18,7 +18,7 @@ FAIL = ord("q") - A  # a prompt starting with "q" fails in the engine
 class LetterCodec(seam.TextCodec):
     """Token t is the letter ``chr(97 + t)``; a chat prompt is its messages' letters."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text.isalpha() or not text.islower():
             raise ValueError(f"letters only, got {text!r}")
         return [ord(c) - A for c in text]

@@ -294,6 +294,31 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(fake) -> None:
     assert plan.sampling["max_new_tokens"] == 0 and not plan.prompt_only
 
 
+def test_tokenize_and_detokenize_as_the_endpoints_encode(fake) -> None:
+    r = call(fake, "POST", "/tokenize", {"prompt": "abc", "add_special_tokens": False})
+    assert r.json() == {"count": 3, "max_model_len": 64, "tokens": [0, 1, 2]}
+    chat = {"messages": [{"role": "user", "content": "w"}], "chat_template_kwargs": {"e": True}}
+    assert call(fake, "POST", "/tokenize", chat).json()["tokens"] == fake.text().encode("ew")
+    assert call(fake, "POST", "/detokenize", {"tokens": [7, 8]}).json() == {"prompt": "hi"}
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "A"}, "prompt"),  # the codec's refusal
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
+        ("/detokenize", {"tokens": [1, 26]}, "tokens"),  # the fake's vocabulary is 26
+        ("/detokenize", {"tokens": "ab"}, "tokens"),
+    ]:
+        r = call(fake, "POST", path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = call(fake, "POST", "/tokenize", {"prompt": "a", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = call(fake, "GET", "/tokenizer_info")  # the fake's codec has no tokenizer to describe
+    assert r.status_code == 400 and "no tokenizer.json" in r.json()["error"]["message"]
+    assert fake.submitted == []
+
+
 def test_chat_stream_framing(fake) -> None:
     body = {
         "messages": [{"role": "user", "content": "a"}],

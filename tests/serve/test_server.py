@@ -376,3 +376,27 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(served) -> None:
         assert all(v == max(t.values()) for v, t in zip(scored, scored_tops, strict=True))
         assert choice.text.startswith(served.engine.tokenizer.decode(prompt))
     assert served.stats().requests_running == 0
+
+
+def test_tokenizer_endpoints_serve_lm_evals_remote_tokenizer(served) -> None:
+    """What lm-evaluation-harness's RemoteTokenizer asks: /tokenizer_info with eos_token,
+    /tokenize without special tokens, /detokenize; the ids are those completions use."""
+    http = httpx.Client(base_url=served.url, timeout=30)
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] == TEMPLATE
+    assert info["model_max_length"] == served.engine.worker.limits.context_len
+    tok = served.engine.tokenizer
+    text = "Hello there, ünïcode ✓"
+    ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert ids["tokens"] == tok.encode(text, add_special_tokens=False).ids
+    assert ids["count"] == len(ids["tokens"])
+    back = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert back == tok.decode(ids["tokens"], skip_special_tokens=True) == text
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    used = served.openai().chat.completions.create(
+        model="builtin", messages=messages, max_tokens=1
+    )  # fmt: skip
+    assert used.usage is not None and used.usage.prompt_tokens == len(chat_ids)
+    assert chat_ids == served.engine.chat_request(messages)[0]
+    http.close()
