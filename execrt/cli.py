@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--kv-cache-rotation",
         dest="kv_cache_rotation",
-        help="rotate q and k by a Hadamard matrix after RoPE: hadamard, none, or auto (for an "
-        "fp8 cache: less rounding error; default: auto)",
+        help="rotate q and k by a Hadamard matrix after RoPE, for less fp8 rounding error: "
+        "hadamard, none, or auto (hadamard for an fp8 cache) (default: auto)",
     )
     gen.add_argument(
         "--tp",

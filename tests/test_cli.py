@@ -68,7 +68,7 @@ def test_generate_with_an_fp8_kv_cache_names_it_and_refuses_a_typo(capsys, monke
     argv = ["generate", "Hi", "--max-new-tokens", "4", "-v", "--device", "cpu"]
     assert main([*argv, "--kv-cache-dtype", "fp8_e4m3"]) == 0
     err = capsys.readouterr().err
-    assert "-> torch_native (KV cache fp8_e4m3: float8_e4m3fn)" in err
+    assert "-> torch_native (KV cache fp8_e4m3: float8_e4m3fn, q and k Hadamard-rotated)" in err
     assert main([*argv, "--kv-cache-dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "kv_cache_dtype 'fp8' unsupported" in err[0]

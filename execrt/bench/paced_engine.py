@@ -70,6 +70,7 @@ class PacedEngine:
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> int:
         sp = sampling_params or SamplingParams()
         if not self._running:  # idle until now: the next step takes a whole step from here
