@@ -78,6 +78,13 @@ class Model(Protocol):
     (it declares ``stores_kv``). Either way ``attend`` receives ``kv``, this step's K/V.
     ``kv_scales`` gives the checkpoint's per-layer K/V scales of an fp8 cache (None: it has
     none, 1.0 is used).
+
+    An extend may name rows whose logits are wanted beside each request's last
+    (``ForwardBatch.logit_rows``, for prompt log-probabilities): the model returns them as
+    ``LogitsOutput.row_logits``; one that does not makes such requests fail with that reason.
+    Optional: ``set_kv_rotation(True)`` (before the first forward) asks the model to rotate q
+    and k by a Hadamard matrix after RoPE (``kv_cache_rotation``); a model without it runs
+    unrotated under ``auto`` and is refused under ``hadamard``.
     """
 
     def __call__(self, fb: ForwardBatch, attn: AttentionStep) -> LogitsOutput: ...
