@@ -150,3 +150,27 @@ def test_on_the_gpu_prompt_logprobs_match_transformers(checkpoint, plugin_host, 
         want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
         assert [lp.logprob for lp in got] == pytest.approx(want, abs=tol)
         assert all(len(lp.top) == 3 for lp in got)
+
+
+def test_a_model_that_ignores_logit_rows_fails_the_request_with_the_reason(
+    engine, monkeypatch
+) -> None:
+    model = engine.worker.model_runner.model
+    real = model.forward
+
+    def without_rows(fb, attn):  # type: ignore[no-untyped-def]
+        out = real(fb, attn)
+        out.row_logits = None
+        return out
+
+    monkeypatch.setattr(model, "forward", without_rows)
+    outputs: list[RequestOutput] = []
+    engine.submit(PROMPTS[0], ONE, on_output=outputs.append, prompt_logprobs=1)
+    with pytest.raises(RuntimeError, match="need a model that computes them"):
+        while engine.step():  # the failed step raises to its driver, its requests aborted
+            pass
+    assert outputs[-1].finish_reason in ("error", "abort")
+    assert "need a model that computes them" in (outputs[-1].error or "")
+    monkeypatch.setattr(model, "forward", real)
+    (again,) = run(engine, [PROMPTS[1]])  # the engine goes on serving
+    assert len(prompt_logprobs(again)) == len(PROMPTS[1]) - 1
