@@ -81,7 +81,8 @@ class Model(Protocol):
 
     An extend may name rows whose logits are wanted beside each request's last
     (``ForwardBatch.logit_rows``, for prompt log-probabilities): the model returns them as
-    ``LogitsOutput.row_logits``; one that does not makes such requests fail with that reason.
+    ``LogitsOutput.row_logits``, and says so with ``computes_logit_rows = True``; the engine
+    refuses prompt log-probabilities for a model without it.
     Optional: ``set_kv_rotation(True)`` (before the first forward) asks the model to rotate q
     and k by a Hadamard matrix after RoPE (``kv_cache_rotation``); a model without it runs
     unrotated under ``auto`` and is refused under ``hadamard``.

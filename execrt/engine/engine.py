@@ -33,7 +33,7 @@ from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.engine.client import EngineStats, RequestOutput
 from execrt.engine.driver import Driver
-from execrt.engine.limits import RequestLimits, top_logprobs_problems
+from execrt.engine.limits import RequestLimits
 from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
@@ -463,10 +463,18 @@ class Engine:
     def limits(self) -> RequestLimits:
         """What a request must fit in: vocabulary, context, the whole KV cache (fixed once
         built)."""
+        model = self.worker.model_runner.model
+        no_prompt_logits = None
+        if not getattr(model, "computes_logit_rows", False):
+            no_prompt_logits = (
+                f"prompt_logprobs: the model ({type(model).__name__}) does not compute the "
+                "logits of prompt rows (ForwardBatch.logit_rows)"
+            )
         return RequestLimits(
             vocab_size=self.model_config.vocab_size,
             context_len=self.worker.limits.context_len,
             kv_slots_total=kv_slot_counts(self.scheduler)[0],
+            no_prompt_logits=no_prompt_logits,
         )
 
     def flush_cache(self) -> int:
@@ -531,10 +539,7 @@ class Engine:
         if not ids and not problems:
             problems.append("empty prompt")
         problems += self.limits.token_problems(ids)
-        if top_logprobs is not None:
-            problems += top_logprobs_problems(top_logprobs)
-        if prompt_logprobs is not None:
-            problems += top_logprobs_problems(prompt_logprobs, "prompt_logprobs")
+        problems += self.limits.logprob_problems(top_logprobs, prompt_logprobs)
         return ids, ("; ".join(problems) if problems else None)
 
     def _decode(self, ids: list[int]) -> str | None:

@@ -38,6 +38,20 @@ class RequestLimits:
     vocab_size: int
     context_len: int
     kv_slots_total: int
+    #: None when the model scores prompt rows (prompt log-probabilities), else why not
+    no_prompt_logits: str | None = None
+
+    def logprob_problems(self, top_logprobs: object, prompt_logprobs: object) -> list[str]:
+        """What is wrong with a request's ``top_logprobs`` / ``prompt_logprobs`` (None: not
+        asked for) here."""
+        problems = []
+        if top_logprobs is not None:
+            problems += top_logprobs_problems(top_logprobs)
+        if prompt_logprobs is not None:
+            problems += top_logprobs_problems(prompt_logprobs, "prompt_logprobs")
+            if self.no_prompt_logits is not None:
+                problems.append(self.no_prompt_logits)
+        return problems
 
     def token_problems(self, ids: Sequence[int]) -> list[str]:
         """What is wrong with prompt ``ids`` (already plain ints) for this model."""
@@ -82,10 +96,7 @@ class RequestLimits:
         if not ids and not problems:
             problems.append("empty prompt")
         problems += self.token_problems(ids)
-        if top_logprobs is not None:
-            problems += top_logprobs_problems(top_logprobs)
-        if prompt_logprobs is not None:
-            problems += top_logprobs_problems(prompt_logprobs, "prompt_logprobs")
+        problems += self.logprob_problems(top_logprobs, prompt_logprobs)
         if problems:
             return "; ".join(problems)
         return self.kv_problem(len(ids), sp.max_new_tokens)

@@ -120,6 +120,9 @@ class DecoderForCausalLM(nn.Module):
     so every rank ends with the full logits.
     """
 
+    #: Extends return the logits of ``ForwardBatch.logit_rows`` (prompt log-probabilities).
+    computes_logit_rows = True
+
     def __init__(
         self,
         config: ModelConfig,

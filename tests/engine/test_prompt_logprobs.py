@@ -118,6 +118,20 @@ def test_a_one_token_prompt_has_none_and_bad_values_are_refused(engine) -> None:
         with pytest.raises(RequestError, match="prompt_logprobs .* must be an integer in 0..20"):
             engine.submit([1, 2], ONE, prompt_logprobs=bad)  # type: ignore[arg-type]
     assert engine.validate([1, 2], ONE, prompt_logprobs=20) is None
+    # A model that does not say it computes prompt rows' logits is refused up front, not in
+    # a step that would fail every request beside it.
+    model = type(engine.worker.model_runner.model)
+    model.computes_logit_rows = False
+    engine.__dict__.pop("limits", None)  # read once (a cached property): read it again
+    try:
+        with pytest.raises(RequestError, match="does not compute the logits of prompt rows"):
+            engine.submit([1, 2], ONE, prompt_logprobs=0)
+        problem = engine.limits.check([1, 2], {"max_new_tokens": 1}, None, 0)  # the server's
+        assert problem is not None and "does not compute the logits" in problem
+        assert engine.validate([1, 2], ONE) is None
+    finally:
+        model.computes_logit_rows = True
+        engine.__dict__.pop("limits", None)
 
 
 def test_an_aborted_request_leaves_nothing_watched(engine) -> None:
