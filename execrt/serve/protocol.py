@@ -234,6 +234,8 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
         param = "prompt" if endpoint == "completion" else "messages"
     elif first == "top_logprobs":
         param = "logprobs" if endpoint == "completion" else "top_logprobs"
+    elif first.startswith("prompt_logprobs"):  # asked for through completions' echo
+        param = "echo"
     else:
         param = None
     # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).

@@ -162,6 +162,7 @@ def test_an_engine_refusal_names_the_request_field_not_the_engine_keyword(endpoi
         f"{field} 0 must be an integer >= 1; top_p 2 bad",
     )
     assert engine_error("top_p 0 must be in (0, 1]", endpoint).param == "top_p"
+    assert engine_error("prompt_logprobs: the model (M) does not", endpoint).param == "echo"
 
 
 def test_bad_json_a_non_object_and_a_wrong_model(fake) -> None:
