@@ -192,11 +192,13 @@ class ModelRunner:
 
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> torch.Tensor:
         """Next token id per request ``[B]`` int64: those a decode graph sampled with the
-        forward (for ``fb``'s own sampling info), else the sampler's on the logits."""
+        forward (for ``fb``'s own sampling info), else the sampler's on the logits. A batch
+        with logit biases is drawn here, after the replay: the graph's draw has none."""
         ids = logits_output.next_token_ids
-        if ids is None:
-            assert fb.sampling_info is not None
-            ids = self.sampler(logits_output.next_token_logits, fb.sampling_info)
+        info = fb.sampling_info
+        if ids is None or (info is not None and info.logit_bias is not None):
+            assert info is not None
+            ids = self.sampler(logits_output.next_token_logits, info)
         # Every rank holds the full logits and samples alike; rank 0's tokens are taken anyway,
         # so that a last-bit difference between ranks can never split their schedules.
         return self.parallel.broadcast(ids, self.parallel.world)

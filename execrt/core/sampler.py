@@ -23,6 +23,8 @@ class _Params(Protocol):
     def top_p(self) -> float: ...
     @property
     def greedy(self) -> bool: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
 
 
 class SamplingRequest(Protocol):
@@ -53,6 +55,9 @@ class SamplingBatchInfo:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: index of the token being sampled (output length so far)
     all_greedy: bool
+    #: (rows, token ids, biases), each [N] on the device: ``SamplingParams.logit_bias`` of
+    #: the batch's rows, added to the logits before the draw; None when no row has any.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_reqs(
@@ -65,9 +70,10 @@ class SamplingBatchInfo:
         is the same whether or not the host has seen the previous token yet. An all-greedy
         batch needs no tensors: argmax is all the sampler does."""
         params = [r.sampling_params for r in reqs]
+        bias = _bias_rows(params, device, stager)
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
-            return cls(none, none.long(), none, none.long(), none.long(), all_greedy=True)
+            return cls(none, none.long(), none, none.long(), none.long(), True, bias)
         # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
         # it so that one outside int64 still fits the device tensor and means the same.
         ints = (
@@ -85,7 +91,7 @@ class SamplingBatchInfo:
             dev_f = torch.tensor(floats, dtype=torch.float32, device=device)  # [2, B]
             top_ks, seeds, steps = dev_i
             temperatures, top_ps = dev_f
-        return cls(temperatures, top_ks, top_ps, seeds, steps, all_greedy=False)
+        return cls(temperatures, top_ks, top_ps, seeds, steps, False, bias)
 
     def advanced(self) -> SamplingBatchInfo:
         """The same rows one token later (``steps + 1``, on the device: nothing is staged):
@@ -93,6 +99,31 @@ class SamplingBatchInfo:
         if self.all_greedy:
             return self
         return replace(self, steps=self.steps + 1)  # [B]
+
+
+def _bias_rows(
+    params: Sequence[_Params], device: torch.device, stager: HostToDevice | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The batch's logit biases as (rows, ids, biases) device tensors, or None."""
+    entries = [(row, t, float(b)) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if not entries:
+        return None
+    rows, ids, biases = (list(x) for x in zip(*entries, strict=True))
+    if stager is not None:
+        rows_t, ids_t = stage_ints(stager, (rows, ids))
+        (biases_t,) = stage_floats(stager, (biases,))
+        return rows_t, ids_t, biases_t
+    as_long = torch.tensor([rows, ids], dtype=torch.int64, device=device)  # [2, N]
+    return as_long[0], as_long[1], torch.tensor(biases, dtype=torch.float32, device=device)
+
+
+def apply_logit_bias(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """``logits [B, V]`` with the batch's biases added (fp32, a new tensor); ``logits``
+    itself when no row has any."""
+    if info.logit_bias is None:
+        return logits
+    rows, ids, biases = info.logit_bias
+    return logits.float().index_put((rows, ids), biases, accumulate=True)
 
 
 #: A fused draw the Sampler can be given (``execrt.kernels.sampling.fused_sample`` is one):
@@ -123,7 +154,9 @@ class Sampler:
         self.sample_fn = sample_fn
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """``logits [B, V]`` (any float dtype) -> token ids ``[B]`` int64."""
+        """``logits [B, V]`` (any float dtype) -> token ids ``[B]`` int64, after the rows'
+        logit biases (``apply_logit_bias``)."""
+        logits = apply_logit_bias(logits, info)
         if info.all_greedy:  # a host flag: no parameter tensors exist for such a batch
             return torch.argmax(logits, dim=-1)
         return self.sample(logits, info)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import operator
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -25,8 +25,11 @@ class SamplingParams:
     a result with ``finish_reason="error"``). Accepted types: ``int`` for ``max_new_tokens``,
     ``top_k`` and ``seed`` (or None); ``float`` or ``int`` for ``temperature`` and ``top_p``;
     a tuple or list of ``int`` for ``stop_token_ids`` (a list is stored as a tuple); ``bool``
-    for ``ignore_eos``. A bool is not accepted where a number is; numpy integers and floats
-    are (stored as Python ``int`` / ``float``), as they are for prompt token ids.
+    for ``ignore_eos``; ``logit_bias`` as ``{token id: bias}`` or ``(id, bias)`` pairs (stored
+    as pairs sorted by id), each bias in [-100, 100] added to that token's logit before
+    sampling (OpenAI's ``logit_bias``; log-probabilities stay the model's). A bool is not
+    accepted where a number is; numpy integers and floats are (stored as Python ``int`` /
+    ``float``), as they are for prompt token ids.
     """
 
     max_new_tokens: int = 16
@@ -36,10 +39,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):  # keep the params hashable and immutable
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias: Any = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = tuple(bias.items())
+        if isinstance(bias, (list, tuple)):
+            pairs = tuple(
+                tuple(self._plain_number(x) for x in p) if isinstance(p, (list, tuple)) else p
+                for p in bias
+            )
+            if all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) for p in pairs):
+                pairs = tuple(sorted(pairs, key=lambda p: p[0]))
+            object.__setattr__(self, "logit_bias", pairs)
 
         # numpy integers count as int (as they do for prompt token ids) and numpy floats as
         # float: stored as the plain Python values.
@@ -70,6 +85,15 @@ class SamplingParams:
             out.append(f"top_p {self.top_p!r} must be in (0, 1]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            out.append(f"logit_bias {dict(self.logit_bias)!r} names a token id twice")
+        bad = [(t, b) for t, b in self.logit_bias if t < 0 or not -100.0 <= b <= 100.0]
+        if bad:
+            out.append(
+                f"logit_bias ({bad[0][0]!r}, {bad[0][1]!r}) unsupported (token ids >= 0, "
+                "biases in [-100, 100])"
+            )
         return out
 
     @property
@@ -106,6 +130,16 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
         "a tuple or list of int",
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "bool"),
+    "logit_bias": (
+        lambda v: (
+            isinstance(v, tuple)
+            and all(
+                isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and _is_number(p[1])
+                for p in v
+            )
+        ),
+        "a dict of int -> float, or (int, float) pairs",
+    ),
 }
 
 

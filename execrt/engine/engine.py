@@ -520,7 +520,7 @@ class Engine:
         prompt_logprobs: int | None = None,
     ) -> tuple[list[int], str | None]:
         problems = (
-            sp.problems()
+            sp.problems() or self.limits.bias_problems(sp)
             if isinstance(sp, SamplingParams)
             else [f"sampling_params must be SamplingParams, got {type(sp).__name__}"]
         )

@@ -41,6 +41,13 @@ class RequestLimits:
     #: None when the model scores prompt rows (prompt log-probabilities), else why not
     no_prompt_logits: str | None = None
 
+    def bias_problems(self, sp: SamplingParams) -> list[str]:
+        """A ``logit_bias`` token outside this model's vocabulary (valid params assumed)."""
+        bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
+        if bad is None:
+            return []
+        return [f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"]
+
     def logprob_problems(self, top_logprobs: object, prompt_logprobs: object) -> list[str]:
         """What is wrong with a request's ``top_logprobs`` / ``prompt_logprobs`` (None: not
         asked for) here."""
@@ -89,7 +96,7 @@ class RequestLimits:
             sp = SamplingParams(**sampling)
         except TypeError as exc:
             return f"sampling: {exc}"
-        problems = sp.problems()
+        problems = sp.problems() or self.bias_problems(sp)
         ids, problem = prompt_token_ids(prompt_ids)
         if problem is not None:
             problems.append(problem)

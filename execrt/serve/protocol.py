@@ -26,6 +26,7 @@ SAMPLING_FIELDS = {
     "seed": "seed",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "logit_bias": "logit_bias",
 }
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 FIELDS: dict[Endpoint, frozenset[str]] = {
@@ -42,7 +43,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1, 1.0),
     "echo": (False,),  # chat (completions implement it)
     "best_of": (1,),
-    "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -155,6 +155,8 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
             # The template's end-of-turn tokens stop the answer too (a wrong value is left
             # for the engine to name).
             fields["stop_token_ids"] = list(dict.fromkeys([*given, *end_ids]))
+    if "logit_bias" in fields:
+        fields["logit_bias"] = _logit_bias(fields["logit_bias"])
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     sampling.setdefault("max_new_tokens", default_tokens)
     seed = sampling.pop("seed", None)
@@ -291,6 +293,18 @@ def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
             param="stream_options",
         )
     return _bool(options, "include_usage", False)
+
+
+def _logit_bias(value: object) -> dict[int, Any]:
+    """OpenAI's ``{"token id": bias}`` (JSON keys are strings) as ``{id: bias}``; the engine
+    checks the ids against the vocabulary and the biases against [-100, 100]."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k.strip().lstrip("-").isdigit() for k in value
+    ):
+        raise APIError(
+            f"logit_bias {value!r} must map token ids (as strings) to biases", param="logit_bias"
+        )
+    return {int(k): v for k, v in value.items()}
 
 
 def _stops(stop: object) -> tuple[str, ...]:

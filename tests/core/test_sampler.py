@@ -345,3 +345,54 @@ def test_uniform_noise_changes_with_every_part_of_the_key() -> None:
         assert (other == base).sum() <= 2, (seeds, steps)
     ids = base[0]
     assert len(set(ids.tolist())) > 250  # distinct per token id too
+
+
+def test_logit_bias_is_added_before_the_draw_and_each_row_keeps_its_own() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, 40, dtype=torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100}),  # forces token 7
+        SamplingParams(temperature=0.8, seed=5, logit_bias=[(int(logits[1].argmax()), -100)]),
+        SamplingParams(temperature=0),  # no bias: its own argmax
+    ]
+    reqs = [Req(i, [1], p, sampling_seed=p.seed or 0) for i, p in enumerate(params)]
+    for stager in (None, HostToDevice(CPU)):
+        batch = SamplingBatchInfo.from_reqs(reqs, CPU, stager)
+        assert batch.logit_bias is not None
+        ids = Sampler()(logits, batch)
+        assert ids[0] == 7 and ids[1] != logits[1].argmax() and ids[2] == logits[2].argmax()
+        # The oracle: the biases written into fp32 logits by hand, then the unbiased draw.
+        biased = logits.float().clone()
+        biased[0, 7] += 100
+        biased[1, int(logits[1].argmax())] -= 100
+        plain = SamplingBatchInfo.from_reqs(
+            [Req(i, [1], SamplingParams(temperature=p.temperature, seed=p.seed),
+                 sampling_seed=p.seed or 0) for i, p in enumerate(params)],
+            CPU,
+        )  # fmt: skip
+        assert plain.logit_bias is None
+        assert torch.equal(ids, Sampler()(biased, plain))
+    assert torch.equal(logits, logits.clone())  # the logits themselves untouched
+
+
+@pytest.mark.parametrize(
+    ("bias", "needle"),
+    [
+        ({3: 101}, "unsupported (token ids >= 0, biases in [-100, 100])"),
+        ({-1: 1}, "unsupported"),
+        ({3: float("nan")}, "unsupported"),
+        ([(3, 1.0), (3, 2.0)], "names a token id twice"),
+        ({"3": 1}, "accepted: a dict of int -> float"),
+        ([(3,)], "accepted: a dict of int -> float"),
+    ],
+)
+def test_bad_logit_bias_is_named(bias: object, needle: str) -> None:
+    problems = SamplingParams(logit_bias=bias).problems()  # type: ignore[arg-type]
+    assert any(needle in p for p in problems), problems
+
+
+def test_logit_bias_is_stored_as_sorted_pairs() -> None:
+    sp = SamplingParams(logit_bias={9: -1, 2: 3.5})
+    assert sp.logit_bias == ((2, 3.5), (9, -1)) and not sp.problems()
+    assert SamplingParams(logit_bias=[[9, -1], [2, 3.5]]) == sp
+    hash(sp)  # still hashable

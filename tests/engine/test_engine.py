@@ -250,3 +250,42 @@ def test_the_heap_stays_frozen_while_an_engine_that_froze_it_runs(checkpoint, mo
     assert gc.get_freeze_count() == 0
     plain.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_logit_bias_steers_generation_and_an_unknown_token_is_refused() -> None:
+    with Engine("builtin", device="cpu") as engine:
+        params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        plain = engine.generate([5, 6, 7], params).token_ids
+        banned = plain[0]
+        forced = engine.generate([5, 6, 7], replace(params, logit_bias={11: 100})).token_ids
+        avoided = engine.generate([5, 6, 7], replace(params, logit_bias={banned: -100}))
+        assert forced == [11] * 4 and avoided.token_ids[0] != banned
+        vocab = engine.model_config.vocab_size
+        bad = engine.generate([5], replace(params, logit_bias={vocab: 1.0}))
+        assert bad.finish_reason == "error" and f"logit_bias token id {vocab} out of range" in (
+            bad.error or ""
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_a_biased_batch_is_drawn_after_the_graph_replay() -> None:
+    """With decode graphs that sample inside the replay, a batch with logit biases must be
+    drawn again from the biased logits: the same tokens as without graphs, seeded draws too."""
+    params = [
+        SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logit_bias={11: 100}),
+        SamplingParams(
+            max_new_tokens=6,
+            temperature=0.9,
+            seed=3,
+            ignore_eos=True,
+            logit_bias={11: 3.0, 12: -100},
+        ),  # fmt: skip
+        SamplingParams(max_new_tokens=6, temperature=0.9, seed=4, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    runs = []
+    for graphs in ("auto", "none"):
+        with Engine("builtin", device="cuda", graph_backend=graphs) as engine:
+            runs.append([r.token_ids for r in engine.generate(prompts, params)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] == [11] * 6 and 12 not in runs[0][1]

@@ -105,7 +105,7 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
         ({"foo": 1}, "foo", "field 'foo' is unsupported"),
         ({"best_of": 2}, "best_of", "field 'best_of' = 2 is unsupported"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "'frequency_penalty' = 0.5"),
-        ({"logit_bias": {"1": 5}}, "logit_bias", "'logit_bias'"),
+        ({"logit_bias": {"x": 5}}, "logit_bias", "must map token ids (as strings) to biases"),
         ({"temperature": -1}, "temperature", "temperature -1 must be a finite number >= 0"),
         ({"n": 0}, "n", "n 0 must be an integer in 1..64"),
         ({"stop": list("abcdefghijklmnopq")}, "stop", "a list of up to 16"),

@@ -400,3 +400,22 @@ def test_tokenizer_endpoints_serve_lm_evals_remote_tokenizer(served) -> None:
     assert used.usage is not None and used.usage.prompt_tokens == len(chat_ids)
     assert chat_ids == served.engine.chat_request(messages)[0]
     http.close()
+
+
+def test_logit_bias_reaches_the_sampler_and_bad_ones_are_400s(served) -> None:
+    api = served.openai()
+    tok = served.engine.tokenizer
+    got = api.completions.create(
+        model="builtin", prompt="Hello", max_tokens=3, temperature=0, logit_bias={"42": 100}
+    )
+    assert got.choices[0].text == tok.decode([42, 42, 42], skip_special_tokens=True)
+    vocab = served.engine.model_config.vocab_size
+    for bias, needle in [
+        ({str(vocab): 1}, f"logit_bias token id {vocab} out of range"),
+        ({"42": 500}, "biases in [-100, 100]"),
+        ({"x": 1}, "must map token ids"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            api.completions.create(model="builtin", prompt="Hello", max_tokens=1, logit_bias=bias)
+        body = info.value.body
+        assert needle in body["message"] and body["param"] == "logit_bias", body
