@@ -105,9 +105,10 @@ def _bias_rows(
     params: Sequence[_Params], device: torch.device, stager: HostToDevice | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The batch's logit biases as (rows, ids, biases) device tensors, or None."""
-    entries = [(row, t, float(b)) for row, p in enumerate(params) for t, b in p.logit_bias]
-    if not entries:
+    biased = [row for row, p in enumerate(params) if p.logit_bias]  # one pass: the usual case
+    if not biased:
         return None
+    entries = [(row, t, float(b)) for row in biased for t, b in params[row].logit_bias]
     rows, ids, biases = (list(x) for x in zip(*entries, strict=True))
     if stager is not None:
         rows_t, ids_t = stage_ints(stager, (rows, ids))
