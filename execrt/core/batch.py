@@ -89,11 +89,7 @@ class ForwardBatch(StepInputs):
     def init_new(cls, schedule_batch: ScheduleBatch) -> ForwardBatch:
         """The forward batch of a scheduled step."""
         sb = schedule_batch
-        rows = None
-        if sb.logit_rows is not None:
-            device = sb.inputs.input_ids.device
-            rows = torch.tensor(sb.logit_rows, dtype=torch.int64).to(device, non_blocking=True)
-        return cls.of(sb.inputs, sb.sampling_info, sb.return_full_logits, rows)
+        return cls.of(sb.inputs, sb.sampling_info, sb.return_full_logits, sb.logit_rows)
 
 
 # -- the one padding rule for decode graphs -------------------------------------------------------

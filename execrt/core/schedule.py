@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+import torch
+
 from execrt.core.sampler import SamplingBatchInfo
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
@@ -220,9 +222,9 @@ class ScheduleBatch:
     sampling_info: SamplingBatchInfo
     samples: list[bool]
     return_full_logits: bool = False
-    #: Rows of an extend (indices into its tokens) whose logits are wanted beside each
-    #: request's last: the model returns them as ``LogitsOutput.row_logits``.
-    logit_rows: list[int] | None = None
+    #: [R] int64 on the device: rows of an extend (indices into its tokens) whose logits are
+    #: wanted beside each request's last; the model returns them as ``LogitsOutput.row_logits``.
+    logit_rows: torch.Tensor | None = None
 
     @property
     def mode(self) -> ForwardMode:

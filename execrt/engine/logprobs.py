@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from execrt.core.schedule import Req, ScheduleBatch
-from execrt.core.staging import DeviceToHost, HostCopy, copy_to_host
+from execrt.core.staging import DeviceToHost, HostCopy, copy_to_host, stage_ints
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
 from execrt.engine.client import TokenLogprobs
 from execrt.engine.limits import MAX_TOP_LOGPROBS
@@ -60,6 +60,12 @@ class _PromptPending:
 PROMPT_ROWS_PER_PASS = 128
 
 
+def _checked_top(top: int) -> int:
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs: top {top} out of range (0..{MAX_TOP_LOGPROBS})")
+    return top
+
+
 class LogprobWorker(TpModelWorker):
     """A TpModelWorker that also reports log-probabilities for the requests in ``watch``.
 
@@ -76,17 +82,13 @@ class LogprobWorker(TpModelWorker):
 
     def watch(self, req: Req, top: int) -> None:
         """Report ``req``'s tokens with their log-probabilities and ``top`` alternatives."""
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs: top {top} out of range (0..{MAX_TOP_LOGPROBS})")
-        self._watched[req] = _Pending(top)
+        self._watched[req] = _Pending(_checked_top(top))
 
     def watch_prompt(self, req: Req, top: int) -> None:
         """Score ``req``'s prompt tokens (all but the first) with ``top`` alternatives each;
         the prefix cache then serves none of its prompt (``Req.prompt_logits``) until they
         are all computed."""
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs: top {top} out of range (0..{MAX_TOP_LOGPROBS})")
-        pending = self._prompts[req] = _PromptPending(top, len(req.origin_input_ids))
+        pending = self._prompts[req] = _PromptPending(_checked_top(top), len(req.origin_input_ids))
         req.prompt_logits = not pending.complete
 
     def unwatch(self, req: Req) -> None:
@@ -125,20 +127,21 @@ class LogprobWorker(TpModelWorker):
         return TokenLogprobs(token_id, values[0], alternatives)
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
-        wanted = self._prompt_rows(schedule_batch) if self._prompts else None
+        prompt = self._prompt_rows(schedule_batch) if self._prompts else None
         result = super().forward_batch_generation(schedule_batch)
         if self._watched:
             self._record(schedule_batch, result)
-        if wanted:
-            self._record_prompts(wanted, result)
+        if prompt is not None:
+            self._record_prompts(*prompt, result)
         return result
 
     def _prompt_rows(
         self, batch: ScheduleBatch
-    ) -> list[tuple[_PromptPending, int, list[int]]] | None:
+    ) -> tuple[list[tuple[_PromptPending, int, list[int]]], torch.Tensor] | None:
         """Ask the extend ``batch`` for the logits of the prompt rows its watched requests
-        still need (``batch.logit_rows``); returns, per such request, its pending record, the
-        first of its rows there and the prompt tokens those rows predict."""
+        still need (``batch.logit_rows``, staged with the tokens they predict in one copy);
+        returns, per such request, its pending record, the first of its rows there and the
+        prompt tokens those rows predict, and those tokens on the device."""
         if not batch.mode.is_extend():
             return None
         inputs = batch.inputs
@@ -161,11 +164,15 @@ class LogprobWorker(TpModelWorker):
             offset += n
         if not rows:
             return None
-        batch.logit_rows = rows
-        return wanted
+        targets = [t for _, _, ids in wanted for t in ids]
+        batch.logit_rows, targets_t = stage_ints(self.stager, (rows, targets))
+        return wanted, targets_t
 
     def _record_prompts(
-        self, wanted: list[tuple[_PromptPending, int, list[int]]], result: GenerationBatchResult
+        self,
+        wanted: list[tuple[_PromptPending, int, list[int]]],
+        targets: torch.Tensor,
+        result: GenerationBatchResult,
     ) -> None:
         logits = result.logits_output.row_logits  # [R, V]
         if logits is None:
@@ -174,7 +181,6 @@ class LogprobWorker(TpModelWorker):
                 "(ForwardBatch.logit_rows -> LogitsOutput.row_logits); prompt log-probabilities "
                 "need a model that computes them"
             )
-        targets = self.stager([t for _, _, ids in wanted for t in ids])  # [R]
         top = max(pending.top for pending, _, _ in wanted)
         packed = []
         for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_PASS):

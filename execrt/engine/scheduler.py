@@ -279,7 +279,7 @@ class Scheduler:
         growth_all = sum(self._slots_needed(r) - r.kv_len for r in self.running) if hold else 0
         picked: list[Req] = []
         lens: list[int] = []
-        logit_rows = self.prompt_logit_tokens  # left for requests that want prompt logits
+        logit_budget = self.prompt_logit_tokens  # left for requests that want prompt logits
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running:
                 break
@@ -295,7 +295,7 @@ class Scheduler:
             keep = int(req.seq_len + 1 <= self._slots_needed(req))
             n = min(req.seq_len - req.kv_len, budget, room - reserve - keep)
             if req.prompt_logits:
-                n = min(n, logit_rows)
+                n = min(n, logit_budget)
             if n < 1 or (hold and growth > memory.available_slots - growth_all):
                 fits = False
             else:  # a pick computes a long part of this prompt: find it cached next
@@ -316,7 +316,7 @@ class Scheduler:
             reserve += keep
             growth_all += growth if hold else 0
             if req.prompt_logits:
-                logit_rows -= n
+                logit_budget -= n
                 if req.kv_len + n < req.seq_len:
                     break  # a chunk: only the last pick may be one
         if not picked:

@@ -374,9 +374,11 @@ class Job:
     def _final_choice(self, choice: _Choice) -> dict[str, Any]:
         echo, echo_lp = self._echo(choice)
         text = echo + "".join(choice.parts)
-        logprobs = self._logprobs(choice.text.logprobs, logprob_text_len(echo_lp or {"tokens": []}))
-        if echo_lp is not None:
-            logprobs = join_logprobs(echo_lp, logprobs)
+        if echo_lp is None:
+            logprobs = self._logprobs(choice.text.logprobs)
+        else:  # the completion's offsets count on from the echoed prompt's text
+            later = self._logprobs(choice.text.logprobs, logprob_text_len(echo_lp))
+            logprobs = join_logprobs(echo_lp, later)
         if self.plan.endpoint == "completion":
             body: dict[str, Any] = {"index": choice.index, "text": text}
         else:
