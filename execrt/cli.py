@@ -115,6 +115,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1, help="<= 0 disables it (default: -1)")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 disables it (default: 1.0)")
     gen.add_argument(
+        "--min-p", type=float, default=0.0, help="in [0, 1]; 0 disables it (default: 0.0)"
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 0, on prompt and output tokens; 1.0 disables it (default: 1.0)",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2], per occurrence in the output (default: 0.0)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2], once per token present in the output (default: 0.0)",
+    )
+    gen.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="EOS and stop tokens held back until this many tokens (default: 0)",
+    )
+    gen.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -603,6 +630,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        min_tokens=args.min_tokens,
     )
     with Engine(config=config) as engine:
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.

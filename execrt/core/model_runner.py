@@ -193,10 +193,11 @@ class ModelRunner:
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> torch.Tensor:
         """Next token id per request ``[B]`` int64: those a decode graph sampled with the
         forward (for ``fb``'s own sampling info), else the sampler's on the logits. A batch
-        with logit biases is drawn here, after the replay: the graph's draw has none."""
+        with penalties, biases or ``min_p`` is drawn here, after the replay: the graph's
+        draw has none."""
         ids = logits_output.next_token_ids
         info = fb.sampling_info
-        if ids is None or (info is not None and info.logit_bias is not None):
+        if ids is None or (info is not None and info.adjusted):
             assert info is not None
             ids = self.sampler(logits_output.next_token_logits, info)
         # Every rank holds the full logits and samples alike; rank 0's tokens are taken anyway,

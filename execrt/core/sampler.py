@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -25,11 +26,26 @@ class _Params(Protocol):
     def greedy(self) -> bool: ...
     @property
     def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def penalized(self) -> bool: ...
+    @property
+    def adjusts(self) -> bool: ...
 
 
 class SamplingRequest(Protocol):
-    """What sampling reads of a request (``core.schedule.Req`` is one): its parameters, seed
-    and how many tokens it has sampled, in flight included."""
+    """What sampling reads of a request (``core.schedule.Req`` is one): its parameters, seed,
+    how many tokens it has sampled (in flight included) and, for its penalties, which tokens
+    its prompt and output hold."""
 
     @property
     def sampling_params(self) -> _Params: ...
@@ -39,8 +55,13 @@ class SamplingRequest(Protocol):
     def output_ids(self) -> list[int]: ...
     @property
     def num_pending(self) -> int: ...
+    @property
+    def output_counts(self) -> Mapping[int, int]: ...
+    @property
+    def seen_tokens(self) -> Set[int]: ...
 
 
+_R = TypeVar("_R", bound=SamplingRequest)
 _M32 = 0xFFFFFFFF
 _I64_MAX = 2**63 - 1
 
@@ -55,25 +76,44 @@ class SamplingBatchInfo:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: index of the token being sampled (output length so far)
     all_greedy: bool
-    #: (rows, token ids, biases), each [N] on the device: ``SamplingParams.logit_bias`` of
-    #: the batch's rows, added to the logits before the draw; None when no row has any.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: (rows, token ids, values), each [N] on the device, added to the logits before the draw:
+    #: the rows' ``logit_bias``, frequency and presence penalties, and -inf on the stop tokens
+    #: of a row short of its ``min_tokens``. None when no row has any.
+    logit_adds: Sparse | None = None
+    #: (rows, token ids, penalties), each [N] on the device: a row's ``repetition_penalty`` on
+    #: every token of its prompt and output (applied before ``logit_adds``). None: no row.
+    repetitions: Sparse | None = None
+    #: [B] fp32 ``min_p`` per row (0 = off); None when no row sets one.
+    min_ps: torch.Tensor | None = None
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the draw changes the logits first (``adjust_logits``): a decode graph's
+        draw, made from the parameter tensors alone, does not stand for such a batch."""
+        return not (self.logit_adds is None and self.repetitions is None and self.min_ps is None)
 
     @classmethod
     def from_reqs(
         cls,
-        reqs: Sequence[SamplingRequest],
+        reqs: Sequence[_R],
         device: torch.device,
         stager: HostToDevice | None = None,
+        stop_tokens: Callable[[_R], Collection[int]] | None = None,
     ) -> SamplingBatchInfo:
         """One row per request. ``steps`` counts tokens still in flight too, so a seeded draw
-        is the same whether or not the host has seen the previous token yet. An all-greedy
-        batch needs no tensors: argmax is all the sampler does."""
+        is the same whether or not the host has seen the previous token yet (penalties need
+        every token on the host: see ``SamplingParams.penalized``). An all-greedy batch needs
+        no parameter tensors: argmax is all the sampler does. ``stop_tokens``: a request's
+        EOS and stop tokens, which ``min_tokens`` holds back (None: no request has any)."""
         params = [r.sampling_params for r in reqs]
-        bias = _bias_rows(params, device, stager)
+        adds, reps = _adjustments(reqs, stop_tokens)
+        logit_adds = None if adds is None else _stage_sparse(adds, device, stager)
+        repetitions = None if reps is None else _stage_sparse(reps, device, stager)
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
-            return cls(none, none.long(), none, none.long(), none.long(), True, bias)
+            return cls(
+                none, none.long(), none, none.long(), none.long(), True, logit_adds, repetitions
+            )
         # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
         # it so that one outside int64 still fits the device tensor and means the same.
         ints = (
@@ -81,50 +121,107 @@ class SamplingBatchInfo:
             [r.sampling_seed for r in reqs],
             [len(r.output_ids) + r.num_pending for r in reqs],
         )
-        floats = ([float(p.temperature) for p in params], [float(p.top_p) for p in params])
+        floats = [[float(p.temperature) for p in params], [float(p.top_p) for p in params]]
+        with_min_p = any(p.adjusts and p.min_p for p in params)
+        if with_min_p:
+            floats.append([float(p.min_p) for p in params])
         if stager is not None:
             # One copy each; every row tensor starts 16-byte aligned (see staging.ALIGN_BYTES).
             top_ks, seeds, steps = stage_ints(stager, ints)
-            temperatures, top_ps = stage_floats(stager, floats)
+            temperatures, top_ps, *rest = stage_floats(stager, floats)
         else:
             dev_i = torch.tensor(ints, dtype=torch.int64, device=device)  # [3, B]
-            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)  # [2, B]
+            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)  # [2 or 3, B]
             top_ks, seeds, steps = dev_i
-            temperatures, top_ps = dev_f
-        return cls(temperatures, top_ks, top_ps, seeds, steps, False, bias)
+            temperatures, top_ps, *rest = dev_f
+        min_ps = rest[0] if with_min_p else None
+        return cls(
+            temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, repetitions, min_ps
+        )
 
     def advanced(self) -> SamplingBatchInfo:
         """The same rows one token later (``steps + 1``, on the device: nothing is staged):
-        the next decode of the same requests when each of them sampled in this one."""
+        the next decode of the same requests when each of them sampled in this one. Only for
+        rows whose adjustments do not change from token to token (no penalty, no
+        ``min_tokens`` still to reach): the scheduler builds the others afresh."""
         if self.all_greedy:
             return self
         return replace(self, steps=self.steps + 1)  # [B]
 
 
-def _bias_rows(
-    params: Sequence[_Params], device: torch.device, stager: HostToDevice | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The batch's logit biases as (rows, ids, biases) device tensors, or None."""
-    biased = [row for row, p in enumerate(params) if p.logit_bias]  # one pass: the usual case
-    if not biased:
-        return None
-    entries = [(row, t, float(b)) for row in biased for t, b in params[row].logit_bias]
-    rows, ids, biases = (list(x) for x in zip(*entries, strict=True))
+#: (rows, token ids, values) of a sparse per-row adjustment of ``[B, V]`` logits.
+Sparse = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_Entries = tuple[list[int], list[int], list[float]]
+
+
+def _adjustments(
+    reqs: Sequence[_R], stop_tokens: Callable[[_R], Collection[int]] | None
+) -> tuple[_Entries | None, _Entries | None]:
+    """The batch's additive and repetition entries (host lists), each None when empty. One
+    pass over the rows finds the usual case: none of them adjusts anything."""
+    rows = [row for row, r in enumerate(reqs) if r.sampling_params.adjusts]
+    if not rows:
+        return None, None
+    adds: _Entries = ([], [], [])
+    reps: _Entries = ([], [], [])
+    for row in rows:
+        r = reqs[row]
+        p = r.sampling_params
+        for token, bias in p.logit_bias:
+            _add(adds, row, token, float(bias))
+        if p.frequency_penalty or p.presence_penalty:
+            freq, pres = p.frequency_penalty, p.presence_penalty
+            for token, count in r.output_counts.items():
+                _add(adds, row, token, -(freq * count + pres))
+        if p.repetition_penalty != 1.0:
+            for token in r.seen_tokens:
+                _add(reps, row, token, float(p.repetition_penalty))
+        if p.min_tokens > len(r.output_ids) + r.num_pending and stop_tokens is not None:
+            for token in stop_tokens(r):
+                _add(adds, row, token, -math.inf)
+    return (adds if adds[0] else None), (reps if reps[0] else None)
+
+
+def _add(entries: _Entries, row: int, token: int, value: float) -> None:
+    entries[0].append(row)
+    entries[1].append(token)
+    entries[2].append(value)
+
+
+def _stage_sparse(entries: _Entries, device: torch.device, stager: HostToDevice | None) -> Sparse:
+    rows, ids, values = entries
     if stager is not None:
         rows_t, ids_t = stage_ints(stager, (rows, ids))
-        (biases_t,) = stage_floats(stager, (biases,))
-        return rows_t, ids_t, biases_t
+        (values_t,) = stage_floats(stager, (values,))
+        return rows_t, ids_t, values_t
     as_long = torch.tensor([rows, ids], dtype=torch.int64, device=device)  # [2, N]
-    return as_long[0], as_long[1], torch.tensor(biases, dtype=torch.float32, device=device)
+    return as_long[0], as_long[1], torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def apply_logit_bias(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """``logits [B, V]`` with the batch's biases added (fp32, a new tensor); ``logits``
-    itself when no row has any."""
-    if info.logit_bias is None:
+def adjust_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """``logits [B, V]`` after the rows' repetition penalties, additive adjustments and
+    ``min_p`` (fp32, a new tensor); ``logits`` itself when the batch has none.
+
+    ``min_p`` keeps a token when ``p >= min_p * p_max`` after temperature, i.e. when its logit
+    is at least ``max + T * ln(min_p)``: the others become -inf. A greedy row (T = 0) keeps its
+    maxima, so its argmax is unchanged."""
+    if not info.adjusted:
         return logits
-    rows, ids, biases = info.logit_bias
-    return logits.float().index_put((rows, ids), biases, accumulate=True)
+    out = logits.float().clone()
+    if info.repetitions is not None:
+        rows, ids, penalties = info.repetitions
+        seen = out[rows, ids]
+        out[rows, ids] = torch.where(seen > 0, seen / penalties, seen * penalties)
+    if info.logit_adds is not None:
+        rows, ids, values = info.logit_adds
+        out.index_put_((rows, ids), values, accumulate=True)
+    if info.min_ps is not None:
+        temps = info.temperatures.clamp(min=0.0)
+        log_min_p = torch.log(info.min_ps.clamp(min=torch.finfo(torch.float32).tiny))
+        floor = out.amax(dim=-1) + temps * log_min_p  # [B]
+        floor = torch.where(info.min_ps > 0, floor, torch.full_like(floor, -math.inf))
+        out = out.masked_fill(out < floor[:, None], -math.inf)
+    return out
 
 
 #: A fused draw the Sampler can be given (``execrt.kernels.sampling.fused_sample`` is one):
@@ -156,8 +253,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """``logits [B, V]`` (any float dtype) -> token ids ``[B]`` int64, after the rows'
-        logit biases (``apply_logit_bias``)."""
-        logits = apply_logit_bias(logits, info)
+        penalties, biases and ``min_p`` (``adjust_logits``)."""
+        logits = adjust_logits(logits, info)
         if info.all_greedy:  # a host flag: no parameter tensors exist for such a batch
             return torch.argmax(logits, dim=-1)
         return self.sample(logits, info)

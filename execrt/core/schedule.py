@@ -5,7 +5,8 @@ from __future__ import annotations
 import numbers
 import operator
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -32,6 +33,20 @@ class SamplingParams:
     sampling (OpenAI's ``logit_bias``; log-probabilities stay the model's). A bool is not
     accepted where a number is; numpy integers and floats are (stored as Python ``int`` /
     ``float``), as they are for prompt token ids.
+
+    Penalties and filters (the OpenAI, vLLM and SGLang meanings; each off at its default):
+    - ``repetition_penalty`` (> 0, 1 = off): a token seen in the prompt or the output so far
+      has its logit divided by it when positive, multiplied when not (CTRL's penalty);
+    - ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]): subtracted from a token's
+      logit, the first once per time the token occurs in the output so far, the second once
+      if it occurs at all;
+    - ``min_p`` (in [0, 1]): after temperature, tokens less likely than ``min_p`` times the
+      likeliest are dropped (before top-k and top-p);
+    - ``min_tokens`` (0..``max_new_tokens``): EOS and ``stop_token_ids`` cannot be sampled
+      before the output has this many tokens.
+    The draw applies the repetition penalty, then ``logit_bias``, the frequency and presence
+    penalties and ``min_tokens`` (all additive), then temperature, ``min_p``, top-k and top-p.
+    Log-probabilities stay the model's.
     """
 
     max_new_tokens: int = 16
@@ -42,6 +57,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    #: Derived once (the step loop reads them per request): whether the draw depends on the
+    #: tokens so far (a repetition, frequency or presence penalty: each step must know the
+    #: token before it), and whether the logits are adjusted at all before the draw.
+    penalized: bool = field(init=False, repr=False, compare=False)
+    adjusts: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):  # keep the params hashable and immutable
@@ -60,11 +85,19 @@ class SamplingParams:
 
         # numpy integers count as int (as they do for prompt token ids) and numpy floats as
         # float: stored as the plain Python values.
-        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+        for name in _NUMBERS:
             object.__setattr__(self, name, self._plain_number(getattr(self, name)))
         if isinstance(self.stop_token_ids, tuple):
             plain = tuple(self._plain_number(t) for t in self.stop_token_ids)
             object.__setattr__(self, "stop_token_ids", plain)
+        penalized = (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+        object.__setattr__(self, "penalized", penalized)
+        adjusts = penalized or bool(self.logit_bias) or self.min_tokens != 0 or self.min_p != 0
+        object.__setattr__(self, "adjusts", adjusts)
 
     def problems(self) -> list[str]:
         """Why these parameters are invalid (empty when they are fine).
@@ -74,17 +107,32 @@ class SamplingParams:
         out = [
             _wrong_type(f.name, getattr(self, f.name), _TYPES[f.name][1])
             for f in fields(self)
-            if not _TYPES[f.name][0](getattr(self, f.name))
+            if f.init and not _TYPES[f.name][0](getattr(self, f.name))
         ]
         if out:
             return out
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens {self.max_new_tokens!r} must be an integer >= 1")
+        elif not 0 <= self.min_tokens <= self.max_new_tokens:
+            out.append(
+                f"min_tokens {self.min_tokens!r} must be in 0..max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
         # An int beyond the largest float is finite but cannot be sampled with (float() fails).
         if not 0.0 <= self.temperature <= sys.float_info.max:
             out.append(f"temperature {self.temperature!r} must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             out.append(f"top_p {self.top_p!r} must be in (0, 1]")
+        if not 0.0 < self.repetition_penalty <= sys.float_info.max:
+            out.append(
+                f"repetition_penalty {self.repetition_penalty!r} must be a finite number > 0 "
+                "(1 is off)"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                out.append(f"{name} {getattr(self, name)!r} must be in [-2, 2]")
+        if not 0.0 <= self.min_p <= 1.0:
+            out.append(f"min_p {self.min_p!r} must be in [0, 1]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
         ids = [t for t, _ in self.logit_bias]
@@ -119,6 +167,12 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: The number fields (numpy values among them stored as Python ``int`` / ``float``).
+_NUMBERS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "min_p", "min_tokens",
+)  # fmt: skip
+
 # Field -> (type check, accepted types as error messages name them). bool is an int subclass
 # but is never accepted as a number.
 _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -142,6 +196,11 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
         ),
         "a dict of int -> float, or (int, float) pairs",
     ),
+    "repetition_penalty": (_is_number, "float or int"),
+    "frequency_penalty": (_is_number, "float or int"),
+    "presence_penalty": (_is_number, "float or int"),
+    "min_p": (_is_number, "float or int"),
+    "min_tokens": (_is_int, "int"),
 }
 
 
@@ -184,6 +243,28 @@ class Req:
     #: The caller wants the logits of the prompt's rows (prompt log-probabilities): while set,
     #: the prefix cache serves none of its prompt (those rows must be computed).
     prompt_logits: bool = False
+
+    #: ``output_counts``' tally and how many output tokens it has seen (kept, not recounted)
+    _counts: Counter[int] = field(default_factory=Counter, init=False, repr=False)
+    _counted: int = field(default=0, init=False, repr=False)
+    _prompt_set: frozenset[int] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def output_counts(self) -> Mapping[int, int]:
+        """How often each token occurs in ``output_ids`` (tallied as tokens arrive)."""
+        out = self.output_ids
+        if len(out) < self._counted:  # never shrinks today; recount if it ever does
+            self._counts, self._counted = Counter(), 0
+        self._counts.update(out[self._counted :])
+        self._counted = len(out)
+        return self._counts
+
+    @property
+    def seen_tokens(self) -> Set[int]:
+        """The distinct tokens of the prompt and the output so far."""
+        if self._prompt_set is None:
+            self._prompt_set = frozenset(self.origin_input_ids)
+        return self._prompt_set | self.output_counts.keys()
 
     @property
     def fill_ids(self) -> list[int]:
@@ -235,8 +316,15 @@ class ScheduleBatch:
         return len(self.reqs)
 
     @classmethod
-    def of(cls, reqs: Sequence[Req], inputs: StepInputs, stager: HostToDevice) -> ScheduleBatch:
-        """The batch of ``reqs`` over ``inputs``, with their sampling parameters staged."""
+    def of(
+        cls,
+        reqs: Sequence[Req],
+        inputs: StepInputs,
+        stager: HostToDevice,
+        stop_tokens: Callable[[Req], Collection[int]] | None = None,
+    ) -> ScheduleBatch:
+        """The batch of ``reqs`` over ``inputs``, with their sampling parameters staged;
+        ``stop_tokens``: a request's EOS and stop tokens (what ``min_tokens`` holds back)."""
         samples = [s == r.scheduled_len for s, r in zip(inputs.seq_lens_cpu, reqs, strict=True)]
-        info = SamplingBatchInfo.from_reqs(reqs, stager.device, stager)
+        info = SamplingBatchInfo.from_reqs(reqs, stager.device, stager, stop_tokens)
         return cls(list(reqs), inputs, info, samples)

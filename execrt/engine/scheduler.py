@@ -258,7 +258,10 @@ class Scheduler:
 
     def _batch(self, reqs: list[Req], inputs: StepInputs | None) -> ScheduleBatch:
         assert inputs is not None, "the scheduler counted the free rows and slots"
-        return ScheduleBatch.of(reqs, inputs, self.memory.stager)
+        return ScheduleBatch.of(reqs, inputs, self.memory.stager, self._stop_tokens)
+
+    def _stop_tokens(self, req: Req) -> frozenset[int]:
+        return self._rule(req)[0]
 
     def _schedule_extend(self, inflight: ScheduleBatch | None = None) -> ScheduleBatch | None:
         """The next extend, or None. ``inflight``: the step still running (overlap), whose
@@ -381,9 +384,22 @@ class Scheduler:
         ]
         if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
+        # Adjusted draws (rare): penalties count the token in flight, so wait for it; the
+        # last step's min_tokens bans may not hold for this step's token, so restage them.
+        adjusted = [r for r in reqs if r.sampling_params.adjusts]
+        if any(r.sampling_params.penalized for r in adjusted):
+            return None
+        restage = any(
+            r.sampling_params.min_tokens >= len(r.output_ids) + r.num_pending for r in adjusted
+        )
         pb = prev.batch
         prev_ids = prev.result.next_token_ids  # [B_prev] on the device
-        if len(reqs) == len(pb.reqs) and all(pb.samples) and all(map(operator.is_, reqs, pb.reqs)):
+        if (
+            len(reqs) == len(pb.reqs)
+            and all(pb.samples)
+            and all(map(operator.is_, reqs, pb.reqs))
+            and not restage
+        ):
             # The steady state: the same rows feed their own samples, one token further each;
             # nothing per request is staged but the rows and lengths.
             seq = [s + 1 for s in pb.inputs.seq_lens_cpu]
@@ -536,7 +552,7 @@ class Scheduler:
 
     def _check_finished(self, req: Req) -> None:
         stops, limit = self._rule(req)
-        if req.output_ids[-1] in stops:
+        if req.output_ids[-1] in stops and len(req.output_ids) > req.sampling_params.min_tokens:
             req.finish_reason = FinishReason.STOP
         elif len(req.output_ids) >= limit:
             req.finish_reason = FinishReason.LENGTH

@@ -50,6 +50,7 @@ from execrt.serve.text import (
     join_logprobs,
     logprob_text_len,
 )
+from execrt.serve.tools import ToolCallText
 
 OBJECTS = {"completion": "text_completion", "chat": "chat.completion"}
 ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
@@ -225,6 +226,8 @@ class _Choice:
     parts: list[str] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     started: bool = False  # an update was made
+    calls: ToolCallText | None = None  # chat with tools: the text's calls held back
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # once done
 
     @property
     def done(self) -> bool:
@@ -264,8 +267,12 @@ class Job:
                     problem = client.check(req)
                     if problem is not None:
                         raise engine_error(problem, plan.endpoint)
-                text = ChoiceText(self.codec.detokenizer(), plan.stops)
+                text = ChoiceText(
+                    self.codec.detokenizer(), plan.stops, plan.sampling.get("min_tokens", 0)
+                )
                 choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
+                if plan.tools is not None and plan.tools.parse:
+                    choice.calls = ToolCallText()
                 if plan.echo:  # the client's own text, else the ids decoded
                     given = plan.prompt_texts[p] if p < len(plan.prompt_texts) else None
                     choice.echo = self.codec.decode(prompt) if given is None else given
@@ -312,6 +319,13 @@ class Job:
                 choice.finish_reason, choice.error = "error", out.error or "request aborted"
             else:
                 choice.finish_reason = out.finish_reason
+        if choice.calls is not None:
+            text = choice.calls.feed(text)
+            if choice.done:
+                rest, choice.tool_calls = choice.calls.finish()
+                text += rest
+                if choice.tool_calls and choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"
         if choice.done:
             self._count(choice)
         return _Update(choice, text, logprobs, first)
@@ -382,7 +396,10 @@ class Job:
         if self.plan.endpoint == "completion":
             body: dict[str, Any] = {"index": choice.index, "text": text}
         else:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if choice.tool_calls:
+                message = {"role": "assistant", "content": text.rstrip() or None}
+                message["tool_calls"] = choice.tool_calls
             body = {"index": choice.index, "message": message}
         return body | {"logprobs": logprobs, "finish_reason": choice.finish_reason}
 
@@ -440,6 +457,9 @@ class Job:
                 elif chat:
                     if content:
                         yield self._chunk(c.index, self._piece(text, lp))
+                    if c.tool_calls:  # whole, in one delta, once the choice ends
+                        calls = [{"index": i} | call for i, call in enumerate(c.tool_calls)]
+                        yield self._chunk(c.index, {"delta": {"tool_calls": calls}})
                     if c.done:  # an empty delta ends the choice
                         yield self._chunk(c.index, {"delta": {}, "finish_reason": c.finish_reason})
                 elif content or c.done:  # the last piece carries the finish reason

@@ -1,7 +1,7 @@
 """OpenAI request bodies read into one plan of engine requests, and refused with the field named.
 
 Every field is known: those the server implements, those it accepts only at their neutral value
-(``frequency_penalty: 0``, ``echo: false``, ...), and the rest, which are a 400 naming them. The
+(``tools: []``, ``echo: false``, ...), and the rest, which are a 400 naming them. The
 sampling fields go to the engine unchanged, so its validation messages are the ones a client
 sees.
 """
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from execrt.engine.client import TextCodec
+from execrt.serve.errors import APIError
+from execrt.serve.tools import ToolPlan, parse_tools, template_tool_calls
 
 Endpoint = Literal["completion", "chat"]
 
@@ -27,27 +29,28 @@ SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "logit_bias": "logit_bias",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "min_p": "min_p",
+    "min_tokens": "min_tokens",
 }
-_COMMON = {"model", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
+#: ``user`` and ``metadata`` are accepted and not used (nothing is stored: ``store`` is false).
+_COMMON = {"model", "n", "stream", "stream_options", "stop", "user", "metadata", *SAMPLING_FIELDS}
 FIELDS: dict[Endpoint, frozenset[str]] = {
     "completion": frozenset(_COMMON | {"prompt", "logprobs", "echo"}),
     "chat": frozenset(
         _COMMON
         | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
+        | {"tools", "tool_choice", "parallel_tool_calls"}
     ),
 }
 #: Fields accepted only at a value that changes nothing (what clients send by default).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "echo": (False,),  # chat (completions implement it)
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
-    "parallel_tool_calls": (True, False),
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
@@ -57,30 +60,6 @@ MAX_STOPS = 16  # OpenAI allows 4; lm-eval's completions send a task's whole lis
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    """A request the server refuses: the HTTP status and OpenAI's error fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param}
-        return {"error": error | {"code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -103,6 +82,8 @@ class Plan:
     prompt_only: bool = False
     #: per prompt, its text as the client sent it (None for token ids): what ``echo`` repeats
     prompt_texts: tuple[str | None, ...] = ()
+    #: chat's ``tools`` (None: none given, or ``tool_choice: "none"``)
+    tools: ToolPlan | None = None
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -129,8 +110,14 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"model {model!r} must be a string", param="model")
+    metadata = fields.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise APIError(f"metadata {metadata!r} must map strings to strings", param="metadata")
     echo = prompt_only = False
     texts: tuple[str | None, ...] = ()
+    tools: ToolPlan | None = None
     if endpoint == "completion":
         prompts, texts = _completion_prompts(fields.get("prompt"), text)
         logprobs = fields.get("logprobs")
@@ -140,7 +127,11 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
         if echo and _is_token(fields.get("max_tokens")) and fields["max_tokens"] == 0:
             fields["max_tokens"], prompt_only = 1, True  # scoring a prompt (lm-eval's way)
     else:
-        ids, end_ids = _chat_prompt(fields.get("messages"), text, _template_variables(fields))
+        tools = parse_tools(fields, lambda: _template_source(text))
+        variables = _template_variables(fields)
+        if tools is not None:  # the template renders them (transformers' tools=)
+            variables = variables | {"tools": list(tools.tools)}
+        ids, end_ids = _chat_prompt(fields.get("messages"), text, variables)
         prompts = [ids]
         top = None
         if _bool(fields, "logprobs", False):
@@ -162,7 +153,7 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
     seed = sampling.pop("seed", None)
     return Plan(
         endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top,
-        echo, prompt_only, texts,
+        echo, prompt_only, texts, tools,
     )  # fmt: skip
 
 
@@ -212,6 +203,14 @@ def _fields(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return {k: v for k, v in body.items() if v is not None}  # null means "not given"
+
+
+def _template_source(text: TextCodec) -> str | None:
+    try:
+        source = text.tokenizer_info().get("chat_template")
+    except ValueError:  # no tokenizer
+        return None
+    return source if isinstance(source, str) else None
 
 
 def _template_variables(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -370,18 +369,36 @@ def _chat_prompt(
         raise APIError(str(exc), param=param) from None
 
 
-def _message(message: object, index: int) -> dict[str, str]:
+def _message(message: object, index: int) -> dict[str, Any]:
+    """One message as the template reads it: role and content (text parts joined), and an
+    assistant's earlier ``tool_calls`` (arguments decoded) or a tool result's
+    ``tool_call_id``."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise APIError(f"{where} must be an object with 'role' and 'content'", param=where)
-    unknown = set(message) - {"role", "content", "name"}
+    unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if unknown:
         name = sorted(unknown)[0]
         raise APIError(f"{where}: field {name!r} is unsupported", param=f"{where}.{name}")
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise APIError(f"{where}.role {role!r} must be a string", param=f"{where}.role")
-    return {"role": role, "content": _content(content, where)}
+    out: dict[str, Any] = {"role": role}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        out["tool_calls"] = template_tool_calls(calls, where)
+        if content is None:  # a turn of calls alone
+            content = ""
+    out["content"] = _content(content, where)
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise APIError(
+                f"{where}.tool_call_id {call_id!r} must be a string",
+                param=f"{where}.tool_call_id",
+            )
+        out["tool_call_id"] = call_id
+    return out
 
 
 def _content(content: object, where: str) -> str:

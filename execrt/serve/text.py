@@ -13,11 +13,16 @@ from execrt.engine.client import Detokenizer, TextCodec, TokenLogprobs
 class ChoiceText:
     """Text of one choice. ``feed`` returns what may be sent now; ``stopped`` turns True when
     a stop string matched (the text ends before it; later tokens are ignored). ``tokens``
-    counts the tokens fed up to the stop, and ``logprobs`` holds theirs."""
+    counts the tokens fed up to the stop, and ``logprobs`` holds theirs. ``min_tokens``: the
+    stop strings are looked for only in the text of the ``min_tokens``-th token and after
+    (as vLLM checks them only once the output has that many tokens)."""
 
-    def __init__(self, detokenizer: Detokenizer, stops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, detokenizer: Detokenizer, stops: tuple[str, ...] = (), min_tokens: int = 0
+    ) -> None:
         self._detok = detokenizer
         self._stops = stops
+        self._free = max(0, min_tokens - 1)  # tokens whose text is sent without a scan
         self._held = ""  # text that may begin a stop string: not sent yet
         self._sent: list[str] = []  # every piece sent (joined on demand: appending stays O(1))
         self.tokens = 0
@@ -39,7 +44,8 @@ class ChoiceText:
         fed = 0
         for token in token_ids:  # one at a time: the stop's token ends the count
             fed += 1
-            out.append(self._scan(self._detok.push([token])))
+            piece = self._detok.push([token])
+            out.append(self._scan(piece) if self.tokens + fed > self._free else self._send(piece))
             if self.stopped:
                 break
         self.tokens += fed

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
 
-from execrt.core.sampler import Sampler, SamplingBatchInfo, uniform_noise
+from execrt.core.sampler import Sampler, SamplingBatchInfo, adjust_logits, uniform_noise
 from execrt.core.schedule import Req, SamplingParams
 from execrt.core.staging import HostToDevice
 
@@ -358,7 +359,7 @@ def test_logit_bias_is_added_before_the_draw_and_each_row_keeps_its_own() -> Non
     reqs = [Req(i, [1], p, sampling_seed=p.seed or 0) for i, p in enumerate(params)]
     for stager in (None, HostToDevice(CPU)):
         batch = SamplingBatchInfo.from_reqs(reqs, CPU, stager)
-        assert batch.logit_bias is not None
+        assert batch.logit_adds is not None
         ids = Sampler()(logits, batch)
         assert ids[0] == 7 and ids[1] != logits[1].argmax() and ids[2] == logits[2].argmax()
         # The oracle: the biases written into fp32 logits by hand, then the unbiased draw.
@@ -370,7 +371,7 @@ def test_logit_bias_is_added_before_the_draw_and_each_row_keeps_its_own() -> Non
                  sampling_seed=p.seed or 0) for i, p in enumerate(params)],
             CPU,
         )  # fmt: skip
-        assert plain.logit_bias is None
+        assert plain.logit_adds is None
         assert torch.equal(ids, Sampler()(biased, plain))
     assert torch.equal(logits, logits.clone())  # the logits themselves untouched
 
@@ -396,3 +397,50 @@ def test_logit_bias_is_stored_as_sorted_pairs() -> None:
     assert sp.logit_bias == ((2, 3.5), (9, -1)) and not sp.problems()
     assert SamplingParams(logit_bias=[[9, -1], [2, 3.5]]) == sp
     hash(sp)  # still hashable
+
+
+def test_min_tokens_bans_count_the_token_in_flight_and_need_the_stop_tokens() -> None:
+    sp = SamplingParams(temperature=0, min_tokens=3)
+    req = Req(0, [1], sp, output_ids=[4])
+
+    def stops(r: Req) -> tuple[int, ...]:
+        return (2, 9)
+
+    req.num_pending = 1  # the second token is in flight: this step samples the third
+    info = SamplingBatchInfo.from_reqs([req], CPU, None, stops)
+    assert info.adjusted and info.logit_adds is not None
+    rows, ids, values = info.logit_adds
+    assert ids.tolist() == [2, 9] and torch.isinf(values).all() and (values < 0).all()
+    req.output_ids.append(5)  # the fourth token: min_tokens reached, nothing banned
+    assert not SamplingBatchInfo.from_reqs([req], CPU, None, stops).adjusted
+    logits = torch.zeros(1, 12)
+    logits[0, 9] = 5.0
+    assert int(Sampler()(logits, info)[0]) != 9
+
+
+def test_min_p_drops_what_is_less_likely_than_min_p_times_the_top() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.11, 0.09]]))
+    sp = SamplingParams(temperature=1.0, min_p=0.2, seed=1)  # keeps p >= 0.1
+    info = SamplingBatchInfo.from_reqs([Req(0, [1], sp)], CPU)
+    assert info.min_ps is not None
+    adjusted = adjust_logits(logits, info)
+    assert torch.isinf(adjusted[0, 3]) and torch.isfinite(adjusted[0, :3]).all()
+
+    def draw(seed: int) -> int:
+        info = SamplingBatchInfo.from_reqs([Req(0, [1], sp, sampling_seed=seed)], CPU)
+        return int(Sampler()(logits, info)[0])
+
+    drawn = {draw(seed) for seed in range(200)}
+    assert drawn == {0, 1, 2}
+    hot = replace(sp, temperature=4.0)  # flatter: 0.09 is now within 0.2 of the top
+    info = SamplingBatchInfo.from_reqs([Req(0, [1], hot)], CPU)
+    assert torch.isfinite(adjust_logits(logits, info)).all()
+
+
+def test_output_counts_are_tallied_as_tokens_arrive() -> None:
+    req = Req(0, [7, 7, 8], SamplingParams())
+    assert dict(req.output_counts) == {} and req.seen_tokens == {7, 8}
+    req.output_ids += [3, 3, 7]
+    assert dict(req.output_counts) == {3: 2, 7: 1}
+    req.output_ids.append(3)
+    assert dict(req.output_counts) == {3: 3, 7: 1} and req.seen_tokens == {3, 7, 8}

@@ -191,6 +191,27 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
     assert torch.equal(draw(logits, info), reference(logits, info))
 
 
+@pytest.mark.usefixtures("small_blocks")
+def test_masked_logits_draw_the_same_tokens_as_the_sampler() -> None:
+    """min_p and min_tokens leave -inf logits (most of a row for a strict min_p, a whole block
+    for a banned range): the fused draw must skip them as the sampler does."""
+    gen = torch.Generator().manual_seed(29)
+    b, vocab = 12, 1000
+    logits = llm_like(b, vocab, gen)
+    logits[:4, 300:700] = -math.inf  # whole blocks
+    keep = torch.rand(b, vocab, generator=gen) < 0.05
+    keep[:, 0] = True
+    logits[4:] = torch.where(keep[4:], logits[4:], torch.full_like(logits[4:], -math.inf))
+    temps = [0.0, 0.7, 1.0, 1.5] * 3
+    top_ks = [-1, 5, -1, 40] * 3
+    top_ps = [1.0, 0.9, 0.5, 1.0] * 3
+    seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
+    info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
+    got = draw(logits, info)
+    assert torch.equal(got, reference(logits, info))
+    assert torch.isfinite(logits[torch.arange(b), got]).all()
+
+
 def test_the_sampler_with_the_fused_draw_samples_requests_alike() -> None:
     """End to end through the seam: requests' seeds and output lengths become the keys."""
     gen = torch.Generator().manual_seed(4)

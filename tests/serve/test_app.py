@@ -104,7 +104,8 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
     [
         ({"foo": 1}, "foo", "field 'foo' is unsupported"),
         ({"best_of": 2}, "best_of", "field 'best_of' = 2 is unsupported"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", "'frequency_penalty' = 0.5"),
+        ({"metadata": {"a": 1}}, "metadata", "metadata {'a': 1} must map strings to strings"),
+        ({"tools": [{"type": "function"}]}, "tools", "field 'tools' is unsupported"),
         ({"logit_bias": {"x": 5}}, "logit_bias", "must map token ids (as strings) to biases"),
         ({"temperature": -1}, "temperature", "temperature -1 must be a finite number >= 0"),
         ({"n": 0}, "n", "n 0 must be an integer in 1..64"),
@@ -178,6 +179,7 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(fake) -> None:
     body = {"prompt": "a", "max_tokens": 3, "model": "fake", "echo": False, "best_of": 1}
     body |= {"store": False, "service_tier": "auto", "modalities": ["text"]}
     body |= {"frequency_penalty": 0, "presence_penalty": 0.0, "user": "me", "suffix": None}
+    body |= {"metadata": {"purpose": "test"}, "repetition_penalty": 1, "min_p": 0}
     r = call(fake, "POST", "/v1/completions", body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "bcd"

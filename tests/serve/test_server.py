@@ -207,8 +207,19 @@ def test_engine_validation_is_a_400_with_the_field(served) -> None:
         api.completions.create(model="builtin", prompt=[7] * 2048, max_tokens=1)
     assert "leaves no room in the context of 2048" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        api.completions.create(model="builtin", prompt="x", presence_penalty=1.0)
+        api.completions.create(model="builtin", prompt="x", presence_penalty=3.0)
     assert info.value.body["param"] == "presence_penalty"
+    assert info.value.body["message"] == "presence_penalty 3.0 must be in [-2, 2]"
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model="builtin",
+            messages=[{"role": "user", "content": "x"}],
+            max_completion_tokens=2,
+            extra_body={"min_tokens": 5},
+        )
+    error = info.value.body
+    assert error["param"] == "min_tokens"
+    assert error["message"] == "min_tokens 5 must be in 0..max_completion_tokens (2)"
 
 
 def test_a_failed_step_is_a_500_and_the_server_goes_on(served, monkeypatch) -> None:
@@ -419,3 +430,74 @@ def test_logit_bias_reaches_the_sampler_and_bad_ones_are_400s(served) -> None:
             api.completions.create(model="builtin", prompt="Hello", max_tokens=1, logit_bias=bias)
         body = info.value.body
         assert needle in body["message"] and body["param"] == "logit_bias", body
+
+
+def test_penalties_min_p_and_min_tokens_reach_the_engine(served) -> None:
+    """vLLM's and SGLang's sampling fields (the OpenAI penalties at the top level, the others
+    as the openai client's ``extra_body``) give what the engine gives for the same params."""
+    api = served.openai()
+    params = greedy(10, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.9, seed=4, min_p=0.2, min_tokens=10)
+    expected = served.engine.generate(["Hello there", "Hello there"], [params, sampled])
+    assert expected[0].token_ids != served.engine.generate("Hello there", greedy(10)).token_ids
+    got = api.completions.create(
+        model="builtin",
+        prompt="Hello there",
+        max_tokens=10,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert got.choices[0].text == expected[0].text
+    got = api.completions.create(
+        model="builtin",
+        prompt="Hello there",
+        max_tokens=10,
+        temperature=0.9,
+        seed=4,
+        extra_body={"min_p": 0.2, "min_tokens": 10},
+    )
+    assert got.choices[0].text == expected[1].text and got.usage.completion_tokens == 10
+
+
+def test_stop_strings_wait_for_min_tokens(served) -> None:
+    """A stop string in the text of the first ``min_tokens - 1`` tokens is not a stop; from
+    the ``min_tokens``-th token on it is."""
+    api = served.openai()
+    free = served.engine.generate("Hello", greedy(8, ignore_eos=True))
+    pieces = [served.engine.tokenizer.decode([t]) for t in free.token_ids]
+    stop = pieces[0]
+    assert stop, pieces
+    plain = api.completions.create(
+        model="builtin", prompt="Hello", max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert plain.choices[0].text == "" and plain.choices[0].finish_reason == "stop"
+    held = api.completions.create(
+        model="builtin",
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        stop=[stop],
+        extra_body={"min_tokens": 3, "ignore_eos": True},
+    )
+    text = held.choices[0].text
+    # The first two tokens' text is kept whole; the stop is looked for from the third on.
+    assert text.startswith(pieces[0] + pieces[1])
+    rest = "".join(pieces[2:])
+    cut = rest.find(stop)
+    assert text == pieces[0] + pieces[1] + (rest if cut < 0 else rest[:cut])
+
+
+def test_tools_for_a_template_without_them_are_refused_and_none_is_fine(served) -> None:
+    api = served.openai()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model="builtin", messages=messages, tools=tools, max_tokens=2)
+    assert info.value.body["param"] == "tools"
+    assert "chat template does not render tools" in info.value.body["message"]
+    got = api.chat.completions.create(
+        model="builtin", messages=messages, tools=tools, tool_choice="none", max_tokens=2
+    )
+    assert got.choices[0].message.tool_calls is None and got.choices[0].finish_reason == "length"

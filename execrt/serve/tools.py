@@ -1,0 +1,184 @@
+"""Chat tool calling: the request's ``tools`` for the chat template, the conversation's earlier
+calls and results, and the calls the model makes, read from its text.
+
+The model writes a call the way Hermes-style templates teach it (Qwen2.5, Qwen3, Hermes and
+others): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The answer's content is
+the text before the first call; the calls become ``message.tool_calls`` and the finish reason
+``tool_calls``. Text that does not parse as such calls stays content. Streaming holds back the
+text from where a call may begin, and sends the calls once the choice ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from execrt.serve.errors import APIError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+TOOL_CHOICES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request asks of tools: ``tools`` for the template to render, and whether
+    the output is read for calls (``tool_choice`` ``auto``)."""
+
+    tools: tuple[dict[str, Any], ...]
+    parse: bool
+
+
+def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -> ToolPlan | None:
+    """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when it
+    gives no tools or ``tool_choice`` is ``none`` (then nothing about tools changes).
+    ``template``: the chat template's source (None: there is none), asked only for tools."""
+    tools = fields.get("tools", [])
+    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+        raise APIError(
+            "tools must be a list of {'type': 'function', 'function': {'name': str, "
+            "'description'?: str, 'parameters'?: object}}",
+            param="tools",
+        )
+    choice = fields.get("tool_choice", "auto" if tools else "none")
+    if choice not in TOOL_CHOICES:
+        raise APIError(
+            f"tool_choice {choice!r} is unsupported (accepted: 'auto', 'none'; a forced call "
+            "needs constrained decoding, which this server does not do)",
+            param="tool_choice",
+        )
+    parallel = fields.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError(
+            f"parallel_tool_calls {parallel!r} must be true or false", param="parallel_tool_calls"
+        )
+    if not tools or choice == "none":
+        return None
+    source = template()
+    if source is None or "tools" not in source:
+        raise APIError(
+            "tools: this model's chat template does not render tools, so the model would "
+            "never see them",
+            param="tools",
+        )
+    return ToolPlan(tuple(tools), parse=True)
+
+
+def _is_tool(tool: object) -> bool:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        return False
+    function = tool.get("function")
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and bool(function["name"])
+        and isinstance(function.get("parameters", {}), dict)
+        and isinstance(function.get("description", ""), str)
+    )
+
+
+def template_tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's
+    ``arguments`` (a JSON string in the API) decoded to an object."""
+    if not isinstance(calls, list):
+        raise APIError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise APIError(
+                f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                "'arguments': str}}",
+                param=at,
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            raise APIError(f"{at}.function.arguments must be a JSON string", param=at) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return out
+
+
+def split_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool calls)`` of a finished answer: the text before the first call
+    (None when only blank) and the calls in the API's shape. When any call does not parse
+    as ``{"name": str, "arguments": object}``, the whole text is content and there are none."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for match in _CALL.finditer(text, start):
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        arguments = body.get("arguments", {}) if isinstance(body, dict) else None
+        if not (isinstance(body, dict) and isinstance(body.get("name"), str)) or not isinstance(
+            arguments, dict
+        ):
+            return text, []
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {
+                    "name": body["name"],
+                    "arguments": json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+    content = text[:start].rstrip()
+    return (content or None), calls
+
+
+class ToolCallText:
+    """A streamed answer's text with its calls held back: ``feed`` returns what may be sent as
+    content now (never a part of a call, nor the start of ``<tool_call>`` that may become
+    one); ``finish`` returns the rest of the content and the calls."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._sent = 0  # characters of the text sent as content
+        self._calling = False  # a call has begun: nothing more is sent before the end
+
+    def feed(self, piece: str) -> str:
+        self._text.append(piece)
+        if self._calling or not piece:
+            return ""
+        text = "".join(self._text)
+        at = text.find(OPEN, max(0, self._sent - len(OPEN)))
+        if at >= 0:
+            self._calling = True
+            end = at
+        else:  # hold back an end that may begin the marker
+            end = len(text) - max(
+                (n for n in range(1, len(OPEN)) if text.endswith(OPEN[:n])), default=0
+            )
+        out = text[self._sent : max(end, self._sent)]
+        self._sent = max(end, self._sent)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """``(content not sent yet, calls)``."""
+        text = "".join(self._text)
+        content, calls = split_calls(text)
+        if not calls:
+            return text[self._sent :], []
+        # The calls begin at or after what was sent; the content before them is all sent
+        # but for trailing blanks, which the streamed content keeps.
+        return (content or "")[self._sent :], calls

@@ -1,0 +1,361 @@
+"""Chat tool calling: the calls read from the model's text (whole and streamed), the tools given
+to the template, earlier calls and results in the conversation, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import execrt.engine.client as seam
+from execrt.engine.client import RequestOutput
+from execrt.serve.errors import APIError
+from execrt.serve.tools import ToolCallText, parse_tools, split_calls
+from tests.serve.fakes import FakeClient
+from tests.serve.test_app import call, events
+
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+    "</tool_call>"
+)
+TWO = CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+USER = [{"role": "user", "content": "weather?"}]
+
+
+# -- reading calls from text ----------------------------------------------------------------------
+def test_calls_and_the_content_before_them_are_split() -> None:
+    content, calls = split_calls("Let me look.\n" + TWO)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert calls[1]["function"]["arguments"] == "{}"
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert split_calls(CALL)[0] is None  # no content at all
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        "<tool_call>\nnot json\n</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        CALL + "<tool_call>{broken</tool_call>",  # one bad call: none of them
+    ],
+)
+def test_text_that_is_not_calls_stays_content(text: str) -> None:
+    assert split_calls(text) == (text, [])
+
+
+def test_a_call_cut_before_its_closing_tag_still_parses() -> None:
+    _, calls = split_calls('<tool_call>{"name": "f", "arguments": {"a": 1}}')
+    assert [c["function"]["name"] for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize(
+    "text", ["Sure, one moment.\n" + TWO, "plain answer < with a bracket <tool"]
+)
+def test_streamed_text_sends_no_part_of_a_call_however_it_is_cut(text: str) -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        stream = ToolCallText()
+        sent, at = [], 0
+        while at < len(text):
+            step = rng.randint(1, 6)
+            sent.append(stream.feed(text[at : at + step]))
+            at += step
+        rest, calls = stream.finish()
+        content, want = split_calls(text)
+        streamed = "".join(sent)
+        assert "<tool_call" not in streamed and "<tool" not in streamed or not want
+        if want:
+            assert (streamed + rest).rstrip() == content
+            assert [c["function"] for c in calls] == [c["function"] for c in want]
+        else:
+            assert streamed + rest == text and calls == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "needle"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools", "tools must be a list of"),
+        ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools", "must be a list"),
+        (
+            {"tools": TOOLS, "tool_choice": "required"},
+            "tool_choice",
+            "tool_choice 'required' is unsupported",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+            "is unsupported (accepted: 'auto', 'none'",
+        ),
+        (
+            {"tools": TOOLS, "parallel_tool_calls": "no"},
+            "parallel_tool_calls",
+            "parallel_tool_calls 'no' must be",
+        ),
+    ],
+)
+def test_bad_tool_fields_are_named(fields: dict[str, Any], param: str, needle: str) -> None:
+    with pytest.raises(APIError) as info:
+        parse_tools(fields, lambda: "{{ tools }}")
+    assert needle in info.value.message and info.value.param == param
+
+
+def test_tools_need_a_template_that_renders_them() -> None:
+    with pytest.raises(APIError, match="does not render tools"):
+        parse_tools({"tools": TOOLS}, lambda: "{{ messages }}")
+    with pytest.raises(APIError, match="does not render tools"):
+        parse_tools({"tools": TOOLS}, lambda: None)
+    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, lambda: None) is None
+    assert parse_tools({"tools": []}, lambda: None) is None
+    plan = parse_tools({"tools": TOOLS}, lambda: "{{ tools }}")
+    assert plan is not None and plan.parse and list(plan.tools) == TOOLS
+
+
+# -- through the app ------------------------------------------------------------------------------
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+class ScriptCodec(seam.TextCodec):
+    """Token t is character ``CHARS[t]``; the chat template is one that renders tools; the
+    last conversation and template variables it saw are kept for the test."""
+
+    seen: dict[str, Any] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [CHARS.index(c) for c in text if c in CHARS]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(CHARS[t] for t in token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return CHARS[token_id]
+
+    def detokenizer(self) -> seam.Detokenizer:
+        codec = self
+
+        class _D(seam.Detokenizer):
+            def push(self, token_ids: Sequence[int]) -> str:
+                return codec.decode(token_ids)
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"chat_template": "{% if tools %}{{ tools | tojson }}{% endif %}"}
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], tuple[int, ...]]:
+        ScriptCodec.seen = {"messages": list(messages), "variables": dict(template_kwargs or {})}
+        return self.encode("hi"), ()
+
+
+@dataclass
+class ScriptClient(FakeClient):
+    """Every request answers ``script``, one character per token, then stops."""
+
+    script: str = ""
+
+    def _run(self) -> None:  # one output per request: the whole script
+        import time
+
+        while not self.closed:
+            time.sleep(self.tick)
+            with self._lock:
+                live = list(self._live.values())
+                self._live.clear()
+            for r in live:
+                ids = ScriptCodec().encode(self.script)
+                half = len(ids) // 2
+                r.holder.put(RequestOutput(ids[:half]))
+                time.sleep(self.tick)
+                done = RequestOutput(ids[half:], finish_reason="stop")
+                done.prompt_tokens = len(r.request.prompt_ids)
+                r.holder.put(done)
+
+    def model_info(self) -> seam.ModelInfo:
+        return seam.ModelInfo("fake", 4096, len(CHARS), True, True)
+
+    def text(self) -> seam.TextCodec:
+        return ScriptCodec()
+
+
+@pytest.fixture
+def script():  # type: ignore[no-untyped-def]
+    client = ScriptClient()
+    yield client
+    client.close()
+
+
+def test_a_call_is_answered_as_tool_calls(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = "Checking.\n" + CALL
+    r = call(script, "POST", "/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking."
+    (tool_call,) = message["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert ScriptCodec.seen["variables"]["tools"] == TOOLS  # the template got them
+
+
+def test_without_tools_or_with_tool_choice_none_the_text_is_content(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = CALL
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = call(script, "POST", "/v1/chat/completions", {"messages": USER} | extra)
+        choice = r.json()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": CALL}
+        assert choice["finish_reason"] == "stop"
+        assert "tools" not in ScriptCodec.seen["variables"]
+
+
+def test_a_streamed_call_comes_whole_after_the_content(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = "Checking.\n" + TWO
+    body = {"messages": USER, "tools": TOOLS, "stream": True}
+    chunks = events(call(script, "POST", "/v1/chat/completions", body))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content.rstrip() == "Checking." and "<tool" not in content
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and [c["index"] for c in calls[0]] == [0, 1]
+    assert [c["function"]["name"] for c in calls[0]] == ["get_weather", "get_time"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_earlier_calls_and_their_results_reach_the_template(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = "It is 18 C in Paris."
+    arguments = json.dumps({"city": "Paris"})
+    messages = USER + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    r = call(script, "POST", "/v1/chat/completions", {"messages": messages, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "It is 18 C in Paris."
+    seen = ScriptCodec.seen["messages"]
+    assert seen[1]["content"] == "" and seen[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},  # decoded: templates write it with tojson
+    }
+    assert seen[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize(
+    ("message", "needle"),
+    [
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+            "messages[0].tool_calls[0] must be",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}],
+            },
+            "arguments must be a JSON string",
+        ),
+        ({"role": "tool", "content": "x", "tool_call_id": 3}, "tool_call_id 3 must be a string"),
+    ],
+)
+def test_bad_tool_messages_are_400s(script, message, needle) -> None:  # type: ignore[no-untyped-def]
+    r = call(script, "POST", "/v1/chat/completions", {"messages": [message]})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_the_openai_client_reads_the_calls_whole_and_streamed(script) -> None:  # type: ignore[no-untyped-def]
+    """A real client over a real socket: the openai package's types accept the answer, and
+    its streamed deltas add up to the same calls."""
+    openai = pytest.importorskip("openai")
+    from execrt.serve.server import UvicornServer, bind
+
+    script.script = "Checking.\n" + TWO
+    server = UvicornServer(script, bind("127.0.0.1", 0)).start()
+    try:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = api.chat.completions.create(model="fake", messages=USER, tools=TOOLS)
+        choice = got.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        names = [c.function.name for c in choice.message.tool_calls or []]
+        assert names == ["get_weather", "get_time"]
+        stream = api.chat.completions.create(model="fake", messages=USER, tools=TOOLS, stream=True)
+        streamed: dict[int, dict[str, str]] = {}
+        finish = None
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            for tc in delta.tool_calls or []:
+                entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [streamed[i]["name"] for i in sorted(streamed)] == names
+        assert json.loads(streamed[0]["arguments"]) == {"city": "Paris", "unit": "c"}
+    finally:
+        server.stop()
+
+
+def test_tools_render_as_transformers_renders_them() -> None:
+    """Our Jinja renderer and transformers' apply_chat_template give one text for a template
+    that reads ``tools`` and an assistant turn's ``tool_calls`` (arguments as an object)."""
+    transformers = pytest.importorskip("transformers")
+    from execrt.models.builtin import build_tokenizer
+    from execrt.models.tokenizer import ChatTemplate
+
+    source = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+        "{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        '{% for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", '
+        '"arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}'
+        "</{{ m.role }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = USER + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+            ],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    ours = ChatTemplate(source).render(messages, variables={"tools": TOOLS})
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=build_tokenizer())
+    theirs = tok.apply_chat_template(
+        messages, tools=TOOLS, chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs and '"arguments": {"a": 1}' in ours and "get_weather" in ours
