@@ -152,15 +152,15 @@ class ToolCallText:
     one); ``finish`` returns the rest of the content and the calls."""
 
     def __init__(self) -> None:
-        self._text: list[str] = []
+        self._text = ""
         self._sent = 0  # characters of the text sent as content
         self._calling = False  # a call has begun: nothing more is sent before the end
 
     def feed(self, piece: str) -> str:
-        self._text.append(piece)
+        self._text += piece
         if self._calling or not piece:
             return ""
-        text = "".join(self._text)
+        text = self._text
         at = text.find(OPEN, max(0, self._sent - len(OPEN)))
         if at >= 0:
             self._calling = True
@@ -175,7 +175,7 @@ class ToolCallText:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """``(content not sent yet, calls)``."""
-        text = "".join(self._text)
+        text = self._text
         content, calls = split_calls(text)
         if not calls:
             return text[self._sent :], []
