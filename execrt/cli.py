@@ -24,6 +24,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: ``execrt generate``'s flags for the rarer SamplingParams: (flag, type, default, help).
+SAMPLING_FLAGS: tuple[tuple[str, type, float, str], ...] = (
+    ("--min-p", float, 0.0, "in [0, 1]; 0 disables it"),
+    ("--repetition-penalty", float, 1.0, "> 0, on prompt and output tokens; 1.0 disables it"),
+    ("--frequency-penalty", float, 0.0, "in [-2, 2], per occurrence in the output"),
+    ("--presence-penalty", float, 0.0, "in [-2, 2], once per token present in the output"),
+    ("--min-tokens", int, 0, "EOS and stop tokens held back until this many tokens"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="execrt", description="A pluggable LLM execution runtime.")
     parser.add_argument("--version", action="version", version=f"execrt {__version__}")
@@ -114,33 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
     gen.add_argument("--top-k", type=int, default=-1, help="<= 0 disables it (default: -1)")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 disables it (default: 1.0)")
-    gen.add_argument(
-        "--min-p", type=float, default=0.0, help="in [0, 1]; 0 disables it (default: 0.0)"
-    )
-    gen.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="> 0, on prompt and output tokens; 1.0 disables it (default: 1.0)",
-    )
-    gen.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="in [-2, 2], per occurrence in the output (default: 0.0)",
-    )
-    gen.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="in [-2, 2], once per token present in the output (default: 0.0)",
-    )
-    gen.add_argument(
-        "--min-tokens",
-        type=int,
-        default=0,
-        help="EOS and stop tokens held back until this many tokens (default: 0)",
-    )
+    for flag, kind, default, what in SAMPLING_FLAGS:
+        gen.add_argument(flag, type=kind, default=default, help=f"{what} (default: {default})")
     gen.add_argument(
         "--seed",
         type=int,

@@ -440,25 +440,17 @@ def test_penalties_min_p_and_min_tokens_reach_the_engine(served) -> None:
     sampled = SamplingParams(max_new_tokens=10, temperature=0.9, seed=4, min_p=0.2, min_tokens=10)
     expected = served.engine.generate(["Hello there", "Hello there"], [params, sampled])
     assert expected[0].token_ids != served.engine.generate("Hello there", greedy(10)).token_ids
-    got = api.completions.create(
-        model="builtin",
-        prompt="Hello there",
-        max_tokens=10,
-        temperature=0,
-        frequency_penalty=1.5,
-        presence_penalty=0.5,
-        extra_body={"repetition_penalty": 1.3},
-    )
-    assert got.choices[0].text == expected[0].text
-    got = api.completions.create(
-        model="builtin",
-        prompt="Hello there",
-        max_tokens=10,
-        temperature=0.9,
-        seed=4,
-        extra_body={"min_p": 0.2, "min_tokens": 10},
-    )
-    assert got.choices[0].text == expected[1].text and got.usage.completion_tokens == 10
+    fields = [
+        {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"temperature": 0.9, "seed": 4},
+    ]
+    extra = [{"repetition_penalty": 1.3}, {"min_p": 0.2, "min_tokens": 10}]
+    for kw, more, want in zip(fields, extra, expected, strict=True):
+        got = api.completions.create(
+            model="builtin", prompt="Hello there", max_tokens=10, extra_body=more, **kw
+        )
+        assert got.choices[0].text == want.text
+    assert got.usage is not None and got.usage.completion_tokens == 10  # min_tokens
 
 
 def test_stop_strings_wait_for_min_tokens(served) -> None:

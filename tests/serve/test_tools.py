@@ -15,7 +15,7 @@ import execrt.engine.client as seam
 from execrt.engine.client import RequestOutput
 from execrt.serve.errors import APIError
 from execrt.serve.tools import ToolCallText, parse_tools, split_calls
-from tests.serve.fakes import FakeClient
+from tests.serve.fakes import FakeClient, LetterCodec
 from tests.serve.test_app import call, events
 
 CALL = (
@@ -133,7 +133,7 @@ def test_tools_need_a_template_that_renders_them() -> None:
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
 
-class ScriptCodec(seam.TextCodec):
+class ScriptCodec(LetterCodec):
     """Token t is character ``CHARS[t]``; the chat template is one that renders tools; the
     last conversation and template variables it saw are kept for the test."""
 
@@ -144,21 +144,6 @@ class ScriptCodec(seam.TextCodec):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(CHARS[t] for t in token_ids)
-
-    def token_text(self, token_id: int) -> str:
-        return CHARS[token_id]
-
-    def detokenizer(self) -> seam.Detokenizer:
-        codec = self
-
-        class _D(seam.Detokenizer):
-            def push(self, token_ids: Sequence[int]) -> str:
-                return codec.decode(token_ids)
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
 
     def tokenizer_info(self) -> dict[str, Any]:
         return {"chat_template": "{% if tools %}{{ tools | tojson }}{% endif %}"}
