@@ -140,6 +140,7 @@ class Engine:
                 max_prefill_tokens=self.worker.limits.max_prefill_tokens,
                 eos_token_ids=self.model_config.eos_token_ids,
                 overlap=cfg.overlap_schedule,
+                vocab_size=self.model_config.vocab_size,
             )
         except BaseException:
             # Release the model and KV cache now, not at the next garbage collection: the

@@ -131,6 +131,7 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: Iterable[int] = (),
         overlap: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         self.worker = worker
         self.memory = worker.memory
@@ -138,6 +139,9 @@ class Scheduler:
         self.max_running = worker.limits.max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        #: The logits' width: min_tokens bans only the stop tokens below it (a stop id
+        #: outside the vocabulary is never sampled; indexing with it would fail).
+        self.vocab_size = vocab_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.finished: list[Req] = []
@@ -260,8 +264,10 @@ class Scheduler:
         assert inputs is not None, "the scheduler counted the free rows and slots"
         return ScheduleBatch.of(reqs, inputs, self.memory.stager, self._stop_tokens)
 
-    def _stop_tokens(self, req: Req) -> frozenset[int]:
-        return self._rule(req)[0]
+    def _stop_tokens(self, req: Req) -> list[int]:
+        """What ``min_tokens`` holds back: ``req``'s stop tokens that it could sample."""
+        vocab = self.vocab_size
+        return [t for t in self._rule(req)[0] if t >= 0 and (vocab is None or t < vocab)]
 
     def _schedule_extend(self, inflight: ScheduleBatch | None = None) -> ScheduleBatch | None:
         """The next extend, or None. ``inflight``: the step still running (overlap), whose

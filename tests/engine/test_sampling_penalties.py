@@ -177,3 +177,15 @@ def test_on_the_gpu_penalised_batches_are_drawn_after_the_graph_replay() -> None
     ]
     tokens = graph_and_eager_tokens([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
     assert len(tokens[2]) == 8  # min_tokens: the whole budget
+
+
+def test_stop_ids_outside_the_vocabulary_are_no_trouble_for_min_tokens() -> None:
+    """Stop ids are not range-checked (one outside the vocabulary is never sampled); the
+    min_tokens bans skip them instead of indexing the logits with them."""
+    with Engine("builtin", device="cpu") as engine:
+        vocab = engine.model_config.vocab_size
+        sp = SamplingParams(
+            max_new_tokens=4, temperature=0, stop_token_ids=(vocab + 5, -3), min_tokens=3
+        )
+        out = engine.generate([5, 6, 7], sp)
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
