@@ -272,7 +272,7 @@ class Job:
                 )
                 choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
                 if plan.tools is not None and plan.tools.parse:
-                    choice.calls = ToolCallText()
+                    choice.calls = ToolCallText(plan.tools.format)
                 if plan.echo:  # the client's own text, else the ids decoded
                     given = plan.prompt_texts[p] if p < len(plan.prompt_texts) else None
                     choice.echo = self.codec.decode(prompt) if given is None else given

@@ -1,11 +1,17 @@
 """Chat tool calling: the request's ``tools`` for the chat template, the conversation's earlier
 calls and results, and the calls the model makes, read from its text.
 
-The model writes a call the way Hermes-style templates teach it (Qwen2.5, Qwen3, Hermes and
-others): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The answer's content is
-the text before the first call; the calls become ``message.tool_calls`` and the finish reason
-``tool_calls``. Text that does not parse as such calls stays content. Streaming holds back the
-text from where a call may begin, and sends the calls once the choice ends.
+The model writes a call the way its template teaches it, one of two formats (the template
+says which):
+- ``hermes``, a template that spells ``<tool_call>`` (Qwen2.5, Qwen3, Hermes and others):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after some text or none;
+- ``json``, any other template that reads ``tools`` (Llama 3.1 and later): the whole answer is
+  ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several separated by ``;``,
+  possibly after ``<|python_tag|>``.
+The answer's content is the text before the first call; the calls become
+``message.tool_calls`` and the finish reason ``tool_calls``. Text that does not parse as such
+calls stays content. Streaming holds back the text from where a call may begin, and sends the
+calls once the choice ends.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 from execrt.serve.errors import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 TOOL_CHOICES = ("auto", "none")
 
@@ -31,6 +38,7 @@ class ToolPlan:
 
     tools: tuple[dict[str, Any], ...]
     parse: bool
+    format: str = "hermes"  # how the model writes calls: "hermes" or "json"
 
 
 def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -> ToolPlan | None:
@@ -65,7 +73,7 @@ def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -
             "never see them",
             param="tools",
         )
-    return ToolPlan(tuple(tools), parse=True)
+    return ToolPlan(tuple(tools), parse=True, format="hermes" if OPEN in source else "json")
 
 
 def _is_tool(tool: object) -> bool:
@@ -114,36 +122,61 @@ def template_tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def split_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool calls)`` of a finished answer: the text before the first call
-    (None when only blank) and the calls in the API's shape. When any call does not parse
-    as ``{"name": str, "arguments": object}``, the whole text is content and there are none."""
+def split_calls(text: str, format: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool calls)`` of a finished answer in ``format``: the text before the
+    first call (None when only blank) and the calls in the API's shape. When any call does
+    not parse as ``{"name": str, "arguments": object}``, the whole text is content and there
+    are none."""
+    if format == "json":
+        return _json_calls(text)
     start = text.find(OPEN)
     if start < 0:
         return text, []
     calls = []
     for match in _CALL.finditer(text, start):
         try:
-            body = json.loads(match.group(1))
+            call = _call(json.loads(match.group(1)), "arguments")
         except json.JSONDecodeError:
+            call = None
+        if call is None:
             return text, []
-        arguments = body.get("arguments", {}) if isinstance(body, dict) else None
-        if not (isinstance(body, dict) and isinstance(body.get("name"), str)) or not isinstance(
-            arguments, dict
-        ):
-            return text, []
-        calls.append(
-            {
-                "id": "call_" + uuid.uuid4().hex[:24],
-                "type": "function",
-                "function": {
-                    "name": body["name"],
-                    "arguments": json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
+        calls.append(call)
     content = text[:start].rstrip()
     return (content or None), calls
+
+
+def _json_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    body = text.strip().removeprefix(PYTHON_TAG)
+    if not body.startswith("{"):
+        return text, []
+    decoder, at, calls = json.JSONDecoder(), 0, []
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
+        call = _call(value, "parameters", "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+def _call(value: object, *keys: str) -> dict[str, Any] | None:
+    """A call in the API's shape from ``{"name": str, key: object}`` (the first of ``keys``
+    that is there; none there: no arguments), or None when ``value`` is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments: object = next((value[k] for k in keys if k in value), {})
+    if not isinstance(arguments, dict):
+        return None
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 class ToolCallText:
@@ -151,15 +184,19 @@ class ToolCallText:
     content now (never a part of a call, nor the start of ``<tool_call>`` that may become
     one); ``finish`` returns the rest of the content and the calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, format: str = "hermes") -> None:
+        self.format = format
         self._text = ""
         self._sent = 0  # characters of the text sent as content
         self._calling = False  # a call has begun: nothing more is sent before the end
+        self._prose = False  # json: the answer began as text, so it holds no call
 
     def feed(self, piece: str) -> str:
         self._text += piece
         if self._calling or not piece:
             return ""
+        if self.format == "json":
+            return self._feed_json()
         text = self._text
         at = text.find(OPEN, max(0, self._sent - len(OPEN)))
         if at >= 0:
@@ -173,10 +210,23 @@ class ToolCallText:
         self._sent = max(end, self._sent)
         return out
 
+    def _feed_json(self) -> str:
+        """A json call is the whole answer: held while the answer may begin one."""
+        if not self._prose:
+            start = self._text.lstrip()
+            if not start or start[0] == "{" or start.startswith(PYTHON_TAG):
+                self._calling = bool(start)
+                return ""
+            if PYTHON_TAG.startswith(start):
+                return ""
+            self._prose = True
+        out, self._sent = self._text[self._sent :], len(self._text)
+        return out
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """``(content not sent yet, calls)``."""
         text = self._text
-        content, calls = split_calls(text)
+        content, calls = split_calls(text, self.format)
         if not calls:
             return text[self._sent :], []
         # The calls begin at or after what was sent; the content before them is all sent

@@ -138,6 +138,7 @@ class ScriptCodec(LetterCodec):
     last conversation and template variables it saw are kept for the test."""
 
     seen: dict[str, Any] = {}
+    template = "{% if tools %}{{ tools | tojson }} <tool_call>{...}</tool_call>{% endif %}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [CHARS.index(c) for c in text if c in CHARS]
@@ -146,7 +147,7 @@ class ScriptCodec(LetterCodec):
         return "".join(CHARS[t] for t in token_ids)
 
     def tokenizer_info(self) -> dict[str, Any]:
-        return {"chat_template": "{% if tools %}{{ tools | tojson }}{% endif %}"}
+        return {"chat_template": self.template}
 
     def chat_prompt(
         self,
@@ -344,3 +345,64 @@ def test_tools_render_as_transformers_renders_them() -> None:
         messages, tools=TOOLS, chat_template=source, tokenize=False, add_generation_prompt=True
     )
     assert ours == theirs and '"arguments": {"a": 1}' in ours and "get_weather" in ours
+
+
+# -- the json format (Llama 3.1 and later) --------------------------------------------------------
+JSON_CALLS = (
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    '{"name": "get_time", "arguments": {}}'
+)
+
+
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", "\n "])
+def test_json_calls_are_the_whole_answer(prefix: str) -> None:
+    content, calls = split_calls(prefix + JSON_CALLS, "json")
+    assert content is None
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "It is sunny.",
+        'Here: {"name": "f", "parameters": {}}',  # text first: not a call
+        '{"name": "f", "parameters": {}} and more',
+        '{"city": "Paris"}',  # JSON, but not a call
+        '{"name": "f", "parameters": {"a": 1}',  # cut short
+    ],
+)
+def test_json_text_that_is_not_calls_stays_content(text: str) -> None:
+    assert split_calls(text, "json") == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text", [JSON_CALLS, "<|python_tag|>" + JSON_CALLS, "Sunny, 18 C.", "  {not a call"]
+)
+def test_json_streams_prose_at_once_and_holds_a_call_whole(text: str) -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        stream = ToolCallText("json")
+        sent, at = [], 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            sent.append(stream.feed(text[at : at + step]))
+            at += step
+        rest, calls = stream.finish()
+        content, want = split_calls(text, "json")
+        if want:
+            assert "".join(sent) == rest == "" and len(calls) == len(want)
+        else:
+            assert "".join(sent) + rest == text and not calls
+            if text[0] not in " {":
+                assert sent[0]  # prose goes out with its first piece
+
+
+def test_a_template_without_tool_call_tags_reads_json_calls(script, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(ScriptCodec, "template", "{% if tools %}{{ tools | tojson }}{% endif %}")
+    script.script = JSON_CALLS
+    r = call(script, "POST", "/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    names = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
+    assert names == ["get_weather", "get_time"]
