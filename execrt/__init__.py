@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     )
     from execrt.core.interfaces import AttentionBackend, GraphBackend, MoEDispatcher
     from execrt.core.plugins import BackendRegistry, hookimpl
-    from execrt.core.schedule import SamplingParams
+    from execrt.core.sampling_params import SamplingParams
     from execrt.engine import Engine, GenerationResult
 
 _EXPORTS = {
@@ -47,7 +47,7 @@ _EXPORTS = {
     "ResourceError": "execrt.core.errors",
     "RuntimeConfig": "execrt.core.config",
     "RuntimeContext": "execrt.core.context",
-    "SamplingParams": "execrt.core.schedule",
+    "SamplingParams": "execrt.core.sampling_params",
     "hookimpl": "execrt.core.plugins",
 }
 

@@ -12,7 +12,7 @@ import torch
 from execrt.core.staging import stage_floats, stage_ints
 
 if TYPE_CHECKING:
-    from execrt.core.schedule import SamplingParams
+    from execrt.core.sampling_params import SamplingParams
     from execrt.core.staging import HostToDevice
 
 

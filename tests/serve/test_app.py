@@ -139,7 +139,16 @@ def test_a_bad_completion_is_a_400_naming_the_field(fake, extra, param, needle) 
         ({"messages": []}, "messages", "non-empty list"),
         ({"messages": [{"role": "tool", "content": "a"}]}, "messages", "bad role"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string"),
-        ({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, None, "tool_calls"),
+        (
+            {"messages": [{"role": "user", "content": "a", "audio": {}}]},
+            "messages[0].audio",
+            "field 'audio' is unsupported",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "a", "tool_calls": {}}]},
+            "messages[0].tool_calls",
+            "tool_calls must be a list",
+        ),
         ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", ""),
         ({"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature", "-1"),
     ],
