@@ -67,19 +67,25 @@ def test_a_call_cut_before_its_closing_tag_still_parses() -> None:
     assert [c["function"]["name"] for c in calls] == ["f"]
 
 
+def stream_in_pieces(
+    stream: ToolCallText, text: str, rng: random.Random
+) -> tuple[list[str], str, list[dict[str, Any]]]:
+    """``text`` fed in random pieces of 1-6 characters: what each feed sent, then finish()."""
+    sent, at = [], 0
+    while at < len(text):
+        step = rng.randint(1, 6)
+        sent.append(stream.feed(text[at : at + step]))
+        at += step
+    return (sent, *stream.finish())
+
+
 @pytest.mark.parametrize(
     "text", ["Sure, one moment.\n" + TWO, "plain answer < with a bracket <tool"]
 )
 def test_streamed_text_sends_no_part_of_a_call_however_it_is_cut(text: str) -> None:
     rng = random.Random(7)
     for _ in range(50):
-        stream = ToolCallText()
-        sent, at = [], 0
-        while at < len(text):
-            step = rng.randint(1, 6)
-            sent.append(stream.feed(text[at : at + step]))
-            at += step
-        rest, calls = stream.finish()
+        sent, rest, calls = stream_in_pieces(ToolCallText(), text, rng)
         content, want = split_calls(text)
         streamed = "".join(sent)
         assert "<tool_call" not in streamed and "<tool" not in streamed or not want
@@ -382,13 +388,7 @@ def test_json_text_that_is_not_calls_stays_content(text: str) -> None:
 def test_json_streams_prose_at_once_and_holds_a_call_whole(text: str) -> None:
     rng = random.Random(3)
     for _ in range(20):
-        stream = ToolCallText("json")
-        sent, at = [], 0
-        while at < len(text):
-            step = rng.randint(1, 5)
-            sent.append(stream.feed(text[at : at + step]))
-            at += step
-        rest, calls = stream.finish()
+        sent, rest, calls = stream_in_pieces(ToolCallText("json"), text, rng)
         content, want = split_calls(text, "json")
         if want:
             assert "".join(sent) == rest == "" and len(calls) == len(want)
