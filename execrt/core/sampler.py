@@ -51,12 +51,12 @@ class SamplingBatchInfo:
     steps: torch.Tensor  # [B] int64: index of the token being sampled (output length so far)
     all_greedy: bool
     #: (rows, token ids, values), each [N] on the device, added to the logits before the draw:
-    #: the rows' ``logit_bias``, frequency and presence penalties, and -inf on the stop tokens
-    #: of a row short of its ``min_tokens``. None when no row has any.
+    #: the rows' ``logit_bias``, and -inf on the stop tokens of a row short of its
+    #: ``min_tokens``. None when no row has any.
     logit_adds: Sparse | None = None
-    #: (rows, token ids, penalties), each [N] on the device: a row's ``repetition_penalty`` on
-    #: every token of its prompt and output (applied before ``logit_adds``). None: no row.
-    repetitions: Sparse | None = None
+    #: The repetition, frequency and presence penalties of the rows that have any (None: no
+    #: row has), token in flight included.
+    penalties: Penalties | None = None
     #: [B] fp32 ``min_p`` per row (0 = off); None when no row sets one.
     min_ps: torch.Tensor | None = None
 
@@ -64,7 +64,7 @@ class SamplingBatchInfo:
     def adjusted(self) -> bool:
         """Whether the draw changes the logits first (``adjust_logits``): a decode graph's
         draw, made from the parameter tensors alone, does not stand for such a batch."""
-        return not (self.logit_adds is None and self.repetitions is None and self.min_ps is None)
+        return not (self.logit_adds is None and self.penalties is None and self.min_ps is None)
 
     @classmethod
     def from_reqs(
@@ -73,20 +73,22 @@ class SamplingBatchInfo:
         device: torch.device,
         stager: HostToDevice | None = None,
         stop_tokens: Callable[[_R], Collection[int]] | None = None,
+        last_ids: torch.Tensor | None = None,
     ) -> SamplingBatchInfo:
         """One row per request. ``steps`` counts tokens still in flight too, so a seeded draw
-        is the same whether or not the host has seen the previous token yet (penalties need
-        every token on the host: see ``SamplingParams.penalized``). An all-greedy batch needs
-        no parameter tensors: argmax is all the sampler does. ``stop_tokens``: a request's
-        EOS and stop tokens, which ``min_tokens`` holds back (None: no request has any)."""
+        is the same whether or not the host has seen the previous token yet. An all-greedy
+        batch needs no parameter tensors: argmax is all the sampler does. ``stop_tokens``: a
+        request's EOS and stop tokens, which ``min_tokens`` holds back (None: no request has
+        any). ``last_ids`` ``[B]`` on the device: each row's last token (a decode's input),
+        which the penalties count for a request whose last token is still in flight."""
         params = [r.sampling_params for r in reqs]
-        adds, reps = _adjustments(reqs, stop_tokens)
-        logit_adds = None if adds is None else _stage_sparse(adds, device, stager)
-        repetitions = None if reps is None else _stage_sparse(reps, device, stager)
+        adjusted = [row for row, p in enumerate(params) if p.adjusts]  # usually none
+        logit_adds = _logit_adds(reqs, adjusted, stop_tokens, device, stager)
+        penalties = Penalties.of(reqs, adjusted, last_ids, device, stager)
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
             return cls(
-                none, none.long(), none, none.long(), none.long(), True, logit_adds, repetitions
+                none, none.long(), none, none.long(), none.long(), True, logit_adds, penalties
             )
         # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
         # it so that one outside int64 still fits the device tensor and means the same.
@@ -109,9 +111,7 @@ class SamplingBatchInfo:
             top_ks, seeds, steps = dev_i
             temperatures, top_ps, *rest = dev_f
         min_ps = rest[0] if with_min_p else None
-        return cls(
-            temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, repetitions, min_ps
-        )
+        return cls(temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, penalties, min_ps)
 
     def advanced(self) -> SamplingBatchInfo:
         """The same rows one token later (``steps + 1``, on the device: nothing is staged):
@@ -125,51 +125,142 @@ class SamplingBatchInfo:
 
 #: (rows, token ids, values) of a sparse per-row adjustment of ``[B, V]`` logits.
 Sparse = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_Entries = tuple[list[int], list[int], list[float]]
 
 
-def _adjustments(
-    reqs: Sequence[_R], stop_tokens: Callable[[_R], Collection[int]] | None
-) -> tuple[_Entries | None, _Entries | None]:
-    """The batch's additive and repetition entries (host lists), each None when empty. One
-    pass over the rows finds the usual case: none of them adjusts anything."""
-    rows = [row for row, r in enumerate(reqs) if r.sampling_params.adjusts]
-    if not rows:
-        return None, None
-    adds: _Entries = ([], [], [])
-    reps: _Entries = ([], [], [])
+def _logit_adds(
+    reqs: Sequence[_R],
+    rows: Sequence[int],
+    stop_tokens: Callable[[_R], Collection[int]] | None,
+    device: torch.device,
+    stager: HostToDevice | None,
+) -> Sparse | None:
+    """The additive entries of ``rows``: their logit biases and min_tokens' bans."""
+    at: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
     for row in rows:
         r = reqs[row]
         p = r.sampling_params
         for token, bias in p.logit_bias:
-            _add(adds, row, token, float(bias))
-        if p.frequency_penalty or p.presence_penalty:
-            freq, pres = p.frequency_penalty, p.presence_penalty
-            for token, count in r.output_counts.items():
-                _add(adds, row, token, -(freq * count + pres))
-        if p.repetition_penalty != 1.0:
-            for token in r.seen_tokens:
-                _add(reps, row, token, float(p.repetition_penalty))
+            at.append(row)
+            ids.append(token)
+            values.append(float(bias))
         if p.min_tokens > len(r.output_ids) + r.num_pending and stop_tokens is not None:
-            for token in stop_tokens(r):
-                _add(adds, row, token, -math.inf)
-    return (adds if adds[0] else None), (reps if reps[0] else None)
+            banned = list(stop_tokens(r))
+            at += [row] * len(banned)
+            ids += banned
+            values += [-math.inf] * len(banned)
+    if not at:
+        return None
+    rows_t, ids_t = _ints((at, ids), device, stager)
+    (values_t,) = _floats((values,), device, stager)
+    return rows_t, ids_t, values_t
 
 
-def _add(entries: _Entries, row: int, token: int, value: float) -> None:
-    entries[0].append(row)
-    entries[1].append(token)
-    entries[2].append(value)
+@dataclass
+class Penalties:
+    """The penalised rows of a batch, densely over the vocabulary when applied.
+
+    Per penalised row ``i`` (batch row ``rows[i]``): the tokens its output holds and how often
+    (``counts``: (i, token, count) entries), the tokens its prompt and output hold (``seen``:
+    (i, token) entries), and ``pending[i]``, its last token when that is still in flight (-1
+    otherwise; a device value the host has not seen, counted on the device)."""
+
+    rows: torch.Tensor  # [P] int64
+    counts: Sparse
+    seen: tuple[torch.Tensor, torch.Tensor]
+    pending: torch.Tensor  # [P] int64
+    repetition: torch.Tensor  # [P] fp32
+    frequency: torch.Tensor  # [P] fp32
+    presence: torch.Tensor  # [P] fp32
+
+    @classmethod
+    def of(
+        cls,
+        reqs: Sequence[SamplingRequest],
+        rows: Sequence[int],
+        last_ids: torch.Tensor | None,
+        device: torch.device,
+        stager: HostToDevice | None,
+    ) -> Penalties | None:
+        penalised = [row for row in rows if reqs[row].sampling_params.penalized]
+        if not penalised:
+            return None
+        count_at: list[int] = []
+        count_ids: list[int] = []
+        counts: list[float] = []
+        seen_at: list[int] = []
+        seen_ids: list[int] = []
+        for i, row in enumerate(penalised):
+            r = reqs[row]
+            output = r.output_counts
+            count_at += [i] * len(output)
+            count_ids += output.keys()
+            counts += map(float, output.values())
+            seen = r.seen_tokens
+            seen_at += [i] * len(seen)
+            seen_ids += seen
+        in_flight = [int(reqs[row].num_pending > 0) for row in penalised]
+        if any(in_flight) and last_ids is None:
+            raise ValueError("penalties: a request's last token is in flight but not given")
+        params = [reqs[row].sampling_params for row in penalised]
+        rows_t, count_at_t, count_ids_t, seen_at_t, seen_ids_t, flags = _ints(
+            (penalised, count_at, count_ids, seen_at, seen_ids, in_flight), device, stager
+        )
+        counts_t, rep, freq, pres = _floats(
+            (
+                counts,
+                [float(p.repetition_penalty) for p in params],
+                [float(p.frequency_penalty) for p in params],
+                [float(p.presence_penalty) for p in params],
+            ),
+            device,
+            stager,
+        )
+        if last_ids is None:
+            pending = torch.full_like(rows_t, -1)
+        else:
+            pending = torch.where(flags > 0, last_ids[rows_t], torch.full_like(rows_t, -1))
+        return cls(
+            rows_t, (count_at_t, count_ids_t, counts_t), (seen_at_t, seen_ids_t), pending,
+            rep, freq, pres,
+        )  # fmt: skip
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Penalise the rows of fp32 ``logits [B, V]`` in place: the repetition penalty on
+        every token seen, then the frequency and presence penalties on the output's."""
+        sub = logits[self.rows]  # [P, V]
+        counts = torch.zeros_like(sub)
+        at, ids, values = self.counts
+        counts.index_put_((at, ids), values, accumulate=True)
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        seen[self.seen] = True
+        # The token in flight: counted once more and seen (rows without one add nothing).
+        rows = torch.arange(sub.shape[0], device=sub.device)
+        flying = self.pending >= 0
+        token = self.pending.clamp(min=0)
+        counts.index_put_((rows, token), flying.float(), accumulate=True)
+        seen[rows, token] |= flying
+        rep = self.repetition[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0)
+        logits[self.rows] = sub
 
 
-def _stage_sparse(entries: _Entries, device: torch.device, stager: HostToDevice | None) -> Sparse:
-    rows, ids, values = entries
+def _ints(
+    segments: Sequence[Sequence[int]], device: torch.device, stager: HostToDevice | None
+) -> list[torch.Tensor]:
     if stager is not None:
-        rows_t, ids_t = stage_ints(stager, (rows, ids))
-        (values_t,) = stage_floats(stager, (values,))
-        return rows_t, ids_t, values_t
-    as_long = torch.tensor([rows, ids], dtype=torch.int64, device=device)  # [2, N]
-    return as_long[0], as_long[1], torch.tensor(values, dtype=torch.float32, device=device)
+        return stage_ints(stager, segments)  # one copy
+    return [torch.tensor(list(s), dtype=torch.int64, device=device) for s in segments]
+
+
+def _floats(
+    segments: Sequence[Sequence[float]], device: torch.device, stager: HostToDevice | None
+) -> list[torch.Tensor]:
+    if stager is not None:
+        return stage_floats(stager, segments)
+    return [torch.tensor(list(s), dtype=torch.float32, device=device) for s in segments]
 
 
 def adjust_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -182,10 +273,8 @@ def adjust_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     if not info.adjusted:
         return logits
     out = logits.float().clone()
-    if info.repetitions is not None:
-        rows, ids, penalties = info.repetitions
-        seen = out[rows, ids]
-        out[rows, ids] = torch.where(seen > 0, seen / penalties, seen * penalties)
+    if info.penalties is not None:
+        info.penalties.apply(out)
     if info.logit_adds is not None:
         rows, ids, values = info.logit_adds
         out.index_put_((rows, ids), values, accumulate=True)

@@ -131,5 +131,7 @@ class ScheduleBatch:
         """The batch of ``reqs`` over ``inputs``, with their sampling parameters staged;
         ``stop_tokens``: a request's EOS and stop tokens (what ``min_tokens`` holds back)."""
         samples = [s == r.scheduled_len for s, r in zip(inputs.seq_lens_cpu, reqs, strict=True)]
-        info = SamplingBatchInfo.from_reqs(reqs, stager.device, stager, stop_tokens)
+        # A decode's inputs are its rows' last tokens, those still in flight included.
+        last_ids = inputs.input_ids if inputs.mode.is_decode() else None
+        info = SamplingBatchInfo.from_reqs(reqs, stager.device, stager, stop_tokens, last_ids)
         return cls(list(reqs), inputs, info, samples)

@@ -390,13 +390,13 @@ class Scheduler:
         ]
         if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
-        # Adjusted draws (rare): penalties count the token in flight, so wait for it; the
-        # last step's min_tokens bans may not hold for this step's token, so restage them.
-        adjusted = [r for r in reqs if r.sampling_params.adjusts]
-        if any(r.sampling_params.penalized for r in adjusted):
-            return None
+        # Adjusted draws (rare) whose adjustments change with the token: penalties (they
+        # count the tokens so far, the one in flight on the device) and min_tokens' bans
+        # (they may end with this step's token) are staged afresh, not advanced.
         restage = any(
-            r.sampling_params.min_tokens >= len(r.output_ids) + r.num_pending for r in adjusted
+            (p := r.sampling_params).adjusts
+            and (p.penalized or p.min_tokens >= len(r.output_ids) + r.num_pending)
+            for r in reqs
         )
         pb = prev.batch
         prev_ids = prev.result.next_token_ids  # [B_prev] on the device

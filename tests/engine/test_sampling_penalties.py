@@ -89,7 +89,19 @@ def test_penalties_and_min_p_match_a_transformers_loop(checkpoint, hf, overlap) 
     """Every request of one batch gets its own penalties over its own tokens, the token in
     flight under overlap scheduling included."""
     with Engine(checkpoint(NAME), device="cpu", overlap_schedule=overlap) as engine:
+        built = []
+        schedule = engine.scheduler._schedule_overlapped
+
+        def overlapped():  # type: ignore[no-untyped-def]
+            batch = schedule()
+            built.append(batch is not None and batch.sampling_info.penalties is not None)
+            return batch
+
+        engine.scheduler._schedule_overlapped = overlapped  # type: ignore[method-assign]
         results = engine.generate(PROMPTS, PARAMS)
+        # Penalised decodes were built while the step before them ran (the token in flight
+        # counted on the device), not after waiting for it.
+        assert any(built) == overlap
         memory = engine.worker.memory
         assert memory.available_slots == memory.total_slots
     for prompt, sp, result in zip(PROMPTS, PARAMS, results, strict=True):
