@@ -42,6 +42,7 @@ from execrt.serve.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from execrt.serve.reasoning import PARSERS, ReasoningText
 from execrt.serve.text import (
     ChoiceText,
     chat_logprobs,
@@ -60,9 +61,15 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
-def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
+def create_app(
+    client: EngineClient, *, close_client: bool = False, reasoning_parser: str = "none"
+) -> FastAPI:
     """The app over ``client`` (which may still be loading: requests get 503 until ready).
-    ``close_client``: the app's shutdown (after the last connection closed) closes it."""
+    ``close_client``: the app's shutdown (after the last connection closed) closes it.
+    ``reasoning_parser``: how chat answers' reasoning is told from their content (see
+    ``serve.reasoning``; ``none``: it is content)."""
+    if reasoning_parser not in PARSERS:
+        raise ValueError(f"reasoning parser {reasoning_parser!r} (accepted: {', '.join(PARSERS)})")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,7 +169,7 @@ def create_app(client: EngineClient, *, close_client: bool = False) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(client, metrics, request, "chat")
+        return await _generate(client, metrics, request, "chat", reasoning_parser)
 
     return app
 
@@ -198,14 +205,18 @@ def _ready(client: EngineClient) -> EngineClient:
 
 
 async def _generate(
-    client: EngineClient, metrics: Metrics, request: Request, endpoint: Endpoint
+    client: EngineClient,
+    metrics: Metrics,
+    request: Request,
+    endpoint: Endpoint,
+    reasoning_parser: str = "none",
 ) -> Response:
     _ready(client)
     body = await _json_body(request)
     info = client.model_info()
     plan = parse(body, endpoint, client.text(), info.context_len)
     _check_model(plan.model, info.name)
-    job = Job(client, metrics, plan, info.name)
+    job = Job(client, metrics, plan, info.name, reasoning_parser)
     job.submit()
     if plan.stream:
         return EventSourceResponse(job.events())
@@ -228,6 +239,8 @@ class _Choice:
     started: bool = False  # an update was made
     calls: ToolCallText | None = None  # chat with tools: the text's calls held back
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # once done
+    thinking: ReasoningText | None = None  # chat with a reasoning parser
+    reasoning: list[str] = field(default_factory=list)  # its reasoning, as sent
 
     @property
     def done(self) -> bool:
@@ -240,12 +253,20 @@ class _Update:
     text: str
     logprobs: list[TokenLogprobs]
     first: bool = False  # the choice's first: an echo goes before it
+    reasoning: str = ""  # chat with a reasoning parser: reasoning to send before ``text``
 
 
 class Job:
     """One HTTP request: ``len(prompts) * n`` engine requests, read as they progress."""
 
-    def __init__(self, client: EngineClient, metrics: Metrics, plan: Plan, model: str) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: Metrics,
+        plan: Plan,
+        model: str,
+        reasoning_parser: str = "none",
+    ) -> None:
         self.client = client
         self.metrics = metrics
         self.plan = plan
@@ -273,6 +294,8 @@ class Job:
                 choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
                 if plan.tools is not None and plan.tools.parse:
                     choice.calls = ToolCallText(plan.tools.format)
+                if plan.endpoint == "chat" and reasoning_parser != "none":
+                    choice.thinking = ReasoningText(reasoning_parser)
                 if plan.echo:  # the client's own text, else the ids decoded
                     given = plan.prompt_texts[p] if p < len(plan.prompt_texts) else None
                     choice.echo = self.codec.decode(prompt) if given is None else given
@@ -319,6 +342,13 @@ class Job:
                 choice.finish_reason, choice.error = "error", out.error or "request aborted"
             else:
                 choice.finish_reason = out.finish_reason
+        reasoning = ""
+        if choice.thinking is not None:
+            reasoning, text = choice.thinking.feed(text)
+            if choice.done:
+                more_reasoning, more_text = choice.thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            choice.reasoning.append(reasoning)
         if choice.calls is not None:
             text = choice.calls.feed(text)
             if choice.done:
@@ -328,7 +358,7 @@ class Job:
                     choice.finish_reason = "tool_calls"
         if choice.done:
             self._count(choice)
-        return _Update(choice, text, logprobs, first)
+        return _Update(choice, text, logprobs, first, reasoning)
 
     def _count(self, choice: _Choice) -> None:
         t = choice.holder.timing
@@ -400,6 +430,8 @@ class Job:
             if choice.tool_calls:
                 message = {"role": "assistant", "content": text.rstrip() or None}
                 message["tool_calls"] = choice.tool_calls
+            if choice.thinking is not None:
+                message["reasoning_content"] = "".join(choice.reasoning) or None
             body = {"index": choice.index, "message": message}
         return body | {"logprobs": logprobs, "finish_reason": choice.finish_reason}
 
@@ -434,6 +466,8 @@ class Job:
             offsets = [0] * len(self.choices)  # text_offset of each choice's next token
             async for u in self.updates():
                 c = u.choice
+                if u.reasoning:  # before the content of the same update
+                    yield self._chunk(c.index, {"delta": {"reasoning_content": u.reasoning}})
                 text, echo_lp = u.text, None
                 if u.first and c.echo is not None:  # the prompt first (completions' echo)
                     echo, echo_lp = self._echo(c)

@@ -65,6 +65,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--served-model-name", help="the model name clients use (default: the checkpoint's name)"
     )
     serve.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "qwen3", "deepseek_r1"],
+        help="chat answers' <think> part as reasoning_content: qwen3 (an answer that begins "
+        "with <think>), deepseek_r1 (the answer reasons until </think>), or none (it is "
+        "content) (default: none)",
+    )
+    serve.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -115,7 +123,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         client = ThreadedEngineClient(build, name=args.served_model_name)
     try:
-        sock_status = server.serve(client, args.host, args.port, log_level=args.log_level)
+        sock_status = server.serve(
+            client,
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            reasoning_parser=args.reasoning_parser,
+        )
     except OSError as exc:
         client.close()
         raise ExecrtError(

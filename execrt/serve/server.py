@@ -71,12 +71,17 @@ class UvicornServer:
     handled, returns after a graceful shutdown) or ``start()`` in a background one."""
 
     def __init__(
-        self, client: EngineClient, sock: socket.socket, *, log_level: str = "warning"
+        self,
+        client: EngineClient,
+        sock: socket.socket,
+        *,
+        log_level: str = "warning",
+        reasoning_parser: str = "none",
     ) -> None:
         self.client = client
         self.sock = sock
         self.url = url_of(sock)
-        app = create_app(client, close_client=True)
+        app = create_app(client, close_client=True, reasoning_parser=reasoning_parser)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -106,10 +111,13 @@ def serve(
     *,
     announce: Callable[[str], None] | None = None,
     log_level: str = "warning",
+    reasoning_parser: str = "none",
 ) -> int:
     """Serve until interrupted; ``announce`` gets one line with the URL once the model is
     ready. Returns 0, or 2 when the model failed to load (one line on stderr says why)."""
-    server = UvicornServer(client, bind(host, port), log_level=log_level)
+    server = UvicornServer(
+        client, bind(host, port), log_level=log_level, reasoning_parser=reasoning_parser
+    )
     tune_interpreter()
     status = 0
 

@@ -70,7 +70,7 @@ class ChoiceText:
             self.stopped = True
             self._held = ""
             return self._send(buffer[: min(hits)])
-        keep = max(_overlap(buffer, s) for s in self._stops)
+        keep = max(tag_overlap(buffer, s) for s in self._stops)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return self._send(buffer[: len(buffer) - keep])
 
@@ -85,8 +85,9 @@ class ChoiceText:
         return text
 
 
-def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of ``text`` that begins ``stop`` (shorter than it)."""
+def tag_overlap(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (shorter than it): what
+    must be held back while it may become ``stop``."""
     for n in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:n]):
             return n

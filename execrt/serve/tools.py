@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from execrt.serve.errors import APIError
+from execrt.serve.text import tag_overlap
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -203,9 +204,7 @@ class ToolCallText:
             self._calling = True
             end = at
         else:  # hold back an end that may begin the marker
-            end = len(text) - max(
-                (n for n in range(1, len(OPEN)) if text.endswith(OPEN[:n])), default=0
-            )
+            end = len(text) - tag_overlap(text, OPEN)
         out = text[self._sent : max(end, self._sent)]
         self._sent = max(end, self._sent)
         return out

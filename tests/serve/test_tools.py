@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-import execrt.engine.client as seam
-from execrt.engine.client import RequestOutput
 from execrt.serve.errors import APIError
 from execrt.serve.tools import ToolCallText, parse_tools, split_calls
-from tests.serve.fakes import FakeClient, LetterCodec
+from tests.serve.fakes import ScriptCodec
 from tests.serve.test_app import call, events
 
 CALL = (
@@ -136,71 +132,6 @@ def test_tools_need_a_template_that_renders_them() -> None:
 
 
 # -- through the app ------------------------------------------------------------------------------
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-
-
-class ScriptCodec(LetterCodec):
-    """Token t is character ``CHARS[t]``; the chat template is one that renders tools; the
-    last conversation and template variables it saw are kept for the test."""
-
-    seen: dict[str, Any] = {}
-    template = "{% if tools %}{{ tools | tojson }} <tool_call>{...}</tool_call>{% endif %}"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [CHARS.index(c) for c in text if c in CHARS]
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return "".join(CHARS[t] for t in token_ids)
-
-    def tokenizer_info(self) -> dict[str, Any]:
-        return {"chat_template": self.template}
-
-    def chat_prompt(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[list[int], tuple[int, ...]]:
-        ScriptCodec.seen = {"messages": list(messages), "variables": dict(template_kwargs or {})}
-        return self.encode("hi"), ()
-
-
-@dataclass
-class ScriptClient(FakeClient):
-    """Every request answers ``script``, one character per token, then stops."""
-
-    script: str = ""
-
-    def _run(self) -> None:  # one output per request: the whole script
-        import time
-
-        while not self.closed:
-            time.sleep(self.tick)
-            with self._lock:
-                live = list(self._live.values())
-                self._live.clear()
-            for r in live:
-                ids = ScriptCodec().encode(self.script)
-                half = len(ids) // 2
-                r.holder.put(RequestOutput(ids[:half]))
-                time.sleep(self.tick)
-                done = RequestOutput(ids[half:], finish_reason="stop")
-                done.prompt_tokens = len(r.request.prompt_ids)
-                r.holder.put(done)
-
-    def model_info(self) -> seam.ModelInfo:
-        return seam.ModelInfo("fake", 4096, len(CHARS), True, True)
-
-    def text(self) -> seam.TextCodec:
-        return ScriptCodec()
-
-
-@pytest.fixture
-def script():  # type: ignore[no-untyped-def]
-    client = ScriptClient()
-    yield client
-    client.close()
-
-
 def test_a_call_is_answered_as_tool_calls(script) -> None:  # type: ignore[no-untyped-def]
     script.script = "Checking.\n" + CALL
     r = call(script, "POST", "/v1/chat/completions", {"messages": USER, "tools": TOOLS})
