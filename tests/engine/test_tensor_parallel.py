@@ -221,6 +221,8 @@ def test_torchrun_generate_prints_once_and_matches_one_process(checkpoint, capsy
     path = checkpoint("moe-8x2")
     argv = ["generate", "--model", path, "--device", "cpu", "--token-ids", "5,17,33,2,90", "9,9"]
     argv += ["--max-new-tokens", "8", "--json"]
+    # Penalties too: every rank counts the same tokens, the one in flight included.
+    argv += ["--repetition-penalty", "1.3", "--frequency-penalty", "0.5", "--min-tokens", "8"]
     assert main(argv) == 0
     expected = json.loads(capsys.readouterr().out)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
