@@ -2,11 +2,14 @@
 to e4m3 in place (per-layer scale 1.0 or amax / 448), with and without a Hadamard rotation of q
 and k after RoPE (V: rotated, rounded, rotated back), against the unquantized model.
 
-    python benchmarks/fp8_kv_fake_quant.py --tokens 128
+    python benchmarks/fp8_kv_fake_quant.py --tokens 128 [--sign-seeds 3] [--per-layer]
 
 For each case: teacher-forced top-1 agreement with the unquantized model's greedy tokens over
 the 16 prompts of ``tests/models/test_fp8_kv_cache.py``, and the mean KL divergence from its
 next-token distribution. Independent of execrt's kernels: the rounding is torch's cast.
+``--sign-seeds N`` adds the rotation with N random sign flips before the Hadamard matrix (as
+good a rotation, so the spread is the measure's noise), for K and V rotated and for K alone
+rotated; ``--per-layer`` adds K rotated and rounded in one layer at a time (where the error is).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def hadamard(n: int) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--sign-seeds", type=int, default=0, help="random-sign rotations to add")
+    p.add_argument("--per-layer", action="store_true", help="K rounded one layer at a time")
     args = p.parse_args()
     import transformers
     from transformers.models.llama import modeling_llama
@@ -59,6 +64,7 @@ def main() -> None:
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     rot = hadamard(head_dim)
     state: dict[str, Any] = {"k": False, "v": False, "rot": False, "scaled": False, "calib": False}
+    state |= {"matrix": rot, "v_rot": True, "layers": None}  # the extra cases change these
     amax: dict[tuple[str, bool, int], float] = {}
     layer = [0]
 
@@ -73,10 +79,12 @@ def main() -> None:
 
     def rope_then_round(q, k, *a, **kw):  # type: ignore[no-untyped-def]
         q, k = rope(q, k, *a, **kw)
-        if state["k"] or state["calib"]:
+        chosen = state["layers"] is None or layer[0] in state["layers"]
+        if (state["k"] and chosen) or state["calib"]:
             key = ("k", state["rot"], layer[0])
             if state["rot"]:
-                q, k = q @ rot, round_fp8(key, k @ rot)  # (qH).(kH) = q.k
+                m = state["matrix"]
+                q, k = q @ m, round_fp8(key, k @ m)  # (qM).(kM) = q.k for orthogonal M
             else:
                 k = round_fp8(key, k)
         return q, k
@@ -90,7 +98,11 @@ def main() -> None:
                 return out
             key = ("v", state["rot"], i)
             v = out.view(*out.shape[:-1], -1, head_dim)
-            v = round_fp8(key, v @ rot) @ rot.T if state["rot"] else round_fp8(key, v)
+            if state["rot"] and state["v_rot"]:
+                m = state["matrix"]
+                v = round_fp8(key, v @ m) @ m.T
+            else:
+                v = round_fp8(key, v)
             return v.reshape(out.shape)
 
         return hook
@@ -120,10 +132,28 @@ def main() -> None:
             state.update(calib=True, rot=rotated)
             measure()
         state["calib"] = False
-        for name, (k, v, rotated, scaled) in CASES:
-            state.update(k=k, v=v, rot=rotated, scaled=scaled)
+        cases: list[tuple[str, dict[str, Any]]] = [
+            (name, {"k": k, "v": v, "rot": rotated, "scaled": scaled})
+            for name, (k, v, rotated, scaled) in CASES
+        ]
+        for seed in range(args.sign_seeds):
+            signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed))
+            matrix = (signs * 2 - 1).float()[:, None] * rot  # still orthogonal
+            for v_rot in (True, False):
+                what = "k+v rotated" if v_rot else "k rotated, v plain"
+                cases.append(
+                    (f"{what}, signs {seed}", {"k": True, "v": True, "rot": True} | {
+                        "matrix": matrix, "v_rot": v_rot,
+                    })
+                )  # fmt: skip
+        if args.per_layer:
+            for i in range(len(model.model.layers)):
+                cases.append((f"k rotated, layer {i}", {"k": True, "rot": True, "layers": {i}}))
+        defaults = {"k": False, "v": False, "scaled": False, "matrix": rot, "v_rot": True}
+        for name, case in cases:
+            state.update(defaults | {"layers": None} | case)
             agreement, kl = measure()
-            print(f"{name:22s} top-1 {agreement:.4f}  KL {kl:.2e}", flush=True)
+            print(f"{name:26s} top-1 {agreement:.4f}  KL {kl:.2e}", flush=True)
 
 
 if __name__ == "__main__":
