@@ -101,15 +101,8 @@ class SamplingBatchInfo:
         with_min_p = any(p.adjusts and p.min_p for p in params)
         if with_min_p:
             floats.append([float(p.min_p) for p in params])
-        if stager is not None:
-            # One copy each; every row tensor starts 16-byte aligned (see staging.ALIGN_BYTES).
-            top_ks, seeds, steps = stage_ints(stager, ints)
-            temperatures, top_ps, *rest = stage_floats(stager, floats)
-        else:
-            dev_i = torch.tensor(ints, dtype=torch.int64, device=device)  # [3, B]
-            dev_f = torch.tensor(floats, dtype=torch.float32, device=device)  # [2 or 3, B]
-            top_ks, seeds, steps = dev_i
-            temperatures, top_ps, *rest = dev_f
+        top_ks, seeds, steps = _ints(ints, device, stager)
+        temperatures, top_ps, *rest = _floats(floats, device, stager)
         min_ps = rest[0] if with_min_p else None
         return cls(temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, penalties, min_ps)
 
@@ -162,9 +155,10 @@ class Penalties:
     """The penalised rows of a batch, densely over the vocabulary when applied.
 
     Per penalised row ``i`` (batch row ``rows[i]``): the tokens its output holds and how often
-    (``counts``: (i, token, count) entries), the tokens its prompt and output hold (``seen``:
-    (i, token) entries), and ``pending[i]``, its last token when that is still in flight (-1
-    otherwise; a device value the host has not seen, counted on the device)."""
+    (``counts``: (i, token, count) entries; only a row with a frequency or presence penalty
+    has them), the tokens its prompt and output hold (``seen``: (i, token) entries; only a
+    row with a repetition penalty), and ``pending[i]``, its last token when that is still in
+    flight (-1 otherwise; a device value the host has not seen, counted on the device)."""
 
     rows: torch.Tensor  # [P] int64
     counts: Sparse
@@ -193,13 +187,16 @@ class Penalties:
         seen_ids: list[int] = []
         for i, row in enumerate(penalised):
             r = reqs[row]
-            output = r.output_counts
-            count_at += [i] * len(output)
-            count_ids += output.keys()
-            counts += map(float, output.values())
-            seen = r.seen_tokens
-            seen_at += [i] * len(seen)
-            seen_ids += seen
+            p = r.sampling_params
+            if p.frequency_penalty or p.presence_penalty:  # they read the output's counts
+                output = r.output_counts
+                count_at += [i] * len(output)
+                count_ids += output.keys()
+                counts += map(float, output.values())
+            if p.repetition_penalty != 1.0:  # it reads the prompt's tokens too
+                seen = r.seen_tokens
+                seen_at += [i] * len(seen)
+                seen_ids += seen
         in_flight = [int(reqs[row].num_pending > 0) for row in penalised]
         if any(in_flight) and last_ids is None:
             raise ValueError("penalties: a request's last token is in flight but not given")
@@ -250,8 +247,10 @@ class Penalties:
 def _ints(
     segments: Sequence[Sequence[int]], device: torch.device, stager: HostToDevice | None
 ) -> list[torch.Tensor]:
+    """``segments`` as int64 tensors on ``device``: through ``stager`` in one copy (each
+    starting 16-byte aligned, see staging.ALIGN_BYTES), else one tensor each."""
     if stager is not None:
-        return stage_ints(stager, segments)  # one copy
+        return stage_ints(stager, segments)
     return [torch.tensor(list(s), dtype=torch.int64, device=device) for s in segments]
 
 
