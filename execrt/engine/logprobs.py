@@ -34,11 +34,27 @@ class _StepLogprobs:
             self.values = [float(v) for v in self.copy.tolist()]
         return self.values[i * self.width : (i + 1) * self.width]
 
+    def entry(self, i: int, token_id: int, top: int) -> TokenLogprobs:
+        """Row ``i`` as ``token_id``'s log-probability and its ``top`` alternatives (at
+        most the step's k)."""
+        values = self.row(i)
+        k = (self.width - 1) // 2
+        alternatives = tuple((int(values[1 + k + j]), values[1 + j]) for j in range(min(top, k)))
+        return TokenLogprobs(token_id, values[0], alternatives)
+
+
+def _pack(logits: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:
+    """``[R, 1 + 2 top]`` fp32 (``_StepLogprobs``' rows) of ``logits [R, V]``: the
+    log-probability of ``targets [R]``, then the ``top`` best log-probabilities and their ids."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    best = logp.topk(top, dim=-1)
+    return torch.cat([logp.gather(1, targets[:, None]), best.values, best.indices.float()], dim=1)
+
 
 @dataclass
 class _Pending:
     top: int
-    steps: deque[tuple[_StepLogprobs, int, int]] = field(default_factory=deque)
+    steps: deque[tuple[_StepLogprobs, int]] = field(default_factory=deque)
 
 
 @dataclass
@@ -103,28 +119,19 @@ class LogprobWorker(TpModelWorker):
         if pending is None or not pending.complete:
             return None
         del self._prompts[req]
-        out = []
-        for step, first, ids in pending.parts:
-            step_top = (step.width - 1) // 2  # the most any request of that step asked for
-            for j, token_id in enumerate(ids):
-                values = step.row(first + j)
-                alternatives = tuple(
-                    (int(values[1 + step_top + k]), values[1 + k]) for k in range(pending.top)
-                )
-                out.append(TokenLogprobs(token_id, values[0], alternatives))
-        return out
+        return [
+            step.entry(first + j, token_id, pending.top)
+            for step, first, ids in pending.parts
+            for j, token_id in enumerate(ids)
+        ]
 
     def take(self, req: Req, token_id: int) -> TokenLogprobs | None:
         """The log-probabilities of the token ``req`` just gained (None if not watched)."""
         pending = self._watched.get(req)
         if pending is None or not pending.steps:
             return None
-        step, row, top = pending.steps.popleft()
-        values = step.row(row)
-        alternatives = tuple(
-            (int(values[1 + top + j]), values[1 + j]) for j in range(min(top, pending.top))
-        )
-        return TokenLogprobs(token_id, values[0], alternatives)
+        step, row = pending.steps.popleft()
+        return step.entry(row, token_id, pending.top)
 
     def forward_batch_generation(self, schedule_batch: ScheduleBatch) -> GenerationBatchResult:
         prompt = self._prompt_rows(schedule_batch) if self._prompts else None
@@ -182,13 +189,9 @@ class LogprobWorker(TpModelWorker):
                 "need a model that computes them"
             )
         top = max(pending.top for pending, _, _ in wanted)
-        packed = []
-        for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_PASS):
-            hi = lo + PROMPT_ROWS_PER_PASS
-            logp = torch.log_softmax(logits[lo:hi].float(), dim=-1)  # [r, V]
-            chosen = logp.gather(1, targets[lo:hi, None])
-            best = logp.topk(top, dim=-1)
-            packed.append(torch.cat([chosen, best.values, best.indices.float()], dim=1))
+        per_pass = PROMPT_ROWS_PER_PASS  # bounds the fp32 log-softmax's [rows, V] copy
+        chunks = [slice(lo, lo + per_pass) for lo in range(0, logits.shape[0], per_pass)]
+        packed = [_pack(logits[rows], targets[rows], top) for rows in chunks]
         # Read when the request's first token is out, maybe many steps later: a copy of its own.
         step = _StepLogprobs(copy_to_host(torch.cat(packed)), 1 + 2 * top)
         for pending, first, ids in wanted:
@@ -205,10 +208,9 @@ class LogprobWorker(TpModelWorker):
         top = max(self._watched[batch.reqs[i]].top for i in rows)
         logits = result.logits_output.next_token_logits  # [B, V]
         index = torch.tensor(rows, device=logits.device)
-        logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
-        chosen = logp.gather(1, result.next_token_ids.index_select(0, index)[:, None])  # [R, 1]
-        best = logp.topk(top, dim=-1)  # [R, top] values and ids
-        packed = torch.cat([chosen, best.values, best.indices.float()], dim=1)  # [R, 1 + 2top]
+        packed = _pack(
+            logits.index_select(0, index), result.next_token_ids.index_select(0, index), top
+        )
         step = _StepLogprobs(self._logprobs_to_host.start(packed), 1 + 2 * top)
         for r, i in enumerate(rows):
-            self._watched[batch.reqs[i]].steps.append((step, r, top))
+            self._watched[batch.reqs[i]].steps.append((step, r))
