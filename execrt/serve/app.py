@@ -42,7 +42,7 @@ from execrt.serve.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from execrt.serve.reasoning import PARSERS, ReasoningText
+from execrt.serve.reasoning import ReasoningText, check_parser
 from execrt.serve.text import (
     ChoiceText,
     chat_logprobs,
@@ -68,8 +68,7 @@ def create_app(
     ``close_client``: the app's shutdown (after the last connection closed) closes it.
     ``reasoning_parser``: how chat answers' reasoning is told from their content (see
     ``serve.reasoning``; ``none``: it is content)."""
-    if reasoning_parser not in PARSERS:
-        raise ValueError(f"reasoning parser {reasoning_parser!r} (accepted: {', '.join(PARSERS)})")
+    check_parser(reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -240,7 +239,7 @@ class _Choice:
     calls: ToolCallText | None = None  # chat with tools: the text's calls held back
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # once done
     thinking: ReasoningText | None = None  # chat with a reasoning parser
-    reasoning: list[str] = field(default_factory=list)  # its reasoning, as sent
+    reasoning: list[str] = field(default_factory=list)  # its reasoning (one JSON document)
 
     @property
     def done(self) -> bool:
@@ -292,7 +291,7 @@ class Job:
                     self.codec.detokenizer(), plan.stops, plan.sampling.get("min_tokens", 0)
                 )
                 choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
-                if plan.tools is not None and plan.tools.parse:
+                if plan.tools is not None:
                     choice.calls = ToolCallText(plan.tools.format)
                 if plan.endpoint == "chat" and reasoning_parser != "none":
                     choice.thinking = ReasoningText(reasoning_parser)
@@ -348,7 +347,6 @@ class Job:
             if choice.done:
                 more_reasoning, more_text = choice.thinking.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
-            choice.reasoning.append(reasoning)
         if choice.calls is not None:
             text = choice.calls.feed(text)
             if choice.done:
@@ -414,6 +412,7 @@ class Job:
     async def _collect(self) -> None:
         async for update in self.updates():
             update.choice.parts.append(update.text)
+            update.choice.reasoning.append(update.reasoning)
 
     def _final_choice(self, choice: _Choice) -> dict[str, Any]:
         echo, echo_lp = self._echo(choice)

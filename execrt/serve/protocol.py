@@ -9,7 +9,7 @@ sees.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -166,10 +166,7 @@ def parse_tokenize(body: object, text: TextCodec) -> tuple[str | None, list[int]
     """``/tokenize``: ``{"prompt": str}`` (``add_special_tokens``, default true) or
     ``{"messages": [...]}`` through the chat template (``chat_template_kwargs``), as the
     completions and chat endpoints encode them. Returns ``(model, token ids)``."""
-    fields = _fields(body)
-    unknown = sorted(set(fields) - TOKENIZE_FIELDS)
-    if unknown:
-        raise APIError(f"field {unknown[0]!r} is unsupported by /tokenize", param=unknown[0])
+    fields = _fields(body, TOKENIZE_FIELDS, "/tokenize")
     model = fields.get("model")
     if ("prompt" in fields) == ("messages" in fields):
         raise APIError("give one of prompt (a string) and messages (a chat)", param="prompt")
@@ -186,10 +183,7 @@ def parse_tokenize(body: object, text: TextCodec) -> tuple[str | None, list[int]
 
 def parse_detokenize(body: object, vocab_size: int) -> tuple[str | None, list[int]]:
     """``/detokenize``: ``{"tokens": [ids]}``, each id in the vocabulary."""
-    fields = _fields(body)
-    unknown = sorted(set(fields) - {"model", "tokens"})
-    if unknown:
-        raise APIError(f"field {unknown[0]!r} is unsupported by /detokenize", param=unknown[0])
+    fields = _fields(body, {"model", "tokens"}, "/detokenize")
     tokens = fields.get("tokens")
     if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
         raise APIError(f"tokens {tokens!r} must be a list of token ids", param="tokens")
@@ -199,10 +193,16 @@ def parse_detokenize(body: object, vocab_size: int) -> tuple[str | None, list[in
     return fields.get("model"), tokens
 
 
-def _fields(body: object) -> dict[str, Any]:
+def _fields(body: object, known: Set[str] | None = None, endpoint: str = "") -> dict[str, Any]:
+    """The body's fields that are given (null means "not given"); with ``known``, a field
+    outside it is a 400 naming it (``endpoint`` says whose)."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    return {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    fields = {k: v for k, v in body.items() if v is not None}
+    unknown = sorted(set(fields) - known) if known is not None else []
+    if unknown:
+        raise APIError(f"field {unknown[0]!r} is unsupported by {endpoint}", param=unknown[0])
+    return fields
 
 
 def _template_source(text: TextCodec) -> str | None:

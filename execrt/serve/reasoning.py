@@ -19,12 +19,17 @@ PARSERS = ("none", "qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
 
+def check_parser(parser: str, accepted: tuple[str, ...] = PARSERS) -> None:
+    """ValueError naming ``parser`` unless it is one of ``accepted``."""
+    if parser not in accepted:
+        raise ValueError(f"reasoning parser {parser!r} (accepted: {', '.join(accepted)})")
+
+
 class ReasoningText:
     """Splits a chat answer's text, as it arrives, into reasoning and content."""
 
     def __init__(self, parser: str) -> None:
-        if parser not in PARSERS[1:]:
-            raise ValueError(f"reasoning parser {parser!r} (accepted: {', '.join(PARSERS)})")
+        check_parser(parser, PARSERS[1:])  # "none" splits nothing: no ReasoningText
         # opening: the answer may still begin with <think>; thinking: inside the reasoning;
         # closing: after </think>, its blank lines; content: the rest.
         self._state = "opening"

@@ -34,11 +34,10 @@ TOOL_CHOICES = ("auto", "none")
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request asks of tools: ``tools`` for the template to render, and whether
-    the output is read for calls (``tool_choice`` ``auto``)."""
+    """What a chat request with tools and ``tool_choice`` ``auto`` asks: ``tools`` for the
+    template to render, and the output read for calls in ``format``."""
 
     tools: tuple[dict[str, Any], ...]
-    parse: bool
     format: str = "hermes"  # how the model writes calls: "hermes" or "json"
 
 
@@ -74,7 +73,7 @@ def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -
             "never see them",
             param="tools",
         )
-    return ToolPlan(tuple(tools), parse=True, format="hermes" if OPEN in source else "json")
+    return ToolPlan(tuple(tools), format="hermes" if OPEN in source else "json")
 
 
 def _is_tool(tool: object) -> bool:

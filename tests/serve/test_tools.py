@@ -128,7 +128,7 @@ def test_tools_need_a_template_that_renders_them() -> None:
     assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, lambda: None) is None
     assert parse_tools({"tools": []}, lambda: None) is None
     plan = parse_tools({"tools": TOOLS}, lambda: "{{ tools }}")
-    assert plan is not None and plan.parse and list(plan.tools) == TOOLS
+    assert plan is not None and list(plan.tools) == TOOLS and plan.format == "json"
 
 
 # -- through the app ------------------------------------------------------------------------------
