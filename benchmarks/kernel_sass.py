@@ -76,23 +76,33 @@ class KernelLoops:
     loops: list[Loop]
 
 
-def compile_split_kernel(kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4):
+def compile_split_kernel(
+    kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4, prologue: bool = False
+):  # type: ignore[no-untyped-def]
     """The compiled kernel (``triton.compile``'s object) for a 128-dim head, ``group`` query
-    heads per KV head, bf16 q."""
+    heads per KV head, bf16 q; ``prologue``: with q/k norm, RoPE and the K/V store inside
+    (``decode_attention(prologue=)``)."""
     fn = D._decode_split_kernel
     names = fn.arg_names
     kv_type = KV_TYPES[kv][0]
+    cache_type = "*bf16" if kv == "bf16" else "*fp8e4nv"  # the store's typed cache
     pointers = {
         "q_ptr": "*bf16", "k_ptr": kv_type, "v_ptr": kv_type, "kv_indptr_ptr": "*i32",
         "kv_indices_ptr": "*i32", "num_splits_ptr": "*i32", "work_ptr": "*i32",
         "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32",
-        "o_ptr": "*bf16", "arrivals_ptr": "*i32",
+        "o_ptr": "*bf16", "arrivals_ptr": "*i32", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
+        "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_w_ptr": "*bf16",
+        "k_w_ptr": "*bf16", "loc_ptr": "*i64", "k_cache_ptr": cache_type,
+        "v_cache_ptr": cache_type,
     }  # fmt: skip
     constants = {
         "GROUP": group, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BLOCK_H": max(16, group),
         "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
         "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
-        "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True,
+        "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "PROLOGUE": prologue,
+        "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
+        "BLOCK_HALF": 64, "BLOCK_G": group, "FP8_MAX": 448.0, "FP8_MANT": 3, "FP8_EMIN": -6,
+        "K_INV": 2, "V_INV": 3,
     }  # fmt: skip
     # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
     # multiples of 16 elements (the per-head lse stride is the split count: not assumed).
@@ -123,7 +133,9 @@ def compile_extend_kernel(block_m: int, block_n: int, num_warps: int, num_stages
 def _compile(fn, pointers, constants, aligned, num_warps, num_stages):  # type: ignore[no-untyped-def]
     names = fn.arg_names
     signature = {
-        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
+        n: "constexpr"
+        if n in constants
+        else pointers.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
         for n in names
     }
     src = triton.compiler.ASTSource(
@@ -198,10 +210,14 @@ def kernel_loops(kernel, name: str, num_warps: int, kv_bytes: int, flops: int) -
     )  # fmt: skip
 
 
-def decode_loops(kv: str, block_n: int, num_warps: int, num_stages: int) -> KernelLoops:
+def decode_loops(
+    kv: str, block_n: int, num_warps: int, num_stages: int, prologue: bool = False
+) -> KernelLoops:
     """The decode split kernel at GQA 4 (16 padded query rows), head dim 128."""
-    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages)
+    kernel = compile_split_kernel(kv, block_n, num_warps, num_stages, prologue=prologue)
     name = f"decode {kv} block_n {block_n}, {num_warps} warps, {num_stages} stages"
+    if prologue:
+        name += ", prologue"
     flops = 2 * 2 * 16 * block_n * 128
     return kernel_loops(kernel, name, num_warps, 2 * block_n * 128 * KV_TYPES[kv][1], flops)
 
@@ -267,6 +283,12 @@ def main() -> None:
         help="decode: KV dtypes, comma-separated: bf16, fp8, fp8w (fp8 read as int32 words)",
     )
     p.add_argument("--tiles", default="", help=TILES_HELP)
+    p.add_argument(
+        "--prologue",
+        action="store_true",
+        help="decode: with q/k norm, RoPE and the K/V store in the launch (fp8: with the "
+        "Hadamard rotation)",
+    )
     p.add_argument("--gbps", type=float, default=4170.0, help="copy bandwidth (decode floor)")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak (extend floor)")
     p.add_argument("--sms", type=int, default=132)
@@ -285,7 +307,8 @@ def main() -> None:
             p.error(f"--kv {kv!r} unsupported (supported: {', '.join(KV_TYPES)})")
         tiles = [_tiles(args.tiles, 3, p)] if args.tiles else defaults[kv]
         for block_n, warps, stages in tiles:
-            print(describe(decode_loops(kv, block_n, warps, stages), "memory", *floors), flush=True)
+            loops = decode_loops(kv, block_n, warps, stages, args.prologue)
+            print(describe(loops, "memory", *floors), flush=True)
 
 
 if __name__ == "__main__":

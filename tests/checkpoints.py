@@ -174,6 +174,13 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 EXTRA_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # dense-tiny-ctx1k with a head dim the Triton and FlashInfer kernels serve (GPU tests).
     "dense-tiny-ctx1k-hd64": ("dense", CHECKPOINTS["dense-tiny-ctx1k"][1] | {"head_dim": 64}, {}),
+    # Llama-3 RoPE, no q/k norm, three query heads per kv head, in a head dim Triton serves.
+    "llama-llama3-gqa3-hd64": (
+        "llama",
+        CHECKPOINTS["llama-untied-bias-llama3"][1]
+        | {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
+        {},
+    ),
 }
 
 

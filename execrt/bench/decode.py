@@ -59,6 +59,7 @@ from execrt.bench.timing import (
     time_limit,
     timed_call,
 )
+from execrt.core import envs
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import KV_CACHE_DTYPES
 from execrt.core.errors import ExecrtError
@@ -176,6 +177,9 @@ class Record:
     kv_dtype: str = "auto"  # execrt's kv_cache_dtype (the peer: its own, the model dtype)
     vs_kv_auto: float | None = None  # this step_ms / the kv auto step_ms (< 1: this is faster)
     note: str = ""
+    #: execrt's ``EXECRT_*`` config overrides in effect (e.g. an A/B of a backend option run
+    #: as two calls); None for the peer
+    env_config: dict[str, str] | None = None
     profile: dict[str, float] | None = None
     hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
     prefill_tflops: float | None = None  # ttft: the prompt's FLOPs over the time to 1 token
@@ -301,7 +305,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     attention = chosen_backend(engine.resolution, "attention")
     ov: dict[str, Any] = {
         "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype,
-        "context_len": engine.worker.limits.context_len,
+        "context_len": engine.worker.limits.context_len, "env_config": envs.config_overrides(),
     }  # fmt: skip
     tag = mode if kv_dtype == "auto" else f"{mode}-{kv_dtype}"  # profile trace names
     with engine:

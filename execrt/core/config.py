@@ -27,6 +27,8 @@ FLASHINFER_PREFILL = ("auto", "fa2", "fa3")  # auto: FA3 where it runs (sm90), e
 TRITON_DECODE_MERGE = ("separate", "fused", "auto")
 #: the order of the triton backend's decode work: longest split first, or request after request
 TRITON_DECODE_ORDER = ("longest", "request")
+#: the triton backend's decode q/k norm, RoPE and K/V store: inside the split launch, or not
+TRITON_DECODE_PROLOGUE = ("off", "on")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -70,6 +72,7 @@ class RuntimeConfig:
     triton_decode_merge: str = "auto"
     triton_decode_split_target: int = 0  # tokens per decode KV split; 0 = the kernel's default
     triton_decode_order: str = "longest"
+    triton_decode_prologue: str = "off"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -124,6 +127,7 @@ class RuntimeConfig:
             "flashinfer_prefill_backend": FLASHINFER_PREFILL,
             "triton_decode_merge": TRITON_DECODE_MERGE,
             "triton_decode_order": TRITON_DECODE_ORDER,
+            "triton_decode_prologue": TRITON_DECODE_PROLOGUE,
             "fused_kernels": FUSED_KERNELS,
         }
         for name, accepted in choices.items():

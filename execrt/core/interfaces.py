@@ -202,6 +202,24 @@ KV = tuple[torch.Tensor, torch.Tensor] | None
 
 
 @dataclass(frozen=True)
+class QKPrologue:
+    """What a decode step does to its q and k between the q/k/v projection and attention,
+    for a backend that does it inside its own kernel (``AttentionBackend.fuses_qk_prologue``):
+    per-head RMSNorm (``eps``; a weight of None: no norm), rotate-half RoPE from the fp32
+    tables at ``positions``, optionally the Hadamard rotation after it, then the store of this
+    step's K/V at ``step.out_cache_loc`` (quantized with the layer's scales for an fp8 cache).
+    The rotation rounds as ``execrt.kernels.rotary.qk_norm_rope``'s Triton kernel does."""
+
+    positions: Tensor  # [T] rows of cos/sin
+    cos: Tensor  # [P, D] fp32
+    sin: Tensor  # [P, D] fp32
+    q_norm_weight: Tensor | None  # [D]
+    k_norm_weight: Tensor | None  # [D]
+    eps: float
+    hadamard: bool = False
+
+
+@dataclass(frozen=True)
 class AttentionStep:
     """What every attention layer of one forward pass receives: the backend, the plan it made
     for this step (``plan`` or ``plan_graph``), where this step's K/V go and the step's mode."""
@@ -222,7 +240,9 @@ class AttentionBackend(ABC):
     This step's K/V are stored exactly once, by one writer fixed when the runner is built:
     the model (its fused rotary kernel or ``KVCache.set_kv``) stores them before ``attend``,
     unless the backend declares ``capabilities.stores_kv``; then only the backend receives them
-    (``attend(..., kv=(k, v))``) and must store them at ``step.out_cache_loc`` itself.
+    (``attend(..., kv=(k, v))``) and must store them at ``step.out_cache_loc`` itself. A step
+    the backend ``fuses_qk_prologue`` for is the one exception: the model then hands q and k
+    as projected to ``attend_with_prologue``, and the backend rotates and stores in its kernel.
 
     Graph support (``capabilities.graph``): ``init_graph_state`` allocates every plan buffer
     once; ``plan_graph`` then writes a decode batch's plan into those buffers only (fixed
@@ -265,6 +285,30 @@ class AttentionBackend(ABC):
         ``stores_kv``: it receives ``kv = (k [T, Hkv, D], v [T, Hkv, Dv])`` and stores them
         there first. Other backends may receive ``kv`` too (see ``KV``): the same values the
         cache holds (before an fp8 cache's quantization), in consecutive rows; None is valid."""
+
+    def fuses_qk_prologue(self, step: AttentionStep) -> bool:
+        """Whether this step's ``attend_with_prologue`` normalises and rotates q and k and
+        stores K/V inside the backend's own launch (for the built-in triton backend: decode
+        steps with its ``decode_prologue`` option on). Must answer the same for a graph's
+        capture and its replays (decide from the step's mode and the backend's settings).
+        Default: never; the model rotates, the fixed writer stores, ``attend`` attends."""
+        return False
+
+    def attend_with_prologue(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        step: AttentionStep,
+        prologue: QKPrologue,
+    ) -> Tensor:
+        """``attend`` for a step ``fuses_qk_prologue`` took: ``q [T, Hq, D]``, ``k [T, Hkv,
+        D]`` and ``v [T, Hkv, Dv]`` as projected (before the norm and RoPE; possibly strided
+        views of one projection, never to be written). The backend does ``prologue`` and
+        stores this step's K/V at ``step.out_cache_loc`` (it is this step's only writer,
+        whoever the writer is otherwise), then attends as ``attend`` does."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k prologue")
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static plan buffers graph capture and replay write into."""

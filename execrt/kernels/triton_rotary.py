@@ -81,7 +81,7 @@ def _walsh_hadamard(x, BLOCK_H: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(
+def norm_rope_heads(
     src_ptr,
     stride_st,
     stride_sh,
@@ -100,10 +100,13 @@ def _norm_rope_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HADAMARD: tl.constexpr,
+    WRITE: tl.constexpr = True,
 ):
-    """Heads ``head0 .. head0 + BLOCK_H`` of one token: norm, rotate (RoPE, then with
-    ``HADAMARD`` the Hadamard rotation), write; returns the two halves ``[BH, BD/2]`` as
-    written (for the K store)."""
+    """Heads ``head0 .. head0 + BLOCK_H`` (those below ``num_heads``) of one token: norm,
+    rotate (RoPE, then with ``HADAMARD`` the Hadamard rotation), write to ``dst`` (unless
+    ``WRITE`` is off); returns the two halves ``[BH, BD/2]`` in ``dst``'s dtype (for the K
+    store). The decode attention kernel's prologue runs the same code
+    (``attention/decode.py``), so fused and separate rotations give the same values."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
     d = tl.arange(0, BLOCK_HALF)  # [BD/2]
     d_mask = d < HALF
@@ -137,10 +140,64 @@ def _norm_rope_heads(
         r2 = _walsh_hadamard(r2, BLOCK_H, BLOCK_HALF) * norm
     o1 = r1.to(dst_ptr.dtype.element_ty)
     o2 = r2.to(dst_ptr.dtype.element_ty)
-    dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
-    tl.store(dst, o1, mask=mask)
-    tl.store(dst + HALF, o2, mask=mask)
+    if WRITE:
+        dst = dst_ptr + token * stride_dt + heads[:, None].to(tl.int64) * stride_dh + d[None, :]
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
     return o1, o2
+
+
+@triton.jit
+def store_kv_heads(
+    k1,
+    k2,
+    v_ptr,
+    stride_vt,
+    stride_vh,
+    k_cache_ptr,
+    v_cache_ptr,
+    scales_ptr,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    token,
+    slot,
+    head0,
+    num_heads,
+    K_INV: tl.constexpr,
+    V_INV: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Store the rotated k heads ``head0 .. head0 + BLOCK_H`` (below ``num_heads``; ``k1``,
+    ``k2``: their halves from ``norm_rope_heads``) and the same heads of v (read from
+    ``v_ptr``'s row ``token``) at cache ``slot``, as ``kv_quant.store`` stores them."""
+    heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
+    heads64 = heads[:, None].to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads)[:, None] & (d < HALF)  # [BH, BD/2]
+    # No tuple or starred arguments here: older Triton compilers take neither.
+    k1 = _to_cache(k1, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN)
+    k2 = _to_cache(k2, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN)
+    dst = k_cache_ptr + slot * stride_kcs + heads64 * stride_kch + d
+    tl.store(dst, k1, mask=mask)
+    tl.store(dst + HALF, k2, mask=mask)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    mask = (heads < num_heads)[:, None] & (dv < HEAD_DIM_V)  # [BH, BDv]
+    vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv, mask=mask)
+    vals = _to_cache(
+        vals, v_cache_ptr, scales_ptr, V_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
+    )
+    tl.store(v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv, vals, mask=mask)
 
 
 @triton.jit
@@ -206,41 +263,26 @@ def _qk_norm_rope_kernel(
     cos_row = cos_ptr + pos * stride_cos
     sin_row = sin_ptr + pos * stride_sin
     if hb < q_blocks:
-        _norm_rope_heads(
+        norm_rope_heads(
             q_ptr, stride_qt, stride_qh, q_out_ptr, stride_qot, stride_qoh, q_w_ptr,
             cos_row, sin_row, token, hb * BLOCK_H, num_q_heads, eps, HAS_Q_NORM, HALF, BLOCK_H,
             BLOCK_HALF, HADAMARD,
         )  # fmt: skip
     else:
         head0 = (hb - q_blocks) * BLOCK_H
-        k1, k2 = _norm_rope_heads(
+        k1, k2 = norm_rope_heads(
             k_ptr, stride_kt, stride_kh, k_out_ptr, stride_kot, stride_koh, k_w_ptr,
             cos_row, sin_row, token, head0, num_kv_heads, eps, HAS_K_NORM, HALF, BLOCK_H,
             BLOCK_HALF, HADAMARD,
         )  # fmt: skip
         if STORE_KV:
-            slot = tl.load(loc_ptr + token).to(tl.int64)
-            heads = head0 + tl.arange(0, BLOCK_H)  # [BH]
-            heads64 = heads[:, None].to(tl.int64)
-            d = tl.arange(0, BLOCK_HALF)[None, :]
-            mask = (heads < num_kv_heads)[:, None] & (d < HALF)  # [BH, BD/2]
-            # No tuple or starred arguments here: older Triton compilers take neither.
-            k1 = _to_cache(
-                k1, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
-            )
-            k2 = _to_cache(
-                k2, k_cache_ptr, scales_ptr, K_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
-            )
-            dst = k_cache_ptr + slot * stride_kcs + heads64 * stride_kch + d
-            tl.store(dst, k1, mask=mask)
-            tl.store(dst + HALF, k2, mask=mask)
-            dv = tl.arange(0, BLOCK_DV)[None, :]
-            mask = (heads < num_kv_heads)[:, None] & (dv < HEAD_DIM_V)  # [BH, BDv]
-            vals = tl.load(v_ptr + token * stride_vt + heads64 * stride_vh + dv, mask=mask)
-            vals = _to_cache(
-                vals, v_cache_ptr, scales_ptr, V_INV, HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN
-            )
-            tl.store(v_cache_ptr + slot * stride_vcs + heads64 * stride_vch + dv, vals, mask=mask)
+            store_kv_heads(
+                k1, k2, v_ptr, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, scales_ptr,
+                stride_kcs, stride_kch, stride_vcs, stride_vch, token,
+                tl.load(loc_ptr + token).to(tl.int64), head0, num_kv_heads, K_INV, V_INV,
+                HAS_SCALES, FP8, FP8_MAX, FP8_MANT, FP8_EMIN, HALF, HEAD_DIM_V, BLOCK_H,
+                BLOCK_HALF, BLOCK_DV,
+            )  # fmt: skip
 
 
 def heads_per_program(tokens: int, num_q_heads: int, num_kv_heads: int, sms: int) -> int:
@@ -269,7 +311,7 @@ def rope_warps(heads: int) -> int:
     return 1 if heads <= 2 else min(8, heads)
 
 
-def _check_inputs(
+def check_rotation(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
@@ -309,7 +351,7 @@ def _check_inputs(
     return t, hq, hkv, d
 
 
-def _check_store(store: KVStore, q: torch.Tensor, t: int, hkv: int, d: int) -> int:
+def check_kv_store(store: KVStore, q: torch.Tensor, t: int, hkv: int, d: int) -> int:
     """Validate the K/V store; return ``Dv``."""
     v, k_cache, v_cache, loc, scales = store
     if v.dim() != 3 or v.shape[:2] != (t, hkv):
@@ -354,8 +396,8 @@ def qk_norm_rope_triton(
 
     ``heads_per_block`` (a power of two) overrides the tile heuristic, for tests.
     """
-    t, hq, hkv, d = _check_inputs(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
-    dv = _check_store(store, q, t, hkv, d) if store is not None else 1
+    t, hq, hkv, d = check_rotation(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
+    dv = check_kv_store(store, q, t, hkv, d) if store is not None else 1
     if hadamard and d & (d - 1):
         fail(NAME, f"hadamard rotation: head_dim {d} unsupported (supported: a power of two)")
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)

@@ -9,7 +9,7 @@ from torch import nn
 
 from execrt.core.batch import ForwardBatch
 from execrt.core.experts import run_experts
-from execrt.core.interfaces import AttentionLayer, AttentionStep, MoEDispatcher
+from execrt.core.interfaces import AttentionLayer, AttentionStep, MoEDispatcher, QKPrologue
 from execrt.core.memory import KVCache
 from execrt.core.parallel import ParallelState, shard_heads, shard_rows
 from execrt.kernels.fused_moe import fused_experts
@@ -208,6 +208,14 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(t, s.num_q_heads, s.head_dim)  # [T, Hq, D] (strided)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        q_w = None if self.q_norm is None else self.q_norm.weight
+        k_w = None if self.k_norm is None else self.k_norm.weight
+        if attn.backend.fuses_qk_prologue(attn):  # the backend rotates and stores in its kernel
+            rotation = QKPrologue(
+                positions, self.rotary.cos, self.rotary.sin, q_w, k_w, self.eps, self.hadamard
+            )
+            o = attn.backend.attend_with_prologue(q, k, v, s, attn, rotation)
+            return row_parallel(self.o_proj, o.reshape(t, -1), self.parallel)
         cache = self.kv_cache  # the K/V writer, fixed at build: this model or the backend
         scales = cache.layer_scales[s.layer_id] if cache is not None and cache.is_fp8 else None
         q, k = qk_norm_rope(
@@ -216,8 +224,8 @@ class Attention(nn.Module):
             positions,
             self.rotary.cos,
             self.rotary.sin,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight,
+            q_w,
+            k_w,
             self.eps,
             v=v if cache is not None else None,
             k_cache=None if cache is None else cache.k_buffers[s.layer_id],

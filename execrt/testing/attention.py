@@ -28,6 +28,7 @@ from execrt.testing.attention_harness import (
     tensor_fields,
 )
 from execrt.testing.attention_kv_dtype import kv_dtype_cases, run_kv_dtype_case
+from execrt.testing.attention_prologue import prologue_cases, run_prologue_case
 from execrt.testing.attention_scenarios import (
     CPU_PROFILE,
     CUDA_PROFILE,
@@ -84,6 +85,10 @@ class AttentionBackendSuite(ConformanceSuite):
         torch.float8_e4m3fn: 0.06,
         torch.float8_e5m2: 0.10,
     }
+    #: Settings under which the backend fuses a decode step's q/k prologue
+    #: (``fuses_qk_prologue``), added to ``options`` for the prologue cases only; those
+    #: cases skip where the backend does not fuse it.
+    prologue_options: ClassVar[Mapping[str, Any]] = {}
 
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
@@ -210,6 +215,10 @@ class AttentionBackendSuite(ConformanceSuite):
         return kv_dtype_cases(cls)
 
     @classmethod
+    def prologue_cases(cls) -> list[Case]:
+        return prologue_cases(cls)
+
+    @classmethod
     def primary_cases(cls, *, graph: bool = False) -> list[Case]:
         out = []
         for device in cls.device_axis(cls.caps().devices):
@@ -251,6 +260,7 @@ class AttentionBackendSuite(ConformanceSuite):
         steps: list[Step],
         seed: int,
         graph_max_bs: int = 0,
+        options: Mapping[str, Any] | None = None,
         **kv: Any,  # kv_dtype, scales: see AttentionHarness
     ) -> AttentionHarness:
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
@@ -264,7 +274,7 @@ class AttentionBackendSuite(ConformanceSuite):
             cache_slots=sum(s.num_slots for s in steps) + 64,
             seed=seed,
             graph_max_bs=graph_max_bs,
-            options=type(self).options,
+            options=type(self).options if options is None else options,
             **kv,
         )
 
@@ -360,6 +370,17 @@ class AttentionBackendSuite(ConformanceSuite):
         K/V within the format's budget. Graph cases plan through ``plan_graph``."""
         self.begin(case)
         run_kv_dtype_case(self, case, record_property)
+
+    @cases("prologue_cases")
+    def test_qk_prologue(self, case: Case, record_property: Record) -> None:
+        """A backend that ``fuses_qk_prologue`` (under ``prologue_options``): handed raw
+        q/k/v and a ``QKPrologue`` per layer (norm or none, Hadamard or not, graph plans, fp8
+        caches with scales (0.25, 4)), its output against the float64 oracle over the float64
+        rotation, and the K/V it stored against the mirror within the dtype's tolerance (the
+        fp8 budget for an fp8 cache); nothing else in the cache written. Skips where the
+        backend does not fuse it."""
+        self.begin(case)
+        run_prologue_case(self, case, record_property)
 
     @cases("kv_writer_cases")
     def test_attend_twice_with_one_plan(self, case: Case, record_property: Record) -> None:

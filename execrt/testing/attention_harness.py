@@ -16,12 +16,13 @@ from execrt.core.interfaces import (
     AttentionBackendInit,
     AttentionLayer,
     AttentionStep,
+    QKPrologue,
 )
 from execrt.core.kv_quant import K_INV_SCALE, V_INV_SCALE, KVScales, store
 from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.plugins import BackendSpec
 from execrt.core.runners import InputBuffers
-from execrt.testing.oracles import attention_oracle, compare
+from execrt.testing.oracles import attention_oracle, compare, qk_prologue_oracle
 
 # Slots no request owns hold this value: a backend that reads them without masking sees
 # scores that swamp the softmax, so its output is visibly wrong. Finite on purpose: reading a
@@ -200,6 +201,45 @@ class AttentionHarness:
         ``graph``: the int inputs go into the static buffers (as a graph runner does).
         ``reuse``: write this step's q/k/v into that step's tensors (same shapes; for replay).
         """
+        rows, fb, real_locs = self._lay_out(step, graph)
+        qkv = self._new_qkv(fb.num_tokens, reuse)
+        self._store_new_kv(qkv, real_locs)
+        table = self.pool.req_to_token.clone()
+        return Prepared(step, fb, qkv, rows, real_locs.numel(), real_locs, table, graph)
+
+    def prepare_prologue(
+        self, step: Step, *, graph: bool = False, norm: bool = True, hadamard: bool = False
+    ) -> PrologueStep:
+        """A decode step whose q/k the backend rotates itself (``attend_with_prologue``):
+        raw q/k/v and each layer's ``QKPrologue`` (norm weights drawn when ``norm``), while
+        the oracle and the mirror get ``qk_prologue_oracle``'s q and k rounded to the dtype.
+        This step's K/V are not put in the cache: the backend must store them."""
+        if step.mode != "decode":
+            raise ValueError("harness: the q/k prologue is decode-only")
+        rows, fb, real_locs = self._lay_out(step, graph)
+        raw = self._new_qkv(fb.num_tokens, None)
+        g, t = self.geo, real_locs.numel()
+        cos, sin = rope_tables(self.pool.max_context_len, g.head_dim, self.device)
+        qkv: list[QKV] = []
+        rotations = []
+        for layer, (q, k, v) in enumerate(raw):
+            q_w, k_w = (
+                (1 + 0.2 * self._randn(g.head_dim).float()).to(self.dtype) if norm else None
+                for _ in range(2)
+            )
+            rotation = QKPrologue(fb.positions, cos, sin, q_w, k_w, PROLOGUE_EPS, hadamard)
+            q_rot, k_rot = qk_prologue_oracle(
+                q, k, fb.positions, cos, sin, q_w, k_w, PROLOGUE_EPS, hadamard
+            )
+            qkv.append((q_rot.to(self.dtype), k_rot.to(self.dtype), v))
+            self._mirror(layer, real_locs, qkv[-1][1][:t], v[:t])
+            rotations.append(rotation)
+        table = self.pool.req_to_token.clone()
+        prepared = Prepared(step, fb, qkv, rows, t, real_locs, table, graph)
+        return PrologueStep(prepared, raw, rotations)
+
+    def _lay_out(self, step: Step, graph: bool) -> tuple[list[int], ForwardBatch, torch.Tensor]:
+        """``step``'s request rows, its ForwardBatch and its new tokens' slots."""
         if step.num_slots > len(self.free):
             raise ValueError(f"harness: step needs {step.num_slots} slots, {len(self.free)} free")
         if step.padded_rows and step.mode != "decode":
@@ -207,11 +247,7 @@ class AttentionHarness:
         rows = (torch.randperm(self.pool.size, generator=self.gen)[: step.batch_size] + 1).tolist()
         locs = self._lay_out_requests(step, rows)
         fb = self._batch(step, rows, locs, graph)
-        qkv = self._new_qkv(len(locs) + step.padded_rows, reuse)
-        real_locs = torch.tensor(locs, dtype=torch.int64, device=self.device)
-        self._store_new_kv(qkv, real_locs)
-        table = self.pool.req_to_token.clone()
-        return Prepared(step, fb, qkv, rows, len(locs), real_locs, table, graph)
+        return rows, fb, torch.tensor(locs, dtype=torch.int64, device=self.device)
 
     def _lay_out_requests(self, step: Step, rows: list[int]) -> list[int]:
         """Give each request its slots in ``req_to_token`` (stale ids past its length, as a
@@ -309,6 +345,13 @@ class AttentionHarness:
         meta = self.backend.plan_graph(fb) if prepared.graph else self.backend.plan(fb)
         return AttentionStep(self.backend, meta, fb.out_cache_loc, fb.mode)
 
+    def attend_with_prologue(self, p: PrologueStep, step: AttentionStep) -> list[Any]:
+        """Every layer's ``attend_with_prologue`` on the raw q/k/v."""
+        return [
+            self.backend.attend_with_prologue(q, k, v, layer, step, rotation)
+            for layer, (q, k, v), rotation in zip(self.layers, p.raw, p.rotations, strict=True)
+        ]
+
     def attend_layers(self, prepared: Prepared, step: AttentionStep) -> list[Any]:
         """Every layer's ``attend``, handed this step's K/V as a model hands them: a backend
         that stores K/V itself must store them; the others may read them (the cache holds
@@ -329,10 +372,14 @@ class AttentionHarness:
         tolerance: float,
         label: str,
         exact_tolerance: float | None = None,
+        stored_tolerance: float | None = None,
     ) -> Outcome:
         """Outputs against the float64 oracle over what the cache holds (an fp8 one read
         times its scales); the cache against the mirror. ``exact_tolerance``: also against
-        the oracle over the K/V in the model dtype (what an fp8 cache costs)."""
+        the oracle over the K/V in the model dtype (what an fp8 cache costs).
+        ``stored_tolerance``: this step's K/V may differ from the mirror's by the rounding of
+        a backend's own rotation (norm-relative, per layer); elsewhere the cache must still
+        be exact."""
         result = Outcome()
         step, t_real = prepared.step, prepared.num_real_tokens
         g = self.geo
@@ -359,7 +406,7 @@ class AttentionHarness:
                 where += " (vs the unquantized K/V)"
                 err = self._compare(out, ref, exact_tolerance, where, step, problems)
                 result.max_exact_error = max(result.max_exact_error, err)
-        result.problems += self.cache_problems(prepared, label)
+        result.problems += self.cache_problems(prepared, label, stored_tolerance)
         if not torch.equal(self.pool.req_to_token, prepared.table):
             result.problems.append(f"{label}: the backend modified req_to_token")
         return result
@@ -393,8 +440,11 @@ class AttentionHarness:
         )
         return cmp.rel_error
 
-    def cache_problems(self, prepared: Prepared, label: str) -> list[str]:
-        """K/V must sit exactly at out_cache_loc and nowhere else (slot 0 is padding's)."""
+    def cache_problems(
+        self, prepared: Prepared, label: str, stored_tolerance: float | None = None
+    ) -> list[str]:
+        """K/V must sit exactly at out_cache_loc (within ``stored_tolerance`` when given) and
+        nowhere else (slot 0 is padding's)."""
         problems = []
         locs = set(prepared.real_locs.tolist())
         for layer in range(self.geo.num_layers):
@@ -402,6 +452,16 @@ class AttentionHarness:
                 ("K", self.kv.k_buffers[layer], self.mirror_k[layer]),
                 ("V", self.kv.v_buffers[layer], self.mirror_v[layer]),
             ):
+                if stored_tolerance is not None:
+                    where = prepared.real_locs
+                    cmp = compare(have[where], want[where].double())
+                    if not cmp.ok(stored_tolerance):
+                        problems.append(
+                            f"{label}, layer {layer}: {name} stored at out_cache_loc off by "
+                            f"{cmp.rel_error:.3g} (tolerance {stored_tolerance:.3g})"
+                        )
+                    want[where] = have[where]  # the mirror keeps what was stored; the rest
+                    # must be exact (now and in later steps)
                 if self.kv.is_fp8:  # compare the stored bytes
                     have, want = have.view(torch.uint8), want.view(torch.uint8)
                 differ = (have != want).flatten(1).any(1)  # [S+1]
@@ -432,6 +492,28 @@ class AttentionHarness:
                 return f"{b} token {token - start}"
             start += n
         return f"(padding) token {token}"
+
+
+#: The norm epsilon of the prologue cases.
+PROLOGUE_EPS = 1e-6
+
+
+@dataclass
+class PrologueStep:
+    """A decode step for ``attend_with_prologue``: ``prepared`` holds the rotated q/k the
+    oracle reads, ``raw`` the projections the backend gets, per layer."""
+
+    prepared: Prepared
+    raw: list[QKV]
+    rotations: list[QKPrologue]
+
+
+def rope_tables(positions: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """fp32 rotate-half RoPE tables ``[P, D]`` (base 10000), as a model builds them."""
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
 #: Metadata dataclass fields marked ``field(metadata={GRAPH_OPAQUE: "why"})`` are not inspected

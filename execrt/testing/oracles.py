@@ -51,6 +51,44 @@ def attention_oracle(
     return out
 
 
+def qk_prologue_oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    hadamard: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(q, k)`` after a decode step's q/k prologue (``QKPrologue``): per-head RMSNorm
+    (a weight of None: none), rotate-half RoPE with the tables' rows at ``positions``, then,
+    with ``hadamard``, times the orthonormal Sylvester-Hadamard matrix. No intermediate
+    rounding: a backend's rounding shows as a difference within the dtype's tolerance."""
+    c = cos.double()[positions.long()][:, None, :]  # [T, 1, D]
+    s = sin.double()[positions.long()][:, None, :]
+    d = q.shape[-1]
+    rotation = None
+    if hadamard:
+        rotation = torch.ones(1, 1, dtype=torch.float64, device=q.device)
+        while rotation.shape[0] < d:  # Sylvester: [[H, H], [H, -H]]
+            rotation = torch.cat(
+                [torch.cat([rotation, rotation], 1), torch.cat([rotation, -rotation], 1)], 0
+            )
+        rotation = rotation * d**-0.5
+
+    def one(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        x = x.double()
+        if weight is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+        half = d // 2
+        x = x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+        return x if rotation is None else x @ rotation
+
+    return one(q, q_norm_weight), one(k, k_norm_weight)
+
+
 def moe_oracle(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -71,6 +71,22 @@ def test_fp8_converts_pairs_and_extend_uses_wgmma() -> None:
     assert all(any(op.startswith("HGMMA.") for op in counts) for _, counts in loops)
 
 
+def test_the_prologue_compiles_for_sm90_without_growing_the_shipped_tiles_registers() -> None:
+    """The q/k rotation and K/V store inside the split launch (bf16, and fp8 words with the
+    Hadamard rotation) compile as the GPU's JIT would: the interpreter types nothing, this
+    does. At the shipped tiles the K/V loop sets the register count, with or without it."""
+    regs = {}
+    for prologue in ((), ("--prologue",)):
+        for kv, tiles in (("bf16", "64,4,3"), ("fp8w", "128,4,3")):
+            run = _run("--kv", kv, "--tiles", tiles, "--top", "1", *prologue)
+            assert run.returncode == 0, run.stderr[-2000:]
+            head = run.stdout.splitlines()[0]
+            assert (", prologue:" in head) is bool(prologue), head
+            regs[kv, bool(prologue)] = int(re.search(r"(\d+) registers", head).group(1))  # type: ignore[union-attr]
+    for kv in ("bf16", "fp8w"):
+        assert regs[kv, True] <= regs[kv, False] + 8, regs
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

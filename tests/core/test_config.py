@@ -193,6 +193,7 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
         "decode_merge": "auto",
         "decode_split_target": 0,
         "decode_order": "longest",
+        "decode_prologue": "off",
     }
     assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
@@ -213,6 +214,7 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
         "decode_merge": "fused",
         "decode_split_target": 0,
         "decode_order": "longest",
+        "decode_prologue": "off",
     }
     assert "decode_merge" not in config.backend_options("flashinfer")
     auto = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "auto"})

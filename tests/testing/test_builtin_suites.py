@@ -17,6 +17,7 @@ class TestTritonAttention(AttentionBackendSuite):
     # On CPU the backend's own check refuses bfloat16 under the interpreter: those cases skip
     # with its reason; every other declared value runs (tests/conftest.py sets TRITON_INTERPRET).
     backend = "triton"
+    prologue_options = {"decode_prologue": "on"}  # off by default: the prologue cases need it
 
 
 class TestTritonAttentionFusedMerge(AttentionBackendSuite):
@@ -24,6 +25,7 @@ class TestTritonAttentionFusedMerge(AttentionBackendSuite):
     # its cases would repeat TestTritonAttention's exactly: only the others run.
     backend = "triton"
     options = {"decode_merge": "fused"}
+    prologue_options = {"decode_prologue": "on"}  # the fused merge after the split's rotation
 
     @classmethod
     def keep_case(cls, test_name: str, case: Case) -> bool:

@@ -13,6 +13,7 @@ from torch import Tensor
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
 from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
+from execrt.core.config import TRITON_DECODE_PROLOGUE as DECODE_PROLOGUE
 from execrt.core.errors import ConfigError
 from execrt.core.interfaces import (
     KV,
@@ -20,11 +21,12 @@ from execrt.core.interfaces import (
     AttentionBackendInit,
     AttentionLayer,
     AttentionStep,
+    QKPrologue,
 )
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
 
 if TYPE_CHECKING:  # the kernels import triton: the backend imports them when built
-    from execrt.kernels.attention import DecodeTiles, SplitPolicy
+    from execrt.kernels.attention import DecodePrologue, DecodeTiles, SplitPolicy
 
 
 @dataclass
@@ -75,6 +77,11 @@ class TritonAttnBackend(AttentionBackend):
     Option ``decode_order`` (config ``triton_decode_order``): ``longest`` (the default) hands
     decode's programs the work list longest split first, so the shortest splits fill the end
     of a ragged batch; ``request`` keeps request order.
+
+    Option ``decode_prologue`` (config ``triton_decode_prologue``): ``on`` runs a decode
+    step's q/k norm, RoPE and K/V store inside the split launch (``fuses_qk_prologue``: one
+    launch fewer per layer, the same values as the separate rotation kernel); ``off`` (the
+    default until the H200 has timed it) leaves them to the model. Needs ``Dv == D``.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -91,6 +98,10 @@ class TritonAttnBackend(AttentionBackend):
         self.max_context_len = init.max_context_len
         self.decode_merge = _choice(init.options, "decode_merge", "auto", DECODE_MERGE)
         self.decode_order = _choice(init.options, "decode_order", "longest", DECODE_ORDER)
+        self.decode_prologue = (
+            _choice(init.options, "decode_prologue", "off", DECODE_PROLOGUE) == "on"
+            and init.head_dim == init.v_head_dim  # (the rotated q passes through the output)
+        )
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -178,26 +189,34 @@ class TritonAttnBackend(AttentionBackend):
         return torch.zeros(b * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     # -- attending ------------------------------------------------------------------------------
+    def fuses_qk_prologue(self, step: AttentionStep) -> bool:
+        return self.decode_prologue and step.mode.is_decode()
+
+    def attend_with_prologue(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        step: AttentionStep,
+        prologue: QKPrologue,
+    ) -> Tensor:
+        if not self.fuses_qk_prologue(step):
+            return super().attend_with_prologue(q, k, v, layer, step, prologue)
+        p = prologue
+        fused = self.kernels.DecodePrologue(
+            k, v, p.positions, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight, p.eps,
+            step.out_cache_loc, p.hadamard,
+        )  # fmt: skip
+        return self._decode(q, layer, step, fused)
+
     def attend(
         self, q: Tensor, layer: AttentionLayer, step: AttentionStep, kv: KV = None
     ) -> Tensor:
-        meta: TritonMetadata = step.meta
-        cache = self.kv_cache
-        k_buf, v_buf = cache.k_buffers[layer.layer_id], cache.v_buffers[layer.layer_id]
-        scales = cache.layer_scales[layer.layer_id] if cache.is_fp8 else None  # k, v first
-        o = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))  # [T, Hq, Dv]
         if step.mode.is_decode():
-            assert meta.num_splits is not None and meta.partial_o is not None
-            assert meta.partial_lse is not None and meta.tiles is not None
-            assert meta.work is not None
-            t = meta.tiles
-            self.kernels.decode_attention(
-                q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
-                meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
-                kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
-                num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals,
-            )  # fmt: skip
-            return o
+            return self._decode(q, layer, step)
+        meta: TritonMetadata = step.meta
+        k_buf, v_buf, scales, o = self._operands(q, layer)
         assert meta.qo_indptr is not None and meta.prefix_lens is not None
         # This step's K/V, when handed, feed the new tokens' part of the extend kernel from
         # their own consecutive rows (TMA on sm90) instead of gathers through the cache; the
@@ -208,6 +227,37 @@ class TritonAttnBackend(AttentionBackend):
             q, k_buf, v_buf, o, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
             meta.prefix_lens, meta.max_extend_len, layer.scaling, kv_scales=scales,
             max_kv_len=meta.max_kv_len, k_new=k_new, v_new=v_new,
+        )  # fmt: skip
+        return o
+
+    def _operands(
+        self, q: Tensor, layer: AttentionLayer
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """The layer's K and V buffers, its scale row (an fp8 cache; k, v first) and a new
+        output ``[T, Hq, Dv]``."""
+        cache = self.kv_cache
+        k_buf, v_buf = cache.k_buffers[layer.layer_id], cache.v_buffers[layer.layer_id]
+        scales = cache.layer_scales[layer.layer_id] if cache.is_fp8 else None
+        return k_buf, v_buf, scales, q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+
+    def _decode(
+        self,
+        q: Tensor,
+        layer: AttentionLayer,
+        step: AttentionStep,
+        prologue: DecodePrologue | None = None,
+    ) -> Tensor:
+        meta: TritonMetadata = step.meta
+        assert meta.num_splits is not None and meta.partial_o is not None
+        assert meta.partial_lse is not None and meta.tiles is not None
+        assert meta.work is not None
+        k_buf, v_buf, scales, o = self._operands(q, layer)
+        t = meta.tiles
+        self.kernels.decode_attention(
+            q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, meta.num_splits,
+            meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
+            kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
+            num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals, prologue=prologue,
         )  # fmt: skip
         return o
 

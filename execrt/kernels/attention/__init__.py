@@ -14,6 +14,7 @@ from execrt.kernels.attention.common import (
     MAX_HEAD_DIM,
 )
 from execrt.kernels.attention.decode import (
+    DecodePrologue,
     DecodeTiles,
     decode_attention,
     decode_programs,
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_PROGRAMS_PER_SM",
     "DEFAULT_TARGET_SPLIT_LEN",
     "MAX_HEAD_DIM",
+    "DecodePrologue",
     "DecodeTiles",
     "SplitPolicy",
     "decode_attention",

@@ -6,13 +6,13 @@ import functools
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from execrt.core.kv_quant import FP8_DTYPES
+from execrt.core.kv_quant import FP8_DTYPES, K_INV_SCALE, V_INV_SCALE, fp8_format
 from execrt.kernels._triton import (
     check_index,
     fail,
@@ -38,6 +38,7 @@ from execrt.kernels.attention.indices import (
     work_size,
 )
 from execrt.kernels.triton_pdl import pdl_prologue
+from execrt.kernels.triton_rotary import norm_rope_heads, store_kv_heads
 
 # ----------------------------------------------------------------------------------------------
 # Tile choices
@@ -282,6 +283,29 @@ def _decode_split_kernel(
     stride_plh,
     stride_ob,
     stride_oh,
+    # PROLOGUE only (``DecodePrologue``): this step's raw k and v, the rotation's inputs and
+    # the cache as stored to (typed, where ``k_ptr``/``v_ptr`` may be its int32 words)
+    k_new_ptr,
+    v_new_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    q_w_ptr,
+    k_w_ptr,
+    eps,
+    loc_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -296,6 +320,18 @@ def _decode_split_kernel(
     F8_WORDS: tl.constexpr,
     F8_E5M2: tl.constexpr,
     F8_ASM: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr,
+    HAS_K_NORM: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr,
+    K_INV: tl.constexpr,
+    V_INV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -321,16 +357,45 @@ def _decode_split_kernel(
     # programs with several items gain (a ragged batch past ~132 requests, or long splits);
     # on the H200 +1.3% end to end on the throughput workload (docs/kernels.md, session 14).
     # Records past the list read item 0's (in bounds, never computed).
-    b, split, kv_start, lo, hi, n_splits = _item_bounds(
+    # With PROLOGUE, q_ptr holds the raw (un-normalised, unrotated) queries: each item
+    # rotates its query heads into o (whose rows the merge overwrites last), and reads them
+    # from there; see _item_prologue.
+    q_src = o_ptr if PROLOGUE else q_ptr
+    stride_qsb = stride_ob if PROLOGUE else stride_qb
+    stride_qsh = stride_oh if PROLOGUE else stride_qh
+    if PROLOGUE:
+        # Every item of this program first, in a loop of its own: inside the item loop, the
+        # rotation's loop-invariant addresses stayed live through the K/V loop (179 registers
+        # per thread against 111 without it, sm90). Items past the list are never rotated:
+        # item 0's request may be merged into o by then.
+        pro_item = item
+        while pro_item < n_items:
+            b_p, _, _, lo_p, hi_p, _, seq_len_p = _item_bounds(
+                _record(work_ptr, pro_item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits,
+                BLOCK_N,
+            )  # fmt: skip
+            _item_prologue(
+                q_ptr, stride_qb, stride_qh, o_ptr, stride_ob, stride_oh, k_new_ptr, stride_knt,
+                stride_knh, v_new_ptr, stride_vnt, stride_vnh, pos_ptr, cos_ptr, sin_ptr,
+                stride_cos, stride_sin, q_w_ptr, k_w_ptr, eps, loc_ptr, k_cache_ptr,
+                v_cache_ptr, kv_scales_ptr, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                kv_head, b_p, (lo_p < hi_p) & (hi_p == seq_len_p), GROUP, HAS_Q_NORM,
+                HAS_K_NORM, HADAMARD, KV_SCALED, FP8_MAX, FP8_MANT, FP8_EMIN, K_INV, V_INV, HALF,
+                HEAD_DIM_V, BLOCK_G, BLOCK_HALF, BLOCK_DV,
+            )  # fmt: skip
+            pro_item += programs
+        # What every thread rotated and stored is visible to all of the program's threads.
+        tl.debug_barrier()
+    b, split, kv_start, lo, hi, n_splits, _ = _item_bounds(
         _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
     )
     q, ids = _item_inputs(
-        q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b, kv_start, lo, hi, qk_scale, stride_qb,
-        stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, KV_SCALED, DOT_F16,
+        q_src, kv_indices_ptr, kv_scales_ptr, kv_head, b, kv_start, lo, hi, qk_scale, stride_qsb,
+        stride_qsh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, KV_SCALED, DOT_F16,
     )  # fmt: skip
     record_next = _record(work_ptr, item + programs, n_items)
     while item < n_items:
-        b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n = _item_bounds(
+        b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n, _ = _item_bounds(
             record_next, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
         )
         record_next = _record(work_ptr, item + 2 * programs, n_items)
@@ -340,8 +405,8 @@ def _decode_split_kernel(
             F8_WORDS, F8_E5M2, F8_ASM,
         )  # fmt: skip
         q_n, ids_n = _item_inputs(
-            q_ptr, kv_indices_ptr, kv_scales_ptr, kv_head, b_n, kv_start_n, lo_n, hi_n,
-            qk_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
+            q_src, kv_indices_ptr, kv_scales_ptr, kv_head, b_n, kv_start_n, lo_n, hi_n,
+            qk_scale, stride_qsb, stride_qsh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
             KV_SCALED, DOT_F16,
         )  # fmt: skip
         _split_epilogue(
@@ -365,7 +430,7 @@ def _record(work_ptr, item, n_items):
 @triton.jit
 def _item_bounds(packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N: tl.constexpr):
     """(request, split, its context's start in kv_indices, the split's [lo, hi) in it, the
-    request's split count) of a packed work item."""
+    request's split count, its context length) of a packed work item."""
     b = packed // max_splits
     split = packed - b * max_splits
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int32)
@@ -376,7 +441,49 @@ def _item_bounds(packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N: tl.
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
-    return b, split, kv_start, lo, hi, n_splits
+    return b, split, kv_start, lo, hi, n_splits, seq_len
+
+
+@triton.jit
+def _item_prologue(
+    q_ptr, stride_qb, stride_qh, o_ptr, stride_ob, stride_oh, k_new_ptr, stride_knt, stride_knh,
+    v_new_ptr, stride_vnt, stride_vnh, pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+    q_w_ptr, k_w_ptr, eps, loc_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_kcs,
+    stride_kch, stride_vcs, stride_vch, kv_head, b, holds_last, GROUP: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, HADAMARD: tl.constexpr,
+    KV_SCALED: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+    FP8_EMIN: tl.constexpr, K_INV: tl.constexpr, V_INV: tl.constexpr, HALF: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """What ``qk_norm_rope`` does for request ``b``'s token, inside the item that needs it.
+
+    Every item of the request rotates (norm, RoPE, optional Hadamard) the query heads of its
+    kv head into ``o`` (the same values from every split, as the separate kernel computes
+    them), and the one item whose split holds the context's last token (``holds_last``: this
+    step's own slot) also rotates the kv head's k and stores it with v into the cache, as
+    ``kv_quant.store`` stores them. The caller's barrier makes both visible to every thread
+    of the program before it loads q and that slot back. No other program reads the slot:
+    it is the last token of this request only."""
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_cos
+    sin_row = sin_ptr + pos * stride_sin
+    head0 = kv_head * GROUP
+    norm_rope_heads(
+        q_ptr, stride_qb, stride_qh, o_ptr, stride_ob, stride_oh, q_w_ptr, cos_row, sin_row, b,
+        head0, head0 + GROUP, eps, HAS_Q_NORM, HALF, BLOCK_G, BLOCK_HALF, HADAMARD,
+    )  # fmt: skip
+    if holds_last:
+        k1, k2 = norm_rope_heads(
+            k_new_ptr, stride_knt, stride_knh, k_new_ptr, 0, 0, k_w_ptr, cos_row, sin_row, b,
+            kv_head, kv_head + 1, eps, HAS_K_NORM, HALF, 1, BLOCK_HALF, HADAMARD, False,
+        )  # fmt: skip
+        store_kv_heads(
+            k1, k2, v_new_ptr, stride_vnt, stride_vnh, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
+            stride_kcs, stride_kch, stride_vcs, stride_vch, b,
+            tl.load(loc_ptr + b).to(tl.int64), kv_head, kv_head + 1, K_INV, V_INV, KV_SCALED,
+            KV_SCALED, FP8_MAX, FP8_MANT, FP8_EMIN, HALF, HEAD_DIM_V, 1, BLOCK_HALF, BLOCK_DV,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -648,6 +755,54 @@ def fp8_words_supported(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
     return fp8_words_unsupported(q, k_buffer, v_buffer) is None
 
 
+class DecodePrologue(NamedTuple):
+    """What ``decode_attention`` does to this step's q and k before it attends, when it runs
+    ``qk_norm_rope`` in its own launch (see its ``prologue``): the raw keys and values, the
+    rotation's inputs and the slots they are stored at, as ``rotary.qk_norm_rope`` takes
+    them."""
+
+    k: torch.Tensor  # [B, Hkv, D] raw keys (may be a strided view of the qkv output)
+    v: torch.Tensor  # [B, Hkv, Dv]
+    positions: torch.Tensor  # [B] int32/int64 rows of cos/sin
+    cos: torch.Tensor  # [P, D] fp32
+    sin: torch.Tensor  # [P, D] fp32
+    q_norm_weight: torch.Tensor | None  # [D]; None: no q norm
+    k_norm_weight: torch.Tensor | None  # [D]; None: no k norm
+    eps: float
+    out_cache_loc: torch.Tensor  # [B] int32/int64 cache slots of this step's K/V
+    hadamard: bool = False  # rotate q and k by the Hadamard matrix after RoPE
+
+
+def _unread_prologue(q: torch.Tensor, o: torch.Tensor) -> DecodePrologue:
+    """Stand-in arguments for a launch without a prologue (never read: PROLOGUE off)."""
+    idx = torch.empty(0, dtype=torch.int32, device=q.device)
+    return DecodePrologue(q, o, idx, o, o, None, None, 0.0, idx)
+
+
+def _check_prologue(
+    p: DecodePrologue,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    head_dim_v: int,
+) -> None:
+    """Refuse a prologue that ``qk_norm_rope`` would refuse, or that this launch cannot run."""
+    from execrt.kernels.rotary import KVStore
+    from execrt.kernels.triton_rotary import check_kv_store, check_rotation
+
+    t, _, hkv, d = check_rotation(
+        q, p.k, p.positions, p.cos, p.sin, p.q_norm_weight, p.k_norm_weight
+    )
+    if kv_scales is not None and k_buffer.dtype not in FP8_DTYPES:
+        fail(COMPONENT, f"prologue: kv_scales given for a {k_buffer.dtype} cache (fp8 only)")
+    check_kv_store(KVStore(p.v, k_buffer, v_buffer, p.out_cache_loc, kv_scales), q, t, hkv, d)
+    if head_dim_v != d:
+        fail(COMPONENT, f"prologue: v head dim {head_dim_v} must equal the head dim {d}")
+    if p.hadamard and d & (d - 1):
+        fail(COMPONENT, f"prologue: hadamard needs a power-of-two head dim, got {d}")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -668,6 +823,7 @@ def decode_attention(
     work: torch.Tensor | None = None,
     arrivals: torch.Tensor | None = None,
     fp8_words: bool | None = None,
+    prologue: DecodePrologue | None = None,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -723,6 +879,14 @@ def decode_attention(
             per block of the element path. Same values; the dots may sum in another order.
             None takes it wherever :func:`fp8_words_supported` holds, True requires it (an
             error naming the reason otherwise), False keeps the element path.
+        prologue: run ``qk_norm_rope`` inside the launch (:class:`DecodePrologue`): ``q`` is
+            then the raw queries (e.g. a strided view of the fused qkv output), and each
+            program normalises and rotates the query heads it needs (through ``o``, which
+            needs ``Dv == D``) while the program whose split holds a request's last token
+            also rotates that token's k and stores it and v at ``out_cache_loc`` (quantized
+            as ``kv_quant.store`` does, with ``kv_scales`` the layer's full row of four), just
+            before it reads them back. One launch fewer per layer; the same values as
+            ``qk_norm_rope(..., use_triton=True)`` followed by this function without it.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -731,6 +895,8 @@ def decode_attention(
     batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
         q, k_buffer, v_buffer, o, kv_scales
     )
+    if prologue is not None:
+        _check_prologue(prologue, q, k_buffer, v_buffer, kv_scales, head_dim_v)
     if max_splits < 1:
         fail(COMPONENT, f"max_splits {max_splits} unsupported (supported: >= 1)")
     check_block("block_n", block_n)
@@ -788,6 +954,8 @@ def decode_attention(
     )
     group = num_q_heads // num_kv_heads
     programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
+    pro = prologue or _unread_prologue(q, o)
+    fmt = fp8_format(k_buffer.dtype if k_buffer.dtype in FP8_DTYPES else torch.float8_e4m3fn)
     _decode_split_kernel[(programs * num_kv_heads,)](
         q,
         k_arg,
@@ -817,6 +985,27 @@ def decode_attention(
         partial_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        pro.k,
+        pro.v,
+        pro.k.stride(0),
+        pro.k.stride(1),
+        pro.v.stride(0),
+        pro.v.stride(1),
+        pro.positions,
+        pro.cos,
+        pro.sin,
+        pro.cos.stride(0),
+        pro.sin.stride(0),
+        o if pro.q_norm_weight is None else pro.q_norm_weight,  # unread without a norm
+        o if pro.k_norm_weight is None else pro.k_norm_weight,
+        pro.eps,
+        pro.out_cache_loc,
+        k_buffer,
+        v_buffer,
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
@@ -831,6 +1020,18 @@ def decode_attention(
         F8_WORDS=words,
         F8_E5M2=k_buffer.dtype == torch.float8_e5m2,
         F8_ASM=q.device.type == "cuda",
+        PROLOGUE=prologue is not None,
+        HAS_Q_NORM=pro.q_norm_weight is not None,
+        HAS_K_NORM=pro.k_norm_weight is not None,
+        HADAMARD=pro.hadamard,
+        HALF=head_dim // 2,
+        BLOCK_HALF=pow2_at_least(head_dim // 2, 1),
+        BLOCK_G=pow2_at_least(group, 1),  # the rotation's rows: the group unpadded
+        FP8_MAX=fmt.max,
+        FP8_MANT=fmt.mantissa_bits,
+        FP8_EMIN=fmt.min_exponent,
+        K_INV=K_INV_SCALE,
+        V_INV=V_INV_SCALE,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),
