@@ -155,6 +155,21 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    # Mistral: Llama's layers without biases, and a sliding window (32) shorter than the
+    # context (256), to which execrt limits the context; the tests' contexts fit in it.
+    "mistral-swa32": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            intermediate_size=112,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=32,
+        ),
+        {},
+    ),
     "qwen2-tied": (
         "qwen2",
         dict(
@@ -200,7 +215,10 @@ def build_hf_model(name: str) -> Any:
         eos_token_id=1,
         bos_token_id=0,
     )
-    family = {"dense": "Qwen3", "moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2"}[kind]
+    family = {
+        "dense": "Qwen3", "moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2",
+        "mistral": "Mistral",
+    }[kind]  # fmt: skip
     config = getattr(transformers, f"{family}Config")(**(common | kwargs))
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     # Larger-than-default weights make logits far from ties, so greedy paths are stable; biases

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.core.model_spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MISSING = object()
@@ -25,12 +28,18 @@ class Family:
     o_bias: bool | None  # None: from the config's ``attention_bias``
     mlp_bias: bool  # whether the config's ``mlp_bias`` is honoured (else it must be false)
     moe: bool = False
+    #: the config's ``sliding_window`` (when not null) bounds every layer's attention span
+    #: (Mistral); execrt attends in full, so the context is limited to the window instead
+    sliding_window: bool = False
 
 
 #: Hugging Face ``architectures`` value -> how the decoder is configured for it
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=None, o_bias=None, mlp_bias=True),
     "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False),
+    "MistralForCausalLM": Family(
+        qk_norm=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=True
+    ),
     "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False),
     "Qwen3MoeForCausalLM": Family(
         qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, moe=True
@@ -163,7 +172,7 @@ class ModelConfig:
             raw=cfg,
         )
         _check_sizes(config, cfg, source)
-        return config
+        return _within_window(config, r, family)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -317,6 +326,25 @@ def _check_sizes(c: ModelConfig, cfg: dict[str, Any], source: str) -> None:
         if "intermediate_size" not in cfg:
             raise ModelLoadError(f"{source}: required field 'intermediate_size' missing")
         at_least_1("intermediate_size", c.intermediate_size)
+
+
+def _within_window(config: ModelConfig, r: _Reader, family: Family) -> ModelConfig:
+    """``config`` with its context limited to the sliding window of a family whose
+    ``sliding_window`` bounds every layer (Mistral), where the window is the shorter: within
+    it, sliding-window attention is full attention, which is what execrt computes."""
+    if not family.sliding_window or r.cfg.get("sliding_window") is None:
+        return config
+    window = r.get_int("sliding_window")
+    if window < 1:
+        raise ModelLoadError(f"{r.source}: sliding_window must be >= 1 or null, got {window}")
+    if window >= config.max_position_embeddings:
+        return config
+    logger.warning(
+        "%s: sliding_window %d: context limited to %d tokens (max_position_embeddings %d); "
+        "execrt attends in full, which equals sliding-window attention only within the window",
+        r.source, window, window, config.max_position_embeddings,
+    )  # fmt: skip
+    return replace(config, max_position_embeddings=window)
 
 
 def _refuse_unsupported_math(r: _Reader, family: Family) -> None:

@@ -211,12 +211,12 @@ def test_missing_shard_and_unknown_architecture(checkpoint, tmp_path) -> None:
     os.remove(shard)
     with pytest.raises(ModelLoadError, match="shard.*missing"):
         checkpoint_files(path)
-    other = _copy(checkpoint("dense-tied-hd64"), tmp_path / "mistral")
+    other = _copy(checkpoint("dense-tied-hd64"), tmp_path / "gemma")
     cfg = json.loads(open(os.path.join(other, "config.json")).read())
-    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["architectures"] = ["GemmaForCausalLM"]
     with open(os.path.join(other, "config.json"), "w") as fh:
         json.dump(cfg, fh)
-    with pytest.raises(ModelLoadError, match="architecture 'MistralForCausalLM' unsupported"):
+    with pytest.raises(ModelLoadError, match="architecture 'GemmaForCausalLM' unsupported"):
         _load(other)
 
 
@@ -255,6 +255,42 @@ def test_unsupported_config_features_are_refused() -> None:
         "sliding_window": 4096,
     }
     assert ModelConfig.from_dict(qwen2).attention_bias is True
+
+
+def test_a_mistral_context_is_limited_to_its_sliding_window(caplog) -> None:
+    """Mistral's sliding_window bounds every layer; within the window sliding-window attention
+    is full attention, so the context is cut to it (with a warning) rather than refused."""
+    base = {
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 32768,
+        "attention_bias": True,  # no such bias in Mistral's layers: ignored, as transformers does
+    }
+    with caplog.at_level("WARNING"):
+        windowed = ModelConfig.from_dict(base | {"sliding_window": 4096}, source="m.json")
+    assert windowed.max_position_embeddings == 4096
+    assert "m.json: sliding_window 4096: context limited to 4096 tokens" in caplog.text
+    assert not windowed.attention_bias and not windowed.o_proj_bias
+    for unlimited in ({"sliding_window": None}, {}, {"sliding_window": 32768}):
+        assert ModelConfig.from_dict(base | unlimited).max_position_embeddings == 32768
+    with pytest.raises(ModelLoadError, match="sliding_window must be >= 1 or null, got 0"):
+        ModelConfig.from_dict(base | {"sliding_window": 0})
+
+
+def test_a_prompt_past_mistrals_window_is_refused_by_length(checkpoint, plugin_host) -> None:
+    from execrt.core.schedule import SamplingParams
+    from execrt.engine import Engine
+
+    with Engine(checkpoint("mistral-swa32"), device="cpu", plugin_host=plugin_host) as engine:
+        long, short = engine.generate(
+            [list(range(2, 42)), [5, 6, 7]], SamplingParams(max_new_tokens=40, temperature=0)
+        )
+    assert long.finish_reason == "error" and "context of 32" in (long.error or "")
+    assert short.error is None and len(short.token_ids) == 32 - 3  # cut at the window
 
 
 def test_rope_scaling_frequencies_match_transformers() -> None:
