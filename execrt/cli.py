@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from execrt._version import __version__
 from execrt.core.errors import ConfigError, ExecrtError
+from execrt.core.sampling_params import RESPONSE_FORMATS
 from execrt.serve.cli import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 
 # The backend kinds (execrt.core.plugins.KINDS, spelled out: importing it here would import torch).
@@ -133,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampling seed (default: one drawn from the config seed per request)",
     )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (default: off)")
+    gen.add_argument(
+        "--response-format",
+        choices=RESPONSE_FORMATS,
+        default="text",
+        help="json_object: JSON mode, every answer one JSON object (default: text)",
+    )
     gen.add_argument("--json", action="store_true", help="print results as JSON (default: text)")
     gen.add_argument(
         "-v",
@@ -620,6 +627,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
         min_tokens=args.min_tokens,
+        response_format=args.response_format,
     )
     with Engine(config=config) as engine:
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.

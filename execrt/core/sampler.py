@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from execrt.core.staging import HostToDevice
 
 
+class TokenConstraint(Protocol):
+    """Which tokens a request may draw next (``response_format``), and its progress."""
+
+    def allowed(self) -> torch.Tensor:
+        """``[V]`` bool on the host: the tokens allowed now (never none)."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The request drew ``token``."""
+        ...
+
+
 class SamplingRequest(Protocol):
     """What sampling reads of a request (``core.schedule.Req`` is one): its parameters, seed,
     how many tokens it has sampled (in flight included) and, for its penalties, which tokens
@@ -33,6 +45,8 @@ class SamplingRequest(Protocol):
     def output_counts(self) -> Mapping[int, int]: ...
     @property
     def seen_tokens(self) -> Set[int]: ...
+    @property
+    def constraint(self) -> TokenConstraint | None: ...
 
 
 _R = TypeVar("_R", bound=SamplingRequest)
@@ -59,12 +73,20 @@ class SamplingBatchInfo:
     penalties: Penalties | None = None
     #: [B] fp32 ``min_p`` per row (0 = off); None when no row sets one.
     min_ps: torch.Tensor | None = None
+    #: (rows [R] int64, masks [R, V] bool) on the device: the tokens each constrained row
+    #: (``response_format``) may draw; None when no row is constrained.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def adjusted(self) -> bool:
         """Whether the draw changes the logits first (``adjust_logits``): a decode graph's
         draw, made from the parameter tensors alone, does not stand for such a batch."""
-        return not (self.logit_adds is None and self.penalties is None and self.min_ps is None)
+        return not (
+            self.logit_adds is None
+            and self.penalties is None
+            and self.min_ps is None
+            and self.allowed is None
+        )
 
     @classmethod
     def from_reqs(
@@ -85,11 +107,13 @@ class SamplingBatchInfo:
         adjusted = [row for row, p in enumerate(params) if p.adjusts]  # usually none
         logit_adds = _logit_adds(reqs, adjusted, stop_tokens, device, stager)
         penalties = Penalties.of(reqs, adjusted, last_ids, device, stager)
+        allowed = _allowed(reqs, adjusted, device)
         if all(p.greedy for p in params):
             none = torch.empty(0)  # host-side placeholders: no device work per step
             return cls(
-                none, none.long(), none, none.long(), none.long(), True, logit_adds, penalties
-            )
+                none, none.long(), none, none.long(), none.long(), True, logit_adds, penalties,
+                allowed=allowed,
+            )  # fmt: skip
         # Any int is a valid top_k: <= 0 is off, beyond the vocabulary keeps every token; clamp
         # it so that one outside int64 still fits the device tensor and means the same.
         ints = (
@@ -104,7 +128,10 @@ class SamplingBatchInfo:
         top_ks, seeds, steps = _ints(ints, device, stager)
         temperatures, top_ps, *rest = _floats(floats, device, stager)
         min_ps = rest[0] if with_min_p else None
-        return cls(temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, penalties, min_ps)
+        return cls(
+            temperatures, top_ks, top_ps, seeds, steps, False, logit_adds, penalties, min_ps,
+            allowed,
+        )  # fmt: skip
 
     def advanced(self) -> SamplingBatchInfo:
         """The same rows one token later (``steps + 1``, on the device: nothing is staged):
@@ -118,6 +145,18 @@ class SamplingBatchInfo:
 
 #: (rows, token ids, values) of a sparse per-row adjustment of ``[B, V]`` logits.
 Sparse = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _allowed(
+    reqs: Sequence[_R], rows: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The constrained rows among ``rows`` and their masks of allowed tokens, on the device."""
+    constrained = [(row, c) for row in rows if (c := reqs[row].constraint) is not None]
+    if not constrained:
+        return None
+    masks = torch.stack([c.allowed() for _, c in constrained])  # [R, V] on the host
+    at = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
+    return at.to(device, non_blocking=True), masks.to(device, non_blocking=True)
 
 
 def _logit_adds(
@@ -263,8 +302,9 @@ def _floats(
 
 
 def adjust_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """``logits [B, V]`` after the rows' repetition penalties, additive adjustments and
-    ``min_p`` (fp32, a new tensor); ``logits`` itself when the batch has none.
+    """``logits [B, V]`` after the rows' repetition penalties, additive adjustments, masks of
+    allowed tokens and ``min_p`` (fp32, a new tensor); ``logits`` itself when the batch has
+    none.
 
     ``min_p`` keeps a token when ``p >= min_p * p_max`` after temperature, i.e. when its logit
     is at least ``max + T * ln(min_p)``: the others become -inf. A greedy row (T = 0) keeps its
@@ -277,6 +317,9 @@ def adjust_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     if info.logit_adds is not None:
         rows, ids, values = info.logit_adds
         out.index_put_((rows, ids), values, accumulate=True)
+    if info.allowed is not None:
+        rows, masks = info.allowed
+        out[rows] = out[rows].masked_fill(~masks, -math.inf)
     if info.min_ps is not None:
         temps = info.temperatures.clamp(min=0.0)
         log_min_p = torch.log(info.min_ps.clamp(min=torch.finfo(torch.float32).tiny))

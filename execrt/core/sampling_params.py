@@ -38,8 +38,12 @@ class SamplingParams:
     - ``min_tokens`` (0..``max_new_tokens``): EOS and ``stop_token_ids`` cannot be sampled
       before the output has this many tokens.
     The draw applies the repetition penalty, then ``logit_bias``, the frequency and presence
-    penalties and ``min_tokens`` (all additive), then temperature, ``min_p``, top-k and top-p.
-    Log-probabilities stay the model's.
+    penalties and ``min_tokens`` (all additive), then ``response_format``'s mask, then
+    temperature, ``min_p``, top-k and top-p. Log-probabilities stay the model's.
+
+    ``response_format``: ``text`` (the default), or ``json_object``: only tokens that keep the
+    output a prefix of one JSON object may be drawn, and once it is complete only the end of
+    the sequence (OpenAI's JSON mode; needs the model's tokenizer, and no ``min_tokens``).
     """
 
     max_new_tokens: int = 16
@@ -55,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     min_tokens: int = 0
+    response_format: str = "text"
     #: Derived once (the step loop reads them per request): whether the draw depends on the
     #: tokens so far (a repetition, frequency or presence penalty: each step must know the
     #: token before it), and whether the logits are adjusted at all before the draw.
@@ -89,7 +94,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
         object.__setattr__(self, "penalized", penalized)
-        adjusts = penalized or bool(self.logit_bias) or self.min_tokens != 0 or self.min_p != 0
+        adjusts = (
+            penalized
+            or bool(self.logit_bias)
+            or self.min_tokens != 0
+            or self.min_p != 0
+            or self.response_format != "text"
+        )
         object.__setattr__(self, "adjusts", adjusts)
 
     def problems(self) -> list[str]:
@@ -126,6 +137,16 @@ class SamplingParams:
                 out.append(f"{name} {getattr(self, name)!r} must be in [-2, 2]")
         if not 0.0 <= self.min_p <= 1.0:
             out.append(f"min_p {self.min_p!r} must be in [0, 1]")
+        if self.response_format not in RESPONSE_FORMATS:
+            out.append(
+                f"response_format {self.response_format!r} unsupported "
+                f"(supported: {', '.join(RESPONSE_FORMATS)})"
+            )
+        elif self.response_format != "text" and self.min_tokens:
+            out.append(
+                f"min_tokens {self.min_tokens!r} unsupported with response_format "
+                f"{self.response_format!r} (the object may be complete sooner)"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
         ids = [t for t, _ in self.logit_bias]
@@ -150,6 +171,10 @@ class SamplingParams:
         if isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
             return value
         return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+#: ``response_format`` values: plain text, or one JSON object (JSON mode)
+RESPONSE_FORMATS = ("text", "json_object")
 
 
 def _is_int(value: object) -> bool:
@@ -194,6 +219,7 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "presence_penalty": (_is_number, "float or int"),
     "min_p": (_is_number, "float or int"),
     "min_tokens": (_is_int, "int"),
+    "response_format": (lambda v: isinstance(v, str), "str"),
 }
 
 

@@ -10,7 +10,7 @@ from enum import Enum
 
 import torch
 
-from execrt.core.sampler import SamplingBatchInfo
+from execrt.core.sampler import SamplingBatchInfo, TokenConstraint
 from execrt.core.sampling_params import SamplingParams as SamplingParams  # re-exported
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
@@ -48,6 +48,8 @@ class Req:
     #: The caller wants the logits of the prompt's rows (prompt log-probabilities): while set,
     #: the prefix cache serves none of its prompt (those rows must be computed).
     prompt_logits: bool = False
+    #: What this request may draw next (``response_format``), set when it is queued.
+    constraint: TokenConstraint | None = None
 
     #: ``output_counts``' tally and how many output tokens it has seen (kept, not recounted)
     _counts: Counter[int] = field(default_factory=Counter, init=False, repr=False)

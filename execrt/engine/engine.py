@@ -38,10 +38,13 @@ from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
+from execrt.engine.structured import JsonConstraint, JsonIndex
 from execrt.models import CheckpointLoader
+from execrt.models.tokenizer import token_bytes
 from execrt.plugins.host import PluginHost, get_plugin_host
 
 if TYPE_CHECKING:
+    from execrt.core.sampler import TokenConstraint
     from execrt.models.tokenizer import ChatTemplate
 
 Prompt = str | Sequence[int]
@@ -142,6 +145,8 @@ class Engine:
                 overlap=cfg.overlap_schedule,
                 vocab_size=self.model_config.vocab_size,
             )
+            self.scheduler.constraints = self._constraint
+            self._json_index: JsonIndex | None = None
         except BaseException:
             # Release the model and KV cache now, not at the next garbage collection: the
             # half-built engine stays reachable from the traceback (and the context's
@@ -160,6 +165,21 @@ class Engine:
         self._froze_heap = cfg.gc_freeze
         if self._froze_heap:
             _HEAP.freeze()
+
+    def _constraint(self, req: Req) -> TokenConstraint:
+        """JSON mode's constraint for ``req`` (``response_format`` ``json_object``; the only
+        other value, ``text``, has none). The vocabulary's index is built at the first one."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "response_format 'json_object' needs the model's tokenizer.json (this model "
+                "has none)"
+            )
+        if self._json_index is None:
+            self._json_index = JsonIndex(token_bytes(self.tokenizer), self.model_config.vocab_size)
+        params = req.sampling_params
+        return JsonConstraint(
+            self._json_index, (*self.model_config.eos_token_ids, *params.stop_token_ids)
+        )
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
         """The context over the torchrun world (one process: a world of 1). A process group

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from execrt.core.sampler import TokenConstraint
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.staging import stage_ints
 from execrt.core.step import StepInputs
@@ -161,12 +162,16 @@ class Scheduler:
         self.sinks: dict[Req, Callable[[int], None]] = {}
         # Per unfinished request: (the tokens that stop it, the output length that ends it).
         self._rules: dict[Req, tuple[frozenset[int], int]] = {}
+        #: Builds the token constraint of a request with a ``response_format`` (raises
+        #: ValueError saying why it cannot); None: such requests are refused.
+        self.constraints: Callable[[Req], TokenConstraint] | None = None
 
     # -- public -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         """Queue ``req``, or finish it at once (``abort``) if it cannot fit an empty cache."""
         prompt_len = len(req.origin_input_ids)
         needed = self._slots_needed(req)
+        error: str | None
         if prompt_len >= self.context_len:
             error = (
                 f"prompt of {prompt_len} tokens leaves no room in the context of {self.context_len}"
@@ -178,12 +183,25 @@ class Scheduler:
                 f"{self.context_len}) but the whole cache holds {self.memory.total_slots}; raise "
                 f"kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least {needed}"
             )
-        else:
+        elif (error := self._constrain(req)) is None:
             self.waiting.append(req)
             return
         req.finish_reason = FinishReason.ABORT
         req.error = error
         self.finished.append(req)
+
+    def _constrain(self, req: Req) -> str | None:
+        """Give ``req`` the constraint its ``response_format`` asks for; why not, if not."""
+        kind = req.sampling_params.response_format
+        if kind == "text" or req.constraint is not None:
+            return None
+        if self.constraints is None:
+            return f"response_format {kind!r} unsupported by this engine"
+        try:
+            req.constraint = self.constraints(req)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @property
     def has_work(self) -> bool:
@@ -202,7 +220,9 @@ class Scheduler:
         - a decode of the running requests, whose tokens of step N are still on the device
           (they feed step N+1 directly); a request that reaches ``max_new_tokens`` or the
           context with step N is left out, one that samples EOS at step N wastes one decode
-          whose token is dropped.
+          whose token is dropped. A decode holding a constrained request
+          (``response_format``) waits for step N's results instead: its mask of allowed
+          tokens depends on the token in flight.
         A retraction (to make room) waits for step N's results first. Each request's tokens
         are the same with and without overlap (its draw depends on its own seed and step);
         which step admits it may differ. A step that raises: see the class docstring
@@ -390,6 +410,8 @@ class Scheduler:
         ]
         if not reqs or self.memory.available_slots < len(reqs):
             return None  # nothing left to run, or a retraction is due
+        if any(r.constraint is not None for r in reqs):
+            return None  # a constrained request's mask needs the token in flight
         # Adjusted draws (rare) whose adjustments change with the token: penalties (they
         # count the tokens so far, the one in flight on the device) and min_tokens' bans
         # (they may end with this step's token) are staged afresh, not advanced.
@@ -507,6 +529,8 @@ class Scheduler:
             if sampled:  # else a chunk: its sample is meaningless
                 req.num_pending -= 1
                 req.output_ids.append(token)
+                if req.constraint is not None:
+                    req.constraint.advance(token)
                 for hook in hooks:
                     hook(req, token)
                 sink = sinks.get(req)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -180,6 +180,47 @@ def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
             special_tokens=[(tokens[bos], bos)],
         )
     return tok
+
+
+def token_bytes(tokenizer: Any) -> list[bytes | None]:
+    """Each token id's bytes as they appear in the text (None: a special token, which is
+    never text). Byte-level vocabularies (GPT-2's spelling: Llama 3, Qwen2, SmolLM2) are
+    mapped back to their bytes; SentencePiece-style ones turn ``<0xNN>`` into that byte and
+    ``▁`` into a space; anything else is its UTF-8."""
+    spec = json.loads(tokenizer.to_str())
+    kinds = set(_types(spec.get("decoder")))
+    special = {t["id"] for t in spec.get("added_tokens") or () if t.get("special")}
+    spelled = {c: b for b, c in _byte_spelling().items()}
+
+    def raw(token: str) -> bytes:
+        if "ByteLevel" in kinds and all(c in spelled for c in token):
+            return bytes(spelled[c] for c in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        if kinds & {"Metaspace", "Replace", "ByteFallback"}:
+            token = token.replace("\u2581", " ")
+        return token.encode()
+
+    out: list[bytes | None] = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(token_id)
+        out.append(None if token is None or token_id in special else raw(token))
+    return out
+
+
+def _types(node: Any) -> Iterator[str]:
+    """Every ``type`` named in a tokenizer.json component (a Sequence's parts included)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            yield node["type"]
+        for value in node.values():
+            yield from _types(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _types(value)
 
 
 def _byte_spelling() -> dict[int, str]:

@@ -34,6 +34,7 @@ SAMPLING_FIELDS = {
     "presence_penalty": "presence_penalty",
     "min_p": "min_p",
     "min_tokens": "min_tokens",
+    "response_format": "response_format",
 }
 #: ``user`` and ``metadata`` are accepted and not used (nothing is stored: ``store`` is false).
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "user", "metadata", *SAMPLING_FIELDS}
@@ -50,7 +51,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (False,),  # chat (completions implement it)
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
@@ -148,6 +148,8 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
             fields["stop_token_ids"] = list(dict.fromkeys([*given, *end_ids]))
     if "logit_bias" in fields:
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
+    if "response_format" in fields:
+        fields["response_format"] = _response_format(fields["response_format"])
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     sampling.setdefault("max_new_tokens", default_tokens)
     seed = sampling.pop("seed", None)
@@ -258,6 +260,24 @@ def _refuse_unknown(fields: Mapping[str, Any], endpoint: Endpoint) -> None:
                 param=name,
             )
         raise APIError(f"field {name!r} is unsupported by this server", param=name)
+
+
+def _response_format(value: Any) -> str:
+    """``{"type": "text" | "json_object"}`` as the engine's ``response_format``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_schema":
+        raise APIError(
+            "response_format type 'json_schema' is unsupported by this server (supported: "
+            "text, json_object: any JSON object, no schema)",
+            param="response_format",
+        )
+    if kind not in ("text", "json_object") or set(value) != {"type"}:
+        raise APIError(
+            f"response_format {value!r} unsupported (supported: {{'type': 'text'}} or "
+            "{'type': 'json_object'})",
+            param="response_format",
+        )
+    return str(kind)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -437,6 +437,45 @@ def test_min_p_drops_what_is_less_likely_than_min_p_times_the_top() -> None:
     assert torch.isfinite(adjust_logits(logits, info)).all()
 
 
+class _Only:
+    """A constraint that allows a fixed set of tokens (what ``response_format`` installs)."""
+
+    def __init__(self, ids: list[int], vocab: int) -> None:
+        self.mask = torch.zeros(vocab, dtype=torch.bool)
+        self.mask[ids] = True
+        self.seen: list[int] = []
+
+    def allowed(self) -> torch.Tensor:
+        return self.mask
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+def test_a_constrained_row_draws_only_allowed_tokens_and_the_others_are_untouched() -> None:
+    vocab = 16
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    fmt = SamplingParams(temperature=1.0, response_format="json_object")
+    greedy_fmt = replace(fmt, temperature=0.0)
+    plain = SamplingParams(temperature=1.0)
+    for params in ([fmt, plain, greedy_fmt], [greedy_fmt, replace(plain, temperature=0.0)] * 2):
+        reqs = [Req(i, [1], p, sampling_seed=i) for i, p in enumerate(params[:3])]
+        for r in reqs:
+            if r.sampling_params.response_format != "text":
+                r.constraint = _Only([3, 7], vocab)
+        info = SamplingBatchInfo.from_reqs(reqs, CPU)
+        assert info.adjusted and info.allowed is not None
+        rows, masks = info.allowed
+        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        assert rows.tolist() == constrained and masks.shape == (len(constrained), vocab)
+        adjusted = adjust_logits(logits, info)
+        unconstrained = [i for i in range(3) if i not in constrained]
+        assert torch.equal(adjusted[unconstrained], logits[unconstrained].float())
+        for seed in range(20):
+            drawn = Sampler()(logits, replace(info, seeds=info.seeds + seed))
+            assert all(int(drawn[i]) in (3, 7) for i in constrained)
+
+
 def test_output_counts_are_tallied_as_tokens_arrive() -> None:
     req = Req(0, [7, 7, 8], SamplingParams())
     assert dict(req.output_counts) == {} and req.seen_tokens == {7, 8}

@@ -23,6 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from execrt import Engine, SamplingParams
+from execrt.engine import structured as S
 from execrt.engine.client import EngineClient, EngineStats
 from execrt.engine.process import ProcessEngineClient
 from execrt.engine.threaded import ThreadedEngineClient
@@ -493,3 +494,55 @@ def test_tools_for_a_template_without_them_are_refused_and_none_is_fine(served) 
         model="builtin", messages=messages, tools=tools, tool_choice="none", max_tokens=2
     )
     assert got.choices[0].message.tool_calls is None and got.choices[0].finish_reason == "length"
+
+
+def test_json_mode_answers_are_json_objects_and_schemas_are_refused(served) -> None:
+    """``response_format={"type": "json_object"}`` (chat and completions, whole and streamed):
+    the engine's tokens for the same params, every answer a prefix of one JSON object and the
+    ones that stopped a whole one; ``json_schema`` and odd values are 400s naming the field."""
+    api = served.openai()
+    tok = served.engine.tokenizer
+    quote, close = (tok.encode(c, add_special_tokens=False).ids[0] for c in ('"', "}"))
+    bias = {quote: 9.0, close: 7.0}  # random weights: close what is opened
+    params = SamplingParams(
+        max_new_tokens=40, temperature=1.0, seed=3, logit_bias=bias, response_format="json_object"
+    )
+    (want,) = served.engine.generate(["Hello there"], params)
+    fmt = {"type": "json_object"}
+    got = api.completions.create(
+        model="builtin", prompt="Hello there", max_tokens=40, temperature=1.0, seed=3,
+        logit_bias={str(k): v for k, v in bias.items()}, extra_body={"response_format": fmt},
+    )  # fmt: skip
+    assert got.choices[0].text == want.text
+    messages = [{"role": "user", "content": "Give me JSON"}]
+    texts = []
+    for seed in range(4):
+        kw = dict(
+            model="builtin", messages=messages, max_completion_tokens=40, seed=seed,
+            logit_bias={str(k): v for k, v in bias.items()}, response_format=fmt,
+        )  # fmt: skip
+        whole = api.chat.completions.create(**kw)  # type: ignore[call-overload]
+        streamed = api.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+        text = whole.choices[0].message.content or ""
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+        assert S.walk(S.START, text.encode()) is not None, text
+        if whole.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            texts.append(text)
+    assert texts, "at least one answer completed its object"
+    for value, needle in [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "'json_schema'"),
+        ({"type": "yaml"}, "response_format {'type': 'yaml'} unsupported"),
+        ("json", "unsupported"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            api.chat.completions.create(
+                model="builtin", messages=messages, max_completion_tokens=4, response_format=value
+            )  # type: ignore[call-overload]
+        assert needle in info.value.message and info.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(
+            model="builtin", prompt="a", max_tokens=4,
+            extra_body={"min_tokens": 2, "response_format": fmt},
+        )  # fmt: skip
+    assert "min_tokens 2 unsupported with response_format" in info.value.message

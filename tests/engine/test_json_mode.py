@@ -1,0 +1,108 @@
+"""``response_format="json_object"`` through the engine: the built-in model (random weights, a
+byte-level tokenizer) writes only prefixes of one JSON object, ends when it is complete, and
+its constrained requests leave the others' tokens alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from execrt.core.schedule import SamplingParams
+from execrt.engine import Engine
+from execrt.engine import structured as S
+from execrt.models.tokenizer import token_bytes
+
+PROMPTS = [[104, 105], [123, 34, 97], [1, 2, 3, 4, 5], [88] * 9, [32], [200, 201, 202]]
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    with Engine(device="cpu", max_running_requests=8) as e:
+        assert e.tokenizer is not None
+        yield e
+
+
+def _builtin_bytes() -> list[bytes | None]:
+    with Engine(device="cpu") as e:
+        return token_bytes(e.tokenizer)
+
+
+BYTES = _builtin_bytes()  # the built-in vocabulary: 256 one-byte tokens, then special ones
+ID = {data: i for i, data in enumerate(BYTES) if data is not None}
+# Random weights would write strings for hundreds of tokens: these biases make the model
+# close what it opens, so that most objects complete within the budget.
+CLOSING = {ID[b'"']: 9.0, ID[b"}"]: 7.0, ID[b"1"]: 4.0}
+
+
+def _json(tokens: list[int], eos: set[int]) -> tuple[bytes, bool]:
+    """The output's bytes and whether it ended with an end token."""
+    ended = bool(tokens) and tokens[-1] in eos
+    body = tokens[:-1] if ended else tokens
+    parts = [BYTES[t] for t in body]
+    assert all(p is not None for p in parts), body
+    return b"".join(parts), ended  # type: ignore[arg-type]
+
+
+def _params(seed: int, **kw: object) -> SamplingParams:
+    base = dict(
+        max_new_tokens=48, temperature=1.0, seed=seed, response_format="json_object",
+        logit_bias=CLOSING,
+    )  # fmt: skip
+    return SamplingParams(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_every_output_is_a_json_object_prefix_and_the_ended_ones_parse(engine) -> None:  # type: ignore[no-untyped-def]
+    eos = set(engine.model_config.eos_token_ids)
+    results = engine.generate(PROMPTS * 2, [_params(seed) for seed in range(12)])
+    ended = 0
+    for r in results:
+        assert r.error is None
+        text, stopped = _json(r.token_ids, eos)
+        state = S.walk(S.START, text)
+        assert state is not None, text  # never off the grammar
+        if stopped:
+            assert r.finish_reason == "stop" and S.complete(state)
+            assert isinstance(json.loads(text), dict), text
+            ended += 1
+        else:
+            assert r.finish_reason == "length" and len(r.token_ids) == 48
+    assert ended >= 6, "the biases close most objects within 48 tokens"
+
+
+def test_greedy_and_unbiased_outputs_stay_on_the_grammar(engine) -> None:  # type: ignore[no-untyped-def]
+    eos = set(engine.model_config.eos_token_ids)
+    params = [_params(0, temperature=0.0), _params(1, logit_bias=()), _params(2, top_k=3)]
+    for r in engine.generate(PROMPTS[:3], params):
+        text, stopped = _json(r.token_ids, eos)
+        assert S.walk(S.START, text) is not None
+        assert not stopped or isinstance(json.loads(text), dict)
+        assert text.lstrip().startswith(b"{")
+
+
+def test_constrained_requests_leave_the_others_tokens_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    plain = [SamplingParams(max_new_tokens=20, temperature=0.8, seed=s) for s in range(3)]
+    alone = engine.generate(PROMPTS[:3], plain)
+    mixed = engine.generate(PROMPTS[:3] * 2, plain + [_params(s) for s in range(3)])
+    assert [r.token_ids for r in mixed[:3]] == [r.token_ids for r in alone]
+    again = engine.generate(PROMPTS[:3], [_params(s) for s in range(3)])
+    assert [r.token_ids for r in mixed[3:]] == [r.token_ids for r in again]
+
+
+def test_overlap_changes_no_constrained_token() -> None:
+    params = [_params(s) for s in range(4)]
+    tokens = {}
+    for overlap in (False, True):
+        with Engine(device="cpu", overlap_schedule=overlap) as e:
+            tokens[overlap] = [r.token_ids for r in e.generate(PROMPTS[:4], params)]
+    assert tokens[True] == tokens[False]
+
+
+def test_refusals_name_the_reason(engine, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    bad = engine.generate(PROMPTS[:2], [_params(0, min_tokens=3), _params(0, response_format="x")])
+    assert "min_tokens 3 unsupported with response_format 'json_object'" in (bad[0].error or "")
+    assert "response_format 'x' unsupported (supported: text, json_object)" in (bad[1].error or "")
+    with Engine(checkpoint("dense-tied-hd64"), device="cpu") as e:  # no tokenizer.json
+        (r,) = e.generate([PROMPTS[0]], [_params(0)])
+    assert r.finish_reason == "error" or r.error, r
+    assert "needs the model's tokenizer.json" in (r.error or "")

@@ -1,0 +1,190 @@
+"""JSON mode's recognizer against Python's json module, and its token masks against a
+brute-force walk of every token."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from execrt.engine import structured as S
+
+
+def _parses_to_object(text: bytes) -> bool:
+    def refuse(name: str) -> None:
+        raise ValueError(name)
+
+    try:  # strict UTF-8, as the recognizer's strings
+        return isinstance(json.loads(text.decode("utf-8"), parse_constant=refuse), dict)
+    except ValueError:
+        return False
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(7 if depth < 4 else 5)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.randint(-(10**6), 10**6)
+    if kind == 2:
+        return rng.uniform(-1e3, 1e3) * 10 ** rng.randint(-8, 8)
+    if kind in (3, 4):
+        return "".join(
+            rng.choice('ab "\\/\n\t\u00e9\u4e2d\U0001f600x') for _ in range(rng.randrange(6))
+        )
+    if kind == 5:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {
+        f"k{i}{rng.random():.3}": _random_value(rng, depth + 1) for i in range(rng.randrange(4))
+    }
+
+
+def _random_object(rng: random.Random) -> bytes:
+    obj = {f"key{i}": _random_value(rng) for i in range(rng.randrange(5))}
+    indent = rng.choice([None, 2, "\t"])
+    separators = rng.choice([None, (",", ":"), (", ", ": ")])
+    return json.dumps(
+        obj, indent=indent, separators=separators, ensure_ascii=rng.random() < 0.5
+    ).encode()
+
+
+def test_every_prefix_of_a_json_object_is_accepted_and_the_whole_is_complete() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        text = _random_object(rng)
+        state: S.JsonState | None = S.START
+        for i, byte in enumerate(text):
+            assert state is not None and not S.complete(state), (text, i)
+            state = S.step(state, byte)
+        assert S.complete(state), text
+        assert S.complete(S.walk(state, b" \n")), "whitespace may follow"
+        assert S.walk(state, b"x") is None and S.walk(state, b"{}") is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"[]", b'"a"', b"1", b"{,}", b'{"a"}', b'{"a":}', b'{"a":01}', b'{"a":1.}', b'{"a":-}',
+     b'{"a":tru}', b'{"a":1,}', b'{"a":"\x01"}', b'{"a":"\\q"}', b'{"a":"\\u12G4"}', b"{}x",
+     b'{"a":[1,]}', b'{"a":[1}', b'{"a":{]}', b"{'a':1}", b'{"a":+1}', b'{"a":.5}',
+     b'{"a":1e}', b'{"a":NaN}', b'{"a" 1}', b'{1:2}', b'{"a":1 "b":2}'],
+)  # fmt: skip
+def test_what_json_refuses_is_refused(text: bytes) -> None:
+    assert not _parses_to_object(text)
+    assert not S.complete(S.walk(S.START, text))
+
+
+def test_fuzzed_texts_agree_with_the_json_module() -> None:
+    """Random ASCII texts from JSON's alphabet: complete exactly when json.loads gives a dict
+    (whitespace runs and depth below the recognizer's limits)."""
+    rng = random.Random(1)
+    alphabet = b'{}[]:,"\\ 0123456789-+.eEtrufalsn\nxu'
+    agree = complete = 0
+    for _ in range(20000):
+        text = bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 14)))
+        ours = S.complete(S.walk(S.START, text))
+        assert ours == _parses_to_object(text), text
+        agree += 1
+        complete += ours
+    for text in (_random_object(rng) for _ in range(200)):  # and valid ones, mutated
+        for _ in range(3):
+            i = rng.randrange(len(text))
+            mutated = text[:i] + bytes([rng.choice(alphabet)]) + text[i + 1 :]
+            assert S.complete(S.walk(S.START, mutated)) == _parses_to_object(mutated), mutated
+    assert complete > 0 and agree == 20000
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [("é", True), ("中", True), ("😀", True), ("\U0010ffff", True)]
+    + [(bad, False) for bad in (b"\x80", b"\xc0\xaf", b"\xc3", b"\xe0\x80\x80",
+                                b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80",
+                                b"\xe4\xb8", b"\xff")],
+)  # fmt: skip
+def test_strings_are_utf8(text: str | bytes, valid: bool) -> None:
+    data = text.encode() if isinstance(text, str) else text
+    state = S.walk(S.START, b'{"a":"' + data + b'"}')
+    assert S.complete(state) is valid
+    assert _parses_to_object(b'{"a":"' + data + b'"}') is valid
+
+
+def test_whitespace_runs_and_depth_are_bounded() -> None:
+    state = S.walk(S.START, b"{" + b" " * S.MAX_WHITESPACE)
+    assert state is not None and S.step(state, 0x20) is None and S.step(state, 0x7D) is not None
+    deep = S.walk(S.START, b'{"a":' + b"[" * (S.MAX_DEPTH - 1))
+    assert deep is not None and S.step(deep, 0x5B) is None and S.step(deep, 0x5D) is not None
+
+
+# -- masks -------------------------------------------------------------------------------------
+VOCAB = [
+    b"{", b"}", b"[", b"]", b":", b",", b'"', b" ", b"\n", b"  ", b"\n  ", b'{"', b'":', b'",',
+    b'"}', b'"]', b"},", b"}]", b"]}", b"true", b"false", b"null", b"tr", b"ue", b"0", b"1",
+    b"12", b"-", b".", b"5e", b"+3", b"e", b"E", b"abc", b"a b", b"\\", b'\\"', b"\\n", b"\\u",
+    b"00e9", b"\xc3\xa9", b"\xe4", b"\xb8\xad", b'": "', b'", "', b'"a":', b"x}", b'1"', b"\t",
+    b"\x01", None, b"",
+]  # fmt: skip
+EOS = len(VOCAB)
+
+
+def _index(vocab_size: int = EOS + 3) -> S.JsonIndex:
+    return S.JsonIndex(VOCAB + [None], vocab_size)
+
+
+def _brute_force(state: S.JsonState, vocab_size: int) -> torch.Tensor:
+    out = torch.zeros(vocab_size, dtype=torch.bool)
+    for token, data in enumerate(VOCAB):
+        out[token] = bool(data) and S.walk(state, data) is not None
+    out[EOS] = S.complete(state)
+    if not out.any():  # the toy vocabulary cannot go on: the constraint ends the request
+        out[EOS] = True
+    return out
+
+
+def test_masks_equal_a_walk_of_every_token_in_every_state_reached() -> None:
+    index, rng = _index(), random.Random(2)
+    states = {S.START}
+    for _ in range(60):
+        text = _random_object(rng)
+        state = S.START
+        for byte in text:
+            state = S.step(state, byte)  # type: ignore[arg-type]
+            states.add(state)  # type: ignore[arg-type]
+    for state in states:
+        want = _brute_force(state, index.vocab_size)
+        c = S.JsonConstraint(index, [EOS])
+        c.state = state
+        assert torch.equal(c.allowed(), want), state
+        assert torch.equal(c.allowed(), want), "the cached mask"
+    assert not index.mask(S.START)[EOS:].any(), "ids past the tokenizer's never"
+
+
+def test_sampling_from_the_masks_gives_json_objects() -> None:
+    index = _index()
+    done = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        c = S.JsonConstraint(index, [EOS])
+        out = b""
+        for _ in range(80):
+            allowed = c.allowed().nonzero().flatten().tolist()
+            assert allowed, c.state
+            token = EOS if EOS in allowed and rng.random() < 0.5 else rng.choice(allowed)
+            if token == EOS:
+                break
+            out += VOCAB[token]  # type: ignore[operator]
+            c.advance(token)
+        else:
+            continue
+        assert c.complete and _parses_to_object(out), out
+        done += 1
+    assert done > 20
+
+
+def test_a_token_off_the_grammar_leaves_only_eos() -> None:
+    index = _index()
+    c = S.JsonConstraint(index, [EOS, 10_000])  # an id past the vocabulary is no end
+    c.advance(VOCAB.index(b"}"))  # not allowed first
+    assert c.state is None and c.allowed().nonzero().flatten().tolist() == [EOS]
+    with pytest.raises(ValueError, match="end-of-sequence or stop token"):
+        S.JsonConstraint(index, [10_000])
