@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 MAX_WHITESPACE = 32  # consecutive whitespace bytes outside strings
 MAX_DEPTH = 32  # nested objects and arrays
-CACHE_STATES = 2048  # masks kept per index
+CACHE_STATES = 512  # masks kept per index (a mask is one byte per vocabulary entry)
 
 # Modes. The first eight allow whitespace (``aux`` counts the run).
 ROOT, VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER, DONE = range(8)

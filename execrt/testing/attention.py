@@ -287,9 +287,7 @@ class AttentionBackendSuite(ConformanceSuite):
             for i, step in enumerate(steps):
                 prepared = harness.prepare(step)
                 label = case.id if len(steps) == 1 else f"{case.id} step {i} ({step.mode})"
-                result = harness.check(prepared, harness.run(prepared), tol, label)
-                total.max_error = max(total.max_error, result.max_error)
-                total.problems += result.problems
+                total.add(harness.check(prepared, harness.run(prepared), tol, label))
         finally:
             harness.close()
         return total
@@ -401,9 +399,7 @@ class AttentionBackendSuite(ConformanceSuite):
                 for call in ("first", "second"):
                     outs = harness.attend_layers(prepared, plan)
                     label = f"{case.id} step {i} ({step.mode}), {call} attend"
-                    result = harness.check(prepared, outs, tol, label)
-                    total.max_error = max(total.max_error, result.max_error)
-                    total.problems += result.problems
+                    total.add(harness.check(prepared, outs, tol, label))
         finally:
             harness.close()
         self.finish(case, total, record_property)
@@ -430,9 +426,7 @@ class AttentionBackendSuite(ConformanceSuite):
                     total.problems += moved_buffers(label, seen[size][1], leaves)
                 else:
                     seen[size] = (plan.meta, leaves)  # kept alive on purpose
-                result = harness.check(prepared, outs, tol, label)
-                total.problems += result.problems
-                total.max_error = max(total.max_error, result.max_error)
+                total.add(harness.check(prepared, outs, tol, label))
                 total.problems += matches_eager(harness, prepared, outs, tol, label)
         finally:
             harness.close()
@@ -465,9 +459,7 @@ class AttentionBackendSuite(ConformanceSuite):
                     harness.plan(prepared)  # re-planned into the captured buffers
                 graph.replay()
                 torch.cuda.synchronize()
-                result = harness.check(prepared, outs, tol, f"{case.id} {label}")
-                total.problems += result.problems
-                total.max_error = max(total.max_error, result.max_error)
+                total.add(harness.check(prepared, outs, tol, f"{case.id} {label}"))
         finally:
             harness.close()
         self.finish(case, total, record_property)

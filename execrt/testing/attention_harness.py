@@ -101,6 +101,12 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     max_exact_error: float = 0.0  # fp8 cache: against the unquantized K/V
 
+    def add(self, other: Outcome) -> None:
+        """Fold in one more check's outcome: the worst errors, every problem."""
+        self.max_error = max(self.max_error, other.max_error)
+        self.max_exact_error = max(self.max_exact_error, other.max_exact_error)
+        self.problems += other.problems
+
 
 class AttentionHarness:
     """Owns the pools, the cache (and an independent mirror of what it must hold), the backend.

@@ -82,10 +82,7 @@ def run_kv_dtype_case(
             prepared = harness.prepare(step, graph=bool(bucket))
             outs = harness.run(prepared)
             label = f"{case.id} step {i} ({step.mode})"
-            result = harness.check(prepared, outs, tol, label, exact_tolerance=budget)
-            total.max_error = max(total.max_error, result.max_error)
-            total.max_exact_error = max(total.max_exact_error, result.max_exact_error)
-            total.problems += result.problems
+            total.add(harness.check(prepared, outs, tol, label, exact_tolerance=budget))
     finally:
         harness.close()
     record_property("max_error", total.max_error)

@@ -99,12 +99,7 @@ def run_prologue_case(
                 )
             outs = harness.attend_with_prologue(p, plan)
             label = f"{case.id} step {i}"
-            result = harness.check(p.prepared, outs, tol, label, stored_tolerance=stored_tol)
-            total.max_error = max(total.max_error, result.max_error)
-            total.problems += result.problems
+            total.add(harness.check(p.prepared, outs, tol, label, stored_tolerance=stored_tol))
     finally:
         harness.close()
-    record_property("max_error", total.max_error)
-    record_property("tolerance", tol)
-    if total.problems:
-        pytest.fail("\n".join(total.problems), pytrace=False)
+    suite.finish(case, total, record_property)
