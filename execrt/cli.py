@@ -35,6 +35,17 @@ SAMPLING_FLAGS: tuple[tuple[str, type, float, str], ...] = (
 )
 
 
+def _schema_text(value: str) -> str:
+    """``--json-schema``: the text itself, or the file's named after ``@``."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"--json-schema {value!r}: cannot read the file ({exc})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="execrt", description="A pluggable LLM execution runtime.")
     parser.add_argument("--version", action="version", version=f"execrt {__version__}")
@@ -138,7 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--response-format",
         choices=RESPONSE_FORMATS,
         default="text",
-        help="json_object: JSON mode, every answer one JSON object (default: text)",
+        help="json_object: JSON mode, every answer one JSON object; json_schema: one that "
+        "matches --json-schema (default: text, or json_schema with --json-schema)",
+    )
+    gen.add_argument(
+        "--json-schema",
+        default="",
+        help="a JSON Schema (JSON text, or @FILE) every answer matches (default: none)",
     )
     gen.add_argument("--json", action="store_true", help="print results as JSON (default: text)")
     gen.add_argument(
@@ -627,7 +644,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
         min_tokens=args.min_tokens,
-        response_format=args.response_format,
+        response_format=(
+            "json_schema"
+            if args.json_schema and args.response_format == "text"
+            else args.response_format
+        ),
+        json_schema=_schema_text(args.json_schema),
     )
     with Engine(config=config) as engine:
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.

@@ -86,6 +86,24 @@ def test_generate_json_and_token_ids(capsys) -> None:
     assert len(out[0]["token_ids"]) == 3 and out[0]["prompt_token_ids"] == [1, 2, 3]
 
 
+def test_generate_json_schema_from_a_file_and_its_refusals(capsys, tmp_path) -> None:
+    from execrt.engine.structured import compile_schema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(schema))
+    argv = ["generate", "Hi", "--max-new-tokens", "12", "--json", "--device", "cpu"]
+    assert main([*argv, "--json-schema", f"@{path}", "--temperature", "0"]) == 0
+    (out,) = json.loads(capsys.readouterr().out)
+    grammar = compile_schema(schema)
+    assert out["error"] is None and grammar.walk(grammar.start, out["text"].encode()) is not None
+    assert main([*argv, "--json-schema", f"@{tmp_path}/missing.json"]) == 2
+    assert "--json-schema" in capsys.readouterr().err
+    assert main([*argv, "--json-schema", '{"type": "object", "minProperties": 1}']) == 2
+    (out,) = json.loads(capsys.readouterr().out)
+    assert "keyword 'minProperties'" in out["error"]
+
+
 def test_user_mistakes_print_one_line_and_exit_2(capsys) -> None:
     assert main(["generate", "x", "--attention", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -41,9 +41,11 @@ class SamplingParams:
     penalties and ``min_tokens`` (all additive), then ``response_format``'s mask, then
     temperature, ``min_p``, top-k and top-p. Log-probabilities stay the model's.
 
-    ``response_format``: ``text`` (the default), or ``json_object``: only tokens that keep the
+    ``response_format``: ``text`` (the default), ``json_object``: only tokens that keep the
     output a prefix of one JSON object may be drawn, and once it is complete only the end of
-    the sequence (OpenAI's JSON mode; needs the model's tokenizer, and no ``min_tokens``).
+    the sequence (OpenAI's JSON mode), or ``json_schema``: the same for objects that match
+    ``json_schema`` (a JSON Schema as JSON text; the subset ``engine.structured`` lists). Both
+    need the model's tokenizer, and no ``min_tokens``.
     """
 
     max_new_tokens: int = 16
@@ -60,6 +62,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     response_format: str = "text"
+    json_schema: str = ""
     #: Derived once (the step loop reads them per request): whether the draw depends on the
     #: tokens so far (a repetition, frequency or presence penalty: each step must know the
     #: token before it), and whether the logits are adjusted at all before the draw.
@@ -147,6 +150,11 @@ class SamplingParams:
                 f"min_tokens {self.min_tokens!r} unsupported with response_format "
                 f"{self.response_format!r} (the object may be complete sooner)"
             )
+        elif (self.response_format == "json_schema") != bool(self.json_schema):
+            out.append(
+                "json_schema (a JSON Schema as JSON text) goes with response_format "
+                f"'json_schema' and only with it (response_format {self.response_format!r})"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
         ids = [t for t, _ in self.logit_bias]
@@ -173,8 +181,8 @@ class SamplingParams:
         return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-#: ``response_format`` values: plain text, or one JSON object (JSON mode)
-RESPONSE_FORMATS = ("text", "json_object")
+#: ``response_format`` values: plain text, one JSON object (JSON mode), one matching a schema
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _is_int(value: object) -> bool:
@@ -220,6 +228,7 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "min_p": (_is_number, "float or int"),
     "min_tokens": (_is_int, "int"),
     "response_format": (lambda v: isinstance(v, str), "str"),
+    "json_schema": (lambda v: isinstance(v, str), "str"),
 }
 
 

@@ -38,7 +38,7 @@ from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
-from execrt.engine.structured import JsonConstraint, JsonIndex
+from execrt.engine.structured import JSON_OBJECT, JsonConstraint, JsonIndex, schema_grammar
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes
 from execrt.plugins.host import PluginHost, get_plugin_host
@@ -167,8 +167,8 @@ class Engine:
             _HEAP.freeze()
 
     def _constraint(self, req: Req) -> TokenConstraint:
-        """JSON mode's constraint for ``req`` (``response_format`` ``json_object``; the only
-        other value, ``text``, has none). The vocabulary's index is built at the first one."""
+        """The constraint of ``req``'s ``response_format`` (``json_object`` or ``json_schema``;
+        ``text`` has none). The vocabulary's index is built at the first one."""
         if self.tokenizer is None:
             raise ValueError(
                 "response_format 'json_object' needs the model's tokenizer.json (this model "
@@ -177,8 +177,11 @@ class Engine:
         if self._json_index is None:
             self._json_index = JsonIndex(token_bytes(self.tokenizer), self.model_config.vocab_size)
         params = req.sampling_params
+        grammar = JSON_OBJECT if params.response_format == "json_object" else None
         return JsonConstraint(
-            self._json_index, (*self.model_config.eos_token_ids, *params.stop_token_ids)
+            self._json_index,
+            (*self.model_config.eos_token_ids, *params.stop_token_ids),
+            grammar or schema_grammar(params.json_schema),
         )
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
@@ -541,7 +544,7 @@ class Engine:
         prompt_logprobs: int | None = None,
     ) -> tuple[list[int], str | None]:
         problems = (
-            sp.problems() or self.limits.bias_problems(sp)
+            sp.problems() or self.limits.params_problems(sp)
             if isinstance(sp, SamplingParams)
             else [f"sampling_params must be SamplingParams, got {type(sp).__name__}"]
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 from execrt.core.prompts import prompt_token_ids
 from execrt.core.schedule import SamplingParams
+from execrt.engine.structured import schema_grammar
 
 #: The most alternatives one token may list (OpenAI's chat limit).
 MAX_TOP_LOGPROBS = 20
@@ -41,12 +42,21 @@ class RequestLimits:
     #: None when the model scores prompt rows (prompt log-probabilities), else why not
     no_prompt_logits: str | None = None
 
-    def bias_problems(self, sp: SamplingParams) -> list[str]:
-        """A ``logit_bias`` token outside this model's vocabulary (valid params assumed)."""
+    def params_problems(self, sp: SamplingParams) -> list[str]:
+        """What valid params ask that this model cannot give: a ``logit_bias`` token outside
+        its vocabulary, a ``json_schema`` that is not JSON or uses what JSON mode lacks."""
+        problems = []
         bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
-        if bad is None:
-            return []
-        return [f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"]
+        if bad is not None:
+            problems.append(
+                f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"
+            )
+        if sp.response_format == "json_schema":
+            try:
+                schema_grammar(sp.json_schema)
+            except ValueError as exc:
+                problems.append(f"response_format {exc}")
+        return problems
 
     def logprob_problems(self, top_logprobs: object, prompt_logprobs: object) -> list[str]:
         """What is wrong with a request's ``top_logprobs`` / ``prompt_logprobs`` (None: not
@@ -96,7 +106,7 @@ class RequestLimits:
             sp = SamplingParams(**sampling)
         except TypeError as exc:
             return f"sampling: {exc}"
-        problems = sp.problems() or self.bias_problems(sp)
+        problems = sp.problems() or self.params_problems(sp)
         ids, problem = prompt_token_ids(prompt_ids)
         if problem is not None:
             problems.append(problem)

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from execrt.engine.client import TextCodec
 from execrt.serve.errors import APIError
 from execrt.serve.tools import ToolPlan, parse_tools, template_tool_calls
@@ -148,9 +150,12 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
             fields["stop_token_ids"] = list(dict.fromkeys([*given, *end_ids]))
     if "logit_bias" in fields:
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
+    schema = ""
     if "response_format" in fields:
-        fields["response_format"] = _response_format(fields["response_format"])
+        fields["response_format"], schema = _response_format(fields["response_format"])
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
+    if schema:
+        sampling["json_schema"] = schema
     sampling.setdefault("max_new_tokens", default_tokens)
     seed = sampling.pop("seed", None)
     return Plan(
@@ -262,22 +267,42 @@ def _refuse_unknown(fields: Mapping[str, Any], endpoint: Endpoint) -> None:
         raise APIError(f"field {name!r} is unsupported by this server", param=name)
 
 
-def _response_format(value: Any) -> str:
-    """``{"type": "text" | "json_object"}`` as the engine's ``response_format``."""
+def _response_format(value: Any) -> tuple[str, str]:
+    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}`` as the engine's ``response_format`` and
+    ``json_schema`` (the schema as JSON text; "" without one). The schema itself is checked
+    by the engine's limits (the request's 400 names what it lacks)."""
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_schema":
-        raise APIError(
-            "response_format type 'json_schema' is unsupported by this server (supported: "
-            "text, json_object: any JSON object, no schema)",
-            param="response_format",
-        )
-    if kind not in ("text", "json_object") or set(value) != {"type"}:
-        raise APIError(
-            f"response_format {value!r} unsupported (supported: {{'type': 'text'}} or "
-            "{'type': 'json_object'})",
-            param="response_format",
-        )
-    return str(kind)
+    if kind in ("text", "json_object") and set(value) == {"type"}:
+        return str(kind), ""
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if isinstance(spec, dict) and set(value) == {"type", "json_schema"}:
+        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+        name = spec.get("name")
+        if unknown:
+            raise APIError(
+                f"response_format.json_schema field {unknown[0]!r} unsupported",
+                param="response_format",
+            )
+        if not isinstance(name, str) or not name:
+            raise APIError(
+                "response_format.json_schema.name must be a non-empty string",
+                param="response_format",
+            )
+        if not isinstance(spec.get("schema", {}), dict):
+            raise APIError(
+                "response_format.json_schema.schema must be a JSON Schema object",
+                param="response_format",
+            )
+        # No schema: any object. "strict" changes nothing: every answer follows the schema.
+        schema = spec.get("schema") or {"type": "object"}
+        return "json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+    raise APIError(
+        f"response_format {value!r} unsupported (supported: {{'type': 'text'}}, "
+        "{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name': ..., "
+        "'schema': {...}}})",
+        param="response_format",
+    )
 
 
 def _same(a: Any, b: Any) -> bool:

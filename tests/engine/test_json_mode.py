@@ -101,8 +101,50 @@ def test_overlap_changes_no_constrained_token() -> None:
 def test_refusals_name_the_reason(engine, checkpoint) -> None:  # type: ignore[no-untyped-def]
     bad = engine.generate(PROMPTS[:2], [_params(0, min_tokens=3), _params(0, response_format="x")])
     assert "min_tokens 3 unsupported with response_format 'json_object'" in (bad[0].error or "")
-    assert "response_format 'x' unsupported (supported: text, json_object)" in (bad[1].error or "")
+    supported = "(supported: text, json_object, json_schema)"
+    assert f"response_format 'x' unsupported {supported}" in (bad[1].error or "")
     with Engine(checkpoint("dense-tied-hd64"), device="cpu") as e:  # no tokenizer.json
         (r,) = e.generate([PROMPTS[0]], [_params(0)])
     assert r.finish_reason == "error" or r.error, r
     assert "needs the model's tokenizer.json" in (r.error or "")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer"},
+        "color": {"enum": ["red", "blue"]},
+        "ok": {"type": "boolean"},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    },
+    "required": ["n", "color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_answers_follow_the_schema(engine) -> None:  # type: ignore[no-untyped-def]
+    from tests.engine.test_json_schema import valid
+
+    eos = set(engine.model_config.eos_token_ids)
+    grammar = S.compile_schema(SCHEMA)
+    # End numbers and strings soon, and no whitespace: random weights would spend the budget
+    bias = {ID[b"}"]: 6.0, ID[b","]: 6.0, ID[b'"']: 6.0, ID[b" "]: -100.0, ID[b"\n"]: -100.0}
+    params = [
+        _params(seed, response_format="json_schema", json_schema=json.dumps(SCHEMA),
+                logit_bias=bias)
+        for seed in range(8)
+    ]  # fmt: skip
+    stopped = 0
+    for r in engine.generate(PROMPTS[:4] * 2, params):
+        assert r.error is None, r.error
+        text, ended = _json(r.token_ids, eos)
+        assert grammar.walk(grammar.start, text) is not None, text
+        if ended:
+            value = json.loads(text)
+            assert valid(value, SCHEMA, SCHEMA) and set(value) >= {"n", "color", "ok"}, value
+            stopped += 1
+    assert stopped >= 4
+    (bad,) = engine.generate(
+        [PROMPTS[0]], [_params(0, response_format="json_schema", json_schema='{"type": "array"}')]
+    )
+    assert "response_format json_schema: the root must be an object" in (bad.error or "")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 import openai
+import orjson
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -531,10 +532,19 @@ def test_json_mode_answers_are_json_objects_and_schemas_are_refused(served) -> N
             texts.append(text)
     assert texts, "at least one answer completed its object"
     for value, needle in [
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "'json_schema'"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}},
+            "json_schema: the root must be an object",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}},
+            "keyword 'format'",
+        ),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "name must be a non-empty"),
         ({"type": "yaml"}, "response_format {'type': 'yaml'} unsupported"),
         ("json", "unsupported"),
-    ]:
+    ]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as info:
             api.chat.completions.create(
                 model="builtin", messages=messages, max_completion_tokens=4, response_format=value
@@ -546,3 +556,39 @@ def test_json_mode_answers_are_json_objects_and_schemas_are_refused(served) -> N
             extra_body={"min_tokens": 2, "response_format": fmt},
         )  # fmt: skip
     assert "min_tokens 2 unsupported with response_format" in info.value.message
+
+
+def test_structured_outputs_follow_the_schema(served) -> None:
+    """``response_format`` ``json_schema`` through the openai client: the engine's tokens for
+    the same params, and every answer that stopped an instance of the schema."""
+    from tests.engine.test_json_mode import SCHEMA
+    from tests.engine.test_json_schema import valid
+
+    api = served.openai()
+    tok = served.engine.tokenizer
+    ids = {c: tok.encode(c, add_special_tokens=False).ids[0] for c in ('"', "}", ",", " ", "\n")}
+    bias = {ids['"']: 6.0, ids["}"]: 6.0, ids[","]: 6.0, ids[" "]: -100.0, ids["\n"]: -100.0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    text = orjson.dumps(SCHEMA, option=orjson.OPT_SORT_KEYS).decode()
+    params = SamplingParams(
+        max_new_tokens=48, temperature=1.0, seed=1, logit_bias=bias,
+        response_format="json_schema", json_schema=text,
+    )  # fmt: skip
+    (want,) = served.engine.generate(["Hello there"], params)
+    got = api.completions.create(
+        model="builtin", prompt="Hello there", max_tokens=48, temperature=1.0, seed=1,
+        logit_bias={str(k): v for k, v in bias.items()}, extra_body={"response_format": fmt},
+    )  # fmt: skip
+    assert got.choices[0].text == want.text
+    stopped = 0
+    for seed in range(4):
+        answer = api.chat.completions.create(
+            model="builtin", messages=[{"role": "user", "content": "Pick"}], seed=seed,
+            max_completion_tokens=48, logit_bias={str(k): v for k, v in bias.items()},
+            response_format=fmt,  # type: ignore[arg-type]
+        ).choices[0]  # fmt: skip
+        if answer.finish_reason == "stop":
+            value = json.loads(answer.message.content or "")
+            assert valid(value, SCHEMA, SCHEMA), value
+            stopped += 1
+    assert stopped
