@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 class TokenConstraint(Protocol):
     """Which tokens a request may draw next (``response_format``), and its progress."""
 
-    def allowed(self) -> torch.Tensor:
-        """``[V]`` bool on the host: the tokens allowed now (never none)."""
+    def allowed(self, device: torch.device | None = None) -> torch.Tensor:
+        """``[V]`` bool on ``device`` (None: the host): the tokens allowed now (never none)."""
         ...
 
     def advance(self, token: int) -> None:
@@ -154,9 +154,9 @@ def _allowed(
     constrained = [(row, c) for row in rows if (c := reqs[row].constraint) is not None]
     if not constrained:
         return None
-    masks = torch.stack([c.allowed() for _, c in constrained])  # [R, V] on the host
+    masks = torch.stack([c.allowed(device) for _, c in constrained])  # [R, V]
     at = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
-    return at.to(device, non_blocking=True), masks.to(device, non_blocking=True)
+    return at.to(device, non_blocking=True), masks
 
 
 def _logit_adds(

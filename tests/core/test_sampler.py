@@ -445,8 +445,8 @@ class _Only:
         self.mask[ids] = True
         self.seen: list[int] = []
 
-    def allowed(self) -> torch.Tensor:
-        return self.mask
+    def allowed(self, device: torch.device | None = None) -> torch.Tensor:
+        return self.mask if device is None else self.mask.to(device)
 
     def advance(self, token: int) -> None:
         self.seen.append(token)

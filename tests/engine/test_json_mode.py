@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -148,3 +149,24 @@ def test_json_schema_answers_follow_the_schema(engine) -> None:  # type: ignore[
         [PROMPTS[0]], [_params(0, response_format="json_schema", json_schema='{"type": "array"}')]
     )
     assert "response_format json_schema: the root must be an object" in (bad.error or "")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_gpu_json_mode_and_schemas_keep_to_the_grammar(fused: str) -> None:
+    """On the GPU (masks cached on the device, a decode graph's batch drawn after its replay,
+    the fused draw or torch's): the same checks as on the CPU, for both response formats."""
+    grammar = S.compile_schema(SCHEMA)
+    bias = {ID[b"}"]: 6.0, ID[b","]: 6.0, ID[b'"']: 6.0, ID[b" "]: -100.0, ID[b"\n"]: -100.0}
+    schema = dict(response_format="json_schema", json_schema=json.dumps(SCHEMA), logit_bias=bias)
+    params = [_params(s) for s in range(4)] + [_params(s, **schema) for s in range(4)]
+    with Engine(device="cuda", fused_kernels=fused) as e:
+        eos = set(e.model_config.eos_token_ids)
+        results = e.generate(PROMPTS[:4] * 2, params)
+        again = e.generate(PROMPTS[:4] * 2, params)  # cached masks, on the device now
+    assert [r.token_ids for r in results] == [r.token_ids for r in again]
+    for i, r in enumerate(results):
+        text, ended = _json(r.token_ids, eos)
+        g = S.JSON_OBJECT if i < 4 else grammar
+        assert g.walk(g.start, text) is not None, text
+        assert not ended or isinstance(json.loads(text), dict)
