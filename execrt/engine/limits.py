@@ -11,7 +11,7 @@ from typing import Any
 
 from execrt.core.prompts import prompt_token_ids
 from execrt.core.schedule import SamplingParams
-from execrt.engine.structured import schema_grammar
+from execrt.engine.json_grammar import schema_grammar
 
 #: The most alternatives one token may list (OpenAI's chat limit).
 MAX_TOP_LOGPROBS = 20

@@ -292,7 +292,7 @@ class Job:
                 )
                 choice = _Choice(index, req, OutputHolder(self.waker), text, c == 0)
                 if plan.tools is not None:
-                    choice.calls = ToolCallText(plan.tools.format)
+                    choice.calls = ToolCallText(plan.tools.format, plan.tools.prompt_suffix)
                 if plan.endpoint == "chat" and reasoning_parser != "none":
                     choice.thinking = ReasoningText(reasoning_parser)
                 if plan.echo:  # the client's own text, else the ids decoded

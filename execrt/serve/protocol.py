@@ -134,6 +134,16 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
         if tools is not None:  # the template renders them (transformers' tools=)
             variables = variables | {"tools": list(tools.tools)}
         ids, end_ids = _chat_prompt(fields.get("messages"), text, variables)
+        if tools is not None and tools.forced:
+            if "response_format" in fields:
+                raise APIError(
+                    "response_format with a forced tool call (tool_choice) unsupported: the "
+                    "call has its own schema",
+                    param="response_format",
+                )
+            ids = ids + text.encode(tools.prompt_suffix, add_special_tokens=False)
+            call = {"name": "tool_call", "schema": tools.call_schema()}
+            fields["response_format"] = {"type": "json_schema", "json_schema": call}
         prompts = [ids]
         top = None
         if _bool(fields, "logprobs", False):

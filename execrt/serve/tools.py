@@ -12,6 +12,13 @@ The answer's content is the text before the first call; the calls become
 ``message.tool_calls`` and the finish reason ``tool_calls``. Text that does not parse as such
 calls stays content. Streaming holds back the text from where a call may begin, and sends the
 calls once the choice ends.
+
+A forced call (``tool_choice`` ``required``, or a named function) is one call written under a
+JSON Schema (structured outputs): ``{"name": <one of the names>, "arguments" | "parameters":
+<the function's parameters>}`` (the parameters' schema where one function is possible and its
+schema is within the subset ``engine.structured`` compiles, else any object); in the
+``hermes`` format the prompt ends with the template's ``<tool_call>`` opening, so the model
+writes the object right away.
 """
 
 from __future__ import annotations
@@ -23,22 +30,52 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from execrt.engine.json_grammar import compile_schema
 from execrt.serve.errors import APIError
 from execrt.serve.text import tag_overlap
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request with tools and ``tool_choice`` ``auto`` asks: ``tools`` for the
-    template to render, and the output read for calls in ``format``."""
+    """What a chat request with tools asks: ``tools`` for the template to render, the output
+    read for calls in ``format``, and for a forced call the names it may call."""
 
     tools: tuple[dict[str, Any], ...]
     format: str = "hermes"  # how the model writes calls: "hermes" or "json"
+    forced: tuple[str, ...] = ()  # tool_choice required or a named function: one call of these
+
+    @property
+    def prompt_suffix(self) -> str:
+        """What the prompt ends with for a forced call (the call's opening, in ``hermes``)."""
+        return OPEN + "\n" if self.forced and self.format == "hermes" else ""
+
+    def call_schema(self) -> dict[str, Any]:
+        """The JSON Schema of the forced call's object (see the module docstring)."""
+        key = "arguments" if self.format == "hermes" else "parameters"
+
+        def schema(arguments: Any) -> dict[str, Any]:
+            return {
+                "type": "object",
+                "properties": {"name": {"enum": list(self.forced)}, key: arguments},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+
+        if len(self.forced) == 1:
+            (name,) = self.forced
+            function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+            exact = schema(function.get("parameters") or {"type": "object"})
+            try:
+                compile_schema(exact)
+                return exact
+            except ValueError:
+                pass  # outside the subset: any object for the arguments
+        return schema({"type": "object"})
 
 
 def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -> ToolPlan | None:
@@ -53,12 +90,8 @@ def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -
             param="tools",
         )
     choice = fields.get("tool_choice", "auto" if tools else "none")
-    if choice not in TOOL_CHOICES:
-        raise APIError(
-            f"tool_choice {choice!r} is unsupported (accepted: 'auto', 'none'; a forced call "
-            "needs constrained decoding, which this server does not do)",
-            param="tool_choice",
-        )
+    names = [t["function"]["name"] for t in tools]
+    forced = _forced(choice, names)
     parallel = fields.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise APIError(
@@ -73,7 +106,26 @@ def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -
             "never see them",
             param="tools",
         )
-    return ToolPlan(tuple(tools), format="hermes" if OPEN in source else "json")
+    return ToolPlan(tuple(tools), "hermes" if OPEN in source else "json", forced)
+
+
+def _forced(choice: object, names: list[str]) -> tuple[str, ...]:
+    """The names ``tool_choice`` forces a call of (none: not forced)."""
+    if choice in TOOL_CHOICES:
+        return tuple(dict.fromkeys(names)) if choice == "required" else ()
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and name is not None):
+        raise APIError(
+            f"tool_choice {choice!r} is unsupported (accepted: 'auto', 'none', 'required', or "
+            "{'type': 'function', 'function': {'name': ...}})",
+            param="tool_choice",
+        )
+    if name not in names:
+        raise APIError(
+            f"tool_choice names function {name!r}, which tools does not hold", param="tool_choice"
+        )
+    return (name,)
 
 
 def _is_tool(tool: object) -> bool:
@@ -184,11 +236,13 @@ class ToolCallText:
     content now (never a part of a call, nor the start of ``<tool_call>`` that may become
     one); ``finish`` returns the rest of the content and the calls."""
 
-    def __init__(self, format: str = "hermes") -> None:
+    def __init__(self, format: str = "hermes", opened: str = "") -> None:
+        """``opened``: what the prompt ended with of the answer (a forced call's opening),
+        read as the start of its text."""
         self.format = format
-        self._text = ""
+        self._text = opened
         self._sent = 0  # characters of the text sent as content
-        self._calling = False  # a call has begun: nothing more is sent before the end
+        self._calling = bool(opened)  # a call has begun: nothing more is sent before the end
         self._prose = False  # json: the answer began as text, so it holds no call
 
     def feed(self, piece: str) -> str:

@@ -98,14 +98,14 @@ def test_streamed_text_sends_no_part_of_a_call_however_it_is_cut(text: str) -> N
         ({"tools": [{"type": "function"}]}, "tools", "tools must be a list of"),
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools", "must be a list"),
         (
-            {"tools": TOOLS, "tool_choice": "required"},
+            {"tools": TOOLS, "tool_choice": "always"},
             "tool_choice",
-            "tool_choice 'required' is unsupported",
+            "tool_choice 'always' is unsupported (accepted: 'auto', 'none', 'required', or",
         ),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
             "tool_choice",
-            "is unsupported (accepted: 'auto', 'none'",
+            "tool_choice names function 'f', which tools does not hold",
         ),
         (
             {"tools": TOOLS, "parallel_tool_calls": "no"},
@@ -129,6 +129,70 @@ def test_tools_need_a_template_that_renders_them() -> None:
     assert parse_tools({"tools": []}, lambda: None) is None
     plan = parse_tools({"tools": TOOLS}, lambda: "{{ tools }}")
     assert plan is not None and list(plan.tools) == TOOLS and plan.format == "json"
+
+
+TIME = {"type": "function", "function": {"name": "get_time"}}
+ODD = {  # parameters outside the structured-output subset
+    "type": "function",
+    "function": {"name": "odd", "parameters": {"type": "object", "minProperties": 1}},
+}
+
+
+def test_a_forced_call_s_schema() -> None:
+    from execrt.engine.json_grammar import compile_schema
+
+    tags = "{{ tools }} <tool_call>"
+    plan = parse_tools({"tools": [*TOOLS, TIME], "tool_choice": "required"}, lambda: tags)
+    assert plan is not None and plan.forced == ("get_weather", "get_time")
+    assert plan.prompt_suffix == "<tool_call>\n"
+    schema = plan.call_schema()
+    assert schema["properties"]["name"] == {"enum": ["get_weather", "get_time"]}
+    assert schema["properties"]["arguments"] == {"type": "object"}  # two functions: any object
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan = parse_tools({"tools": [*TOOLS, TIME], "tool_choice": named}, lambda: "{{ tools }}")
+    assert plan is not None and plan.forced == ("get_weather",) and plan.prompt_suffix == ""
+    exact = plan.call_schema()  # json format: "parameters", the function's own schema
+    assert exact["properties"]["parameters"] == TOOLS[0]["function"]["parameters"]
+    grammar = compile_schema(exact)
+    ok = b'{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert grammar.complete(grammar.walk(grammar.start, ok))
+    assert grammar.walk(grammar.start, b'{"name": "get_time"') is None
+    odd = {"tools": [ODD], "tool_choice": {"type": "function", "function": {"name": "odd"}}}
+    plan = parse_tools(odd, lambda: tags)
+    assert plan is not None and plan.call_schema()["properties"]["arguments"] == {"type": "object"}
+
+
+def test_a_forced_call_is_written_under_its_schema_and_answered_as_a_call(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": named, "stream": stream}
+        r = call(script, "POST", "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [e["choices"][0] for e in events(r) if e["choices"]]
+            assert not any(c["delta"].get("content") for c in chunks)
+            (tool_call,) = next(
+                c["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["delta"]
+            )
+            assert chunks[-1]["finish_reason"] == "tool_calls"
+        else:
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            (tool_call,) = choice["message"]["tool_calls"]
+        assert tool_call["function"]["name"] == "get_weather"
+        assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo"}
+    request = script.submitted[-1]
+    codec = ScriptCodec()
+    assert codec.decode(request.prompt_ids).endswith("<tool_call>\n")  # the call is opened
+    sampling = request.sampling
+    assert sampling["response_format"] == "json_schema"
+    assert json.loads(sampling["json_schema"])["properties"]["name"] == {"enum": ["get_weather"]}
+    both = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
+    r = call(
+        script, "POST", "/v1/chat/completions", both | {"response_format": {"type": "json_object"}}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
 # -- through the app ------------------------------------------------------------------------------
