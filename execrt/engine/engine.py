@@ -169,14 +169,14 @@ class Engine:
     def _constraint(self, req: Req) -> TokenConstraint:
         """The constraint of ``req``'s ``response_format`` (``json_object`` or ``json_schema``;
         ``text`` has none). The vocabulary's index is built at the first one."""
+        params = req.sampling_params
         if self.tokenizer is None:
             raise ValueError(
-                "response_format 'json_object' needs the model's tokenizer.json (this model "
-                "has none)"
+                f"response_format {params.response_format!r} needs the model's tokenizer.json "
+                "(this model has none)"
             )
         if self._json_index is None:
             self._json_index = JsonIndex(token_bytes(self.tokenizer), self.model_config.vocab_size)
-        params = req.sampling_params
         grammar = JSON_OBJECT if params.response_format == "json_object" else None
         return JsonConstraint(
             self._json_index,

@@ -227,8 +227,9 @@ class Grammar:
                 more = n.additional is not None or any(k not in has for k in n.properties)
                 return (KEY, frames, 0, -1, b"") if more else None
             return self._close(frames) if byte == 0x7D else None
-        if byte == 0x2C:
-            return (VALUE, frames, 0, n.items, b"")
+        if byte == 0x2C:  # another item, if the array may hold one
+            full = n.max_items is not None and has >= n.max_items
+            return None if full else (VALUE, frames, 0, n.items, b"")
         return self._close(frames) if byte == 0x5D else None
 
     def _close(self, frames: tuple[Frame, ...]) -> JsonState | None:

@@ -269,6 +269,35 @@ def test_json_schema_goes_with_its_response_format() -> None:
     assert "json_schema is not valid JSON" in limits.params_problems(sp)[0]
 
 
+@pytest.mark.parametrize("name", [*SCHEMAS, "bounded"])
+def test_every_state_reached_can_go_on_or_is_complete(name: str) -> None:
+    """Random byte walks: no state the grammar accepts is a dead end (a mask with nothing in
+    it would end the request with a broken object)."""
+    schema = SCHEMAS.get(name) or {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"enum": [1, 12]}, "maxItems": 2},
+                       "b": {"type": "array", "minItems": 2, "maxItems": 2}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    grammar = S.compile_schema(schema)
+    rng = random.Random(name)
+    for _ in range(150):
+        state = grammar.start
+        text = b""
+        for _ in range(80):
+            nexts = [b for b in range(256) if grammar.step(state, b) is not None]
+            if grammar.complete(state):
+                assert not nexts
+                assert _valid_text(text, schema), text
+                break
+            assert nexts, (text, state)
+            quiet = [b for b in nexts if b not in b" \t\r\n"] or nexts
+            byte = rng.choice(quiet)
+            text += bytes([byte])
+            state = grammar.step(state, byte)  # type: ignore[assignment]
+
+
 # -- masks ---------------------------------------------------------------------------------------
 VOCAB = [
     b"{", b"}", b"[", b"]", b":", b",", b'"', b" ", b"\n", b'{"', b'":', b'",', b'"}', b'"]',
