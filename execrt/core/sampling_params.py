@@ -45,7 +45,10 @@ class SamplingParams:
     output a prefix of one JSON object may be drawn, and once it is complete only the end of
     the sequence (OpenAI's JSON mode), or ``json_schema``: the same for objects that match
     ``json_schema`` (a JSON Schema as JSON text; the subset ``engine.structured`` lists). Both
-    need the model's tokenizer, and no ``min_tokens``.
+    need the model's tokenizer, and no ``min_tokens``. ``reasoning`` (``qwen3`` or
+    ``deepseek_r1``, as ``execrt serve --reasoning-parser``): the answer reasons first, free
+    text between ``<think>`` and ``</think>`` (qwen3: only if it begins with ``<think>``;
+    deepseek_r1: from its start), and the format applies after it.
     """
 
     max_new_tokens: int = 16
@@ -63,6 +66,7 @@ class SamplingParams:
     min_tokens: int = 0
     response_format: str = "text"
     json_schema: str = ""
+    reasoning: str = ""
     #: Derived once (the step loop reads them per request): whether the draw depends on the
     #: tokens so far (a repetition, frequency or presence penalty: each step must know the
     #: token before it), and whether the logits are adjusted at all before the draw.
@@ -150,6 +154,11 @@ class SamplingParams:
                 f"min_tokens {self.min_tokens!r} unsupported with response_format "
                 f"{self.response_format!r} (the object may be complete sooner)"
             )
+        elif self.reasoning not in REASONING:
+            out.append(
+                f"reasoning {self.reasoning!r} unsupported (supported: "
+                f"{', '.join(repr(r) for r in REASONING)})"
+            )
         elif (self.response_format == "json_schema") != bool(self.json_schema):
             out.append(
                 "json_schema (a JSON Schema as JSON text) goes with response_format "
@@ -183,6 +192,8 @@ class SamplingParams:
 
 #: ``response_format`` values: plain text, one JSON object (JSON mode), one matching a schema
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+#: ``reasoning`` values: none, or how a reasoning model's answer reasons before its format
+REASONING = ("", "qwen3", "deepseek_r1")
 
 
 def _is_int(value: object) -> bool:
@@ -229,6 +240,7 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "min_tokens": (_is_int, "int"),
     "response_format": (lambda v: isinstance(v, str), "str"),
     "json_schema": (lambda v: isinstance(v, str), "str"),
+    "reasoning": (lambda v: isinstance(v, str), "str"),
 }
 
 

@@ -38,7 +38,13 @@ from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
-from execrt.engine.structured import JSON_OBJECT, JsonConstraint, JsonIndex, schema_grammar
+from execrt.engine.structured import (
+    JSON_OBJECT,
+    JsonConstraint,
+    JsonIndex,
+    Reasoning,
+    schema_grammar,
+)
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes
 from execrt.plugins.host import PluginHost, get_plugin_host
@@ -182,7 +188,20 @@ class Engine:
             self._json_index,
             (*self.model_config.eos_token_ids, *params.stop_token_ids),
             grammar or schema_grammar(params.json_schema),
+            self._reasoning(params.reasoning),
         )
+
+    def _reasoning(self, parser: str) -> Reasoning | None:
+        """``reasoning``'s markers as tokens (they must be single tokens of the vocabulary)."""
+        if not parser:
+            return None
+        ids = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
+        if None in ids or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(
+                f"reasoning {parser!r} with a response_format needs <think> and </think> as "
+                "single tokens of the model's vocabulary (this tokenizer has no such tokens)"
+            )
+        return Reasoning(ids[0], ids[1], inside_first=parser == "deepseek_r1")
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
         """The context over the torchrun world (one process: a world of 1). A process group

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +35,8 @@ from execrt.engine.json_grammar import (
 
 __all__ = [
     "JSON_OBJECT", "MAX_DEPTH", "MAX_WHITESPACE", "START", "Grammar", "JsonConstraint",
-    "JsonIndex", "JsonState", "compile_schema", "complete", "schema_grammar", "step", "walk",
+    "JsonIndex", "JsonState", "Reasoning", "compile_schema", "complete", "schema_grammar",
+    "step", "walk",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -158,6 +160,16 @@ class JsonIndex:
         return out
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A reasoning model's answer before its object (``--reasoning-parser``): free text from
+    the ``open_id`` token (or from the start, ``inside_first``) to the ``close_id`` token."""
+
+    open_id: int
+    close_id: int
+    inside_first: bool = False  # deepseek_r1: the answer reasons from its first token
+
+
 class JsonConstraint:
     """One request's JSON mode or schema: the tokens allowed now, and the state after each.
 
@@ -166,10 +178,20 @@ class JsonConstraint:
     masks prevent) or the vocabulary cannot go on."""
 
     def __init__(
-        self, index: JsonIndex, ends: Iterable[int], grammar: Grammar = JSON_OBJECT
+        self,
+        index: JsonIndex,
+        ends: Iterable[int],
+        grammar: Grammar = JSON_OBJECT,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.index = index
         self.grammar = grammar
+        #: Before the object, the answer's reasoning (free text): "opening" (it may begin
+        #: with the opening token), "thinking" (until the closing token), then "object".
+        self.reasoning = reasoning
+        self.phase = "object"
+        if reasoning is not None:
+            self.phase = "thinking" if reasoning.inside_first else "opening"
         self.ends = sorted({i for i in ends if 0 <= i < index.vocab_size})
         if not self.ends:
             raise ValueError(
@@ -181,6 +203,13 @@ class JsonConstraint:
 
     def allowed(self, device: torch.device | None = None) -> torch.Tensor:
         """``[vocab_size]`` bool on ``device`` (None: the host): the tokens allowed now."""
+        if self.phase == "thinking":
+            return torch.ones(self.index.vocab_size, dtype=torch.bool, device=device)
+        if self.phase == "opening":
+            assert self.reasoning is not None
+            out = self.index.mask(self.grammar.start, self.grammar).clone()
+            out[self.reasoning.open_id] = True
+            return out if device is None else out.to(device, non_blocking=True)
         state = self.state
         host = self.index.mask(state, self.grammar)  # cached: checking it moves nothing
         if state is not None and state[0] != DONE and bool(host.any()):
@@ -194,6 +223,16 @@ class JsonConstraint:
         return out if device is None else out.to(device, non_blocking=True)
 
     def advance(self, token: int) -> None:
+        if self.phase == "opening":  # reasoning opens now, or never (then this token is
+            assert self.reasoning is not None  # the object's first)
+            self.phase = "thinking" if token == self.reasoning.open_id else "object"
+            if self.phase == "thinking":
+                return
+        elif self.phase == "thinking":
+            assert self.reasoning is not None
+            if token == self.reasoning.close_id:
+                self.phase = "object"
+            return
         if token in self.ends:
             return
         before = self.state

@@ -276,10 +276,15 @@ class Job:
         self.waker = Waker()
         self._template: tuple[bytes, bytes, bytes] | None = None  # of _text_chunk
         self.choices: list[_Choice] = []
+        shared = dict(plan.sampling)
+        forced = plan.tools is not None and bool(plan.tools.forced)  # (the prompt opened it)
+        if plan.endpoint == "chat" and reasoning_parser != "none" and not forced:
+            if shared.get("response_format", "text") != "text":
+                shared["reasoning"] = reasoning_parser  # the format applies after it
         for p, prompt in enumerate(plan.prompts):
             for c in range(plan.n):
                 index = p * plan.n + c
-                sampling = dict(plan.sampling, seed=plan.choice_seed(c))
+                sampling = dict(shared, seed=plan.choice_seed(c))
                 req = EngineRequest(
                     f"{self.id}-{index}", prompt, sampling, plan.top_logprobs, plan.prompt_logprobs
                 )

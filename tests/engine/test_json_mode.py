@@ -5,6 +5,7 @@ its constrained requests leave the others' tokens alone."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -170,3 +171,57 @@ def test_gpu_json_mode_and_schemas_keep_to_the_grammar(fused: str) -> None:
         g = S.JSON_OBJECT if i < 4 else grammar
         assert g.walk(g.start, text) is not None, text
         assert not ended or isinstance(json.loads(text), dict)
+
+
+@pytest.fixture(scope="module")
+def thinking_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The built-in model with its two chat markers renamed <think> and </think> (ids 257 and
+    258, non-special): a reasoning model's vocabulary."""
+    import shutil
+
+    from execrt.models.builtin import builtin_model_path
+
+    path = tmp_path_factory.mktemp("thinking")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(builtin_model_path(), name), path / name)
+    spec = json.loads(open(os.path.join(builtin_model_path(), "tokenizer.json")).read())
+    for token in spec["added_tokens"]:
+        new = {"<|im_start|>": "<think>", "<|im_end|>": "</think>"}.get(token["content"])
+        if new is not None:
+            token["content"], token["special"] = new, False
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return str(path)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_reasoning_answer_writes_its_object_after_its_reasoning(
+    thinking_checkpoint, parser
+) -> None:  # type: ignore[no-untyped-def]
+    think, done = 257, 258
+    bias = {ID[b"}"]: 4.0, ID[b'"']: 4.0, think: 2.0, done: 6.0}  # reason a little, then close
+    params = [_params(s, logit_bias=bias, reasoning=parser, max_new_tokens=64) for s in range(6)]
+    with Engine(thinking_checkpoint, device="cpu") as e:
+        assert e.tokenizer.token_to_id("</think>") == done
+        eos = set(e.model_config.eos_token_ids)
+        spelled = token_bytes(e.tokenizer)
+        results = e.generate(PROMPTS, params)
+    objects = reasoned = 0
+    for r in results:
+        assert r.error is None, r.error
+        ids = r.token_ids
+        if parser == "qwen3" and (not ids or ids[0] != think):
+            answer = ids  # it did not reason: the object from the first token
+        elif done in ids:
+            answer = ids[ids.index(done) + 1 :]
+            reasoned += 1
+        else:
+            continue  # still reasoning at the limit
+        ended = bool(answer) and answer[-1] in eos
+        # (</think> is text here, not special: the object's strings may hold it)
+        text = b"".join(spelled[t] for t in (answer[:-1] if ended else answer))  # type: ignore[misc]
+        assert S.walk(S.START, text) is not None, text
+        objects += ended and isinstance(json.loads(text), dict)
+    assert objects >= 2 and reasoned >= 1
+    with Engine(device="cpu") as plain:  # the built-in vocabulary has no <think>
+        (r,) = plain.generate([PROMPTS[0]], [_params(0, reasoning="qwen3")])
+    assert "needs <think> and </think> as single tokens" in (r.error or "")

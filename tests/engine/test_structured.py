@@ -188,3 +188,30 @@ def test_a_token_off_the_grammar_leaves_only_eos() -> None:
     assert c.state is None and c.allowed().nonzero().flatten().tolist() == [EOS]
     with pytest.raises(ValueError, match="end-of-sequence or stop token"):
         S.JsonConstraint(index, [10_000])
+
+
+def test_a_reasoning_answer_thinks_freely_then_writes_the_object() -> None:
+    index = _index(EOS + 3)
+    think, done = EOS + 1, EOS + 2  # <think>, </think>
+    brace, close = VOCAB.index(b"{"), VOCAB.index(b"}")
+    qwen = S.JsonConstraint(index, [EOS], reasoning=S.Reasoning(think, done))
+    first = qwen.allowed()
+    assert first[think] and first[brace] and not first[close] and not first[done]
+    qwen.advance(think)
+    assert qwen.allowed().all(), "inside the reasoning any token"
+    for token in (close, VOCAB.index(b"abc"), think):
+        qwen.advance(token)
+    assert qwen.phase == "thinking" and qwen.state == S.START
+    qwen.advance(done)
+    assert qwen.phase == "object" and not qwen.allowed()[close] and qwen.allowed()[brace]
+    for token in (brace, close):
+        qwen.advance(token)
+    assert qwen.complete and qwen.allowed().nonzero().flatten().tolist() == [EOS]
+    plain = S.JsonConstraint(index, [EOS], reasoning=S.Reasoning(think, done))
+    plain.advance(brace)  # no reasoning: the object from the first token
+    assert plain.phase == "object" and not plain.allowed()[think]
+    r1 = S.JsonConstraint(index, [EOS], reasoning=S.Reasoning(think, done, inside_first=True))
+    assert r1.allowed().all()
+    r1.advance(VOCAB.index(b"x}"))
+    r1.advance(done)
+    assert r1.phase == "object" and r1.state == S.START

@@ -107,3 +107,22 @@ def test_reasoning_then_a_tool_call(script) -> None:  # type: ignore[no-untyped-
     assert choice["message"]["reasoning_content"] == "I need the weather."
     assert choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_a_format_applies_after_the_reasoning(script) -> None:  # type: ignore[no-untyped-def]
+    """With a reasoning parser, a chat request's response_format reaches the engine with the
+    parser as ``reasoning`` (the object comes after the thinking); without one, or on
+    completions, nothing is added."""
+    script.script = '<think>\nhm\n</think>\n\n{"a": 1}'
+    fmt = {"type": "json_object"}
+    r = post(script, "qwen3", "/v1/chat/completions", {"messages": USER, "response_format": fmt})
+    message = r.json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": '{"a": 1}', "reasoning_content": "\nhm\n"}
+    assert script.submitted[-1].sampling["reasoning"] == "qwen3"
+    for parser, path, body in [
+        ("none", "/v1/chat/completions", {"messages": USER, "response_format": fmt}),
+        ("qwen3", "/v1/completions", {"prompt": "hi", "response_format": fmt}),
+        ("qwen3", "/v1/chat/completions", {"messages": USER}),
+    ]:
+        post(script, parser, path, body)
+        assert "reasoning" not in script.submitted[-1].sampling
