@@ -215,3 +215,23 @@ def test_a_reasoning_answer_thinks_freely_then_writes_the_object() -> None:
     r1.advance(VOCAB.index(b"x}"))
     r1.advance(done)
     assert r1.phase == "object" and r1.state == S.START
+
+
+def test_token_bytes_reads_byte_level_and_sentencepiece_spellings() -> None:
+    """What JSON mode walks: each token's bytes as the text holds them, special tokens none."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    from execrt.models.tokenizer import token_bytes
+
+    byte_level = Tokenizer(
+        models.BPE({"\u0120hello": 0, "\u010a": 1, "{": 2, "\u00c3\u00a9": 3}, [])
+    )
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.add_special_tokens([AddedToken("<|end|>", special=True)])
+    byte_level.add_tokens([AddedToken("<tool_call>", special=False)])
+    assert token_bytes(byte_level) == [b" hello", b"\n", b"{", "é".encode(), None, b"<tool_call>"]
+    piece = Tokenizer(models.BPE({"\u2581hello": 0, "<0x0A>": 1, "<0xC3>": 2, "\u00e9": 3}, []))
+    piece.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    assert token_bytes(piece) == [b" hello", b"\n", b"\xc3", "é".encode()]
