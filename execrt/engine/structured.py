@@ -41,6 +41,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: What a bug in the grammar would raise: it ends the request it concerns, not the others.
+_GRAMMAR_FAULTS = (KeyError, IndexError, TypeError, ValueError, AssertionError, RecursionError)
+
 CACHE_STATES = 512  # masks kept per index (a mask is one byte per vocabulary entry)
 DEVICE_CACHE_STATES = 256  # of them also kept on the GPU (38 MB at a 151k vocabulary)
 
@@ -202,7 +205,16 @@ class JsonConstraint:
         self.state: JsonState | None = grammar.start
 
     def allowed(self, device: torch.device | None = None) -> torch.Tensor:
-        """``[vocab_size]`` bool on ``device`` (None: the host): the tokens allowed now."""
+        """``[vocab_size]`` bool on ``device`` (None: the host): the tokens allowed now. A
+        fault of the grammar ends this request (its end tokens only), not the batch."""
+        try:
+            return self._allowed(device)
+        except _GRAMMAR_FAULTS:
+            logger.exception("JSON mode: the grammar failed in state %r", self.state)
+            self.state, self.phase = None, "object"
+            return self._allowed(device)
+
+    def _allowed(self, device: torch.device | None) -> torch.Tensor:
         if self.phase == "thinking":
             return torch.ones(self.index.vocab_size, dtype=torch.bool, device=device)
         if self.phase == "opening":
@@ -223,6 +235,13 @@ class JsonConstraint:
         return out if device is None else out.to(device, non_blocking=True)
 
     def advance(self, token: int) -> None:
+        try:
+            self._advance(token)
+        except _GRAMMAR_FAULTS:
+            logger.exception("JSON mode: the grammar failed on token %d", token)
+            self.state, self.phase = None, "object"
+
+    def _advance(self, token: int) -> None:
         if self.phase == "opening":  # reasoning opens now, or never (then this token is
             assert self.reasoning is not None  # the object's first)
             self.phase = "thinking" if token == self.reasoning.open_id else "object"

@@ -235,3 +235,19 @@ def test_token_bytes_reads_byte_level_and_sentencepiece_spellings() -> None:
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     assert token_bytes(piece) == [b" hello", b"\n", b"\xc3", "é".encode()]
+
+
+def test_a_fault_of_the_grammar_ends_only_its_request(monkeypatch, caplog) -> None:
+    index = _index()
+    c = S.JsonConstraint(index, [EOS])
+
+    def broken(*args: object) -> None:
+        raise KeyError("bug")
+
+    monkeypatch.setattr(S.Grammar, "step", broken)
+    c.advance(VOCAB.index(b"{"))
+    assert c.state is None and "the grammar failed on token" in caplog.text
+    assert c.allowed().nonzero().flatten().tolist() == [EOS]
+    other = S.JsonConstraint(S.JsonIndex(VOCAB + [None], EOS + 3), [EOS])  # nothing cached
+    assert other.allowed().nonzero().flatten().tolist() == [EOS]
+    assert "the grammar failed in state" in caplog.text
