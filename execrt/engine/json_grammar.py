@@ -11,7 +11,9 @@ so far.
 
 Strings must be valid UTF-8 (what Python's decoder accepts), so that byte-level vocabularies
 cannot split a character into an invalid sequence. Keys of a schema's object and enum values
-are matched as ``json.dumps`` spells them (no other escapes). Not checked: numbers' range, and
+are matched as ``json.dumps`` spells them (no other escapes), and a closed object's keys
+(no additional properties) come in the schema's order, skipping no required one, as OpenAI's
+structured outputs write them. Not checked: numbers' range, and
 duplicate keys outside a schema's properties. Runs of whitespace between tokens are cut at
 ``MAX_WHITESPACE`` bytes and nesting at ``MAX_DEPTH``, so that a model cannot loop on either;
 once the object closes only the tokens that end the request may follow.
@@ -19,7 +21,9 @@ once the object closes only the tokens that end the request may follow.
 The JSON Schema subset (what OpenAI's structured outputs and Pydantic's models use): ``type``
 (a name or a list), ``properties``, ``required``, ``additionalProperties`` (false, true or a
 schema), ``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``/``oneOf``
-(branches told apart by a value's first byte), ``$ref`` to ``#/$defs/...`` or
+(branches told apart by a value's first byte, except objects: several object branches are
+told apart as their keys and the keys' enum values arrive, the way discriminated unions
+are), ``$ref`` to ``#/$defs/...`` or
 ``#/definitions/...`` (recursion allowed), and the annotations (``title``, ``description``,
 ``default``, ``examples``, ...). Any other keyword is refused by name rather than ignored.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +68,8 @@ _FIRST = {
     "integer": b"-0123456789", "boolean": b"tf", "null": b"n",
 }  # fmt: skip
 
-#: A frame: ("o", node, keys it has) or ("a", node, items it has).
+#: A frame: ("o", node, (keys it has, the object schemas it may still be, the key whose value
+#: is being read)) or ("a", node, items it has).
 Frame = tuple[str, int, Any]
 #: (mode, frames, aux, node, acc)
 JsonState = tuple[int, tuple[Frame, ...], int, int, bytes]
@@ -83,6 +88,9 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     choices: tuple[bytes, ...] = ()
+    #: an object that is one of these object schemas (anyOf of objects): told apart as its
+    #: keys and their enum values arrive
+    branches: tuple[int, ...] = ()
 
     def first_bytes(self) -> frozenset[int]:
         return frozenset(b for t in self.types for b in _FIRST[t])
@@ -99,6 +107,8 @@ class Grammar:
         self.root = root
         self.start: JsonState = (ROOT, (), 0, root, b"")
         self._choice_first = [frozenset(c[0] for c in n.choices) for n in self.nodes]
+        # The value node of a key several object schemas share, by their value nodes.
+        self._unions: dict[tuple[int, ...], int] = {}
 
     def walk(self, state: JsonState | None, data: bytes) -> JsonState | None:
         """The state after every byte of ``data`` (None once any is refused)."""
@@ -161,11 +171,10 @@ class Grammar:
             if len(frames) >= MAX_DEPTH:
                 return None
             if byte == 0x7B:
-                return (
-                    (OBJECT_FIRST, (*frames, ("o", node, frozenset())), 0, -1, b"")
-                    if ("object" in types)
-                    else None
-                )
+                if "object" not in types:
+                    return None
+                frame: Frame = ("o", node, (frozenset(), n.branches or (node,), None))
+                return (OBJECT_FIRST, (*frames, frame), 0, -1, b"")
             if "array" not in types:
                 return None
             return (ARRAY_FIRST, (*frames, ("a", node, 0)), 0, n.items, b"")
@@ -185,35 +194,72 @@ class Grammar:
                 return (LITERAL, frames, i * 8 + 1, -1, b"")
         return None
 
+    def _takes(self, schema: int, done: frozenset[bytes], key: bytes) -> int | None:
+        """The value node of ``key`` next in an object of ``schema`` that has ``done``, or
+        None: a property once, and in a closed object (no additional properties) in the
+        order of its properties (as OpenAI's structured outputs write them), skipping no
+        required one."""
+        n = self.nodes[schema]
+        value = n.properties.get(key)
+        if value is None:
+            return n.additional
+        if key in done:
+            return None
+        if n.additional is None:  # in order, and no required key skipped
+            order = list(n.properties)
+            at = order.index(key)
+            if any(order.index(k) > at for k in done if k in n.properties):
+                return None
+            if any(order.index(k) < at for k in n.required - done):
+                return None
+        return value
+
+    def _next_keys(
+        self, done: frozenset[bytes], schemas: tuple[int, ...]
+    ) -> tuple[set[bytes], bool]:
+        """The declared keys that may come next in an object that may still be any of
+        ``schemas``, and whether any other key may."""
+        keys: set[bytes] = set()
+        free = False
+        for schema in schemas:
+            n = self.nodes[schema]
+            free = free or n.additional is not None
+            keys |= {k for k in n.properties if self._takes(schema, done, k) is not None}
+        return keys, free
+
     def _key(self, frames: tuple[Frame, ...]) -> JsonState | None:
         """An object's opening quote of a key."""
-        _, obj, done = frames[-1]
-        n = self.nodes[obj]
-        if n.additional is None:
-            if not any(k not in done for k in n.properties):
-                return None
-            return (KEY_CHOICE, frames, 0, -1, b"")
-        return (STRING, frames, _KEY | (_ACC if n.properties else 0), -1, b"")
+        done, schemas, _ = frames[-1][2]
+        keys, free = self._next_keys(done, schemas)
+        if free:  # any key: read as a string, kept for the lookup where one is needed
+            lookup = len(schemas) > 1 or bool(self.nodes[schemas[0]].properties)
+            return (STRING, frames, _KEY | (_ACC if lookup else 0), -1, b"")
+        return (KEY_CHOICE, frames, 0, -1, b"") if keys else None
 
     def _key_done(self, frames: tuple[Frame, ...], key: bytes | None) -> JsonState | None:
         """A key closed: on to its value (``key`` None: not looked up, any key's value)."""
-        kind, obj, done = frames[-1]
-        n = self.nodes[obj]
-        value = n.properties.get(key) if key is not None else None
-        if value is None:
-            if n.additional is None:
-                return None
-            value = n.additional
-        elif key in done:
-            return None  # a property twice
-        else:
-            frames = (*frames[:-1], (kind, obj, done | {key}))
-        return (COLON, frames, 0, value, b"")
+        kind, obj, (done, schemas, _) = frames[-1]
+        if key is None:  # one schema, no properties: any key
+            value = self.nodes[schemas[0]].additional
+            return None if value is None else (COLON, frames, 0, value, b"")
+        takes = [(schema, self._takes(schema, done, key)) for schema in schemas]
+        kept = [(schema, value) for schema, value in takes if value is not None]
+        if not kept:
+            return None
+        values = tuple(dict.fromkeys(value for _, value in kept))
+        value = values[0] if len(values) == 1 else self._union(values)
+        if value is None:  # the schemas' values cannot be told apart: the first one's
+            kept = [(schema, v) for schema, v in kept if v == values[0]]
+            value = values[0]
+        if any(key in self.nodes[schema].properties for schema, _ in kept):
+            done = done | {key}
+        has = (done, tuple(schema for schema, _ in kept), key)
+        return (COLON, (*frames[:-1], (kind, obj, has)), 0, value, b"")
 
     def _key_choice(self, frames: tuple[Frame, ...], acc: bytes, byte: int) -> JsonState | None:
-        _, obj, done = frames[-1]
+        done, schemas, _ = frames[-1][2]
         more = acc + bytes([byte])
-        keys = [k for k in self.nodes[obj].properties if k not in done]
+        keys, _ = self._next_keys(done, schemas)
         if any(k.startswith(more) for k in keys):
             return (KEY_CHOICE, frames, 0, -1, more)
         return self._key_done(frames, acc) if byte == 0x22 and acc in keys else None
@@ -221,24 +267,55 @@ class Grammar:
     def _after(self, frames: tuple[Frame, ...], byte: int) -> JsonState | None:
         """After a value inside an object or an array."""
         kind, node, has = frames[-1]
-        n = self.nodes[node]
         if kind == "o":
             if byte == 0x2C:
-                more = n.additional is not None or any(k not in has for k in n.properties)
-                return (KEY, frames, 0, -1, b"") if more else None
+                keys, free = self._next_keys(has[0], has[1])
+                return (KEY, frames, 0, -1, b"") if keys or free else None
             return self._close(frames) if byte == 0x7D else None
+        n = self.nodes[node]
         if byte == 0x2C:  # another item, if the array may hold one
             full = n.max_items is not None and has >= n.max_items
             return None if full else (VALUE, frames, 0, n.items, b"")
         return self._close(frames) if byte == 0x5D else None
 
+    def _union(self, values: tuple[int, ...]) -> int | None:
+        """One node for the values several object schemas give a key (None: they cannot be
+        told apart by their first bytes), made once."""
+        made = self._unions.get(values)
+        if made is None:
+            try:
+                made = merge_union([self.nodes[v] for v in values], values, self._add, "")
+            except ValueError:
+                made = -1
+            self._unions[values] = made
+        return None if made < 0 else made
+
+    def _add(self, node: Node) -> int:
+        self.nodes.append(node)
+        self._choice_first.append(frozenset(c[0] for c in node.choices))
+        return len(self.nodes) - 1
+
+    def _narrowed(self, frames: tuple[Frame, ...], value: bytes) -> tuple[Frame, ...]:
+        """The innermost object told apart by the enum value it just got for a key."""
+        if not frames or frames[-1][0] != "o":
+            return frames
+        kind, obj, (done, schemas, key) = frames[-1]
+        if key is None or len(schemas) < 2:
+            return frames
+        kept = []
+        for schema in schemas:
+            node = self.nodes[schema].properties.get(key, self.nodes[schema].additional)
+            n = self.nodes[node] if node is not None else None
+            if n is not None and (value in n.choices or value[0] in n.first_bytes()):
+                kept.append(schema)
+        return (*frames[:-1], (kind, obj, (done, tuple(kept) or schemas, None)))
+
     def _close(self, frames: tuple[Frame, ...]) -> JsonState | None:
         """The closing bracket of the innermost object or array, if it may close here."""
         kind, node, has = frames[-1]
-        n = self.nodes[node]
-        if kind == "o" and not n.required <= has:
+        if kind == "o" and not any(self.nodes[s].required <= has[0] for s in has[1]):
             return None
-        if kind == "a" and has < n.min_items:
+        if kind == "a" and has < self.nodes[node].min_items:
             return None
         rest = frames[:-1]
         return (AFTER, rest, 0, -1, b"") if rest else (DONE, (), 0, -1, b"")
@@ -293,7 +370,9 @@ class Grammar:
         choices = self.nodes[node].choices
         if any(c.startswith(more) for c in choices):
             return (CHOICE, frames, 0, node, more)
-        return self.step((AFTER, frames, 0, -1, b""), byte) if acc in choices else None
+        if acc not in choices:
+            return None
+        return self.step((AFTER, self._narrowed(frames, acc), 0, -1, b""), byte)
 
     def _number_or_literal(
         self, mode: int, frames: tuple[Frame, ...], aux: int, byte: int
@@ -370,7 +449,7 @@ class _Compiler:
             raise ValueError("json_schema: the root must be an object schema ('type': 'object')")
         self.nodes[root] = Node(
             frozenset({"object"}), n.properties, n.required, n.additional, n.items,
-            n.min_items, n.max_items,
+            n.min_items, n.max_items, branches=n.branches,
         )  # fmt: skip
         return Grammar(self.nodes, root)
 
@@ -470,38 +549,59 @@ class _Compiler:
         )  # fmt: skip
 
     def union(self, branches: list[int], where: str) -> int:
-        """One node for branches told apart by a value's first byte."""
-        nodes = [self.nodes[b] for b in branches]
+        """One node for the branches (see ``merge_union``)."""
         if any(b == 0 for b in branches):
             return 0
-        types: set[str] = set()
-        picked: dict[str, Node] = {}
-        choices: list[bytes] = []
-        for n in nodes:
-            for t in n.types:
-                kind = "number" if t == "integer" else t
-                if kind in picked and picked[kind] is not n:
-                    raise ValueError(
-                        f"json_schema: anyOf at {where} has two branches of type {t!r} "
-                        "(branches must differ in type)"
-                    )
-                picked[kind] = n
-            types |= n.types
-            choices += n.choices
-        merged = Node(frozenset(types), choices=tuple(dict.fromkeys(choices)))
-        clash = {c[0] for c in merged.choices} & merged.first_bytes()
-        if clash:
-            raise ValueError(
-                f"json_schema: anyOf at {where} mixes enum values and types that begin alike "
-                f"({bytes(sorted(clash))!r})"
-            )
-        obj, arr = picked.get("object", ANY), picked.get("array", ANY)
-        return self.add(
+        return merge_union([self.nodes[b] for b in branches], tuple(branches), self.add, where)
+
+
+def merge_union(
+    nodes: list[Node], ids: tuple[int, ...], add: Callable[[Node], int], where: str
+) -> int:
+    """One node for ``anyOf`` branches (``nodes``, numbered ``ids``), added with ``add``: a
+    value is told apart by its first byte (objects are the exception: several object branches
+    make a node whose object is one of them, told apart as its keys arrive). Raises
+    ValueError for two branches of another same type, or enum values that begin as a type
+    does."""
+    types: set[str] = set()
+    picked: dict[str, Node] = {}
+    objects: list[int] = []
+    choices: list[bytes] = []
+    for n, i in zip(nodes, ids, strict=True):
+        if "object" in n.types:
+            objects += n.branches or (i,)
+        for t in n.types - {"object"}:
+            kind = "number" if t == "integer" else t
+            if kind in picked and picked[kind] is not n:
+                raise ValueError(
+                    f"json_schema: anyOf at {where or '#'} has two branches of type {t!r} "
+                    "(only objects may share a type)"
+                )
+            picked[kind] = n
+        types |= n.types
+        choices += n.choices
+    merged = Node(frozenset(types), choices=tuple(dict.fromkeys(choices)))
+    clash = {c[0] for c in merged.choices} & merged.first_bytes()
+    if clash:
+        raise ValueError(
+            f"json_schema: anyOf at {where or '#'} mixes enum values and types that begin "
+            f"alike ({bytes(sorted(clash))!r})"
+        )
+    arr = picked.get("array", ANY)
+    if len(objects) == 1:  # one object schema: its own fields
+        obj = next(n for n, i in zip(nodes, ids, strict=True) if i in objects)
+        return add(
             Node(
                 merged.types, obj.properties, obj.required, obj.additional, arr.items,
                 arr.min_items, arr.max_items, merged.choices,
             )
         )  # fmt: skip
+    return add(
+        Node(
+            merged.types, items=arr.items, min_items=arr.min_items, max_items=arr.max_items,
+            choices=merged.choices, branches=tuple(dict.fromkeys(objects)),
+        )
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

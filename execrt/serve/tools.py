@@ -15,8 +15,9 @@ calls once the choice ends.
 
 A forced call (``tool_choice`` ``required``, or a named function) is one call written under a
 JSON Schema (structured outputs): ``{"name": <one of the names>, "arguments" | "parameters":
-<the function's parameters>}`` (the parameters' schema where one function is possible and its
-schema is within the subset ``engine.structured`` compiles, else any object); in the
+<that function's parameters>}`` (each function's own schema, told apart by the name written
+first; any object for the arguments when a schema is outside the subset
+``engine.json_grammar`` compiles); in the
 ``hermes`` format the prompt ends with the template's ``<tool_call>`` opening, so the model
 writes the object right away.
 """
@@ -58,24 +59,25 @@ class ToolPlan:
         """The JSON Schema of the forced call's object (see the module docstring)."""
         key = "arguments" if self.format == "hermes" else "parameters"
 
-        def schema(arguments: Any) -> dict[str, Any]:
+        def call(names: list[str], arguments: Any) -> dict[str, Any]:
             return {
                 "type": "object",
-                "properties": {"name": {"enum": list(self.forced)}, key: arguments},
+                "properties": {"name": {"enum": names}, key: arguments},
                 "required": ["name", key],
                 "additionalProperties": False,
             }
 
-        if len(self.forced) == 1:
-            (name,) = self.forced
-            function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
-            exact = schema(function.get("parameters") or {"type": "object"})
-            try:
-                compile_schema(exact)
-                return exact
-            except ValueError:
-                pass  # outside the subset: any object for the arguments
-        return schema({"type": "object"})
+        functions = {t["function"]["name"]: t["function"] for t in self.tools}
+        exact = [
+            call([name], functions[name].get("parameters") or {"type": "object"})
+            for name in self.forced
+        ]
+        schema = exact[0] if len(exact) == 1 else {"anyOf": exact}
+        try:
+            compile_schema(schema)
+            return schema
+        except ValueError:  # a function's parameters outside the subset: any object
+            return call(list(self.forced), {"type": "object"})
 
 
 def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -> ToolPlan | None:

@@ -145,9 +145,15 @@ def test_a_forced_call_s_schema() -> None:
     plan = parse_tools({"tools": [*TOOLS, TIME], "tool_choice": "required"}, lambda: tags)
     assert plan is not None and plan.forced == ("get_weather", "get_time")
     assert plan.prompt_suffix == "<tool_call>\n"
-    schema = plan.call_schema()
-    assert schema["properties"]["name"] == {"enum": ["get_weather", "get_time"]}
-    assert schema["properties"]["arguments"] == {"type": "object"}  # two functions: any object
+    schema = plan.call_schema()  # one branch per function, told apart by the name first
+    assert [b["properties"]["name"] for b in schema["anyOf"]] == [
+        {"enum": ["get_weather"]}, {"enum": ["get_time"]}
+    ]  # fmt: skip
+    both = compile_schema(schema)
+    weather = b'{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert both.complete(both.walk(both.start, weather))
+    assert both.complete(both.walk(both.start, b'{"name": "get_time", "arguments": {}}'))
+    assert both.walk(both.start, b'{"name": "get_weather", "arguments": {"city": 1') is None
     named = {"type": "function", "function": {"name": "get_weather"}}
     plan = parse_tools({"tools": [*TOOLS, TIME], "tool_choice": named}, lambda: "{{ tools }}")
     assert plan is not None and plan.forced == ("get_weather",) and plan.prompt_suffix == ""
@@ -160,6 +166,9 @@ def test_a_forced_call_s_schema() -> None:
     odd = {"tools": [ODD], "tool_choice": {"type": "function", "function": {"name": "odd"}}}
     plan = parse_tools(odd, lambda: tags)
     assert plan is not None and plan.call_schema()["properties"]["arguments"] == {"type": "object"}
+    plan = parse_tools({"tools": [*TOOLS, ODD], "tool_choice": "required"}, lambda: tags)
+    assert plan is not None  # one function outside the subset: the names, any arguments
+    assert plan.call_schema()["properties"]["name"] == {"enum": ["get_weather", "odd"]}
 
 
 def test_a_forced_call_is_written_under_its_schema_and_answered_as_a_call(script) -> None:  # type: ignore[no-untyped-def]
