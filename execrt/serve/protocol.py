@@ -45,7 +45,7 @@ FIELDS: dict[Endpoint, frozenset[str]] = {
     "chat": frozenset(
         _COMMON
         | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
-        | {"tools", "tool_choice", "parallel_tool_calls"}
+        | {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
     ),
 }
 #: Fields accepted only at a value that changes nothing (what clients send by default).
@@ -57,6 +57,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
 }
+#: chat's ``reasoning_effort`` values (OpenAI's), passed to the chat template
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_N = 64
 MAX_STOPS = 16  # OpenAI allows 4; lm-eval's completions send a task's whole list
 MAX_COMPLETION_LOGPROBS = 5
@@ -231,13 +233,23 @@ def _template_source(text: TextCodec) -> str | None:
 
 
 def _template_variables(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``, and ``reasoning_effort`` as the template variable of that
+    name (what reasoning models' templates read, as vLLM passes it; others ignore it)."""
     variables = fields.get("chat_template_kwargs", {})
     if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
         raise APIError(
             f"chat_template_kwargs {variables!r} must be an object (variable name -> value)",
             param="chat_template_kwargs",
         )
-    return variables
+    effort = fields.get("reasoning_effort")
+    if effort is None:
+        return variables
+    if effort not in REASONING_EFFORTS:
+        raise APIError(
+            f"reasoning_effort {effort!r} unsupported (supported: {', '.join(REASONING_EFFORTS)})",
+            param="reasoning_effort",
+        )
+    return {"reasoning_effort": effort} | variables
 
 
 def engine_error(message: str, endpoint: Endpoint) -> APIError:

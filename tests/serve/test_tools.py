@@ -410,3 +410,18 @@ def test_a_template_without_tool_call_tags_reads_json_calls(script, monkeypatch)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     names = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
     assert names == ["get_weather", "get_time"]
+
+
+def test_reasoning_effort_reaches_the_template_and_a_bad_one_is_a_400(script) -> None:  # type: ignore[no-untyped-def]
+    script.script = "ok"
+    body = {"messages": USER, "reasoning_effort": "low"}
+    assert call(script, "POST", "/v1/chat/completions", body).status_code == 200
+    assert ScriptCodec.seen["variables"] == {"reasoning_effort": "low"}
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}  # the explicit one wins
+    call(script, "POST", "/v1/chat/completions", body | kwargs)
+    assert ScriptCodec.seen["variables"] == {"reasoning_effort": "high"}
+    r = call(script, "POST", "/v1/chat/completions", body | {"reasoning_effort": "max"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    assert "supported: none, minimal, low, medium, high" in r.text
+    r = call(script, "POST", "/v1/completions", {"prompt": "a", "reasoning_effort": "low"})
+    assert r.status_code == 400 and "'reasoning_effort' is unsupported" in r.text
