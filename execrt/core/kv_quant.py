@@ -9,6 +9,7 @@ torch reference call it); the fused rotary kernel is its Triton twin and gives t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ class Fp8Format:
     min_exponent: int  # of the smallest normal number; subnormals step by 2**(this - mantissa)
 
 
+@functools.cache
 def fp8_format(dtype: torch.dtype) -> Fp8Format:
     info = torch.finfo(dtype)
     return Fp8Format(

@@ -773,10 +773,10 @@ class DecodePrologue(NamedTuple):
     hadamard: bool = False  # rotate q and k by the Hadamard matrix after RoPE
 
 
-def _unread_prologue(q: torch.Tensor, o: torch.Tensor) -> DecodePrologue:
-    """Stand-in arguments for a launch without a prologue (never read: PROLOGUE off)."""
-    idx = torch.empty(0, dtype=torch.int32, device=q.device)
-    return DecodePrologue(q, o, idx, o, o, None, None, 0.0, idx)
+def _unread_prologue(q: torch.Tensor, o: torch.Tensor, ints: torch.Tensor) -> DecodePrologue:
+    """Stand-in arguments for a launch without a prologue, from tensors the launch has
+    anyway (never read: PROLOGUE off; nothing allocated on the decode path)."""
+    return DecodePrologue(q, o, ints, o, o, None, None, 0.0, ints)
 
 
 def _check_prologue(
@@ -954,7 +954,7 @@ def decode_attention(
     )
     group = num_q_heads // num_kv_heads
     programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
-    pro = prologue or _unread_prologue(q, o)
+    pro = prologue or _unread_prologue(q, o, kv_indptr)
     fmt = fp8_format(k_buffer.dtype if k_buffer.dtype in FP8_DTYPES else torch.float8_e4m3fn)
     _decode_split_kernel[(programs * num_kv_heads,)](
         q,
