@@ -87,7 +87,7 @@ def test_generate_json_and_token_ids(capsys) -> None:
 
 
 def test_generate_json_schema_from_a_file_and_its_refusals(capsys, tmp_path) -> None:
-    from execrt.engine.structured import compile_schema
+    from execrt.engine.json_grammar import compile_schema
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     path = tmp_path / "s.json"

@@ -33,18 +33,13 @@ from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.engine.client import EngineStats, RequestOutput
 from execrt.engine.driver import Driver
+from execrt.engine.json_grammar import JSON_OBJECT, schema_grammar
 from execrt.engine.limits import RequestLimits
 from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
-from execrt.engine.structured import (
-    JSON_OBJECT,
-    JsonConstraint,
-    JsonIndex,
-    Reasoning,
-    schema_grammar,
-)
+from execrt.engine.structured import JsonConstraint, JsonIndex, Reasoning
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes
 from execrt.plugins.host import PluginHost, get_plugin_host

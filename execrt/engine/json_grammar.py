@@ -630,18 +630,3 @@ def _count(value: Any) -> bool:
 
 #: Any JSON object: JSON mode.
 JSON_OBJECT = compile_schema({"type": "object"})
-START = JSON_OBJECT.start
-
-
-def step(state: JsonState, byte: int) -> JsonState | None:
-    """JSON mode's step (see ``Grammar.step``)."""
-    return JSON_OBJECT.step(state, byte)
-
-
-def walk(state: JsonState | None, data: bytes) -> JsonState | None:
-    """JSON mode's walk (see ``Grammar.walk``)."""
-    return JSON_OBJECT.walk(state, data)
-
-
-def complete(state: JsonState | None) -> bool:
-    return Grammar.complete(state)

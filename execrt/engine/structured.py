@@ -17,27 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.engine.json_grammar import (
-    DONE,
-    JSON_OBJECT,
-    MAX_DEPTH,
-    MAX_WHITESPACE,
-    START,
-    STRING_SPECIAL,
-    Grammar,
-    JsonState,
-    compile_schema,
-    complete,
-    schema_grammar,
-    step,
-    walk,
-)
-
-__all__ = [
-    "JSON_OBJECT", "MAX_DEPTH", "MAX_WHITESPACE", "START", "Grammar", "JsonConstraint",
-    "JsonIndex", "JsonState", "Reasoning", "compile_schema", "complete", "schema_grammar",
-    "step", "walk",
-]  # fmt: skip
+from execrt.engine.json_grammar import DONE, JSON_OBJECT, STRING_SPECIAL, Grammar, JsonState
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +178,8 @@ class JsonConstraint:
         self.ends = sorted({i for i in ends if 0 <= i < index.vocab_size})
         if not self.ends:
             raise ValueError(
-                "response_format 'json_object' needs an end-of-sequence or stop token in the "
-                "vocabulary (the model declares none)"
+                "response_format needs an end-of-sequence or stop token in the vocabulary to "
+                "end the object (the model declares none)"
             )
         self._ends = torch.tensor(self.ends, dtype=torch.int64)
         self.state: JsonState | None = grammar.start

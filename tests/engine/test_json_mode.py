@@ -12,8 +12,10 @@ import torch
 
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
-from execrt.engine import structured as S
+from execrt.engine import json_grammar as J
 from execrt.models.tokenizer import token_bytes
+
+OBJ = J.JSON_OBJECT  # JSON mode's grammar: any object
 
 PROMPTS = [[104, 105], [123, 34, 97], [1, 2, 3, 4, 5], [88] * 9, [32], [200, 201, 202]]
 
@@ -61,10 +63,10 @@ def test_every_output_is_a_json_object_prefix_and_the_ended_ones_parse(engine) -
     for r in results:
         assert r.error is None
         text, stopped = _json(r.token_ids, eos)
-        state = S.walk(S.START, text)
+        state = OBJ.walk(OBJ.start, text)
         assert state is not None, text  # never off the grammar
         if stopped:
-            assert r.finish_reason == "stop" and S.complete(state)
+            assert r.finish_reason == "stop" and OBJ.complete(state)
             assert isinstance(json.loads(text), dict), text
             ended += 1
         else:
@@ -77,7 +79,7 @@ def test_greedy_and_unbiased_outputs_stay_on_the_grammar(engine) -> None:  # typ
     params = [_params(0, temperature=0.0), _params(1, logit_bias=()), _params(2, top_k=3)]
     for r in engine.generate(PROMPTS[:3], params):
         text, stopped = _json(r.token_ids, eos)
-        assert S.walk(S.START, text) is not None
+        assert OBJ.walk(OBJ.start, text) is not None
         assert not stopped or isinstance(json.loads(text), dict)
         assert text.lstrip().startswith(b"{")
 
@@ -128,7 +130,7 @@ def test_json_schema_answers_follow_the_schema(engine) -> None:  # type: ignore[
     from tests.engine.test_json_schema import valid
 
     eos = set(engine.model_config.eos_token_ids)
-    grammar = S.compile_schema(SCHEMA)
+    grammar = J.compile_schema(SCHEMA)
     # End numbers and strings soon, and no whitespace: random weights would spend the budget
     bias = {ID[b"}"]: 6.0, ID[b","]: 6.0, ID[b'"']: 6.0, ID[b" "]: -100.0, ID[b"\n"]: -100.0}
     params = [
@@ -157,7 +159,7 @@ def test_json_schema_answers_follow_the_schema(engine) -> None:  # type: ignore[
 def test_gpu_json_mode_and_schemas_keep_to_the_grammar(fused: str) -> None:
     """On the GPU (masks cached on the device, a decode graph's batch drawn after its replay,
     the fused draw or torch's): the same checks as on the CPU, for both response formats."""
-    grammar = S.compile_schema(SCHEMA)
+    grammar = J.compile_schema(SCHEMA)
     bias = {ID[b"}"]: 6.0, ID[b","]: 6.0, ID[b'"']: 6.0, ID[b" "]: -100.0, ID[b"\n"]: -100.0}
     schema = dict(response_format="json_schema", json_schema=json.dumps(SCHEMA), logit_bias=bias)
     params = [_params(s) for s in range(4)] + [_params(s, **schema) for s in range(4)]
@@ -168,7 +170,7 @@ def test_gpu_json_mode_and_schemas_keep_to_the_grammar(fused: str) -> None:
     assert [r.token_ids for r in results] == [r.token_ids for r in again]
     for i, r in enumerate(results):
         text, ended = _json(r.token_ids, eos)
-        g = S.JSON_OBJECT if i < 4 else grammar
+        g = J.JSON_OBJECT if i < 4 else grammar
         assert g.walk(g.start, text) is not None, text
         assert not ended or isinstance(json.loads(text), dict)
 
@@ -219,7 +221,7 @@ def test_a_reasoning_answer_writes_its_object_after_its_reasoning(
         ended = bool(answer) and answer[-1] in eos
         # (</think> is text here, not special: the object's strings may hold it)
         text = b"".join(spelled[t] for t in (answer[:-1] if ended else answer))  # type: ignore[misc]
-        assert S.walk(S.START, text) is not None, text
+        assert OBJ.walk(OBJ.start, text) is not None, text
         objects += ended and isinstance(json.loads(text), dict)
     assert objects >= 2 and reasoned >= 1
     with Engine(device="cpu") as plain:  # the built-in vocabulary has no <think>

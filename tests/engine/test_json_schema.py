@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from execrt.core.schedule import SamplingParams
+from execrt.engine import json_grammar as J
 from execrt.engine import structured as S
 from execrt.engine.limits import RequestLimits
 
@@ -188,7 +189,7 @@ def _dump(value: Any, rng: random.Random) -> bytes:
     ).encode()
 
 
-def _accepts(grammar: S.Grammar, text: bytes) -> bool:
+def _accepts(grammar: J.Grammar, text: bytes) -> bool:
     return grammar.complete(grammar.walk(grammar.start, text))
 
 
@@ -204,7 +205,7 @@ def _valid_text(text: bytes, schema: dict[str, Any]) -> bool:
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_instances_are_accepted_prefix_by_prefix(name: str) -> None:
     schema = SCHEMAS[name]
-    grammar = S.compile_schema(schema)
+    grammar = J.compile_schema(schema)
     rng = random.Random(name)
     for _ in range(200):
         value = generate(schema, schema, rng)
@@ -220,7 +221,7 @@ def test_instances_are_accepted_prefix_by_prefix(name: str) -> None:
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_mutated_instances_agree_with_the_validator(name: str) -> None:
     schema = SCHEMAS[name]
-    grammar = S.compile_schema(schema)
+    grammar = J.compile_schema(schema)
     rng = random.Random(f"{name}-mutations")
     alphabet = b'{}[]:,"0123456789-.eEtrufalsn xyzagekid'
     seen = {True: 0, False: 0}
@@ -240,7 +241,7 @@ def test_mutated_instances_agree_with_the_validator(name: str) -> None:
 
 
 def test_a_union_of_objects_is_told_apart_by_its_keys_and_their_enum_values() -> None:
-    g = S.compile_schema(UNION)
+    g = J.compile_schema(UNION)
     assert _accepts(g, b'{"shape":{"kind":"circle","r":2.5}}')
     assert _accepts(g, b'{"shape":{"kind":"rect","w":2},"all":[{"a":1},{"b":true}]}')
     for bad in [
@@ -258,7 +259,7 @@ def test_a_union_of_objects_is_told_apart_by_its_keys_and_their_enum_values() ->
 
 
 def test_specific_refusals_of_a_schema_s_grammar() -> None:
-    g = S.compile_schema(PERSON)
+    g = J.compile_schema(PERSON)
     good = b'{"name":"Al","age":3,"pet":{"kind":"cat"},"role":"admin"}'
     assert _accepts(g, good)
     # keys of a closed object come in the schema's order (as OpenAI writes them)
@@ -312,7 +313,7 @@ def test_specific_refusals_of_a_schema_s_grammar() -> None:
 )
 def test_unsupported_schemas_are_refused_by_name(schema: Any, needle: str) -> None:
     with pytest.raises(ValueError, match="json_schema") as info:
-        S.compile_schema(schema)
+        J.compile_schema(schema)
     assert needle in str(info.value)
     limits = RequestLimits(vocab_size=10, context_len=10, kv_slots_total=10)
     sp = SamplingParams(response_format="json_schema", json_schema=json.dumps(schema))
@@ -342,7 +343,7 @@ def test_every_state_reached_can_go_on_or_is_complete(name: str) -> None:
         "required": ["a"],
         "additionalProperties": False,
     }  # fmt: skip
-    grammar = S.compile_schema(schema)
+    grammar = J.compile_schema(schema)
     rng = random.Random(name)
     for _ in range(150):
         state = grammar.start
@@ -375,7 +376,7 @@ def test_masks_equal_a_walk_of_every_token_and_sampling_writes_valid_instances()
     index = S.JsonIndex(VOCAB, EOS + 1)
     for name in ("person", "tree", "open", "union"):
         schema = SCHEMAS[name]
-        grammar = S.compile_schema(schema)
+        grammar = J.compile_schema(schema)
         rng = random.Random(name)
         written = 0
         for _ in range(150):

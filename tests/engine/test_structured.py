@@ -9,7 +9,10 @@ import random
 import pytest
 import torch
 
+from execrt.engine import json_grammar as J
 from execrt.engine import structured as S
+
+OBJ = J.JSON_OBJECT  # JSON mode's grammar: any object
 
 
 def _parses_to_object(text: bytes) -> bool:
@@ -54,13 +57,13 @@ def test_every_prefix_of_a_json_object_is_accepted_and_the_whole_is_complete() -
     rng = random.Random(0)
     for _ in range(300):
         text = _random_object(rng)
-        state: S.JsonState | None = S.START
+        state: J.JsonState | None = OBJ.start
         for i, byte in enumerate(text):
-            assert state is not None and not S.complete(state), (text, i)
-            state = S.step(state, byte)
-        assert S.complete(state), text
-        assert S.walk(state, b" ") is None, "nothing follows: the request ends"
-        assert S.walk(state, b"x") is None and S.walk(state, b"{}") is None
+            assert state is not None and not OBJ.complete(state), (text, i)
+            state = OBJ.step(state, byte)
+        assert OBJ.complete(state), text
+        assert OBJ.walk(state, b" ") is None, "nothing follows: the request ends"
+        assert OBJ.walk(state, b"x") is None and OBJ.walk(state, b"{}") is None
 
 
 @pytest.mark.parametrize(
@@ -72,7 +75,7 @@ def test_every_prefix_of_a_json_object_is_accepted_and_the_whole_is_complete() -
 )  # fmt: skip
 def test_what_json_refuses_is_refused(text: bytes) -> None:
     assert not _parses_to_object(text)
-    assert not S.complete(S.walk(S.START, text))
+    assert not OBJ.complete(OBJ.walk(OBJ.start, text))
 
 
 def test_fuzzed_texts_agree_with_the_json_module() -> None:
@@ -83,7 +86,7 @@ def test_fuzzed_texts_agree_with_the_json_module() -> None:
     agree = complete = 0
     for _ in range(20000):
         text = bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 14)))
-        ours = S.complete(S.walk(S.START, text))
+        ours = OBJ.complete(OBJ.walk(OBJ.start, text))
         assert ours == _parses_to_object(text), text
         agree += 1
         complete += ours
@@ -91,7 +94,7 @@ def test_fuzzed_texts_agree_with_the_json_module() -> None:
         for _ in range(3):
             i = rng.randrange(len(text))
             mutated = text[:i] + bytes([rng.choice(alphabet)]) + text[i + 1 :]
-            assert S.complete(S.walk(S.START, mutated)) == _parses_to_object(mutated), mutated
+            assert OBJ.complete(OBJ.walk(OBJ.start, mutated)) == _parses_to_object(mutated), mutated
     assert complete > 0 and agree == 20000
 
 
@@ -104,16 +107,16 @@ def test_fuzzed_texts_agree_with_the_json_module() -> None:
 )  # fmt: skip
 def test_strings_are_utf8(text: str | bytes, valid: bool) -> None:
     data = text.encode() if isinstance(text, str) else text
-    state = S.walk(S.START, b'{"a":"' + data + b'"}')
-    assert S.complete(state) is valid
+    state = OBJ.walk(OBJ.start, b'{"a":"' + data + b'"}')
+    assert OBJ.complete(state) is valid
     assert _parses_to_object(b'{"a":"' + data + b'"}') is valid
 
 
 def test_whitespace_runs_and_depth_are_bounded() -> None:
-    state = S.walk(S.START, b"{" + b" " * S.MAX_WHITESPACE)
-    assert state is not None and S.step(state, 0x20) is None and S.step(state, 0x7D) is not None
-    deep = S.walk(S.START, b'{"a":' + b"[" * (S.MAX_DEPTH - 1))
-    assert deep is not None and S.step(deep, 0x5B) is None and S.step(deep, 0x5D) is not None
+    state = OBJ.walk(OBJ.start, b"{" + b" " * J.MAX_WHITESPACE)
+    assert state is not None and OBJ.step(state, 0x20) is None and OBJ.step(state, 0x7D) is not None
+    deep = OBJ.walk(OBJ.start, b'{"a":' + b"[" * (J.MAX_DEPTH - 1))
+    assert deep is not None and OBJ.step(deep, 0x5B) is None and OBJ.step(deep, 0x5D) is not None
 
 
 # -- masks -------------------------------------------------------------------------------------
@@ -131,11 +134,11 @@ def _index(vocab_size: int = EOS + 3) -> S.JsonIndex:
     return S.JsonIndex(VOCAB + [None], vocab_size)
 
 
-def _brute_force(state: S.JsonState, vocab_size: int) -> torch.Tensor:
+def _brute_force(state: J.JsonState, vocab_size: int) -> torch.Tensor:
     out = torch.zeros(vocab_size, dtype=torch.bool)
     for token, data in enumerate(VOCAB):
-        out[token] = bool(data) and S.walk(state, data) is not None
-    out[EOS] = S.complete(state)
+        out[token] = bool(data) and OBJ.walk(state, data) is not None
+    out[EOS] = OBJ.complete(state)
     if not out.any():  # the toy vocabulary cannot go on: the constraint ends the request
         out[EOS] = True
     return out
@@ -143,12 +146,12 @@ def _brute_force(state: S.JsonState, vocab_size: int) -> torch.Tensor:
 
 def test_masks_equal_a_walk_of_every_token_in_every_state_reached() -> None:
     index, rng = _index(), random.Random(2)
-    states = {S.START}
+    states = {OBJ.start}
     for _ in range(60):
         text = _random_object(rng)
-        state = S.START
+        state = OBJ.start
         for byte in text:
-            state = S.step(state, byte)  # type: ignore[arg-type]
+            state = OBJ.step(state, byte)  # type: ignore[arg-type]
             states.add(state)  # type: ignore[arg-type]
     for state in states:
         want = _brute_force(state, index.vocab_size)
@@ -156,7 +159,7 @@ def test_masks_equal_a_walk_of_every_token_in_every_state_reached() -> None:
         c.state = state
         assert torch.equal(c.allowed(), want), state
         assert torch.equal(c.allowed(), want), "the cached mask"
-    assert not index.mask(S.START)[EOS:].any(), "ids past the tokenizer's never"
+    assert not index.mask(OBJ.start)[EOS:].any(), "ids past the tokenizer's never"
 
 
 def test_sampling_from_the_masks_gives_json_objects() -> None:
@@ -201,7 +204,7 @@ def test_a_reasoning_answer_thinks_freely_then_writes_the_object() -> None:
     assert qwen.allowed().all(), "inside the reasoning any token"
     for token in (close, VOCAB.index(b"abc"), think):
         qwen.advance(token)
-    assert qwen.phase == "thinking" and qwen.state == S.START
+    assert qwen.phase == "thinking" and qwen.state == OBJ.start
     qwen.advance(done)
     assert qwen.phase == "object" and not qwen.allowed()[close] and qwen.allowed()[brace]
     for token in (brace, close):
@@ -214,7 +217,7 @@ def test_a_reasoning_answer_thinks_freely_then_writes_the_object() -> None:
     assert r1.allowed().all()
     r1.advance(VOCAB.index(b"x}"))
     r1.advance(done)
-    assert r1.phase == "object" and r1.state == S.START
+    assert r1.phase == "object" and r1.state == OBJ.start
 
 
 def test_token_bytes_reads_byte_level_and_sentencepiece_spellings() -> None:
@@ -244,7 +247,7 @@ def test_a_fault_of_the_grammar_ends_only_its_request(monkeypatch, caplog) -> No
     def broken(*args: object) -> None:
         raise KeyError("bug")
 
-    monkeypatch.setattr(S.Grammar, "step", broken)
+    monkeypatch.setattr(J.Grammar, "step", broken)
     c.advance(VOCAB.index(b"{"))
     assert c.state is None and "the grammar failed on token" in caplog.text
     assert c.allowed().nonzero().flatten().tolist() == [EOS]

@@ -24,7 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from execrt import Engine, SamplingParams
-from execrt.engine import structured as S
+from execrt.engine import json_grammar as J
 from execrt.engine.client import EngineClient, EngineStats
 from execrt.engine.process import ProcessEngineClient
 from execrt.engine.threaded import ThreadedEngineClient
@@ -32,6 +32,8 @@ from execrt.models.builtin import builtin_model_path
 from execrt.serve.protocol import Plan
 from execrt.serve.server import UvicornServer, bind
 from tests.serve.http import abandon_stream
+
+OBJ = J.JSON_OBJECT  # JSON mode's grammar: any object
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -526,7 +528,7 @@ def test_json_mode_answers_are_json_objects_and_schemas_are_refused(served) -> N
         streamed = api.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
         text = whole.choices[0].message.content or ""
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
-        assert S.walk(S.START, text.encode()) is not None, text
+        assert OBJ.walk(OBJ.start, text.encode()) is not None, text
         if whole.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
             texts.append(text)

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from execrt.kernels import attention as tk
 from execrt.kernels.rotary import qk_norm_rope, qk_norm_rope_torch
+from execrt.testing.attention_harness import rope_tables
 from tests.kernels.attention.test_decode import (
     CUDA,
     SMALL,
@@ -28,14 +29,6 @@ from tests.kernels.attention.test_decode import (
 )
 
 FP8 = torch.float8_e4m3fn
-
-
-def rope_tables(positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 rotate-half tables ``[P, D]`` (base 10000), as ``RotaryEmbedding`` builds them."""
-    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -74,7 +67,7 @@ def run_case(
     k = qkv[:, num_q_heads * d : (num_q_heads + num_kv_heads) * d].view(batch, num_kv_heads, d)
     v = qkv[:, (num_q_heads + num_kv_heads) * d :].view(batch, num_kv_heads, d)
     positions = torch.tensor(seq_lens, device=dev) - 1 + 3  # any rows of the tables
-    cos, sin = (t.to(dev) for t in rope_tables(max(seq_lens) + 8, d))
+    cos, sin = rope_tables(max(seq_lens) + 8, d, dev)
     q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(dev) if norm else None
     k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(dev) if norm else None
     eps = 1e-6
