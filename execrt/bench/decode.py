@@ -54,6 +54,7 @@ from execrt.bench.timing import (
     host_hotspots,
     matmul_tflops,
     profile_difference,
+    profile_kernels,
     profile_steps,
     step_seconds,
     time_limit,
@@ -73,6 +74,7 @@ MODES = {"eager": "none", "graph": "full_cuda_graph"}  # mode -> graph_backend
 KV_MARGIN = 16  # context slots past ctx + steps, so no request hits the context limit
 PREFILL_CHUNK = 16384  # tokens per prefill forward
 PROFILE_STEPS = 5
+KERNEL_ROWS = 14  # the forward profile's kernel table (GPU kernels by time per step)
 HF_MOE_BS = (1, 32)  # transformers' MoE is slow in eager: only these batch sizes ...
 HF_MOE_STEPS = 8  # ... and at most this many steps
 DEFAULT_TTFT = (8192, 32768)  # the CLI's time-to-first-token prompt lengths
@@ -182,6 +184,9 @@ class Record:
     env_config: dict[str, str] | None = None
     profile: dict[str, float] | None = None
     hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
+    #: forward --profile: the GPU's top kernels as (name, µs/step, critical µs/step, calls/step);
+    #: critical: the busy time each alone adds (they sum to the GPU busy time)
+    kernels: list[tuple[str, float, float, float]] | None = None
     prefill_tflops: float | None = None  # ttft: the prompt's FLOPs over the time to 1 token
     peak_tflops: float | None = None  # ttft: a dense bf16 matmul, timed in the same run
     pct_peak: float | None = None  # ttft: prefill_tflops / peak_tflops x 100
@@ -327,7 +332,9 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
                 rec = ctx.add(mode, "forward", bs, fwd.step_s, attention, note=note, **ov)
                 if fwd.profile:
                     rec.profile = asdict(fwd.profile) | {"gpu_busy_pct": fwd.profile.gpu_busy_pct}
+                    rec.kernels = fwd.kernels
                     print(f"    profile: {fwd.profile.describe()}", flush=True)
+                    print(format_kernels(fwd.kernels or []), flush=True)
             except Exception as exc:
                 ctx.add(mode, "forward", bs, None, attention, note=failure_note(exc), **ov)
 
@@ -389,6 +396,7 @@ class _ForwardTiming:
     step_s: float
     graphed: bool
     profile: StepProfile | None
+    kernels: list[tuple[str, float, float, float]] | None = None  # see Record.kernels
 
 
 def _time_forward(
@@ -424,10 +432,18 @@ def _time_forward(
         graphed = step()
         step()
         step_s = step_seconds(step, opts.steps, opts.reps, mr.device)
-        report = None
-        if profile:
-            report = profile_steps(step, PROFILE_STEPS, mr.device, _trace_path(opts, profile))
-        return _ForwardTiming(step_s, graphed, report)
+        if not profile:
+            return _ForwardTiming(step_s, graphed, None)
+        report = profile_steps(step, PROFILE_STEPS, mr.device, _trace_path(opts, profile))
+        by_kernel = profile_kernels(
+            lambda: [step() for _ in range(PROFILE_STEPS)], mr.device, top=KERNEL_ROWS
+        )
+        kernels = [
+            (k.name, round(k.ms * 1e3 / PROFILE_STEPS, 2),
+             round(k.critical_ms * 1e3 / PROFILE_STEPS, 2), k.calls / PROFILE_STEPS)
+            for k in by_kernel.kernels
+        ]  # fmt: skip
+        return _ForwardTiming(step_s, graphed, report, kernels)
     finally:
         for req in reqs:
             memory.release(req)
@@ -647,6 +663,13 @@ def _compare_kv_dtypes(records: list[Record]) -> None:
         base = auto.get((r.mode, r.path, r.bs))
         if base and r.step_ms and not r.mode.startswith("hf-"):
             r.vs_kv_auto = r.step_ms / base
+
+
+def format_kernels(kernels: Sequence[tuple[str, float, float, float]]) -> str:
+    """The forward profile's kernel table (Record.kernels), one line each."""
+    lines = [f"    {'us/step':>8} {'crit us':>8} {'calls':>6}  kernel (GPU, top {len(kernels)})"]
+    lines += [f"    {us:8.1f} {crit:8.1f} {n:6.1f}  {name}" for name, us, crit, n in kernels]
+    return "\n".join(lines)
 
 
 def format_profiles(records: Sequence[Record]) -> str:

@@ -222,6 +222,7 @@ def test_cpu_run_writes_every_record_and_prints_the_table_last(tmp_path, capsys)
         profile = by_key[("eager", "forward", bs)].profile  # every batch size is profiled
         assert profile is not None and profile["steps"] == decode.PROFILE_STEPS
         assert 0 < profile["host_us_per_step"] < 1e6 * profile["wall_ms_per_step"]
+        assert by_key[("eager", "forward", bs)].kernels == []  # the GPU's kernels: none here
         gen = by_key[("eager", "generate", bs)]
         # The generate path's decode steps by difference (1 + steps tokens less 1), and the
         # host time per step broken down by the same difference. On a busy 2-core CPU both

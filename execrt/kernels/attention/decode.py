@@ -37,6 +37,7 @@ from execrt.kernels.attention.indices import (
     decode_work,
     work_size,
 )
+from execrt.kernels.triton_dot import dot
 from execrt.kernels.triton_pdl import pdl_prologue
 from execrt.kernels.triton_rotary import norm_rope_heads, store_kv_heads
 
@@ -560,7 +561,7 @@ def _split_blocks(
                 mask=mask_d[:, None] & mask_n[None, :],
                 other=0.0,
             )
-        s = tl.dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
+        s = dot(q, kt.to(q.dtype))  # [BLOCK_H, BLOCK_N]; fp8 -> fp16 is exact
         if not KV_SCALED:  # (fp8: q holds the scale)
             s = s * qk_scale  # log2 domain
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -586,7 +587,7 @@ def _split_blocks(
             # read the fp8 tile transposed one byte per load (sm90, triton 3.6 and 3.9).
             v = tl.where(mask_n[:, None], v, 0.0)
         # p in the compute dtype (never fp8: rounding p to V's dtype would cost the most).
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v)
         m_i = m_new
         ids = ids_next
     return m_i, l_i, acc

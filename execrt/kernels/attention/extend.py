@@ -43,6 +43,7 @@ from execrt.kernels.attention.common import (
     check_qkvo,
     fp16_dots,
 )
+from execrt.kernels.triton_dot import dot
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -420,11 +421,11 @@ def _attend_whole_blocks(
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
         slots = ids.to(tl.int64)  # [BLOCK_N]; int64 offsets below
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
         v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, None).to(q.dtype)
         # p in the compute dtype: with fp8 V, rounding p to V's dtype would cost the most.
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])  # [BLOCK_M, BLOCK_DV]
         ids = ids_next
     return m_i, l_i, acc
 
@@ -540,11 +541,11 @@ def _extend_kernel(
         slots = ids_diag.to(tl.int64)
         # Columns past kv_hi load zeros, not slot 0's row: p = 0 times NaN would still be NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv).to(q.dtype)
-        s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k))
         visible = offs_n[None, :] <= q_pos[:, None]
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, visible)
         v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_kv).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
         ids_diag = ids_next
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
@@ -640,10 +641,10 @@ def _extend_fresh_kernel(
         slots = tl.load(idx_base + offs_n, mask=in_pre, other=0).to(tl.int64)
         # Columns past the prefix load zeros, not slot 0's row: p = 0 times NaN is NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_pre)
-        s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, in_pre[None, :])
         v = _load_rows(v_base, slots, stride_vs, offs_dv, HEAD_DIM_V, BLOCK_DV, in_pre)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
 
     # New tokens, whole blocks: consecutive rows of k_new / v_new, below every row's diagonal.
     for start in range(0, new_full, BLOCK_N):
@@ -653,7 +654,7 @@ def _extend_fresh_kernel(
             new_rows = (q_start + start + offs_b).to(tl.int64)
             k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
                            BLOCK_D, None)  # fmt: skip
-        s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
         if TMA:
             v = v_new.load([q_start + start, kv_head * HEAD_DIM_V])
@@ -661,7 +662,7 @@ def _extend_fresh_kernel(
             new_rows = (q_start + start + offs_b).to(tl.int64)
             v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
                            BLOCK_DV, None)  # fmt: skip
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
 
     # New tokens, the diagonal blocks: row r sees new tokens j <= tok[r].
     for start in range(new_full, new_hi, BLOCK_N):
@@ -673,7 +674,7 @@ def _extend_fresh_kernel(
             new_rows = (q_start + offs_n).to(tl.int64)
             k = _load_rows(k_new + kv_head * stride_knh, new_rows, stride_knt, offs_d, HEAD_DIM,
                            BLOCK_D, offs_n < new_hi)  # fmt: skip
-        s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k))
         visible = offs_n[None, :] <= tok[:, None]
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, visible)
         if TMA:
@@ -684,7 +685,7 @@ def _extend_fresh_kernel(
             new_rows = (q_start + offs_n).to(tl.int64)
             v = _load_rows(v_new + kv_head * stride_vnh, new_rows, stride_vnt, offs_dv, HEAD_DIM_V,
                            BLOCK_DV, offs_n < new_hi)  # fmt: skip
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        acc = dot(p.to(q.dtype), v, acc * alpha[:, None])
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     _store_o(o_ptr, out, rows, heads, row_ok, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_DV)

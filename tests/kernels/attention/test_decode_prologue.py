@@ -2,8 +2,9 @@
 
 The oracle is what the step runs without it: the separate rotation kernel (storing K/V) and
 then the same decode launch on its output. Under the interpreter both must give the same
-bytes, in the cache and in the output; compiled on a GPU the output may differ by the
-rounding of a differently contracted multiply-add. A float64 attention over the torch
+bytes, in the cache and in the output; compiled on a GPU the stored K and the output may
+differ by a rounding (the norm's sum over another tile shape, a differently contracted
+multiply-add: seen at head dim 96 in fp32 on the H200). A float64 attention over the torch
 reference's rotation checks both against the math.
 """
 
@@ -103,10 +104,16 @@ def run_case(
     o = attend(q, cache.k, cache.v, prologue=pro)
 
     assert same_bytes(qkv, qkv_before), "the prologue must not write its inputs"
-    assert same_bytes(cache.k, k_sep) and same_bytes(cache.v, v_sep), "K/V stored otherwise"
-    if CUDA:  # compiled: fused multiply-adds may round the rotation differently
+    assert same_bytes(cache.v, v_sep), "V stored otherwise"
+    if CUDA:  # compiled: the norm's sum (another tile shape) and the multiply-adds may round
+        # the rotation differently, by one unit of the cache's dtype at most
+        info = torch.finfo(cache.k.dtype)
+        torch.testing.assert_close(
+            cache.k.float(), k_sep.float(), rtol=info.eps, atol=info.smallest_normal, equal_nan=True
+        )
         assert_close(o, o_sep.double(), (2e-3, 2e-2))
     else:
+        assert same_bytes(cache.k, k_sep), "K stored otherwise"
         assert same_bytes(o, o_sep), "the fused launch must give the separate launches' output"
 
     # Against the math: the torch rotation, stored as the cache stores it, float64 attention.
