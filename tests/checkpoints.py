@@ -97,6 +97,27 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    # Qwen3 with YaRN over an original context of 64 (max_position_embeddings 256: factor 4):
+    # the blend band covers pairs 0-9 of 32, and cos/sin carry the attention factor 1.139.
+    "qwen3-yarn": (
+        "dense",
+        dict(
+            hidden_size=128,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        {},
+    ),
     # One kv head for four query heads (two tensor-parallel ranks each hold a copy of it), and
     # biases on q/k/v, o_proj and the MLP (row-parallel biases must be added once).
     "llama-bias-kv1": (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,19 +46,27 @@ FAMILIES: dict[str, Family] = {
         qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, moe=True
     ),
 }
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: ``linear`` divides every frequency by ``factor``; ``llama3``
-    divides the low frequencies, keeps the high ones and interpolates in between."""
+    divides the low frequencies, keeps the high ones and interpolates in between; ``yarn``
+    (the YaRN paper's "NTK-by-parts") keeps the dimensions that turn more than ``beta_fast``
+    times over the original context, divides those that turn fewer than ``beta_slow`` times
+    by ``factor``, blends linearly in between, and scales cos and sin by
+    ``attention_factor``."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the blend's bounds rounded out to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,7 @@ class ModelConfig:
             raw=cfg,
         )
         _check_sizes(config, cfg, source)
-        return _within_window(config, r, family)
+        return _within_window(_yarn_context(config, source), r, family)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -278,6 +287,8 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
     p = _Reader(rope, f"{r.source} rope_scaling")
     if kind == "linear":
         return RopeScaling("linear", p.get_float("factor"))
+    if kind == "yarn":
+        return _yarn(p, r.get_int("max_position_embeddings", 4096))
     return RopeScaling(
         "llama3",
         p.get_float("factor"),
@@ -285,6 +296,44 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
         p.get_float("high_freq_factor"),
         p.get_int("original_max_position_embeddings", r.get_int("max_position_embeddings", 8192)),
     )
+
+
+def _yarn(p: _Reader, max_positions: int) -> RopeScaling:
+    """YaRN's parameters as transformers reads them: ``factor`` defaults to the context's
+    growth (max_position_embeddings / original_max_position_embeddings); ``attention_factor``
+    to ``mscale(factor)``, or with ``mscale`` and ``mscale_all_dim`` given (DeepSeek's
+    configs) their ratio, where ``mscale(s, m) = 1 + 0.1 m ln s`` for s > 1, else 1."""
+    original = p.get_int("original_max_position_embeddings", max_positions)
+    if original < 1:
+        raise ModelLoadError(
+            f"{p.source}: field 'original_max_position_embeddings' must be >= 1, got {original}"
+        )
+    growth = max_positions / original
+    factor = growth if p.cfg.get("factor") is None else p.get_float("factor")
+    if factor < 1.0:
+        raise ModelLoadError(f"{p.source}: field 'factor' must be >= 1 for yarn, got {factor}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 + 0.1 * m * math.log(scale) if scale > 1 else 1.0
+
+    attention = p.cfg.get("attention_factor")
+    m, m_all = p.cfg.get("mscale"), p.cfg.get("mscale_all_dim")
+    if attention is not None:
+        attention = p.get_float("attention_factor")
+        if attention <= 0:
+            raise ModelLoadError(
+                f"{p.source}: field 'attention_factor' must be > 0, got {attention}"
+            )
+    elif m and m_all:
+        attention = mscale(factor, p.get_float("mscale"))
+        attention /= mscale(factor, p.get_float("mscale_all_dim"))
+    else:
+        attention = mscale(factor)
+    return RopeScaling(
+        "yarn", factor, original_max_position_embeddings=original,
+        beta_fast=p.get_float("beta_fast", 32.0), beta_slow=p.get_float("beta_slow", 1.0),
+        truncate=p.get_bool("truncate", True), attention_factor=attention,
+    )  # fmt: skip
 
 
 def _check_sizes(c: ModelConfig, cfg: dict[str, Any], source: str) -> None:
@@ -326,6 +375,25 @@ def _check_sizes(c: ModelConfig, cfg: dict[str, Any], source: str) -> None:
         if "intermediate_size" not in cfg:
             raise ModelLoadError(f"{source}: required field 'intermediate_size' missing")
         at_least_1("intermediate_size", c.intermediate_size)
+
+
+def _yarn_context(config: ModelConfig, source: str) -> ModelConfig:
+    """A YaRN model's context is its original one times ``factor`` (as vLLM and SGLang take
+    it), where that is longer than max_position_embeddings: Qwen3's instructions add the
+    rope_scaling and leave max_position_embeddings at 40,960 for 4 x 32,768 tokens."""
+    s = config.rope_scaling
+    if s is None or s.rope_type != "yarn":
+        return config
+    extended = int(s.original_max_position_embeddings * s.factor)
+    if extended <= config.max_position_embeddings:
+        return config
+    logger.info(
+        "%s: yarn rope_scaling (factor %g over %d tokens): context %d tokens "
+        "(max_position_embeddings %d)",
+        source, s.factor, s.original_max_position_embeddings, extended,
+        config.max_position_embeddings,
+    )  # fmt: skip
+    return replace(config, max_position_embeddings=extended)
 
 
 def _within_window(config: ModelConfig, r: _Reader, family: Family) -> ModelConfig:

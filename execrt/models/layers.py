@@ -105,8 +105,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D/2]
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         emb = torch.outer(pos, inv_freq).repeat(1, 2)  # [P, D]
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        scale = self.scaling.attention_factor if self.scaling is not None else 1.0
+        self.cos.copy_(emb.cos() * scale)  # (yarn scales both: every q.k by its square)
+        self.sin.copy_(emb.sin() * scale)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -117,6 +118,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":  # positions / factor, folded into the frequencies
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: wavelengths longer than the original context / low_freq_factor are stretched by
     # ``factor``; shorter than context / high_freq_factor are kept; in between, a linear blend
     # in (context / wavelength).
@@ -129,6 +132,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, blended)
     return torch.where(wavelen < high_wavelen, inv_freq, out)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling
+) -> torch.Tensor:
+    """YaRN's frequencies. Frequency pair i turns ``L * inv_freq[i] / 2pi`` times over the
+    original context L; solving that for i at ``beta_fast`` and ``beta_slow`` turns gives the
+    band's bounds (rounded outwards with ``truncate``, clamped to the head). Below the band the
+    pairs keep their frequency, above it they are divided by ``factor``, inside it the weight
+    of the divided one rises linearly."""
+
+    def pair_at(turns: float) -> float:  # the (fractional) dimension where pairs turn so often
+        wavelengths = s.original_max_position_embeddings / (turns * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    lo, hi = pair_at(s.beta_fast), pair_at(s.beta_slow)
+    if s.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if hi == lo:
+        hi += 0.001  # a one-point band: a step, not a division by zero
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32)
+    divided = ((pairs - lo) / (hi - lo)).clamp(0, 1)  # 0: kept, 1: divided by factor
+    return inv_freq / s.factor * divided + inv_freq * (1 - divided)
 
 
 def row_parallel(
