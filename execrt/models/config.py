@@ -299,17 +299,16 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
 
 
 def _yarn(p: _Reader, max_positions: int) -> RopeScaling:
-    """YaRN's parameters as transformers reads them: ``factor`` defaults to the context's
-    growth (max_position_embeddings / original_max_position_embeddings); ``attention_factor``
-    to ``mscale(factor)``, or with ``mscale`` and ``mscale_all_dim`` given (DeepSeek's
-    configs) their ratio, where ``mscale(s, m) = 1 + 0.1 m ln s`` for s > 1, else 1."""
+    """YaRN's parameters as transformers reads them: ``factor`` required, the original
+    context defaulting to max_position_embeddings, ``attention_factor`` to ``mscale(factor)``
+    or, with ``mscale`` and ``mscale_all_dim`` given (DeepSeek's configs), their ratio, where
+    ``mscale(s, m) = 1 + 0.1 m ln s`` for s > 1, else 1."""
     original = p.get_int("original_max_position_embeddings", max_positions)
     if original < 1:
         raise ModelLoadError(
             f"{p.source}: field 'original_max_position_embeddings' must be >= 1, got {original}"
         )
-    growth = max_positions / original
-    factor = growth if p.cfg.get("factor") is None else p.get_float("factor")
+    factor = p.get_float("factor")
     if factor < 1.0:
         raise ModelLoadError(f"{p.source}: field 'factor' must be >= 1 for yarn, got {factor}")
 

@@ -145,6 +145,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any], file: str) -> dic
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         rope |= {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    elif scaling == "yarn":
+        rope |= _gguf_yarn(file, meta, arch, key)
     elif scaling != "none":
         rope["rope_type"] = scaling  # refused by ModelConfig with the value named
     # The embedding's row count is the vocabulary the weights have; the token list may differ.
@@ -363,3 +365,31 @@ def _metadata(reader: Any, file: str) -> dict[str, Any]:
 def _write_json(path: str, data: Any) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, ensure_ascii=False)
+
+
+def _gguf_yarn(file: str, meta: dict[str, Any], arch: str, key: Any) -> dict[str, Any]:
+    """A GGUF file's YaRN keys as config.json's rope_scaling fields. llama.cpp's attention
+    factors, log multiplier and extrapolation mix change the cos/sin scale or the blend in
+    ways transformers' fields do not name: a file that sets one to other than its neutral
+    value is refused by key rather than run with another scale."""
+    neutral = {
+        "attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,),
+        "yarn_ext_factor": (-1.0, 1.0),  # (-1: llama.cpp's "yarn's own", which is 1)
+    }  # fmt: skip
+    for name, values in neutral.items():
+        value = meta.get(f"{arch}.rope.scaling.{name}")
+        if value is not None and float(value) not in values:
+            raise ModelLoadError(
+                f"model: {file}: GGUF key '{arch}.rope.scaling.{name}' {value} unsupported "
+                f"(supported: {' or '.join(map(str, values))})"
+            )
+    fields = {
+        "rope_type": "yarn",
+        "factor": key("rope.scaling.factor"),
+        "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+    }
+    for gguf_name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = meta.get(f"{arch}.rope.scaling.{gguf_name}")
+        if value is not None:
+            fields[field] = float(value)
+    return fields

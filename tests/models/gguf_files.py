@@ -115,12 +115,14 @@ def write_gguf(
     tokenizer_pre: str = "default",
     tokenizer_model: str = "gpt2",
     seed: int = 0,
+    extra_meta: dict[str, float] | None = None,
 ) -> str:
     """Write ``model`` (a transformers Llama / Qwen2 / Qwen3) as a GGUF file.
 
     ``quant`` maps a substring of the GGUF name to a type name (first match wins; 1-D tensors
     stay F32). ``skip`` leaves tensors out. ``tokenizer_model`` only labels the (byte-level)
-    vocabulary: ``"llama"`` makes it look like a SentencePiece one.
+    vocabulary: ``"llama"`` makes it look like a SentencePiece one. ``extra_meta``: float
+    keys (without the arch prefix) written beside a YaRN model's rope scaling.
     """
     import gguf
 
@@ -137,6 +139,13 @@ def write_gguf(
     w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, value in (extra_meta or {}).items():
+            w.add_float32(f"{arch}.{key}", value)
     if arch != "llama":
         w.add_uint32(f"{arch}.attention.key_length", head_dim)
         w.add_uint32(f"{arch}.attention.value_length", head_dim)

@@ -83,7 +83,7 @@ def test_f32_file_matches_the_original_weights(arch, llama, qwen2, tmp_path, plu
     assert (cfg.attention_bias, cfg.o_proj_bias, cfg.qk_norm) == (arch == "qwen2", False, False)
 
 
-@pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2"])
+@pytest.mark.parametrize("name", ["dense-tied-hd64", "moe-8x2", "qwen3-yarn"])
 def test_qwen3_and_qwen3_moe_files_match_the_original_weights(name, tmp_path, plugin_host) -> None:
     from tests.checkpoints import build_hf_model
 
@@ -95,6 +95,24 @@ def test_qwen3_and_qwen3_moe_files_match_the_original_weights(name, tmp_path, pl
     assert max(rel_err(a, b) for a, b in zip(ours, ref, strict=True)) <= 1e-5
     cfg = ModelConfig.from_pretrained(path)
     assert cfg.qk_norm and cfg.num_experts == (8 if arch == "qwen3moe" else 0)
+    if name == "qwen3-yarn":  # read from the file's rope.scaling keys, not defaulted
+        assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn"
+        assert (cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) == (
+            4.0, 64,
+        )  # fmt: skip
+
+
+def test_a_yarn_gguf_with_llama_cpp_only_factors_is_refused_by_key(tmp_path) -> None:
+    from tests.checkpoints import build_hf_model
+
+    model = build_hf_model("qwen3-yarn")
+    for key, value in (
+        ("rope.scaling.attn_factor", 0.5),
+        ("rope.scaling.yarn_log_multiplier", 0.25),
+    ):
+        path = write_gguf(model, str(tmp_path / "y.gguf"), arch="qwen3", extra_meta={key: value})
+        with pytest.raises(ModelLoadError, match=f"'qwen3.{key}' {value} unsupported"):
+            ModelConfig.from_pretrained(path)
 
 
 QUANTS = {

@@ -230,7 +230,19 @@ def test_unsupported_config_features_are_refused() -> None:
         "num_attention_heads": 2,
     }
     refused = {
-        "rope_type 'yarn' unsupported": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        "rope_type 'longrope' unsupported": {"rope_scaling": {"rope_type": "longrope"}},
+        "cfg.json rope_scaling: required field 'factor' missing": {
+            "rope_scaling": {"rope_type": "yarn"}
+        },
+        "field 'factor' must be >= 1 for yarn, got 0.5": {
+            "rope_scaling": {"rope_type": "yarn", "factor": 0.5}
+        },
+        "field 'attention_factor' must be > 0, got -1.0": {
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "attention_factor": -1.0}
+        },
+        "field 'beta_fast' must be a number, got 'x'": {
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}
+        },
         "rope_type 'dynamic' unsupported": {"rope_parameters": {"rope_type": "dynamic"}},
         "sliding-window": {"use_sliding_window": True, "sliding_window": 4096},
         "layer type 'sliding_attention'": {"layer_types": ["sliding_attention"]},
@@ -308,6 +320,27 @@ def test_rope_scaling_frequencies_match_transformers() -> None:
             "original_max_position_embeddings": 8192,
         },
         {"type": "linear", "factor": 4.0},
+        # YaRN as Qwen3 documents it; DeepSeek's mscale pair; explicit attention factor, betas
+        # and no rounding of the band
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "attention_factor": 1.25,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
     ]
     for scaling in cases:
         raw = {
@@ -325,9 +358,14 @@ def test_rope_scaling_frequencies_match_transformers() -> None:
         assert ours.rope_scaling is not None and ours.head_dim == 128
         hf_cfg = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
         kind = hf_cfg.rope_parameters["rope_type"]
-        ref, _ = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+        ref, attention = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
         got = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
-        assert torch.allclose(got, ref.float(), rtol=1e-6, atol=0), kind
+        assert torch.allclose(got, ref.float(), rtol=1e-6, atol=0), scaling
+        assert ours.rope_scaling.attention_factor == pytest.approx(attention, rel=1e-12), scaling
+        if kind == "yarn":  # the context: the original one times the factor
+            want = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            assert ours.max_position_embeddings == max(131072, want), scaling
+            assert not torch.equal(got, rope_inv_freq(128, 500000.0, None))  # it scales
         plain = rope_inv_freq(128, 500000.0, None)
         assert not torch.allclose(got, plain)  # the scaling did something
 
