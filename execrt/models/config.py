@@ -13,6 +13,7 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.core.model_spec import ModelSpec
+from execrt.models.quantized import WeightQuant, parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    #: how the checkpoint stores its linear weights (None: as they are; see models/quantized)
+    quantization: WeightQuant | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -178,6 +181,7 @@ class ModelConfig:
             norm_topk_prob=r.get_bool("norm_topk_prob", False),  # Qwen3MoeConfig's default
             decoder_sparse_step=r.get_int("decoder_sparse_step", 1) or 1,
             mlp_only_layers=r.int_list("mlp_only_layers"),
+            quantization=parse_quantization(cfg, source),
             raw=cfg,
         )
         _check_sizes(config, cfg, source)

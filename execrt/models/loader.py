@@ -17,6 +17,7 @@ from execrt.models.config import FAMILIES, ModelConfig, checkpoint_dir, read_jso
 from execrt.models.decoder import DecoderForCausalLM
 from execrt.models.gguf_file import find_gguf, gguf_name
 from execrt.models.layers import RotaryEmbedding
+from execrt.models.quantized import dequantized
 
 #: Hugging Face ``architectures`` value -> model class (one decoder, configured per family)
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = dict.fromkeys(FAMILIES, DecoderForCausalLM)
@@ -115,7 +116,8 @@ def load_model(
         parallel=parallel,
     )
     seen: set[str] = set()
-    loaded = model.load_weights(_noting_names(iter_weights(files), seen))
+    weights = dequantized(iter_weights(files), config.quantization, device)
+    loaded = model.load_weights(_noting_names(weights, seen))
     missing = model.missing_weights(loaded, seen)
     if missing and find_gguf(path) is not None:  # name them as the GGUF file does
         missing = list(dict.fromkeys(gguf_name(m) for m in missing))

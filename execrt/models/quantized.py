@@ -1,0 +1,150 @@
+"""FP8 checkpoints (``quantization_config.quant_method = "fp8"``), dequantized as they load.
+
+Two layouts are in use: fine-grained blocks (DeepSeek-V3's and Qwen3's ``-FP8`` releases:
+``weight_block_size [bn, bk]``, each ``<proj>.weight`` in e4m3 beside a ``<proj>.weight_scale_inv``
+of ``[ceil(N / bn), ceil(K / bk)]`` fp32 factors) and per-tensor (one ``<proj>.weight_scale``).
+Either way the real weight is ``stored * factor`` over its block, which is what the model
+receives, in fp32, before its own dtype's rounding: the runtime computes in that dtype, so an FP8
+checkpoint serves at the cost (and accuracy) of its dequantized weights. Activation scales
+(``input_scale``, static activation schemes) are dropped: activations stay in the model dtype.
+
+Every other ``quant_method`` (AWQ, GPTQ, compressed-tensors, bitsandbytes, MXFP4, ...) is refused
+by name, as is an fp8 tensor without its factor: a cast of the stored bytes alone would run and
+be silently wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from execrt.core.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+_DROPPED_SUFFIXES = (".input_scale",)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How a checkpoint's linear weights are stored (config.json's ``quantization_config``)."""
+
+    method: str  # "fp8"
+    block: tuple[int, int] | None  # (rows, columns) per factor; None: one factor per tensor
+
+
+def parse_quantization(cfg: dict[str, Any], source: str) -> WeightQuant | None:
+    """``cfg``'s ``quantization_config`` as a WeightQuant (None when absent); a ModelLoadError
+    names any method or field this loader cannot honour."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelLoadError(f"{source}: field 'quantization_config' must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(
+            f"{source}: quantization_config quant_method {method!r} unsupported (supported: "
+            "'fp8', dequantized at load; or an unquantized checkpoint, or a GGUF file)"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise ModelLoadError(
+            f"{source}: quantization_config fmt {fmt!r} unsupported (supported: 'e4m3')"
+        )
+    block = q.get("weight_block_size")
+    if block is None:
+        return WeightQuant("fp8", None)
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
+    ):
+        raise ModelLoadError(
+            f"{source}: quantization_config weight_block_size must be two integers >= 1 "
+            f"(rows, columns), got {block!r}"
+        )
+    return WeightQuant("fp8", (block[0], block[1]))
+
+
+def dequantized(
+    weights: Iterator[tuple[str, torch.Tensor]],
+    quant: WeightQuant | None,
+    device: torch.device | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each fp8 weight multiplied by its factors (fp32; on ``device`` where
+    given, a GPU doing the arithmetic) and the factors and activation scales consumed. A
+    weight waits for its factors (and factors for their weight) whichever comes first, across
+    files; one left without the other at the end raises ModelLoadError naming it."""
+    waiting: dict[str, torch.Tensor] = {}  # fp8 weights by module name
+    factors: dict[str, torch.Tensor] = {}
+    dropped = 0
+    for name, tensor in weights:
+        if tensor.dtype in FP8_WEIGHT_DTYPES and name.endswith(".weight"):
+            if quant is None:
+                raise ModelLoadError(
+                    f"model: tensor {name!r} is {tensor.dtype} but config.json has no "
+                    "quantization_config to say how to scale it"
+                )
+            module = name.removesuffix(".weight")
+            if module in factors:
+                yield name, _scaled(name, tensor, factors.pop(module), quant, device)
+            else:
+                waiting[module] = tensor
+            continue
+        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+        if quant is not None and suffix is not None:
+            module = name.removesuffix(suffix)
+            if module in waiting:
+                weight = module + ".weight"
+                yield weight, _scaled(weight, waiting.pop(module), tensor, quant, device)
+            else:
+                factors[module] = tensor
+            continue
+        if quant is not None and name.endswith(_DROPPED_SUFFIXES):
+            dropped += 1
+            continue
+        yield name, tensor
+    if waiting or factors:
+        lonely = [f"{m}.weight (no weight_scale_inv / weight_scale)" for m in waiting]
+        lonely += [f"{m} scale (no fp8 weight)" for m in factors]
+        raise ModelLoadError(f"model: unpaired fp8 tensor(s): {', '.join(sorted(lonely)[:5])}")
+    if dropped:
+        logger.info("model: %d activation scale(s) unused: activations stay unquantized", dropped)
+
+
+def _scaled(
+    name: str,
+    weight: torch.Tensor,
+    factor: torch.Tensor,
+    quant: WeightQuant,
+    device: torch.device | None,
+) -> torch.Tensor:
+    """``weight`` (fp8, 2-D or stacked experts ``[E, N, K]``) times its factors, in fp32."""
+    w = weight.to(device) if device is not None else weight
+    f = factor.to(w.device, torch.float32)
+    rows, cols = w.shape[-2:]
+    if quant.block is None or f.numel() == 1:  # one factor per tensor (or per expert)
+        if f.numel() == 1:
+            return w.float() * f.reshape(())
+        if f.numel() == w[..., 0, 0].numel():
+            return w.float() * f.reshape(*w.shape[:-2], 1, 1)
+        raise ModelLoadError(
+            f"model: tensor {name!r}: per-tensor scale of shape {tuple(f.shape)} for a "
+            f"weight of shape {tuple(w.shape)}"
+        )
+    bn, bk = quant.block
+    want = (*w.shape[:-2], -(-rows // bn), -(-cols // bk))
+    if tuple(f.shape) != want:
+        raise ModelLoadError(
+            f"model: tensor {name!r}: block scales of shape {tuple(f.shape)}, expected {want} "
+            f"for a weight of shape {tuple(w.shape)} in blocks of {bn} x {bk}"
+        )
+    full = f.repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)
+    return w.float() * full[..., :cols]

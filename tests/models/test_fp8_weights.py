@@ -1,0 +1,200 @@
+"""FP8 checkpoints (``quantization_config.quant_method = "fp8"``) load dequantized.
+
+The oracle: transformers running the same checkpoint's weights dequantized by this test (a loop
+over blocks, stored value times its block's factor), in fp32. Our engine reads the fp8 files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from execrt.core.errors import ModelLoadError
+from execrt.models import ModelConfig
+from execrt.models.quantized import WeightQuant, dequantized
+from tests.checkpoints import build_checkpoint, build_hf_model
+from tests.drivers import make_worker, prefill_then_decode, rel_err
+
+pytest.importorskip("transformers")
+
+FP8 = torch.float8_e4m3fn
+PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77]]
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, factors): per block of ``block`` (ragged at the edges), or one per tensor."""
+    if block is None:
+        factor = w.abs().max().clamp(min=1e-12) / 448
+        return (w / factor).to(FP8), factor.reshape(())
+    bn, bk = block
+    rows, cols = w.shape
+    factors = torch.empty(-(-rows // bn), -(-cols // bk))
+    q = torch.empty(rows, cols, dtype=FP8)
+    for i in range(factors.shape[0]):
+        for j in range(factors.shape[1]):
+            tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            factors[i, j] = tile.abs().max().clamp(min=1e-12) / 448
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (tile / factors[i, j]).to(FP8)
+    return q, factors
+
+
+def real(q: torch.Tensor, factors: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """What the stored values mean: each times its block's factor (the oracle's own loop)."""
+    if block is None:
+        return q.float() * factors
+    out = q.float()
+    bn, bk = block
+    for i in range(factors.shape[0]):
+        for j in range(factors.shape[1]):
+            out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] *= factors[i, j]
+    return out
+
+
+def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Save ``name`` with its linear weights in fp8 (as Qwen3's -FP8 releases store them, with
+    activation scales beside them); returns the dequantized weights the oracle runs."""
+    build_checkpoint(name, path)
+    file = next(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    tensors = load_file(file)
+    out, oracle = {}, {}
+    for key, w in tensors.items():
+        if key.endswith(".weight") and key.split(".")[-2] in LINEAR:
+            q, factors = quantize(w.float(), block)
+            module = key.removesuffix(".weight")
+            out[key] = q
+            out[module + (".weight_scale_inv" if block else ".weight_scale")] = factors
+            out[module + ".input_scale"] = torch.tensor(1.0)
+            oracle[key] = real(q, factors, block)
+        else:
+            out[key] = w
+    save_file(out, file, metadata={"format": "pt"})
+    config = os.path.join(path, "config.json")
+    cfg = json.load(open(config))
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"} | (
+        {"fmt": "e4m3", "weight_block_size": list(block)} if block else {}
+    )
+    json.dump(cfg, open(config, "w"))
+    return oracle
+
+
+@pytest.mark.parametrize(
+    "name,block",
+    [
+        ("llama-untied-bias-llama3", (64, 64)),  # ragged blocks: 96 and 200 are no multiples
+        ("qwen2-untied", (32, 48)),  # q/k/v biases stay as they are; blocks of two shapes
+        ("dense-tied-hd64", None),  # one factor per tensor
+    ],
+)
+def test_an_fp8_checkpoint_runs_its_dequantized_weights(
+    name, block, tmp_path, plugin_host, runtime_context
+) -> None:
+    oracle = fp8_checkpoint(name, str(tmp_path), block)
+    assert ModelConfig.from_pretrained(str(tmp_path)).quantization == WeightQuant("fp8", block)
+    hf = build_hf_model(name)
+    state = hf.state_dict()
+    for key, w in oracle.items():
+        assert not torch.equal(state[key], w)  # the rounding is real, so the test can fail
+        state[key] = w
+    hf.load_state_dict(state)
+    worker = make_worker(str(tmp_path), runtime_context, plugin_host)
+    trace = prefill_then_decode(worker, PROMPTS, steps=2, full_logits=True)
+    worker.close()
+    assert trace.prefill_full_logits is not None
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert rel_err(trace.prefill_full_logits, ref) <= 1e-5
+
+
+def test_factors_before_weights_stacked_experts_and_other_tensors_pass() -> None:
+    """Order does not matter (a factor may come first, from another file); stacked expert
+    weights ``[E, N, K]`` take per-expert blocks; other tensors pass untouched."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 40, 24, generator=gen)
+    qs, fs = zip(*(quantize(w[e], (16, 16)) for e in range(3)), strict=True)
+    q, f = torch.stack(qs), torch.stack(fs)  # [3, 40, 24], [3, 3, 2]
+    norm = torch.randn(24, generator=gen)
+    stream = [
+        ("e.weight_scale_inv", f),
+        ("n.weight", norm),
+        ("e.weight", q),
+        ("e.input_scale", f[0, 0, 0]),
+    ]
+    out = dict(dequantized(iter(stream), WeightQuant("fp8", (16, 16))))
+    assert list(out) == ["n.weight", "e.weight"] and out["n.weight"] is norm
+    want = torch.stack([real(qs[e], fs[e], (16, 16)) for e in range(3)])
+    assert torch.equal(out["e.weight"], want)
+    assert (out["e.weight"] - w).abs().max() <= w.abs().max() / 8  # e4m3's rounding, no more
+
+
+@pytest.mark.parametrize(
+    "stream,quant,message",
+    [
+        (
+            [("a.weight", torch.zeros(4, 4, dtype=FP8))],
+            None,
+            "is torch.float8_e4m3fn but config.json has no quantization_config",
+        ),
+        (
+            [("a.weight", torch.zeros(4, 4, dtype=FP8))],
+            WeightQuant("fp8", (2, 2)),
+            "unpaired fp8 tensor(s): a.weight (no weight_scale_inv",
+        ),
+        (
+            [("a.weight_scale_inv", torch.ones(2, 2))],
+            WeightQuant("fp8", (2, 2)),
+            "unpaired fp8 tensor(s): a scale (no fp8 weight)",
+        ),
+        (
+            [("a.weight", torch.zeros(4, 6, dtype=FP8)), ("a.weight_scale_inv", torch.ones(2, 2))],
+            WeightQuant("fp8", (2, 2)),
+            "block scales of shape (2, 2), expected (2, 3) for a weight of shape (4, 6) in "
+            "blocks of 2 x 2",
+        ),
+        (
+            [("a.weight", torch.zeros(4, 6, dtype=FP8)), ("a.weight_scale", torch.ones(3))],
+            WeightQuant("fp8", None),
+            "per-tensor scale of shape (3,) for a weight of shape (4, 6)",
+        ),
+    ],
+    ids=["no-config", "no-factor", "no-weight", "block-shape", "tensor-shape"],
+)
+def test_what_cannot_be_dequantized_is_named(stream, quant, message) -> None:
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        list(dequantized(iter(stream), quant))
+
+
+BASE = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 8,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "quant,message",
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' unsupported (supported: 'fp8'"),
+        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' unsupported"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' unsupported (supported: 'e4m3')"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128]},
+            "weight_block_size must be two integers >= 1 (rows, columns), got [128]",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "got [0, 128]"),
+        ("fp8", "field 'quantization_config' must be an object, got 'fp8'"),
+    ],
+)
+def test_unsupported_quantization_configs_are_refused_by_name(quant, message) -> None:
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        ModelConfig.from_dict(BASE | {"quantization_config": quant}, source="cfg.json")
+    plain = ModelConfig.from_dict(BASE, source="cfg.json")
+    assert plain.quantization is None
