@@ -90,6 +90,8 @@ class ModelInfo:
     vocab_size: int
     has_tokenizer: bool
     has_chat_template: bool
+    #: the checkpoint's recommended sampling (generation_config.json), SamplingParams keywords
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True)

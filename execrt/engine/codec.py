@@ -177,6 +177,9 @@ def model_info(engine: Engine, name: str | None = None) -> ModelInfo:
         vocab_size=engine.model_config.vocab_size,
         has_tokenizer=engine.tokenizer is not None,
         has_chat_template=engine.chat_template is not None,
+        sampling_defaults=getattr(
+            engine.model_config, "sampling_defaults", ()
+        ),  # (a ModelSpec: none)
     )
 
 

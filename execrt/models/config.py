@@ -99,6 +99,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    #: generation_config.json's sampling settings as SamplingParams keywords (the model
+    #: creator's recommendation, e.g. Qwen3's temperature 0.6, top_p 0.95, top_k 20): what
+    #: ``execrt serve`` applies to the fields a request leaves out (``--generation-config``)
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     #: how the checkpoint stores its linear weights (None: as they are; see models/quantized)
     quantization: WeightQuant | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -192,7 +196,7 @@ class ModelConfig:
         """From a checkpoint directory, a ``.gguf`` file or a directory holding one.
 
         Eos ids from ``generation_config.json`` are merged with config.json's, as transformers'
-        generation does.
+        generation does; its sampling settings become ``sampling_defaults``.
         """
         root = checkpoint_dir(path)
         file = os.path.join(root, "config.json")
@@ -204,8 +208,40 @@ class ModelConfig:
             gen = read_json(gen_file)
             extra = _Reader(gen, gen_file).int_list("eos_token_id") if isinstance(gen, dict) else ()
             merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
-            config = replace(config, eos_token_ids=merged)
+            defaults = _sampling_defaults(gen, gen_file) if isinstance(gen, dict) else ()
+            config = replace(config, eos_token_ids=merged, sampling_defaults=defaults)
         return config
+
+
+#: generation_config.json key -> SamplingParams keyword (the keys vLLM reads too)
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def _sampling_defaults(gen: dict[str, Any], source: str) -> tuple[tuple[str, float | int], ...]:
+    """The sampling settings of a generation config that SamplingParams accepts; one it
+    refuses is left out with a warning naming it (every request would fail with it)."""
+    from execrt.core.sampling_params import SamplingParams
+
+    out: list[tuple[str, float | int]] = []
+    for key, field_name in SAMPLING_KEYS.items():
+        value = gen.get(key)
+        if value is None:
+            continue
+        if field_name == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        setting: dict[str, Any] = {field_name: value}
+        problems = SamplingParams(**setting).problems()
+        if problems:
+            logger.warning("%s: %s %r ignored (%s)", source, key, value, "; ".join(problems))
+            continue
+        out.append((field_name, value))
+    return tuple(out)
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> str:

@@ -61,14 +61,30 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
+#: ``--generation-config``: ``auto`` applies the model's generation_config.json sampling
+#: settings to the fields a request leaves out (as vLLM and SGLang do); ``none``: OpenAI's
+GENERATION_CONFIGS = ("auto", "none")
+
+
 def create_app(
-    client: EngineClient, *, close_client: bool = False, reasoning_parser: str = "none"
+    client: EngineClient,
+    *,
+    close_client: bool = False,
+    reasoning_parser: str = "none",
+    generation_config: str = "auto",
 ) -> FastAPI:
     """The app over ``client`` (which may still be loading: requests get 503 until ready).
     ``close_client``: the app's shutdown (after the last connection closed) closes it.
     ``reasoning_parser``: how chat answers' reasoning is told from their content (see
-    ``serve.reasoning``; ``none``: it is content)."""
+    ``serve.reasoning``; ``none``: it is content). ``generation_config``: see
+    GENERATION_CONFIGS."""
     check_parser(reasoning_parser)
+    if generation_config not in GENERATION_CONFIGS:
+        raise ValueError(
+            f"generation_config {generation_config!r} unsupported "
+            f"(supported: {', '.join(GENERATION_CONFIGS)})"
+        )
+    model_defaults = generation_config == "auto"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -164,11 +180,11 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(client, metrics, request, "completion")
+        return await _generate(client, metrics, request, "completion", model_defaults)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(client, metrics, request, "chat", reasoning_parser)
+        return await _generate(client, metrics, request, "chat", model_defaults, reasoning_parser)
 
     return app
 
@@ -208,12 +224,14 @@ async def _generate(
     metrics: Metrics,
     request: Request,
     endpoint: Endpoint,
+    model_defaults: bool,
     reasoning_parser: str = "none",
 ) -> Response:
     _ready(client)
     body = await _json_body(request)
     info = client.model_info()
-    plan = parse(body, endpoint, client.text(), info.context_len)
+    defaults = dict(info.sampling_defaults) if model_defaults else None
+    plan = parse(body, endpoint, client.text(), info.context_len, defaults)
     _check_model(plan.model, info.name)
     job = Job(client, metrics, plan, info.name, reasoning_parser)
     job.submit()

@@ -73,6 +73,15 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "content) (default: none)",
     )
     serve.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: the sampling fields a request leaves out (temperature, top_p, top_k, "
+        "min_p, repetition_penalty) take the checkpoint's generation_config.json values, the "
+        "model creator's recommendation, as vLLM and SGLang do; none: OpenAI's defaults "
+        "(default: auto)",
+    )
+    serve.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -129,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.port,
             log_level=args.log_level,
             reasoning_parser=args.reasoning_parser,
+            generation_config=args.generation_config,
         )
     except OSError as exc:
         client.close()

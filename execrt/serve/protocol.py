@@ -103,8 +103,16 @@ class Plan:
         return (self.seed + choice * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
-def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -> Plan:
-    """Read an OpenAI request body; APIError (400) naming the first field that is wrong."""
+def parse(
+    body: object,
+    endpoint: Endpoint,
+    text: TextCodec,
+    context_len: int,
+    defaults: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Read an OpenAI request body; APIError (400) naming the first field that is wrong.
+    ``defaults``: SamplingParams keywords for the sampling fields the body leaves out (the
+    model's generation config)."""
     fields = _fields(body)
     _refuse_unknown(fields, endpoint)
     n = _int(fields, "n", 1, 1, MAX_N)
@@ -169,6 +177,8 @@ def parse(body: object, endpoint: Endpoint, text: TextCodec, context_len: int) -
     if schema:
         sampling["json_schema"] = schema
     sampling.setdefault("max_new_tokens", default_tokens)
+    for key, value in (defaults or {}).items():
+        sampling.setdefault(key, value)
     seed = sampling.pop("seed", None)
     return Plan(
         endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top,

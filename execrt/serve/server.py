@@ -77,11 +77,15 @@ class UvicornServer:
         *,
         log_level: str = "warning",
         reasoning_parser: str = "none",
+        generation_config: str = "auto",
     ) -> None:
         self.client = client
         self.sock = sock
         self.url = url_of(sock)
-        app = create_app(client, close_client=True, reasoning_parser=reasoning_parser)
+        app = create_app(
+            client, close_client=True, reasoning_parser=reasoning_parser,
+            generation_config=generation_config,
+        )  # fmt: skip
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -112,12 +116,15 @@ def serve(
     announce: Callable[[str], None] | None = None,
     log_level: str = "warning",
     reasoning_parser: str = "none",
+    generation_config: str = "auto",
 ) -> int:
     """Serve until interrupted; ``announce`` gets one line with the URL once the model is
-    ready. Returns 0, or 2 when the model failed to load (one line on stderr says why)."""
+    ready (and the sampling defaults it applies, if any). Returns 0, or 2 when the model
+    failed to load (one line on stderr says why)."""
     server = UvicornServer(
-        client, bind(host, port), log_level=log_level, reasoning_parser=reasoning_parser
-    )
+        client, bind(host, port), log_level=log_level, reasoning_parser=reasoning_parser,
+        generation_config=generation_config,
+    )  # fmt: skip
     tune_interpreter()
     status = 0
 
@@ -128,8 +135,13 @@ def serve(
             time.sleep(0.01)
         if ready:
             settle_heap()
-            name = client.model_info().name
-            line = f"execrt serve: {name} ready at {server.url} (OpenAI API under /v1)"
+            info = client.model_info()
+            line = f"execrt serve: {info.name} ready at {server.url} (OpenAI API under /v1)"
+            if generation_config == "auto" and info.sampling_defaults:
+                shown = ", ".join(f"{k} {v}" for k, v in info.sampling_defaults)
+                line += (
+                    f"; the model's sampling defaults: {shown} (--generation-config none: OpenAI's)"
+                )
             (announce or _print)(line)
         else:
             print(f"execrt: error: {client.load_error()}", file=sys.stderr, flush=True)
