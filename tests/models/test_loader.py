@@ -419,6 +419,25 @@ def test_generation_config_eos_ids_are_merged(checkpoint, tmp_path) -> None:
     with open(os.path.join(path, "generation_config.json"), "w") as fh:
         json.dump({"eos_token_id": [7, 1, 9]}, fh)
     assert ModelConfig.from_pretrained(path).eos_token_ids == (1, 7, 9)
+    assert ModelConfig.from_pretrained(path).sampling_defaults == ()
+
+
+def test_generation_config_sampling_settings_become_the_model_s_defaults(
+    checkpoint, tmp_path, caplog
+) -> None:
+    """Qwen3's recommendation as its generation_config.json states it; a value SamplingParams
+    refuses is dropped with a warning naming it (every request would fail with it)."""
+    path = _copy(checkpoint("dense-tied-hd64"), tmp_path / "m")
+    gen = {"do_sample": True, "temperature": 0.6, "top_k": 20.0, "top_p": 0.95, "min_p": 1.5}
+    with open(os.path.join(path, "generation_config.json"), "w") as fh:
+        json.dump(gen | {"repetition_penalty": 1.05, "max_new_tokens": 99}, fh)
+    with caplog.at_level("WARNING"):
+        config = ModelConfig.from_pretrained(path)
+    assert config.sampling_defaults == (
+        ("temperature", 0.6), ("top_p", 0.95), ("top_k", 20), ("repetition_penalty", 1.05),
+    )  # fmt: skip
+    assert isinstance(dict(config.sampling_defaults)["top_k"], int)
+    assert "min_p 1.5 ignored" in caplog.text
 
 
 def test_a_damaged_builtin_checkpoint_is_regenerated() -> None:

@@ -75,6 +75,7 @@ class FakeClient(seam.EngineClient):
     aborted: list[tuple[str, str]] = field(default_factory=list)
     closed: bool = False
     steps: int = 0  # ticks that gave tokens (each submit counts as an extend step)
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()  # the "checkpoint's"
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
@@ -117,7 +118,7 @@ class FakeClient(seam.EngineClient):
         return None
 
     def model_info(self) -> seam.ModelInfo:
-        return seam.ModelInfo("fake", self.context_len, 26, True, True)
+        return seam.ModelInfo("fake", self.context_len, 26, True, True, self.sampling_defaults)
 
     def text(self) -> seam.TextCodec:
         return LetterCodec()

@@ -19,9 +19,16 @@ from execrt.serve.protocol import APIError, engine_error, parse
 from tests.serve.fakes import FakeClient
 
 
-def call(client: FakeClient, method: str, path: str, body: Any = None, raw: bytes | None = None):  # type: ignore[no-untyped-def]
+def call(
+    client: FakeClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    **app: Any,
+):  # type: ignore[no-untyped-def]
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(client))
+        transport = httpx.ASGITransport(app=create_app(client, **app))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             content = raw if raw is not None else (None if body is None else orjson.dumps(body))
             return await http.request(method, path, content=content)
@@ -468,3 +475,26 @@ def test_an_engine_failure_is_a_500_or_an_error_event(fake) -> None:
     assert [e["error"]["message"] for e in errors] == ["step failed: RuntimeError: boom"]
     ok = [c["choices"][0]["text"] for c in chunks if "choices" in c and c["choices"][0]["index"]]
     assert "".join(ok) == "cde"  # the other prompt's choice is served whole
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_the_model_s_sampling_defaults_fill_only_what_a_request_leaves_out(endpoint) -> None:
+    """--generation-config auto (the default): generation_config.json's settings for the
+    fields a request omits; a field the request sets keeps its value; none: OpenAI's."""
+    client = FakeClient(sampling_defaults=(("temperature", 0.6), ("top_p", 0.95), ("top_k", 20)))
+    try:
+        prompt = (
+            {"prompt": "ab"}
+            if "chat" not in endpoint
+            else {"messages": [{"role": "user", "content": "ab"}]}
+        )
+        body = prompt | {"max_tokens": 2, "top_p": 0.5}
+        assert call(client, "POST", endpoint, body).status_code == 200
+        assert call(client, "POST", endpoint, body, generation_config="none").status_code == 200
+        auto, none = (r.sampling for r in client.submitted)
+        assert (auto["temperature"], auto["top_p"], auto["top_k"]) == (0.6, 0.5, 20)
+        assert "temperature" not in none and "top_k" not in none and none["top_p"] == 0.5
+        with pytest.raises(ValueError, match="generation_config 'model' unsupported"):
+            create_app(client, generation_config="model")
+    finally:
+        client.close()
