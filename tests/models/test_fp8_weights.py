@@ -19,6 +19,7 @@ from execrt.models import ModelConfig
 from execrt.models.quantized import WeightQuant, dequantized
 from tests.checkpoints import build_checkpoint, build_hf_model
 from tests.drivers import make_worker, prefill_then_decode, rel_err
+from tests.models.test_loader import TINY_QWEN3
 
 pytest.importorskip("transformers")
 
@@ -169,16 +170,6 @@ def test_what_cannot_be_dequantized_is_named(stream, quant, message) -> None:
         list(dequantized(iter(stream), quant))
 
 
-BASE = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 8,
-    "hidden_size": 8,
-    "intermediate_size": 16,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-}
-
-
 @pytest.mark.parametrize(
     "quant,message",
     [
@@ -195,6 +186,6 @@ BASE = {
 )
 def test_unsupported_quantization_configs_are_refused_by_name(quant, message) -> None:
     with pytest.raises(ModelLoadError, match=re.escape(message)):
-        ModelConfig.from_dict(BASE | {"quantization_config": quant}, source="cfg.json")
-    plain = ModelConfig.from_dict(BASE, source="cfg.json")
+        ModelConfig.from_dict(TINY_QWEN3 | {"quantization_config": quant}, source="cfg.json")
+    plain = ModelConfig.from_dict(TINY_QWEN3, source="cfg.json")
     assert plain.quantization is None

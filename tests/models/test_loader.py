@@ -220,15 +220,19 @@ def test_missing_shard_and_unknown_architecture(checkpoint, tmp_path) -> None:
         _load(other)
 
 
+#: the smallest config.json ModelConfig accepts (a base for refusal tests)
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 8,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
 def test_unsupported_config_features_are_refused() -> None:
-    base = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": 8,
-        "hidden_size": 8,
-        "intermediate_size": 16,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
+    base = TINY_QWEN3
     refused = {
         "rope_type 'longrope' unsupported": {"rope_scaling": {"rope_type": "longrope"}},
         "cfg.json rope_scaling: required field 'factor' missing": {
