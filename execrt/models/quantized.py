@@ -1,16 +1,18 @@
-"""FP8 checkpoints (``quantization_config.quant_method = "fp8"``), dequantized as they load.
+"""FP8 checkpoints (``quantization_config``), dequantized as they load.
 
-Two layouts are in use: fine-grained blocks (DeepSeek-V3's and Qwen3's ``-FP8`` releases:
+Layouts in use: fine-grained blocks (DeepSeek-V3's and Qwen3's ``-FP8`` releases:
 ``weight_block_size [bn, bk]``, each ``<proj>.weight`` in e4m3 beside a ``<proj>.weight_scale_inv``
-of ``[ceil(N / bn), ceil(K / bk)]`` fp32 factors) and per-tensor (one ``<proj>.weight_scale``).
+of ``[ceil(N / bn), ceil(K / bk)]`` fp32 factors), per tensor (one ``<proj>.weight_scale``), and
+compressed-tensors' ``float-quantized`` format (llm-compressor's FP8 and FP8-dynamic schemes:
+``weight_scale`` per tensor, per output channel ``[N, 1]`` or per block).
 Either way the real weight is ``stored * factor`` over its block, which is what the model
 receives, in fp32, before its own dtype's rounding: the runtime computes in that dtype, so an FP8
 checkpoint serves at the cost (and accuracy) of its dequantized weights. Activation scales
 (``input_scale``, static activation schemes) are dropped: activations stay in the model dtype.
 
-Every other ``quant_method`` (AWQ, GPTQ, compressed-tensors, bitsandbytes, MXFP4, ...) is refused
-by name, as is an fp8 tensor without its factor: a cast of the stored bytes alone would run and
-be silently wrong.
+Every other ``quant_method`` or scheme (AWQ, GPTQ, compressed-tensors' integer or packed
+formats, bitsandbytes, MXFP4, ...) is refused by name, as is an fp8 tensor without its factor:
+a cast of the stored bytes alone would run and be silently wrong.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ _DROPPED_SUFFIXES = (".input_scale",)
 class WeightQuant:
     """How a checkpoint's linear weights are stored (config.json's ``quantization_config``)."""
 
-    method: str  # "fp8"
-    block: tuple[int, int] | None  # (rows, columns) per factor; None: one factor per tensor
+    method: str  # "fp8" or "compressed-tensors"
+    #: (rows, columns) per factor; None: one factor per tensor (or per row, by its shape)
+    block: tuple[int, int] | None
 
 
 def parse_quantization(cfg: dict[str, Any], source: str) -> WeightQuant | None:
@@ -48,29 +51,73 @@ def parse_quantization(cfg: dict[str, Any], source: str) -> WeightQuant | None:
     if not isinstance(q, dict):
         raise ModelLoadError(f"{source}: field 'quantization_config' must be an object, got {q!r}")
     method = q.get("quant_method")
-    if method != "fp8":
-        raise ModelLoadError(
-            f"{source}: quantization_config quant_method {method!r} unsupported (supported: "
-            "'fp8', dequantized at load; or an unquantized checkpoint, or a GGUF file)"
+    if method == "fp8":
+        fmt = q.get("fmt", "e4m3")
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise ModelLoadError(
+                f"{source}: quantization_config fmt {fmt!r} unsupported (supported: 'e4m3')"
+            )
+        block = q.get("weight_block_size")
+        return WeightQuant(
+            "fp8", None if block is None else _block(block, source, "weight_block_size")
         )
-    fmt = q.get("fmt", "e4m3")
-    if fmt not in ("e4m3", "float8_e4m3fn"):
-        raise ModelLoadError(
-            f"{source}: quantization_config fmt {fmt!r} unsupported (supported: 'e4m3')"
-        )
-    block = q.get("weight_block_size")
-    if block is None:
-        return WeightQuant("fp8", None)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q, source)
+    raise ModelLoadError(
+        f"{source}: quantization_config quant_method {method!r} unsupported (supported: 'fp8' "
+        "and compressed-tensors' fp8 weights, dequantized at load; or an unquantized "
+        "checkpoint, or a GGUF file)"
+    )
+
+
+def _block(block: Any, source: str, name: str) -> tuple[int, int]:
     if (
         not isinstance(block, list)
         or len(block) != 2
         or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
     ):
         raise ModelLoadError(
-            f"{source}: quantization_config weight_block_size must be two integers >= 1 "
+            f"{source}: quantization_config {name} must be two integers >= 1 "
             f"(rows, columns), got {block!r}"
         )
-    return WeightQuant("fp8", (block[0], block[1]))
+    return block[0], block[1]
+
+
+def _compressed_tensors(q: dict[str, Any], source: str) -> WeightQuant:
+    """compressed-tensors' ``float-quantized`` checkpoints (llm-compressor's FP8 and
+    FP8-dynamic schemes): every group's weights 8-bit symmetric floats, per tensor, per
+    output channel or in blocks (their scale's shape says which when loading)."""
+    fmt = q.get("format")
+    groups = q.get("config_groups")
+    if fmt not in ("float-quantized", "naive-quantized") or not isinstance(groups, dict):
+        raise ModelLoadError(
+            f"{source}: compressed-tensors format {fmt!r} unsupported (supported: "
+            "'float-quantized', fp8 weights)"
+        )
+    blocks = set()
+    for name, group in groups.items():
+        w = group.get("weights") if isinstance(group, dict) else None
+        scheme = (
+            (w.get("type"), w.get("num_bits"), w.get("symmetric", True), w.get("strategy"))
+            if isinstance(w, dict)
+            else None
+        )
+        if scheme is None or scheme[:3] != ("float", 8, True) or scheme[3] not in _STRATEGIES:
+            raise ModelLoadError(
+                f"{source}: compressed-tensors group {name!r} weights {w!r} unsupported "
+                "(supported: type float, num_bits 8, symmetric, strategy "
+                f"{' / '.join(_STRATEGIES)})"
+            )
+        if scheme[3] == "block" and isinstance(w, dict):
+            blocks.add(_block(w.get("block_structure"), source, f"{name} block_structure"))
+    if len(blocks) > 1:
+        raise ModelLoadError(
+            f"{source}: compressed-tensors groups of different blocks {sorted(blocks)}"
+        )
+    return WeightQuant("compressed-tensors", blocks.pop() if blocks else None)
+
+
+_STRATEGIES = ("tensor", "channel", "block")
 
 
 def dequantized(
@@ -130,21 +177,22 @@ def _scaled(
     w = weight.to(device) if device is not None else weight
     f = factor.to(w.device, torch.float32)
     rows, cols = w.shape[-2:]
-    if quant.block is None or f.numel() == 1:  # one factor per tensor (or per expert)
-        if f.numel() == 1:
-            return w.float() * f.reshape(())
-        if f.numel() == w[..., 0, 0].numel():
-            return w.float() * f.reshape(*w.shape[:-2], 1, 1)
-        raise ModelLoadError(
-            f"model: tensor {name!r}: per-tensor scale of shape {tuple(f.shape)} for a "
-            f"weight of shape {tuple(w.shape)}"
-        )
-    bn, bk = quant.block
-    want = (*w.shape[:-2], -(-rows // bn), -(-cols // bk))
-    if tuple(f.shape) != want:
-        raise ModelLoadError(
-            f"model: tensor {name!r}: block scales of shape {tuple(f.shape)}, expected {want} "
-            f"for a weight of shape {tuple(w.shape)} in blocks of {bn} x {bk}"
-        )
-    full = f.repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)
-    return w.float() * full[..., :cols]
+    grid = None
+    if quant.block is not None:
+        bn, bk = quant.block
+        grid = (*w.shape[:-2], -(-rows // bn), -(-cols // bk))
+    if f.numel() == 1:  # one factor per tensor
+        return w.float() * f.reshape(())
+    if grid is not None and tuple(f.shape) == grid:
+        full = f.repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)
+        return w.float() * full[..., :cols]
+    lead, rows_of = tuple(w.shape[:-2]), tuple(w.shape[:-1])
+    if tuple(f.shape) in (lead, (*lead, 1, 1)):  # one per expert of a stacked [E, N, K]
+        return w.float() * f.reshape(*lead, 1, 1)
+    if tuple(f.shape) in (rows_of, (*rows_of, 1)):  # one per output row (compressed-tensors)
+        return w.float() * f.reshape(*rows_of, 1)
+    blocks = "" if grid is None else f", blocks of {bn} x {bk}: {grid}"
+    raise ModelLoadError(
+        f"model: tensor {name!r}: scales of shape {tuple(f.shape)} for a weight of shape "
+        f"{tuple(w.shape)} (expected one per tensor, per expert or per row{blocks})"
+    )

@@ -28,8 +28,12 @@ PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77]]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+ROWS = (1, 1 << 30)  # a block of one whole row: compressed-tensors' "channel" strategy
+
+
 def quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 values, factors): per block of ``block`` (ragged at the edges), or one per tensor."""
+    """(fp8 values, factors): per block of ``block`` (ragged at the edges; ROWS: one per row,
+    stored ``[N, 1]``), or one per tensor."""
     if block is None:
         factor = w.abs().max().clamp(min=1e-12) / 448
         return (w / factor).to(FP8), factor.reshape(())
@@ -58,8 +62,10 @@ def real(q: torch.Tensor, factors: torch.Tensor, block: tuple[int, int] | None) 
 
 
 def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
-    """Save ``name`` with its linear weights in fp8 (as Qwen3's -FP8 releases store them, with
-    activation scales beside them); returns the dequantized weights the oracle runs."""
+    """Save ``name`` with its linear weights in fp8, with activation scales beside them: as
+    Qwen3's -FP8 releases store them (blocks, ``weight_scale_inv``), one scale per tensor, or
+    (ROWS) as llm-compressor's FP8-dynamic scheme does (compressed-tensors, per channel).
+    Returns the dequantized weights the oracle runs."""
     build_checkpoint(name, path)
     file = next(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     tensors = load_file(file)
@@ -69,7 +75,8 @@ def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[
             q, factors = quantize(w.float(), block)
             module = key.removesuffix(".weight")
             out[key] = q
-            out[module + (".weight_scale_inv" if block else ".weight_scale")] = factors
+            scale = ".weight_scale_inv" if block and block != ROWS else ".weight_scale"
+            out[module + scale] = factors
             out[module + ".input_scale"] = torch.tensor(1.0)
             oracle[key] = real(q, factors, block)
         else:
@@ -80,6 +87,14 @@ def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"} | (
         {"fmt": "e4m3", "weight_block_size": list(block)} if block else {}
     )
+    if block == ROWS:
+        weights = {"type": "float", "num_bits": 8, "symmetric": True, "strategy": "channel"}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"],
+        }
     json.dump(cfg, open(config, "w"))
     return oracle
 
@@ -90,13 +105,15 @@ def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[
         ("llama-untied-bias-llama3", (64, 64)),  # ragged blocks: 96 and 200 are no multiples
         ("qwen2-untied", (32, 48)),  # q/k/v biases stay as they are; blocks of two shapes
         ("dense-tied-hd64", None),  # one factor per tensor
+        ("qwen3-yarn", ROWS),  # compressed-tensors, one factor per output channel
     ],
 )
 def test_an_fp8_checkpoint_runs_its_dequantized_weights(
     name, block, tmp_path, plugin_host, runtime_context
 ) -> None:
     oracle = fp8_checkpoint(name, str(tmp_path), block)
-    assert ModelConfig.from_pretrained(str(tmp_path)).quantization == WeightQuant("fp8", block)
+    want = WeightQuant("compressed-tensors", None) if block == ROWS else WeightQuant("fp8", block)
+    assert ModelConfig.from_pretrained(str(tmp_path)).quantization == want
     hf = build_hf_model(name)
     state = hf.state_dict()
     for key, w in oracle.items():
@@ -154,13 +171,14 @@ def test_factors_before_weights_stacked_experts_and_other_tensors_pass() -> None
         (
             [("a.weight", torch.zeros(4, 6, dtype=FP8)), ("a.weight_scale_inv", torch.ones(2, 2))],
             WeightQuant("fp8", (2, 2)),
-            "block scales of shape (2, 2), expected (2, 3) for a weight of shape (4, 6) in "
-            "blocks of 2 x 2",
+            "scales of shape (2, 2) for a weight of shape (4, 6) (expected one per tensor, per "
+            "expert or per row, blocks of 2 x 2: (2, 3))",
         ),
         (
             [("a.weight", torch.zeros(4, 6, dtype=FP8)), ("a.weight_scale", torch.ones(3))],
             WeightQuant("fp8", None),
-            "per-tensor scale of shape (3,) for a weight of shape (4, 6)",
+            "scales of shape (3,) for a weight of shape (4, 6) (expected one per tensor, per "
+            "expert or per row)",
         ),
     ],
     ids=["no-config", "no-factor", "no-weight", "block-shape", "tensor-shape"],
@@ -174,7 +192,18 @@ def test_what_cannot_be_dequantized_is_named(stream, quant, message) -> None:
     "quant,message",
     [
         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' unsupported (supported: 'fp8'"),
-        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' unsupported"),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            "compressed-tensors format 'pack-quantized' unsupported",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}},
+            },
+            "compressed-tensors group 'g' weights {'type': 'int', 'num_bits': 8} unsupported",
+        ),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' unsupported (supported: 'e4m3')"),
         (
             {"quant_method": "fp8", "weight_block_size": [128]},
