@@ -213,14 +213,8 @@ class ModelConfig:
         return config
 
 
-#: generation_config.json key -> SamplingParams keyword (the keys vLLM reads too)
-SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
+#: generation_config.json's sampling keys (the keys vLLM reads too), SamplingParams' names
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _sampling_defaults(gen: dict[str, Any], source: str) -> tuple[tuple[str, float | int], ...]:
@@ -229,18 +223,18 @@ def _sampling_defaults(gen: dict[str, Any], source: str) -> tuple[tuple[str, flo
     from execrt.core.sampling_params import SamplingParams
 
     out: list[tuple[str, float | int]] = []
-    for key, field_name in SAMPLING_KEYS.items():
+    for key in SAMPLING_KEYS:
         value = gen.get(key)
         if value is None:
             continue
-        if field_name == "top_k" and isinstance(value, float) and value.is_integer():
+        if key == "top_k" and isinstance(value, float) and value.is_integer():
             value = int(value)
-        setting: dict[str, Any] = {field_name: value}
+        setting: dict[str, Any] = {key: value}
         problems = SamplingParams(**setting).problems()
         if problems:
             logger.warning("%s: %s %r ignored (%s)", source, key, value, "; ".join(problems))
             continue
-        out.append((field_name, value))
+        out.append((key, value))
     return tuple(out)
 
 

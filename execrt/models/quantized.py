@@ -25,12 +25,14 @@ from typing import Any
 import torch
 
 from execrt.core.errors import ModelLoadError
+from execrt.core.kv_quant import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
-FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 _DROPPED_SUFFIXES = (".input_scale",)
+#: compressed-tensors' weight strategies: one factor per tensor, output channel or block
+_STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclass(frozen=True)
@@ -92,32 +94,28 @@ def _compressed_tensors(q: dict[str, Any], source: str) -> WeightQuant:
     if fmt not in ("float-quantized", "naive-quantized") or not isinstance(groups, dict):
         raise ModelLoadError(
             f"{source}: compressed-tensors format {fmt!r} unsupported (supported: "
-            "'float-quantized', fp8 weights)"
+            "'float-quantized' or 'naive-quantized', fp8 weights)"
         )
     blocks = set()
     for name, group in groups.items():
         w = group.get("weights") if isinstance(group, dict) else None
-        scheme = (
-            (w.get("type"), w.get("num_bits"), w.get("symmetric", True), w.get("strategy"))
-            if isinstance(w, dict)
-            else None
-        )
-        if scheme is None or scheme[:3] != ("float", 8, True) or scheme[3] not in _STRATEGIES:
+        if not (
+            isinstance(w, dict)
+            and (w.get("type"), w.get("num_bits"), w.get("symmetric", True)) == ("float", 8, True)
+            and w.get("strategy") in _STRATEGIES
+        ):
             raise ModelLoadError(
                 f"{source}: compressed-tensors group {name!r} weights {w!r} unsupported "
                 "(supported: type float, num_bits 8, symmetric, strategy "
                 f"{' / '.join(_STRATEGIES)})"
             )
-        if scheme[3] == "block" and isinstance(w, dict):
+        if w["strategy"] == "block":
             blocks.add(_block(w.get("block_structure"), source, f"{name} block_structure"))
     if len(blocks) > 1:
         raise ModelLoadError(
             f"{source}: compressed-tensors groups of different blocks {sorted(blocks)}"
         )
     return WeightQuant("compressed-tensors", blocks.pop() if blocks else None)
-
-
-_STRATEGIES = ("tensor", "channel", "block")
 
 
 def dequantized(
@@ -133,7 +131,7 @@ def dequantized(
     factors: dict[str, torch.Tensor] = {}
     dropped = 0
     for name, tensor in weights:
-        if tensor.dtype in FP8_WEIGHT_DTYPES and name.endswith(".weight"):
+        if tensor.dtype in FP8_DTYPES and name.endswith(".weight"):
             if quant is None:
                 raise ModelLoadError(
                     f"model: tensor {name!r} is {tensor.dtype} but config.json has no "
