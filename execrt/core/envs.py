@@ -20,6 +20,9 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
+#: "1" keeps PDL kernels from asking L2 for their weights (and the decode kernel for its older
+#: K/V) before they wait for the grid ahead, e.g. to measure what that prefetch saves.
+DISABLE_PDL_PREFETCH = "EXECRT_DISABLE_PDL_PREFETCH"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -30,7 +33,15 @@ CONFIG_PREFIX = "EXECRT_"
 
 #: Variables that are not RuntimeConfig fields even though they share the prefix.
 NON_CONFIG = frozenset(
-    {PLUGINS, DISABLE_PLUGIN_AUTOLOAD, CACHE_DIR, DEFAULT_MODEL, DISABLE_PDL, DEBUG_KV_OWNERSHIP}
+    {
+        PLUGINS,
+        DISABLE_PLUGIN_AUTOLOAD,
+        CACHE_DIR,
+        DEFAULT_MODEL,
+        DISABLE_PDL,
+        DISABLE_PDL_PREFETCH,
+        DEBUG_KV_OWNERSHIP,
+    }
 )
 
 

@@ -196,6 +196,12 @@ def use_pdl(device: torch.device) -> bool:
     return _cuda_capability(index) >= (9, 0) and _triton_has_pdl()
 
 
+def pdl_prefetch(device: torch.device) -> bool:
+    """Whether PDL kernels ask L2 for what no kernel writes (weights) before they wait for the
+    grid ahead (``triton_pdl.prefetch_l2``): with PDL, unless ``EXECRT_DISABLE_PDL_PREFETCH``."""
+    return use_pdl(device) and not envs.flag(envs.DISABLE_PDL_PREFETCH)
+
+
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     """Launch keywords of a kernel with a ``PDL: tl.constexpr`` parameter (see ``use_pdl``)."""
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}

@@ -33,10 +33,11 @@ from execrt.kernels._triton import (
     interpreter_enabled,
     next_power_of_2,
     pdl_kwargs,
+    pdl_prefetch,
     pow2_at_least,
     tuned_table_name,
 )
-from execrt.kernels.triton_pdl import pdl_prologue
+from execrt.kernels.triton_pdl import pdl_prologue, prefetch_rows_l2
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
 
@@ -172,27 +173,34 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PF_LINES: tl.constexpr,
 ):
     """``N`` is the output width: with ``SWIGLU_OUT`` the weight has ``2N`` rows (gate rows,
     then up rows) and each program accumulates its gate rows and the matching up rows.
     ``SPLIT``: program ``(n, s)`` sums K range ``[s * k_per_split, (s + 1) * k_per_split)``
     into ``part_ptr`` (fp32 ``[splits, BLOCK_M, N or 2N]``) and counts itself in
     ``count_ptr[n]`` (zero on entry and on return); the last of a tile's slices to arrive sums
-    them all in slice order and runs the epilogue."""
-    pdl_prologue(PDL)
+    them all in slice order and runs the epilogue. ``PREFETCH``: the program's weight slice
+    is asked of L2 before the wait for the grid ahead (``PF_LINES`` lines per row at a time)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
     # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
     # need no row mask and stay full 16-byte vectors.
     rn_ld = tl.minimum(rn, N - 1).to(tl.int64)
-    rm = tl.arange(0, BLOCK_M)
-    rm_ok = rm < M
-    rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
     k_lo = 0
     k_hi = K
     if SPLIT:
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH:  # no kernel writes a weight: its first loads need not wait for the grid ahead
+        prefetch_rows_l2(w_ptr, rn_ld * K, k_lo, k_hi, PF_LINES)
+        if SWIGLU_OUT:
+            prefetch_rows_l2(w_ptr, (rn_ld + N) * K, k_lo, k_hi, PF_LINES)
+    pdl_prologue(PDL)
+    rm = tl.arange(0, BLOCK_M)
+    rm_ok = rm < M
+    rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
     wu_ptrs = w_ptr + (rn_ld + N)[:, None] * K + rk[None, :]  # the up rows (SWIGLU_OUT)
@@ -412,6 +420,12 @@ def launch(
         SPLIT=splits > 1,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        PREFETCH=pdl_prefetch(x.device),
+        # a pass's lines: about one per thread, no more than a row's slice holds
+        PF_LINES=min(
+            max(1, 32 * tile.num_warps // tile.block_n),
+            next_power_of_2(cdiv(k_per_split * weight.element_size(), 128)),
+        ),
         **pdl_kwargs(x.device),
     )
     return y
@@ -419,9 +433,10 @@ def launch(
 
 # Split-K scratch per device and stream: fp32 partials and int32 arrival counters (zero
 # between launches: the last slice of each tile resets its counter). Launches on one stream
-# never overlap (PDL waits for the grid ahead before anything else), so one workspace serves
-# every call on it; kernels on two streams may run at once, so each stream has its own. A
-# workspace that grows is kept alive, not freed: CUDA graphs captured earlier still read it.
+# never overlap (PDL waits for the grid ahead before any load or store; only the weight
+# prefetch comes first), so one workspace serves every call on it; kernels on two streams
+# may run at once, so each stream has its own. A workspace that grows is kept alive, not
+# freed: CUDA graphs captured earlier still read it.
 _WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 _MIN_PART_ELEMS = 1 << 20  # 4 MiB: every 0.6B projection at 8 slices of 16 rows

@@ -15,6 +15,7 @@ from tests.kernels.helpers import DEVICE, needs_cuda
 def test_never_on_cpu_or_under_the_interpreter() -> None:
     assert not _triton.use_pdl(torch.device("cpu"))
     assert _triton.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+    assert not _triton.pdl_prefetch(torch.device("cpu"))
 
 
 def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,15 +26,20 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
     cuda = torch.device("cuda", 0)
     assert _triton.use_pdl(cuda)
     assert _triton.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+    assert _triton.pdl_prefetch(cuda)
+    monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, "1")
+    assert _triton.use_pdl(cuda) and not _triton.pdl_prefetch(cuda)
+    monkeypatch.delenv(envs.DISABLE_PDL_PREFETCH)
     monkeypatch.setenv(envs.DISABLE_PDL, "1")
     assert not _triton.use_pdl(cuda)
+    assert not _triton.pdl_prefetch(cuda)  # the prefetch comes with PDL only
     monkeypatch.delenv(envs.DISABLE_PDL)
     monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 0))  # before Hopper
     assert not _triton.use_pdl(cuda)
 
 
-def test_the_variable_is_not_a_config_key() -> None:
-    assert envs.config_overrides({envs.DISABLE_PDL: "1"}) == {}
+def test_the_variables_are_not_config_keys() -> None:
+    assert envs.config_overrides({envs.DISABLE_PDL: "1", envs.DISABLE_PDL_PREFETCH: "1"}) == {}
 
 
 @needs_cuda
@@ -41,7 +47,8 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """norm + projection, SwiGLU + projection, back to back and graph-replayed: PDL only moves
-    launches earlier, every kernel still waits for the one ahead before touching memory."""
+    launches earlier, every kernel still waits for the one ahead before touching memory (the
+    weight prefetch ahead of the wait reads what no kernel writes)."""
     from execrt.kernels.linear import linear, norm_linear
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -58,8 +65,9 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         return x
 
     results = {}
-    for disabled in ("1", "0"):
+    for disabled, prefetch_off in (("1", "0"), ("0", "1"), ("0", "0")):
         monkeypatch.setenv(envs.DISABLE_PDL, disabled)
+        monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, prefetch_off)
         eager = chain()
         graph = torch.cuda.CUDAGraph()
         chain()
@@ -69,5 +77,6 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-        results[disabled] = eager
-    assert torch.equal(results["0"], results["1"])
+        results[disabled + prefetch_off] = eager
+    assert torch.equal(results["00"], results["10"])
+    assert torch.equal(results["01"], results["10"])

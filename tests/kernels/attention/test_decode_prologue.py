@@ -105,12 +105,16 @@ def run_case(
 
     assert same_bytes(qkv, qkv_before), "the prologue must not write its inputs"
     assert same_bytes(cache.v, v_sep), "V stored otherwise"
-    if CUDA:  # compiled: the norm's sum (another tile shape) and the multiply-adds may round
-        # the rotation differently, by one unit of the cache's dtype at most
+    if CUDA:  # compiled: the norm's sum (another tile shape) and rsqrt may round 1 / rms
+        # differently, which moves every element of a head by a few units of the head's
+        # largest input (an element where the rotation cancels errs by many of its own units:
+        # 13 in fp32 on the H200, 1.3 units of its head's largest value)
         info = torch.finfo(cache.k.dtype)
-        torch.testing.assert_close(
-            cache.k.float(), k_sep.float(), rtol=info.eps, atol=info.smallest_normal, equal_nan=True
-        )
+        got, want = cache.k.double(), k_sep.double()
+        both_nan = got.isnan() & want.isnan()
+        err = (got - want).abs().masked_fill(both_nan, 0.0)
+        bound = 4 * info.eps * want.nan_to_num(0.0).abs().amax(dim=-1, keepdim=True)
+        assert (err <= bound + info.smallest_normal).all(), (err / bound).nan_to_num(1e9).max()
         assert_close(o, o_sep.double(), (2e-3, 2e-2))
     else:
         assert same_bytes(cache.k, k_sep), "K stored otherwise"

@@ -1,0 +1,69 @@
+"""The skinny GEMM asks L2 for its weight slice before it waits for the grid ahead (PDL), and
+nothing else moves before the wait. Compiled for sm90 with Triton's bundled ptxas, no GPU
+needed: the interpreter has neither PDL nor the prefetch, so it cannot tell."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(
+    not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
+    reason="this triton has no bundled ptxas (no NVIDIA backend)",
+)
+
+PROBE = textwrap.dedent(
+    """
+    import os
+    os.environ["TRITON_INTERPRET"] = "0"  # read when a kernel is defined
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from execrt.kernels import triton_linear as L
+
+    def ptx(prefetch, swiglu_out, split):
+        ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "nr_ptr")
+        sig = {n: "*bf16" for n in ptrs}
+        sig.update(part_ptr="*fp32", count_ptr="*i32")
+        sig.update({n: "i32" for n in ("M", "N", "K", "k_per_split", "stride_xm", "stride_ym")})
+        sig["eps"] = "fp32"
+        const = dict(HAS_BIAS=False, SWIGLU=False, SWIGLU_OUT=swiglu_out, NORM=False, ADD=False,
+                     LATE_NORM=False, USE_DOT=False, IEEE=False, EVEN_K=True, BLOCK_M=1,
+                     BLOCK_N=4, BLOCK_K=512, SPLIT=split, PDL=True, PREFETCH=prefetch,
+                     PF_LINES=16)
+        sig.update({k: "constexpr" for k in const})
+        src = triton.compiler.ASTSource(fn=L._skinny_linear_kernel, signature=sig, constexprs=const)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    for prefetch, swiglu_out, split in ((False, False, False), (True, True, True)):
+        lines = [ln.strip() for ln in ptx(prefetch, swiglu_out, split).splitlines()]
+        wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+        # memory instructions ahead of the wait (the kernel's parameters aside)
+        before = sorted({ln.split()[0] for ln in lines[:wait]
+                         if ln.startswith(("ld.", "st.", "prefetch", "cp.", "atom."))
+                         and not ln.startswith("ld.param")})
+        print(prefetch, before or "-",
+              sum(ln.startswith("prefetch.global.L2") for ln in lines))
+    """
+)
+
+
+def test_the_weight_prefetch_comes_before_the_wait_and_nothing_else_does(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"  # (triton.jit reads a kernel's source from its file)
+    probe.write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
+    run = subprocess.run(
+        [sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    off, on = run.stdout.strip().splitlines()
+    assert off == "False - 0", off  # without it: no prefetch, no memory access before the wait
+    _, before, count = on.split(" ", 2)
+    assert before == "['prefetch.global.L2']", on  # with it: the prefetch, and nothing else
+    assert int(count) == 2, on  # gate rows and up rows (SWIGLU_OUT)
