@@ -77,11 +77,18 @@ class KernelLoops:
 
 
 def compile_split_kernel(
-    kv: str, block_n: int, num_warps: int, num_stages: int, group: int = 4, prologue: bool = False
+    kv: str,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    group: int = 4,
+    prologue: bool = False,
+    prefetch: bool = False,
 ):  # type: ignore[no-untyped-def]
     """The compiled kernel (``triton.compile``'s object) for a 128-dim head, ``group`` query
     heads per KV head, bf16 q; ``prologue``: with q/k norm, RoPE and the K/V store inside
-    (``decode_attention(prologue=)``)."""
+    (``decode_attention(prologue=)``); ``prefetch``: with the K/V prefetch ahead of the PDL
+    wait."""
     fn = D._decode_split_kernel
     names = fn.arg_names
     kv_type = KV_TYPES[kv][0]
@@ -102,7 +109,8 @@ def compile_split_kernel(
         "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "PROLOGUE": prologue,
         "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
         "BLOCK_HALF": 64, "BLOCK_G": group, "FP8_MAX": 448.0, "FP8_MANT": 3, "FP8_EMIN": -6,
-        "K_INV": 2, "V_INV": 3,
+        "K_INV": 2, "V_INV": 3, "PREFETCH": prefetch, "PF_LINES_K": 2 if kv == "bf16" else 1,
+        "PF_LINES_V": 2 if kv == "bf16" else 1,
     }  # fmt: skip
     # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
     # multiples of 16 elements (the per-head lse stride is the split count: not assumed).

@@ -20,8 +20,9 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
-#: "1" keeps PDL kernels from asking L2 for their weights (and the decode kernel for its older
-#: K/V) before they wait for the grid ahead, e.g. to measure what that prefetch saves.
+#: "1" keeps PDL kernels from asking L2 for their weights (the skinny GEMM) and older K/V (the
+#: decode kernel) before they wait for the grid ahead, e.g. to measure what that saves; a
+#: comma-separated list of kernel names ("linear", "decode") turns off those only.
 DISABLE_PDL_PREFETCH = "EXECRT_DISABLE_PDL_PREFETCH"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies

@@ -196,10 +196,22 @@ def use_pdl(device: torch.device) -> bool:
     return _cuda_capability(index) >= (9, 0) and _triton_has_pdl()
 
 
-def pdl_prefetch(device: torch.device) -> bool:
-    """Whether PDL kernels ask L2 for what no kernel writes (weights) before they wait for the
-    grid ahead (``triton_pdl.prefetch_l2``): with PDL, unless ``EXECRT_DISABLE_PDL_PREFETCH``."""
-    return use_pdl(device) and not envs.flag(envs.DISABLE_PDL_PREFETCH)
+#: The kernels that prefetch ahead of their PDL wait (``pdl_prefetch``).
+PREFETCHING_KERNELS = ("linear", "decode")
+
+
+def pdl_prefetch(device: torch.device, kernel: str) -> bool:
+    """Whether ``kernel`` (one of ``PREFETCHING_KERNELS``) asks L2 for memory that the grid
+    ahead does not write (weights; older K/V) before it waits for that grid
+    (``triton_pdl.prefetch_l2``): with PDL, unless ``EXECRT_DISABLE_PDL_PREFETCH`` is truthy
+    (every kernel) or lists the kernel by name (comma-separated)."""
+    if kernel not in PREFETCHING_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {PREFETCHING_KERNELS}")
+    if not use_pdl(device):
+        return False
+    off = os.environ.get(envs.DISABLE_PDL_PREFETCH, "")
+    names = {n.strip().lower() for n in off.split(",") if n.strip()}
+    return not (envs.flag(envs.DISABLE_PDL_PREFETCH) or kernel in names)
 
 
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:

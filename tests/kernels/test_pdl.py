@@ -15,7 +15,7 @@ from tests.kernels.helpers import DEVICE, needs_cuda
 def test_never_on_cpu_or_under_the_interpreter() -> None:
     assert not _triton.use_pdl(torch.device("cpu"))
     assert _triton.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
-    assert not _triton.pdl_prefetch(torch.device("cpu"))
+    assert not _triton.pdl_prefetch(torch.device("cpu"), "linear")
 
 
 def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,13 +26,18 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
     cuda = torch.device("cuda", 0)
     assert _triton.use_pdl(cuda)
     assert _triton.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
-    assert _triton.pdl_prefetch(cuda)
+    assert _triton.pdl_prefetch(cuda, "linear") and _triton.pdl_prefetch(cuda, "decode")
     monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, "1")
-    assert _triton.use_pdl(cuda) and not _triton.pdl_prefetch(cuda)
+    assert _triton.use_pdl(cuda) and not _triton.pdl_prefetch(cuda, "linear")
+    assert not _triton.pdl_prefetch(cuda, "decode")
+    monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, "Decode")  # one kernel, by name
+    assert _triton.pdl_prefetch(cuda, "linear") and not _triton.pdl_prefetch(cuda, "decode")
     monkeypatch.delenv(envs.DISABLE_PDL_PREFETCH)
+    with pytest.raises(ValueError, match="'lm_head' is not one of"):
+        _triton.pdl_prefetch(cuda, "lm_head")
     monkeypatch.setenv(envs.DISABLE_PDL, "1")
     assert not _triton.use_pdl(cuda)
-    assert not _triton.pdl_prefetch(cuda)  # the prefetch comes with PDL only
+    assert not _triton.pdl_prefetch(cuda, "linear")  # the prefetch comes with PDL only
     monkeypatch.delenv(envs.DISABLE_PDL)
     monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 0))  # before Hopper
     assert not _triton.use_pdl(cuda)

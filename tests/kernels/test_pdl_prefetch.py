@@ -1,6 +1,7 @@
-"""The skinny GEMM asks L2 for its weight slice before it waits for the grid ahead (PDL), and
-nothing else moves before the wait. Compiled for sm90 with Triton's bundled ptxas, no GPU
-needed: the interpreter has neither PDL nor the prefetch, so it cannot tell."""
+"""The skinny GEMM asks L2 for its weight slice, and the decode kernel for its first K/V rows,
+before they wait for the grid ahead (PDL); nothing is written before the wait. Compiled for
+sm90 with Triton's bundled ptxas, no GPU needed: the interpreter has neither PDL nor the
+prefetch, so it cannot tell."""
 
 from __future__ import annotations
 
@@ -41,20 +42,27 @@ PROBE = textwrap.dedent(
         src = triton.compiler.ASTSource(fn=L._skinny_linear_kernel, signature=sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
-    for prefetch, swiglu_out, split in ((False, False, False), (True, True, True)):
-        lines = [ln.strip() for ln in ptx(prefetch, swiglu_out, split).splitlines()]
+    def report(name, text):
+        lines = [ln.strip() for ln in text.splitlines()]
         wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
-        # memory instructions ahead of the wait (the kernel's parameters aside)
+        # global memory instructions ahead of the wait (the kernel's parameters aside)
         before = sorted({ln.split()[0] for ln in lines[:wait]
-                         if ln.startswith(("ld.", "st.", "prefetch", "cp.", "atom."))
-                         and not ln.startswith("ld.param")})
-        print(prefetch, before or "-",
-              sum(ln.startswith("prefetch.global.L2") for ln in lines))
+                         if ln.startswith(("ld.", "st.", "prefetch", "cp.", "atom.", "red."))
+                         and not ln.startswith(("ld.param", "ld.shared", "st.shared"))})
+        print(name, before or "-", sum(ln.startswith("prefetch.global.L2") for ln in lines))
+
+    for prefetch, swiglu_out, split in ((False, False, False), (True, True, True)):
+        report(f"linear-{prefetch}", ptx(prefetch, swiglu_out, split))
+    from benchmarks.kernel_sass import compile_split_kernel
+    for kv in ("bf16", "fp8w"):
+        for prefetch in (False, True):
+            kernel = compile_split_kernel(kv, 128, 4, 3, prefetch=prefetch)
+            report(f"decode-{kv}-{prefetch}", kernel.asm["ptx"])
     """
 )
 
 
-def test_the_weight_prefetch_comes_before_the_wait_and_nothing_else_does(tmp_path: Path) -> None:
+def test_the_prefetches_come_before_the_wait_and_nothing_else_does(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"  # (triton.jit reads a kernel's source from its file)
     probe.write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
@@ -62,8 +70,14 @@ def test_the_weight_prefetch_comes_before_the_wait_and_nothing_else_does(tmp_pat
         [sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    off, on = run.stdout.strip().splitlines()
-    assert off == "False - 0", off  # without it: no prefetch, no memory access before the wait
-    _, before, count = on.split(" ", 2)
-    assert before == "['prefetch.global.L2']", on  # with it: the prefetch, and nothing else
-    assert int(count) == 2, on  # gate rows and up rows (SWIGLU_OUT)
+    got = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
+    # without it: no prefetch, no memory access before the wait
+    for name in ("linear-False", "decode-bf16-False", "decode-fp8w-False"):
+        assert got[name] == "- 0", got
+    # with it: the prefetch, once for the gate rows and once for the up rows (SWIGLU_OUT)
+    assert got["linear-True"] == "['prefetch.global.L2'] 2", got
+    # the decode kernel reads its work item and slot ids first, and stores nothing
+    for name in ("decode-bf16-True", "decode-fp8w-True"):
+        before, count = got[name].rsplit(" ", 1)
+        assert before == "['ld.global.b32', 'prefetch.global.L2']", got
+        assert int(count) >= 2, got  # K and V

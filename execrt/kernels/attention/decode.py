@@ -14,10 +14,13 @@ import triton.language as tl
 
 from execrt.core.kv_quant import FP8_DTYPES, K_INV_SCALE, V_INV_SCALE, fp8_format
 from execrt.kernels._triton import (
+    cdiv,
     check_index,
     fail,
     interpreter_enabled,
+    next_power_of_2,
     pdl_kwargs,
+    pdl_prefetch,
     pow2_at_least,
     sm_count,
     tuned_table_name,
@@ -38,7 +41,7 @@ from execrt.kernels.attention.indices import (
     work_size,
 )
 from execrt.kernels.triton_dot import dot
-from execrt.kernels.triton_pdl import pdl_prologue
+from execrt.kernels.triton_pdl import pdl_prologue, prefetch_rows_l2
 from execrt.kernels.triton_rotary import norm_rope_heads, store_kv_heads
 
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +337,23 @@ def _decode_split_kernel(
     K_INV: tl.constexpr,
     V_INV: tl.constexpr,
     PDL: tl.constexpr,
+    # PREFETCH only: the bounds every prefetch address is clamped into
+    batch,
+    num_ids,
+    num_slots,
+    PREFETCH: tl.constexpr,
+    PF_LINES_K: tl.constexpr,
+    PF_LINES_V: tl.constexpr,
 ):
+    if PREFETCH:  # the first item's first K/V rows, before the wait (see _prefetch_item)
+        _prefetch_item(
+            work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr,
+            k_ptr + (tl.program_id(0) % num_kv_heads) * stride_kh,
+            v_ptr + (tl.program_id(0) % num_kv_heads) * stride_vh,
+            tl.program_id(0) // num_kv_heads, batch, num_ids, num_slots, max_splits, stride_ks,
+            stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
+            HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_LINES_K, PF_LINES_V,
+        )  # fmt: skip
     pdl_prologue(PDL)
     # One axis, kv head fastest: the GPU hands out programs in launch order, so every kv head
     # takes the work list's items in its order together (longest first, when the list is
@@ -420,6 +439,31 @@ def _decode_split_kernel(
         q = q_n
         ids = ids_n
         item += programs
+
+
+@triton.jit
+def _prefetch_item(
+    work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr, k_base, v_base, item, batch,
+    num_ids, num_slots, max_splits, stride_ks, stride_vs, ROW_K: tl.constexpr,
+    ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, LINES_K: tl.constexpr, LINES_V: tl.constexpr,
+):  # fmt: skip
+    """``prefetch_l2`` of the K and V rows (``ROW_K``/``ROW_V`` elements of the base pointers'
+    type) of the first two blocks of ``item``'s tokens: what the loop's first loads wait for.
+    Issued before the PDL wait, it may read a work list, lengths or slot ids that the grid
+    ahead is still writing (a caller that builds them just before this launch); so every
+    address is clamped into its buffer, and stale values only fetch lines nobody reads."""
+    packed = _record(work_ptr, item, tl.load(work_ptr))
+    packed = tl.minimum(tl.maximum(packed, 0), batch * max_splits - 1)
+    _, _, kv_start, lo, hi, _, _ = _item_bounds(
+        packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
+    )
+    if lo < hi:
+        t = kv_start + lo + tl.minimum(tl.arange(0, 2 * BLOCK_N), hi - lo - 1)
+        t = tl.minimum(tl.maximum(t, 0), num_ids - 1)
+        ids = tl.load(kv_indices_ptr + t).to(tl.int64)
+        ids = tl.minimum(tl.maximum(ids, 0), num_slots - 1)
+        prefetch_rows_l2(k_base, ids * stride_ks, 0, ROW_K, LINES_K)
+        prefetch_rows_l2(v_base, ids * stride_vs, 0, ROW_V, LINES_V)
 
 
 @triton.jit
@@ -936,6 +980,9 @@ def decode_attention(
             f"partial_lse shape {tuple(partial_lse.shape)} unsupported "
             f"(need [>= {batch}, {num_q_heads}, >= {max_splits}])",
         )
+    # The K/V prefetch ahead of the PDL wait reads the work list, lengths and slot ids early:
+    # a work list built just here (by the kernel ahead) would always be stale then.
+    prefetch = work is not None and pdl_prefetch(q.device, "decode")
     if work is None:
         work = torch.empty(work_size(batch, max_splits), dtype=torch.int32, device=q.device)
         decode_work(num_splits[:batch], max_splits, work)
@@ -1033,6 +1080,12 @@ def decode_attention(
         FP8_EMIN=fmt.min_exponent,
         K_INV=K_INV_SCALE,
         V_INV=V_INV_SCALE,
+        batch=batch,
+        num_ids=max(1, kv_indices.numel()),
+        num_slots=k_arg.shape[0],
+        PREFETCH=prefetch and kv_indices.numel() > 0,
+        PF_LINES_K=next_power_of_2(cdiv(head_dim * k_buffer.element_size(), 128)),
+        PF_LINES_V=next_power_of_2(cdiv(head_dim_v * v_buffer.element_size(), 128)),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),

@@ -912,6 +912,58 @@ def test_gpu_fused_merge_is_the_separate_merge_in_every_one_of_many_launches(
     assert not bad, f"{len(bad)} of 300 launches differ from the separate merge, first {bad[:5]}"
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_gpu_the_kv_prefetch_changes_no_bit_even_over_a_stale_work_list(
+    monkeypatch: pytest.MonkeyPatch, kv_dtype: torch.dtype | None
+) -> None:
+    """With PDL the split kernel reads its first work item and slot ids before it waits for
+    the grid ahead, to prefetch their K/V. Here the kernel just ahead rebuilds the work list
+    over garbage, so those early reads may see anything: they must neither fault nor change a
+    bit of the output."""
+    from execrt.core import envs
+
+    gen = torch.Generator().manual_seed(230)
+    dev = torch.device("cuda")
+    seq_lens = [3000, 17, 1, 1200, 511, 4096]
+    batch, hq, hkv, d = len(seq_lens), 32, 8, 128
+    cache = make_cache(seq_lens, hkv, d, d, torch.bfloat16, dev, gen)
+    cache, read, scales = fp8_cache(cache, kv_dtype, (2.0, 0.5))
+    indptr, indices = flat_indices(cache)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+    max_splits = 8
+    splits = torch.empty(batch, dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    tk.decode_num_splits(lens, splits, max_splits, tk.SplitPolicy(64, 64))
+    work = torch.empty(tk.work_size(batch, max_splits), dtype=torch.int32, device=dev)
+    partial_o = torch.empty(batch, hq, max_splits, d, dtype=torch.float32, device=dev)
+    partial_lse = torch.empty(batch, hq, max_splits, dtype=torch.float32, device=dev)
+
+    def launches(prefetch_off: str) -> list[torch.Tensor]:
+        monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, prefetch_off)
+        outs = []
+        for garbage in (2**31 - 1, -(2**31), 123456789, 0):
+            work.fill_(garbage)
+            tk.decode_work(splits, max_splits, work)  # the grid just ahead
+            o = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=dev)
+            tk.decode_attention(
+                q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse,
+                d**-0.5, max_splits, kv_scales=scales, work=work,
+            )  # fmt: skip
+            outs.append(o)
+        torch.cuda.synchronize()
+        return outs
+
+    off, on = launches("1"), launches("0")
+    assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+    ref = torch.zeros_like(on[0], dtype=torch.float64)
+    for b in range(batch):
+        last = torch.tensor([seq_lens[b] - 1])
+        ref[b] = ref_attention(q[b : b + 1], *read.context(b), last, d**-0.5)[0]
+    assert_close(on[0], ref, GPU_TOL[torch.bfloat16])
+
+
 def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
     gen = torch.Generator().manual_seed(4)
     seq_lens = [3, 40, 1]
