@@ -37,6 +37,7 @@ from execrt.kernels._triton import (
     pow2_at_least,
     tuned_table_name,
 )
+from execrt.kernels.triton_dot import dot
 from execrt.kernels.triton_pdl import pdl_prologue, prefetch_rows_l2
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "linear_configs")
@@ -115,13 +116,11 @@ def _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD: tl.constexpr,
 
 
 @triton.jit
-def _acc_step(acc, xa, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One K step of the fp32 accumulation of ``xa [BM, BK] @ w [BN, BK]^T``."""
+def _acc_step(acc, xa, w, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step of the fp32 accumulation of ``xa [BM, BK] @ w [BN, BK]^T`` (IEEE fp32 for
+    fp32 operands on the tensor cores, ``triton_dot.dot``)."""
     if USE_DOT:
-        if IEEE:
-            acc = tl.dot(xa, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xa, tl.trans(w), acc)
+        acc = dot(xa, tl.trans(w), acc)
     elif BLOCK_M == 1:
         acc += w.to(tl.float32) * xa.to(tl.float32)  # [BN, BK] * [1, BK]
     else:
@@ -166,7 +165,6 @@ def _skinny_linear_kernel(
     ADD: tl.constexpr,
     LATE_NORM: tl.constexpr,
     USE_DOT: tl.constexpr,
-    IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -265,9 +263,9 @@ def _skinny_linear_kernel(
                 xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
             nw_ptrs += BLOCK_K
             r_ptrs += BLOCK_K
-        acc = _acc_step(acc, xa, w, USE_DOT, IEEE, BLOCK_M)
+        acc = _acc_step(acc, xa, w, USE_DOT, BLOCK_M)
         if SWIGLU_OUT:
-            acc_u = _acc_step(acc_u, xa, wu, USE_DOT, IEEE, BLOCK_M)
+            acc_u = _acc_step(acc_u, xa, wu, USE_DOT, BLOCK_M)
             wu_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -412,7 +410,6 @@ def launch(
         ADD=residual is not None,
         LATE_NORM=norm is not None and tile.late_norm,
         USE_DOT=tile.use_dot,
-        IEEE=x.dtype == torch.float32,
         EVEN_K=k % tile.block_k == 0,
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,

@@ -35,7 +35,7 @@ PROBE = textwrap.dedent(
         sig.update({n: "i32" for n in ("M", "N", "K", "k_per_split", "stride_xm", "stride_ym")})
         sig["eps"] = "fp32"
         const = dict(HAS_BIAS=False, SWIGLU=False, SWIGLU_OUT=swiglu_out, NORM=False, ADD=False,
-                     LATE_NORM=False, USE_DOT=False, IEEE=False, EVEN_K=True, BLOCK_M=1,
+                     LATE_NORM=False, USE_DOT=False, EVEN_K=True, BLOCK_M=1,
                      BLOCK_N=4, BLOCK_K=512, SPLIT=split, PDL=True, PREFETCH=prefetch,
                      PF_LINES=16)
         sig.update({k: "constexpr" for k in const})

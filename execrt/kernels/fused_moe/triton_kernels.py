@@ -10,6 +10,7 @@ import triton.language as tl
 
 from execrt.kernels._triton import cdiv, next_power_of_2, pdl_kwargs, pow2_at_least
 from execrt.kernels.fused_moe.config import GemmTile
+from execrt.kernels.triton_dot import dot
 from execrt.kernels.triton_pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +149,6 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     EXPERT_MAJOR: tl.constexpr,
     EVEN_K: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GROUP_M consecutive M-blocks (same expert, mostly) sweep the N-tiles together, so an
@@ -207,19 +207,13 @@ def _moe_gemm_kernel(
             k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if IEEE_FP32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc)  # (IEEE fp32 for fp32 operands)
         if SWIGLU:
             if EVEN_K:
                 b_up = tl.load(b_ptrs + up_offset * stride_bn)
             else:
                 b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok[:, None], other=0.0)
-            if IEEE_FP32:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(a, b_up, acc_up)
+            acc_up = dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -304,7 +298,6 @@ def launch_gemm(
         MUL_WEIGHT=weights is not None,
         EXPERT_MAJOR=expert_major,
         EVEN_K=k % block_k == 0,
-        IEEE_FP32=a.dtype == torch.float32,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl_kwargs(a.device),
