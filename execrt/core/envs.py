@@ -20,10 +20,10 @@ DEFAULT_MODELS = ("auto", "builtin")
 #: "1" launches the Triton kernels without programmatic dependent launch (PDL), e.g. to
 #: measure what it saves.
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
-#: "1" keeps PDL kernels from asking L2 for their weights (the skinny GEMM) and older K/V (the
-#: decode kernel) before they wait for the grid ahead, e.g. to measure what that saves; a
-#: comma-separated list of kernel names ("linear", "decode") turns off those only.
-DISABLE_PDL_PREFETCH = "EXECRT_DISABLE_PDL_PREFETCH"
+#: Kernels that ask L2 for memory the grid ahead does not write before their PDL wait: "1"
+#: (all), or a comma-separated list of "linear" (the skinny GEMM's weights) and "decode" (the
+#: split kernel's first K/V rows). Off by default until the H200 A/B of docs/kernels.md.
+PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -40,7 +40,7 @@ NON_CONFIG = frozenset(
         CACHE_DIR,
         DEFAULT_MODEL,
         DISABLE_PDL,
-        DISABLE_PDL_PREFETCH,
+        PDL_PREFETCH,
         DEBUG_KV_OWNERSHIP,
     }
 )

@@ -203,15 +203,22 @@ PREFETCHING_KERNELS = ("linear", "decode")
 def pdl_prefetch(device: torch.device, kernel: str) -> bool:
     """Whether ``kernel`` (one of ``PREFETCHING_KERNELS``) asks L2 for memory that the grid
     ahead does not write (weights; older K/V) before it waits for that grid
-    (``triton_pdl.prefetch_l2``): with PDL, unless ``EXECRT_DISABLE_PDL_PREFETCH`` is truthy
-    (every kernel) or lists the kernel by name (comma-separated)."""
+    (``triton_pdl.prefetch_l2``): with PDL, when ``EXECRT_PDL_PREFETCH`` is truthy (every
+    kernel) or lists the kernel by name (comma-separated). Off by default: not yet timed."""
     if kernel not in PREFETCHING_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {PREFETCHING_KERNELS}")
     if not use_pdl(device):
         return False
-    off = os.environ.get(envs.DISABLE_PDL_PREFETCH, "")
-    names = {n.strip().lower() for n in off.split(",") if n.strip()}
-    return not (envs.flag(envs.DISABLE_PDL_PREFETCH) or kernel in names)
+    value = os.environ.get(envs.PDL_PREFETCH, "")
+    names = {n.strip().lower() for n in value.split(",") if n.strip()}
+    switches = {"1", "true", "yes", "on", "0", "false", "no", "off"}
+    unknown = names - set(PREFETCHING_KERNELS) - switches
+    if unknown:
+        raise ConfigError(
+            f"{envs.PDL_PREFETCH}={value!r}: {sorted(unknown)} unknown; accepted: 1 or 0, or "
+            f"a comma-separated list of {', '.join(PREFETCHING_KERNELS)}"
+        )
+    return envs.flag(envs.PDL_PREFETCH) or kernel in names
 
 
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:

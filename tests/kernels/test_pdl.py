@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from execrt.core import envs
+from execrt.core.errors import ConfigError
 from execrt.kernels import _triton
 from tests.kernels.helpers import DEVICE, needs_cuda
 
@@ -26,15 +27,20 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
     cuda = torch.device("cuda", 0)
     assert _triton.use_pdl(cuda)
     assert _triton.pdl_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+    assert not _triton.pdl_prefetch(cuda, "linear")  # off unless asked for
+    monkeypatch.setenv(envs.PDL_PREFETCH, "1")
     assert _triton.pdl_prefetch(cuda, "linear") and _triton.pdl_prefetch(cuda, "decode")
-    monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, "1")
-    assert _triton.use_pdl(cuda) and not _triton.pdl_prefetch(cuda, "linear")
-    assert not _triton.pdl_prefetch(cuda, "decode")
-    monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, "Decode")  # one kernel, by name
-    assert _triton.pdl_prefetch(cuda, "linear") and not _triton.pdl_prefetch(cuda, "decode")
-    monkeypatch.delenv(envs.DISABLE_PDL_PREFETCH)
+    monkeypatch.setenv(envs.PDL_PREFETCH, " Decode")  # one kernel, by name
+    assert _triton.pdl_prefetch(cuda, "decode") and not _triton.pdl_prefetch(cuda, "linear")
+    monkeypatch.setenv(envs.PDL_PREFETCH, "linear,decode")
+    assert _triton.pdl_prefetch(cuda, "linear") and _triton.pdl_prefetch(cuda, "decode")
     with pytest.raises(ValueError, match="'lm_head' is not one of"):
         _triton.pdl_prefetch(cuda, "lm_head")
+    monkeypatch.setenv(envs.PDL_PREFETCH, "linear,lienar")  # a typo is named, not ignored
+    typo = r"EXECRT_PDL_PREFETCH='linear,lienar': \['lienar'\] unknown"
+    with pytest.raises(ConfigError, match=typo):
+        _triton.pdl_prefetch(cuda, "linear")
+    monkeypatch.setenv(envs.PDL_PREFETCH, "linear,decode")
     monkeypatch.setenv(envs.DISABLE_PDL, "1")
     assert not _triton.use_pdl(cuda)
     assert not _triton.pdl_prefetch(cuda, "linear")  # the prefetch comes with PDL only
@@ -44,7 +50,7 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_variables_are_not_config_keys() -> None:
-    assert envs.config_overrides({envs.DISABLE_PDL: "1", envs.DISABLE_PDL_PREFETCH: "1"}) == {}
+    assert envs.config_overrides({envs.DISABLE_PDL: "1", envs.PDL_PREFETCH: "1"}) == {}
 
 
 @needs_cuda
@@ -70,9 +76,9 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         return x
 
     results = {}
-    for disabled, prefetch_off in (("1", "0"), ("0", "1"), ("0", "0")):
+    for disabled, prefetch in (("1", "0"), ("0", "0"), ("0", "1")):
         monkeypatch.setenv(envs.DISABLE_PDL, disabled)
-        monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, prefetch_off)
+        monkeypatch.setenv(envs.PDL_PREFETCH, prefetch)
         eager = chain()
         graph = torch.cuda.CUDAGraph()
         chain()
@@ -82,6 +88,6 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-        results[disabled + prefetch_off] = eager
-    assert torch.equal(results["00"], results["10"])
-    assert torch.equal(results["01"], results["10"])
+        results[disabled + prefetch] = eager
+    assert torch.equal(results["00"], results["10"])  # PDL
+    assert torch.equal(results["01"], results["10"])  # PDL with the weight prefetch

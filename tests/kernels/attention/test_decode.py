@@ -940,8 +940,8 @@ def test_gpu_the_kv_prefetch_changes_no_bit_even_over_a_stale_work_list(
     partial_o = torch.empty(batch, hq, max_splits, d, dtype=torch.float32, device=dev)
     partial_lse = torch.empty(batch, hq, max_splits, dtype=torch.float32, device=dev)
 
-    def launches(prefetch_off: str) -> list[torch.Tensor]:
-        monkeypatch.setenv(envs.DISABLE_PDL_PREFETCH, prefetch_off)
+    def launches(prefetch: str) -> list[torch.Tensor]:
+        monkeypatch.setenv(envs.PDL_PREFETCH, prefetch)
         outs = []
         for garbage in (2**31 - 1, -(2**31), 123456789, 0):
             work.fill_(garbage)
@@ -955,7 +955,7 @@ def test_gpu_the_kv_prefetch_changes_no_bit_even_over_a_stale_work_list(
         torch.cuda.synchronize()
         return outs
 
-    off, on = launches("1"), launches("0")
+    off, on = launches("0"), launches("decode")
     assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
     ref = torch.zeros_like(on[0], dtype=torch.float64)
     for b in range(batch):
