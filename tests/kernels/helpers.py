@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,36 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bundled_ptxas() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+#: Tests that compile kernels for sm90 ahead of time (no GPU needed, Triton's own ptxas).
+needs_ptxas = pytest.mark.skipif(
+    not _bundled_ptxas(), reason="this triton has no bundled ptxas (no NVIDIA backend)"
+)
+
+
+def run_compile_probe(tmp_path: Path, source: str) -> str:
+    """Run ``source`` as a script (compiled kernels, not the interpreter; execrt importable)
+    and return what it printed; a failure shows the script's stderr."""
+    probe = tmp_path / "probe.py"  # (triton.jit reads a kernel's source from its file)
+    probe.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
+    run = subprocess.run(
+        [sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
 
 # Mantissa bits of each dtype: one ulp of a value v in [2^e, 2^(e+1)) is 2^(e - bits).
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}

@@ -5,20 +5,16 @@ prefetch, so it cannot tell."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-    reason="this triton has no bundled ptxas (no NVIDIA backend)",
-)
+pytest.importorskip("triton")
+
+from tests.kernels.helpers import needs_ptxas, run_compile_probe
+
+pytestmark = needs_ptxas
 
 PROBE = textwrap.dedent(
     """
@@ -63,14 +59,8 @@ PROBE = textwrap.dedent(
 
 
 def test_the_prefetches_come_before_the_wait_and_nothing_else_does(tmp_path: Path) -> None:
-    probe = tmp_path / "probe.py"  # (triton.jit reads a kernel's source from its file)
-    probe.write_text(PROBE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
-    run = subprocess.run(
-        [sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
+    out = run_compile_probe(tmp_path, PROBE)
+    got = dict(line.split(" ", 1) for line in out.strip().splitlines())
     # without it: no prefetch, no memory access before the wait
     for name in ("linear-False", "decode-bf16-False", "decode-fp8w-False"):
         assert got[name] == "- 0", got

@@ -5,20 +5,16 @@ the interpreter computes fp32 either way, so it cannot tell."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-    reason="this triton has no bundled ptxas (no NVIDIA backend)",
-)
+pytest.importorskip("triton")
+
+from tests.kernels.helpers import needs_ptxas, run_compile_probe
+
+pytestmark = needs_ptxas
 
 PROBE = textwrap.dedent(
     """
@@ -56,14 +52,8 @@ PROBE = textwrap.dedent(
 def test_fp32_operands_multiply_in_ieee_fp32_and_half_ones_on_the_tensor_cores(
     tmp_path: Path,
 ) -> None:
-    probe = tmp_path / "probe.py"  # (triton.jit reads a kernel's source from its file)
-    probe.write_text(PROBE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
-    run = subprocess.run(
-        [sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = dict(line.rsplit(" ", 1) for line in run.stdout.strip().splitlines())
+    out = run_compile_probe(tmp_path, PROBE)
+    got = dict(line.rsplit(" ", 1) for line in out.strip().splitlines())
     assert "tf32" in got["default fp32"], got  # the probe can see what it guards against
     assert got["exact fp32"] == "-", got  # no tensor-core instruction: fp32 FMAs
     assert ".bf16.bf16" in got["exact bf16"], got  # half operands keep the tensor cores
