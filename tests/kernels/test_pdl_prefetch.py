@@ -38,14 +38,39 @@ PROBE = textwrap.dedent(
         src = triton.compiler.ASTSource(fn=L._skinny_linear_kernel, signature=sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
+    MEMORY = ("ld.", "st.", "prefetch", "cp.", "atom.", "red.")
+    LOCAL = ("ld.param", "st.param", "ld.shared", "st.shared")  # a call's arguments; smem
+
+    def memory_ops(lines):
+        return {ln.split()[0] for ln in lines if ln.startswith(MEMORY)
+                and not ln.startswith(LOCAL)}
+
+    def functions(lines):
+        # each .func's body (a noinline helper; ptxas may still inline it later)
+        bodies, name = {}, None
+        for ln in lines:
+            if ln.startswith((".func", ".visible .func")):
+                name = ln.split("(")[-2].split()[-1] if "(" in ln else ln.split()[-1]
+                bodies[name] = []
+            elif ln.startswith(".entry") or ln.startswith(".visible .entry"):
+                name = None
+            elif name is not None:
+                bodies[name].append(ln)
+        return bodies
+
     def report(name, text):
         lines = [ln.strip() for ln in text.splitlines()]
+        start = next(i for i, ln in enumerate(lines) if ".entry" in ln)
         wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
-        # global memory instructions ahead of the wait (the kernel's parameters aside)
-        before = sorted({ln.split()[0] for ln in lines[:wait]
-                         if ln.startswith(("ld.", "st.", "prefetch", "cp.", "atom.", "red."))
-                         and not ln.startswith(("ld.param", "ld.shared", "st.shared"))})
-        print(name, before or "-", sum(ln.startswith("prefetch.global.L2") for ln in lines))
+        ahead = lines[start:wait]
+        # global memory instructions ahead of the wait, the functions called there included
+        before = memory_ops(ahead)
+        bodies = functions(lines)
+        for ln in ahead:
+            if ln.startswith("call"):
+                callee = next(f for f in bodies if f in ln)
+                before |= memory_ops(bodies[callee])
+        print(name, sorted(before) or "-", sum(ln.startswith("prefetch.global.L2") for ln in lines))
 
     for prefetch, swiglu_out, split in ((False, False, False), (True, True, True)):
         report(f"linear-{prefetch}", ptx(prefetch, swiglu_out, split))

@@ -424,6 +424,14 @@ def _decode_split_kernel(
             qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED,
             F8_WORDS, F8_E5M2, F8_ASM,
         )  # fmt: skip
+        if PREFETCH:  # the next item's first K/V come from DRAM during this one's epilogue
+            if item + programs < n_items:
+                _prefetch_span(
+                    kv_indices_ptr, k_base, v_base, kv_start_n, lo_n, hi_n, num_ids, num_slots,
+                    stride_ks, stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
+                    HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_LINES_K,
+                    PF_LINES_V,
+                )  # fmt: skip
         q_n, ids_n = _item_inputs(
             q_src, kv_indices_ptr, kv_scales_ptr, kv_head, b_n, kv_start_n, lo_n, hi_n,
             qk_scale, stride_qsb, stride_qsh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
@@ -441,22 +449,37 @@ def _decode_split_kernel(
         item += programs
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _prefetch_item(
     work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr, k_base, v_base, item, batch,
     num_ids, num_slots, max_splits, stride_ks, stride_vs, ROW_K: tl.constexpr,
     ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, LINES_K: tl.constexpr, LINES_V: tl.constexpr,
 ):  # fmt: skip
-    """``prefetch_l2`` of the K and V rows (``ROW_K``/``ROW_V`` elements of the base pointers'
-    type) of the first two blocks of ``item``'s tokens: what the loop's first loads wait for.
-    Issued before the PDL wait, it may read a work list, lengths or slot ids that the grid
-    ahead is still writing (a caller that builds them just before this launch); so every
-    address is clamped into its buffer, and stale values only fetch lines nobody reads."""
+    """``_prefetch_span`` of ``item``'s first blocks, from its work-list record. Issued before
+    the PDL wait, it may read a work list, lengths or slot ids that the grid ahead is still
+    writing (a caller that builds them just before this launch); so every address is clamped
+    into its buffer, and stale values only fetch lines nobody reads."""
     packed = _record(work_ptr, item, tl.load(work_ptr))
     packed = tl.minimum(tl.maximum(packed, 0), batch * max_splits - 1)
     _, _, kv_start, lo, hi, _, _ = _item_bounds(
         packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK_N
     )
+    _prefetch_span(
+        kv_indices_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots, stride_ks,
+        stride_vs, ROW_K, ROW_V, BLOCK_N, LINES_K, LINES_V,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_span(
+    kv_indices_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots, stride_ks, stride_vs,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, LINES_K: tl.constexpr,
+    LINES_V: tl.constexpr,
+):  # fmt: skip
+    """``prefetch_l2`` of the K and V rows (``ROW_K``/``ROW_V`` elements of the base pointers'
+    type) of tokens ``[lo, lo + 2 * BLOCK_N)`` of ``[lo, hi)``, whose slot ids start at
+    ``kv_start`` in ``kv_indices``: what a split's first loads wait for. Slot-id positions
+    and slots are clamped into ``[0, num_ids)`` and ``[0, num_slots)``."""
     if lo < hi:
         t = kv_start + lo + tl.minimum(tl.arange(0, 2 * BLOCK_N), hi - lo - 1)
         t = tl.minimum(tl.maximum(t, 0), num_ids - 1)
