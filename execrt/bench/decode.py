@@ -182,6 +182,9 @@ class Record:
     #: execrt's ``EXECRT_*`` config overrides in effect (e.g. an A/B of a backend option run
     #: as two calls); None for the peer
     env_config: dict[str, str] | None = None
+    #: the kernel switches set in the environment (``envs.KERNEL_SWITCHES``: PDL, its
+    #: prefetch), e.g. an A/B of one run as two calls; None for the peer
+    kernel_env: dict[str, str] | None = None
     profile: dict[str, float] | None = None
     hotspots: list[tuple[str, float]] | None = None  # host functions, µs/step (generate)
     #: forward --profile: the GPU's top kernels as (name, µs/step, critical µs/step, calls/step);
@@ -311,6 +314,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
     ov: dict[str, Any] = {
         "overlap": opts.overlap, "fused_kernels": opts.fused_kernels, "kv_dtype": kv_dtype,
         "context_len": engine.worker.limits.context_len, "env_config": envs.config_overrides(),
+        "kernel_env": envs.kernel_switches(),
     }  # fmt: skip
     tag = mode if kv_dtype == "auto" else f"{mode}-{kv_dtype}"  # profile trace names
     with engine:

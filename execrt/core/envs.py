@@ -52,6 +52,17 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+#: The variables that change which kernels run or how they launch (not config keys): what a
+#: benchmark record names beside its config overrides.
+KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH)
+
+
+def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``KERNEL_SWITCHES`` that are set, with their values."""
+    env = environ if environ is not None else os.environ
+    return {name: env[name] for name in KERNEL_SWITCHES if name in env}
+
+
 def plugin_allow_list(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
     """Names in EXECRT_PLUGINS, or None when the variable is unset (load every plugin)."""
     env = environ if environ is not None else os.environ

@@ -23,6 +23,7 @@ from execrt.bench.models import (
     weight_bytes_per_step,
 )
 from execrt.cli import main
+from execrt.core import envs
 from execrt.core.config import RuntimeConfig
 from execrt.core.context import RuntimeContext
 from execrt.core.schedule import SamplingParams
@@ -275,6 +276,21 @@ def test_cpu_run_records_the_context_limit_it_ran_with(tmp_path, context_len, re
     records = decode.run(opts)
     assert records and all(r.context_len == resolved for r in records)
     assert all(r.step_ms or r.note.startswith("noise") for r in records)
+
+
+def test_records_name_the_kernel_switches_of_the_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # An A/B of a kernel switch is two calls whose records must say which was which.
+    monkeypatch.setenv(envs.PDL_PREFETCH, "linear")
+    monkeypatch.delenv(envs.DISABLE_PDL, raising=False)
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(1,), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), out_dir=str(tmp_path),
+    )  # fmt: skip
+    records = decode.run(opts)
+    assert records and all(r.kernel_env == {envs.PDL_PREFETCH: "linear"} for r in records)
+    assert envs.kernel_switches({envs.DISABLE_PDL: "1", "EXECRT_OTHER": "x"}) == {
+        envs.DISABLE_PDL: "1"
+    }
 
 
 def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ignore[no-untyped-def]
