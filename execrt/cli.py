@@ -379,7 +379,8 @@ def _add_bench_throughput(bench_sub: Any) -> None:
         "defaults-split-512 (triton_decode_split_target), defaults-split-1024-separate, "
         "defaults-split-512-separate (with the separate merge), defaults-request-order, "
         "defaults-split-512-separate-request-order (triton_decode_order request: decode work in "
-        "request order, not longest first) (default: defaults,tuned)",
+        "request order, not longest first), defaults-programs-sm (triton_decode_programs sm: one "
+        "wave of decode programs) (default: defaults,tuned)",
     )
     tp.add_argument(
         "--temperatures", default="0.6,0", help="one run per temperature (default: 0.6,0)"

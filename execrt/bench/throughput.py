@@ -80,6 +80,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "triton_decode_merge": "separate",
         "triton_decode_order": "request",
     },
+    # one wave of decode programs, several work items each (with the look-ahead)
+    "defaults-programs-sm": {"triton_decode_programs": "sm"},
 }
 WARMUP_SEQS = 32  # the warm-up generate: this many sequences ...
 WARMUP_TOKENS = 16  # ... of this many new tokens each

@@ -29,6 +29,7 @@ TRITON_DECODE_MERGE = ("separate", "fused", "auto")
 TRITON_DECODE_ORDER = ("longest", "request")
 #: the triton backend's decode q/k norm, RoPE and K/V store: inside the split launch, or not
 TRITON_DECODE_PROLOGUE = ("off", "on")
+TRITON_DECODE_PROGRAMS = ("request", "sm")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -73,6 +74,7 @@ class RuntimeConfig:
     triton_decode_split_target: int = 0  # tokens per decode KV split; 0 = the kernel's default
     triton_decode_order: str = "longest"
     triton_decode_prologue: str = "off"
+    triton_decode_programs: str = "request"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -128,6 +130,7 @@ class RuntimeConfig:
             "triton_decode_merge": TRITON_DECODE_MERGE,
             "triton_decode_order": TRITON_DECODE_ORDER,
             "triton_decode_prologue": TRITON_DECODE_PROLOGUE,
+            "triton_decode_programs": TRITON_DECODE_PROGRAMS,
             "fused_kernels": FUSED_KERNELS,
         }
         for name, accepted in choices.items():

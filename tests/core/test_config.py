@@ -194,6 +194,7 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
         "decode_split_target": 0,
         "decode_order": "longest",
         "decode_prologue": "off",
+        "decode_programs": "request",
     }
     assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
@@ -215,6 +216,7 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
         "decode_split_target": 0,
         "decode_order": "longest",
         "decode_prologue": "off",
+        "decode_programs": "request",
     }
     assert "decode_merge" not in config.backend_options("flashinfer")
     auto = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "auto"})
@@ -244,3 +246,15 @@ def test_triton_decode_split_target_is_an_int_that_reaches_only_the_triton_backe
     assert "decode_split_target" not in config.backend_options("flashinfer")
     with pytest.raises(ConfigError, match=r"triton_decode_split_target must be >= 0.*got -1"):
         RuntimeConfig(triton_decode_split_target=-1)
+
+
+def test_triton_decode_programs_is_checked_and_reaches_only_the_triton_backend() -> None:
+    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_PROGRAMS": "sm"})
+    assert config.backend_options("triton")["decode_programs"] == "sm"
+    assert "decode_programs" not in config.backend_options("flashinfer")
+    assert RuntimeConfig().backend_options("triton")["decode_programs"] == "request"
+    with pytest.raises(
+        ConfigError,
+        match=r"triton_decode_programs 'wave' unsupported \(supported: request, sm\)",
+    ):
+        RuntimeConfig(triton_decode_programs="wave")

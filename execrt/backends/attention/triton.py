@@ -13,6 +13,7 @@ from torch import Tensor
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
 from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
+from execrt.core.config import TRITON_DECODE_PROGRAMS as DECODE_PROGRAMS
 from execrt.core.config import TRITON_DECODE_PROLOGUE as DECODE_PROLOGUE
 from execrt.core.errors import ConfigError
 from execrt.core.interfaces import (
@@ -82,6 +83,11 @@ class TritonAttnBackend(AttentionBackend):
     step's q/k norm, RoPE and K/V store inside the split launch (``fuses_qk_prologue``: one
     launch fewer per layer, the same values as the separate rotation kernel); ``off`` (the
     default until the H200 has timed it) leaves them to the model. Needs ``Dv == D``.
+
+    Option ``decode_programs`` (config ``triton_decode_programs``): ``request`` (the default)
+    launches at least a program per request; ``sm`` launches one wave (two per SM over the kv
+    heads), each program taking an equal share of the work list with its look-ahead (not yet
+    timed on the H200).
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -102,6 +108,7 @@ class TritonAttnBackend(AttentionBackend):
             _choice(init.options, "decode_prologue", "off", DECODE_PROLOGUE) == "on"
             and init.head_dim == init.v_head_dim  # (the rotated q passes through the output)
         )
+        self.decode_programs = _choice(init.options, "decode_programs", "request", DECODE_PROGRAMS)
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -258,6 +265,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.partial_o, meta.partial_lse, layer.scaling, meta.max_splits,
             kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
             num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals, prologue=prologue,
+            programs=self.decode_programs,
         )  # fmt: skip
         return o
 

@@ -14,6 +14,7 @@ from execrt.kernels.attention.common import (
     MAX_HEAD_DIM,
 )
 from execrt.kernels.attention.decode import (
+    DECODE_PROGRAMS,
     DecodePrologue,
     DecodeTiles,
     decode_attention,
@@ -32,6 +33,7 @@ from execrt.kernels.attention.indices import (
 )
 
 __all__ = [
+    "DECODE_PROGRAMS",
     "DEFAULT_MAX_SPLITS_CAP",
     "DEFAULT_MIN_SPLIT_LEN",
     "DEFAULT_PROGRAMS_PER_SM",

@@ -27,6 +27,7 @@ from execrt.kernels._triton import (
 )
 from execrt.kernels.attention.common import (
     COMPONENT,
+    DEFAULT_PROGRAMS_PER_SM,
     LOG2E,
     check_block,
     check_paged,
@@ -156,18 +157,40 @@ def tile_table_json(tiles: dict[int, dict[int, DecodeTiles]], **provenance: Any)
 #: Stage 1 launches programs for at least this many per SM over the kv heads (when the batch
 #: has that many work items; one per request at the least).
 PROGRAMS_PER_SM = 8
+#: How ``decode_programs`` sizes the grid: ``request`` (a program per request at the least)
+#: or ``sm`` (``DEFAULT_PROGRAMS_PER_SM`` resident programs per SM, each taking an equal share
+#: of the work items, so every program runs the look-ahead over several items).
+DECODE_PROGRAMS = ("request", "sm")
 
 
-def decode_programs(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
-    """Stage-1 programs per kv head: one per request, or ``PROGRAMS_PER_SM`` per SM over the
-    heads where that is more, never more than the work items there can be. Depends only on
-    its arguments, so a graph bucket replays the grid it captured.
+def _check_programs(policy: str) -> None:
+    if policy not in DECODE_PROGRAMS:
+        supported = ", ".join(DECODE_PROGRAMS)
+        fail(COMPONENT, f"programs {policy!r} unsupported (supported: {supported})")
+
+
+def decode_programs(
+    batch: int, num_kv_heads: int, max_splits: int, num_sms: int, policy: str = "request"
+) -> int:
+    """Stage-1 programs per kv head. ``request``: one per request, or ``PROGRAMS_PER_SM`` per
+    SM over the heads where that is more. ``sm``: ``DEFAULT_PROGRAMS_PER_SM`` per SM over the
+    heads, the items there can be (``batch * max_splits``) shared out evenly (e.g. 128
+    one-split requests on 132 SMs and 8 kv heads: 32 programs of 4 items per head, one wave,
+    instead of 128 programs of one). Never more than the items. Depends only on its
+    arguments, so a graph bucket replays the grid it captured.
 
     The grid used to be ``(B, Hkv, max_splits)``, with ``max_splits`` set by the longest
     context allowed: at 256 requests, 8 kv heads and a 40k context limit, 40,960 programs
     per layer of which 2,048 had a split to do."""
-    want = max(batch, -(-PROGRAMS_PER_SM * num_sms // max(1, num_kv_heads)))
-    return max(1, min(batch * max_splits, want))
+    _check_programs(policy)
+    items = max(1, batch * max_splits)
+    heads = max(1, num_kv_heads)
+    if policy == "sm":
+        resident = max(1, -(-DEFAULT_PROGRAMS_PER_SM * num_sms // heads))
+        per_program = -(-items // resident)
+        return -(-items // per_program)
+    want = max(batch, -(-PROGRAMS_PER_SM * num_sms // heads))
+    return max(1, min(items, want))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -892,6 +915,7 @@ def decode_attention(
     arrivals: torch.Tensor | None = None,
     fp8_words: bool | None = None,
     prologue: DecodePrologue | None = None,
+    programs: str = "request",
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -955,6 +979,8 @@ def decode_attention(
             as ``kv_quant.store`` does, with ``kv_scales`` the layer's full row of four), just
             before it reads them back. One launch fewer per layer; the same values as
             ``qk_norm_rope(..., use_triton=True)`` followed by this function without it.
+        programs: how many stage-1 programs take the work list (:func:`decode_programs`):
+            ``request`` (the default) or ``sm`` (one wave of programs, several items each).
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -967,6 +993,7 @@ def decode_attention(
         _check_prologue(prologue, q, k_buffer, v_buffer, kv_scales, head_dim_v)
     if max_splits < 1:
         fail(COMPONENT, f"max_splits {max_splits} unsupported (supported: >= 1)")
+    _check_programs(programs)
     check_block("block_n", block_n)
     check_paged(
         batch, kv_indptr, kv_indices, q, k_buffer=k_buffer, v_buffer=v_buffer, o=o,
@@ -1024,10 +1051,10 @@ def decode_attention(
         (k_buffer.view(torch.int32), v_buffer.view(torch.int32)) if words else (k_buffer, v_buffer)
     )
     group = num_q_heads // num_kv_heads
-    programs = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device))
+    grid = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device), programs)
     pro = prologue or _unread_prologue(q, o, kv_indptr)
     fmt = fp8_format(k_buffer.dtype if k_buffer.dtype in FP8_DTYPES else torch.float8_e4m3fn)
-    _decode_split_kernel[(programs * num_kv_heads,)](
+    _decode_split_kernel[(grid * num_kv_heads,)](
         q,
         k_arg,
         v_arg,

@@ -4,6 +4,8 @@ outputs are those of the separate merge either way."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -147,3 +149,39 @@ def test_a_split_target_below_the_minimum_split_lowers_the_minimum() -> None:
     assert (policy.target_split_len, policy.min_split_len) == (64, 64)
     default = _backend("auto", pool, cache).split_policy
     assert default == _backend("auto", pool, cache, decode_split_target=0).split_policy
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_one_wave_of_programs_gives_the_per_request_grids_output(merge, graph, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``decode_programs = sm``: fewer programs, each taking several work items (across
+    requests, with the look-ahead), and the same attention as a program per request."""
+    bs = 3 * FILLS  # three times the wave: programs of several requests each
+    monkeypatch.setattr(sys.modules[__name__], "MAX_BS", bs)  # (the pool and the backend)
+    layer = AttentionLayer(0, HQ, HKV, D, D, D**-0.5)
+    lens = [CTX - 1 - (97 * i) % 400 for i in range(bs - 1)] + [1]
+    pool, cache, fb = _state(bs, lens)
+    q = torch.randn(bs, HQ, D, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    outs = {}
+    for programs in ("request", "sm"):
+        backend = _backend(merge, pool, cache, decode_programs=programs)
+        if graph:
+            backend.init_graph_state(bs, bs)
+        meta = backend.plan_graph(fb) if graph else backend.plan(fb)
+        step = AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
+        outs[programs] = backend.attend(q, layer, step)
+        if meta.arrivals is not None:
+            assert int(meta.arrivals.abs().sum()) == 0
+    per_head = backend.kernels.decode_programs(bs, HKV, meta.max_splits, SMS, "sm")
+    assert per_head < bs  # the case does give programs several requests' items
+    # The same items in the same order per program's share: bit for bit under the
+    # interpreter; the GPU's programs may finish in another order (fused merge: the same sum)
+    torch.testing.assert_close(outs["sm"], outs["request"], rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_programs_policy_is_refused_naming_the_value_and_the_choices() -> None:
+    pool, cache, _ = _state(1, [4])
+    with pytest.raises(
+        ConfigError, match=r"decode_programs 'all' unsupported \(supported: request, sm\)"
+    ):
+        _backend("auto", pool, cache, decode_programs="all")

@@ -185,6 +185,7 @@ def run_decode(
     arrivals_len: int | None = None,
     arrivals_dtype: torch.dtype = torch.int32,
     fp8_words: bool | None = None,
+    programs: str = "request",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
 
@@ -225,7 +226,7 @@ def run_decode(
     tk.decode_attention(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
         max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words,
+        kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words, programs=programs,
     )  # fmt: skip
     if arrivals is not None:
         assert arrivals.eq(0).all(), "the last split of each request resets its counter"
@@ -1085,6 +1086,29 @@ def test_decode_programs_follow_the_batch_not_the_context_limit() -> None:
     assert tk.decode_programs(8, 8, 20, 132) == 132
     assert tk.decode_programs(1, 8, 33, 132) == 33
     assert tk.decode_programs(1, 1, 1, 132) == 1
+
+
+def test_one_wave_of_programs_shares_the_items_out_evenly() -> None:
+    # "sm": two programs per SM over the heads, the items there can be shared out evenly.
+    assert tk.decode_programs(128, 8, 1, 132, "sm") == 32  # 4 one-split requests each
+    assert tk.decode_programs(256, 8, 1, 132, "sm") == 32  # 8 each
+    assert tk.decode_programs(100, 8, 1, 132, "sm") == 25  # 33 would leave some with 3
+    assert tk.decode_programs(8, 8, 4, 132, "sm") == 32  # fewer items than the wave: one each
+    assert tk.decode_programs(1, 1, 1, 132, "sm") == 1
+    assert tk.decode_programs(2, 8, 4, 1, "sm") == 1
+    with pytest.raises(ValueError, match=r"programs 'wave' unsupported \(supported: request, sm\)"):
+        tk.decode_programs(8, 8, 4, 132, "wave")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_decode_with_one_wave_of_programs_matches_the_oracle(fused: bool) -> None:
+    out, ref = run_decode(
+        [200, 90, 5, 140, 33, 64], num_q_heads=8, num_kv_heads=4, num_splits=[4, 3, 1, 2, 1, 2],
+        programs="sm", fused=fused,
+    )  # fmt: skip
+    assert_close(out, ref, SMALL_TOL[torch.float32])
+    with pytest.raises(ValueError, match=r"programs 'wave' unsupported"):
+        run_decode([20], programs="wave")
 
 
 def test_decode_with_fewer_programs_than_splits_visits_every_split(monkeypatch) -> None:  # type: ignore[no-untyped-def]
