@@ -228,16 +228,23 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
         RuntimeConfig(triton_decode_merge="last")
 
 
-def test_triton_decode_order_is_checked_and_reaches_only_the_triton_backend() -> None:
-    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_ORDER": "request"})
-    assert config.backend_options("triton")["decode_order"] == "request"
-    assert "decode_order" not in config.backend_options("flashinfer")
-    assert RuntimeConfig().backend_options("triton")["decode_order"] == "longest"
-    with pytest.raises(
-        ConfigError,
-        match=r"triton_decode_order 'shortest' unsupported \(supported: longest, request\)",
-    ):
-        RuntimeConfig(triton_decode_order="shortest")
+@pytest.mark.parametrize(
+    ("option", "value", "default", "bad", "accepted"),
+    [
+        ("decode_order", "request", "longest", "shortest", "longest, request"),
+        ("decode_programs", "sm", "request", "wave", "request, sm"),
+    ],
+)
+def test_a_triton_decode_choice_is_checked_and_reaches_only_the_triton_backend(
+    option: str, value: str, default: str, bad: str, accepted: str
+) -> None:
+    key = f"triton_{option}"
+    config = RuntimeConfig.load(environ={f"EXECRT_{key.upper()}": value})
+    assert config.backend_options("triton")[option] == value
+    assert option not in config.backend_options("flashinfer")
+    assert RuntimeConfig().backend_options("triton")[option] == default
+    with pytest.raises(ConfigError, match=rf"{key} '{bad}' unsupported \(supported: {accepted}\)"):
+        RuntimeConfig(**{key: bad})
 
 
 def test_triton_decode_split_target_is_an_int_that_reaches_only_the_triton_backend() -> None:
@@ -246,15 +253,3 @@ def test_triton_decode_split_target_is_an_int_that_reaches_only_the_triton_backe
     assert "decode_split_target" not in config.backend_options("flashinfer")
     with pytest.raises(ConfigError, match=r"triton_decode_split_target must be >= 0.*got -1"):
         RuntimeConfig(triton_decode_split_target=-1)
-
-
-def test_triton_decode_programs_is_checked_and_reaches_only_the_triton_backend() -> None:
-    config = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_PROGRAMS": "sm"})
-    assert config.backend_options("triton")["decode_programs"] == "sm"
-    assert "decode_programs" not in config.backend_options("flashinfer")
-    assert RuntimeConfig().backend_options("triton")["decode_programs"] == "request"
-    with pytest.raises(
-        ConfigError,
-        match=r"triton_decode_programs 'wave' unsupported \(supported: request, sm\)",
-    ):
-        RuntimeConfig(triton_decode_programs="wave")
