@@ -51,6 +51,7 @@ def run_case(
     fused: bool = False,
     max_splits: int = 4,
     seed: int = 0,
+    programs: str = "request",
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     dev, batch, d = SMALL, len(seq_lens), head_dim
@@ -87,7 +88,8 @@ def run_case(
             q_in, k_cache, v_cache, o, indptr, indices, splits,
             torch.full((*part, d), float("nan"), device=dev),
             torch.full(part, float("nan"), device=dev), sm_scale, max_splits, kv_scales=scales,
-            block_n=16, arrivals=arrivals if fused else None, **kw,  # type: ignore[arg-type]
+            block_n=16, arrivals=arrivals if fused else None, programs=programs,
+            **kw,  # type: ignore[arg-type]
         )  # fmt: skip
         assert arrivals.eq(0).all()
         return o
@@ -161,6 +163,8 @@ CASES = {
         fused=True,
     ),  # fmt: skip
     "fp8-e5m2": dict(seq_lens=[30], dtype=torch.float16, kv_dtype=torch.float8_e5m2),
+    # one wave of programs (decode_programs "sm"): each rotates several items' heads first
+    "one-wave-fused": dict(seq_lens=[1, 17, 70, 33, 64, 9, 120], fused=True, programs="sm"),
 }
 
 
@@ -172,11 +176,12 @@ def test_prologue_gives_the_separate_rotation_and_store(case: str) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (compiled Triton kernels)")
 @pytest.mark.parametrize("kv_dtype", [None, FP8])
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_prologue_bf16(kv_dtype: torch.dtype | None, fused: bool) -> None:
-    lens = [1, 200, 1000, 513, 64, 7, 4096, 300]
+@pytest.mark.parametrize("programs", ["request", "sm"])
+def test_gpu_prologue_bf16(kv_dtype: torch.dtype | None, fused: bool, programs: str) -> None:
+    lens = [1, 200, 1000, 513, 64, 7, 4096, 300] * (40 if programs == "sm" else 1)
     run_case(
         lens, num_q_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-        kv_dtype=kv_dtype, kv_scales=(0.5, 2.0), fused=fused, max_splits=16,
+        kv_dtype=kv_dtype, kv_scales=(0.5, 2.0), fused=fused, max_splits=16, programs=programs,
     )  # fmt: skip
 
 
