@@ -158,6 +158,7 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_ym,
     eps,
+    pf_cols,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
     SWIGLU_OUT: tl.constexpr,
@@ -179,8 +180,9 @@ def _skinny_linear_kernel(
     ``SPLIT``: program ``(n, s)`` sums K range ``[s * k_per_split, (s + 1) * k_per_split)``
     into ``part_ptr`` (fp32 ``[splits, BLOCK_M, N or 2N]``) and counts itself in
     ``count_ptr[n]`` (zero on entry and on return); the last of a tile's slices to arrive sums
-    them all in slice order and runs the epilogue. ``PREFETCH``: the program's weight slice
-    is asked of L2 before the wait for the grid ahead (``PF_LINES`` lines per row at a time)."""
+    them all in slice order and runs the epilogue. ``PREFETCH``: the first ``pf_cols``
+    columns of the program's weight slice are asked of L2 before the wait for the grid ahead
+    (``PF_LINES`` lines per row at a time)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
     # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
@@ -192,9 +194,10 @@ def _skinny_linear_kernel(
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
     if PREFETCH:  # no kernel writes a weight: its first loads need not wait for the grid ahead
-        prefetch_rows_l2(w_ptr, rn_ld * K, k_lo, k_hi, PF_LINES)
+        pf_hi = tl.minimum(k_hi, k_lo + pf_cols)
+        prefetch_rows_l2(w_ptr, rn_ld * K, k_lo, pf_hi, PF_LINES)
         if SWIGLU_OUT:
-            prefetch_rows_l2(w_ptr, (rn_ld + N) * K, k_lo, k_hi, PF_LINES)
+            prefetch_rows_l2(w_ptr, (rn_ld + N) * K, k_lo, pf_hi, PF_LINES)
     pdl_prologue(PDL)
     rm = tl.arange(0, BLOCK_M)
     rm_ok = rm < M
@@ -403,6 +406,7 @@ def launch(
         x.stride(0),
         y.stride(0),
         norm.eps if norm is not None else 0.0,
+        prefetch_columns(tile, weight.element_size(), swiglu_out),
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         SWIGLU_OUT=swiglu_out,
@@ -426,6 +430,21 @@ def launch(
         **pdl_kwargs(x.device),
     )
     return y
+
+
+#: Weight bytes one program asks of L2 ahead of its PDL wait, at most (``prefetch_columns``).
+PREFETCH_BYTES = 32 * 1024
+
+
+def prefetch_columns(tile: SkinnyTile, element_size: int, swiglu_out: bool = False) -> int:
+    """Columns of its weight rows a program prefetches ahead of its PDL wait: what covers
+    the first DRAM round trip, ``PREFETCH_BYTES`` over its rows (gate and up rows for
+    ``swiglu_out``), whole ``block_k`` steps and at least one. Capped so that the programs
+    resident at once (a few per SM) ask L2 for far less than it holds: a wide tile's whole
+    slice (the LM head's 128 rows x 1024 columns, 256 KB) would evict itself."""
+    rows = tile.block_n * (2 if swiglu_out else 1)
+    steps = max(1, PREFETCH_BYTES // (rows * element_size * tile.block_k))
+    return steps * tile.block_k
 
 
 # Split-K scratch per device and stream: fp32 partials and int32 arrival counters (zero

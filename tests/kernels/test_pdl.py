@@ -91,3 +91,22 @@ def test_a_decode_layer_chain_gives_the_same_bits_with_and_without_pdl(
         results[disabled + prefetch] = eager
     assert torch.equal(results["00"], results["10"])  # PDL
     assert torch.equal(results["01"], results["10"])  # PDL with the weight prefetch
+
+
+def test_the_weight_prefetch_is_capped_per_program() -> None:
+    """What a program prefetches covers its first DRAM round trip, not its slice: resident
+    programs of a wide tile asking for whole slices would overflow L2 and evict their own
+    lines (the LM head's 128-row tile holds 256 KB per 1024 columns)."""
+    from execrt.kernels.triton_linear import PREFETCH_BYTES, SkinnyTile, prefetch_columns
+
+    narrow = SkinnyTile(block_n=4, block_k=1024)  # the bs-1 tiles
+    assert prefetch_columns(narrow, 2) == 4096  # the 8B shape's 4096-wide rows in full
+    assert prefetch_columns(narrow, 2, swiglu_out=True) == 2048  # gate and up rows
+    wide = SkinnyTile(block_n=128, block_k=256, use_dot=True)
+    assert prefetch_columns(wide, 2) == 256  # one block_k step at least
+    for tile in (narrow, wide, SkinnyTile(block_n=32, block_k=128, use_dot=True)):
+        for size in (1, 2, 4):
+            cols = prefetch_columns(tile, size)
+            assert cols % tile.block_k == 0
+            step = tile.block_n * tile.block_k * size
+            assert tile.block_n * cols * size <= max(PREFETCH_BYTES, step)

@@ -30,6 +30,7 @@ PROBE = textwrap.dedent(
         sig.update(part_ptr="*fp32", count_ptr="*i32")
         sig.update({n: "i32" for n in ("M", "N", "K", "k_per_split", "stride_xm", "stride_ym")})
         sig["eps"] = "fp32"
+        sig["pf_cols"] = "i32"
         const = dict(HAS_BIAS=False, SWIGLU=False, SWIGLU_OUT=swiglu_out, NORM=False, ADD=False,
                      LATE_NORM=False, USE_DOT=False, EVEN_K=True, BLOCK_M=1,
                      BLOCK_N=4, BLOCK_K=512, SPLIT=split, PDL=True, PREFETCH=prefetch,
