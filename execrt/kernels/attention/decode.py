@@ -163,6 +163,13 @@ PROGRAMS_PER_SM = 8
 DECODE_PROGRAMS = ("request", "sm")
 
 
+def prefetch_tokens(block_n: int) -> int:
+    """Tokens of its first item a split program prefetches ahead of its PDL wait: the first
+    two blocks, up to 128 tokens (64 KB of 128-dim bf16 K and V per program, so the programs
+    resident at once ask L2 for far less than it holds), one block at least."""
+    return min(2 * block_n, max(block_n, 128))
+
+
 def _check_programs(policy: str) -> None:
     if policy not in DECODE_PROGRAMS:
         supported = ", ".join(DECODE_PROGRAMS)
@@ -365,6 +372,7 @@ def _decode_split_kernel(
     num_ids,
     num_slots,
     PREFETCH: tl.constexpr,
+    PF_TOKENS: tl.constexpr,
     PF_LINES_K: tl.constexpr,
     PF_LINES_V: tl.constexpr,
 ):
@@ -375,7 +383,8 @@ def _decode_split_kernel(
             v_ptr + (tl.program_id(0) % num_kv_heads) * stride_vh,
             tl.program_id(0) // num_kv_heads, batch, num_ids, num_slots, max_splits, stride_ks,
             stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
-            HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_LINES_K, PF_LINES_V,
+            HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_TOKENS, PF_LINES_K,
+            PF_LINES_V,
         )  # fmt: skip
     pdl_prologue(PDL)
     # One axis, kv head fastest: the GPU hands out programs in launch order, so every kv head
@@ -452,7 +461,7 @@ def _decode_split_kernel(
                 _prefetch_span(
                     kv_indices_ptr, k_base, v_base, kv_start_n, lo_n, hi_n, num_ids, num_slots,
                     stride_ks, stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
-                    HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_LINES_K,
+                    HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, PF_TOKENS, PF_LINES_K,
                     PF_LINES_V,
                 )  # fmt: skip
         q_n, ids_n = _item_inputs(
@@ -476,9 +485,10 @@ def _decode_split_kernel(
 def _prefetch_item(
     work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr, k_base, v_base, item, batch,
     num_ids, num_slots, max_splits, stride_ks, stride_vs, ROW_K: tl.constexpr,
-    ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, LINES_K: tl.constexpr, LINES_V: tl.constexpr,
+    ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, LINES_K: tl.constexpr,
+    LINES_V: tl.constexpr,
 ):  # fmt: skip
-    """``_prefetch_span`` of ``item``'s first blocks, from its work-list record. Issued before
+    """``_prefetch_span`` of ``item``'s first tokens, from its work-list record. Issued before
     the PDL wait, it may read a work list, lengths or slot ids that the grid ahead is still
     writing (a caller that builds them just before this launch); so every address is clamped
     into its buffer, and stale values only fetch lines nobody reads."""
@@ -489,22 +499,22 @@ def _prefetch_item(
     )
     _prefetch_span(
         kv_indices_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots, stride_ks,
-        stride_vs, ROW_K, ROW_V, BLOCK_N, LINES_K, LINES_V,
+        stride_vs, ROW_K, ROW_V, TOKENS, LINES_K, LINES_V,
     )  # fmt: skip
 
 
 @triton.jit
 def _prefetch_span(
     kv_indices_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots, stride_ks, stride_vs,
-    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK_N: tl.constexpr, LINES_K: tl.constexpr,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, TOKENS: tl.constexpr, LINES_K: tl.constexpr,
     LINES_V: tl.constexpr,
 ):  # fmt: skip
     """``prefetch_l2`` of the K and V rows (``ROW_K``/``ROW_V`` elements of the base pointers'
-    type) of tokens ``[lo, lo + 2 * BLOCK_N)`` of ``[lo, hi)``, whose slot ids start at
+    type) of tokens ``[lo, lo + TOKENS)`` of ``[lo, hi)``, whose slot ids start at
     ``kv_start`` in ``kv_indices``: what a split's first loads wait for. Slot-id positions
     and slots are clamped into ``[0, num_ids)`` and ``[0, num_slots)``."""
     if lo < hi:
-        t = kv_start + lo + tl.minimum(tl.arange(0, 2 * BLOCK_N), hi - lo - 1)
+        t = kv_start + lo + tl.minimum(tl.arange(0, TOKENS), hi - lo - 1)
         t = tl.minimum(tl.maximum(t, 0), num_ids - 1)
         ids = tl.load(kv_indices_ptr + t).to(tl.int64)
         ids = tl.minimum(tl.maximum(ids, 0), num_slots - 1)
@@ -1134,6 +1144,7 @@ def decode_attention(
         num_ids=max(1, kv_indices.numel()),
         num_slots=k_arg.shape[0],
         PREFETCH=prefetch and kv_indices.numel() > 0,
+        PF_TOKENS=prefetch_tokens(block_n),
         PF_LINES_K=next_power_of_2(cdiv(head_dim * k_buffer.element_size(), 128)),
         PF_LINES_V=next_power_of_2(cdiv(head_dim_v * v_buffer.element_size(), 128)),
         num_warps=num_warps,
