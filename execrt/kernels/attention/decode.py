@@ -287,7 +287,9 @@ def _load_v_words(v_words, slots, mask_n, stride_vs, HEAD_DIM_V: tl.constexpr,
     return tl.reshape(quads, (slots.shape[0], BLOCK_DV))
 
 
-@triton.jit
+# The prefetch's bounds vary step to step (the batch, the context lengths' sum): not
+# specialised, they add no compiled variants (divisible by 16, equal to 1) to a serving run.
+@triton.jit(do_not_specialize=["batch", "num_ids", "num_slots"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
