@@ -32,6 +32,18 @@ class TestTritonAttentionFusedMerge(AttentionBackendSuite):
         return case.get("mode") != "extend"
 
 
+class TestTritonAttentionOneWave(AttentionBackendSuite):
+    # decode_programs "sm": one wave of split programs, each taking several requests' items
+    # (on the interpreter's one SM: one program per kv head). Extend is unaffected.
+    backend = "triton"
+    options = {"decode_programs": "sm"}
+    prologue_options = {"decode_prologue": "on"}  # each program rotates all its items' heads
+
+    @classmethod
+    def keep_case(cls, test_name: str, case: Case) -> bool:
+        return case.get("mode") != "extend"
+
+
 class TestFlashInferAttention(AttentionBackendSuite):
     # Registered but unusable without CUDA and the flashinfer module: every case skips saying so.
     # Its default prefill is FA3 on sm90 (the H200), FA2 elsewhere; the class below runs FA2.
