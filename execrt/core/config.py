@@ -268,9 +268,9 @@ def _coerce(key: str, value: str, type_name: str, source: str) -> Any:
     try:
         if type_name == "bool":
             lowered = text.lower()
-            if lowered in {"1", "true", "yes", "on"}:
+            if lowered in envs.TRUE_WORDS:
                 return True
-            if lowered in {"0", "false", "no", "off"}:
+            if lowered in envs.FALSE_WORDS:
                 return False
             raise ValueError
         if type_name == "int":

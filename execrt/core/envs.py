@@ -46,10 +46,15 @@ NON_CONFIG = frozenset(
 )
 
 
+#: How a boolean is written in a variable (and a config value): true and false.
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """True when the variable is set to a truthy value (1, true, yes, on)."""
     value = (environ if environ is not None else os.environ).get(name, "")
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    return value.strip().lower() in TRUE_WORDS
 
 
 #: The variables that change which kernels run or how they launch (not config keys): what a

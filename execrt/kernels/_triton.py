@@ -211,8 +211,7 @@ def pdl_prefetch(device: torch.device, kernel: str) -> bool:
         return False
     value = os.environ.get(envs.PDL_PREFETCH, "")
     names = {n.strip().lower() for n in value.split(",") if n.strip()}
-    switches = {"1", "true", "yes", "on", "0", "false", "no", "off"}
-    unknown = names - set(PREFETCHING_KERNELS) - switches
+    unknown = names - set(PREFETCHING_KERNELS) - envs.TRUE_WORDS - envs.FALSE_WORDS
     if unknown:
         raise ConfigError(
             f"{envs.PDL_PREFETCH}={value!r}: {sorted(unknown)} unknown; accepted: 1 or 0, or "
