@@ -29,6 +29,7 @@ TRITON_DECODE_MERGE = ("separate", "fused", "auto")
 TRITON_DECODE_ORDER = ("longest", "request")
 #: the triton backend's decode q/k norm, RoPE and K/V store: inside the split launch, or not
 TRITON_DECODE_PROLOGUE = ("off", "on")
+#: the triton backend's decode split grid: a program per request at least, or one wave
 TRITON_DECODE_PROGRAMS = ("request", "sm")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.core.config import TRITON_DECODE_PROGRAMS
 from execrt.core.kv_quant import FP8_DTYPES, K_INV_SCALE, V_INV_SCALE, fp8_format
 from execrt.kernels._triton import (
     cdiv,
@@ -159,8 +160,9 @@ def tile_table_json(tiles: dict[int, dict[int, DecodeTiles]], **provenance: Any)
 PROGRAMS_PER_SM = 8
 #: How ``decode_programs`` sizes the grid: ``request`` (a program per request at the least)
 #: or ``sm`` (``DEFAULT_PROGRAMS_PER_SM`` resident programs per SM, each taking an equal share
-#: of the work items, so every program runs the look-ahead over several items).
-DECODE_PROGRAMS = ("request", "sm")
+#: of the work items, so every program runs the look-ahead over several items); the values of
+#: the triton backend's ``decode_programs`` option.
+DECODE_PROGRAMS = TRITON_DECODE_PROGRAMS
 
 
 def prefetch_tokens(block_n: int) -> int:
