@@ -110,8 +110,8 @@ def compile_split_kernel(
         "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
         "BLOCK_HALF": 64, "BLOCK_G": group, "FP8_MAX": 448.0, "FP8_MANT": 3, "FP8_EMIN": -6,
         "K_INV": 2, "V_INV": 3, "PREFETCH": prefetch, "PF_TOKENS": D.prefetch_tokens(block_n),
-        "PF_LINES_K": 2 if kv == "bf16" else 1,
-        "PF_LINES_V": 2 if kv == "bf16" else 1,
+        "PF_LINES_K": D.prefetch_lines(128, KV_TYPES[kv][1]),
+        "PF_LINES_V": D.prefetch_lines(128, KV_TYPES[kv][1]),
     }  # fmt: skip
     # What the JIT specializes for real tensors: 16-byte aligned pointers, strides that are
     # multiples of 16 elements (the per-head lse stride is the split count: not assumed).

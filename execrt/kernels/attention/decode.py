@@ -172,6 +172,11 @@ def prefetch_tokens(block_n: int) -> int:
     return min(2 * block_n, max(block_n, 128))
 
 
+def prefetch_lines(head_dim: int, element_size: int) -> int:
+    """128-byte lines of one K or V row of a kv head (a power of two: the prefetch's width)."""
+    return next_power_of_2(cdiv(head_dim * element_size, 128))
+
+
 def _check_programs(policy: str) -> None:
     if policy not in DECODE_PROGRAMS:
         supported = ", ".join(DECODE_PROGRAMS)
@@ -380,17 +385,6 @@ def _decode_split_kernel(
     PF_LINES_K: tl.constexpr,
     PF_LINES_V: tl.constexpr,
 ):
-    if PREFETCH:  # the first item's first K/V rows, before the wait (see _prefetch_item)
-        _prefetch_item(
-            work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr,
-            k_ptr + (tl.program_id(0) % num_kv_heads) * stride_kh,
-            v_ptr + (tl.program_id(0) % num_kv_heads) * stride_vh,
-            tl.program_id(0) // num_kv_heads, batch, num_ids, num_slots, max_splits, stride_ks,
-            stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
-            HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, BLOCK_N, PF_TOKENS, PF_LINES_K,
-            PF_LINES_V,
-        )  # fmt: skip
-    pdl_prologue(PDL)
     # One axis, kv head fastest: the GPU hands out programs in launch order, so every kv head
     # takes the work list's items in its order together (longest first, when the list is
     # built so: the last programs to start are then the shortest, and a ragged batch ends
@@ -402,10 +396,20 @@ def _decode_split_kernel(
     # program is launched only to find its split empty, and a long request's splits still
     # run on programs of their own.
     programs = tl.num_programs(0) // num_kv_heads
-    n_items = tl.load(work_ptr)
     item = pid // num_kv_heads
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
+    # A K and a V row in elements of the base pointers' type (int32 words: four fp8 values)
+    PF_ROW_K: tl.constexpr = HEAD_DIM // 4 if F8_WORDS else HEAD_DIM
+    PF_ROW_V: tl.constexpr = HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V
+    if PREFETCH:  # the first item's first K/V rows, before the wait (see _prefetch_item)
+        _prefetch_item(
+            work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr, k_base, v_base, item,
+            batch, num_ids, num_slots, max_splits, stride_ks, stride_vs, PF_ROW_K, PF_ROW_V,
+            BLOCK_N, PF_TOKENS, PF_LINES_K, PF_LINES_V,
+        )  # fmt: skip
+    pdl_prologue(PDL)
+    n_items = tl.load(work_ptr)
     # An item's inputs are a chain of loads (its record, its request's lengths, its slot ids,
     # then K/V): loaded in its own turn, each is a round trip before the item's first K/V
     # block. So the program loads them ahead: the record two items ahead, the lengths one item
@@ -464,9 +468,7 @@ def _decode_split_kernel(
             if item + programs < n_items:
                 _prefetch_span(
                     kv_indices_ptr, k_base, v_base, kv_start_n, lo_n, hi_n, num_ids, num_slots,
-                    stride_ks, stride_vs, HEAD_DIM // 4 if F8_WORDS else HEAD_DIM,
-                    HEAD_DIM_V // 4 if F8_WORDS else HEAD_DIM_V, PF_TOKENS, PF_LINES_K,
-                    PF_LINES_V,
+                    stride_ks, stride_vs, PF_ROW_K, PF_ROW_V, PF_TOKENS, PF_LINES_K, PF_LINES_V,
                 )  # fmt: skip
         q_n, ids_n = _item_inputs(
             q_src, kv_indices_ptr, kv_scales_ptr, kv_head, b_n, kv_start_n, lo_n, hi_n,
@@ -1149,8 +1151,8 @@ def decode_attention(
         num_slots=k_arg.shape[0],
         PREFETCH=prefetch and kv_indices.numel() > 0,
         PF_TOKENS=prefetch_tokens(block_n),
-        PF_LINES_K=next_power_of_2(cdiv(head_dim * k_buffer.element_size(), 128)),
-        PF_LINES_V=next_power_of_2(cdiv(head_dim_v * v_buffer.element_size(), 128)),
+        PF_LINES_K=prefetch_lines(head_dim, k_buffer.element_size()),
+        PF_LINES_V=prefetch_lines(head_dim_v, v_buffer.element_size()),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs(q.device),
