@@ -381,6 +381,7 @@ def launch(
     block_m = block_m_for(m, tile.use_dot)
     # Whole BLOCK_K steps per slice; fewer slices where K has fewer steps than split_k.
     k_per_split = cdiv(cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    pf_cols = prefetch_columns(tile, weight.element_size(), swiglu_out)
     splits = cdiv(k, k_per_split)
     if splits > 1:
         width = 2 * n if swiglu_out else n
@@ -406,7 +407,7 @@ def launch(
         x.stride(0),
         y.stride(0),
         norm.eps if norm is not None else 0.0,
-        prefetch_columns(tile, weight.element_size(), swiglu_out),
+        pf_cols,
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         SWIGLU_OUT=swiglu_out,
@@ -422,10 +423,10 @@ def launch(
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         PREFETCH=pdl_prefetch(x.device, "linear"),
-        # a pass's lines: about one per thread, no more than a row's slice holds
+        # a pass's lines: about one per thread, no more than a row's prefetch holds
         PF_LINES=min(
             max(1, 32 * tile.num_warps // tile.block_n),
-            next_power_of_2(cdiv(k_per_split * weight.element_size(), 128)),
+            next_power_of_2(cdiv(min(k_per_split, pf_cols) * weight.element_size(), 128)),
         ),
         **pdl_kwargs(x.device),
     )
