@@ -230,11 +230,20 @@ def run_decode(
     )  # fmt: skip
     if arrivals is not None:
         assert arrivals.eq(0).all(), "the last split of each request resets its counter"
-    ref = torch.zeros_like(o, dtype=torch.float64)
-    for b in range(batch):
+    return o, decode_reference(q, read, seq_lens, sm_scale)
+
+
+def decode_reference(
+    q: torch.Tensor, read: Cache, seq_lens: list[int], sm_scale: float
+) -> torch.Tensor:
+    """float64 ``[B, Hq, Dv]``: each request's query over its whole context in ``read``."""
+    ref = torch.zeros(
+        q.shape[0], q.shape[1], read.v.shape[-1], dtype=torch.float64, device=q.device
+    )
+    for b in range(len(seq_lens)):
         last = torch.tensor([seq_lens[b] - 1])
         ref[b] = ref_attention(q[b : b + 1], *read.context(b), last, sm_scale)[0]
-    return o, ref
+    return ref
 
 
 def fp8_cache(
@@ -958,11 +967,7 @@ def test_gpu_the_kv_prefetch_changes_no_bit_even_over_a_stale_work_list(
 
     off, on = launches("0"), launches("decode")
     assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
-    ref = torch.zeros_like(on[0], dtype=torch.float64)
-    for b in range(batch):
-        last = torch.tensor([seq_lens[b] - 1])
-        ref[b] = ref_attention(q[b : b + 1], *read.context(b), last, d**-0.5)[0]
-    assert_close(on[0], ref, GPU_TOL[torch.bfloat16])
+    assert_close(on[0], decode_reference(q, read, seq_lens, d**-0.5), GPU_TOL[torch.bfloat16])
 
 
 def test_fill_kv_index_writes_indptr_and_indices_into_static_buffers() -> None:
