@@ -1,6 +1,6 @@
 """Causal extend (prefill on top of a cached prefix) over the page-size-1 cache.
 
-Two kernels, one launch function (:func:`extend_attention`):
+Three kernels, one launch function (:func:`extend_attention`):
 
 - ``gather`` reads every context row (prefix and new tokens) from the cache through its slot
   id. It needs nothing but the cache, reads an fp8 cache, and runs on every device.
@@ -10,6 +10,10 @@ Two kernels, one launch function (:func:`extend_attention`):
   through tensor descriptors, and the causal diagonal lines up with the query tiles instead of
   with the prefix length. Chosen when the caller hands the new K/V, the cache is in ``q``'s
   dtype and the GPU is sm90+ (or the interpreter), unless the tuned table says ``gather`` won.
+- ``ws`` (:mod:`execrt.kernels.attention.extend_ws`) reads what ``gather`` reads, with a
+  producer warp group gathering K/V into shared memory while the consumer warps run the
+  wgmmas and the softmax (Gluon, sm90, 16-bit caches). Chosen where the GPU's tuned table
+  says it won, or asked for by name.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from execrt.kernels.attention.common import (
     check_qkvo,
     fp16_dots,
 )
+from execrt.kernels.attention.extend_ws import (
+    launch_ws,
+    ws_tiles_unsupported,
+    ws_unsupported,
+)
 from execrt.kernels.triton_dot import dot
 
 try:  # host-side TMA descriptors (triton >= 3.3)
@@ -50,8 +59,8 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover - older triton: the fresh kernel loads without TMA
     TensorDescriptor = None
 
-GATHER, FRESH = "gather", "fresh"
-KERNELS = (GATHER, FRESH)
+GATHER, FRESH, WS = "gather", "fresh", "ws"
+KERNELS = (GATHER, FRESH, WS)
 
 # ----------------------------------------------------------------------------------------------
 # Tile choices
@@ -88,6 +97,16 @@ _GPU_TILES: dict[tuple[int, int], ExtendTiles] = {
     (4, 64): ExtendTiles(64, 32, 4, 2),
     (4, 128): ExtendTiles(32, 32, 4, 2),
     (4, 256): ExtendTiles(32, 16, 4, 2),
+}
+
+# The warp-specialised kernel (``ws``), keyed by padded head dim: a 128-row query tile over two
+# consumer warp groups, 128-token K/V blocks in a ring of 2 (D 128: 160 KB with the query
+# tile) or 3 (D 64: 112 KB) stages. From sm90 AOT compiles (triton 3.6): no spills in the
+# consumers, 12 spill instructions in the producer's loop-carried ids. Untimed until a GPU
+# tuning run: :func:`choose_kernel` takes it only from a tuned table.
+_WS_TILES: dict[int, ExtendTiles] = {
+    64: ExtendTiles(128, 128, 8, 3),
+    128: ExtendTiles(128, 128, 8, 2),
 }
 
 # Under the CPU interpreter every tl op is a NumPy call per program: mid-sized tiles keep the
@@ -220,9 +239,13 @@ def table_entry(dtype: torch.dtype, head_dim: int, device: torch.device) -> Tabl
     )
 
 
-def _builtin_choice(dtype: torch.dtype, head_dim: int, device: torch.device) -> ExtendChoice:
+def _builtin_choice(
+    dtype: torch.dtype, head_dim: int, device: torch.device, kernel: str
+) -> ExtendChoice:
     if device.type != "cuda":
         return ExtendChoice(_CPU_TILES)
+    if kernel == WS and pow2_at_least(head_dim) in _WS_TILES:
+        return ExtendChoice(_WS_TILES[pow2_at_least(head_dim)])
     key = (4 if dtype == torch.float32 else 2, pow2_at_least(head_dim))
     return ExtendChoice(_GPU_TILES[key])
 
@@ -237,7 +260,7 @@ def extend_choice(
     entry = table_entry(dtype, head_dim, device)
     if entry is not None and kernel in entry.choices:
         return entry.choices[kernel]
-    return _builtin_choice(dtype, head_dim, device)
+    return _builtin_choice(dtype, head_dim, device, kernel)
 
 
 def fresh_supported(q: torch.Tensor, k_buffer: torch.Tensor, kv_scales: object) -> str | None:
@@ -263,18 +286,27 @@ def choose_kernel(
     k_new: torch.Tensor | None,
     kv_scales: object,
     head_dim: int,
+    *,
+    v_buffer: torch.Tensor | None = None,
+    head_dim_v: int | None = None,
 ) -> str:
-    """``fresh`` when the new K/V were handed, the fresh kernel serves the cache and the
-    device (see :func:`fresh_supported`), and this GPU's tuned table measured it faster
-    (``use``); else ``gather``. A GPU without a table keeps ``gather``: the fresh kernel
-    becomes a default only where a tuning run on that GPU checked and timed it. Under the
-    Triton interpreter (CPU) it is the default, so the CPU tests run it."""
+    """The kernel this GPU's tuned table measured fastest (``use``) where it can serve the
+    call; else ``fresh`` when the new K/V were handed and the fresh kernel serves the cache
+    and the device (see :func:`fresh_supported`) and the table lists it; else ``gather``. A
+    GPU without a table keeps ``gather``: another kernel becomes a default only where a
+    tuning run on that GPU checked and timed it. Under the Triton interpreter (CPU) ``fresh``
+    is the default, so the CPU tests run it; ``ws`` never runs there."""
+    entry = table_entry(q.dtype, head_dim, q.device)
+    if entry is not None and entry.use == WS:
+        v = k_buffer if v_buffer is None else v_buffer
+        dv = head_dim if head_dim_v is None else head_dim_v
+        if ws_unsupported(q, k_buffer, v, kv_scales, head_dim, dv) is None:
+            return WS
     if k_new is None or fresh_supported(q, k_buffer, kv_scales) is not None:
         return GATHER
-    entry = table_entry(q.dtype, head_dim, q.device)
     if entry is None:
         return FRESH if q.device.type == "cpu" else GATHER
-    return entry.use
+    return FRESH if entry.use == FRESH or (entry.use == WS and FRESH in entry.choices) else GATHER
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,15 +795,19 @@ def extend_attention(
             holds at the new tokens' slots); rows and heads may be strided, the last dim must
             be contiguous. Enables the fresh kernel.
         v_new: ``[T, Hkv, Dv]`` this step's values, likewise; given with ``k_new`` or not at all.
-        kernel: ``"gather"`` or ``"fresh"`` (needs ``k_new`` / ``v_new`` and a cache in
-            ``q``'s dtype); ``None``: :func:`choose_kernel`.
+        kernel: ``"gather"``, ``"fresh"`` (needs ``k_new`` / ``v_new`` and a cache in
+            ``q``'s dtype) or ``"ws"`` (CUDA sm90, a 16-bit cache in ``q``'s dtype, equal head
+            dims of 64 or 128; see :func:`~execrt.kernels.attention.extend_ws.ws_unsupported`);
+            ``None``: :func:`choose_kernel`.
         tma: fresh kernel: load the new K/V through TMA tensor descriptors (CUDA sm90+, pow2
             head dims, 16-byte aligned rows); ``None``: the table's choice where TMA is
             possible. ``True`` where it is not is refused; the interpreter runs either.
         block_m: rows per query tile (power of two >= 16); ``None``: :func:`extend_choice`.
         block_n: context tokens per loop step (power of two >= 16); ``None`` likewise.
-        num_warps: warps per program; ``None`` likewise.
-        num_stages: software pipelining depth of the loops; ``None`` likewise.
+        num_warps: warps per program (``ws``: its consumer warps; 4 producer warps come on
+            top); ``None`` likewise.
+        num_stages: software pipelining depth of the loops (``ws``: K/V buffers in its
+            ring); ``None`` likewise.
         heads_per_tile: query heads packed into a tile, a divisor of ``Hq // Hkv`` that is
             ``<= block_m``; ``None``: the tuned table's, else the largest such divisor.
         pairs_per_chunk: (request, head block) pairs per schedule chunk (>= 1); ``None``:
@@ -790,13 +826,19 @@ def extend_attention(
     _check_new_kv(q, k_new, v_new, num_kv_heads, head_dim, head_dim_v)
     block_dim = max(head_dim, head_dim_v)
     if kernel is None:
-        kernel = choose_kernel(q, k_buffer, k_new, kv_scales, block_dim)
+        kernel = choose_kernel(
+            q, k_buffer, k_new, kv_scales, block_dim, v_buffer=v_buffer, head_dim_v=head_dim_v
+        )
     elif kernel not in KERNELS:
         fail(COMPONENT, f"kernel {kernel!r} unsupported (supported: {', '.join(KERNELS)})")
     elif kernel == FRESH:
         why = "no k_new / v_new given" if k_new is None else fresh_supported(q, k_buffer, kv_scales)
         if why is not None:
             fail(COMPONENT, f"kernel 'fresh' cannot run this call: {why}")
+    elif kernel == WS:
+        why = ws_unsupported(q, k_buffer, v_buffer, kv_scales, head_dim, head_dim_v)
+        if why is not None:
+            fail(COMPONENT, f"kernel 'ws' cannot run this call: {why}")
     choice = extend_choice(q.dtype, block_dim, q.device, kernel)
     tiles = choice.tiles
     block_m = tiles.block_m if block_m is None else block_m
@@ -828,6 +870,12 @@ def extend_attention(
         qo_indptr=qo_indptr, prefix_lens=prefix_lens,
         **({} if kv_scales is None else {"kv_scales": kv_scales}),
     )  # fmt: skip
+    warps = tiles.num_warps if num_warps is None else num_warps
+    stages = tiles.num_stages if num_stages is None else num_stages
+    if kernel == WS:
+        why = ws_tiles_unsupported(block_m, block_n, warps, stages, block_dim, q.element_size())
+        if why is not None:
+            fail(COMPONENT, f"tiles unsupported by kernel 'ws': {why}")
     use_tma = False
     if kernel == FRESH:
         possible = _tma_possible(k_new, v_new, head_dim, head_dim_v, block_n)  # type: ignore[arg-type]
@@ -847,6 +895,14 @@ def extend_attention(
         kv_bound = max_extend_len if max_kv_len is None else max(max_kv_len, max_extend_len)
         pairs_per_chunk = _pairs_per_chunk(num_pairs, kv_bound, row_bytes, _l2_bytes(q.device))
     pairs_per_chunk = min(pairs_per_chunk, num_pairs)
+    if kernel == WS:
+        launch_ws(
+            q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens,
+            sm_scale * LOG2E, (num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk),
+            group=group, heads=heads, block_m=block_m, block_n=block_n, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+        return
     grid = (num_pairs * num_m_tiles,)
     common = dict(
         GROUP=group,
@@ -857,8 +913,8 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
-        num_warps=tiles.num_warps if num_warps is None else num_warps,
-        num_stages=tiles.num_stages if num_stages is None else num_stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     if kernel == FRESH:
         assert k_new is not None and v_new is not None

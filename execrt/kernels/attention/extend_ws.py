@@ -1,0 +1,414 @@
+"""Warp-specialised extend kernel for Hopper, written in Gluon (``kernel="ws"``).
+
+The Triton extend kernels (:mod:`execrt.kernels.attention.extend`) run one instruction stream
+per program: each K/V block's gather, both wgmmas and the softmax take turns, and Triton
+3.6's automatic warp specialisation leaves such a loop unpartitioned on sm90 (see
+docs/kernels.md). FlashAttention-3 gets its last third from splitting the program into
+warp groups with separate jobs. This kernel does that with Gluon's explicit partitions:
+
+- **producer** (``LOAD_WARPS`` warps, few registers): walks the tile's context blocks,
+  loads each block's slot ids one block ahead, and gathers the K and V rows with ``cp.async``
+  into a ring of ``STAGES`` shared-memory buffers. Every producer thread signals a block's
+  K (then V) buffer full with ``cp.async.mbarrier.arrive.noinc``, which fires once that
+  thread's copies have landed, so the barrier completes when all of them have.
+- **consumer** (the default partition, ``num_warps`` warps: one wgmma row block of 16 rows
+  per warp): the query tile in shared memory, then per block ``S = Q K^T`` (async wgmma, K
+  read transposed from shared memory), the online softmax in registers (exp2, scale folded
+  in, masks only on the diagonal blocks), and ``O += P V`` with P fed from registers. The
+  ``P V`` product of block ``j`` runs on the tensor cores while the softmax of block
+  ``j + 1`` runs on the ALUs (``OVERLAP``): QK of block j+1 is issued first, then PV of
+  block j, and the first wait returns the scores while PV is still in flight. Every
+  consumer thread releases a buffer once its wgmmas that read it are done.
+
+Tiles and the schedule are the gather kernel's: a tile is ``BLOCK_M // HEADS`` consecutive
+new tokens times ``HEADS`` query heads of one kv head, and the 1-D grid runs (request, head
+block) pairs in L2-sized chunks, longest tiles first. The context comes from the cache
+through its slot ids (page size 1), prefix and new tokens alike.
+
+Scope: CUDA sm90 with Gluon (triton >= 3.6), q and cache in fp16 or bf16 (no fp8 cache),
+equal power-of-two head dims 64 or 128 for K and V. Gluon kernels do not run under the
+Triton interpreter; :func:`ws_unsupported` says why a call cannot run here, and
+:mod:`execrt.kernels.attention.extend` keeps the other kernels for those calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from execrt.kernels._triton import cuda_capability, interpreter_enabled
+
+try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # cp.async into shared memory: ``async_copy_global_to_shared`` in triton 3.6 (the H200's),
+    # renamed ``async_load`` by 3.9 (the same arguments).
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    GLUON_IMPORT_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - depends on the installed triton
+    GLUON_IMPORT_ERROR = f"this triton has no Gluon ({exc})"
+
+WS_HEAD_DIMS = (64, 128)
+WS_DTYPES = (torch.float16, torch.bfloat16)
+# Producer side: one warp group gathering with cp.async. 56 registers hold a 128 x 128 block's
+# row offsets and masks, spilling only the loop-carried ids (sm90 AOT, triton 3.6: 12 spill
+# instructions at 56, 54 at 40); 8 consumer warps then keep 224 registers each (65,536 per
+# SM over 12 warps).
+LOAD_WARPS = 4
+LOAD_REGS = 56
+INT32_LIMIT = 2**31  # the producer's row offsets (slot x row stride) are int32
+
+
+def ws_unsupported(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_scales: object,
+    head_dim: int,
+    head_dim_v: int,
+) -> str | None:
+    """Why the warp-specialised kernel cannot run this call, or None when it can."""
+    if GLUON_IMPORT_ERROR is not None:
+        return GLUON_IMPORT_ERROR
+    if q.device.type != "cuda" or interpreter_enabled():
+        return "it is a Gluon kernel: CUDA only, never the Triton interpreter"
+    if cuda_capability(q.device)[0] != 9:
+        major, minor = cuda_capability(q.device)
+        return f"sm{major}{minor} (it uses Hopper's wgmma: sm90 only)"
+    if q.dtype not in WS_DTYPES or k_buffer.dtype != q.dtype or kv_scales is not None:
+        return f"q {q.dtype} / cache {k_buffer.dtype} (it reads fp16 or bf16 caches in q's dtype)"
+    if head_dim != head_dim_v or head_dim not in WS_HEAD_DIMS:
+        return f"head dims {head_dim}/{head_dim_v} (it takes equal head dims in {WS_HEAD_DIMS})"
+    if max(k_buffer.numel(), v_buffer.numel()) >= INT32_LIMIT:
+        return "a cache of 2^31 elements or more (its row offsets are int32)"
+    return None
+
+
+if GLUON_IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _ws_tile(
+        qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks, num_pairs,
+        pairs_per_chunk, GROUP: gl.constexpr, HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """This program's tile, as the gather kernel's ``_tile_coords`` / ``_tile_rows`` give
+        it: ``(head0, kv_head, q_start, extend_len, kv_start, prefix, tok0, kv_hi,
+        full_hi)``. Context ``[0, full_hi)`` is seen by every row (whole blocks), ``[full_hi,
+        kv_hi)`` holds the diagonal; a tile past its request's new tokens has ``kv_hi = 0``.
+        Both partitions call it (a worker takes no tensors from the default partition)."""
+        TOKENS: gl.constexpr = BLOCK_M // HEADS
+        pid = gl.program_id(0)
+        chunk_programs = pairs_per_chunk * num_m_tiles
+        chunk = pid // chunk_programs
+        local = pid - chunk * chunk_programs
+        first_pair = chunk * pairs_per_chunk
+        width = gl.minimum(pairs_per_chunk, num_pairs - first_pair)
+        m_tile = num_m_tiles - 1 - local // width
+        pair = first_pair + local % width
+        b = pair // num_head_blocks
+        head0 = (pair - b * num_head_blocks) * HEADS
+        kv_head = head0 // GROUP
+        q_start = gl.load(qo_indptr_ptr + b).to(gl.int32)
+        extend_len = gl.load(qo_indptr_ptr + b + 1).to(gl.int32) - q_start
+        kv_start = gl.load(kv_indptr_ptr + b).to(gl.int32)
+        kv_len = gl.load(kv_indptr_ptr + b + 1).to(gl.int32) - kv_start
+        prefix = gl.load(prefix_lens_ptr + b).to(gl.int32)
+        tok0 = m_tile * TOKENS
+        last_tok = gl.minimum(tok0 + TOKENS, extend_len) - 1
+        kv_hi = gl.minimum(prefix + last_tok + 1, kv_len)
+        full_hi = gl.minimum(prefix + tok0 + 1, kv_hi) // BLOCK_N * BLOCK_N
+        if tok0 >= extend_len:
+            kv_hi = 0
+            full_hi = 0
+        return head0, kv_head, q_start, extend_len, kv_start, prefix, tok0, kv_hi, full_hi
+
+    @gluon.constexpr_function
+    def _row_layout(rows, head_dim, warps):
+        """Rows of ``head_dim`` 16-bit values in 16-byte pieces: a warp covers whole rows."""
+        lanes_d = min(32, head_dim // 8)
+        return gl.BlockedLayout([1, 8], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
+
+    @gluon.jit
+    def _ws_producer(
+        k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
+        num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks, stride_kh,
+        stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP: gl.constexpr,
+        HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """Gather the tile's context blocks into the ring (see the module docstring)."""
+        _h, kv_head, _qs, _el, kv_start, _p, _t, kv_hi, _f = _ws_tile(
+            qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
+            num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        layout: gl.constexpr = _row_layout(BLOCK_N, HEAD_DIM, LOAD_WARPS)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
+        v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
+        idx_base = kv_indices_ptr + kv_start
+        # Slot ids run one block ahead: a block's copies never wait for its own id load.
+        ids = gl.load(idx_base + offs_n, mask=offs_n < kv_hi, other=0)
+        for j in range(gl.cdiv(kv_hi, BLOCK_N)):
+            start = j * BLOCK_N
+            nxt = start + BLOCK_N + offs_n
+            ids_next = gl.load(idx_base + nxt, mask=nxt < kv_hi, other=0)
+            stage = j % STAGES
+            # Fresh barriers count as a completed phase 1: the first lap does not wait.
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            rows = ids.to(gl.int32)[:, None]  # the host checks the cache has < 2^31 elements
+            # Rows past the context are zero-filled: p = 0 times a NaN would still be NaN.
+            in_kv = ((start + offs_n) < kv_hi)[:, None]
+            _async_load(
+                k_bufs.index(stage), k_base + rows * stride_ks + offs_d[None, :], mask=in_kv
+            )
+            async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+            _async_load(
+                v_bufs.index(stage), v_base + rows * stride_vs + offs_d[None, :], mask=in_kv
+            )
+            async_copy.mbarrier_arrive(v_ready.index(stage), increment_count=False)
+            ids = ids_next
+        # Let the last copies land before these warps retire.
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES: gl.constexpr):
+        """Issue ``S = Q K_j^T`` once block j's K has landed (async; returns the token)."""
+        stage = j % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads async
+        return warpgroup_mma(
+            q_smem, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+
+    @gluon.jit
+    def _ws_softmax(s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi,
+                    BLOCK_N: gl.constexpr):  # fmt: skip
+        """Fold block j's scores into the running max and sum: ``(p, alpha, m_i, l_i)``.
+        Whole blocks skip the mask (the scale then goes in after the row max)."""
+        if j < full_blocks:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+        else:
+            cols = j * BLOCK_N + offs_ns
+            visible = (cols[None, :] <= q_pos[:, None]) & (cols < kv_hi)[None, :]
+            s = gl.where(visible, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _ws_consumer(
+        q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale, num_m_tiles,
+        num_head_blocks, num_pairs, pairs_per_chunk, stride_qt, stride_qh, stride_ot,
+        stride_oh, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP: gl.constexpr,
+        HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """The query tile's flash-attention loop over the ring (see the module docstring)."""
+        TOKENS: gl.constexpr = BLOCK_M // HEADS
+        head0, _kvh, q_start, extend_len, _ks, prefix, tok0, kv_hi, full_hi = _ws_tile(
+            qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
+            num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        n_blocks = gl.cdiv(kv_hi, BLOCK_N)
+        if n_blocks > 0:
+            dtype: gl.constexpr = q_ptr.dtype.element_ty
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+            )
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+            )
+            p_layout: gl.constexpr = gl.DotOperandLayout(
+                operand_index=0, parent=o_layout, k_width=2
+            )
+            q_layout: gl.constexpr = _row_layout(BLOCK_M, HEAD_DIM, num_warps)
+
+            # The query tile: row r is token tok0 + r // HEADS, head head0 + r % HEADS.
+            offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+            tok = tok0 + offs_r // HEADS
+            row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
+            rows = (q_start + tok).to(gl.int64)
+            heads = head0 + offs_r % HEADS
+            q = gl.load(
+                q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )  # fmt: skip
+            q_smem.store(q)
+            fence_async_shared()
+
+            offs_rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            offs_ns = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            q_pos = prefix + tok0 + offs_rs // HEADS  # the row sees context j <= q_pos
+            full_blocks = full_hi // BLOCK_N
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+            # Block 0 (position 0, seen by every row: m_i is finite from here on).
+            s_tok = _ws_scores(q_smem, k_bufs, k_ready, 0, zero_s, STAGES)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            p, alpha, m_i, l_i = _ws_softmax(
+                s, m_i, l_i, qk_scale, 0, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+            )
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n_blocks):
+                prev = (j - 1) % STAGES
+                if OVERLAP:
+                    # QK of block j first, then PV of block j - 1: wgmmas complete in order,
+                    # so the first wait returns S while P V still runs under the softmax.
+                    s_tok = _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES)
+                    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                    fence_async_shared()
+                    o_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))
+                    p, alpha, m_i, l_i = _ws_softmax(
+                        s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+                    )
+                    acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
+                else:
+                    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                    fence_async_shared()
+                    acc = warpgroup_mma_wait(
+                        0, deps=(warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True),)
+                    )
+                    s_tok = _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES)
+                    s = warpgroup_mma_wait(0, deps=(s_tok,))
+                    p, alpha, m_i, l_i = _ws_softmax(
+                        s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+                    )
+                # Block j - 1's K and V are read: hand the stage back (every thread).
+                async_copy.mbarrier_arrive(empty.index(prev), increment_count=False)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            last = (n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+            fence_async_shared()
+            acc = warpgroup_mma_wait(
+                0, deps=(warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True),)
+            )
+            async_copy.mbarrier_arrive(empty.index(last), increment_count=False)
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+            offs_ro = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+            offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            tok_o = tok0 + offs_ro // HEADS
+            ok_o = (offs_ro < TOKENS * HEADS) & (tok_o < extend_len)
+            gl.store(
+                o_ptr + (q_start + tok_o).to(gl.int64)[:, None] * stride_ot
+                + (head0 + offs_ro % HEADS)[:, None] * stride_oh + offs_do[None, :],
+                out.to(dtype),
+                mask=ok_o[:, None],
+            )  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["num_m_tiles", "num_head_blocks", "num_pairs", "pairs_per_chunk"])
+    def _extend_ws_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+        prefix_lens_ptr, qk_scale, num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+        GROUP: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_M, HEAD_DIM], dtype
+        )
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            # Every thread of a side arrives once per use (cp.async.mbarrier.arrive.noinc).
+            mbarrier.init(k_ready.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(v_ready.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(empty.index(i), count=num_warps * 32)
+        # (the argument tuples are written in the call: a tuple held in a variable loses its
+        # constexprs in triton 3.6)
+        gl.warp_specialize([
+            (_ws_consumer, (
+                q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
+                num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt, stride_qh,
+                stride_ot, stride_oh, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP,
+                HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP, num_warps,
+            )),
+            (_ws_producer, (
+                k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
+                num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks, stride_kh,
+                stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP, HEADS,
+                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
+            )),
+        ], [LOAD_WARPS], [LOAD_REGS])  # fmt: skip
+
+
+def ws_tiles_unsupported(
+    block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, elem_bytes: int
+) -> str | None:
+    """Why these tiles cannot run the warp-specialised kernel, or None when they can: wgmma
+    gives each consumer warp 16 query rows (``block_m`` a multiple of ``16 * num_warps``,
+    whole warp groups), a K/V block is one wgmma N (<= 256), and the ring and the query tile
+    must fit Hopper's 227 KB of shared memory."""
+    if num_warps not in (4, 8) or block_m % (16 * num_warps):
+        return f"num_warps {num_warps} / block_m {block_m} (4 or 8 warps of 16 rows each)"
+    if not 16 <= block_n <= 256 or num_stages < 2:
+        return f"block_n {block_n} / num_stages {num_stages} (16-256 tokens, >= 2 stages)"
+    smem = (block_m + 2 * num_stages * block_n) * head_dim * elem_bytes
+    if smem > 227 * 1024:
+        return f"{smem // 1024} KB of shared memory (Hopper has 227 KB)"
+    return None
+
+
+def launch_ws(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    qk_scale: float,
+    schedule: tuple[int, int, int, int],
+    *,
+    group: int,
+    heads: int,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    overlap: bool = True,
+) -> None:
+    """Launch the kernel over ``schedule = (num_m_tiles, num_head_blocks, num_pairs,
+    pairs_per_chunk)`` (the gather kernel's grid); the caller has checked the call with
+    :func:`ws_unsupported` and :func:`ws_tiles_unsupported`."""
+    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk = schedule
+    _extend_ws_kernel[(num_pairs * num_m_tiles,)](
+        q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, qk_scale,
+        num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        o.stride(0), o.stride(1), GROUP=group, HEADS=heads, HEAD_DIM=q.shape[2],
+        BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, LOAD_WARPS=LOAD_WARPS,
+        LOAD_REGS=LOAD_REGS, OVERLAP=overlap, num_warps=num_warps,
+    )  # fmt: skip
