@@ -1,10 +1,12 @@
 """Sweep the Triton extend kernels' tiles, TMA, head packing and schedule on the GPU, and write
 the tuned table the kernels read (tuning aid).
 
-Both kernels run on the issue's shapes (benchmark problems: random slots, the new tokens' K/V
+The kernels run on the issue's shapes (benchmark problems: random slots, the new tokens' K/V
 handed as a model hands them): ``fresh`` (prefix gathered from the cache, new tokens from
-their own rows, TMA on sm90) and ``gather`` (everything through the cache: the fallback for
-fp8 caches and callers without the step's K/V). Phase 1 times each kernel's tiles (block_m,
+their own rows, TMA on sm90), ``gather`` (everything through the cache: the fallback for
+fp8 caches and callers without the step's K/V) and ``ws`` (what ``gather`` reads, by the
+warp-specialised Gluon kernel: sm90, head dims 64 and 128; left out where it cannot run).
+Phase 1 times each kernel's tiles (block_m,
 block_n, warps, stages; fresh also without TMA); phase 2 takes each kernel's best tile and
 varies heads_per_tile (1 = no GQA packing) and pairs_per_chunk (1 = request by request, "all"
 = one global longest-first order). Each configuration compiles once (~5-10 s); a time guard
@@ -18,7 +20,7 @@ entry for another dtype or head dim already there is kept), which ``extend_atten
 from then on in this checkout (commit it to keep it).
 
     python benchmarks/tune_triton_extend.py [out.json] [--head-dim 64|128|256]
-        [--dtype float16] [--kernels fresh,gather] [--table PATH | --no-table]
+        [--dtype float16] [--kernels fresh,gather,ws] [--table PATH | --no-table]
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from execrt.bench.common import median_us
 from execrt.bench.extend import DEFAULT_SHAPES, ExtendProblem
 from execrt.kernels import attention as K
 from execrt.kernels.attention import extend as ext
-from execrt.kernels.attention.extend import FRESH, GATHER, ExtendChoice, ExtendTiles
+from execrt.kernels.attention.extend import FRESH, GATHER, WS, ExtendChoice, ExtendTiles
+from execrt.kernels.attention.extend_ws import ws_unsupported
 from execrt.kernels.kv_indices import fill_kv_index
 
 T = ExtendTiles
@@ -60,6 +63,16 @@ TILES = {
     (GATHER, 64): [T(128, 64, 8, 3), T(128, 64, 8, 4)],
     (GATHER, 128): [T(128, 64, 8, 3), T(128, 64, 8, 4)],
     (GATHER, 256): [T(128, 32, 8, 3)],
+    # ws: 8 consumer warps (two warp groups of 64 rows) or 4; the ring's stages of 64- or
+    # 128-token blocks within 227 KB with the query tile.
+    (WS, 64): [T(128, 128, 8, 3), T(128, 128, 8, 4), T(128, 64, 8, 4), T(64, 128, 4, 3)],
+    (WS, 128): [
+        T(128, 128, 8, 2),
+        T(128, 128, 8, 3),
+        T(128, 64, 8, 4),
+        T(128, 64, 8, 3),
+        T(64, 128, 4, 2),
+    ],
 }
 BUDGET_S = 200  # default --budget: no new configuration starts past it (the run stays < 4 min)
 
@@ -161,7 +174,9 @@ def main() -> None:
     ap.add_argument("out", nargs="?", help="JSON file for every row")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--kernels", default="fresh,gather", help="kernels to sweep (fresh,gather)")
+    ap.add_argument(
+        "--kernels", default="fresh,gather,ws", help="kernels to sweep (default %(default)s)"
+    )
     ap.add_argument("--table", help="tuned table to write (default: the one the kernels read)")
     ap.add_argument("--no-table", action="store_true", help="write no tuned table")
     ap.add_argument("--shapes", help="requests x new + prefix, e.g. 1x8192+0,64x128+1024")
@@ -174,6 +189,14 @@ def main() -> None:
     if not kernels or any(k not in ext.KERNELS for k in kernels):
         raise SystemExit(f"--kernels {args.kernels!r}: choose from {', '.join(ext.KERNELS)}")
     dev = torch.device(args.device)
+    if WS in kernels:
+        probe = torch.zeros(1, 1, args.head_dim, dtype=dtype, device=dev)
+        why = ws_unsupported(probe, probe, probe, None, args.head_dim, args.head_dim)
+        if why is not None:
+            print(f"# ws left out: {why}")
+            kernels.remove(WS)
+    if not kernels:
+        raise SystemExit("no kernel left to sweep")
     shapes = DEFAULT_SHAPES if args.shapes is None else parse_shapes(args.shapes)
     cases = [Case(*shape, args.head_dim, dtype, args.device) for shape in shapes]
     names = [f"{c.p.bs}x{c.p.new}+{c.p.prefix}" for c in cases]
