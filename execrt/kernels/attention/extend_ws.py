@@ -11,14 +11,19 @@ warp groups with separate jobs. This kernel does that with Gluon's explicit part
   into a ring of ``STAGES`` shared-memory buffers. Every producer thread signals a block's
   K (then V) buffer full with ``cp.async.mbarrier.arrive.noinc``, which fires once that
   thread's copies have landed, so the barrier completes when all of them have.
-- **consumer** (the default partition, ``num_warps`` warps: one wgmma row block of 16 rows
-  per warp): the query tile in shared memory, then per block ``S = Q K^T`` (async wgmma, K
-  read transposed from shared memory), the online softmax in registers (exp2, scale folded
-  in, masks only on the diagonal blocks), and ``O += P V`` with P fed from registers. The
-  ``P V`` product of block ``j`` runs on the tensor cores while the softmax of block
-  ``j + 1`` runs on the ALUs (``OVERLAP``): QK of block j+1 is issued first, then PV of
-  block j, and the first wait returns the scores while PV is still in flight. Every
-  consumer thread releases a buffer once its wgmmas that read it are done.
+- **consumers** (one partition per warp group of ``num_warps``; the first is the default
+  partition): each takes its own rows of the query tile (64 of 128 with 8 warps: one wgmma
+  row block of 16 rows per warp), holds them in shared memory, and per block runs ``S =
+  Q K^T`` (async wgmma, K read transposed from shared memory), the online softmax in
+  registers (exp2, scale folded in, masks only on the diagonal blocks), and ``O += P V``
+  with P fed from registers. The ``P V`` product of block ``j`` runs on the tensor cores
+  while the softmax of block ``j + 1`` runs on the ALUs (``OVERLAP``): QK of block j+1 is
+  issued first, then PV of block j, and the first wait returns the scores while PV is still
+  in flight. The two warp groups are separate partitions, so they drift apart and one's
+  softmax overlaps the other's wgmmas (FA3's two consumer warp groups), and neither waits at
+  the barrier Triton puts after a wgmma wait spanning two warp groups. Every consumer thread
+  releases a buffer once its wgmmas that read it are done; a buffer is refilled once every
+  consumer thread has released it.
 
 Tiles and the schedule are the gather kernel's: a tile is ``BLOCK_M // HEADS`` consecutive
 new tokens times ``HEADS`` query heads of one kv head, and the 1-D grid runs (request, head
@@ -63,6 +68,9 @@ WS_DTYPES = (torch.float16, torch.bfloat16)
 # SM over 12 warps).
 LOAD_WARPS = 4
 LOAD_REGS = 56
+# A second consumer warp group, a partition of its own, asks for 224 registers: with the
+# producer's 56 that leaves the first (default) partition up to 232 of 512 per thread slot.
+CONSUMER_REGS = 224
 INT32_LIMIT = 2**31  # the producer's row offsets (slot x row stride) are int32
 
 
@@ -215,9 +223,10 @@ if GLUON_IMPORT_ERROR is None:
         stride_oh, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP: gl.constexpr,
         HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-        num_warps: gl.constexpr,
+        ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
     ):  # fmt: skip
-        """The query tile's flash-attention loop over the ring (see the module docstring)."""
+        """Rows ``[ROW0, ROW0 + ROWS)`` of the query tile, by ``WARPS`` warps: the
+        flash-attention loop over the ring (see the module docstring)."""
         TOKENS: gl.constexpr = BLOCK_M // HEADS
         head0, _kvh, q_start, extend_len, _ks, prefix, tok0, kv_hi, full_hi = _ws_tile(
             qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
@@ -227,18 +236,18 @@ if GLUON_IMPORT_ERROR is None:
         if n_blocks > 0:
             dtype: gl.constexpr = q_ptr.dtype.element_ty
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
             )
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
             )
             p_layout: gl.constexpr = gl.DotOperandLayout(
                 operand_index=0, parent=o_layout, k_width=2
             )
-            q_layout: gl.constexpr = _row_layout(BLOCK_M, HEAD_DIM, num_warps)
+            q_layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, WARPS)
 
             # The query tile: row r is token tok0 + r // HEADS, head head0 + r % HEADS.
-            offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+            offs_r = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
             offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
             tok = tok0 + offs_r // HEADS
             row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
@@ -253,14 +262,14 @@ if GLUON_IMPORT_ERROR is None:
             q_smem.store(q)
             fence_async_shared()
 
-            offs_rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            offs_rs = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             offs_ns = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             q_pos = prefix + tok0 + offs_rs // HEADS  # the row sees context j <= q_pos
             full_blocks = full_hi // BLOCK_N
-            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
             # Block 0 (position 0, seen by every row: m_i is finite from here on).
             s_tok = _ws_scores(q_smem, k_bufs, k_ready, 0, zero_s, STAGES)
@@ -308,7 +317,7 @@ if GLUON_IMPORT_ERROR is None:
 
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
             out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-            offs_ro = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+            offs_ro = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
             offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
             tok_o = tok0 + offs_ro // HEADS
             ok_o = (offs_ro < TOKENS * HEADS) & (tok_o < extend_len)
@@ -326,15 +335,16 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, OVERLAP: gl.constexpr,
-        num_warps: gl.constexpr,
+        LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
+        # CONSUMERS partitions of num_warps warps (one warp group each) take ROWS query rows
+        # each: the default partition the first, a worker the second (module docstring).
+        ROWS: gl.constexpr = BLOCK_M // CONSUMERS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [BLOCK_M, HEAD_DIM], dtype
-        )
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_smem_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -344,33 +354,58 @@ if GLUON_IMPORT_ERROR is None:
             # Every thread of a side arrives once per use (cp.async.mbarrier.arrive.noinc).
             mbarrier.init(k_ready.index(i), count=LOAD_WARPS * 32)
             mbarrier.init(v_ready.index(i), count=LOAD_WARPS * 32)
-            mbarrier.init(empty.index(i), count=num_warps * 32)
-        # (the argument tuples are written in the call: a tuple held in a variable loses its
+            mbarrier.init(empty.index(i), count=CONSUMERS * num_warps * 32)
+        # (the argument tuples are written in the calls: a tuple held in a variable loses its
         # constexprs in triton 3.6)
-        gl.warp_specialize([
-            (_ws_consumer, (
-                q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
-                num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt, stride_qh,
-                stride_ot, stride_oh, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP,
-                HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP, num_warps,
-            )),
-            (_ws_producer, (
-                k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
-                num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks, stride_kh,
-                stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP, HEADS,
-                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
-            )),
-        ], [LOAD_WARPS], [LOAD_REGS])  # fmt: skip
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_ws_consumer, (
+                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
+                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
+                    stride_qh, stride_ot, stride_oh, q_smem.index(0), k_bufs, v_bufs, k_ready,
+                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
+                    0, ROWS, num_warps,
+                )),
+                (_ws_producer, (
+                    k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
+                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks,
+                    stride_kh, stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty,
+                    GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
+                )),
+            ], [LOAD_WARPS], [LOAD_REGS])  # fmt: skip
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (
+                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
+                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
+                    stride_qh, stride_ot, stride_oh, q_smem.index(0), k_bufs, v_bufs, k_ready,
+                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
+                    0, ROWS, num_warps,
+                )),
+                (_ws_consumer, (
+                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
+                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
+                    stride_qh, stride_ot, stride_oh, q_smem.index(1), k_bufs, v_bufs, k_ready,
+                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
+                    ROWS, ROWS, num_warps,
+                )),
+                (_ws_producer, (
+                    k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
+                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks,
+                    stride_kh, stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty,
+                    GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
+                )),
+            ], [num_warps, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])  # fmt: skip
 
 
 def ws_tiles_unsupported(
     block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, elem_bytes: int
 ) -> str | None:
-    """Why these tiles cannot run the warp-specialised kernel, or None when they can: wgmma
-    gives each consumer warp 16 query rows (``block_m`` a multiple of ``16 * num_warps``,
-    whole warp groups), a K/V block is one wgmma N (<= 256), and the ring and the query tile
-    must fit Hopper's 227 KB of shared memory."""
-    if num_warps not in (4, 8) or block_m % (16 * num_warps):
+    """Why these tiles cannot run the warp-specialised kernel, or None when they can: each
+    consumer warp group takes 64 query rows, one wgmma row block (``block_m == 16 *
+    num_warps``; 128 rows per group spilled in sm90 compiles), a K/V block is one wgmma N
+    (<= 256), and the ring and the query tile must fit Hopper's 227 KB of shared memory."""
+    if num_warps not in (4, 8) or block_m != 16 * num_warps:
         return f"num_warps {num_warps} / block_m {block_m} (4 or 8 warps of 16 rows each)"
     if not 16 <= block_n <= 256 or num_stages < 2:
         return f"block_n {block_n} / num_stages {num_stages} (16-256 tokens, >= 2 stages)"
@@ -404,11 +439,13 @@ def launch_ws(
     pairs_per_chunk)`` (the gather kernel's grid); the caller has checked the call with
     :func:`ws_unsupported` and :func:`ws_tiles_unsupported`."""
     num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk = schedule
+    consumers = num_warps // 4  # one partition per consumer warp group
     _extend_ws_kernel[(num_pairs * num_m_tiles,)](
         q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, qk_scale,
         num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         o.stride(0), o.stride(1), GROUP=group, HEADS=heads, HEAD_DIM=q.shape[2],
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, LOAD_WARPS=LOAD_WARPS,
-        LOAD_REGS=LOAD_REGS, OVERLAP=overlap, num_warps=num_warps,
+        LOAD_REGS=LOAD_REGS, CONSUMERS=consumers, CONSUMER_REGS=CONSUMER_REGS, OVERLAP=overlap,
+        num_warps=num_warps // consumers,
     )  # fmt: skip
