@@ -32,6 +32,7 @@ from execrt.engine.client import (
     TokenLogprobs,
     Waker,
 )
+from execrt.serve import GENERATION_CONFIGS
 from execrt.serve.metrics import Metrics
 from execrt.serve.protocol import (
     APIError,
@@ -59,11 +60,6 @@ ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-#: ``--generation-config``: ``auto`` applies the model's generation_config.json sampling
-#: settings to the fields a request leaves out (as vLLM and SGLang do); ``none``: OpenAI's
-GENERATION_CONFIGS = ("auto", "none")
 
 
 def create_app(

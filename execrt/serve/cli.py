@@ -11,6 +11,8 @@ import sys
 from typing import Any
 
 from execrt.core.errors import ExecrtError
+from execrt.serve import GENERATION_CONFIGS
+from execrt.serve.reasoning import PARSERS
 
 #: ``generate``'s flags that configure the engine (RuntimeConfig keys, the model, the file)
 ENGINE_FLAGS = (
@@ -67,7 +69,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--reasoning-parser",
         default="none",
-        choices=["none", "qwen3", "deepseek_r1"],
+        choices=PARSERS,
         help="chat answers' <think> part as reasoning_content: qwen3 (an answer that begins "
         "with <think>), deepseek_r1 (the answer reasons until </think>), or none (it is "
         "content) (default: none)",
@@ -75,7 +77,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--generation-config",
         default="auto",
-        choices=["auto", "none"],
+        choices=GENERATION_CONFIGS,
         help="auto: the sampling fields a request leaves out (temperature, top_p, top_k, "
         "min_p, repetition_penalty) take the checkpoint's generation_config.json values, the "
         "model creator's recommendation, as vLLM and SGLang do; none: OpenAI's defaults "
