@@ -6,12 +6,12 @@ handed as a model hands them): ``fresh`` (prefix gathered from the cache, new to
 their own rows, TMA on sm90), ``gather`` (everything through the cache: the fallback for
 fp8 caches and callers without the step's K/V) and ``ws`` (what ``gather`` reads, by the
 warp-specialised Gluon kernel: sm90, head dims 64 and 128; left out where it cannot run).
-Phase 1 times each kernel's tiles (block_m,
-block_n, warps, stages; fresh also without TMA); phase 2 takes each kernel's best tile and
-varies heads_per_tile (1 = no GQA packing) and pairs_per_chunk (1 = request by request, "all"
-= one global longest-first order). Each configuration compiles once (~5-10 s); a time guard
-keeps the run under 4 minutes on an H200. Prints TFLOP/s per configuration and shape, the best
-per shape, and writes every row as JSON to ``out``.
+Phase 1 times each kernel's tiles (block_m, block_n, warps, stages; fresh also without TMA);
+phase 2 takes each kernel's best tile and varies heads_per_tile (1 = no GQA packing) and
+pairs_per_chunk (1 = request by request, "all" = one global longest-first order), and for ws
+one persistent program per SM. Each configuration compiles once (~5-10 s); a time guard keeps
+the run under 4 minutes on an H200. Prints TFLOP/s per configuration and shape, the best per
+shape, and writes every row as JSON to ``out``.
 
 The best configuration of each kernel (geometric mean over the shapes of its share of the
 shape's best) goes into the tuned table, with ``use`` naming the kernel whose best is faster
@@ -93,7 +93,8 @@ class Config:
             if c.pairs_per_chunk is None
             else str(c.pairs_per_chunk)
         )
-        tma = "" if self.kernel == GATHER else (" tma" if c.tma else " ptr")
+        tma = " tma" if c.tma else " ptr" if self.kernel == FRESH else ""
+        tma += " pers" if self.kernel == WS and c.persistent else ""
         return (
             f"{self.kernel:<6} m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} "
             f"h{heads} c{chunk}{tma}"
@@ -146,6 +147,7 @@ class Case:
                 v_new=v_new,
                 kernel=cfg.kernel,
                 tma=c.tma if cfg.kernel == FRESH else None,
+                persistent=c.persistent if cfg.kernel == WS else None,
                 block_m=t.block_m,
                 block_n=t.block_n,
                 num_warps=t.num_warps,
@@ -260,6 +262,9 @@ def main() -> None:
         sweep(Config(kernel, ExtendChoice(base.tiles, 1, base.pairs_per_chunk, base.tma)))
         sweep(Config(kernel, ExtendChoice(base.tiles, base.heads_per_tile, 1, base.tma)))
         sweep(Config(kernel, base, pairs_all=True))
+        if kernel == WS:  # one program per SM walking the tiles
+            sweep(Config(kernel, ExtendChoice(base.tiles, base.heads_per_tile,
+                                              base.pairs_per_chunk, base.tma, True)))  # fmt: skip
 
     if not results:
         raise SystemExit("no configuration ran")

@@ -174,24 +174,33 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "extend_configs")
 @dataclass(frozen=True)
 class ExtendChoice:
     """One kernel's launch for a (dtype, head dim): tiles plus the knobs ``extend_attention``
-    takes (``None``: its default). ``tma`` matters to the fresh kernel only."""
+    takes (``None``: its default). ``tma`` matters to the fresh kernel only, ``persistent``
+    to the ws kernel only."""
 
     tiles: ExtendTiles
     heads_per_tile: int | None = None
     pairs_per_chunk: int | None = None
     tma: bool = True
+    persistent: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self.tiles) | {
             "heads_per_tile": self.heads_per_tile,
             "pairs_per_chunk": self.pairs_per_chunk,
             "tma": self.tma,
+            "persistent": self.persistent,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExtendChoice:
         tiles = ExtendTiles(d["block_m"], d["block_n"], d["num_warps"], d["num_stages"])
-        return cls(tiles, d.get("heads_per_tile"), d.get("pairs_per_chunk"), d.get("tma", True))
+        return cls(
+            tiles,
+            d.get("heads_per_tile"),
+            d.get("pairs_per_chunk"),
+            d.get("tma", True),
+            d.get("persistent", False),
+        )
 
 
 @dataclass(frozen=True)
@@ -746,6 +755,7 @@ def extend_attention(
     v_new: torch.Tensor | None = None,
     kernel: str | None = None,
     tma: bool | None = None,
+    persistent: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -802,6 +812,9 @@ def extend_attention(
         tma: fresh kernel: load the new K/V through TMA tensor descriptors (CUDA sm90+, pow2
             head dims, 16-byte aligned rows); ``None``: the table's choice where TMA is
             possible. ``True`` where it is not is refused; the interpreter runs either.
+        persistent: ws kernel: one program per SM walks the schedule's tiles (its producer
+            gathers the next tile's K/V while the consumers finish this one) instead of one
+            program per tile; ``None``: the table's choice (else one per tile).
         block_m: rows per query tile (power of two >= 16); ``None``: :func:`extend_choice`.
         block_n: context tokens per loop step (power of two >= 16); ``None`` likewise.
         num_warps: warps per program (``ws``: its consumer warps; 4 producer warps come on
@@ -900,7 +913,7 @@ def extend_attention(
             q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens,
             sm_scale * LOG2E, (num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk),
             group=group, heads=heads, block_m=block_m, block_n=block_n, num_warps=warps,
-            num_stages=stages,
+            num_stages=stages, persistent=choice.persistent if persistent is None else persistent,
         )  # fmt: skip
         return
     grid = (num_pairs * num_m_tiles,)

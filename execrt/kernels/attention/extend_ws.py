@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from execrt.kernels._triton import cuda_capability, interpreter_enabled
+from execrt.kernels._triton import cuda_capability, interpreter_enabled, sm_count
 
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
@@ -72,6 +72,7 @@ LOAD_REGS = 56
 # producer's 56 that leaves the first (default) partition up to 232 of 512 per thread slot.
 CONSUMER_REGS = 224
 INT32_LIMIT = 2**31  # the producer's row offsets (slot x row stride) are int32
+SHARED_MEMORY_PER_SM = 227 * 1024  # what one sm90 program may hold
 
 
 def ws_unsupported(
@@ -103,17 +104,18 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _ws_tile(
-        qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks, num_pairs,
-        pairs_per_chunk, GROUP: gl.constexpr, HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
+        num_pairs, pairs_per_chunk, GROUP: gl.constexpr, HEADS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """This program's tile, as the gather kernel's ``_tile_coords`` / ``_tile_rows`` give
-        it: ``(head0, kv_head, q_start, extend_len, kv_start, prefix, tok0, kv_hi,
-        full_hi)``. Context ``[0, full_hi)`` is seen by every row (whole blocks), ``[full_hi,
-        kv_hi)`` holds the diagonal; a tile past its request's new tokens has ``kv_hi = 0``.
-        Both partitions call it (a worker takes no tensors from the default partition)."""
+        """Tile ``tile`` of the schedule, as the gather kernel's ``_tile_coords`` /
+        ``_tile_rows`` give its program: ``(head0, kv_head, q_start, extend_len, kv_start,
+        prefix, tok0, kv_hi, full_hi)``. Context ``[0, full_hi)`` is seen by every row (whole
+        blocks), ``[full_hi, kv_hi)`` holds the diagonal; a tile past its request's new
+        tokens has ``kv_hi = 0``. Both partitions call it (a worker takes no tensors from the
+        default partition)."""
         TOKENS: gl.constexpr = BLOCK_M // HEADS
-        pid = gl.program_id(0)
+        pid = tile
         chunk_programs = pairs_per_chunk * num_m_tiles
         chunk = pid // chunk_programs
         local = pid - chunk * chunk_programs
@@ -152,47 +154,54 @@ if GLUON_IMPORT_ERROR is None:
         HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     ):  # fmt: skip
-        """Gather the tile's context blocks into the ring (see the module docstring)."""
-        _h, kv_head, _qs, _el, kv_start, _p, _t, kv_hi, _f = _ws_tile(
-            qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
-            num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+        """Gather the context blocks of this program's tiles into the ring (see the module
+        docstring). ``ring`` counts the blocks passed through the ring, across tiles: block
+        ``ring`` goes into buffer ``ring % STAGES``, on that buffer's lap ``ring // STAGES``."""
         layout: gl.constexpr = _row_layout(BLOCK_N, HEAD_DIM, LOAD_WARPS)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-        k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
-        v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
-        idx_base = kv_indices_ptr + kv_start
-        # Slot ids run one block ahead: a block's copies never wait for its own id load.
-        ids = gl.load(idx_base + offs_n, mask=offs_n < kv_hi, other=0)
-        for j in range(gl.cdiv(kv_hi, BLOCK_N)):
-            start = j * BLOCK_N
-            nxt = start + BLOCK_N + offs_n
-            ids_next = gl.load(idx_base + nxt, mask=nxt < kv_hi, other=0)
-            stage = j % STAGES
-            # Fresh barriers count as a completed phase 1: the first lap does not wait.
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-            rows = ids.to(gl.int32)[:, None]  # the host checks the cache has < 2^31 elements
-            # Rows past the context are zero-filled: p = 0 times a NaN would still be NaN.
-            in_kv = ((start + offs_n) < kv_hi)[:, None]
-            _async_load(
-                k_bufs.index(stage), k_base + rows * stride_ks + offs_d[None, :], mask=in_kv
-            )
-            async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
-            _async_load(
-                v_bufs.index(stage), v_base + rows * stride_vs + offs_d[None, :], mask=in_kv
-            )
-            async_copy.mbarrier_arrive(v_ready.index(stage), increment_count=False)
-            ids = ids_next
+        ring = 0
+        for tile in range(gl.program_id(0), num_pairs * num_m_tiles, gl.num_programs(0)):
+            _h, kv_head, _qs, _el, kv_start, _p, _t, kv_hi, _f = _ws_tile(
+                tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles,
+                num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
+            v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
+            idx_base = kv_indices_ptr + kv_start
+            # Slot ids run one block ahead: a block's copies never wait for its own id load.
+            ids = gl.load(idx_base + offs_n, mask=offs_n < kv_hi, other=0)
+            n_blocks = gl.cdiv(kv_hi, BLOCK_N)
+            for j in range(n_blocks):
+                start = j * BLOCK_N
+                nxt = start + BLOCK_N + offs_n
+                ids_next = gl.load(idx_base + nxt, mask=nxt < kv_hi, other=0)
+                stage = (ring + j) % STAGES
+                # Fresh barriers count as a completed phase 1: the first lap does not wait.
+                mbarrier.wait(empty.index(stage), (((ring + j) // STAGES) & 1) ^ 1)
+                rows = ids.to(gl.int32)[:, None]  # the host checks the cache is < 2^31 elements
+                # Rows past the context are zero-filled: p = 0 times a NaN would be NaN.
+                in_kv = ((start + offs_n) < kv_hi)[:, None]
+                _async_load(
+                    k_bufs.index(stage), k_base + rows * stride_ks + offs_d[None, :], mask=in_kv
+                )
+                async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+                _async_load(
+                    v_bufs.index(stage), v_base + rows * stride_vs + offs_d[None, :], mask=in_kv
+                )
+                async_copy.mbarrier_arrive(v_ready.index(stage), increment_count=False)
+                ids = ids_next
+            ring += n_blocks
         # Let the last copies land before these warps retire.
         async_copy.commit_group()
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES: gl.constexpr):
-        """Issue ``S = Q K_j^T`` once block j's K has landed (async; returns the token)."""
-        stage = j % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    def _ws_scores(q_smem, k_bufs, k_ready, ring, zero_s, STAGES: gl.constexpr):
+        """Issue ``S = Q K^T`` for the ring's block ``ring`` once its K has landed (async;
+        returns the token)."""
+        stage = ring % STAGES
+        mbarrier.wait(k_ready.index(stage), (ring // STAGES) & 1)
         fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads async
         return warpgroup_mma(
             q_smem, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
@@ -225,108 +234,125 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
         ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
     ):  # fmt: skip
-        """Rows ``[ROW0, ROW0 + ROWS)`` of the query tile, by ``WARPS`` warps: the
-        flash-attention loop over the ring (see the module docstring)."""
+        """Rows ``[ROW0, ROW0 + ROWS)`` of each of this program's query tiles, by ``WARPS``
+        warps, reading the ring in the producer's order (``ring``: blocks passed so far)."""
+        ring = 0
+        for tile in range(gl.program_id(0), num_pairs * num_m_tiles, gl.num_programs(0)):
+            head0, _kvh, q_start, extend_len, _ks, prefix, tok0, kv_hi, full_hi = _ws_tile(
+                tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles,
+                num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            n_blocks = gl.cdiv(kv_hi, BLOCK_N)
+            if n_blocks > 0:
+                _ws_attend(
+                    q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem,
+                    k_bufs, v_bufs, k_ready, v_ready, empty, head0, q_start, extend_len,
+                    prefix, tok0, kv_hi, full_hi, n_blocks, ring, HEADS, HEAD_DIM, BLOCK_M,
+                    BLOCK_N, STAGES, OVERLAP, ROW0, ROWS, WARPS,
+                )  # fmt: skip
+            ring += n_blocks
+
+    @gluon.jit
+    def _ws_attend(
+        q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem, k_bufs,
+        v_bufs, k_ready, v_ready, empty, head0, q_start, extend_len, prefix, tok0, kv_hi,
+        full_hi, n_blocks, ring, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """One query tile's rows ``[ROW0, ROW0 + ROWS)`` over its ``n_blocks`` context blocks,
+        which are the ring's blocks ``ring ..``: the flash-attention loop of the module
+        docstring, then the output rows."""
         TOKENS: gl.constexpr = BLOCK_M // HEADS
-        head0, _kvh, q_start, extend_len, _ks, prefix, tok0, kv_hi, full_hi = _ws_tile(
-            qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
-            num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        n_blocks = gl.cdiv(kv_hi, BLOCK_N)
-        if n_blocks > 0:
-            dtype: gl.constexpr = q_ptr.dtype.element_ty
-            s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-            )
-            o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
-            )
-            p_layout: gl.constexpr = gl.DotOperandLayout(
-                operand_index=0, parent=o_layout, k_width=2
-            )
-            q_layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, WARPS)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, WARPS)
 
-            # The query tile: row r is token tok0 + r // HEADS, head head0 + r % HEADS.
-            offs_r = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-            tok = tok0 + offs_r // HEADS
-            row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
-            rows = (q_start + tok).to(gl.int64)
-            heads = head0 + offs_r % HEADS
-            q = gl.load(
-                q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )  # fmt: skip
-            q_smem.store(q)
-            fence_async_shared()
+        # The query tile: row r is token tok0 + r // HEADS, head head0 + r % HEADS. (The
+        # previous tile's wgmmas that read q_smem are done: each was waited for.)
+        offs_r = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        tok = tok0 + offs_r // HEADS
+        row_ok = (offs_r < TOKENS * HEADS) & (tok < extend_len)
+        rows = (q_start + tok).to(gl.int64)
+        heads = head0 + offs_r % HEADS
+        q = gl.load(
+            q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        q_smem.store(q)
+        fence_async_shared()
 
-            offs_rs = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            offs_ns = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            q_pos = prefix + tok0 + offs_rs // HEADS  # the row sees context j <= q_pos
-            full_blocks = full_hi // BLOCK_N
-            zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        offs_rs = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        offs_ns = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        q_pos = prefix + tok0 + offs_rs // HEADS  # the row sees context j <= q_pos
+        full_blocks = full_hi // BLOCK_N
+        zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-            # Block 0 (position 0, seen by every row: m_i is finite from here on).
-            s_tok = _ws_scores(q_smem, k_bufs, k_ready, 0, zero_s, STAGES)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
-            p, alpha, m_i, l_i = _ws_softmax(
-                s, m_i, l_i, qk_scale, 0, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
-            )
+        # Block 0 (position 0, seen by every row: m_i is finite from here on).
+        s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring, zero_s, STAGES)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        p, alpha, m_i, l_i = _ws_softmax(
+            s, m_i, l_i, qk_scale, 0, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+        )
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_blocks):
+            prev = ring + j - 1  # the block whose P V is due
+            if OVERLAP:
+                # QK of block j first, then PV of block j - 1: wgmmas complete in order, so
+                # the first wait returns S while P V still runs under the softmax.
+                s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring + j, zero_s, STAGES)
+                mbarrier.wait(v_ready.index(prev % STAGES), (prev // STAGES) & 1)
+                fence_async_shared()
+                o_tok = warpgroup_mma(p16, v_bufs.index(prev % STAGES), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
+                p, alpha, m_i, l_i = _ws_softmax(
+                    s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+                )
+                acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
+            else:
+                mbarrier.wait(v_ready.index(prev % STAGES), (prev // STAGES) & 1)
+                fence_async_shared()
+                o_tok = warpgroup_mma(p16, v_bufs.index(prev % STAGES), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring + j, zero_s, STAGES)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                p, alpha, m_i, l_i = _ws_softmax(
+                    s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
+                )
+            # Block j - 1's K and V are read: hand its buffer back (every thread).
+            async_copy.mbarrier_arrive(empty.index(prev % STAGES), increment_count=False)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_blocks):
-                prev = (j - 1) % STAGES
-                if OVERLAP:
-                    # QK of block j first, then PV of block j - 1: wgmmas complete in order,
-                    # so the first wait returns S while P V still runs under the softmax.
-                    s_tok = _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES)
-                    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                    fence_async_shared()
-                    o_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=(s_tok,))
-                    p, alpha, m_i, l_i = _ws_softmax(
-                        s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
-                    )
-                    acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-                else:
-                    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                    fence_async_shared()
-                    acc = warpgroup_mma_wait(
-                        0, deps=(warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True),)
-                    )
-                    s_tok = _ws_scores(q_smem, k_bufs, k_ready, j, zero_s, STAGES)
-                    s = warpgroup_mma_wait(0, deps=(s_tok,))
-                    p, alpha, m_i, l_i = _ws_softmax(
-                        s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
-                    )
-                # Block j - 1's K and V are read: hand the stage back (every thread).
-                async_copy.mbarrier_arrive(empty.index(prev), increment_count=False)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-            last = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-            fence_async_shared()
-            acc = warpgroup_mma_wait(
-                0, deps=(warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True),)
-            )
-            async_copy.mbarrier_arrive(empty.index(last), increment_count=False)
+        last = ring + n_blocks - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        fence_async_shared()
+        o_tok = warpgroup_mma(p16, v_bufs.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        async_copy.mbarrier_arrive(empty.index(last % STAGES), increment_count=False)
 
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-            offs_ro = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            tok_o = tok0 + offs_ro // HEADS
-            ok_o = (offs_ro < TOKENS * HEADS) & (tok_o < extend_len)
-            gl.store(
-                o_ptr + (q_start + tok_o).to(gl.int64)[:, None] * stride_ot
-                + (head0 + offs_ro % HEADS)[:, None] * stride_oh + offs_do[None, :],
-                out.to(dtype),
-                mask=ok_o[:, None],
-            )  # fmt: skip
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        offs_ro = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        offs_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        tok_o = tok0 + offs_ro // HEADS
+        ok_o = (offs_ro < TOKENS * HEADS) & (tok_o < extend_len)
+        gl.store(
+            o_ptr + (q_start + tok_o).to(gl.int64)[:, None] * stride_ot
+            + (head0 + offs_ro % HEADS)[:, None] * stride_oh + offs_do[None, :],
+            out.to(dtype),
+            mask=ok_o[:, None],
+        )  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_m_tiles", "num_head_blocks", "num_pairs", "pairs_per_chunk"])
     def _extend_ws_kernel(
@@ -410,7 +436,7 @@ def ws_tiles_unsupported(
     if not 16 <= block_n <= 256 or num_stages < 2:
         return f"block_n {block_n} / num_stages {num_stages} (16-256 tokens, >= 2 stages)"
     smem = (block_m + 2 * num_stages * block_n) * head_dim * elem_bytes
-    if smem > 227 * 1024:
+    if smem > SHARED_MEMORY_PER_SM:
         return f"{smem // 1024} KB of shared memory (Hopper has 227 KB)"
     return None
 
@@ -433,14 +459,22 @@ def launch_ws(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    persistent: bool = False,
     overlap: bool = True,
 ) -> None:
     """Launch the kernel over ``schedule = (num_m_tiles, num_head_blocks, num_pairs,
-    pairs_per_chunk)`` (the gather kernel's grid); the caller has checked the call with
-    :func:`ws_unsupported` and :func:`ws_tiles_unsupported`."""
+    pairs_per_chunk)`` (the gather kernel's tiles and order): one program per tile, or with
+    ``persistent`` as many as fit on the GPU at once, each taking every ``programs``-th tile
+    of the order. The caller has checked the call with :func:`ws_unsupported` and
+    :func:`ws_tiles_unsupported`."""
     num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk = schedule
+    tiles = num_pairs * num_m_tiles
+    programs = tiles
+    if persistent:
+        smem = (block_m + 2 * num_stages * block_n) * q.shape[2] * q.element_size()
+        programs = min(tiles, sm_count(q.device) * max(1, SHARED_MEMORY_PER_SM // smem))
     consumers = num_warps // 4  # one partition per consumer warp group
-    _extend_ws_kernel[(num_pairs * num_m_tiles,)](
+    _extend_ws_kernel[(programs,)](
         q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, qk_scale,
         num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

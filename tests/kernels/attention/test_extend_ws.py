@@ -101,6 +101,14 @@ def test_a_table_that_uses_ws_falls_back_where_it_cannot_run(monkeypatch) -> Non
     assert ext.extend_choice(torch.bfloat16, 128, CUDA_DEV, "ws") == kernel_ws
 
 
+def test_the_persistent_choice_goes_through_the_table() -> None:
+    choice = ext.ExtendChoice(ext.ExtendTiles(128, 128, 8, 2), None, 3, True, True)
+    assert ext.ExtendChoice.from_json(choice.to_json()) == choice
+    # tables written before the field existed read as one program per tile
+    old = {k: v for k, v in choice.to_json().items() if k != "persistent"}
+    assert ext.ExtendChoice.from_json(old).persistent is False
+
+
 def test_untuned_ws_tiles_fit_the_kernel() -> None:
     for d, tiles in ext._WS_TILES.items():
         why = ws.ws_tiles_unsupported(
@@ -232,8 +240,10 @@ def test_gpu_ws_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Non
         {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
         {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "heads_per_tile": 1},
         {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "pairs_per_chunk": 1},
+        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "persistent": True},
+        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4, "persistent": True},
     ],
-    ids=["128x64s4", "64x128w4", "h1", "c1"],
+    ids=["128x64s4", "64x128w4", "h1", "c1", "persistent", "persistent-w4"],
 )
 def test_gpu_ws_tuning_candidates(tiles: dict[str, int]) -> None:
     # The tiles the tuning sweep times must be right too, the idle tiles of short requests
@@ -244,7 +254,8 @@ def test_gpu_ws_tuning_candidates(tiles: dict[str, int]) -> None:
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize(("bs", "new", "prefix"), ISSUE_SHAPES)
-def test_gpu_ws_issue_shapes(bs: int, new: int, prefix: int) -> None:
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+def test_gpu_ws_issue_shapes(bs: int, new: int, prefix: int, persistent: bool) -> None:
     from tests.kernels.attention.test_decode import flat_indices, make_cache
 
     d, hq, hkv = 128, 32, 8
@@ -257,7 +268,7 @@ def test_gpu_ws_issue_shapes(bs: int, new: int, prefix: int) -> None:
     prefix_lens = torch.full((bs,), prefix, dtype=torch.int32, device=CUDA_DEV)
     tk.extend_attention(
         q, cache.k, cache.v, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, new, d**-0.5,
-        max_kv_len=prefix + new, kernel="ws",
+        max_kv_len=prefix + new, kernel="ws", persistent=persistent,
     )  # fmt: skip
     for b in range(bs):
         rows = slice(b * new, (b + 1) * new)
@@ -265,6 +276,16 @@ def test_gpu_ws_issue_shapes(bs: int, new: int, prefix: int) -> None:
         assert not torch.isnan(o[rows]).any(), f"request {b}: unwritten rows"
         rel = float((o[rows].float() - ref).norm() / ref.norm())
         assert rel <= 1e-2, f"request {b}: relative error {rel:.3g}"
+
+
+@sm90
+@pytest.mark.gpu
+def test_gpu_ws_persistent_programs_walk_many_ragged_tiles() -> None:
+    # More tiles than programs, of every length (idle ones included): each program's ring
+    # carries over from tile to tile, and a program whose tiles are all idle still exits.
+    lens = [1 + (37 * i) % 700 for i in range(60)]
+    prefixes = [(53 * i) % 900 for i in range(60)]
+    _run(prefixes, lens, seed=545, extra_grid=100, persistent=True)
 
 
 @sm90
