@@ -26,8 +26,11 @@ warp groups with separate jobs. This kernel does that with Gluon's explicit part
   consumer thread has released it.
 
 Tiles and the schedule are the gather kernel's: a tile is ``BLOCK_M // HEADS`` consecutive
-new tokens times ``HEADS`` query heads of one kv head, and the 1-D grid runs (request, head
-block) pairs in L2-sized chunks, longest tiles first. The context comes from the cache
+new tokens times ``HEADS`` query heads of one kv head, and the tiles run (request, head block)
+pairs in L2-sized chunks, longest tiles first: one program per tile, or (``persistent``) one
+per SM taking every ``num_programs``-th tile, the ring's block count (``ring``) carrying on
+from tile to tile so that the producer gathers the next tile while the consumers finish this
+one. The context comes from the cache
 through its slot ids (page size 1), prefix and new tokens alike.
 
 Scope: CUDA sm90 with Gluon (triton >= 3.6), q and cache in fp16 or bf16 (no fp8 cache),
