@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument(
         "--variants", default="auto,fa2,fa3", help="flashinfer prefill variants (default: all)"
     )
+    ext.add_argument(
+        "--triton-kernels",
+        default="auto",
+        help="triton extend kernels, each timed as a record of its own: auto (the tuned "
+        "choice), gather, fresh, ws (default: auto)",
+    )
     ext.add_argument("--iters", type=int, default=10)
     ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
     _add_bench_decode(bench_sub)
@@ -519,8 +525,18 @@ def cmd_bench_extend(args: argparse.Namespace) -> int:
     if unknown or not variants:
         known = ", ".join(extend.FLASHINFER_VARIANTS)
         raise ExecrtError(f"bench extend: --variants {args.variants!r} unknown (known: {known})")
+    kernels = tuple(k.strip() for k in args.triton_kernels.split(",") if k.strip())
+    unknown = sorted(set(kernels) - set(extend.TRITON_KERNELS))
+    if unknown or not kernels:
+        known = ", ".join(extend.TRITON_KERNELS)
+        raise ExecrtError(
+            f"bench extend: --triton-kernels {args.triton_kernels!r} unknown (known: {known})"
+        )
     try:
-        extend.run(backends, shapes, iters=args.iters, variants=variants, out_dir=args.out)
+        extend.run(
+            backends, shapes, iters=args.iters, variants=variants, triton_kernels=kernels,
+            out_dir=args.out,
+        )  # fmt: skip
     except RuntimeError as exc:
         raise ExecrtError(str(exc)) from None
     return 0

@@ -11,6 +11,8 @@ layers rotated so consecutive calls do not find their K/V in L2.
 ``flashinfer`` runs once per prefill variant: ``auto`` (FlashInfer's own choice, FA3 on sm90),
 ``fa2``, ``fa3``. The backend's ``attend`` is FlashInfer's planned paged-prefill wrapper
 ``run``, so these records are FlashInfer's prefill; ``vs_flashinfer`` is over the best of them.
+``triton`` runs once per extend kernel asked for (``triton_kernels``: ``auto``, the kernel the
+GPU's tuned table chose, by default; ``gather``, ``fresh``, ``ws`` by name).
 The ``sdpa`` peer is torch's ``scaled_dot_product_attention`` on contiguous ``[bs, Hq, L, D]``
 copies of the same K/V (kv heads expanded to Hq, copies made outside the timing) with a
 bottom-right-aligned causal mask (``causal_lower_right``), which torch runs with its flash
@@ -38,6 +40,7 @@ from execrt.bench.common import (
     utc_now,
 )
 from execrt.core.batch import ForwardBatch, ForwardMode
+from execrt.core.config import TRITON_EXTEND_KERNELS
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
     AttentionBackend,
@@ -52,6 +55,8 @@ DEFAULT_SHAPES = ((1, 8192, 0), (4, 2048, 0), (16, 512, 2048), (64, 128, 1024), 
 DEFAULT_BACKENDS = ("triton", "flashinfer", "sdpa")
 SDPA = "sdpa"
 FLASHINFER = "flashinfer"
+TRITON = "triton"
+TRITON_KERNELS = TRITON_EXTEND_KERNELS  # its extend_kernel option
 FLASHINFER_VARIANTS = ("auto", "fa2", "fa3")  # its prefill_backend option
 L2_BYTES = 60 << 20
 
@@ -74,7 +79,9 @@ class Record:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    variant: str = ""  # flashinfer: the prefill variant asked for (auto, fa2, fa3)
+    # flashinfer: the prefill variant asked for (auto, fa2, fa3); triton: the extend kernel
+    # named (gather, fresh, ws), empty for its tuned choice
+    variant: str = ""
     build_s: float | None = None  # building the backend (a first FlashInfer start: its JIT)
     note: str = ""  # what ran ("auto runs fa3") or why nothing did
 
@@ -253,6 +260,7 @@ def run(
     iters: int = 10,
     reps: int = 5,
     variants: Sequence[str] = FLASHINFER_VARIANTS,
+    triton_kernels: Sequence[str] = ("auto",),
     out_dir: str | None = "benchmarks/results",
 ) -> list[Record]:
     """Benchmark every requested backend (flashinfer in each of ``variants``) on every shape;
@@ -262,6 +270,10 @@ def run(
         raise RuntimeError("bench extend: needs a CUDA device")
     host = PluginHost()
     names = list(backends or DEFAULT_BACKENDS)
+    each = {
+        FLASHINFER: tuple(variants),
+        TRITON: tuple("" if k == "auto" else k for k in triton_kernels),
+    }
     gpu = torch.cuda.get_device_name()
     date = utc_now()
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
@@ -270,7 +282,7 @@ def run(
         p = ExtendProblem(bs, new, prefix, num_q_heads, num_kv_heads, head_dim, dtype)
         row = []
         for name in names:
-            for variant in variants if name == FLASHINFER else ("",):
+            for variant in each.get(name, ("",)):
                 record = Record(
                     backend=name,
                     bs=bs,
@@ -316,12 +328,13 @@ def time_into(record: Record, host: PluginHost, p: ExtendProblem, iters: int, re
         if name == SDPA:
             ms, err = measure(sdpa_calls(p), p, iters, reps)
         else:
-            options = {"prefill_backend": record.variant} if record.variant else None
+            key = "prefill_backend" if name == FLASHINFER else "extend_kernel"
+            options = {key: record.variant} if record.variant else None
             start = time.perf_counter()
             calls, backend = backend_calls(host, name, p, context, options)
             record.build_s = time.perf_counter() - start
             chosen = getattr(backend, "prefill_variant", record.variant)
-            if chosen != record.variant:
+            if name == FLASHINFER and chosen != record.variant:
                 record.note = f"{record.variant} runs {chosen}"
             ms, err = measure(calls, p, iters, reps)
             backend.close()

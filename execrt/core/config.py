@@ -31,6 +31,8 @@ TRITON_DECODE_ORDER = ("longest", "request")
 TRITON_DECODE_PROLOGUE = ("off", "on")
 #: the triton backend's decode split grid: a program per request at least, or one wave
 TRITON_DECODE_PROGRAMS = ("request", "sm")
+#: the triton backend's extend kernel: the tuned choice, or one kernel by name
+TRITON_EXTEND_KERNELS = ("auto", "gather", "fresh", "ws")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -76,6 +78,7 @@ class RuntimeConfig:
     triton_decode_order: str = "longest"
     triton_decode_prologue: str = "off"
     triton_decode_programs: str = "request"
+    triton_extend_kernel: str = "auto"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -132,6 +135,7 @@ class RuntimeConfig:
             "triton_decode_order": TRITON_DECODE_ORDER,
             "triton_decode_prologue": TRITON_DECODE_PROLOGUE,
             "triton_decode_programs": TRITON_DECODE_PROGRAMS,
+            "triton_extend_kernel": TRITON_EXTEND_KERNELS,
             "fused_kernels": FUSED_KERNELS,
         }
         for name, accepted in choices.items():

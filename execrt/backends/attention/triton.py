@@ -15,6 +15,7 @@ from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
 from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
 from execrt.core.config import TRITON_DECODE_PROGRAMS as DECODE_PROGRAMS
 from execrt.core.config import TRITON_DECODE_PROLOGUE as DECODE_PROLOGUE
+from execrt.core.config import TRITON_EXTEND_KERNELS as EXTEND_KERNELS
 from execrt.core.errors import ConfigError
 from execrt.core.interfaces import (
     KV,
@@ -88,6 +89,12 @@ class TritonAttnBackend(AttentionBackend):
     launches at least a program per request; ``sm`` launches one wave (two per SM over the kv
     heads), each program taking an equal share of the work list with its look-ahead (not yet
     timed on the H200).
+
+    Option ``extend_kernel`` (config ``triton_extend_kernel``): ``auto`` (the default) runs
+    the kernel this GPU's tuned table chose (:func:`execrt.kernels.attention.choose_kernel`);
+    ``gather``, ``fresh`` or ``ws`` name one. A named kernel that cannot run with this
+    device, cache and head dims is refused when the backend is built; ``fresh`` runs
+    ``gather`` for a step whose K/V are not handed to ``attend``.
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -109,6 +116,17 @@ class TritonAttnBackend(AttentionBackend):
             and init.head_dim == init.v_head_dim  # (the rotated q passes through the output)
         )
         self.decode_programs = _choice(init.options, "decode_programs", "request", DECODE_PROGRAMS)
+        self.extend_kernel = _choice(init.options, "extend_kernel", "auto", EXTEND_KERNELS)
+        if self.extend_kernel != "auto" and init.kv_cache.k_buffers:
+            probe = torch.empty(0, 1, init.head_dim, dtype=init.dtype, device=init.device)
+            why = kernels.extend_kernel_refusal(
+                self.extend_kernel, probe, init.kv_cache.k_buffers[0],
+                init.kv_cache.v_buffers[0], init.head_dim, init.v_head_dim,
+            )  # fmt: skip
+            if why is not None:
+                raise ConfigError(
+                    f"triton attention: extend_kernel {self.extend_kernel!r} cannot run here: {why}"
+                )
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -230,10 +248,13 @@ class TritonAttnBackend(AttentionBackend):
         # kernel falls back to the cache where it cannot (fp8 cache, older GPU).
         fresh = kv is not None and kv[0].shape[0] == q.shape[0] and kv[0].dtype == q.dtype
         k_new, v_new = kv if fresh and kv is not None else (None, None)
+        kernel = None if self.extend_kernel == "auto" else self.extend_kernel
+        if kernel == "fresh" and k_new is None:
+            kernel = "gather"
         self.kernels.extend_attention(
             q, k_buf, v_buf, o, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
             meta.prefix_lens, meta.max_extend_len, layer.scaling, kv_scales=scales,
-            max_kv_len=meta.max_kv_len, k_new=k_new, v_new=v_new,
+            max_kv_len=meta.max_kv_len, k_new=k_new, v_new=v_new, kernel=kernel,
         )  # fmt: skip
         return o
 

@@ -23,7 +23,7 @@ from execrt.kernels.attention.decode import (
     load_tile_table,
     tile_table_json,
 )
-from execrt.kernels.attention.extend import extend_attention
+from execrt.kernels.attention.extend import extend_attention, extend_kernel_refusal
 from execrt.kernels.attention.indices import (
     SplitPolicy,
     decode_metadata,
@@ -49,6 +49,7 @@ __all__ = [
     "decode_num_splits",
     "decode_work",
     "extend_attention",
+    "extend_kernel_refusal",
     "load_tile_table",
     "tile_table_json",
     "work_size",

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from execrt.core.kv_quant import FP8_DTYPES
 from execrt.kernels._triton import (
     cdiv,
     check_index,
@@ -286,6 +287,27 @@ def fresh_supported(q: torch.Tensor, k_buffer: torch.Tensor, kv_scales: object) 
         major, minor = cuda_capability(q.device)
         if major < 9:
             return f"sm{major}{minor} (the fresh kernel needs sm90+)"
+    return None
+
+
+def extend_kernel_refusal(
+    kernel: str,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    head_dim: int,
+    head_dim_v: int,
+) -> str | None:
+    """Why ``kernel`` can never serve extends of ``q``'s dtype and device over this cache
+    (an fp8 cache comes with scales), or None: what a backend asked for one kernel by name
+    checks once, when it is built."""
+    if kernel not in KERNELS:
+        return f"kernel {kernel!r} unknown (known: {', '.join(KERNELS)})"
+    scales = torch.ones(2) if k_buffer.dtype in FP8_DTYPES else None
+    if kernel == FRESH:
+        return fresh_supported(q, k_buffer, scales)
+    if kernel == WS:
+        return ws_unsupported(q, k_buffer, v_buffer, scales, head_dim, head_dim_v)
     return None
 
 

@@ -88,3 +88,28 @@ def test_cli_refuses_an_unknown_variant(capsys) -> None:  # type: ignore[no-unty
     assert (
         err == "execrt: error: bench extend: --variants 'fa2,fa4' unknown (known: auto, fa2, fa3)"
     )
+
+
+def test_triton_runs_each_kernel_named_and_one_that_cannot_run_says_why(capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    p = bench.ExtendProblem(2, 20, 13, 4, 2, 64, torch.float32, device=device)
+    host = PluginHost(autoload=False)
+    # gather and fresh run everywhere (the interpreter on CPU), each as asked
+    for kernel in ("gather", "fresh"):
+        context = RuntimeContext()
+        try:
+            calls, backend = bench.backend_calls(
+                host, "triton", p, context, {"extend_kernel": kernel}
+            )
+            assert backend.extend_kernel == kernel
+            assert p.rel_err(calls[0]()) < (5e-3 if device == "cuda" else 1e-5)
+        finally:
+            context.close()
+    # ws is refused by name here (fp32; and on CPU a Gluon kernel cannot run at all): its
+    # record says why and the run goes on
+    record = _record("triton", None, "ws")
+    bench.time_into(record, host, p, iters=1, reps=1)
+    assert record.ms is None
+    assert "extend_kernel 'ws' cannot run here" in record.note, record.note
+    assert capsys.readouterr().out.split()[0] == "triton[ws]"

@@ -185,3 +185,14 @@ def test_unknown_programs_policy_is_refused_naming_the_value_and_the_choices() -
         ConfigError, match=r"decode_programs 'all' unsupported \(supported: request, sm\)"
     ):
         _backend("auto", pool, cache, decode_programs="all")
+
+
+def test_a_named_extend_kernel_is_checked_when_the_backend_is_built() -> None:
+    pool, cache, _ = _state(2, [5, 9])
+    with pytest.raises(ConfigError, match=r"extend_kernel 'flash' unsupported \(supported: "):
+        _backend("auto", pool, cache, extend_kernel="flash")
+    # fp32 q over an fp32 cache: the ws kernel (16-bit, sm90, Gluon) cannot run here
+    with pytest.raises(ConfigError, match="extend_kernel 'ws' cannot run here: "):
+        _backend("auto", pool, cache, extend_kernel="ws")
+    for kernel in ("auto", "gather", "fresh"):
+        assert _backend("auto", pool, cache, extend_kernel=kernel).extend_kernel == kernel
