@@ -44,6 +44,29 @@ class TestTritonAttentionOneWave(AttentionBackendSuite):
         return case.get("mode") != "extend"
 
 
+class TestTritonAttentionWs(AttentionBackendSuite):
+    # The warp-specialised Gluon extend kernel (extend_kernel "ws"): the suite's extend cases
+    # it takes (sm90, 16-bit q and cache, head dims 64 and 128). Elsewhere the backend refuses
+    # it at build, so on CPU and other GPUs the class has no cases.
+    backend = "triton"
+    options = {"extend_kernel": "ws"}
+
+    @classmethod
+    def keep_case(cls, test_name: str, case: Case) -> bool:
+        import torch
+
+        from execrt.kernels.attention.extend_ws import WS_DTYPES, WS_HEAD_DIMS, gluon_on_sm90
+
+        return (
+            gluon_on_sm90()
+            and case.get("mode") == "extend"
+            and case.dtype in WS_DTYPES
+            and case.get("head_dim") in WS_HEAD_DIMS
+            and case.get("kv_dtype") in (None, case.dtype)
+            and torch.device(case.device).type == "cuda"
+        )
+
+
 class TestFlashInferAttention(AttentionBackendSuite):
     # Registered but unusable without CUDA and the flashinfer module: every case skips saying so.
     # Its default prefill is FA3 on sm90 (the H200), FA2 elsewhere; the class below runs FA2.

@@ -78,6 +78,17 @@ INT32_LIMIT = 2**31  # the producer's row offsets (slot x row stride) are int32
 SHARED_MEMORY_PER_SM = 227 * 1024  # what one sm90 program may hold
 
 
+def gluon_on_sm90() -> bool:
+    """Whether this machine runs the kernel at all: Gluon, a CUDA device of compute
+    capability 9.x, and not the Triton interpreter."""
+    return (
+        GLUON_IMPORT_ERROR is None
+        and torch.cuda.is_available()
+        and not interpreter_enabled()
+        and cuda_capability(torch.device("cuda"))[0] == 9
+    )
+
+
 def ws_unsupported(
     q: torch.Tensor,
     k_buffer: torch.Tensor,

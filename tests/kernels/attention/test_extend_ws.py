@@ -23,8 +23,7 @@ def _sm90() -> bool:
 
 
 sm90 = pytest.mark.skipif(
-    not _sm90() or ws.GLUON_IMPORT_ERROR is not None,
-    reason="needs an sm90 GPU and Gluon (the kernel uses Hopper's wgmma)",
+    not ws.gluon_on_sm90(), reason="needs an sm90 GPU and Gluon (the kernel uses Hopper's wgmma)"
 )
 CUDA_DEV = torch.device("cuda")
 
