@@ -71,6 +71,21 @@ def test_fp8_converts_pairs_and_extend_uses_wgmma() -> None:
     assert all(any(op.startswith("HGMMA.") for op in counts) for _, counts in loops)
 
 
+def test_fp8_words_keep_two_value_operand_fragments() -> None:
+    """The fp8-words loop converts each word in registers and feeds the dots 2-value (kWidth
+    2) fragments: no register moves assembling 4-value ones, which the joins behind the dots
+    gave on triton 3.6 (the H200's) until they were hidden behind an identity (``_opaque``)."""
+    run = _run("--kv", "fp8w", "--tiles", "128,4,3", "--top", "400")
+    assert run.returncode == 0, run.stderr[-2000:]
+    [(head, counts)] = _loops(run.stdout)
+    assert counts.get("F2FP.F16.E4M3.UNPACK_B", 0) == 128  # 2 x 128 x 128 values / 128 threads / 2
+    assert counts.get("HMMA.16816.F32", 0) == 64
+    moves = counts.get("IMAD.MOV.U32", 0) + counts.get("MOV", 0)
+    assert moves < 64, counts
+    loop = int(re.search(r"loop of (\d+) instructions", head).group(1))  # type: ignore[union-attr]
+    assert loop < 760, head  # 883 with 4-value fragments (triton 3.6), 617-680 without
+
+
 def warps_per_sm(registers: int) -> int:
     """Warps an sm90 SM holds at this many registers per thread (64K registers, allocated
     per warp in units of 256)."""

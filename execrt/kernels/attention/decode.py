@@ -214,7 +214,12 @@ def decode_programs(
 # p are then re-read from shared memory with LDS.64 each block and assembled by ~270 moves,
 # 1,195 instructions per 128-token block against bf16's 579 (benchmarks/kernel_sass.py). Read
 # as int32 words and unpacked by PTX into fp16 pairs, the tiles trace back to 32-bit values and
-# the dots keep kWidth 2: 630 instructions (3 stages).
+# the dots keep kWidth 2 in triton 3.9 (617 instructions, 3 stages). Triton 3.6 (the H200's)
+# halves the operand width it finds for every join on the way back from a dot, so the joins
+# that lay the four values of a word side by side gave kWidth 4 again there (883
+# instructions, 200 of them register moves). An identity the compiler cannot see through
+# (``_opaque``) between the joined tile and the dot ends that search: kWidth 2, 680
+# instructions, K and V passing once through shared memory as fp16 (sm90 AOT, triton 3.6).
 
 _CVT_ASM = """{
 .reg .b16 lo, hi;
@@ -265,6 +270,22 @@ def _unpack_fp8_words(words, E5M2: tl.constexpr, ASM: tl.constexpr):
     return tl.join(tl.join(b0, b2), tl.join(b1, b3))
 
 
+_IDENTITY_ASM = tl.constexpr("mov.b32 $0, $1;")
+
+
+@triton.jit
+def _opaque(x, ASM: tl.constexpr):
+    """``x`` (fp16) unchanged. On a GPU it passes through an identity in PTX that Triton does
+    not look through (not pure), so the dot it feeds takes its operand width from here, not
+    from the joins behind it (see above). Any two values may share the asm's 32-bit register:
+    an identity does not care which."""
+    if ASM:
+        x = tl.inline_asm_elementwise(
+            _IDENTITY_ASM, "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2
+        )
+    return x
+
+
 @triton.jit
 def _load_kt_words(k_words, slots, mask_n, stride_ks, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
@@ -277,7 +298,7 @@ def _load_kt_words(k_words, slots, mask_n, stride_ks, HEAD_DIM: tl.constexpr,
         other=0,
     )  # [BLOCK_D // 4, BLOCK_N]
     quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_D // 4, BLOCK_N, 2, 2]
-    return tl.reshape(tl.permute(quads, (0, 2, 3, 1)), (BLOCK_D, slots.shape[0]))
+    return _opaque(tl.reshape(tl.permute(quads, (0, 2, 3, 1)), (BLOCK_D, slots.shape[0])), ASM)
 
 
 @triton.jit
@@ -291,7 +312,7 @@ def _load_v_words(v_words, slots, mask_n, stride_vs, HEAD_DIM_V: tl.constexpr,
         other=0,
     )  # [BLOCK_N, BLOCK_DV // 4]
     quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_N, BLOCK_DV // 4, 2, 2]
-    return tl.reshape(quads, (slots.shape[0], BLOCK_DV))
+    return _opaque(tl.reshape(quads, (slots.shape[0], BLOCK_DV)), ASM)
 
 
 # The prefetch's bounds vary step to step (the batch, the context lengths' sum): not
