@@ -24,6 +24,9 @@ DISABLE_PDL = "EXECRT_DISABLE_PDL"
 #: (all), or a comma-separated list of "linear" (the skinny GEMM's weights) and "decode" (the
 #: split kernel's first K/V rows). Off by default until the H200 A/B of docs/kernels.md.
 PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
+#: "0" lets the fp8-words decode loop's joined K/V tiles be seen by Triton's operand-width
+#: search again (4-value fragments under triton 3.6): the A/B of docs/kernels.md. On by default.
+FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -41,6 +44,7 @@ NON_CONFIG = frozenset(
         DEFAULT_MODEL,
         DISABLE_PDL,
         PDL_PREFETCH,
+        FP8_WORDS_OPAQUE,
         DEBUG_KV_OWNERSHIP,
     }
 )
@@ -59,7 +63,7 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 #: The variables that change which kernels run or how they launch (not config keys): what a
 #: benchmark record names beside its config overrides.
-KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH)
+KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH, FP8_WORDS_OPAQUE)
 
 
 def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -220,6 +220,19 @@ def pdl_prefetch(device: torch.device, kernel: str) -> bool:
     return envs.flag(envs.PDL_PREFETCH) or kernel in names
 
 
+def fp8_words_opaque() -> bool:
+    """Whether the fp8-words decode loop hides its joined K/V tiles from Triton's operand-width
+    search (decode.py, ``_opaque``): on unless ``EXECRT_FP8_WORDS_OPAQUE`` is falsy (0, false,
+    no, off), which restores the 4-value fragments for an A/B. Read at each launch."""
+    value = os.environ.get(envs.FP8_WORDS_OPAQUE, "").strip().lower()
+    if value and value not in envs.TRUE_WORDS | envs.FALSE_WORDS:
+        raise ConfigError(
+            f"{envs.FP8_WORDS_OPAQUE}={value!r} unsupported; accepted: 1 or 0 (true/false, "
+            "yes/no, on/off)"
+        )
+    return value not in envs.FALSE_WORDS
+
+
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     """Launch keywords of a kernel with a ``PDL: tl.constexpr`` parameter (see ``use_pdl``)."""
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}

@@ -50,7 +50,21 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_variables_are_not_config_keys() -> None:
-    assert envs.config_overrides({envs.DISABLE_PDL: "1", envs.PDL_PREFETCH: "1"}) == {}
+    switches = {envs.DISABLE_PDL: "1", envs.PDL_PREFETCH: "1", envs.FP8_WORDS_OPAQUE: "0"}
+    assert envs.config_overrides(switches) == {}
+    assert envs.kernel_switches(switches) == switches  # what a benchmark record names
+
+
+def test_the_fp8_words_identity_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _triton.fp8_words_opaque()
+    for off in ("0", "false", " Off "):
+        monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, off)
+        assert not _triton.fp8_words_opaque()
+    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "1")
+    assert _triton.fp8_words_opaque()
+    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "sometimes")
+    with pytest.raises(ConfigError, match=r"EXECRT_FP8_WORDS_OPAQUE='sometimes' unsupported"):
+        _triton.fp8_words_opaque()
 
 
 @needs_cuda

@@ -18,6 +18,7 @@ from execrt.kernels._triton import (
     cdiv,
     check_index,
     fail,
+    fp8_words_opaque,
     interpreter_enabled,
     next_power_of_2,
     pdl_kwargs,
@@ -274,12 +275,12 @@ _IDENTITY_ASM = tl.constexpr("mov.b32 $0, $1;")
 
 
 @triton.jit
-def _opaque(x, ASM: tl.constexpr):
-    """``x`` (fp16) unchanged. On a GPU it passes through an identity in PTX that Triton does
-    not look through (not pure), so the dot it feeds takes its operand width from here, not
-    from the joins behind it (see above). Any two values may share the asm's 32-bit register:
-    an identity does not care which."""
-    if ASM:
+def _opaque(x, ON: tl.constexpr):
+    """``x`` (fp16) unchanged. ``ON`` (a GPU, unless ``EXECRT_FP8_WORDS_OPAQUE=0``): through
+    an identity in PTX that Triton does not look through (not pure), so the dot it feeds takes
+    its operand width from here, not from the joins behind it (see above). Any two values may
+    share the asm's 32-bit register: an identity does not care which."""
+    if ON:
         x = tl.inline_asm_elementwise(
             _IDENTITY_ASM, "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2
         )
@@ -288,7 +289,8 @@ def _opaque(x, ASM: tl.constexpr):
 
 @triton.jit
 def _load_kt_words(k_words, slots, mask_n, stride_ks, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                   BLOCK_D: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr,
+                   OPAQUE: tl.constexpr):  # fmt: skip
     """K^T ``[BLOCK_D, BLOCK_N]`` as fp16 from the int32 words of an fp8 cache (``stride_ks``
     in words; ``HEAD_DIM % 4 == 0``); padding rows and masked tokens are 0."""
     offs_w = tl.arange(0, BLOCK_D // 4)
@@ -298,12 +300,13 @@ def _load_kt_words(k_words, slots, mask_n, stride_ks, HEAD_DIM: tl.constexpr,
         other=0,
     )  # [BLOCK_D // 4, BLOCK_N]
     quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_D // 4, BLOCK_N, 2, 2]
-    return _opaque(tl.reshape(tl.permute(quads, (0, 2, 3, 1)), (BLOCK_D, slots.shape[0])), ASM)
+    return _opaque(tl.reshape(tl.permute(quads, (0, 2, 3, 1)), (BLOCK_D, slots.shape[0])), OPAQUE)
 
 
 @triton.jit
 def _load_v_words(v_words, slots, mask_n, stride_vs, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                  BLOCK_DV: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr,
+                  OPAQUE: tl.constexpr):  # fmt: skip
     """V ``[BLOCK_N, BLOCK_DV]`` as fp16 from the int32 words of an fp8 cache."""
     offs_w = tl.arange(0, BLOCK_DV // 4)
     words = tl.load(
@@ -312,7 +315,7 @@ def _load_v_words(v_words, slots, mask_n, stride_vs, HEAD_DIM_V: tl.constexpr,
         other=0,
     )  # [BLOCK_N, BLOCK_DV // 4]
     quads = _unpack_fp8_words(words, E5M2, ASM)  # [BLOCK_N, BLOCK_DV // 4, 2, 2]
-    return _opaque(tl.reshape(quads, (slots.shape[0], BLOCK_DV)), ASM)
+    return _opaque(tl.reshape(quads, (slots.shape[0], BLOCK_DV)), OPAQUE)
 
 
 # The prefetch's bounds vary step to step (the batch, the context lengths' sum): not
@@ -384,6 +387,7 @@ def _decode_split_kernel(
     F8_WORDS: tl.constexpr,
     F8_E5M2: tl.constexpr,
     F8_ASM: tl.constexpr,
+    F8_OPAQUE: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
@@ -483,7 +487,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _split_blocks(
             q, ids, k_base, v_base, kv_indices_ptr + kv_start, lo, hi, stride_ks, stride_vs,
             qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED,
-            F8_WORDS, F8_E5M2, F8_ASM,
+            F8_WORDS, F8_E5M2, F8_ASM, F8_OPAQUE,
         )  # fmt: skip
         if PREFETCH:  # the next item's first K/V come from DRAM during this one's epilogue
             if item + programs < n_items:
@@ -651,6 +655,7 @@ def _split_blocks(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
     F8_WORDS: tl.constexpr, F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr,
+    F8_OPAQUE: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of ``q`` over the split's tokens ``[lo, hi)`` (``ids``: the slot ids
     of its first block): (running max, sum, unnormalised output), log2 domain.
@@ -680,7 +685,7 @@ def _split_blocks(
         # (transposing fp8 in registers took byte-wise shared loads and spilled).
         if F8_WORDS:
             kt = _load_kt_words(
-                k_base, slots, mask_n, stride_ks, HEAD_DIM, BLOCK_D, F8_E5M2, F8_ASM
+                k_base, slots, mask_n, stride_ks, HEAD_DIM, BLOCK_D, F8_E5M2, F8_ASM, F8_OPAQUE
             )
         else:
             kt = tl.load(
@@ -699,7 +704,15 @@ def _split_blocks(
         l_i = l_i * alpha + tl.sum(p, 1)
         if F8_WORDS:
             v = _load_v_words(
-                v_base, slots, mask_n, stride_vs, HEAD_DIM_V, BLOCK_DV, F8_E5M2, F8_ASM
+                v_base,
+                slots,
+                mask_n,
+                stride_vs,
+                HEAD_DIM_V,
+                BLOCK_DV,
+                F8_E5M2,
+                F8_ASM,
+                F8_OPAQUE,
             )
         else:
             v = tl.load(
@@ -1155,6 +1168,7 @@ def decode_attention(
         F8_WORDS=words,
         F8_E5M2=k_buffer.dtype == torch.float8_e5m2,
         F8_ASM=q.device.type == "cuda",
+        F8_OPAQUE=q.device.type == "cuda" and fp8_words_opaque(),
         PROLOGUE=prologue is not None,
         HAS_Q_NORM=pro.q_norm_weight is not None,
         HAS_K_NORM=pro.k_norm_weight is not None,

@@ -784,6 +784,24 @@ def test_gpu_decode_shapes(
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype, fused: bool) -> None:
     # Compiled: the fp8 loads, their conversion and the scale folding at the shape.
+    _gpu_decode_fp8(dtype, kv_dtype, fused)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_gpu_decode_fp8_words_without_the_identity(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # EXECRT_FP8_WORDS_OPAQUE=0 (the A/B's other arm: the joins seen, 4-value fragments on
+    # triton 3.6) computes the same attention.
+    from execrt.core import envs
+
+    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "0")
+    _gpu_decode_fp8(torch.bfloat16, kv_dtype, False)
+
+
+def _gpu_decode_fp8(dtype: torch.dtype, kv_dtype: torch.dtype, fused: bool) -> None:
     seq_lens = [8192, 1, 700, 4096]
     max_splits = tk.SplitPolicy().max_splits(len(seq_lens), max(seq_lens), 8, _num_sms())
     o, ref = run_decode(
