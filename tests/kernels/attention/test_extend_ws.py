@@ -317,3 +317,39 @@ def test_gpu_ws_replays_in_a_graph_bit_for_bit() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager)
+
+
+@pytest.mark.skipif(ws.GLUON_IMPORT_ERROR is not None, reason="this triton has no Gluon")
+@pytest.mark.parametrize(("persistent", "grid"), [(False, 600), (True, 132)])
+def test_the_launch_binds_every_kernel_parameter(monkeypatch, persistent: bool, grid: int) -> None:  # type: ignore[no-untyped-def]
+    """Without a GPU: what ``launch_ws`` passes binds to the kernel's parameters exactly
+    (a missing or misspelt constexpr would otherwise surface only on an sm90 machine), on
+    the grid the schedule asks for."""
+    import inspect
+
+    kernel = ws._extend_ws_kernel
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+                launched.update(grid=grid, args=args, kwargs=kwargs)
+
+            return run
+
+    monkeypatch.setattr(ws, "_extend_ws_kernel", Recorder())
+    monkeypatch.setattr(ws, "sm_count", lambda device: 132)
+    q = torch.zeros(40, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(100, 2, 128, dtype=torch.bfloat16)
+    i32 = torch.zeros(3, dtype=torch.int32)
+    ws.launch_ws(
+        q, k, k, q.clone(), i32, i32, i32, i32, 0.1, (3, 2, 200, 2), group=4, heads=4,
+        block_m=128, block_n=128, num_warps=8, num_stages=2, persistent=persistent,
+    )  # fmt: skip
+    # 600 tiles (200 pairs x 3 query tiles): one program each, or one per SM (160 KB each)
+    assert launched["grid"] == (grid,)
+    kwargs = dict(launched["kwargs"])
+    assert kwargs["num_warps"] == 4 and kwargs["CONSUMERS"] == 2  # 8 consumer warps in two
+    signature = inspect.signature(kernel.fn)
+    bound = signature.bind(*launched["args"], **kwargs)
+    assert set(bound.arguments) == set(signature.parameters)
