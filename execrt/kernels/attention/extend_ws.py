@@ -11,8 +11,8 @@ warp groups with separate jobs. This kernel does that with Gluon's explicit part
   into a ring of ``STAGES`` shared-memory buffers. Every producer thread signals a block's
   K (then V) buffer full with ``cp.async.mbarrier.arrive.noinc``, which fires once that
   thread's copies have landed, so the barrier completes when all of them have.
-- **consumers** (one partition per warp group of ``num_warps``; the first is the default
-  partition): each takes its own rows of the query tile (64 of 128 with 8 warps: one wgmma
+- **consumers** (two partitions of one warp group each, ``num_warps`` 8 in all; the first is
+  the default partition): each takes its own 64 rows of the 128-row query tile (one wgmma
   row block of 16 rows per warp), holds them in shared memory, and per block runs ``S =
   Q K^T`` (async wgmma, K read transposed from shared memory), the online softmax in
   registers (exp2, scale folded in, masks only on the diagonal blocks), and ``O += P V``
@@ -39,8 +39,8 @@ Triton interpreter; :func:`ws_unsupported` says why a call cannot run here, and
 :mod:`execrt.kernels.attention.extend` keeps the other kernels for those calls.
 """
 
-from __future__ import annotations
-
+# (No ``from __future__ import annotations``: Gluon's aggregates check their fields against the
+# annotations' types at run time, so those must be types, not strings.)
 import torch
 
 from execrt.kernels._triton import cuda_capability, interpreter_enabled, sm_count
@@ -59,6 +59,8 @@ try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     # cp.async into shared memory: ``async_copy_global_to_shared`` in triton 3.6 (the H200's),
     # renamed ``async_load`` by 3.9 (the same arguments).
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    from triton.language.core import _aggregate as aggregate
+
     GLUON_IMPORT_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - depends on the installed triton
     GLUON_IMPORT_ERROR = f"this triton has no Gluon ({exc})"
@@ -116,39 +118,88 @@ def ws_unsupported(
 
 if GLUON_IMPORT_ERROR is None:
 
+    @aggregate
+    class _Schedule:
+        """The tiles and their order (the gather kernel's): what both partitions read to know
+        which tile comes next (a worker partition takes no tensors from the default one)."""
+
+        qo_indptr_ptr: gl.tensor
+        kv_indptr_ptr: gl.tensor
+        prefix_lens_ptr: gl.tensor
+        num_m_tiles: gl.tensor
+        num_head_blocks: gl.tensor
+        num_pairs: gl.tensor
+        pairs_per_chunk: gl.tensor
+        GROUP: gl.constexpr
+        HEADS: gl.constexpr
+        BLOCK_M: gl.constexpr
+        BLOCK_N: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles,
+                     num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M,
+                     BLOCK_N):  # fmt: skip
+            self.qo_indptr_ptr = qo_indptr_ptr
+            self.kv_indptr_ptr = kv_indptr_ptr
+            self.prefix_lens_ptr = prefix_lens_ptr
+            self.num_m_tiles = num_m_tiles
+            self.num_head_blocks = num_head_blocks
+            self.num_pairs = num_pairs
+            self.pairs_per_chunk = pairs_per_chunk
+            self.GROUP = gl.constexpr(GROUP)
+            self.HEADS = gl.constexpr(HEADS)
+            self.BLOCK_M = gl.constexpr(BLOCK_M)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+
+    @aggregate
+    class _Ring:
+        """The K/V ring: ``STAGES`` K and V buffers and their barriers (ready: filled by the
+        producer; empty: released by every consumer thread)."""
+
+        k_bufs: gl.shared_memory_descriptor
+        v_bufs: gl.shared_memory_descriptor
+        k_ready: gl.shared_memory_descriptor
+        v_ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        STAGES: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, k_bufs, v_bufs, k_ready, v_ready, empty, STAGES):
+            self.k_bufs = k_bufs
+            self.v_bufs = v_bufs
+            self.k_ready = k_ready
+            self.v_ready = v_ready
+            self.empty = empty
+            self.STAGES = gl.constexpr(STAGES)
+
     @gluon.jit
-    def _ws_tile(
-        tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
-        num_pairs, pairs_per_chunk, GROUP: gl.constexpr, HEADS: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    ):  # fmt: skip
+    def _ws_tile(tile, sched):
         """Tile ``tile`` of the schedule, as the gather kernel's ``_tile_coords`` /
         ``_tile_rows`` give its program: ``(head0, kv_head, q_start, extend_len, kv_start,
         prefix, tok0, kv_hi, full_hi)``. Context ``[0, full_hi)`` is seen by every row (whole
         blocks), ``[full_hi, kv_hi)`` holds the diagonal; a tile past its request's new
-        tokens has ``kv_hi = 0``. Both partitions call it (a worker takes no tensors from the
-        default partition)."""
-        TOKENS: gl.constexpr = BLOCK_M // HEADS
-        pid = tile
-        chunk_programs = pairs_per_chunk * num_m_tiles
-        chunk = pid // chunk_programs
-        local = pid - chunk * chunk_programs
+        tokens has ``kv_hi = 0``."""
+        TOKENS: gl.constexpr = sched.BLOCK_M // sched.HEADS
+        pairs_per_chunk = sched.pairs_per_chunk
+        chunk_programs = pairs_per_chunk * sched.num_m_tiles
+        chunk = tile // chunk_programs
+        local = tile - chunk * chunk_programs
         first_pair = chunk * pairs_per_chunk
-        width = gl.minimum(pairs_per_chunk, num_pairs - first_pair)
-        m_tile = num_m_tiles - 1 - local // width
+        width = gl.minimum(pairs_per_chunk, sched.num_pairs - first_pair)
+        m_tile = sched.num_m_tiles - 1 - local // width
         pair = first_pair + local % width
-        b = pair // num_head_blocks
-        head0 = (pair - b * num_head_blocks) * HEADS
-        kv_head = head0 // GROUP
-        q_start = gl.load(qo_indptr_ptr + b).to(gl.int32)
-        extend_len = gl.load(qo_indptr_ptr + b + 1).to(gl.int32) - q_start
-        kv_start = gl.load(kv_indptr_ptr + b).to(gl.int32)
-        kv_len = gl.load(kv_indptr_ptr + b + 1).to(gl.int32) - kv_start
-        prefix = gl.load(prefix_lens_ptr + b).to(gl.int32)
+        b = pair // sched.num_head_blocks
+        head0 = (pair - b * sched.num_head_blocks) * sched.HEADS
+        kv_head = head0 // sched.GROUP
+        q_start = gl.load(sched.qo_indptr_ptr + b).to(gl.int32)
+        extend_len = gl.load(sched.qo_indptr_ptr + b + 1).to(gl.int32) - q_start
+        kv_start = gl.load(sched.kv_indptr_ptr + b).to(gl.int32)
+        kv_len = gl.load(sched.kv_indptr_ptr + b + 1).to(gl.int32) - kv_start
+        prefix = gl.load(sched.prefix_lens_ptr + b).to(gl.int32)
         tok0 = m_tile * TOKENS
         last_tok = gl.minimum(tok0 + TOKENS, extend_len) - 1
         kv_hi = gl.minimum(prefix + last_tok + 1, kv_len)
-        full_hi = gl.minimum(prefix + tok0 + 1, kv_hi) // BLOCK_N * BLOCK_N
+        full_hi = gl.minimum(prefix + tok0 + 1, kv_hi) // sched.BLOCK_N * sched.BLOCK_N
         if tok0 >= extend_len:
             kv_hi = 0
             full_hi = 0
@@ -162,24 +213,21 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _ws_producer(
-        k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
-        num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks, stride_kh,
-        stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP: gl.constexpr,
-        HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+        k_ptr, v_ptr, kv_indices_ptr, stride_ks, stride_kh, stride_vs, stride_vh, sched,
+        ring_bufs, HEAD_DIM: gl.constexpr, LOAD_WARPS: gl.constexpr,
     ):  # fmt: skip
         """Gather the context blocks of this program's tiles into the ring (see the module
         docstring). ``ring`` counts the blocks passed through the ring, across tiles: block
         ``ring`` goes into buffer ``ring % STAGES``, on that buffer's lap ``ring // STAGES``."""
+        BLOCK_N: gl.constexpr = sched.BLOCK_N
+        STAGES: gl.constexpr = ring_bufs.STAGES
         layout: gl.constexpr = _row_layout(BLOCK_N, HEAD_DIM, LOAD_WARPS)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
         ring = 0
-        for tile in range(gl.program_id(0), num_pairs * num_m_tiles, gl.num_programs(0)):
-            _h, kv_head, _qs, _el, kv_start, _p, _t, kv_hi, _f = _ws_tile(
-                tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles,
-                num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+        for tile in range(gl.program_id(0), sched.num_pairs * sched.num_m_tiles,
+                          gl.num_programs(0)):  # fmt: skip
+            _h, kv_head, _qs, _el, kv_start, _p, _t, kv_hi, _f = _ws_tile(tile, sched)
             k_base = k_ptr + kv_head.to(gl.int64) * stride_kh
             v_base = v_ptr + kv_head.to(gl.int64) * stride_vh
             idx_base = kv_indices_ptr + kv_start
@@ -192,18 +240,20 @@ if GLUON_IMPORT_ERROR is None:
                 ids_next = gl.load(idx_base + nxt, mask=nxt < kv_hi, other=0)
                 stage = (ring + j) % STAGES
                 # Fresh barriers count as a completed phase 1: the first lap does not wait.
-                mbarrier.wait(empty.index(stage), (((ring + j) // STAGES) & 1) ^ 1)
+                mbarrier.wait(ring_bufs.empty.index(stage), (((ring + j) // STAGES) & 1) ^ 1)
                 rows = ids.to(gl.int32)[:, None]  # the host checks the cache is < 2^31 elements
                 # Rows past the context are zero-filled: p = 0 times a NaN would be NaN.
                 in_kv = ((start + offs_n) < kv_hi)[:, None]
                 _async_load(
-                    k_bufs.index(stage), k_base + rows * stride_ks + offs_d[None, :], mask=in_kv
-                )
-                async_copy.mbarrier_arrive(k_ready.index(stage), increment_count=False)
+                    ring_bufs.k_bufs.index(stage), k_base + rows * stride_ks + offs_d[None, :],
+                    mask=in_kv,
+                )  # fmt: skip
+                async_copy.mbarrier_arrive(ring_bufs.k_ready.index(stage), increment_count=False)
                 _async_load(
-                    v_bufs.index(stage), v_base + rows * stride_vs + offs_d[None, :], mask=in_kv
-                )
-                async_copy.mbarrier_arrive(v_ready.index(stage), increment_count=False)
+                    ring_bufs.v_bufs.index(stage), v_base + rows * stride_vs + offs_d[None, :],
+                    mask=in_kv,
+                )  # fmt: skip
+                async_copy.mbarrier_arrive(ring_bufs.v_ready.index(stage), increment_count=False)
                 ids = ids_next
             ring += n_blocks
         # Let the last copies land before these warps retire.
@@ -211,15 +261,22 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _ws_scores(q_smem, k_bufs, k_ready, ring, zero_s, STAGES: gl.constexpr):
+    def _ws_scores(q_smem, ring_bufs, ring, zero_s):
         """Issue ``S = Q K^T`` for the ring's block ``ring`` once its K has landed (async;
         returns the token)."""
-        stage = ring % STAGES
-        mbarrier.wait(k_ready.index(stage), (ring // STAGES) & 1)
+        stage = ring % ring_bufs.STAGES
+        mbarrier.wait(ring_bufs.k_ready.index(stage), (ring // ring_bufs.STAGES) & 1)
         fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads async
-        return warpgroup_mma(
-            q_smem, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
+        k_t = ring_bufs.k_bufs.index(stage).permute((1, 0))
+        return warpgroup_mma(q_smem, k_t, zero_s, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _ws_pv(p16, acc, ring_bufs, ring):
+        """Issue ``O += P V`` for the ring's block ``ring`` once its V has landed (async)."""
+        stage = ring % ring_bufs.STAGES
+        mbarrier.wait(ring_bufs.v_ready.index(stage), (ring // ring_bufs.STAGES) & 1)
+        fence_async_shared()
+        return warpgroup_mma(p16, ring_bufs.v_bufs.index(stage), acc, is_async=True)
 
     @gluon.jit
     def _ws_softmax(s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi,
@@ -240,44 +297,39 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _ws_consumer(
-        q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale, num_m_tiles,
-        num_head_blocks, num_pairs, pairs_per_chunk, stride_qt, stride_qh, stride_ot,
-        stride_oh, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, GROUP: gl.constexpr,
-        HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-        ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-    ):  # fmt: skip
-        """Rows ``[ROW0, ROW0 + ROWS)`` of each of this program's query tiles, by ``WARPS``
-        warps, reading the ring in the producer's order (``ring``: blocks passed so far)."""
+    def _ws_consumer(q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem,
+                     sched, ring_bufs, HEAD_DIM: gl.constexpr, OVERLAP: gl.constexpr,
+                     ROW0: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+        """Rows ``[ROW0, ROW0 + 16 WARPS)`` of each of this program's query tiles, reading
+        the ring in the producer's order (``ring``: blocks passed so far)."""
         ring = 0
-        for tile in range(gl.program_id(0), num_pairs * num_m_tiles, gl.num_programs(0)):
+        for tile in range(gl.program_id(0), sched.num_pairs * sched.num_m_tiles,
+                          gl.num_programs(0)):  # fmt: skip
             head0, _kvh, q_start, extend_len, _ks, prefix, tok0, kv_hi, full_hi = _ws_tile(
-                tile, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles,
-                num_head_blocks, num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            n_blocks = gl.cdiv(kv_hi, BLOCK_N)
+                tile, sched
+            )
+            n_blocks = gl.cdiv(kv_hi, sched.BLOCK_N)
             if n_blocks > 0:
                 _ws_attend(
                     q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem,
-                    k_bufs, v_bufs, k_ready, v_ready, empty, head0, q_start, extend_len,
-                    prefix, tok0, kv_hi, full_hi, n_blocks, ring, HEADS, HEAD_DIM, BLOCK_M,
-                    BLOCK_N, STAGES, OVERLAP, ROW0, ROWS, WARPS,
+                    sched, ring_bufs, head0, q_start, extend_len, prefix, tok0, kv_hi, full_hi,
+                    n_blocks, ring, HEAD_DIM, OVERLAP, ROW0, WARPS,
                 )  # fmt: skip
             ring += n_blocks
 
     @gluon.jit
     def _ws_attend(
-        q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem, k_bufs,
-        v_bufs, k_ready, v_ready, empty, head0, q_start, extend_len, prefix, tok0, kv_hi,
-        full_hi, n_blocks, ring, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+        q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, q_smem, sched,
+        ring_bufs, head0, q_start, extend_len, prefix, tok0, kv_hi, full_hi, n_blocks, ring,
+        HEAD_DIM: gl.constexpr, OVERLAP: gl.constexpr, ROW0: gl.constexpr, WARPS: gl.constexpr,
     ):  # fmt: skip
-        """One query tile's rows ``[ROW0, ROW0 + ROWS)`` over its ``n_blocks`` context blocks,
-        which are the ring's blocks ``ring ..``: the flash-attention loop of the module
+        """One query tile's rows ``[ROW0, ROW0 + 16 WARPS)`` over its ``n_blocks`` context
+        blocks, which are the ring's blocks ``ring ..``: the flash-attention loop of the module
         docstring, then the output rows."""
-        TOKENS: gl.constexpr = BLOCK_M // HEADS
+        HEADS: gl.constexpr = sched.HEADS
+        BLOCK_N: gl.constexpr = sched.BLOCK_N
+        TOKENS: gl.constexpr = sched.BLOCK_M // HEADS
+        ROWS: gl.constexpr = 16 * WARPS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
@@ -312,10 +364,11 @@ if GLUON_IMPORT_ERROR is None:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        empty = ring_bufs.empty
+        STAGES: gl.constexpr = ring_bufs.STAGES
 
         # Block 0 (position 0, seen by every row: m_i is finite from here on).
-        s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring, zero_s, STAGES)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        s = warpgroup_mma_wait(0, deps=(_ws_scores(q_smem, ring_bufs, ring, zero_s),))
         p, alpha, m_i, l_i = _ws_softmax(
             s, m_i, l_i, qk_scale, 0, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
         )
@@ -325,22 +378,16 @@ if GLUON_IMPORT_ERROR is None:
             if OVERLAP:
                 # QK of block j first, then PV of block j - 1: wgmmas complete in order, so
                 # the first wait returns S while P V still runs under the softmax.
-                s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring + j, zero_s, STAGES)
-                mbarrier.wait(v_ready.index(prev % STAGES), (prev // STAGES) & 1)
-                fence_async_shared()
-                o_tok = warpgroup_mma(p16, v_bufs.index(prev % STAGES), acc, is_async=True)
+                s_tok = _ws_scores(q_smem, ring_bufs, ring + j, zero_s)
+                o_tok = _ws_pv(p16, acc, ring_bufs, prev)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
                 p, alpha, m_i, l_i = _ws_softmax(
                     s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
                 )
                 acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
             else:
-                mbarrier.wait(v_ready.index(prev % STAGES), (prev // STAGES) & 1)
-                fence_async_shared()
-                o_tok = warpgroup_mma(p16, v_bufs.index(prev % STAGES), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(o_tok,))
-                s_tok = _ws_scores(q_smem, k_bufs, k_ready, ring + j, zero_s, STAGES)
-                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                acc = warpgroup_mma_wait(0, deps=(_ws_pv(p16, acc, ring_bufs, prev),))
+                s = warpgroup_mma_wait(0, deps=(_ws_scores(q_smem, ring_bufs, ring + j, zero_s),))
                 p, alpha, m_i, l_i = _ws_softmax(
                     s, m_i, l_i, qk_scale, j, full_blocks, q_pos, offs_ns, kv_hi, BLOCK_N
                 )
@@ -349,10 +396,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p16 = gl.convert_layout(p.to(dtype), p_layout)
         last = ring + n_blocks - 1
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        fence_async_shared()
-        o_tok = warpgroup_mma(p16, v_bufs.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        acc = warpgroup_mma_wait(0, deps=(_ws_pv(p16, acc, ring_bufs, last),))
         async_copy.mbarrier_arrive(empty.index(last % STAGES), increment_count=False)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -375,78 +419,54 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+        LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        # CONSUMERS partitions of num_warps warps (one warp group each) take ROWS query rows
-        # each: the default partition the first, a worker the second (module docstring).
-        ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+        # Two consumer partitions of num_warps (4) warps, one warp group each, take ROWS query
+        # rows each: the default partition the first, a worker the second (module docstring).
+        ROWS: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_smem_layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_smem_layout)
+        barrier: gl.constexpr = mbarrier.MBarrierLayout()
+        ring_bufs = _Ring(
+            gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem),
+            gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem),
+            gl.allocate_shared_memory(gl.int64, [STAGES, 1], barrier),
+            gl.allocate_shared_memory(gl.int64, [STAGES, 1], barrier),
+            gl.allocate_shared_memory(gl.int64, [STAGES, 1], barrier),
+            STAGES,
+        )
         for i in gl.static_range(STAGES):
             # Every thread of a side arrives once per use (cp.async.mbarrier.arrive.noinc).
-            mbarrier.init(k_ready.index(i), count=LOAD_WARPS * 32)
-            mbarrier.init(v_ready.index(i), count=LOAD_WARPS * 32)
-            mbarrier.init(empty.index(i), count=CONSUMERS * num_warps * 32)
-        # (the argument tuples are written in the calls: a tuple held in a variable loses its
-        # constexprs in triton 3.6)
-        if CONSUMERS == 1:
-            gl.warp_specialize([
-                (_ws_consumer, (
-                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
-                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
-                    stride_qh, stride_ot, stride_oh, q_smem.index(0), k_bufs, v_bufs, k_ready,
-                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
-                    0, ROWS, num_warps,
-                )),
-                (_ws_producer, (
-                    k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
-                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks,
-                    stride_kh, stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty,
-                    GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
-                )),
-            ], [LOAD_WARPS], [LOAD_REGS])  # fmt: skip
-        else:
-            gl.warp_specialize([
-                (_ws_consumer, (
-                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
-                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
-                    stride_qh, stride_ot, stride_oh, q_smem.index(0), k_bufs, v_bufs, k_ready,
-                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
-                    0, ROWS, num_warps,
-                )),
-                (_ws_consumer, (
-                    q_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, qk_scale,
-                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_qt,
-                    stride_qh, stride_ot, stride_oh, q_smem.index(1), k_bufs, v_bufs, k_ready,
-                    v_ready, empty, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, OVERLAP,
-                    ROWS, ROWS, num_warps,
-                )),
-                (_ws_producer, (
-                    k_ptr, v_ptr, kv_indices_ptr, qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr,
-                    num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, stride_ks,
-                    stride_kh, stride_vs, stride_vh, k_bufs, v_bufs, k_ready, v_ready, empty,
-                    GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, LOAD_WARPS,
-                )),
-            ], [num_warps, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])  # fmt: skip
+            mbarrier.init(ring_bufs.k_ready.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(ring_bufs.v_ready.index(i), count=LOAD_WARPS * 32)
+            mbarrier.init(ring_bufs.empty.index(i), count=2 * num_warps * 32)
+        sched = _Schedule(
+            qo_indptr_ptr, kv_indptr_ptr, prefix_lens_ptr, num_m_tiles, num_head_blocks,
+            num_pairs, pairs_per_chunk, GROUP, HEADS, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        gl.warp_specialize([
+            (_ws_consumer, (q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                            q_smem.index(0), sched, ring_bufs, HEAD_DIM, OVERLAP, 0, num_warps)),
+            (_ws_consumer, (q_ptr, o_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                            q_smem.index(1), sched, ring_bufs, HEAD_DIM, OVERLAP, ROWS,
+                            num_warps)),
+            (_ws_producer, (k_ptr, v_ptr, kv_indices_ptr, stride_ks, stride_kh, stride_vs,
+                            stride_vh, sched, ring_bufs, HEAD_DIM, LOAD_WARPS)),
+        ], [num_warps, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])  # fmt: skip
 
 
 def ws_tiles_unsupported(
     block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, elem_bytes: int
 ) -> str | None:
-    """Why these tiles cannot run the warp-specialised kernel, or None when they can: each
-    consumer warp group takes 64 query rows, one wgmma row block (``block_m == 16 *
-    num_warps``; 128 rows per group spilled in sm90 compiles), a K/V block is one wgmma N
+    """Why these tiles cannot run the warp-specialised kernel, or None when they can: two
+    consumer warp groups (``num_warps`` 8) of 64 query rows each, one wgmma row block
+    (``block_m`` 128; 128 rows per group spilled in sm90 compiles), a K/V block is one wgmma N
     (<= 256), and the ring and the query tile must fit Hopper's 227 KB of shared memory."""
-    if num_warps not in (4, 8) or block_m != 16 * num_warps:
-        return f"num_warps {num_warps} / block_m {block_m} (4 or 8 warps of 16 rows each)"
+    if num_warps != 8 or block_m != 128:
+        return f"num_warps {num_warps} / block_m {block_m} (8 warps, 128 rows: two groups of 64)"
     if not 16 <= block_n <= 256 or num_stages < 2:
         return f"block_n {block_n} / num_stages {num_stages} (16-256 tokens, >= 2 stages)"
     smem = (block_m + 2 * num_stages * block_n) * head_dim * elem_bytes
@@ -487,13 +507,12 @@ def launch_ws(
     if persistent:
         smem = (block_m + 2 * num_stages * block_n) * q.shape[2] * q.element_size()
         programs = min(tiles, sm_count(q.device) * max(1, SHARED_MEMORY_PER_SM // smem))
-    consumers = num_warps // 4  # one partition per consumer warp group
     _extend_ws_kernel[(programs,)](
         q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, qk_scale,
         num_m_tiles, num_head_blocks, num_pairs, pairs_per_chunk, q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         o.stride(0), o.stride(1), GROUP=group, HEADS=heads, HEAD_DIM=q.shape[2],
         BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, LOAD_WARPS=LOAD_WARPS,
-        LOAD_REGS=LOAD_REGS, CONSUMERS=consumers, CONSUMER_REGS=CONSUMER_REGS, OVERLAP=overlap,
-        num_warps=num_warps // consumers,
+        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, OVERLAP=overlap,
+        num_warps=num_warps // 2,
     )  # fmt: skip

@@ -539,8 +539,15 @@ def ref_extend_fp32(
 @pytest.mark.parametrize(("bs", "new", "prefix"), ISSUE_SHAPES)
 def test_gpu_extend_issue_shapes_bf16(bs: int, new: int, prefix: int) -> None:
     """bf16, 32 / 8 heads, D 128, default tiles, random slots vs fp32 on gathered K/V."""
+    check_issue_shape(bs, new, prefix, 300 + bs)
+
+
+def check_issue_shape(bs: int, new: int, prefix: int, seed: int, **launch: object) -> None:
+    """One of the issue's rows on the GPU (bf16, 32 / 8 heads, D 128, random slots), each
+    request within 1% (norm) of fp32 attention over its gathered K/V; ``launch`` goes to
+    ``extend_attention`` (a kernel, its knobs)."""
     device, dtype, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 32, 8, 128
-    gen = torch.Generator().manual_seed(300 + bs)
+    gen = torch.Generator().manual_seed(seed)
     cache = make_cache([prefix + new] * bs, hkv, d, d, dtype, device, gen)
     kv_indptr, kv_indices = flat_indices(cache)
     q = torch.randn(bs * new, hq, d, generator=gen).to(dtype).to(device)
@@ -549,7 +556,7 @@ def test_gpu_extend_issue_shapes_bf16(bs: int, new: int, prefix: int) -> None:
     prefix_lens = torch.full((bs,), prefix, dtype=torch.int32, device=device)
     tk.extend_attention(
         q, cache.k, cache.v, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, new, d**-0.5,
-        max_kv_len=prefix + new,
+        max_kv_len=prefix + new, **launch,  # type: ignore[arg-type]
     )  # fmt: skip
     for b in range(bs):
         rows = slice(b * new, (b + 1) * new)
