@@ -107,7 +107,7 @@ def compile_split_kernel(
         "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
         "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
         "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "F8_OPAQUE": True,
-        "PROLOGUE": prologue,
+        "SLOT_I32": True, "PROLOGUE": prologue,
         "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
         "BLOCK_HALF": 64, "BLOCK_G": group, "FP8_MAX": 448.0, "FP8_MANT": 3, "FP8_EMIN": -6,
         "K_INV": 2, "V_INV": 3, "PREFETCH": prefetch, "PF_TOKENS": D.prefetch_tokens(block_n),
@@ -134,7 +134,7 @@ def compile_extend_kernel(block_m: int, block_n: int, num_warps: int, num_stages
     constants = {
         "GROUP": group, "HEADS": heads, "HEAD_DIM": 128, "HEAD_DIM_V": 128,
         "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128,
-        "KV_SCALED": False, "DOT_F16": False,
+        "KV_SCALED": False, "DOT_F16": False, "SLOT_I32": True,
     }  # fmt: skip
     aligned = [n for n in names if n in pointers or n.startswith("stride")]
     return _compile(fn, pointers, constants, aligned, num_warps, num_stages)

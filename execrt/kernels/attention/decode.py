@@ -35,6 +35,7 @@ from execrt.kernels.attention.common import (
     check_paged,
     check_qkvo,
     fp16_dots,
+    int32_slot_offsets,
 )
 from execrt.kernels.attention.indices import (
     check_arrivals,
@@ -388,6 +389,7 @@ def _decode_split_kernel(
     F8_E5M2: tl.constexpr,
     F8_ASM: tl.constexpr,
     F8_OPAQUE: tl.constexpr,
+    SLOT_I32: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
@@ -487,7 +489,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _split_blocks(
             q, ids, k_base, v_base, kv_indices_ptr + kv_start, lo, hi, stride_ks, stride_vs,
             qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, KV_SCALED,
-            F8_WORDS, F8_E5M2, F8_ASM, F8_OPAQUE,
+            F8_WORDS, F8_E5M2, F8_ASM, F8_OPAQUE, SLOT_I32,
         )  # fmt: skip
         if PREFETCH:  # the next item's first K/V come from DRAM during this one's epilogue
             if item + programs < n_items:
@@ -655,7 +657,7 @@ def _split_blocks(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, KV_SCALED: tl.constexpr,
     F8_WORDS: tl.constexpr, F8_E5M2: tl.constexpr, F8_ASM: tl.constexpr,
-    F8_OPAQUE: tl.constexpr,
+    F8_OPAQUE: tl.constexpr, SLOT_I32: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of ``q`` over the split's tokens ``[lo, hi)`` (``ids``: the slot ids
     of its first block): (running max, sum, unnormalised output), log2 domain.
@@ -678,8 +680,12 @@ def _split_blocks(
         mask_n = offs_n < hi
         offs_next = offs_n + BLOCK_N
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
-        # int64: slot * row stride overflows int32 for caches past ~2M slots at 1k elements/row.
-        slots = ids.to(tl.int64)  # [BLOCK_N]
+        # int64 only for caches of 2^31 elements or more (int32_slot_offsets): slot * row
+        # stride overflows int32 past ~2M slots at 1k elements per row.
+        if SLOT_I32:
+            slots = ids.to(tl.int32)  # [BLOCK_N]
+        else:
+            slots = ids.to(tl.int64)
         # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
         # memory it is already in the dot's operand order, so an fp8 K is converted in place
         # (transposing fp8 in registers took byte-wise shared loads and spilled).
@@ -1169,6 +1175,7 @@ def decode_attention(
         F8_E5M2=k_buffer.dtype == torch.float8_e5m2,
         F8_ASM=q.device.type == "cuda",
         F8_OPAQUE=q.device.type == "cuda" and fp8_words_opaque(),
+        SLOT_I32=int32_slot_offsets(k_buffer, v_buffer),
         PROLOGUE=prologue is not None,
         HAS_Q_NORM=pro.q_norm_weight is not None,
         HAS_K_NORM=pro.k_norm_weight is not None,

@@ -47,6 +47,7 @@ from execrt.kernels.attention.common import (
     check_paged,
     check_qkvo,
     fp16_dots,
+    int32_slot_offsets,
 )
 from execrt.kernels.attention.extend_ws import (
     launch_ws,
@@ -346,6 +347,17 @@ def choose_kernel(
 
 
 @triton.jit
+def _slot_offsets(ids, SLOT_I32: tl.constexpr):
+    """Slot ids as row offsets: int32 where every offset fits (``int32_slot_offsets``), whose
+    address arithmetic is half the instructions; else int64."""
+    if SLOT_I32:
+        slots = ids.to(tl.int32)
+    else:
+        slots = ids.to(tl.int64)
+    return slots
+
+
+@triton.jit
 def _load_rows(base, slots, stride, offs, DIM: tl.constexpr, BLOCK: tl.constexpr, mask_n):
     """Gather rows ``base[slots[i] * stride + offs]``; ``mask_n`` None means every row is valid.
 
@@ -466,7 +478,7 @@ def _softmax_step(s, m_i, l_i, qk_scale, visible):
 def _attend_whole_blocks(
     q, m_i, l_i, acc, ids, k_base, v_base, idx_base, hi, stride_ks, stride_vs, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SLOT_I32: tl.constexpr,
 ):  # fmt: skip
     """Attend to context ``[0, hi)`` (whole blocks every row sees) gathered through slot ids.
 
@@ -482,7 +494,7 @@ def _attend_whole_blocks(
     for start in range(0, hi, BLOCK_N):
         offs_next = start + BLOCK_N + offs_b
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
-        slots = ids.to(tl.int64)  # [BLOCK_N]; int64 offsets below
+        slots = _slot_offsets(ids, SLOT_I32)  # [BLOCK_N]
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
         s = dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
@@ -543,6 +555,7 @@ def _extend_kernel(
     BLOCK_DV: tl.constexpr,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
+    SLOT_I32: tl.constexpr,
 ):
     # Query tiles (see _tile_rows) in the L2-chunked, longest-first schedule of _tile_coords.
     TOKENS: tl.constexpr = BLOCK_M // HEADS
@@ -594,14 +607,14 @@ def _extend_kernel(
     # sees, so m_i is finite from then on and no row computes exp2(-inf - -inf).
     m_i, l_i, acc = _attend_whole_blocks(
         q, m_i, l_i, acc, ids, k_base, v_base, idx_base, full_hi, stride_ks, stride_vs,
-        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, SLOT_I32,
     )  # fmt: skip
 
     for start in range(full_hi, kv_hi, BLOCK_N):
         offs_n = start + offs_b
         in_kv = offs_n < kv_hi
         ids_next = tl.load(idx_base + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < kv_hi, other=0)
-        slots = ids_diag.to(tl.int64)
+        slots = _slot_offsets(ids_diag, SLOT_I32)
         # Columns past kv_hi load zeros, not slot 0's row: p = 0 times NaN would still be NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv).to(q.dtype)
         s = dot(q, tl.trans(k))
@@ -655,6 +668,7 @@ def _extend_fresh_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     TMA: tl.constexpr,
+    SLOT_I32: tl.constexpr,
 ):
     # Query tiles and their schedule are the gather kernel's (_tile_coords, _tile_rows).
     TOKENS: tl.constexpr = BLOCK_M // HEADS
@@ -694,14 +708,14 @@ def _extend_fresh_kernel(
     ids = tl.load(idx_base + offs_b, mask=offs_b < pre_full, other=0)
     m_i, l_i, acc = _attend_whole_blocks(
         q, m_i, l_i, acc, ids, k_base, v_base, idx_base, pre_full, stride_ks, stride_vs,
-        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+        qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, SLOT_I32,
     )  # fmt: skip
 
     # Prefix, the ragged last block (zero or one iteration).
     for start in range(pre_full, pre_hi, BLOCK_N):
         offs_n = start + offs_b
         in_pre = offs_n < pre_hi
-        slots = tl.load(idx_base + offs_n, mask=in_pre, other=0).to(tl.int64)
+        slots = _slot_offsets(tl.load(idx_base + offs_n, mask=in_pre, other=0), SLOT_I32)
         # Columns past the prefix load zeros, not slot 0's row: p = 0 times NaN is NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_pre)
         s = dot(q, tl.trans(k))
@@ -948,6 +962,7 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
+        SLOT_I32=int32_slot_offsets(k_buffer, v_buffer),
         num_warps=warps,
         num_stages=stages,
     )

@@ -44,6 +44,7 @@ Triton interpreter; :func:`ws_unsupported` says why a call cannot run here, and
 import torch
 
 from execrt.kernels._triton import cuda_capability, interpreter_enabled, sm_count
+from execrt.kernels.attention.common import int32_slot_offsets
 
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
@@ -76,7 +77,6 @@ LOAD_REGS = 56
 # A second consumer warp group, a partition of its own, asks for 224 registers: with the
 # producer's 56 that leaves the first (default) partition up to 232 of 512 per thread slot.
 CONSUMER_REGS = 224
-INT32_LIMIT = 2**31  # the producer's row offsets (slot x row stride) are int32
 SHARED_MEMORY_PER_SM = 227 * 1024  # what one sm90 program may hold
 
 
@@ -111,7 +111,7 @@ def ws_unsupported(
         return f"q {q.dtype} / cache {k_buffer.dtype} (it reads fp16 or bf16 caches in q's dtype)"
     if head_dim != head_dim_v or head_dim not in WS_HEAD_DIMS:
         return f"head dims {head_dim}/{head_dim_v} (it takes equal head dims in {WS_HEAD_DIMS})"
-    if max(k_buffer.numel(), v_buffer.numel()) >= INT32_LIMIT:
+    if not int32_slot_offsets(k_buffer, v_buffer):
         return "a cache of 2^31 elements or more (its row offsets are int32)"
     return None
 

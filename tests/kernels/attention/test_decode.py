@@ -1229,3 +1229,17 @@ def test_shipped_decode_tile_tables_load() -> None:
         table = tk.load_tile_table(path)
         assert table, path
         assert any(f"dtype={n}.json" in path for n in DTYPE_NAMES.values()), path
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype", "fp8"])
+def test_int64_slot_offsets_give_the_same_output(kv_dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # int32 offsets wherever the cache allows (every test cache does); the int64 path of a
+    # cache of 2^31 elements or more computes the same values.
+    run = functools.partial(
+        run_decode, [1, 40, 300], num_q_heads=8, num_kv_heads=2, max_splits=3, seed=93,
+        kv_dtype=kv_dtype, kv_scales=(0.25, 4.0) if kv_dtype is not None else (1.0, 1.0),
+    )  # fmt: skip
+    narrow, ref = run()
+    monkeypatch.setattr(tk.decode, "int32_slot_offsets", lambda *buffers: False)
+    wide, _ = run()
+    assert torch.equal(narrow, wide)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -633,3 +634,24 @@ def test_gpu_extend_tuning_candidates(tiles: dict[str, int]) -> None:
         dtype=torch.bfloat16, device=torch.device("cuda"), seed=240, **tiles,
     )  # fmt: skip
     assert_close(o, ref, GPU_TOL[torch.bfloat16])
+
+
+def test_slot_offsets_are_int32_below_two_to_the_31_elements() -> None:
+    from execrt.kernels.attention.common import int32_slot_offsets
+
+    meta = functools.partial(torch.empty, dtype=torch.bfloat16, device="meta")
+    assert int32_slot_offsets(meta(2**20, 8, 128), meta(2**20, 8, 128))
+    assert not int32_slot_offsets(meta(2**21, 8, 128), meta(2**20, 8, 128))  # K at 2^31
+    assert not int32_slot_offsets(meta(2**20, 8, 128), meta(2**22, 8, 128))
+
+
+@pytest.mark.parametrize("kernel", ["gather", "fresh"])
+def test_int64_slot_offsets_give_the_same_output(kernel: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The kernels take int32 offsets wherever the cache allows (every test cache does); the
+    # int64 path a cache of 2^31 elements would take gives the same values.
+    run = functools.partial(run_extend, [0, 37, 5], [9, 20, 33], seed=331, fresh=kernel == "fresh")
+    narrow, ref = run()
+    monkeypatch.setattr(ext, "int32_slot_offsets", lambda *buffers: False)
+    wide, _ = run()
+    assert torch.equal(narrow, wide)
+    assert_close(wide, ref, SMALL_TOL[torch.float32])
