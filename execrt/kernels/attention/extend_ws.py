@@ -30,8 +30,8 @@ new tokens times ``HEADS`` query heads of one kv head, and the tiles run (reques
 pairs in L2-sized chunks, longest tiles first: one program per tile, or (``persistent``) one
 per SM taking every ``num_programs``-th tile, the ring's block count (``ring``) carrying on
 from tile to tile so that the producer gathers the next tile while the consumers finish this
-one. The context comes from the cache
-through its slot ids (page size 1), prefix and new tokens alike.
+one. The context comes from the cache through its slot ids (page size 1), prefix and new
+tokens alike.
 
 Scope: CUDA sm90 with Gluon (triton >= 3.6), q and cache in fp16 or bf16 (no fp8 cache),
 equal power-of-two head dims 64 or 128 for K and V. Gluon kernels do not run under the
