@@ -710,16 +710,9 @@ def _split_blocks(
         l_i = l_i * alpha + tl.sum(p, 1)
         if F8_WORDS:
             v = _load_v_words(
-                v_base,
-                slots,
-                mask_n,
-                stride_vs,
-                HEAD_DIM_V,
-                BLOCK_DV,
-                F8_E5M2,
-                F8_ASM,
+                v_base, slots, mask_n, stride_vs, HEAD_DIM_V, BLOCK_DV, F8_E5M2, F8_ASM,
                 F8_OPAQUE,
-            )
+            )  # fmt: skip
         else:
             v = tl.load(
                 v_base + slots[:, None] * stride_vs + offs_dv[None, :],
