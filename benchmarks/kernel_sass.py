@@ -37,6 +37,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 
+from execrt.kernels._triton import fp8_words_opaque
 from execrt.kernels.attention import decode as D
 from execrt.kernels.attention import extend as E
 
@@ -106,7 +107,7 @@ def compile_split_kernel(
         "GROUP": group, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BLOCK_H": max(16, group),
         "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
         "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
-        "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "F8_OPAQUE": True,
+        "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "F8_OPAQUE": fp8_words_opaque(),
         "SLOT_I32": True, "PROLOGUE": prologue,
         "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
         "BLOCK_HALF": 64, "BLOCK_G": group, "FP8_MAX": 448.0, "FP8_MANT": 3, "FP8_EMIN": -6,

@@ -24,8 +24,9 @@ DISABLE_PDL = "EXECRT_DISABLE_PDL"
 #: (all), or a comma-separated list of "linear" (the skinny GEMM's weights) and "decode" (the
 #: split kernel's first K/V rows). Off by default until the H200 A/B of docs/kernels.md.
 PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
-#: "0" lets the fp8-words decode loop's joined K/V tiles be seen by Triton's operand-width
-#: search again (4-value fragments under triton 3.6): the A/B of docs/kernels.md. On by default.
+#: "1" hides the fp8-words decode loop's joined K/V tiles from Triton's operand-width search
+#: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
+#: on the H200 despite fewer instructions).
 FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies

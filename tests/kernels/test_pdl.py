@@ -55,13 +55,14 @@ def test_the_variables_are_not_config_keys() -> None:
     assert envs.kernel_switches(switches) == switches  # what a benchmark record names
 
 
-def test_the_fp8_words_identity_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _triton.fp8_words_opaque()
+def test_the_fp8_words_identity_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not _triton.fp8_words_opaque()
     for off in ("0", "false", " Off "):
         monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, off)
         assert not _triton.fp8_words_opaque()
-    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "1")
-    assert _triton.fp8_words_opaque()
+    for on in ("1", " Yes "):
+        monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, on)
+        assert _triton.fp8_words_opaque()
     monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "sometimes")
     with pytest.raises(ConfigError, match=r"EXECRT_FP8_WORDS_OPAQUE='sometimes' unsupported"):
         _triton.fp8_words_opaque()

@@ -790,14 +790,14 @@ def test_gpu_decode_fp8_cache(dtype: torch.dtype, kv_dtype: torch.dtype, fused: 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", FP8)
-def test_gpu_decode_fp8_words_without_the_identity(
+def test_gpu_decode_fp8_words_with_the_identity(
     kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # EXECRT_FP8_WORDS_OPAQUE=0 (the A/B's other arm: the joins seen, 4-value fragments on
+    # EXECRT_FP8_WORDS_OPAQUE=1 (the A/B's other arm: the joins hidden, 2-value fragments on
     # triton 3.6) computes the same attention.
     from execrt.core import envs
 
-    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "0")
+    monkeypatch.setenv(envs.FP8_WORDS_OPAQUE, "1")
     _gpu_decode_fp8(torch.bfloat16, kv_dtype, False)
 
 
