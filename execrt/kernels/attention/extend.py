@@ -101,14 +101,15 @@ _GPU_TILES: dict[tuple[int, int], ExtendTiles] = {
     (4, 256): ExtendTiles(32, 16, 4, 2),
 }
 
-# The warp-specialised kernel (``ws``), keyed by padded head dim: a 128-row query tile over two
-# consumer warp groups, 128-token K/V blocks in a ring of 2 (D 128: 160 KB with the query
-# tile) or 3 (D 64: 112 KB) stages. From sm90 AOT compiles (triton 3.6): no spills in the
-# consumers, 12 spill instructions in the producer's loop-carried ids. Untimed until a GPU
-# tuning run: :func:`choose_kernel` takes it only from a tuned table.
+# The warp-specialised kernel (``ws``) where no tuned table names its launch (other GPUs,
+# dtypes, head dims), keyed by padded head dim: a 128-row query tile over two consumer warp
+# groups, 64-token K/V blocks in a ring of 4 stages (D 128: 160 KB with the query tile). The
+# H200 sweep of session 21 (bf16, D 128) found it best overall: 459/335/410/324/464 TFLOP/s
+# on the rows against 395/301/347/274/391 for 128-token blocks in 2 stages.
+# :func:`choose_kernel` takes the kernel itself only from a tuned table.
 _WS_TILES: dict[int, ExtendTiles] = {
-    64: ExtendTiles(128, 128, 8, 3),
-    128: ExtendTiles(128, 128, 8, 2),
+    64: ExtendTiles(128, 64, 8, 4),
+    128: ExtendTiles(128, 64, 8, 4),
 }
 
 # Under the CPU interpreter every tl op is a NumPy call per program: mid-sized tiles keep the
