@@ -322,6 +322,7 @@ def choose_kernel(
     *,
     v_buffer: torch.Tensor | None = None,
     head_dim_v: int | None = None,
+    allow_ws: bool = True,
 ) -> str:
     """The kernel this GPU's tuned table measured fastest (``use``) where it can serve the
     call; else ``fresh`` when the new K/V were handed and the fresh kernel serves the cache
@@ -330,7 +331,7 @@ def choose_kernel(
     tuning run on that GPU checked and timed it. Under the Triton interpreter (CPU) ``fresh``
     is the default, so the CPU tests run it; ``ws`` never runs there."""
     entry = table_entry(q.dtype, head_dim, q.device)
-    if entry is not None and entry.use == WS:
+    if entry is not None and entry.use == WS and allow_ws:
         v = k_buffer if v_buffer is None else v_buffer
         dv = head_dim if head_dim_v is None else head_dim_v
         if ws_unsupported(q, k_buffer, v, kv_scales, head_dim, dv) is None:
@@ -879,6 +880,21 @@ def extend_attention(
         kernel = choose_kernel(
             q, k_buffer, k_new, kv_scales, block_dim, v_buffer=v_buffer, head_dim_v=head_dim_v
         )
+        explicit = (block_m, block_n, num_warps, num_stages)
+        if kernel == WS and any(t is not None for t in explicit):
+            # The table chose ws, but the caller names tiles: keep ws only if they fit it.
+            ws_tiles = extend_choice(q.dtype, block_dim, q.device, WS).tiles
+            m, n, w, st = (
+                ws_tiles.block_m if block_m is None else block_m,
+                ws_tiles.block_n if block_n is None else block_n,
+                ws_tiles.num_warps if num_warps is None else num_warps,
+                ws_tiles.num_stages if num_stages is None else num_stages,
+            )
+            if ws_tiles_unsupported(m, n, w, st, block_dim, q.element_size()) is not None:
+                kernel = choose_kernel(
+                    q, k_buffer, k_new, kv_scales, block_dim, v_buffer=v_buffer,
+                    head_dim_v=head_dim_v, allow_ws=False,
+                )  # fmt: skip
     elif kernel not in KERNELS:
         fail(COMPONENT, f"kernel {kernel!r} unsupported (supported: {', '.join(KERNELS)})")
     elif kernel == FRESH:

@@ -332,3 +332,18 @@ def test_the_launch_binds_every_kernel_parameter(monkeypatch, persistent: bool, 
     signature = inspect.signature(kernel.fn)
     bound = signature.bind(*launched["args"], **kwargs)
     assert set(bound.arguments) == set(signature.parameters)
+
+
+def test_a_table_that_uses_ws_yields_to_tiles_the_caller_names(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The H200's table says ws; a caller naming tiles ws cannot run (64-row tiles, 4 warps)
+    # gets the kernel the table would pick without ws, not a refusal.
+    entry = ext.TableEntry("ws", {"ws": ext.ExtendChoice(ext.ExtendTiles(128, 64, 8, 4))})
+    monkeypatch.setattr(ext, "table_entry", lambda *a: entry)
+    monkeypatch.setattr(ext, "ws_unsupported", lambda *a: None)  # "runs here"
+    launched = []
+    monkeypatch.setattr(ext, "launch_ws", lambda *a, **k: launched.append("ws"))
+    o, ref = run_extend([0, 5], [7, 3], block_m=64, block_n=64, num_warps=4)
+    assert launched == []  # gather ran (the interpreter) and gave the right output
+    assert_close(o, ref, GPU_TOL[torch.float32] if CUDA else (1e-5, 1e-5))
+    run_extend([0, 5], [7, 3], block_m=None, block_n=None)  # the table's own tiles: ws
+    assert launched == ["ws"]
