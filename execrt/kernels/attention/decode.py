@@ -42,6 +42,7 @@ from execrt.kernels.attention.indices import (
     check_work,
     clamp_splits,
     decode_work,
+    slot_offsets,
     work_size,
 )
 from execrt.kernels.triton_dot import dot
@@ -680,12 +681,7 @@ def _split_blocks(
         mask_n = offs_n < hi
         offs_next = offs_n + BLOCK_N
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
-        # int64 only for caches of 2^31 elements or more (int32_slot_offsets): slot * row
-        # stride overflows int32 past ~2M slots at 1k elements per row.
-        if SLOT_I32:
-            slots = ids.to(tl.int32)  # [BLOCK_N]
-        else:
-            slots = ids.to(tl.int64)
+        slots = slot_offsets(ids, SLOT_I32)  # [BLOCK_N]
         # K is gathered as K^T [BLOCK_D, BLOCK_N]: with the head dim contiguous in shared
         # memory it is already in the dot's operand order, so an fp8 K is converted in place
         # (transposing fp8 in registers took byte-wise shared loads and spilled).

@@ -54,6 +54,7 @@ from execrt.kernels.attention.extend_ws import (
     ws_tiles_unsupported,
     ws_unsupported,
 )
+from execrt.kernels.attention.indices import slot_offsets
 from execrt.kernels.triton_dot import dot
 
 try:  # host-side TMA descriptors (triton >= 3.3)
@@ -349,17 +350,6 @@ def choose_kernel(
 
 
 @triton.jit
-def _slot_offsets(ids, SLOT_I32: tl.constexpr):
-    """Slot ids as row offsets: int32 where every offset fits (``int32_slot_offsets``), whose
-    address arithmetic is half the instructions; else int64."""
-    if SLOT_I32:
-        slots = ids.to(tl.int32)
-    else:
-        slots = ids.to(tl.int64)
-    return slots
-
-
-@triton.jit
 def _load_rows(base, slots, stride, offs, DIM: tl.constexpr, BLOCK: tl.constexpr, mask_n):
     """Gather rows ``base[slots[i] * stride + offs]``; ``mask_n`` None means every row is valid.
 
@@ -496,7 +486,7 @@ def _attend_whole_blocks(
     for start in range(0, hi, BLOCK_N):
         offs_next = start + BLOCK_N + offs_b
         ids_next = tl.load(idx_base + offs_next, mask=offs_next < hi, other=0)
-        slots = _slot_offsets(ids, SLOT_I32)  # [BLOCK_N]
+        slots = slot_offsets(ids, SLOT_I32)  # [BLOCK_N]
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, None).to(q.dtype)
         s = dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, None)
@@ -616,7 +606,7 @@ def _extend_kernel(
         offs_n = start + offs_b
         in_kv = offs_n < kv_hi
         ids_next = tl.load(idx_base + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < kv_hi, other=0)
-        slots = _slot_offsets(ids_diag, SLOT_I32)
+        slots = slot_offsets(ids_diag, SLOT_I32)
         # Columns past kv_hi load zeros, not slot 0's row: p = 0 times NaN would still be NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_kv).to(q.dtype)
         s = dot(q, tl.trans(k))
@@ -717,7 +707,7 @@ def _extend_fresh_kernel(
     for start in range(pre_full, pre_hi, BLOCK_N):
         offs_n = start + offs_b
         in_pre = offs_n < pre_hi
-        slots = _slot_offsets(tl.load(idx_base + offs_n, mask=in_pre, other=0), SLOT_I32)
+        slots = slot_offsets(tl.load(idx_base + offs_n, mask=in_pre, other=0), SLOT_I32)
         # Columns past the prefix load zeros, not slot 0's row: p = 0 times NaN is NaN.
         k = _load_rows(k_base, slots, stride_ks, offs_d, HEAD_DIM, BLOCK_D, in_pre)
         s = dot(q, tl.trans(k))

@@ -203,6 +203,18 @@ def check_split_range(max_splits: int, min_splits: int) -> None:
 
 
 @triton.jit
+def slot_offsets(ids, SLOT_I32: tl.constexpr):
+    """Slot ids as row offsets for the kernels' K/V gathers: int32 where every offset fits
+    (``common.int32_slot_offsets``), whose address arithmetic is half the instructions; else
+    int64 (slot x row stride overflows int32 past ~2M slots at 1k elements per row)."""
+    if SLOT_I32:
+        slots = ids.to(tl.int32)
+    else:
+        slots = ids.to(tl.int64)
+    return slots
+
+
+@triton.jit
 def clamp_splits(count, max_splits):
     """A request's split count as every decode kernel reads it: out-of-range counts are
     clamped to ``[1, max_splits]``, so the splits still cover the whole context and a count of
