@@ -223,6 +223,8 @@ def decode_programs(
 # instructions, 200 of them register moves). An identity the compiler cannot see through
 # (``_opaque``) between the joined tile and the dot ends that search: kWidth 2, 680
 # instructions, K and V passing once through shared memory as fp16 (sm90 AOT, triton 3.6).
+# The H200 ran that loop slower (8B, 128 x 512: 8.205 against 8.038 ms a step), so it is off
+# unless EXECRT_FP8_WORDS_OPAQUE=1.
 
 _CVT_ASM = """{
 .reg .b16 lo, hi;
@@ -278,8 +280,8 @@ _IDENTITY_ASM = tl.constexpr("mov.b32 $0, $1;")
 
 @triton.jit
 def _opaque(x, ON: tl.constexpr):
-    """``x`` (fp16) unchanged. ``ON`` (a GPU, unless ``EXECRT_FP8_WORDS_OPAQUE=0``): through
-    an identity in PTX that Triton does not look through (not pure), so the dot it feeds takes
+    """``x`` (fp16) unchanged. ``ON`` (a GPU with ``EXECRT_FP8_WORDS_OPAQUE=1``): through an
+    identity in PTX that Triton does not look through (not pure), so the dot it feeds takes
     its operand width from here, not from the joins behind it (see above). Any two values may
     share the asm's 32-bit register: an identity does not care which."""
     if ON:

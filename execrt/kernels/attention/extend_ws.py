@@ -458,6 +458,14 @@ if GLUON_IMPORT_ERROR is None:
         ], [num_warps, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])  # fmt: skip
 
 
+def ws_shared_memory(
+    block_m: int, block_n: int, num_stages: int, head_dim: int, elem_bytes: int
+) -> int:
+    """Bytes of shared memory a program holds: the query tile and a K and a V buffer per
+    stage (the barriers add a few bytes)."""
+    return (block_m + 2 * num_stages * block_n) * head_dim * elem_bytes
+
+
 def ws_tiles_unsupported(
     block_m: int, block_n: int, num_warps: int, num_stages: int, head_dim: int, elem_bytes: int
 ) -> str | None:
@@ -469,7 +477,7 @@ def ws_tiles_unsupported(
         return f"num_warps {num_warps} / block_m {block_m} (8 warps, 128 rows: two groups of 64)"
     if not 16 <= block_n <= 256 or num_stages < 2:
         return f"block_n {block_n} / num_stages {num_stages} (16-256 tokens, >= 2 stages)"
-    smem = (block_m + 2 * num_stages * block_n) * head_dim * elem_bytes
+    smem = ws_shared_memory(block_m, block_n, num_stages, head_dim, elem_bytes)
     if smem > SHARED_MEMORY_PER_SM:
         return f"{smem // 1024} KB of shared memory (Hopper has 227 KB)"
     return None
@@ -505,7 +513,7 @@ def launch_ws(
     tiles = num_pairs * num_m_tiles
     programs = tiles
     if persistent:
-        smem = (block_m + 2 * num_stages * block_n) * q.shape[2] * q.element_size()
+        smem = ws_shared_memory(block_m, block_n, num_stages, q.shape[2], q.element_size())
         programs = min(tiles, sm_count(q.device) * max(1, SHARED_MEMORY_PER_SM // smem))
     _extend_ws_kernel[(programs,)](
         q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, prefix_lens, qk_scale,
