@@ -80,6 +80,21 @@ class ExtendTiles:
     num_warps: int
     num_stages: int
 
+    def named(
+        self,
+        block_m: int | None,
+        block_n: int | None,
+        num_warps: int | None,
+        num_stages: int | None,
+    ) -> ExtendTiles:
+        """These tiles with the values a caller named in place of their own."""
+        return ExtendTiles(
+            self.block_m if block_m is None else block_m,
+            self.block_n if block_n is None else block_n,
+            self.num_warps if num_warps is None else num_warps,
+            self.num_stages if num_stages is None else num_stages,
+        )
+
 
 # Keyed by (bytes per element, padded head dim). The compiled tiles follow fast Hopper
 # flash-attention kernels: 128-row query tiles over two warpgroups (8 warps), 64-token K/V
@@ -873,14 +888,11 @@ def extend_attention(
         explicit = (block_m, block_n, num_warps, num_stages)
         if kernel == WS and any(t is not None for t in explicit):
             # The table chose ws, but the caller names tiles: keep ws only if they fit it.
-            ws_tiles = extend_choice(q.dtype, block_dim, q.device, WS).tiles
-            m, n, w, st = (
-                ws_tiles.block_m if block_m is None else block_m,
-                ws_tiles.block_n if block_n is None else block_n,
-                ws_tiles.num_warps if num_warps is None else num_warps,
-                ws_tiles.num_stages if num_stages is None else num_stages,
+            t = extend_choice(q.dtype, block_dim, q.device, WS).tiles.named(*explicit)
+            why = ws_tiles_unsupported(
+                t.block_m, t.block_n, t.num_warps, t.num_stages, block_dim, q.element_size()
             )
-            if ws_tiles_unsupported(m, n, w, st, block_dim, q.element_size()) is not None:
+            if why is not None:
                 kernel = choose_kernel(
                     q, k_buffer, k_new, kv_scales, block_dim, v_buffer=v_buffer,
                     head_dim_v=head_dim_v, allow_ws=False,
@@ -896,9 +908,9 @@ def extend_attention(
         if why is not None:
             fail(COMPONENT, f"kernel 'ws' cannot run this call: {why}")
     choice = extend_choice(q.dtype, block_dim, q.device, kernel)
-    tiles = choice.tiles
-    block_m = tiles.block_m if block_m is None else block_m
-    block_n = tiles.block_n if block_n is None else block_n
+    tiles = choice.tiles.named(block_m, block_n, num_warps, num_stages)
+    block_m, block_n = tiles.block_m, tiles.block_n
+    warps, stages = tiles.num_warps, tiles.num_stages
     check_block("block_m", block_m)
     check_block("block_n", block_n)
     group = num_q_heads // num_kv_heads
@@ -926,8 +938,6 @@ def extend_attention(
         qo_indptr=qo_indptr, prefix_lens=prefix_lens,
         **({} if kv_scales is None else {"kv_scales": kv_scales}),
     )  # fmt: skip
-    warps = tiles.num_warps if num_warps is None else num_warps
-    stages = tiles.num_stages if num_stages is None else num_stages
     if kernel == WS:
         why = ws_tiles_unsupported(block_m, block_n, warps, stages, block_dim, q.element_size())
         if why is not None:
