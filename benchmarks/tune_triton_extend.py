@@ -87,7 +87,7 @@ class Config:
             if c.pairs_per_chunk is None
             else str(c.pairs_per_chunk)
         )
-        tma = " tma" if c.tma else " ptr" if self.kernel == FRESH else ""
+        tma = (" tma" if c.tma else " ptr") if self.kernel == FRESH else ""
         tma += " pers" if self.kernel == WS and c.persistent else ""
         return (
             f"{self.kernel:<6} m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} "

@@ -22,7 +22,8 @@ DEFAULT_MODELS = ("auto", "builtin")
 DISABLE_PDL = "EXECRT_DISABLE_PDL"
 #: Kernels that ask L2 for memory the grid ahead does not write before their PDL wait: "1"
 #: (all), or a comma-separated list of "linear" (the skinny GEMM's weights) and "decode" (the
-#: split kernel's first K/V rows). Off by default until the H200 A/B of docs/kernels.md.
+#: split kernel's first K/V rows). Off by default: the H200 A/B of docs/kernels.md found it
+#: faster at bs 1 only.
 PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
 #: "1" hides the fp8-words decode loop's joined K/V tiles from Triton's operand-width search
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
