@@ -15,7 +15,11 @@ argument. The second picks the sweep:
   checked against the fp32 oracle over the dequantized K/V before it is timed; per batch size
   the tile with the lowest mean time relative to the best at each context wins, and the
   winners are written as ``decode_tiles`` reads them, ``device_name=..,dtype=<kv dtype>.json``,
-  next to the rows (copy them into ``execrt/kernels/attention/decode_configs/`` to ship them).
+  next to the rows (copy them into ``execrt/kernels/attention/decode_configs/`` to ship them);
+- ``fp8``: the fp8 decode kernels (``decode_attention(fp8_kernel=...)``) at the same shapes:
+  ``words`` at the tuned tiles, ``mma`` (Gluon) at each ``ahead,tokens,maxnreg`` launch shape
+  of ``--mma-shapes``, and the bf16 cache at its tuned tiles for scale; the merge fused where
+  the backend's ``auto`` fuses it. Each is checked against the fp32 oracle at bs 1 x 512 first.
 
     python benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" tiles --kv-dtypes fp8_e4m3,auto
 """
@@ -71,6 +75,7 @@ def bench(
     check: bool = False,
     longest_first: bool = True,
     fused: bool = False,
+    fp8_kernel: str | None = None,
 ) -> tuple[float, float]:
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
     layer 0 against the fp32 oracle when ``check``, else 0). ``longest_first``: the work list
@@ -101,7 +106,7 @@ def bench(
                 pl, layer.scaling, max_splits,
                 kv_scales=cache.layer_scales[i] if cache.is_fp8 else None,
                 block_n=block_n, num_warps=warps, num_stages=stages, work=work,
-                arrivals=arrivals,
+                arrivals=arrivals, fp8_kernel=fp8_kernel,
             )  # fmt: skip
 
     run()
@@ -313,12 +318,72 @@ def sweep_tiles(kv_names: list[str], copy_bw: float, out_dir: str) -> list[TileR
     return rows
 
 
+MMA_SHAPES = "2,16,0;1,16,0;1,16,168;2,16,168;1,32,0"
+
+
+def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
+    from execrt.kernels.attention import decode_mma
+
+    policy = K.SplitPolicy()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
+    print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
+    arms: list[tuple[str, str, str | None, tuple[int, int, int] | None]] = [
+        ("bf16", "auto", None, None),
+        ("words", "fp8_e4m3", "words", None),
+    ]
+    for spec in (x for x in mma_shapes.split(";") if x):
+        ahead, tokens, maxnreg = (int(v) for v in spec.split(","))
+        arms.append((f"mma a{ahead} t{tokens} r{maxnreg or '-'}", "fp8_e4m3", "mma",
+                     (ahead, tokens, maxnreg)))  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    problems: dict[str, list[DecodeProblem]] = {}
+    for name, kv_name, kernel, shape in arms:
+        kv_dtype = kv_storage_dtype(kv_name, torch.bfloat16)
+        if kv_name not in problems:
+            problems[kv_name] = [
+                DecodeProblem(bs, ctx, 32, 8, 128, torch.bfloat16, kv_dtype=kv_dtype)
+                for bs, ctx in TILE_SHAPES
+            ]
+        saved = (decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG)
+        if shape is not None:
+            decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS = shape[0], shape[1]
+            decode_mma.MMA_MAXNREG = shape[2] or None
+        cells = []
+        try:
+            for i, p in enumerate(problems[kv_name]):
+                t = K.decode_tiles(kv_dtype, 128, p.bs, torch.device("cuda"))
+                fused = policy.min_splits(p.bs, p.hkv, sms) == 1
+                try:
+                    us, err = bench(p, policy, t.block_n, t.num_warps, t.num_stages,
+                                    check=i == 0, fused=fused, fp8_kernel=kernel)  # fmt: skip
+                except Exception as exc:  # a launch shape the GPU cannot run
+                    cells.append(f"failed ({type(exc).__name__}: {str(exc)[:100]})")
+                    break
+                pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
+                rows.append(dict(arm=name, bs=p.bs, ctx=p.ctx, us=us, pct=pct, fused=fused,
+                                 err=err if i == 0 else None))  # fmt: skip
+                if i == 0 and err > MAX_REL_ERR:
+                    cells.append(f"wrong (error {err:.3g} vs the fp32 oracle)")
+                    break
+                cells.append(f"{pct:5.1f} ({us:6.1f} us)")
+        finally:
+            decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG = saved
+        print(f"{name:>20}: " + " ".join(cells), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", help="JSON file for every row")
     parser.add_argument(
-        "mode", nargs="?", default="long", choices=["long", "short", "tiles", "ragged"]
+        "mode", nargs="?", default="long", choices=["long", "short", "tiles", "ragged", "fp8"]
     )
+    parser.add_argument(
+        "--mma-shapes", default=MMA_SHAPES,
+        help="fp8: the mma kernel's ahead,tokens,maxnreg launch shapes, ';'-separated (maxnreg "
+        "0: as ptxas allocates)",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",
         help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
@@ -353,6 +418,8 @@ def main() -> None:
     if args.mode == "tiles":
         out_dir = (os.path.dirname(args.out) if args.out else "") or "."
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
+    elif args.mode == "fp8":
+        rows = sweep_fp8(copy_bw, args.mma_shapes)
     elif args.mode == "ragged":
         grid = tuple(
             (n, w, st)

@@ -29,6 +29,10 @@ PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
 #: on the H200 despite fewer instructions).
 FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
+#: Which kernel reads an fp8 cache at decode: "words" (the Triton split kernel) or "mma" (the
+#: Gluon kernel that converts K/V straight into the mma registers, decode_mma.py). Unset: the
+#: default of docs/kernels.md. A call that names its kernel overrides it.
+FP8_DECODE_KERNEL = "EXECRT_FP8_DECODE_KERNEL"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -47,6 +51,7 @@ NON_CONFIG = frozenset(
         DISABLE_PDL,
         PDL_PREFETCH,
         FP8_WORDS_OPAQUE,
+        FP8_DECODE_KERNEL,
         DEBUG_KV_OWNERSHIP,
     }
 )
@@ -65,7 +70,7 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 #: The variables that change which kernels run or how they launch (not config keys): what a
 #: benchmark record names beside its config overrides.
-KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH, FP8_WORDS_OPAQUE)
+KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH, FP8_WORDS_OPAQUE, FP8_DECODE_KERNEL)
 
 
 def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -235,6 +235,27 @@ def fp8_words_opaque() -> bool:
     return value in envs.TRUE_WORDS
 
 
+#: The kernels that can read an fp8 cache at decode (``decode_attention(fp8_kernel=...)``).
+FP8_DECODE_KERNELS = ("words", "mma")
+#: What runs when neither the call nor ``EXECRT_FP8_DECODE_KERNEL`` names one (where the mma
+#: kernel cannot run, the words kernel does).
+DEFAULT_FP8_DECODE_KERNEL = "words"
+
+
+def fp8_decode_kernel() -> str:
+    """The fp8 decode kernel ``EXECRT_FP8_DECODE_KERNEL`` names, or the default. Read at each
+    launch."""
+    value = os.environ.get(envs.FP8_DECODE_KERNEL, "").strip().lower()
+    if not value:
+        return DEFAULT_FP8_DECODE_KERNEL
+    if value not in FP8_DECODE_KERNELS:
+        raise ConfigError(
+            f"{envs.FP8_DECODE_KERNEL}={value!r} unsupported; accepted: "
+            + ", ".join(FP8_DECODE_KERNELS)
+        )
+    return value
+
+
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:
     """Launch keywords of a kernel with a ``PDL: tl.constexpr`` parameter (see ``use_pdl``)."""
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}

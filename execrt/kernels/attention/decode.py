@@ -15,9 +15,11 @@ import triton.language as tl
 from execrt.core.config import TRITON_DECODE_PROGRAMS
 from execrt.core.kv_quant import FP8_DTYPES, K_INV_SCALE, V_INV_SCALE, fp8_format
 from execrt.kernels._triton import (
+    FP8_DECODE_KERNELS,
     cdiv,
     check_index,
     fail,
+    fp8_decode_kernel,
     fp8_words_opaque,
     interpreter_enabled,
     next_power_of_2,
@@ -963,6 +965,7 @@ def decode_attention(
     fp8_words: bool | None = None,
     prologue: DecodePrologue | None = None,
     programs: str = "request",
+    fp8_kernel: str | None = None,
 ) -> None:
     """Single-token decode attention over a page-size-1 KV cache (split-KV flash decoding).
 
@@ -1028,6 +1031,11 @@ def decode_attention(
             ``qk_norm_rope(..., use_triton=True)`` followed by this function without it.
         programs: how many stage-1 programs take the work list (:func:`decode_programs`):
             ``request`` (the default) or ``sm`` (one wave of programs, several items each).
+        fp8_kernel: which kernel reads an fp8 cache: ``words`` (this module's split kernel)
+            or ``mma`` (:mod:`execrt.kernels.attention.decode_mma`, which converts K/V
+            straight into the tensor cores' registers; an error naming the reason where it
+            cannot run). None: ``EXECRT_FP8_DECODE_KERNEL``, else the default, with ``mma``
+            falling back to ``words`` where it cannot run. Ignored for other caches.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -1090,6 +1098,23 @@ def decode_attention(
     if batch == 0:
         return
 
+    group = num_q_heads // num_kv_heads
+    grid = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device), programs)
+    if k_buffer.dtype in FP8_DTYPES and _run_mma(
+        fp8_kernel, q, k_buffer, v_buffer, prologue is not None
+    ):
+        from execrt.kernels.attention.decode_mma import launch_mma  # (it imports this module)
+
+        assert kv_scales is not None  # check_qkvo requires them for an fp8 cache
+        launch_mma(
+            q, k_buffer, v_buffer, o, kv_indptr, kv_indices, num_splits, work, partial_o,
+            partial_lse, kv_scales, arrivals, sm_scale * LOG2E, max_splits, grid,
+            slot_i32=int32_slot_offsets(k_buffer, v_buffer), pdl=pdl_kwargs(q.device),
+        )  # fmt: skip
+        if arrivals is None:
+            _merge(o, num_splits, partial_o, partial_lse, max_splits, batch, num_q_heads)
+        return
+
     why_not = fp8_words_unsupported(q, k_buffer, v_buffer)
     if fp8_words and why_not:
         fail(COMPONENT, f"fp8_words=True unsupported here: {why_not}")
@@ -1097,8 +1122,6 @@ def decode_attention(
     k_arg, v_arg = (
         (k_buffer.view(torch.int32), v_buffer.view(torch.int32)) if words else (k_buffer, v_buffer)
     )
-    group = num_q_heads // num_kv_heads
-    grid = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device), programs)
     pro = prologue or _unread_prologue(q, o, kv_indptr)
     fmt = fp8_format(k_buffer.dtype if k_buffer.dtype in FP8_DTYPES else torch.float8_e4m3fn)
     _decode_split_kernel[(grid * num_kv_heads,)](
@@ -1190,8 +1213,44 @@ def decode_attention(
         num_stages=num_stages,
         **pdl_kwargs(q.device),
     )
-    if arrivals is not None:
-        return
+    if arrivals is None:
+        _merge(o, num_splits, partial_o, partial_lse, max_splits, batch, num_q_heads)
+
+
+def _run_mma(
+    fp8_kernel: str | None,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    prologue: bool,
+) -> bool:
+    """Whether an fp8 cache's decode runs on the mma kernel (see ``fp8_kernel``)."""
+    if fp8_kernel is not None and fp8_kernel not in FP8_DECODE_KERNELS:
+        fail(
+            COMPONENT,
+            f"fp8_kernel {fp8_kernel!r} unsupported (supported: {', '.join(FP8_DECODE_KERNELS)})",
+        )
+    if (fp8_kernel or fp8_decode_kernel()) != "mma":
+        return False
+    from execrt.kernels.attention.decode_mma import mma_unsupported  # (it imports this module)
+
+    why = mma_unsupported(q, k_buffer, v_buffer, prologue=prologue)
+    if why is not None and fp8_kernel == "mma":
+        fail(COMPONENT, f"fp8_kernel='mma' unsupported here: {why}")
+    return why is None
+
+
+def _merge(
+    o: torch.Tensor,
+    num_splits: torch.Tensor,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    max_splits: int,
+    batch: int,
+    num_q_heads: int,
+) -> None:
+    """Stage 2 as a launch of its own (one program per request and query head)."""
+    head_dim_v = o.shape[-1]
     _decode_merge_kernel[(batch, num_q_heads)](
         o,
         num_splits,

@@ -186,6 +186,7 @@ def run_decode(
     arrivals_dtype: torch.dtype = torch.int32,
     fp8_words: bool | None = None,
     programs: str = "request",
+    fp8_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run decode_attention on a fresh random case; return (output, float64 reference).
 
@@ -227,6 +228,7 @@ def run_decode(
         q, cache.k, cache.v, o, indptr, indices, splits, partial_o, partial_lse, sm_scale,
         max_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         kv_scales=scales, arrivals=arrivals, fp8_words=fp8_words, programs=programs,
+        fp8_kernel=fp8_kernel,
     )  # fmt: skip
     if arrivals is not None:
         assert arrivals.eq(0).all(), "the last split of each request resets its counter"

@@ -1,0 +1,568 @@
+"""fp8 split-KV decode that converts K and V straight into the tensor cores' registers (Gluon).
+
+The Triton split kernel (:mod:`execrt.kernels.attention.decode`) reads an fp8 cache through
+shared memory: Triton lays the converted K and V out for ``mma`` by storing them and loading
+them back, 176-240 KB of shared-memory traffic per 32 KB block, which held fp8 decode near
+the bf16 step (docs/kernels.md). This kernel (``fp8_kernel="mma"``) never touches shared
+memory in its K/V loop: every thread loads exactly the fp8 bytes that its ``mma.m16n8k16``
+fragments hold, converts them in registers (``cvt.rn.f16x2.e4m3x2``), and hands them to the
+tensor cores.
+
+Two facts make that possible:
+
+- **Scores do not care about the order of the head dim, outputs do not care about the order
+  of tokens.** ``q.k`` sums over ``d``: any permutation of ``d`` applied to both q and K gives
+  the same score. So the kernel reads K's 128 bytes in the order that makes each thread's
+  fragment 32 contiguous bytes (two 16-byte loads), and loads q permuted alike (once per
+  item). V's head dim is permuted so each thread's fragment rows are 16 contiguous bytes of
+  one token, and the output is stored back through the inverse permutation.
+- **Heads on the mma's N side.** ``S^T = K q^T`` (``[tokens, heads]``: A = K from registers,
+  B = q^T) and ``O^T += V^T P^T`` (A = V^T from registers, B = P^T). A GQA group of up to 8
+  query heads fills one ``n8`` tile (the Triton kernel pads the group to 16 rows of M). P^T
+  moves from the accumulator layout to the B operand with one ``movmatrix`` (an 8 x 8
+  transpose within a warp) per 8 tokens.
+
+Each warp is independent: it takes its own ``T`` tokens of every ``W * T``-token block, runs
+its own online softmax, and the warps' partial results are combined once per work item
+(through shared memory, outside the loop). K/V are loaded ``AHEAD`` blocks ahead into
+registers (no ``cp.async``, no shared-memory ring). The bytes of a V fragment pair two tokens
+per 32-bit register (the mma's k side is tokens): one ``PRMT`` per four values interleaves
+them before the conversion.
+
+The work list, splits, partial outputs and fused merge are those of the Triton kernel: the
+same ``decode_work`` items, the same ``[B, Hq, splits, Dv]`` partials and log2-sum-exps, so
+the separate merge launch and the ``arrivals`` counters work unchanged.
+
+Scope: CUDA sm89+ (the fp8 conversions) with Gluon, an fp8 cache (e4m3 or e5m2) read with
+16-bit q (the dots run in fp16, as in the Triton kernel), a GQA group of at most 8, head
+dims 64, 128 or 256, no decode prologue. :func:`mma_unsupported` names what a call lacks.
+Gluon kernels do not run under the Triton interpreter: CPU tests compile it for sm90.
+"""
+
+import math
+
+import torch
+
+from execrt.core.kv_quant import FP8_DTYPES
+from execrt.kernels._triton import cuda_capability, interpreter_enabled
+
+try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from execrt.kernels.attention.decode import _item_bounds, _record
+    from execrt.kernels.attention.indices import slot_offsets
+    from execrt.kernels.triton_pdl import pdl_prologue
+
+    # A barrier over the program's threads: ``thread_barrier`` in triton 3.6 (the H200's),
+    # ``barrier`` by 3.9.
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    GLUON_IMPORT_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - depends on the installed triton
+    GLUON_IMPORT_ERROR = f"this triton has no Gluon ({exc})"
+
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_MAX_GROUP = 8  # query heads per kv head: one n8 tile
+#: Warps per program, tokens per warp per step, steps loaded ahead (sm90 AOT, triton 3.6:
+#: see docs/kernels.md for the counts behind them).
+MMA_WARPS = 4
+MMA_TOKENS = 16
+MMA_AHEAD = 2
+MMA_MAXNREG: int | None = None  # registers per thread, None: as ptxas allocates
+
+
+def mma_block_n(warps: int = MMA_WARPS, tokens: int = MMA_TOKENS) -> int:
+    """Tokens per program per loop step (the unit splits are rounded to)."""
+    return warps * tokens
+
+
+def mma_unsupported(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *, prologue: bool = False
+) -> str | None:
+    """Why the mma kernel cannot run this decode call (None when it can)."""
+    if GLUON_IMPORT_ERROR is not None:
+        return GLUON_IMPORT_ERROR
+    if k_buffer.dtype not in FP8_DTYPES or v_buffer.dtype != k_buffer.dtype:
+        return f"it reads fp8 caches only, got {k_buffer.dtype}/{v_buffer.dtype}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs 16-bit q, got {q.dtype}"
+    d, dv = q.shape[-1], v_buffer.shape[-1]
+    if d not in MMA_HEAD_DIMS or dv not in MMA_HEAD_DIMS:
+        return f"head dims {d}/{dv} unsupported (supported: {MMA_HEAD_DIMS})"
+    group = q.shape[1] // k_buffer.shape[1]
+    if group > MMA_MAX_GROUP:
+        return f"a GQA group of {group} query heads unsupported (at most {MMA_MAX_GROUP})"
+    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
+        return "the cache's head dim must be contiguous"
+    if any(s % 16 for s in (*k_buffer.stride()[:-1], *v_buffer.stride()[:-1])):
+        return "K/V row strides must be multiples of 16 bytes (vector loads)"
+    if k_buffer.data_ptr() % 16 or v_buffer.data_ptr() % 16:
+        return "K/V buffers must be 16-byte aligned"
+    if prologue:
+        return "the decode prologue runs in the Triton kernel only"
+    if interpreter_enabled():
+        return "Gluon kernels do not run under the Triton interpreter"
+    if q.device.type != "cuda":
+        return f"it needs a CUDA device, got {q.device.type}"
+    major, minor = cuda_capability(q.device)
+    if (major, minor) < (8, 9):
+        return f"it needs sm89+ (fp8 conversions), got sm{major}{minor}"
+    return None
+
+
+def _lg(x: int) -> int:
+    return int(math.log2(x))
+
+
+def mma_layouts(warps: int, tokens: int, head_dim: int, head_dim_v: int):
+    """The register layouts of the raw K and V tiles, int32 words ``[W, T, D / 4]`` (see the
+    kernel), and of q as loaded (``[W, 8, D]``, every warp a copy):
+
+    - K as loaded: thread ``(g, t)`` of a warp holds tokens g and g + 8, words
+      ``[t D / 16, (t + 1) D / 16)``;
+    - V as loaded: tokens 2t, 2t + 1, 2t + 8, 2t + 9, words ``[g Dv / 32, (g + 1) Dv / 32)``;
+    - V with each token pair in consecutive registers (the layout its conversion reads);
+    - q: K's layout with its 8 (padded) heads for tokens."""
+    warp_bases = [[1 << i, 0, 0] for i in range(_lg(warps))]
+    token_reps = [[0, 8 << i, 0] for i in range(_lg(tokens // 8))]
+    kw, vw = head_dim // 4, head_dim_v // 4
+    k = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(_lg(kw // 4))] + token_reps,
+        lane_bases=[[0, 0, kw // 4], [0, 0, kw // 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=warp_bases,
+        block_bases=[],
+        shape=[warps, tokens, kw],
+    )
+    v_words = [[0, 0, 1 << i] for i in range(_lg(vw // 8))]
+    v_lanes = [[0, 2, 0], [0, 4, 0]] + [[0, 0, (vw // 8) << i] for i in range(3)]
+    v = gl.DistributedLinearLayout(
+        reg_bases=v_words + [[0, 1, 0]] + token_reps,
+        lane_bases=v_lanes,
+        warp_bases=warp_bases,
+        block_bases=[],
+        shape=[warps, tokens, vw],
+    )
+    v_pairs = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0]] + v_words + token_reps,
+        lane_bases=v_lanes,
+        warp_bases=warp_bases,
+        block_bases=[],
+        shape=[warps, tokens, vw],
+    )
+    q = gl.DistributedLinearLayout(  # q [W, H, D] as loaded: K's layout with heads for tokens
+        reg_bases=[[0, 0, 1 << i] for i in range(_lg(head_dim // 4))],
+        lane_bases=[[0, 0, head_dim // 4], [0, 0, head_dim // 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=warp_bases,
+        block_bases=[],
+        shape=[warps, 8, head_dim],
+    )
+    return k, v, v_pairs, q
+
+
+if GLUON_IMPORT_ERROR is None:
+    # One word of four fp8 values (lowest byte first) to four fp16 values.
+    _CVT = """{
+.reg .b16 lo, hi;
+.reg .b32 a, b;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.FMTx2 a, lo;
+cvt.rn.f16x2.FMTx2 b, hi;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+}"""
+    # Two words (tokens tau and tau + 1, the same four columns) to four fp16 pairs, one per
+    # column, each holding (tau, tau + 1): the mma's k side is tokens for P V.
+    _CVT_PAIRS = """{
+.reg .b32 x, y;
+.reg .b16 xl, xh, yl, yh;
+prmt.b32 x, $4, $5, 0x5140;
+prmt.b32 y, $4, $5, 0x7362;
+mov.b32 {xl, xh}, x;
+mov.b32 {yl, yh}, y;
+cvt.rn.f16x2.FMTx2 $0, xl;
+cvt.rn.f16x2.FMTx2 $1, xh;
+cvt.rn.f16x2.FMTx2 $2, yl;
+cvt.rn.f16x2.FMTx2 $3, yh;
+}"""
+    _CVT_E4M3 = gl.constexpr(_CVT.replace("FMT", "e4m3"))
+    _CVT_E5M2 = gl.constexpr(_CVT.replace("FMT", "e5m2"))
+    _CVT_PAIRS_E4M3 = gl.constexpr(_CVT_PAIRS.replace("FMT", "e4m3"))
+    _CVT_PAIRS_E5M2 = gl.constexpr(_CVT_PAIRS.replace("FMT", "e5m2"))
+    # An 8 x 8 transpose of 16-bit values across the warp: thread l's register holds row l // 4,
+    # columns 2 (l % 4) and 2 (l % 4) + 1, before and after.
+    _TRANSPOSE = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+    @gluon.jit
+    def _index3(N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, layout: gl.constexpr):
+        """Broadcastable indices ``[N0, 1, 1]``, ``[1, N1, 1]``, ``[1, 1, N2]`` in ``layout``."""
+        i0 = gl.arange(0, N0, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        i1 = gl.arange(0, N1, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        i2 = gl.arange(0, N2, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        return (
+            gl.expand_dims(gl.expand_dims(i0, 1), 2),
+            gl.expand_dims(gl.expand_dims(i1, 0), 2),
+            gl.expand_dims(gl.expand_dims(i2, 0), 1),
+        )
+
+    @gluon.jit
+    def _k_byte(d, D: gl.constexpr):
+        """The byte of a K row that the kernel calls head-dim index ``d``: ``d = 8 j + 2 t + e``
+        is byte ``2 j + e + (D / 4) t``, so the dims of thread ``t``'s fragment (``t = lane %
+        4``: 2t, 2t + 1, 2t + 8, 2t + 9, ... of every 16) are its own D / 4 contiguous bytes."""
+        return (d & 1) + ((d >> 3) << 1) + ((d >> 1) & 3) * (D // 4)
+
+    @gluon.jit
+    def _v_byte(dv, DV: gl.constexpr):
+        """The byte of a V row (and output column) that the kernel calls ``dv``: ``dv = 8 q +
+        g`` is byte ``(DV / 8) g + q``, so the rows of thread group ``g`` (``g = lane / 4``)
+        are DV / 8 contiguous bytes of each of its tokens."""
+        return (dv & 7) * (DV // 8) + (dv >> 3)
+
+    @gluon.jit
+    def _tile_ids(idx_base, start, hi, W: gl.constexpr, T: gl.constexpr, layout: gl.constexpr):
+        """Slot ids of this step's tokens ``[W, T, 1]`` in ``layout`` (warp w takes tokens
+        ``start + w T + [0, T)``), 0 past ``hi``; and whether each is in the split."""
+        w, t, _ = _index3(W, T, 1, layout)
+        pos = start + w * T + t
+        inside = pos < hi
+        return gl.load(idx_base + pos, mask=inside, other=0), inside
+
+    @gluon.jit
+    def _gather(base, ids, inside, stride_s, WORDS: gl.constexpr, SLOT_I32: gl.constexpr,
+                W: gl.constexpr, T: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """The raw rows at ``ids`` as int32 words ``[W, T, WORDS]`` (0 outside the split).
+        Words, not bytes: carried from step to step, a byte tensor takes a register per byte."""
+        _, _, col = _index3(W, T, WORDS, layout)
+        rows = slot_offsets(ids, SLOT_I32) * stride_s
+        return gl.load(base + rows + col, mask=inside & (col < WORDS), other=0)
+
+    @gluon.jit
+    def _bytes(b0, b1, b2, b3, W: gl.constexpr, T: gl.constexpr, N: gl.constexpr):
+        """Four ``[W, T, N / 4]`` tensors (byte k of each word) as ``[W, T, N]`` in byte order."""
+        return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [W, T, N])
+
+    @gluon.jit
+    def _k_fp16(words, E5M2: gl.constexpr, W: gl.constexpr, T: gl.constexpr, D: gl.constexpr):
+        """K's words to fp16 ``[W, T, D]`` in byte order (exact: every fp8 value is an fp16)."""
+        b0, b1, b2, b3 = gl.inline_asm_elementwise(
+            _CVT_E5M2 if E5M2 else _CVT_E4M3, "=h,=h,=h,=h,r", [words],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
+        return _bytes(b0, b1, b2, b3, W, T, D)
+
+    @gluon.jit
+    def _v_fp16(words, E5M2: gl.constexpr, W: gl.constexpr, T: gl.constexpr, DV: gl.constexpr,
+                V_PAIRS: gl.constexpr):  # fmt: skip
+        """V's words to fp16 ``[W, T, DV]`` in byte order, with the two tokens of each pair
+        in one register (one ``PRMT`` per two words interleaves them before converting)."""
+        b0, b1, b2, b3 = gl.inline_asm_elementwise(
+            _CVT_PAIRS_E5M2 if E5M2 else _CVT_PAIRS_E4M3, "=r,=r,=r,=r,r,r",
+            [gl.convert_layout(words, V_PAIRS)],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2,
+        )  # fmt: skip
+        return _bytes(b0, b1, b2, b3, W, T, DV)
+
+    @gluon.jit
+    def _step(kr, vr, start, hi, q_t, m_i, l_i, acc, E5M2: gl.constexpr, W: gl.constexpr,
+              T: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, H: gl.constexpr,
+              V_PAIRS: gl.constexpr, MMA: gl.constexpr):  # fmt: skip
+        """One step of every warp's online softmax over its T tokens from ``start`` (``kr``/
+        ``vr``: their raw K and V, zero past ``hi``)."""
+        opa: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        opb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # K [W, T, D] in the A operand's layout: the bytes as loaded, renamed (see _k_byte).
+        k = gl.reshape(_k_fp16(kr, E5M2, W, T, D), [W, T, 4, D // 8, 2])
+        k = gl.reshape(gl.permute(k, [0, 1, 3, 2, 4]), [W, T, D])
+        s = mma_v2(gl.convert_layout(k, opa), q_t, gl.zeros([W, T, H], gl.float32, layout=MMA))
+        # s [W, T, H]: the scores (log2 domain, the scales are in q); tokens outside -inf.
+        w, t, _ = _index3(W, T, 1, MMA)
+        s = gl.where(start + w * T + t < hi, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A warp may see only padding (-inf) so far: subtract 0 then, not -inf.
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - gl.expand_dims(m_ref, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
+        # P^T as the B operand: the accumulator holds (token g, heads 2t, 2t + 1) per register,
+        # B wants (tokens 2t, 2t + 1, head g). movmatrix transposes each 8 x 8 block across
+        # the warp; the reshape/permute says which element each register now holds.
+        y = gl.inline_asm_elementwise(
+            _TRANSPOSE, "=r,r", [p.to(gl.float16)], dtype=gl.float16, is_pure=True, pack=2
+        )
+        y = gl.permute(gl.reshape(y, [W, T // 8, 8, 8]), [0, 1, 3, 2])
+        p_t = gl.convert_layout(gl.reshape(y, [W, T, H]), opb)
+        # V^T [W, DV, T] in the A operand's layout: token pairs per register, then renamed.
+        v = _v_fp16(vr, E5M2, W, T, DV, V_PAIRS)
+        v = gl.reshape(gl.permute(gl.reshape(v, [W, T, 8, DV // 8]), [0, 1, 3, 2]), [W, T, DV])
+        v_t = gl.convert_layout(gl.permute(v, [0, 2, 1]), opa)
+        acc = mma_v2(v_t, p_t, acc * gl.expand_dims(alpha, 1))
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _tile(idx_base, k_base, v_base, start, hi, stride_ks, stride_vs, SLOT_I32: gl.constexpr,
+              W: gl.constexpr, T: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+              LK: gl.constexpr, LV: gl.constexpr):  # fmt: skip
+        """The raw K and V words of the step at ``start`` (slot ids loaded here too)."""
+        ik, kin = _tile_ids(idx_base, start, hi, W, T, LK)
+        iv, vin = _tile_ids(idx_base, start, hi, W, T, LV)
+        kr = _gather(k_base, ik, kin, stride_ks, D // 4, SLOT_I32, W, T, LK)
+        vr = _gather(v_base, iv, vin, stride_vs, DV // 4, SLOT_I32, W, T, LV)
+        return kr, vr
+
+    @gluon.jit
+    def _split_loop(q_t, idx_base, k_base, v_base, lo, hi, stride_ks, stride_vs,
+                    E5M2: gl.constexpr, SLOT_I32: gl.constexpr, W: gl.constexpr,
+                    T: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, H: gl.constexpr,
+                    AHEAD: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
+                    V_PAIRS: gl.constexpr, MMA: gl.constexpr):  # fmt: skip
+        """Every warp's (running max, sum, unnormalised O^T) over its tokens of ``[lo, hi)``.
+
+        K/V words are loaded ``AHEAD`` steps before their step. The loop is unrolled
+        ``AHEAD + 1`` times so that each step's buffer keeps its registers (a rotating
+        assignment would copy every carried word once a step); the steps past ``hi`` that
+        unrolling adds are skipped."""
+        BLOCK: gl.constexpr = W * T
+        m_i = gl.full([W, H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([W, H], gl.float32, layout=gl.SliceLayout(1, MMA))
+        acc = gl.zeros([W, DV, H], gl.float32, layout=MMA)
+        ka, va = _tile(idx_base, k_base, v_base, lo, hi, stride_ks, stride_vs, SLOT_I32, W, T,
+                       D, DV, LK, LV)  # fmt: skip
+        if AHEAD == 1:
+            for start in range(lo, hi, 2 * BLOCK):
+                kb, vb = _tile(idx_base, k_base, v_base, start + BLOCK, hi, stride_ks,
+                               stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+                m_i, l_i, acc = _step(ka, va, start, hi, q_t, m_i, l_i, acc, E5M2, W, T, D,
+                                      DV, H, V_PAIRS, MMA)  # fmt: skip
+                ka, va = _tile(idx_base, k_base, v_base, start + 2 * BLOCK, hi, stride_ks,
+                               stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+                if start + BLOCK < hi:
+                    m_i, l_i, acc = _step(kb, vb, start + BLOCK, hi, q_t, m_i, l_i, acc, E5M2,
+                                          W, T, D, DV, H, V_PAIRS, MMA)  # fmt: skip
+        else:
+            kb, vb = _tile(idx_base, k_base, v_base, lo + BLOCK, hi, stride_ks, stride_vs,
+                           SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+            for start in range(lo, hi, 3 * BLOCK):
+                kc, vc = _tile(idx_base, k_base, v_base, start + 2 * BLOCK, hi, stride_ks,
+                               stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+                m_i, l_i, acc = _step(ka, va, start, hi, q_t, m_i, l_i, acc, E5M2, W, T, D,
+                                      DV, H, V_PAIRS, MMA)  # fmt: skip
+                ka, va = _tile(idx_base, k_base, v_base, start + 3 * BLOCK, hi, stride_ks,
+                               stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+                if start + BLOCK < hi:
+                    m_i, l_i, acc = _step(kb, vb, start + BLOCK, hi, q_t, m_i, l_i, acc, E5M2,
+                                          W, T, D, DV, H, V_PAIRS, MMA)  # fmt: skip
+                kb, vb = _tile(idx_base, k_base, v_base, start + 4 * BLOCK, hi, stride_ks,
+                               stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+                if start + 2 * BLOCK < hi:
+                    m_i, l_i, acc = _step(kc, vc, start + 2 * BLOCK, hi, q_t, m_i, l_i, acc,
+                                          E5M2, W, T, D, DV, H, V_PAIRS, MMA)  # fmt: skip
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _merge_splits(o_ptr, part_o_ptr, part_lse_ptr, b, head0, n_splits, stride_ob, stride_oh,
+                      stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                      GROUP: gl.constexpr, H: gl.constexpr, DV: gl.constexpr,
+                      W: gl.constexpr):  # fmt: skip
+        """The fused merge: the last split of request ``b`` to finish combines every split's
+        partial for its kv head's query heads (``decode._merge_group``'s arithmetic). The
+        partials are read past L1 (``.cg``): this SM may hold older lines of them."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        h = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
+        dv = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
+        mask_h = h < GROUP
+        lse_base = part_lse_ptr + b * stride_plb + (head0 + h) * stride_plh
+        lse_max = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        for split in range(0, n_splits):
+            lse = gl.load(lse_base + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+            lse_max = gl.maximum(lse_max, lse)
+        # Every split empty (seq_len 0): 0 as the reference keeps the exponentials 0, not NaN.
+        lse_max = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+        denom = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, layout))
+        acc = gl.zeros([H, DV], gl.float32, layout=layout)
+        po = part_o_ptr + b * stride_pob + gl.expand_dims((head0 + h) * stride_poh, 1)
+        po = po + gl.expand_dims(dv, 0)
+        for split in range(0, n_splits):
+            lse = gl.load(lse_base + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+            written = mask_h & (lse > float("-inf"))
+            weight = gl.exp2(lse - lse_max)
+            denom += gl.where(written, weight, 0.0)
+            part = gl.load(
+                po + split * stride_pos,
+                mask=gl.expand_dims(written, 1) & gl.expand_dims(dv < DV, 0),
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += gl.expand_dims(weight, 1) * part
+        out = acc / gl.expand_dims(gl.where(denom > 0.0, denom, 1.0), 1)
+        gl.store(
+            o_ptr + b * stride_ob + gl.expand_dims((head0 + h) * stride_oh, 1)
+            + gl.expand_dims(dv, 0),
+            out.to(o_ptr.dtype.element_ty),
+            mask=gl.expand_dims(mask_h, 1) & gl.expand_dims(dv < DV, 0),
+        )  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["max_splits"])
+    def _decode_mma_kernel(
+        q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, num_splits_ptr, work_ptr,
+        part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, qk_scale, max_splits,
+        num_kv_heads, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+        GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, W: gl.constexpr,
+        T: gl.constexpr, AHEAD: gl.constexpr, FUSED: gl.constexpr, E5M2: gl.constexpr,
+        SLOT_I32: gl.constexpr, PDL: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
+        V_PAIRS: gl.constexpr, LQ: gl.constexpr,
+    ):  # fmt: skip
+        H: gl.constexpr = 8  # query heads on the mma's N side (the group, zero-padded)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8]
+        )
+        BLOCK: gl.constexpr = W * T
+        # Programs and work items exactly as decode._decode_split_kernel (kv head fastest).
+        pid = gl.program_id(0)
+        kv_head = pid % num_kv_heads
+        programs = gl.num_programs(0) // num_kv_heads
+        item = pid // num_kv_heads
+        head0 = kv_head * GROUP
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+        pdl_prologue(PDL)
+        n_items = gl.load(work_ptr)
+        # q^T [W, D, H] as the B operand (every warp holds it), scaled by sm_scale log2(e)
+        # k_scale and rounded to fp16 (clamped to its range). Each thread loads its fragment's
+        # D / 4 contiguous values, renamed into K's head-dim order (_k_byte) by reshapes.
+        qw, qh, qd = _index3(W, H, D, LQ)
+        q_off = (head0 + qh) * stride_qh + qd + qw * 0
+        q_mask = (qh < GROUP) & (qd < D) & (qw < W)
+        q_scale = qk_scale * gl.load(kv_scales_ptr)
+        v_scale = gl.load(kv_scales_ptr + 1)
+        # The warps' combined output [DV, H] is stored from [DV (bytes), H]: each thread's
+        # rows are DV / 8 contiguous bytes of its heads (see _v_byte).
+        OL: gl.constexpr = gl.SliceLayout(0, MMA)
+        heads = gl.arange(0, H, layout=gl.SliceLayout(0, OL))
+        while item < n_items:
+            b, split, kv_start, lo, hi, n_splits, _ = _item_bounds(
+                _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK
+            )
+            q = gl.load(q_ptr + b * stride_qb + q_off, mask=q_mask, other=0.0)
+            q = gl.minimum(gl.maximum(q.to(gl.float32) * q_scale, -65504.0), 65504.0)
+            q = gl.reshape(q.to(gl.float16), [W, H, 4, D // 8, 2])
+            q = gl.permute(gl.reshape(gl.permute(q, [0, 1, 3, 2, 4]), [W, H, D]), [0, 2, 1])
+            q = gl.convert_layout(q, gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+            m_w, l_w, acc_w = _split_loop(
+                q, kv_indices_ptr + kv_start, k_base, v_base, lo, hi, stride_ks,
+                stride_vs, E5M2, SLOT_I32, W, T, D, DV, H, AHEAD, LK, LV, V_PAIRS, MMA,
+            )  # fmt: skip
+            # The warps' partial softmaxes combined: [H] max and sum, [DV, H] output.
+            m = gl.max(m_w, 0)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            weight = gl.exp2(m_w - gl.expand_dims(m, 0))  # [W, H]; 0 for warps with nothing
+            l_sum = gl.sum(l_w * weight, 0)
+            acc = gl.sum(acc_w * gl.expand_dims(weight, 1), 0)  # [DV, H]
+            l_o = gl.convert_layout(l_sum, gl.SliceLayout(0, OL))
+            m_o = gl.convert_layout(m, gl.SliceLayout(0, OL))
+            nonempty = l_o > 0.0
+            l_safe = gl.where(nonempty, l_o, 1.0)
+            # V / v_scale was stored; the merge is linear, so each split scales its own output.
+            out = acc / gl.expand_dims(l_safe, 0) * v_scale
+            out = gl.reshape(gl.permute(gl.reshape(out, [DV // 8, 8, H]), [1, 0, 2]), [DV, H])
+            cols = gl.expand_dims(
+                gl.arange(0, DV, layout=gl.SliceLayout(1, out.type.layout)), 1
+            )  # fmt: skip
+            hs = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(0, out.type.layout)), 0)
+            o_mask = (hs < GROUP) & (cols < DV)
+            lse = gl.where(nonempty, m_o + gl.log2(l_safe), float("-inf"))
+            if FUSED and n_splits == 1:
+                gl.store(
+                    o_ptr + b * stride_ob + (head0 + hs) * stride_oh + cols,
+                    out.to(o_ptr.dtype.element_ty),
+                    mask=o_mask,
+                )
+            else:
+                gl.store(
+                    part_lse_ptr + b * stride_plb + (head0 + heads) * stride_plh + split, lse,
+                    mask=heads < GROUP,
+                )  # fmt: skip
+                written = gl.convert_layout(gl.expand_dims(nonempty, 0), o_mask.type.layout)
+                gl.store(
+                    part_o_ptr + b * stride_pob + split * stride_pos + (head0 + hs) * stride_poh
+                    + cols,
+                    out,
+                    mask=o_mask & written,
+                )  # fmt: skip
+                if FUSED:
+                    # As decode._split_epilogue: every thread's stores, then one GPU-scope
+                    # arrival; the last split to arrive merges and zeroes the counter.
+                    _barrier()
+                    counter = arrivals_ptr + b * num_kv_heads + kv_head
+                    ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                    if ticket == n_splits - 1:
+                        _merge_splits(
+                            o_ptr, part_o_ptr, part_lse_ptr, b, head0, n_splits, stride_ob,
+                            stride_oh, stride_pob, stride_poh, stride_pos, stride_plb,
+                            stride_plh, GROUP, H, DV, W,
+                        )  # fmt: skip
+                        gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            # The next item reuses the combination's shared memory.
+            _barrier()
+            item += programs
+
+
+def launch_mma(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_splits: torch.Tensor,
+    work: torch.Tensor,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    kv_scales: torch.Tensor,
+    arrivals: torch.Tensor | None,
+    qk_scale: float,
+    max_splits: int,
+    programs: int,
+    *,
+    slot_i32: bool,
+    pdl: dict,
+    warps: int | None = None,
+    tokens: int | None = None,
+    ahead: int | None = None,
+    maxnreg: int | None = None,
+) -> None:
+    """Stage 1 of :func:`execrt.kernels.attention.decode_attention` for an fp8 cache on the
+    mma kernel (its checks done; ``programs`` per kv head, the work list built). The launch
+    shape defaults to this module's ``MMA_*`` values, read at each call."""
+    warps = warps or MMA_WARPS
+    tokens = tokens or MMA_TOKENS
+    ahead = ahead or MMA_AHEAD
+    maxnreg = maxnreg or MMA_MAXNREG
+    num_kv_heads = k_buffer.shape[1]
+    lk, lv, lvp, lq = mma_layouts(warps, tokens, q.shape[-1], v_buffer.shape[-1])
+    _decode_mma_kernel[(programs * num_kv_heads,)](
+        q, k_buffer.view(torch.int32), v_buffer.view(torch.int32), kv_indptr, kv_indices,
+        num_splits, work, partial_o, partial_lse, kv_scales, o,
+        work if arrivals is None else arrivals, qk_scale, max_splits, num_kv_heads,
+        q.stride(0), q.stride(1), k_buffer.stride(0) // 4, k_buffer.stride(1) // 4,
+        v_buffer.stride(0) // 4, v_buffer.stride(1) // 4, partial_o.stride(0),
+        partial_o.stride(1), partial_o.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), o.stride(0), o.stride(1),
+        GROUP=q.shape[1] // num_kv_heads, D=q.shape[-1], DV=v_buffer.shape[-1], W=warps,
+        T=tokens, AHEAD=ahead, FUSED=arrivals is not None,
+        E5M2=k_buffer.dtype == torch.float8_e5m2, SLOT_I32=slot_i32, LK=lk, LV=lv,
+        V_PAIRS=lvp, LQ=lq, num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        **pdl,
+    )  # fmt: skip
+
+
+__all__ = [
+    "MMA_HEAD_DIMS",
+    "MMA_MAX_GROUP",
+    "launch_mma",
+    "mma_block_n",
+    "mma_layouts",
+    "mma_unsupported",
+]

@@ -1,0 +1,317 @@
+"""The fp8 decode kernel that converts K/V into the mma registers (Gluon, ``fp8_kernel="mma"``):
+its refusals and selection everywhere, its sm90 compile on any machine with Triton's ptxas (no
+shared memory in the K/V loop), and its output against the float64 oracle on an sm89+ GPU
+(GQA groups 1-8, head dims 64/128/256, e4m3/e5m2, fused and separate merges, ragged and
+block-edge contexts, several items per program, int64 offsets, graph replay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from execrt.core import envs
+from execrt.core.config import ConfigError
+from execrt.kernels import _triton
+from execrt.kernels import attention as tk
+from execrt.kernels.attention import decode as dec
+from execrt.kernels.attention import decode_mma as mma
+from tests.kernels.attention.test_decode import CUDA, GPU_TOL, assert_close, run_decode
+from tests.kernels.helpers import needs_ptxas, run_compile_probe
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _mma_gpu() -> bool:
+    return CUDA and mma.GLUON_IMPORT_ERROR is None and torch.cuda.get_device_capability() >= (8, 9)
+
+
+mma_gpu = pytest.mark.skipif(
+    not _mma_gpu(), reason="needs an sm89+ GPU and Gluon (fp8 conversions, mma.sync)"
+)
+CUDA_DEV = torch.device("cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals and selection (every machine)
+# ----------------------------------------------------------------------------------------------
+
+
+def _case(
+    hq: int = 8, hkv: int = 2, d: int = 128, dv: int | None = None, q_dtype=torch.bfloat16,
+    kv_dtype=E4M3,
+):  # type: ignore[no-untyped-def]  # fmt: skip
+    q = torch.zeros(2, hq, d, dtype=q_dtype)
+    k = torch.zeros(16, hkv, d).to(kv_dtype)
+    v = torch.zeros(16, hkv, d if dv is None else dv).to(kv_dtype)
+    return q, k, v
+
+
+@pytest.mark.skipif(mma.GLUON_IMPORT_ERROR is not None, reason="this triton has no Gluon")
+@pytest.mark.parametrize(
+    ("case", "prologue", "why"),
+    [
+        ({"kv_dtype": torch.bfloat16}, False, "it reads fp8 caches only"),
+        ({"q_dtype": torch.float32}, False, "it needs 16-bit q, got torch.float32"),
+        ({"d": 96}, False, "head dims 96/96 unsupported (supported: (64, 128, 256))"),
+        ({"dv": 32}, False, "head dims 128/32 unsupported"),
+        ({"hq": 32, "hkv": 2}, False, "a GQA group of 16 query heads unsupported (at most 8)"),
+        ({}, True, "the decode prologue runs in the Triton kernel only"),
+    ],
+)
+def test_the_kernel_names_what_a_call_lacks(case: dict, prologue: bool, why: str) -> None:
+    q, k, v = _case(**case)
+    assert why in str(mma.mma_unsupported(q, k, v, prologue=prologue))
+
+
+@pytest.mark.skipif(mma.GLUON_IMPORT_ERROR is not None, reason="this triton has no Gluon")
+def test_a_cpu_call_is_refused_for_its_device_or_the_interpreter() -> None:
+    q, k, v = _case()
+    why = str(mma.mma_unsupported(q, k, v))
+    assert "CUDA device, got cpu" in why or "interpreter" in why
+    strided = torch.zeros(16, 2, 136).to(E4M3)[:, :, :128]  # rows of 136 bytes
+    assert "multiples of 16 bytes" in str(mma.mma_unsupported(q, strided, v))
+
+
+def test_decode_attention_refuses_a_named_mma_kernel_that_cannot_run() -> None:
+    if _mma_gpu():
+        pytest.skip("the kernel runs here")
+    with pytest.raises(ValueError, match=r"fp8_kernel='mma' unsupported here: "):
+        run_decode([5, 9], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
+                   fp8_kernel="mma")  # fmt: skip
+
+
+def test_decode_attention_refuses_an_unknown_fp8_kernel() -> None:
+    with pytest.raises(
+        ValueError, match=r"fp8_kernel 'wide' unsupported \(supported: words, mma\)"
+    ):
+        run_decode([5], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
+                   fp8_kernel="wide")  # fmt: skip
+
+
+def test_the_environment_names_the_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(envs.FP8_DECODE_KERNEL, raising=False)
+    assert _triton.fp8_decode_kernel() == _triton.DEFAULT_FP8_DECODE_KERNEL
+    monkeypatch.setenv(envs.FP8_DECODE_KERNEL, " MMA ")
+    assert _triton.fp8_decode_kernel() == "mma"
+    assert envs.kernel_switches()[envs.FP8_DECODE_KERNEL] == " MMA "  # recorded by benchmarks
+    monkeypatch.setenv(envs.FP8_DECODE_KERNEL, "bytes")
+    with pytest.raises(ConfigError, match=r"EXECRT_FP8_DECODE_KERNEL='bytes' unsupported"):
+        _triton.fp8_decode_kernel()
+
+
+def test_an_mma_default_that_cannot_run_falls_back_to_the_words_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the environment asks for mma and the call cannot have it (here: the interpreter or
+    # a CPU; on a GPU, a GQA group of 16), the Triton kernel runs and the answer is right.
+    monkeypatch.setenv(envs.FP8_DECODE_KERNEL, "mma")
+    device = CUDA_DEV if CUDA else torch.device("cpu")
+    o, ref = run_decode([37, 5], num_q_heads=32, num_kv_heads=2, device=device,
+                        dtype=torch.float16, kv_dtype=E4M3)  # fmt: skip
+    assert_close(o, ref, (2e-2, 6e-2))
+
+
+# ----------------------------------------------------------------------------------------------
+# sm90 compile (no GPU needed)
+# ----------------------------------------------------------------------------------------------
+
+PROBE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from execrt.kernels.attention import decode_mma as mma
+
+fn = mma._decode_mma_kernel
+names = fn.arg_names
+result = {}
+for d, ahead, fused, e5m2 in ((128, 2, False, False), (128, 1, True, True), (64, 2, True, False),
+                              (256, 1, False, False)):
+    lk, lv, lvp, lq = mma.mma_layouts(mma.MMA_WARPS, mma.MMA_TOKENS, d, d)
+    consts = dict(GROUP=4, D=d, DV=d, W=mma.MMA_WARPS, T=mma.MMA_TOKENS, AHEAD=ahead,
+                  FUSED=fused, E5M2=e5m2, SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp,
+                  LQ=lq)
+    ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in consts else ptrs.get(
+        n, "*i32" if n.endswith("_ptr") else ("fp32" if n == "qk_scale" else "i32"))
+        for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    src = GluonASTSource(
+        fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": mma.MMA_WARPS})
+    ptx = k.asm["ptx"]
+    lines = ptx.splitlines()
+    moves = [i for i, ln in enumerate(lines) if "movmatrix" in ln]
+    loop = lines[moves[0]:moves[-1] + 1] if moves else []
+    fmt = "e5m2" if e5m2 else "e4m3"
+    result[f"d{d}-ahead{ahead}-fused{fused}-{fmt}"] = {
+        "movmatrix": len(moves),
+        "mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+        "cvt": ptx.count(f"cvt.rn.f16x2.{fmt}x2"),
+        "prmt": ptx.count("prmt.b32"),
+        "local": ptx.count("ld.local") + ptx.count("st.local"),
+        "loop_shared": sum(("ld.shared" in ln or "st.shared" in ln) for ln in loop),
+        "atomics": ptx.count("atom.") ,
+    }
+print(json.dumps(result))
+"""
+
+
+@needs_ptxas
+def test_the_kernel_compiles_for_sm90_without_shared_memory_in_its_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Compiled ahead of time for sm90: every step of the unrolled loop has its two movmatrix
+    transposes, QK and PV mmas (D / 16 + Dv / 16 per 16 tokens), one conversion per two
+    values, and no shared-memory access from the first step's transpose to the last's (the
+    whole point of the kernel); no local memory (spills); atomics only for the fused merge."""
+    import json
+
+    if mma.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(mma.GLUON_IMPORT_ERROR)
+    got = json.loads(run_compile_probe(tmp_path, PROBE).strip().splitlines()[-1])
+    assert len(got) == 4
+    for name, k in got.items():
+        d = int(name.split("-")[0][1:])
+        ahead = int(name.split("ahead")[1].split("-")[0])
+        steps = ahead + 1  # the loop's unrolling
+        assert k["movmatrix"] == 2 * steps, (name, k)
+        assert k["mma"] == steps * (d // 16 + d // 16), (name, k)
+        # per step and thread: K and V, (W T D / 4 / 128) words each, two cvt per word
+        words = mma.MMA_TOKENS * d // 4 // 32
+        assert k["cvt"] == steps * 2 * 2 * words, (name, k)
+        assert k["loop_shared"] == 0, (name, k)
+        assert k["local"] == 0, (name, k)
+        assert (k["atomics"] > 0) == ("fusedTrue" in name), (name, k)
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU: against the float64 oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def _run(seq_lens: list[int], **kw: object) -> None:
+    dtype = kw.pop("dtype", torch.bfloat16)
+    tol = kw.pop("tol", GPU_TOL[dtype])  # type: ignore[arg-type]
+    num_kv_heads = kw.get("num_kv_heads", 8)
+    max_splits = tk.SplitPolicy().max_splits(
+        len(seq_lens), max(seq_lens), int(num_kv_heads),  # type: ignore[call-overload]
+        torch.cuda.get_device_properties(0).multi_processor_count,
+    )  # fmt: skip
+    o, ref = run_decode(
+        seq_lens, device=CUDA_DEV, dtype=dtype,  # type: ignore[arg-type]
+        **({"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_splits": max_splits,
+            "min_split_len": tk.DEFAULT_MIN_SPLIT_LEN, "kv_dtype": E4M3,
+            "kv_scales": (4.0, 0.25), "fp8_kernel": "mma"} | kw),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert_close(o, ref, tol)  # type: ignore[arg-type]
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_matches_the_oracle(dtype: torch.dtype, kv_dtype: torch.dtype, fused: bool) -> None:
+    _run([8192, 1, 700, 4096], dtype=dtype, kv_dtype=kv_dtype, fused=fused, seed=31)
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"),
+    [(8, 8, 64), (16, 8, 128), (9, 3, 64), (64, 8, 128), (16, 4, 256), (28, 4, 128)],
+    ids=["g1-d64", "g2-d128", "g3-d64", "g8-d128", "g4-d256", "g7-d128"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_groups_and_head_dims(hq: int, hkv: int, d: int, fused: bool) -> None:
+    _run([1, 63, 64, 65, 191, 192, 193, 1000], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+         fused=fused, seed=hq + d)  # fmt: skip
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("maxnreg", [None, 168])
+def test_gpu_mma_launch_shapes(ahead: int, maxnreg: int | None, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(mma, "MMA_AHEAD", ahead)
+    monkeypatch.setattr(mma, "MMA_MAXNREG", maxnreg)
+    _run([3000, 17, 128, 129, 4095], seed=ahead)
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_mma_programs_with_several_items(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # One wave of programs (``programs="sm"``): each takes several items in turn, reusing the
+    # shared memory of its combination step between them.
+    lens = [
+        int(x) for x in torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(4))
+    ]
+    _run(lens, programs="sm", seed=5)
+    _run(lens, programs="sm", fused=True, seed=6)
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_mma_int64_offsets(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Caches past 2^31 elements address rows in int64: the same bits as int32 here.
+    monkeypatch.setattr(dec, "int32_slot_offsets", lambda *_: False)
+    _run([700, 5, 2048], seed=8)
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_mma_agrees_with_the_words_kernel() -> None:
+    # Same fp16 dots, same cache: the two kernels differ by summation order only.
+    outs = []
+    for kernel in ("words", "mma"):
+        o, ref = run_decode(
+            [513, 2048, 77], num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+            device=CUDA_DEV, max_splits=8, min_split_len=256, block_n=64, seed=12,
+            kv_dtype=E4M3, kv_scales=(0.5, 2.0), fp8_kernel=kernel,
+        )  # fmt: skip
+        outs.append(o.float())
+    rel = (outs[0] - outs[1]).norm() / outs[0].norm()
+    assert rel < 5e-3, rel
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_mma_graph_replay_is_bitwise() -> None:
+    from tests.kernels.attention.test_decode import fp8_cache, flat_indices, make_cache
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [900, 3, 4000]
+    cache = make_cache(lens, 8, 128, 128, torch.bfloat16, CUDA_DEV, gen)
+    cache, _, scales = fp8_cache(cache, E4M3, (2.0, 0.5))
+    q = torch.randn(3, 32, 128, generator=gen).to(torch.bfloat16).to(CUDA_DEV)
+    indptr, indices = flat_indices(cache)
+    splits = torch.empty(3, dtype=torch.int32, device=CUDA_DEV)
+    max_splits = 8
+    tk.decode_num_splits(torch.tensor(lens, dtype=torch.int32, device=CUDA_DEV), splits,
+                         max_splits, tk.SplitPolicy(256, 256))  # fmt: skip
+    work = torch.empty(tk.work_size(3, max_splits), dtype=torch.int32, device=CUDA_DEV)
+    tk.decode_work(splits, max_splits, work)
+    part_o = torch.empty(3, 32, max_splits, 128, device=CUDA_DEV)
+    part_lse = torch.empty(3, 32, max_splits, device=CUDA_DEV)
+    o = torch.empty(3, 32, 128, dtype=torch.bfloat16, device=CUDA_DEV)
+
+    def call() -> None:
+        tk.decode_attention(
+            q, cache.k, cache.v, o, indptr, indices, splits, part_o, part_lse, 128**-0.5,
+            max_splits, kv_scales=scales, work=work, fp8_kernel="mma",
+        )  # fmt: skip
+
+    call()
+    eager = o.clone()
+    o.zero_()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, eager)
