@@ -318,7 +318,7 @@ def sweep_tiles(kv_names: list[str], copy_bw: float, out_dir: str) -> list[TileR
     return rows
 
 
-MMA_SHAPES = "2,16,0;1,16,0;1,16,168;2,16,168;1,32,0"
+MMA_SHAPES = "1,16,168,0;0,16,0,4;0,16,0,3;0,16,128,3;0,16,0,5;0,16,0,6;0,32,0,3"
 
 
 def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
@@ -328,14 +328,14 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
     print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
-    arms: list[tuple[str, str, str | None, tuple[int, int, int] | None]] = [
+    arms: list[tuple[str, str, str | None, tuple[int, int, int, int] | None]] = [
         ("bf16", "auto", None, None),
         ("words", "fp8_e4m3", "words", None),
     ]
     for spec in (x for x in mma_shapes.split(";") if x):
-        ahead, tokens, maxnreg = (int(v) for v in spec.split(","))
-        arms.append((f"mma a{ahead} t{tokens} r{maxnreg or '-'}", "fp8_e4m3", "mma",
-                     (ahead, tokens, maxnreg)))  # fmt: skip
+        ahead, tokens, maxnreg, ring = (int(v) for v in spec.split(","))
+        arms.append((f"mma a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}", "fp8_e4m3", "mma",
+                     (ahead, tokens, maxnreg, ring)))  # fmt: skip
     rows: list[dict[str, Any]] = []
     problems: dict[str, list[DecodeProblem]] = {}
     for name, kv_name, kernel, shape in arms:
@@ -345,9 +345,13 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
                 DecodeProblem(bs, ctx, 32, 8, 128, torch.bfloat16, kv_dtype=kv_dtype)
                 for bs, ctx in TILE_SHAPES
             ]
-        saved = (decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG)
+        saved = (
+            decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
+            decode_mma.MMA_RING,
+        )  # fmt: skip
         if shape is not None:
-            decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS = shape[0], shape[1]
+            decode_mma.MMA_AHEAD = shape[0] or decode_mma.MMA_AHEAD
+            decode_mma.MMA_TOKENS, decode_mma.MMA_RING = shape[1], shape[3]
             decode_mma.MMA_MAXNREG = shape[2] or None
         cells = []
         try:
@@ -368,7 +372,10 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
                     break
                 cells.append(f"{pct:5.1f} ({us:6.1f} us)")
         finally:
-            decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG = saved
+            (
+                decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
+                decode_mma.MMA_RING,
+            ) = saved  # fmt: skip
         print(f"{name:>20}: " + " ".join(cells), flush=True)
     return rows
 
@@ -381,8 +388,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--mma-shapes", default=MMA_SHAPES,
-        help="fp8: the mma kernel's ahead,tokens,maxnreg launch shapes, ';'-separated (maxnreg "
-        "0: as ptxas allocates)",
+        help="fp8: the mma kernel's ahead,tokens,maxnreg,ring launch shapes, ';'-separated "
+        "(maxnreg 0: as ptxas allocates; ring 0: loads into registers ahead steps ahead, else "
+        "a cp.async ring of that many stages)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",

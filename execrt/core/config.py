@@ -33,6 +33,9 @@ TRITON_DECODE_PROLOGUE = ("off", "on")
 TRITON_DECODE_PROGRAMS = ("request", "sm")
 #: the triton backend's extend kernel: the tuned choice, or one kernel by name
 TRITON_EXTEND_KERNELS = ("auto", "gather", "fresh", "ws")
+#: the triton backend's fp8 decode kernel: the default (EXECRT_FP8_DECODE_KERNEL, else the
+#: kernels'), the Triton split kernel, or the Gluon kernel that converts into mma registers
+TRITON_DECODE_FP8_KERNELS = ("auto", "words", "mma")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -79,6 +82,7 @@ class RuntimeConfig:
     triton_decode_prologue: str = "off"
     triton_decode_programs: str = "request"
     triton_extend_kernel: str = "auto"
+    triton_decode_fp8_kernel: str = "auto"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -136,6 +140,7 @@ class RuntimeConfig:
             "triton_decode_prologue": TRITON_DECODE_PROLOGUE,
             "triton_decode_programs": TRITON_DECODE_PROGRAMS,
             "triton_extend_kernel": TRITON_EXTEND_KERNELS,
+            "triton_decode_fp8_kernel": TRITON_DECODE_FP8_KERNELS,
             "fused_kernels": FUSED_KERNELS,
         }
         for name, accepted in choices.items():

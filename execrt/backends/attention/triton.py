@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from execrt.core.batch import ForwardBatch
+from execrt.core.config import TRITON_DECODE_FP8_KERNELS as DECODE_FP8_KERNELS
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
 from execrt.core.config import TRITON_DECODE_ORDER as DECODE_ORDER
 from execrt.core.config import TRITON_DECODE_PROGRAMS as DECODE_PROGRAMS
@@ -95,6 +96,13 @@ class TritonAttnBackend(AttentionBackend):
     ``gather``, ``fresh`` or ``ws`` name one. A named kernel that cannot run with this
     device, cache and head dims is refused when the backend is built; ``fresh`` runs
     ``gather`` for a step whose K/V are not handed to ``attend``.
+
+    Option ``decode_fp8_kernel`` (config ``triton_decode_fp8_kernel``), for an fp8 cache:
+    ``auto`` (the default) runs ``EXECRT_FP8_DECODE_KERNEL``'s kernel, else the kernels'
+    default; ``words`` the Triton split kernel; ``mma`` the Gluon kernel that converts K/V
+    straight into the mma registers (:mod:`execrt.kernels.attention.decode_mma`), refused
+    when the backend is built where it cannot run (it also leaves the decode prologue to
+    the model: the prologue runs in the Triton kernel only).
     """
 
     def __init__(self, init: AttentionBackendInit) -> None:
@@ -127,6 +135,20 @@ class TritonAttnBackend(AttentionBackend):
                 raise ConfigError(
                     f"triton attention: extend_kernel {self.extend_kernel!r} cannot run here: {why}"
                 )
+        self.decode_fp8_kernel = _choice(
+            init.options, "decode_fp8_kernel", "auto", DECODE_FP8_KERNELS
+        )
+        if self.decode_fp8_kernel == "mma" and init.kv_cache.k_buffers:
+            from execrt.kernels.attention.decode_mma import mma_unsupported
+
+            probe = torch.empty(0, init.num_q_heads, init.head_dim, dtype=init.dtype,
+                                device=init.device)  # fmt: skip
+            why = mma_unsupported(probe, init.kv_cache.k_buffers[0], init.kv_cache.v_buffers[0])
+            if why is not None:
+                raise ConfigError(
+                    f"triton attention: decode_fp8_kernel 'mma' cannot run here: {why}"
+                )
+            self.decode_prologue = False
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------

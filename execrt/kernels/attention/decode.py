@@ -1041,6 +1041,11 @@ def decode_attention(
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
             (``Hq % Hkv != 0``), devices, block sizes or ``max_splits < 1``.
     """
+    if fp8_kernel is not None and fp8_kernel not in FP8_DECODE_KERNELS:
+        fail(
+            COMPONENT,
+            f"fp8_kernel {fp8_kernel!r} unsupported (supported: {', '.join(FP8_DECODE_KERNELS)})",
+        )
     batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
         q, k_buffer, v_buffer, o, kv_scales
     )
@@ -1225,11 +1230,6 @@ def _run_mma(
     prologue: bool,
 ) -> bool:
     """Whether an fp8 cache's decode runs on the mma kernel (see ``fp8_kernel``)."""
-    if fp8_kernel is not None and fp8_kernel not in FP8_DECODE_KERNELS:
-        fail(
-            COMPONENT,
-            f"fp8_kernel {fp8_kernel!r} unsupported (supported: {', '.join(FP8_DECODE_KERNELS)})",
-        )
     if (fp8_kernel or fp8_decode_kernel()) != "mma":
         return False
     from execrt.kernels.attention.decode_mma import mma_unsupported  # (it imports this module)

@@ -49,7 +49,7 @@ from execrt.kernels._triton import cuda_capability, interpreter_enabled
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     from execrt.kernels.attention.decode import _item_bounds, _record
     from execrt.kernels.attention.indices import slot_offsets
@@ -58,6 +58,9 @@ try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     # A barrier over the program's threads: ``thread_barrier`` in triton 3.6 (the H200's),
     # ``barrier`` by 3.9.
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    # cp.async into shared memory: ``async_copy_global_to_shared`` in triton 3.6, renamed
+    # ``async_load`` by 3.9 (the same arguments).
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     GLUON_IMPORT_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - depends on the installed triton
@@ -71,6 +74,9 @@ MMA_WARPS = 4
 MMA_TOKENS = 16
 MMA_AHEAD = 2
 MMA_MAXNREG: int | None = None  # registers per thread, None: as ptxas allocates
+#: Stages of the cp.async ring K/V go through (0: loaded straight into registers, ``AHEAD``
+#: steps ahead).
+MMA_RING = 0
 
 
 def mma_block_n(warps: int = MMA_WARPS, tokens: int = MMA_TOKENS) -> int:
@@ -118,19 +124,26 @@ def _lg(x: int) -> int:
 
 def mma_layouts(warps: int, tokens: int, head_dim: int, head_dim_v: int):
     """The register layouts of the raw K and V tiles, int32 words ``[W, T, D / 4]`` (see the
-    kernel), and of q as loaded (``[W, 8, D]``, every warp a copy):
+    kernel), of q as loaded (``[W, 8, D]``, every warp a copy), and the shared layouts of the
+    cp.async ring's K and V stages (``[W, T, D / 4]`` each):
 
-    - K as loaded: thread ``(g, t)`` of a warp holds tokens g and g + 8, words
-      ``[t D / 16, (t + 1) D / 16)``;
-    - V as loaded: tokens 2t, 2t + 1, 2t + 8, 2t + 9, words ``[g Dv / 32, (g + 1) Dv / 32)``;
+    - K as loaded: thread ``(g, t)`` of a warp (``g = lane / 4``, ``t = lane % 4``) holds
+      tokens g and g + 8, and of each 64-byte quarter of their rows the 16 bytes at ``16 t``
+      (so one load instruction reads whole 32-byte sectors);
+    - V as loaded: tokens 2t, 2t + 1, 2t + 8, 2t + 9, bytes ``[16 g, 16 g + 16)`` (D 128);
     - V with each token pair in consecutive registers (the layout its conversion reads);
-    - q: K's layout with its 8 (padded) heads for tokens."""
+    - q: K's layout in elements, with its 8 (padded) heads for tokens.
+
+    In the ring, the 8 threads of a shared-memory phase (lanes 0-7) read 8 different 16-byte
+    bank groups: K rows g = 0, 1 interleave their quarters' chunks, V's tokens 0, 2, 4, 6
+    theirs."""
     warp_bases = [[1 << i, 0, 0] for i in range(_lg(warps))]
     token_reps = [[0, 8 << i, 0] for i in range(_lg(tokens // 8))]
     kw, vw = head_dim // 4, head_dim_v // 4
+    quarters = [[0, 0, 16 << i] for i in range(_lg(head_dim // 64))]
     k = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << i] for i in range(_lg(kw // 4))] + token_reps,
-        lane_bases=[[0, 0, kw // 4], [0, 0, kw // 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        reg_bases=[[0, 0, 1], [0, 0, 2]] + quarters + token_reps,
+        lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=warp_bases,
         block_bases=[],
         shape=[warps, tokens, kw],
@@ -151,14 +164,33 @@ def mma_layouts(warps: int, tokens: int, head_dim: int, head_dim_v: int):
         block_bases=[],
         shape=[warps, tokens, vw],
     )
-    q = gl.DistributedLinearLayout(  # q [W, H, D] as loaded: K's layout with heads for tokens
-        reg_bases=[[0, 0, 1 << i] for i in range(_lg(head_dim // 4))],
-        lane_bases=[[0, 0, head_dim // 4], [0, 0, head_dim // 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    q = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+        + [[0, 0, 64 << i] for i in range(_lg(head_dim // 64))],
+        lane_bases=[[0, 0, 16], [0, 0, 32], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=warp_bases,
         block_bases=[],
         shape=[warps, 8, head_dim],
     )
-    return k, v, v_pairs, q
+    # Shared offsets, fastest first (words): one 16-byte chunk, then what a phase spans.
+    tokens_up = [[0, 2 << i, 0] for i in range(_lg(tokens // 2))]
+    k_ring = gl.SharedLinearLayout(
+        offset_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0]]
+        + quarters
+        + tokens_up
+        + warp_bases,
+        block_bases=[],
+    )
+    v_ring = gl.SharedLinearLayout(
+        offset_bases=v_words
+        + [[0, 0, vw // 8], [0, 2, 0], [0, 4, 0]]
+        + [[0, 0, (vw // 8) << i] for i in (1, 2)]
+        + [[0, 1, 0]]
+        + [[0, 8 << i, 0] for i in range(_lg(tokens // 8))]
+        + warp_bases,
+        block_bases=[],
+    )
+    return k, v, v_pairs, q, k_ring, v_ring
 
 
 if GLUON_IMPORT_ERROR is None:
@@ -207,18 +239,23 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         )
 
     @gluon.jit
-    def _k_byte(d, D: gl.constexpr):
-        """The byte of a K row that the kernel calls head-dim index ``d``: ``d = 8 j + 2 t + e``
-        is byte ``2 j + e + (D / 4) t``, so the dims of thread ``t``'s fragment (``t = lane %
-        4``: 2t, 2t + 1, 2t + 8, 2t + 9, ... of every 16) are its own D / 4 contiguous bytes."""
-        return (d & 1) + ((d >> 3) << 1) + ((d >> 1) & 3) * (D // 4)
+    def _k_dims(x, N0: gl.constexpr, N1: gl.constexpr, D: gl.constexpr):
+        """``[N0, N1, D]`` K (or q) values in their bytes' order renamed to the head-dim order
+        the mma fragments use: dim ``d = 64 c + 8 j + 2 t + e`` is byte ``64 c + 16 t + 2 j +
+        e``, so the dims of thread ``t``'s fragment (``t = lane % 4``: 2t, 2t + 1, 2t + 8, 2t +
+        9, ... of every 16) are 16 contiguous bytes of each 64-byte quarter of the row. Scores
+        do not depend on the order of ``d``, as long as K and q share it."""
+        x = gl.reshape(x, [N0, N1, D // 64, 4, 8, 2])
+        return gl.reshape(gl.permute(x, [0, 1, 2, 4, 3, 5]), [N0, N1, D])
 
     @gluon.jit
-    def _v_byte(dv, DV: gl.constexpr):
-        """The byte of a V row (and output column) that the kernel calls ``dv``: ``dv = 8 q +
-        g`` is byte ``(DV / 8) g + q``, so the rows of thread group ``g`` (``g = lane / 4``)
-        are DV / 8 contiguous bytes of each of its tokens."""
-        return (dv & 7) * (DV // 8) + (dv >> 3)
+    def _v_dims(x, N0: gl.constexpr, N1: gl.constexpr, DV: gl.constexpr):
+        """``[N0, N1, DV]`` V values in their bytes' order renamed to the order the mma rows
+        use: dim ``dv = 8 q + g`` is byte ``(DV / 8) g + q``, so the rows of thread group ``g``
+        (``g = lane / 4``) are DV / 8 contiguous bytes of each of its tokens. The output is
+        stored back in byte order (:func:`_in_byte_order`)."""
+        x = gl.reshape(x, [N0, N1, 8, DV // 8])
+        return gl.reshape(gl.permute(x, [0, 1, 3, 2]), [N0, N1, DV])
 
     @gluon.jit
     def _tile_ids(idx_base, start, hi, W: gl.constexpr, T: gl.constexpr, layout: gl.constexpr):
@@ -272,9 +309,8 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         ``vr``: their raw K and V, zero past ``hi``)."""
         opa: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         opb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        # K [W, T, D] in the A operand's layout: the bytes as loaded, renamed (see _k_byte).
-        k = gl.reshape(_k_fp16(kr, E5M2, W, T, D), [W, T, 4, D // 8, 2])
-        k = gl.reshape(gl.permute(k, [0, 1, 3, 2, 4]), [W, T, D])
+        # K [W, T, D] in the A operand's layout: the bytes as loaded, renamed (see _k_dims).
+        k = _k_dims(_k_fp16(kr, E5M2, W, T, D), W, T, D)
         s = mma_v2(gl.convert_layout(k, opa), q_t, gl.zeros([W, T, H], gl.float32, layout=MMA))
         # s [W, T, H]: the scores (log2 domain, the scales are in q); tokens outside -inf.
         w, t, _ = _index3(W, T, 1, MMA)
@@ -295,7 +331,7 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         p_t = gl.convert_layout(gl.reshape(y, [W, T, H]), opb)
         # V^T [W, DV, T] in the A operand's layout: token pairs per register, then renamed.
         v = _v_fp16(vr, E5M2, W, T, DV, V_PAIRS)
-        v = gl.reshape(gl.permute(gl.reshape(v, [W, T, 8, DV // 8]), [0, 1, 3, 2]), [W, T, DV])
+        v = _v_dims(v, W, T, DV)
         v_t = gl.convert_layout(gl.permute(v, [0, 2, 1]), opa)
         acc = mma_v2(v_t, p_t, acc * gl.expand_dims(alpha, 1))
         return m_new, l_i, acc
@@ -361,6 +397,68 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         return m_i, l_i, acc
 
     @gluon.jit
+    def _in_byte_order(x, DV: gl.constexpr, H: gl.constexpr):
+        """``[DV, H]`` rows named ``dv`` (see _v_dims) renamed to their bytes' order: row
+        ``(DV / 8) g + q`` of the result is row ``8 q + g`` of ``x``."""
+        return gl.reshape(gl.permute(gl.reshape(x, [DV // 8, 8, H]), [1, 0, 2]), [DV, H])
+
+    @gluon.jit
+    def _issue(k_stage, v_stage, ik, kin, iv, vin, k_base, v_base, stride_ks, stride_vs,
+               SLOT_I32: gl.constexpr, W: gl.constexpr, T: gl.constexpr, D: gl.constexpr,
+               DV: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):  # fmt: skip
+        """cp.async a step's K and V words into their ring stages, as one group. Each thread
+        copies exactly the 16-byte chunks it reads back (the load layouts), so no barrier
+        orders a thread's reads after another's copies."""
+        _, _, kc = _index3(W, T, D // 4, LK)
+        _async_load(k_stage, k_base + slot_offsets(ik, SLOT_I32) * stride_ks + kc,
+                    mask=kin & (kc < D // 4))  # fmt: skip
+        _, _, vc = _index3(W, T, DV // 4, LV)
+        _async_load(v_stage, v_base + slot_offsets(iv, SLOT_I32) * stride_vs + vc,
+                    mask=vin & (vc < DV // 4))  # fmt: skip
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _split_loop_ring(q_t, idx_base, k_base, v_base, lo, hi, stride_ks, stride_vs,
+                         E5M2: gl.constexpr, SLOT_I32: gl.constexpr, W: gl.constexpr,
+                         T: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, H: gl.constexpr,
+                         RING: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
+                         V_PAIRS: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr,
+                         MMA: gl.constexpr):  # fmt: skip
+        """:func:`_split_loop` with K/V copied ``RING - 1`` steps ahead into a shared-memory
+        ring by cp.async (bytes in flight without registers to hold them), each step read
+        back into the same registers the direct loads would fill."""
+        BLOCK: gl.constexpr = W * T
+        m_i = gl.full([W, H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([W, H], gl.float32, layout=gl.SliceLayout(1, MMA))
+        acc = gl.zeros([W, DV, H], gl.float32, layout=MMA)
+        k_ring = gl.allocate_shared_memory(gl.int32, [RING, W, T, D // 4], SK)
+        v_ring = gl.allocate_shared_memory(gl.int32, [RING, W, T, DV // 4], SV)
+        for i in gl.static_range(RING - 1):
+            ik, kin = _tile_ids(idx_base, lo + i * BLOCK, hi, W, T, LK)
+            iv, vin = _tile_ids(idx_base, lo + i * BLOCK, hi, W, T, LV)
+            _issue(k_ring.index(i), v_ring.index(i), ik, kin, iv, vin, k_base, v_base,
+                   stride_ks, stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+        # slot ids one step ahead of their copies
+        ik, kin = _tile_ids(idx_base, lo + (RING - 1) * BLOCK, hi, W, T, LK)
+        iv, vin = _tile_ids(idx_base, lo + (RING - 1) * BLOCK, hi, W, T, LV)
+        step = 0
+        for start in range(lo, hi, BLOCK):
+            fill = (step + RING - 1) % RING  # the stage the step before read
+            _issue(k_ring.index(fill), v_ring.index(fill), ik, kin, iv, vin, k_base, v_base,
+                   stride_ks, stride_vs, SLOT_I32, W, T, D, DV, LK, LV)  # fmt: skip
+            ik, kin = _tile_ids(idx_base, start + RING * BLOCK, hi, W, T, LK)
+            iv, vin = _tile_ids(idx_base, start + RING * BLOCK, hi, W, T, LV)
+            async_copy.wait_group(RING - 1)  # this step's group has landed
+            read = step % RING
+            kr = k_ring.index(read).load(LK)
+            vr = v_ring.index(read).load(LV)
+            m_i, l_i, acc = _step(kr, vr, start, hi, q_t, m_i, l_i, acc, E5M2, W, T, D, DV, H,
+                                  V_PAIRS, MMA)  # fmt: skip
+            step += 1
+        async_copy.wait_group(0)  # no copy may land in the ring once it is released
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _merge_splits(o_ptr, part_o_ptr, part_lse_ptr, b, head0, n_splits, stride_ob, stride_oh,
                       stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                       GROUP: gl.constexpr, H: gl.constexpr, DV: gl.constexpr,
@@ -412,7 +510,8 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, W: gl.constexpr,
         T: gl.constexpr, AHEAD: gl.constexpr, FUSED: gl.constexpr, E5M2: gl.constexpr,
         SLOT_I32: gl.constexpr, PDL: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
-        V_PAIRS: gl.constexpr, LQ: gl.constexpr,
+        V_PAIRS: gl.constexpr, LQ: gl.constexpr, RING: gl.constexpr, SK: gl.constexpr,
+        SV: gl.constexpr,
     ):  # fmt: skip
         H: gl.constexpr = 8  # query heads on the mma's N side (the group, zero-padded)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -431,14 +530,14 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         n_items = gl.load(work_ptr)
         # q^T [W, D, H] as the B operand (every warp holds it), scaled by sm_scale log2(e)
         # k_scale and rounded to fp16 (clamped to its range). Each thread loads its fragment's
-        # D / 4 contiguous values, renamed into K's head-dim order (_k_byte) by reshapes.
+        # D / 4 contiguous values, renamed into K's head-dim order (_k_dims) by reshapes.
         qw, qh, qd = _index3(W, H, D, LQ)
         q_off = (head0 + qh) * stride_qh + qd + qw * 0
         q_mask = (qh < GROUP) & (qd < D) & (qw < W)
         q_scale = qk_scale * gl.load(kv_scales_ptr)
         v_scale = gl.load(kv_scales_ptr + 1)
         # The warps' combined output [DV, H] is stored from [DV (bytes), H]: each thread's
-        # rows are DV / 8 contiguous bytes of its heads (see _v_byte).
+        # rows are DV / 8 contiguous bytes of its heads (see _v_dims).
         OL: gl.constexpr = gl.SliceLayout(0, MMA)
         heads = gl.arange(0, H, layout=gl.SliceLayout(0, OL))
         while item < n_items:
@@ -447,13 +546,18 @@ cvt.rn.f16x2.FMTx2 $3, yh;
             )
             q = gl.load(q_ptr + b * stride_qb + q_off, mask=q_mask, other=0.0)
             q = gl.minimum(gl.maximum(q.to(gl.float32) * q_scale, -65504.0), 65504.0)
-            q = gl.reshape(q.to(gl.float16), [W, H, 4, D // 8, 2])
-            q = gl.permute(gl.reshape(gl.permute(q, [0, 1, 3, 2, 4]), [W, H, D]), [0, 2, 1])
+            q = gl.permute(_k_dims(q.to(gl.float16), W, H, D), [0, 2, 1])
             q = gl.convert_layout(q, gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-            m_w, l_w, acc_w = _split_loop(
-                q, kv_indices_ptr + kv_start, k_base, v_base, lo, hi, stride_ks,
-                stride_vs, E5M2, SLOT_I32, W, T, D, DV, H, AHEAD, LK, LV, V_PAIRS, MMA,
-            )  # fmt: skip
+            if RING > 0:
+                m_w, l_w, acc_w = _split_loop_ring(
+                    q, kv_indices_ptr + kv_start, k_base, v_base, lo, hi, stride_ks, stride_vs,
+                    E5M2, SLOT_I32, W, T, D, DV, H, RING, LK, LV, V_PAIRS, SK, SV, MMA,
+                )  # fmt: skip
+            else:
+                m_w, l_w, acc_w = _split_loop(
+                    q, kv_indices_ptr + kv_start, k_base, v_base, lo, hi, stride_ks, stride_vs,
+                    E5M2, SLOT_I32, W, T, D, DV, H, AHEAD, LK, LV, V_PAIRS, MMA,
+                )  # fmt: skip
             # The warps' partial softmaxes combined: [H] max and sum, [DV, H] output.
             m = gl.max(m_w, 0)
             m = gl.where(m == float("-inf"), 0.0, m)
@@ -466,7 +570,10 @@ cvt.rn.f16x2.FMTx2 $3, yh;
             l_safe = gl.where(nonempty, l_o, 1.0)
             # V / v_scale was stored; the merge is linear, so each split scales its own output.
             out = acc / gl.expand_dims(l_safe, 0) * v_scale
-            out = gl.reshape(gl.permute(gl.reshape(out, [DV // 8, 8, H]), [1, 0, 2]), [DV, H])
+            out = _in_byte_order(out, DV, H)
+            # (the heads whose split was not empty, laid out as out)
+            rows = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(1, OL)) < DV, 1)
+            written = _in_byte_order(gl.expand_dims(nonempty, 0) & rows, DV, H)
             cols = gl.expand_dims(
                 gl.arange(0, DV, layout=gl.SliceLayout(1, out.type.layout)), 1
             )  # fmt: skip
@@ -484,7 +591,6 @@ cvt.rn.f16x2.FMTx2 $3, yh;
                     part_lse_ptr + b * stride_plb + (head0 + heads) * stride_plh + split, lse,
                     mask=heads < GROUP,
                 )  # fmt: skip
-                written = gl.convert_layout(gl.expand_dims(nonempty, 0), o_mask.type.layout)
                 gl.store(
                     part_o_ptr + b * stride_pob + split * stride_pos + (head0 + hs) * stride_poh
                     + cols,
@@ -532,6 +638,7 @@ def launch_mma(
     tokens: int | None = None,
     ahead: int | None = None,
     maxnreg: int | None = None,
+    ring: int | None = None,
 ) -> None:
     """Stage 1 of :func:`execrt.kernels.attention.decode_attention` for an fp8 cache on the
     mma kernel (its checks done; ``programs`` per kv head, the work list built). The launch
@@ -540,8 +647,9 @@ def launch_mma(
     tokens = tokens or MMA_TOKENS
     ahead = ahead or MMA_AHEAD
     maxnreg = maxnreg or MMA_MAXNREG
+    ring = MMA_RING if ring is None else ring
     num_kv_heads = k_buffer.shape[1]
-    lk, lv, lvp, lq = mma_layouts(warps, tokens, q.shape[-1], v_buffer.shape[-1])
+    lk, lv, lvp, lq, sk, sv = mma_layouts(warps, tokens, q.shape[-1], v_buffer.shape[-1])
     _decode_mma_kernel[(programs * num_kv_heads,)](
         q, k_buffer.view(torch.int32), v_buffer.view(torch.int32), kv_indptr, kv_indices,
         num_splits, work, partial_o, partial_lse, kv_scales, o,
@@ -553,8 +661,8 @@ def launch_mma(
         GROUP=q.shape[1] // num_kv_heads, D=q.shape[-1], DV=v_buffer.shape[-1], W=warps,
         T=tokens, AHEAD=ahead, FUSED=arrivals is not None,
         E5M2=k_buffer.dtype == torch.float8_e5m2, SLOT_I32=slot_i32, LK=lk, LV=lv,
-        V_PAIRS=lvp, LQ=lq, num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-        **pdl,
+        V_PAIRS=lvp, LQ=lq, RING=ring, SK=sk, SV=sv, num_warps=warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl,
     )  # fmt: skip
 
 

@@ -196,3 +196,14 @@ def test_a_named_extend_kernel_is_checked_when_the_backend_is_built() -> None:
         _backend("auto", pool, cache, extend_kernel="ws")
     for kernel in ("auto", "gather", "fresh"):
         assert _backend("auto", pool, cache, extend_kernel=kernel).extend_kernel == kernel
+
+
+def test_a_named_fp8_decode_kernel_is_checked_when_the_backend_is_built() -> None:
+    pool, cache, _ = _state(2, [5, 9])
+    with pytest.raises(ConfigError, match=r"decode_fp8_kernel 'bytes' unsupported \(supported: "):
+        _backend("auto", pool, cache, decode_fp8_kernel="bytes")
+    # this cache is fp32: the mma kernel reads fp8 caches only, and says so at build time
+    with pytest.raises(ConfigError, match="decode_fp8_kernel 'mma' cannot run here: "):
+        _backend("auto", pool, cache, decode_fp8_kernel="mma")
+    for kernel in ("auto", "words"):
+        assert _backend("auto", pool, cache, decode_fp8_kernel=kernel).decode_fp8_kernel == kernel

@@ -127,12 +127,13 @@ from execrt.kernels.attention import decode_mma as mma
 fn = mma._decode_mma_kernel
 names = fn.arg_names
 result = {}
-for d, ahead, fused, e5m2 in ((128, 2, False, False), (128, 1, True, True), (64, 2, True, False),
-                              (256, 1, False, False)):
-    lk, lv, lvp, lq = mma.mma_layouts(mma.MMA_WARPS, mma.MMA_TOKENS, d, d)
+for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, True, 0),
+                                    (64, 2, True, False, 0), (256, 1, False, False, 0),
+                                    (128, 1, False, False, 4), (64, 1, True, True, 3)):
+    lk, lv, lvp, lq, sk, sv = mma.mma_layouts(mma.MMA_WARPS, mma.MMA_TOKENS, d, d)
     consts = dict(GROUP=4, D=d, DV=d, W=mma.MMA_WARPS, T=mma.MMA_TOKENS, AHEAD=ahead,
                   FUSED=fused, E5M2=e5m2, SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp,
-                  LQ=lq)
+                  LQ=lq, RING=ring, SK=sk, SV=sv)
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else ptrs.get(
@@ -149,13 +150,14 @@ for d, ahead, fused, e5m2 in ((128, 2, False, False), (128, 1, True, True), (64,
     moves = [i for i, ln in enumerate(lines) if "movmatrix" in ln]
     loop = lines[moves[0]:moves[-1] + 1] if moves else []
     fmt = "e5m2" if e5m2 else "e4m3"
-    result[f"d{d}-ahead{ahead}-fused{fused}-{fmt}"] = {
+    result[f"d{d}-ahead{ahead}-fused{fused}-{fmt}-ring{ring}"] = {
         "movmatrix": len(moves),
         "mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
         "cvt": ptx.count(f"cvt.rn.f16x2.{fmt}x2"),
         "prmt": ptx.count("prmt.b32"),
         "local": ptx.count("ld.local") + ptx.count("st.local"),
         "loop_shared": sum(("ld.shared" in ln or "st.shared" in ln) for ln in loop),
+        "cp_async": ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global"),
         "atomics": ptx.count("atom.") ,
     }
 print(json.dumps(result))
@@ -173,17 +175,23 @@ def test_the_kernel_compiles_for_sm90_without_shared_memory_in_its_loop(tmp_path
     if mma.GLUON_IMPORT_ERROR is not None:
         pytest.skip(mma.GLUON_IMPORT_ERROR)
     got = json.loads(run_compile_probe(tmp_path, PROBE).strip().splitlines()[-1])
-    assert len(got) == 4
+    assert len(got) == 6
     for name, k in got.items():
         d = int(name.split("-")[0][1:])
-        ahead = int(name.split("ahead")[1].split("-")[0])
-        steps = ahead + 1  # the loop's unrolling
+        ring = int(name.split("ring")[1])
+        # the loop's steps: unrolled ahead + 1 times for direct loads, once with a ring
+        steps = int(name.split("ahead")[1].split("-")[0]) + 1 if ring == 0 else 1
         assert k["movmatrix"] == 2 * steps, (name, k)
         assert k["mma"] == steps * (d // 16 + d // 16), (name, k)
-        # per step and thread: K and V, (W T D / 4 / 128) words each, two cvt per word
+        # per step and thread: K and V, (T D / 4 / 32) words each, two cvt per word
         words = mma.MMA_TOKENS * d // 4 // 32
         assert k["cvt"] == steps * 2 * 2 * words, (name, k)
+        # from the first transpose to the last: no shared memory (converted values never go
+        # through it; a ring's reads come before a step's first conversion)
         assert k["loop_shared"] == 0, (name, k)
+        # a ring's stages filled ahead (none without a ring): per thread, 16-byte copies of
+        # two K rows' D / 64 chunks, and one copy of up to 16 bytes of four V rows each
+        assert k["cp_async"] == ring * (2 * (d // 64) + 4 * max(1, d // 128)), (name, k)
         assert k["local"] == 0, (name, k)
         assert (k["atomics"] > 0) == ("fusedTrue" in name), (name, k)
 
@@ -315,3 +323,19 @@ def test_gpu_mma_graph_replay_is_bitwise() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, eager)
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring", [3, 4])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_ring(ring: int, fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # K/V through a cp.async ring of shared memory: the same answer.
+    monkeypatch.setattr(mma, "MMA_RING", ring)
+    _run([3000, 17, 128, 129, 4095, 1], fused=fused, seed=ring)
+    _run([1, 63, 64, 65, 191, 192, 193, 1000], num_q_heads=9, num_kv_heads=3, head_dim=64,
+         fused=fused, seed=ring + 1)  # fmt: skip
+    lens = [
+        int(x) for x in torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(9))
+    ]
+    _run(lens, programs="sm", fused=fused, seed=10)
