@@ -318,7 +318,10 @@ def sweep_tiles(kv_names: list[str], copy_bw: float, out_dir: str) -> list[TileR
     return rows
 
 
-MMA_SHAPES = "1,16,168,0;0,16,0,4;0,16,0,3;0,16,128,3;0,16,0,5;0,16,0,6;0,32,0,3"
+MMA_SHAPES = (
+    "1,16,168,0,4;0,16,0,4,4;0,16,128,3,4;0,16,0,6,4;0,32,0,3,4;0,16,0,4,1;0,32,0,3,1;"
+    "0,32,128,4,1;0,16,0,6,1;0,16,0,4,2"
+)
 
 
 def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
@@ -328,14 +331,14 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
     print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
-    arms: list[tuple[str, str, str | None, tuple[int, int, int, int] | None]] = [
+    arms: list[tuple[str, str, str | None, tuple[int, int, int, int, int] | None]] = [
         ("bf16", "auto", None, None),
         ("words", "fp8_e4m3", "words", None),
     ]
     for spec in (x for x in mma_shapes.split(";") if x):
-        ahead, tokens, maxnreg, ring = (int(v) for v in spec.split(","))
-        arms.append((f"mma a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}", "fp8_e4m3", "mma",
-                     (ahead, tokens, maxnreg, ring)))  # fmt: skip
+        ahead, tokens, maxnreg, ring, warps = (int(v) for v in spec.split(","))
+        arms.append((f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}", "fp8_e4m3",
+                     "mma", (ahead, tokens, maxnreg, ring, warps)))  # fmt: skip
     rows: list[dict[str, Any]] = []
     problems: dict[str, list[DecodeProblem]] = {}
     for name, kv_name, kernel, shape in arms:
@@ -347,9 +350,10 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
             ]
         saved = (
             decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
-            decode_mma.MMA_RING,
+            decode_mma.MMA_RING, decode_mma.MMA_WARPS,
         )  # fmt: skip
         if shape is not None:
+            decode_mma.MMA_WARPS = shape[4]
             decode_mma.MMA_AHEAD = shape[0] or decode_mma.MMA_AHEAD
             decode_mma.MMA_TOKENS, decode_mma.MMA_RING = shape[1], shape[3]
             decode_mma.MMA_MAXNREG = shape[2] or None
@@ -374,7 +378,7 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
         finally:
             (
                 decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
-                decode_mma.MMA_RING,
+                decode_mma.MMA_RING, decode_mma.MMA_WARPS,
             ) = saved  # fmt: skip
         print(f"{name:>20}: " + " ".join(cells), flush=True)
     return rows
@@ -388,7 +392,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--mma-shapes", default=MMA_SHAPES,
-        help="fp8: the mma kernel's ahead,tokens,maxnreg,ring launch shapes, ';'-separated "
+        help="fp8: the mma kernel's ahead,tokens,maxnreg,ring,warps launch shapes, ';'-separated "
         "(maxnreg 0: as ptxas allocates; ring 0: loads into registers ahead steps ahead, else "
         "a cp.async ring of that many stages)",
     )  # fmt: skip

@@ -649,6 +649,9 @@ def launch_mma(
     maxnreg = maxnreg or MMA_MAXNREG
     ring = MMA_RING if ring is None else ring
     num_kv_heads = k_buffer.shape[1]
+    # ``programs`` counts 4-warp programs (decode_programs); smaller ones come in more, as
+    # many as there are work items.
+    programs = min(q.shape[0] * max_splits, programs * max(1, 4 // warps))
     lk, lv, lvp, lq, sk, sv = mma_layouts(warps, tokens, q.shape[-1], v_buffer.shape[-1])
     _decode_mma_kernel[(programs * num_kv_heads,)](
         q, k_buffer.view(torch.int32), v_buffer.view(torch.int32), kv_indptr, kv_indices,

@@ -339,3 +339,16 @@ def test_gpu_mma_ring(ring: int, fused: bool, monkeypatch) -> None:  # type: ign
         int(x) for x in torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(9))
     ]
     _run(lens, programs="sm", fused=fused, seed=10)
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 2])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_smaller_programs(warps: int, fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Programs of one or two warps (each warp a whole item when one): the same answer.
+    monkeypatch.setattr(mma, "MMA_WARPS", warps)
+    monkeypatch.setattr(mma, "MMA_RING", 4)
+    _run([3000, 17, 128, 129, 4095, 1], fused=fused, seed=warps)
+    _run([1, 63, 64, 65, 191, 1000], num_q_heads=9, num_kv_heads=3, head_dim=64, fused=fused,
+         seed=warps + 1)  # fmt: skip
