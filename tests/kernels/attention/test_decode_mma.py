@@ -289,7 +289,7 @@ def test_gpu_mma_agrees_with_the_words_kernel() -> None:
 @mma_gpu
 @pytest.mark.gpu
 def test_gpu_mma_graph_replay_is_bitwise() -> None:
-    from tests.kernels.attention.test_decode import fp8_cache, flat_indices, make_cache
+    from tests.kernels.attention.test_decode import flat_indices, fp8_cache, make_cache
 
     gen = torch.Generator().manual_seed(3)
     lens = [900, 3, 4000]
