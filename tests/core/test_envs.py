@@ -100,6 +100,7 @@ def test_non_config_names_every_special_variable() -> None:
         "EXECRT_DISABLE_PDL",
         "EXECRT_PDL_PREFETCH",
         "EXECRT_FP8_WORDS_OPAQUE",
+        "EXECRT_FP8_DECODE_KERNEL",
         "EXECRT_DEBUG_KV_OWNERSHIP",
     }
     assert all(name.startswith(envs.CONFIG_PREFIX) for name in envs.NON_CONFIG)
