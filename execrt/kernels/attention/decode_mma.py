@@ -51,7 +51,7 @@ try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-    from execrt.kernels.attention.decode import _item_bounds, _record
+    from execrt.kernels.attention.decode import _CVT_ASM, _item_bounds, _record
     from execrt.kernels.attention.indices import slot_offsets
     from execrt.kernels.triton_pdl import pdl_prologue
 
@@ -194,16 +194,9 @@ def mma_layouts(warps: int, tokens: int, head_dim: int, head_dim_v: int):
 
 
 if GLUON_IMPORT_ERROR is None:
-    # One word of four fp8 values (lowest byte first) to four fp16 values.
-    _CVT = """{
-.reg .b16 lo, hi;
-.reg .b32 a, b;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.FMTx2 a, lo;
-cvt.rn.f16x2.FMTx2 b, hi;
-mov.b32 {$0, $1}, a;
-mov.b32 {$2, $3}, b;
-}"""
+    # One word of four fp8 values (lowest byte first) to four fp16 values: the Triton
+    # kernel's conversion.
+    _CVT = _CVT_ASM
     # Two words (tokens tau and tau + 1, the same four columns) to four fp16 pairs, one per
     # column, each holding (tau, tau + 1): the mma's k side is tokens for P V.
     _CVT_PAIRS = """{
