@@ -70,13 +70,13 @@ MMA_HEAD_DIMS = (64, 128, 256)
 MMA_MAX_GROUP = 8  # query heads per kv head: one n8 tile
 #: Warps per program, tokens per warp per step, steps loaded ahead (sm90 AOT, triton 3.6:
 #: see docs/kernels.md for the counts behind them).
-MMA_WARPS = 4
+MMA_WARPS = 1  # H200 sweep (session 22): one warp per program, each its own item
 MMA_TOKENS = 16
 MMA_AHEAD = 2
 MMA_MAXNREG: int | None = None  # registers per thread, None: as ptxas allocates
 #: Stages of the cp.async ring K/V go through (0: loaded straight into registers, ``AHEAD``
 #: steps ahead).
-MMA_RING = 0
+MMA_RING = 4  # H200 sweep (session 22): a 4-stage cp.async ring
 
 
 def mma_block_n(warps: int = MMA_WARPS, tokens: int = MMA_TOKENS) -> int:
