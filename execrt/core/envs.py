@@ -25,6 +25,9 @@ DISABLE_PDL = "EXECRT_DISABLE_PDL"
 #: split kernel's first K/V rows). Off by default: the H200 A/B of docs/kernels.md found it
 #: faster at bs 1 only.
 PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
+#: The most rows a launch may have and still prefetch under EXECRT_PDL_PREFETCH (the skinny
+#: GEMM's M, the decode batch), e.g. "1" for the bs-1 graph only; unset: any.
+PDL_PREFETCH_ROWS = "EXECRT_PDL_PREFETCH_ROWS"
 #: "1" hides the fp8-words decode loop's joined K/V tiles from Triton's operand-width search
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
 #: on the H200 despite fewer instructions).
@@ -50,6 +53,7 @@ NON_CONFIG = frozenset(
         DEFAULT_MODEL,
         DISABLE_PDL,
         PDL_PREFETCH,
+        PDL_PREFETCH_ROWS,
         FP8_WORDS_OPAQUE,
         FP8_DECODE_KERNEL,
         DEBUG_KV_OWNERSHIP,
@@ -70,7 +74,13 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 #: The variables that change which kernels run or how they launch (not config keys): what a
 #: benchmark record names beside its config overrides.
-KERNEL_SWITCHES = (DISABLE_PDL, PDL_PREFETCH, FP8_WORDS_OPAQUE, FP8_DECODE_KERNEL)
+KERNEL_SWITCHES = (
+    DISABLE_PDL,
+    PDL_PREFETCH,
+    PDL_PREFETCH_ROWS,
+    FP8_WORDS_OPAQUE,
+    FP8_DECODE_KERNEL,
+)
 
 
 def kernel_switches(environ: Mapping[str, str] | None = None) -> dict[str, str]:

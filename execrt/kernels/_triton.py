@@ -200,12 +200,14 @@ def use_pdl(device: torch.device) -> bool:
 PREFETCHING_KERNELS = ("linear", "decode")
 
 
-def pdl_prefetch(device: torch.device, kernel: str) -> bool:
+def pdl_prefetch(device: torch.device, kernel: str, rows: int | None = None) -> bool:
     """Whether ``kernel`` (one of ``PREFETCHING_KERNELS``) asks L2 for memory that the grid
     ahead does not write (weights; older K/V) before it waits for that grid
     (``triton_pdl.prefetch_l2``): with PDL, when ``EXECRT_PDL_PREFETCH`` is truthy (every
-    kernel) or lists the kernel by name (comma-separated). Off by default: on the H200 it saved
-    5% of the 0.6B step at bs 1 and cost 2-4% at bs 8-128 (docs/kernels.md)."""
+    kernel) or lists the kernel by name (comma-separated), and the launch has no more than
+    ``EXECRT_PDL_PREFETCH_ROWS`` rows where that is set (``rows``: the GEMM's M, the decode
+    batch). Off by default: on the H200 it saved 5% of the 0.6B step at bs 1 and cost 2-4%
+    at bs 8-128 (docs/kernels.md)."""
     if kernel not in PREFETCHING_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {PREFETCHING_KERNELS}")
     if not use_pdl(device):
@@ -218,7 +220,27 @@ def pdl_prefetch(device: torch.device, kernel: str) -> bool:
             f"{envs.PDL_PREFETCH}={value!r}: {sorted(unknown)} unknown; accepted: 1 or 0, or "
             f"a comma-separated list of {', '.join(PREFETCHING_KERNELS)}"
         )
-    return envs.flag(envs.PDL_PREFETCH) or kernel in names
+    if not (envs.flag(envs.PDL_PREFETCH) or kernel in names):
+        return False
+    limit = prefetch_rows_limit()
+    return limit is None or rows is None or rows <= limit
+
+
+def prefetch_rows_limit() -> int | None:
+    """``EXECRT_PDL_PREFETCH_ROWS`` as a whole number >= 1, or None where it is unset."""
+    value = os.environ.get(envs.PDL_PREFETCH_ROWS, "").strip()
+    if not value:
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ConfigError(
+            f"{envs.PDL_PREFETCH_ROWS}={value!r} unsupported; accepted: a whole number >= 1 "
+            "(the most rows a prefetching launch may have), or unset (any)"
+        )
+    return limit
 
 
 def fp8_words_opaque() -> bool:

@@ -422,7 +422,7 @@ def launch(
         SPLIT=splits > 1,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        PREFETCH=pdl_prefetch(x.device, "linear"),
+        PREFETCH=pdl_prefetch(x.device, "linear", x.shape[0]),
         # a pass's lines: about one per thread, no more than a row's prefetch holds
         PF_LINES=min(
             max(1, 32 * tile.num_warps // tile.block_n),

@@ -99,6 +99,7 @@ def test_non_config_names_every_special_variable() -> None:
         "EXECRT_DEFAULT_MODEL",
         "EXECRT_DISABLE_PDL",
         "EXECRT_PDL_PREFETCH",
+        "EXECRT_PDL_PREFETCH_ROWS",
         "EXECRT_FP8_WORDS_OPAQUE",
         "EXECRT_FP8_DECODE_KERNEL",
         "EXECRT_DEBUG_KV_OWNERSHIP",

@@ -41,6 +41,17 @@ def test_the_switch_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ConfigError, match=typo):
         _triton.pdl_prefetch(cuda, "linear")
     monkeypatch.setenv(envs.PDL_PREFETCH, "linear,decode")
+    monkeypatch.setenv(envs.PDL_PREFETCH_ROWS, "1")  # the bs-1 launches only
+    assert _triton.pdl_prefetch(cuda, "linear", 1) and not _triton.pdl_prefetch(cuda, "linear", 2)
+    assert not _triton.pdl_prefetch(cuda, "decode", 8)
+    monkeypatch.setenv(envs.PDL_PREFETCH_ROWS, "8")
+    assert _triton.pdl_prefetch(cuda, "decode", 8) and not _triton.pdl_prefetch(cuda, "decode", 9)
+    for bad in ("0", "-1", "one", "1.5"):
+        monkeypatch.setenv(envs.PDL_PREFETCH_ROWS, bad)
+        with pytest.raises(ConfigError, match=f"EXECRT_PDL_PREFETCH_ROWS='{bad}' unsupported"):
+            _triton.pdl_prefetch(cuda, "linear", 1)
+    monkeypatch.delenv(envs.PDL_PREFETCH_ROWS)
+    assert _triton.pdl_prefetch(cuda, "linear", 4096)  # unset: any
     monkeypatch.setenv(envs.DISABLE_PDL, "1")
     assert not _triton.use_pdl(cuda)
     assert not _triton.pdl_prefetch(cuda, "linear")  # the prefetch comes with PDL only

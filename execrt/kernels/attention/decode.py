@@ -1092,7 +1092,7 @@ def decode_attention(
         )
     # The K/V prefetch ahead of the PDL wait reads the work list, lengths and slot ids early:
     # a work list built just here (by the kernel ahead) would always be stale then.
-    prefetch = work is not None and pdl_prefetch(q.device, "decode")
+    prefetch = work is not None and pdl_prefetch(q.device, "decode", batch)
     if work is None:
         work = torch.empty(work_size(batch, max_splits), dtype=torch.int32, device=q.device)
         decode_work(num_splits[:batch], max_splits, work)
