@@ -324,24 +324,35 @@ MMA_SHAPES = (
 )
 
 
-def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
+def sweep_fp8(
+    copy_bw: float, mma_shapes: str, programs_per_sm: tuple[int, ...] = ()
+) -> list[dict[str, Any]]:
+    """The bf16 and fp8-words kernels, then each mma launch shape under the default split
+    policy and under each of ``programs_per_sm`` (the policy's stage-1 programs per SM before
+    splits get longer: more splits of short contexts, for the mma kernel's 1-warp programs)."""
     from execrt.kernels.attention import decode_mma
 
-    policy = K.SplitPolicy()
+    default = K.SplitPolicy()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
     print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
-    arms: list[tuple[str, str, str | None, tuple[int, int, int, int, int] | None]] = [
-        ("bf16", "auto", None, None),
-        ("words", "fp8_e4m3", "words", None),
+    Shape = tuple[int, int, int, int, int]
+    arms: list[tuple[str, str, str | None, Shape | None, K.SplitPolicy]] = [
+        ("bf16", "auto", None, None, default),
+        ("words", "fp8_e4m3", "words", None, default),
+    ]
+    policies = [default] + [
+        K.SplitPolicy(programs_per_sm=n) for n in programs_per_sm if n != default.programs_per_sm
     ]
     for spec in (x for x in mma_shapes.split(";") if x):
         ahead, tokens, maxnreg, ring, warps = (int(v) for v in spec.split(","))
-        arms.append((f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}", "fp8_e4m3",
-                     "mma", (ahead, tokens, maxnreg, ring, warps)))  # fmt: skip
+        for policy in policies:
+            pps = "" if policy is default else f" pps{policy.programs_per_sm}"
+            name = f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}{pps}"
+            arms.append((name, "fp8_e4m3", "mma", (ahead, tokens, maxnreg, ring, warps), policy))
     rows: list[dict[str, Any]] = []
     problems: dict[str, list[DecodeProblem]] = {}
-    for name, kv_name, kernel, shape in arms:
+    for name, kv_name, kernel, shape, policy in arms:
         kv_dtype = kv_storage_dtype(kv_name, torch.bfloat16)
         if kv_name not in problems:
             problems[kv_name] = [
@@ -369,7 +380,9 @@ def sweep_fp8(copy_bw: float, mma_shapes: str) -> list[dict[str, Any]]:
                     cells.append(f"failed ({type(exc).__name__}: {str(exc)[:100]})")
                     break
                 pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
+                splits = policy.max_splits(p.bs, p.ctx, p.hkv, sms)
                 rows.append(dict(arm=name, bs=p.bs, ctx=p.ctx, us=us, pct=pct, fused=fused,
+                                 max_splits=splits, programs_per_sm=policy.programs_per_sm,
                                  err=err if i == 0 else None))  # fmt: skip
                 if i == 0 and err > MAX_REL_ERR:
                     cells.append(f"wrong (error {err:.3g} vs the fp32 oracle)")
@@ -395,6 +408,11 @@ def main() -> None:
         help="fp8: the mma kernel's ahead,tokens,maxnreg,ring,warps launch shapes, ';'-separated "
         "(maxnreg 0: as ptxas allocates; ring 0: loads into registers ahead steps ahead, else "
         "a cp.async ring of that many stages)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--programs-per-sm", default="",
+        help="fp8: split policies (stage-1 programs per SM) to time each mma shape under too, "
+        "comma-separated (the default policy always runs)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",
@@ -431,7 +449,8 @@ def main() -> None:
         out_dir = (os.path.dirname(args.out) if args.out else "") or "."
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
     elif args.mode == "fp8":
-        rows = sweep_fp8(copy_bw, args.mma_shapes)
+        pps = tuple(int(n) for n in args.programs_per_sm.split(",") if n)
+        rows = sweep_fp8(copy_bw, args.mma_shapes, pps)
     elif args.mode == "ragged":
         grid = tuple(
             (n, w, st)
