@@ -80,6 +80,26 @@ PROBE = textwrap.dedent(
         for prefetch in (False, True):
             kernel = compile_split_kernel(kv, 128, 4, 3, prefetch=prefetch)
             report(f"decode-{kv}-{prefetch}", kernel.asm["ptx"])
+    from execrt.kernels.attention import decode_mma as mma
+    if mma.GLUON_IMPORT_ERROR is None:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        names = mma._decode_mma_kernel.arg_names
+        lk, lv, lvp, lq, sk, sv = mma.mma_layouts(1, 16, 128, 128)
+        for prefetch in (False, True):
+            consts = dict(GROUP=4, D=128, DV=128, W=1, T=16, AHEAD=1, FUSED=True, E5M2=False,
+                          SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp, LQ=lq, RING=4,
+                          SK=sk, SV=sv, PREFETCH=prefetch, PF_TOKENS=64)
+            ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "part_o_ptr": "*fp32",
+                    "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
+            sig = {n: "constexpr" if n in consts else ptrs.get(
+                n, "*i32" if n.endswith("_ptr") else ("fp32" if n == "qk_scale" else "i32"))
+                for n in names}
+            src = GluonASTSource(fn=mma._decode_mma_kernel, signature=sig,
+                                 constexprs={(names.index(k),): v for k, v in consts.items()})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 1})
+            report(f"mma-{prefetch}", kernel.asm["ptx"])
     """
 )
 
@@ -93,7 +113,11 @@ def test_the_prefetches_come_before_the_wait_and_nothing_else_does(tmp_path: Pat
     # with it: the prefetch, once for the gate rows and once for the up rows (SWIGLU_OUT)
     assert got["linear-True"] == "['prefetch.global.L2'] 2", got
     # the decode kernel reads its work item and slot ids first, and stores nothing
-    for name in ("decode-bf16-True", "decode-fp8w-True"):
+    names = ["decode-bf16-True", "decode-fp8w-True"]
+    if "mma-False" in got:  # a triton with Gluon: the fp8 mma kernel alike
+        assert got["mma-False"] == "- 0", got
+        names.append("mma-True")
+    for name in names:
         before, count = got[name].rsplit(" ", 1)
         assert before == "['ld.global.b32', 'prefetch.global.L2']", got
         assert int(count) >= 2, got  # K and V

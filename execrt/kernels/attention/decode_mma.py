@@ -84,6 +84,12 @@ def mma_block_n(warps: int = MMA_WARPS, tokens: int = MMA_TOKENS) -> int:
     return warps * tokens
 
 
+def mma_prefetch_tokens(warps: int, tokens: int, ring: int) -> int:
+    """Tokens of an item whose K/V rows the prefetch asks L2 for: what the loop reads before
+    its first step can run (a ring's filled stages, else two blocks), a power of two >= 32."""
+    return max(32, 1 << (warps * tokens * (max(1, ring - 1) if ring else 2) - 1).bit_length())
+
+
 def mma_unsupported(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *, prologue: bool = False
 ) -> str | None:
@@ -218,6 +224,8 @@ cvt.rn.f16x2.FMTx2 $3, yh;
     # An 8 x 8 transpose of 16-bit values across the warp: thread l's register holds row l // 4,
     # columns 2 (l % 4) and 2 (l % 4) + 1, before and after.
     _TRANSPOSE = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+    # triton_pdl.prefetch_l2's instruction (a dummy output: inline asm must produce one)
+    _PREFETCH = gl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
 
     @gluon.jit
     def _index3(N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, layout: gl.constexpr):
@@ -396,6 +404,46 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         return gl.reshape(gl.permute(gl.reshape(x, [DV // 8, 8, H]), [1, 0, 2]), [DV, H])
 
     @gluon.jit
+    def _prefetch_span(idx_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots,
+                       stride_ks, stride_vs, SLOT_I32: gl.constexpr, D: gl.constexpr,
+                       DV: gl.constexpr, TOKENS: gl.constexpr, W: gl.constexpr):  # fmt: skip
+        """Ask L2 for the K and V rows of tokens ``[lo, lo + TOKENS)`` of ``[lo, hi)`` (slot ids
+        from ``kv_start`` in ``kv_indices``), one instruction per 128-byte line, no register
+        waiting for the data: ``decode._prefetch_span`` for this kernel's int32 rows. Issued
+        before the PDL wait it may read slot ids the grid ahead is still writing, so positions
+        and slots are clamped into ``[0, num_ids)`` and ``[0, num_slots)``."""
+        LINES: gl.constexpr = max(1, max(D, DV) // 128)  # 128-byte lines of the longer row
+        LP: gl.constexpr = gl.BlockedLayout([1, LINES], [32, 1], [W, 1], [1, 0])
+        if lo < hi:
+            tok = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, LP))
+            t = kv_start + lo + gl.minimum(tok, hi - lo - 1)
+            ids = gl.load(idx_ptr + gl.minimum(gl.maximum(t, 0), num_ids - 1))
+            ids = gl.minimum(gl.maximum(ids, 0), num_slots - 1)
+            line = gl.expand_dims(gl.arange(0, LINES, layout=gl.SliceLayout(0, LP)) * 32, 0)
+            rows = gl.expand_dims(slot_offsets(ids, SLOT_I32), 1)
+            k_ptrs = k_base + rows * stride_ks + gl.minimum(line, D // 4 - 1)
+            v_ptrs = v_base + rows * stride_vs + gl.minimum(line, DV // 4 - 1)
+            gl.inline_asm_elementwise(_PREFETCH, "=r,l", [k_ptrs], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            gl.inline_asm_elementwise(_PREFETCH, "=r,l", [v_ptrs], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _prefetch_item(work_ptr, kv_indptr_ptr, num_splits_ptr, idx_ptr, k_base, v_base, item,
+                       batch, num_ids, num_slots, max_splits, stride_ks, stride_vs,
+                       SLOT_I32: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                       BLOCK: gl.constexpr, TOKENS: gl.constexpr, W: gl.constexpr):  # fmt: skip
+        """:func:`_prefetch_span` of ``item``'s first tokens from its work-list record (the
+        record clamped into the batch's items, as the Triton kernel's prefetch does)."""
+        packed = _record(work_ptr, item, gl.load(work_ptr))
+        packed = gl.minimum(gl.maximum(packed, 0), batch * max_splits - 1)
+        _, _, kv_start, lo, hi, _, _ = _item_bounds(
+            packed, kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK
+        )
+        _prefetch_span(idx_ptr, k_base, v_base, kv_start, lo, hi, num_ids, num_slots,
+                       stride_ks, stride_vs, SLOT_I32, D, DV, TOKENS, W)  # fmt: skip
+
+    @gluon.jit
     def _issue(k_stage, v_stage, ik, kin, iv, vin, k_base, v_base, stride_ks, stride_vs,
                SLOT_I32: gl.constexpr, W: gl.constexpr, T: gl.constexpr, D: gl.constexpr,
                DV: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):  # fmt: skip
@@ -504,7 +552,8 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         T: gl.constexpr, AHEAD: gl.constexpr, FUSED: gl.constexpr, E5M2: gl.constexpr,
         SLOT_I32: gl.constexpr, PDL: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
         V_PAIRS: gl.constexpr, LQ: gl.constexpr, RING: gl.constexpr, SK: gl.constexpr,
-        SV: gl.constexpr,
+        SV: gl.constexpr, batch, num_ids, num_slots, PREFETCH: gl.constexpr,
+        PF_TOKENS: gl.constexpr,
     ):  # fmt: skip
         H: gl.constexpr = 8  # query heads on the mma's N side (the group, zero-padded)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -519,6 +568,10 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         head0 = kv_head * GROUP
         k_base = k_ptr + kv_head * stride_kh
         v_base = v_ptr + kv_head * stride_vh
+        if PREFETCH:  # the first item's first K/V rows into L2, before the wait
+            _prefetch_item(work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr, k_base,
+                           v_base, item, batch, num_ids, num_slots, max_splits, stride_ks,
+                           stride_vs, SLOT_I32, D, DV, BLOCK, PF_TOKENS, W)  # fmt: skip
         pdl_prologue(PDL)
         n_items = gl.load(work_ptr)
         # q^T [W, D, H] as the B operand (every warp holds it), scaled by sm_scale log2(e)
@@ -537,6 +590,12 @@ cvt.rn.f16x2.FMTx2 $3, yh;
             b, split, kv_start, lo, hi, n_splits, _ = _item_bounds(
                 _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK
             )
+            if PREFETCH:  # the next item's first K/V, from DRAM during this one
+                if item + programs < n_items:
+                    _prefetch_item(work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr,
+                                   k_base, v_base, item + programs, batch, num_ids, num_slots,
+                                   max_splits, stride_ks, stride_vs, SLOT_I32, D, DV, BLOCK,
+                                   PF_TOKENS, W)  # fmt: skip
             q = gl.load(q_ptr + b * stride_qb + q_off, mask=q_mask, other=0.0)
             q = gl.minimum(gl.maximum(q.to(gl.float32) * q_scale, -65504.0), 65504.0)
             q = gl.permute(_k_dims(q.to(gl.float16), W, H, D), [0, 2, 1])
@@ -632,10 +691,13 @@ def launch_mma(
     ahead: int | None = None,
     maxnreg: int | None = None,
     ring: int | None = None,
+    prefetch: bool = False,
 ) -> None:
     """Stage 1 of :func:`execrt.kernels.attention.decode_attention` for an fp8 cache on the
     mma kernel (its checks done; ``programs`` per kv head, the work list built). The launch
-    shape defaults to this module's ``MMA_*`` values, read at each call."""
+    shape defaults to this module's ``MMA_*`` values, read at each call. ``prefetch``: ask
+    L2 for each item's first K/V rows ahead (the first item's before the PDL wait; see
+    ``_triton.pdl_prefetch``)."""
     warps = warps or MMA_WARPS
     tokens = tokens or MMA_TOKENS
     ahead = ahead or MMA_AHEAD
@@ -657,7 +719,11 @@ def launch_mma(
         GROUP=q.shape[1] // num_kv_heads, D=q.shape[-1], DV=v_buffer.shape[-1], W=warps,
         T=tokens, AHEAD=ahead, FUSED=arrivals is not None,
         E5M2=k_buffer.dtype == torch.float8_e5m2, SLOT_I32=slot_i32, LK=lk, LV=lv,
-        V_PAIRS=lvp, LQ=lq, RING=ring, SK=sk, SV=sv, num_warps=warps,
+        V_PAIRS=lvp, LQ=lq, RING=ring, SK=sk, SV=sv, batch=q.shape[0],
+        num_ids=max(1, kv_indices.numel()), num_slots=k_buffer.shape[0],
+        PREFETCH=prefetch and kv_indices.numel() > 0,
+        PF_TOKENS=mma_prefetch_tokens(warps, tokens, ring),
+        num_warps=warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl,
     )  # fmt: skip
 
@@ -668,5 +734,6 @@ __all__ = [
     "launch_mma",
     "mma_block_n",
     "mma_layouts",
+    "mma_prefetch_tokens",
     "mma_unsupported",
 ]

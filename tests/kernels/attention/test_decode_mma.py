@@ -133,7 +133,7 @@ for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, Tr
     lk, lv, lvp, lq, sk, sv = mma.mma_layouts(mma.MMA_WARPS, mma.MMA_TOKENS, d, d)
     consts = dict(GROUP=4, D=d, DV=d, W=mma.MMA_WARPS, T=mma.MMA_TOKENS, AHEAD=ahead,
                   FUSED=fused, E5M2=e5m2, SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp,
-                  LQ=lq, RING=ring, SK=sk, SV=sv)
+                  LQ=lq, RING=ring, SK=sk, SV=sv, PREFETCH=False, PF_TOKENS=64)
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else ptrs.get(
