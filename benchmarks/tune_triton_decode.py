@@ -367,7 +367,7 @@ def sweep_fp8(
             decode_mma.MMA_WARPS = shape[4]
             decode_mma.MMA_AHEAD = shape[0] or decode_mma.MMA_AHEAD
             decode_mma.MMA_TOKENS, decode_mma.MMA_RING = shape[1], shape[3]
-            decode_mma.MMA_MAXNREG = shape[2] or None
+            decode_mma.MMA_MAXNREG = shape[2]  # 0: as ptxas allocates
         cells = []
         try:
             for i, p in enumerate(problems[kv_name]):

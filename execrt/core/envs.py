@@ -32,9 +32,10 @@ PDL_PREFETCH_ROWS = "EXECRT_PDL_PREFETCH_ROWS"
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
 #: on the H200 despite fewer instructions).
 FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
-#: Which kernel reads an fp8 cache at decode: "words" (the Triton split kernel) or "mma" (the
-#: Gluon kernel that converts K/V straight into the mma registers, decode_mma.py). Unset: the
-#: default of docs/kernels.md. A call that names its kernel overrides it.
+#: Which kernel reads an fp8 cache at decode: "words" (the Triton split kernel), "mma" (the
+#: Gluon kernel that converts K/V straight into the mma registers, decode_mma.py) or "auto"
+#: (mma from 8 requests where it can run, else words). Unset: auto. A call that names its
+#: kernel overrides it.
 FP8_DECODE_KERNEL = "EXECRT_FP8_DECODE_KERNEL"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies

@@ -257,11 +257,12 @@ def fp8_words_opaque() -> bool:
     return value in envs.TRUE_WORDS
 
 
-#: The kernels that can read an fp8 cache at decode (``decode_attention(fp8_kernel=...)``).
-FP8_DECODE_KERNELS = ("words", "mma")
-#: What runs when neither the call nor ``EXECRT_FP8_DECODE_KERNEL`` names one (where the mma
-#: kernel cannot run, the words kernel does).
-DEFAULT_FP8_DECODE_KERNEL = "words"
+#: The kernels that can read an fp8 cache at decode (``decode_attention(fp8_kernel=...)``),
+#: and ``auto``: the mma kernel from ``decode_mma.MMA_MIN_BATCH`` requests where it can run,
+#: else the words kernel.
+FP8_DECODE_KERNELS = ("auto", "words", "mma")
+#: What runs when neither the call nor ``EXECRT_FP8_DECODE_KERNEL`` names one.
+DEFAULT_FP8_DECODE_KERNEL = "auto"
 
 
 def fp8_decode_kernel() -> str:

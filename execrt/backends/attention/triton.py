@@ -99,7 +99,8 @@ class TritonAttnBackend(AttentionBackend):
 
     Option ``decode_fp8_kernel`` (config ``triton_decode_fp8_kernel``), for an fp8 cache:
     ``auto`` (the default) runs ``EXECRT_FP8_DECODE_KERNEL``'s kernel, else the kernels'
-    default; ``words`` the Triton split kernel; ``mma`` the Gluon kernel that converts K/V
+    default (the mma kernel from 8 requests where it can run, else words); ``words`` the
+    Triton split kernel; ``mma`` the Gluon kernel that converts K/V
     straight into the mma registers (:mod:`execrt.kernels.attention.decode_mma`), refused
     when the backend is built where it cannot run (it also leaves the decode prologue to
     the model: the prologue runs in the Triton kernel only).
@@ -309,6 +310,7 @@ class TritonAttnBackend(AttentionBackend):
             kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
             num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals, prologue=prologue,
             programs=self.decode_programs,
+            fp8_kernel=None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel,
         )  # fmt: skip
         return o
 

@@ -1031,11 +1031,13 @@ def decode_attention(
             ``qk_norm_rope(..., use_triton=True)`` followed by this function without it.
         programs: how many stage-1 programs take the work list (:func:`decode_programs`):
             ``request`` (the default) or ``sm`` (one wave of programs, several items each).
-        fp8_kernel: which kernel reads an fp8 cache: ``words`` (this module's split kernel)
-            or ``mma`` (:mod:`execrt.kernels.attention.decode_mma`, which converts K/V
+        fp8_kernel: which kernel reads an fp8 cache: ``words`` (this module's split kernel),
+            ``mma`` (:mod:`execrt.kernels.attention.decode_mma`, which converts K/V
             straight into the tensor cores' registers; an error naming the reason where it
-            cannot run). None: ``EXECRT_FP8_DECODE_KERNEL``, else the default, with ``mma``
-            falling back to ``words`` where it cannot run. Ignored for other caches.
+            cannot run) or ``auto`` (``mma`` from ``decode_mma.MMA_MIN_BATCH`` requests
+            where it can run, else ``words``). None: ``EXECRT_FP8_DECODE_KERNEL``, else the
+            default (``auto``), with ``mma`` falling back to ``words`` where it cannot run.
+            Ignored for other caches.
 
     Raises:
         ValueError: on unsupported dtypes, shapes, head dims (> 256), head counts
@@ -1231,14 +1233,15 @@ def _run_mma(
     prologue: bool,
 ) -> bool:
     """Whether an fp8 cache's decode runs on the mma kernel (see ``fp8_kernel``)."""
-    if (fp8_kernel or fp8_decode_kernel()) != "mma":
+    kernel = fp8_kernel or fp8_decode_kernel()
+    if kernel == "words":
         return False
-    from execrt.kernels.attention.decode_mma import mma_unsupported  # (it imports this module)
+    from execrt.kernels.attention import decode_mma  # (it imports this module)
 
-    why = mma_unsupported(q, k_buffer, v_buffer, prologue=prologue)
+    why = decode_mma.mma_unsupported(q, k_buffer, v_buffer, prologue=prologue)
     if why is not None and fp8_kernel == "mma":
         fail(COMPONENT, f"fp8_kernel='mma' unsupported here: {why}")
-    return why is None
+    return why is None and (kernel == "mma" or q.shape[0] >= decode_mma.MMA_MIN_BATCH)
 
 
 def _merge(

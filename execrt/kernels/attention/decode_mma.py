@@ -68,20 +68,41 @@ except ImportError as exc:  # pragma: no cover - depends on the installed triton
 
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_MAX_GROUP = 8  # query heads per kv head: one n8 tile
-#: Warps per program, tokens per warp per step, steps loaded ahead (sm90 AOT, triton 3.6:
-#: see docs/kernels.md for the counts behind them).
-MMA_WARPS = 1  # H200 sweep (session 22): one warp per program, each its own item
-MMA_TOKENS = 16
+#: Launch shape overrides (the tuner and tests set them; None: ``MMA_SHAPES_BY_BATCH``):
+#: warps per program, tokens per warp per step, registers per thread (0: as ptxas
+#: allocates), stages of the cp.async ring K/V go through (0: loaded straight into
+#: registers, ``MMA_AHEAD`` steps ahead). Read at each launch.
+MMA_WARPS: int | None = None
+MMA_TOKENS: int | None = None
+MMA_MAXNREG: int | None = None
+MMA_RING: int | None = None
 MMA_AHEAD = 2
-MMA_MAXNREG: int | None = None  # registers per thread, None: as ptxas allocates
-#: Stages of the cp.async ring K/V go through (0: loaded straight into registers, ``AHEAD``
-#: steps ahead).
-MMA_RING = 4  # H200 sweep (session 22): a 4-stage cp.async ring
+#: (least batch, (warps, tokens, maxnreg, ring)): the first row whose batch a launch reaches
+#: gives its shape. From the H200 sweep of session 22 (docs/kernels.md): one-warp programs
+#: (each warp its own work item) where the batch gives many items, 32-token steps with a
+#: 3-stage ring in the middle, 4-warp programs sharing out a few long items below.
+MMA_SHAPES_BY_BATCH: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
+    (64, (1, 16, 0, 4)),
+    (16, (1, 32, 0, 3)),
+    (1, (4, 16, 128, 3)),
+)
+#: The least batch whose fp8 decode runs on this kernel when none is named
+#: (``EXECRT_FP8_DECODE_KERNEL`` unset or ``auto``): below it a launch is a few µs of
+#: latency whatever reads the bytes, and the Triton words kernel's is shorter (H200: 6.7
+#: against 7.6-8.7 µs per layer call at 1 x 512).
+MMA_MIN_BATCH = 8
 
 
-def mma_block_n(warps: int = MMA_WARPS, tokens: int = MMA_TOKENS) -> int:
-    """Tokens per program per loop step (the unit splits are rounded to)."""
-    return warps * tokens
+def mma_launch_shape(batch: int) -> tuple[int, int, int | None, int]:
+    """(warps, tokens, maxnreg or None, ring) of a launch over ``batch`` requests: the
+    ``MMA_*`` overrides where set, else the ``MMA_SHAPES_BY_BATCH`` row of the batch. Depends
+    only on the batch, so a graph bucket replays the shape it captured."""
+    shape = next((s for least, s in MMA_SHAPES_BY_BATCH if batch >= least), (4, 16, 128, 3))
+    warps = MMA_WARPS or shape[0]
+    tokens = MMA_TOKENS or shape[1]
+    maxnreg = shape[2] if MMA_MAXNREG is None else MMA_MAXNREG
+    ring = shape[3] if MMA_RING is None else MMA_RING
+    return warps, tokens, maxnreg or None, ring
 
 
 def mma_prefetch_tokens(warps: int, tokens: int, ring: int) -> int:
@@ -695,14 +716,15 @@ def launch_mma(
 ) -> None:
     """Stage 1 of :func:`execrt.kernels.attention.decode_attention` for an fp8 cache on the
     mma kernel (its checks done; ``programs`` per kv head, the work list built). The launch
-    shape defaults to this module's ``MMA_*`` values, read at each call. ``prefetch``: ask
+    shape defaults to :func:`mma_launch_shape`'s, read at each call. ``prefetch``: ask
     L2 for each item's first K/V rows ahead (the first item's before the PDL wait; see
     ``_triton.pdl_prefetch``)."""
-    warps = warps or MMA_WARPS
-    tokens = tokens or MMA_TOKENS
+    shape = mma_launch_shape(q.shape[0])
+    warps = warps or shape[0]
+    tokens = tokens or shape[1]
     ahead = ahead or MMA_AHEAD
-    maxnreg = maxnreg or MMA_MAXNREG
-    ring = MMA_RING if ring is None else ring
+    maxnreg = maxnreg or shape[2]
+    ring = shape[3] if ring is None else ring
     num_kv_heads = k_buffer.shape[1]
     # ``programs`` counts 4-warp programs (decode_programs); smaller ones come in more, as
     # many as there are work items.
@@ -732,7 +754,7 @@ __all__ = [
     "MMA_HEAD_DIMS",
     "MMA_MAX_GROUP",
     "launch_mma",
-    "mma_block_n",
+    "mma_launch_shape",
     "mma_layouts",
     "mma_prefetch_tokens",
     "mma_unsupported",

@@ -207,3 +207,29 @@ def test_a_named_fp8_decode_kernel_is_checked_when_the_backend_is_built() -> Non
         _backend("auto", pool, cache, decode_fp8_kernel="mma")
     for kernel in ("auto", "words"):
         assert _backend("auto", pool, cache, decode_fp8_kernel=kernel).decode_fp8_kernel == kernel
+
+
+@pytest.mark.parametrize("option, passed", [("auto", None), ("words", "words")])
+def test_the_fp8_decode_kernel_option_reaches_the_kernel(
+    option: str, passed: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what the option names is what decode_attention is asked for (auto: the variable's or
+    # the kernels' default, decided per launch)
+    pool, cache, fb = _state(2, [5, 9])
+    backend = _backend("auto", pool, cache, decode_fp8_kernel=option)
+    seen = []
+    real = backend.kernels.decode_attention
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["fp8_kernel"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.kernels, "decode_attention", spy)
+    meta = backend.plan(fb)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    backend.attend(
+        q,
+        AttentionLayer(0, HQ, HKV, D, D, D**-0.5),
+        AttentionStep(backend, meta, fb.out_cache_loc, fb.mode),
+    )
+    assert seen == [passed]

@@ -84,7 +84,7 @@ def test_decode_attention_refuses_a_named_mma_kernel_that_cannot_run() -> None:
 
 def test_decode_attention_refuses_an_unknown_fp8_kernel() -> None:
     with pytest.raises(
-        ValueError, match=r"fp8_kernel 'wide' unsupported \(supported: words, mma\)"
+        ValueError, match=r"fp8_kernel 'wide' unsupported \(supported: auto, words, mma\)"
     ):
         run_decode([5], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
                    fp8_kernel="wide")  # fmt: skip
@@ -99,6 +99,43 @@ def test_the_environment_names_the_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(envs.FP8_DECODE_KERNEL, "bytes")
     with pytest.raises(ConfigError, match=r"EXECRT_FP8_DECODE_KERNEL='bytes' unsupported"):
         _triton.fp8_decode_kernel()
+
+
+def test_the_launch_shape_follows_the_batch_unless_overridden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for least, shape in mma.MMA_SHAPES_BY_BATCH:
+        want = (*shape[:2], shape[2] or None, shape[3])
+        assert mma.mma_launch_shape(least) == want
+    assert mma.mma_launch_shape(0)[0] in (1, 2, 4)  # an empty batch still has a shape
+    # one override changes one field; maxnreg 0 means "as ptxas allocates"
+    monkeypatch.setattr(mma, "MMA_WARPS", 2)
+    monkeypatch.setattr(mma, "MMA_MAXNREG", 0)
+    warps, tokens, maxnreg, ring = mma.mma_launch_shape(1024)
+    big = dict(mma.MMA_SHAPES_BY_BATCH)[max(dict(mma.MMA_SHAPES_BY_BATCH))]
+    assert (warps, tokens, maxnreg, ring) == (2, big[1], None, big[3])
+
+
+@pytest.mark.parametrize(
+    ("variable", "batch", "runs_mma"),
+    [("", 1, False), ("", mma.MMA_MIN_BATCH, True), ("auto", mma.MMA_MIN_BATCH - 1, False),
+     ("auto", 256, True), ("mma", 1, True), ("words", 256, False)],
+)  # fmt: skip
+def test_auto_takes_the_mma_kernel_from_its_least_batch(
+    variable: str, batch: int, runs_mma: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the kernel's own refusals stubbed out: the choice is what is tested)
+    monkeypatch.setattr(mma, "mma_unsupported", lambda *a, **k: None)
+    monkeypatch.setenv(envs.FP8_DECODE_KERNEL, variable)
+    q, k, v = _case()
+    q = q[:1].expand(batch, -1, -1)
+    assert dec._run_mma(None, q, k, v, False) is runs_mma
+    # a kernel named by the call wins over the variable
+    assert dec._run_mma("words", q, k, v, False) is False
+    assert dec._run_mma("mma", q, k, v, False) is True
+    # where the kernel cannot run, auto falls back whatever the batch
+    monkeypatch.setattr(mma, "mma_unsupported", lambda *a, **k: "no Gluon here")
+    assert dec._run_mma(None, q, k, v, False) is False
 
 
 def test_an_mma_default_that_cannot_run_falls_back_to_the_words_kernel(
@@ -130,8 +167,8 @@ result = {}
 for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, True, 0),
                                     (64, 2, True, False, 0), (256, 1, False, False, 0),
                                     (128, 1, False, False, 4), (64, 1, True, True, 3)):
-    lk, lv, lvp, lq, sk, sv = mma.mma_layouts(mma.MMA_WARPS, mma.MMA_TOKENS, d, d)
-    consts = dict(GROUP=4, D=d, DV=d, W=mma.MMA_WARPS, T=mma.MMA_TOKENS, AHEAD=ahead,
+    lk, lv, lvp, lq, sk, sv = mma.mma_layouts(4, 16, d, d)
+    consts = dict(GROUP=4, D=d, DV=d, W=4, T=16, AHEAD=ahead,
                   FUSED=fused, E5M2=e5m2, SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp,
                   LQ=lq, RING=ring, SK=sk, SV=sv, PREFETCH=False, PF_TOKENS=64)
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
@@ -144,7 +181,7 @@ for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, Tr
         fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": mma.MMA_WARPS})
+                       options={"num_warps": 4})
     ptx = k.asm["ptx"]
     lines = ptx.splitlines()
     moves = [i for i, ln in enumerate(lines) if "movmatrix" in ln]
@@ -184,7 +221,7 @@ def test_the_kernel_compiles_for_sm90_without_shared_memory_in_its_loop(tmp_path
         assert k["movmatrix"] == 2 * steps, (name, k)
         assert k["mma"] == steps * (d // 16 + d // 16), (name, k)
         # per step and thread: K and V, (T D / 4 / 32) words each, two cvt per word
-        words = mma.MMA_TOKENS * d // 4 // 32
+        words = 16 * d // 4 // 32
         assert k["cvt"] == steps * 2 * 2 * words, (name, k)
         # from the first transpose to the last: no shared memory (converted values never go
         # through it; a ring's reads come before a step's first conversion)
@@ -245,9 +282,28 @@ def test_gpu_mma_groups_and_head_dims(hq: int, hkv: int, d: int, fused: bool) ->
 @pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("maxnreg", [None, 168])
 def test_gpu_mma_launch_shapes(ahead: int, maxnreg: int | None, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # K/V loaded straight into registers, ahead steps ahead (no ring)
+    monkeypatch.setattr(mma, "MMA_WARPS", 4)
+    monkeypatch.setattr(mma, "MMA_RING", 0)
     monkeypatch.setattr(mma, "MMA_AHEAD", ahead)
-    monkeypatch.setattr(mma, "MMA_MAXNREG", maxnreg)
+    monkeypatch.setattr(mma, "MMA_MAXNREG", maxnreg or 0)
     _run([3000, 17, 128, 129, 4095], seed=ahead)
+
+
+@mma_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", range(len(mma.MMA_SHAPES_BY_BATCH)))
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_every_shape_of_the_batch_table(row: int, fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Each shape the table gives some batch, forced on one ragged batch (block edges, one
+    # token, several splits) and a GQA-3 head-dim-64 one.
+    warps, tokens, maxnreg, ring = mma.MMA_SHAPES_BY_BATCH[row][1]
+    for name, value in (("WARPS", warps), ("TOKENS", tokens), ("MAXNREG", maxnreg),
+                        ("RING", ring)):  # fmt: skip
+        monkeypatch.setattr(mma, f"MMA_{name}", value)
+    _run([3000, 17, 31, 32, 33, 4095, 1], fused=fused, seed=row)
+    _run([1, 63, 64, 65, 191, 1000], num_q_heads=9, num_kv_heads=3, head_dim=64, fused=fused,
+         seed=row + 1)  # fmt: skip
 
 
 @mma_gpu
