@@ -325,11 +325,17 @@ MMA_SHAPES = (
 
 
 def sweep_fp8(
-    copy_bw: float, mma_shapes: str, programs_per_sm: tuple[int, ...] = ()
+    copy_bw: float,
+    mma_shapes: str,
+    programs_per_sm: tuple[int, ...] = (),
+    split_targets: tuple[int, ...] = (),
+    steal: tuple[bool, ...] = (False,),
 ) -> list[dict[str, Any]]:
     """The bf16 and fp8-words kernels, then each mma launch shape under the default split
-    policy and under each of ``programs_per_sm`` (the policy's stage-1 programs per SM before
-    splits get longer: more splits of short contexts, for the mma kernel's 1-warp programs)."""
+    policy, each of ``programs_per_sm`` (the policy's stage-1 programs per SM before splits
+    get longer: more splits of short contexts, for the mma kernel's 1-warp programs) and each
+    of ``split_targets`` (tokens per split), with and/or without work stealing (``steal``:
+    ``decode_mma.MMA_STEAL``)."""
     from execrt.kernels.attention import decode_mma
 
     default = K.SplitPolicy()
@@ -337,22 +343,28 @@ def sweep_fp8(
     shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
     print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
     Shape = tuple[int, int, int, int, int]
-    arms: list[tuple[str, str, str | None, Shape | None, K.SplitPolicy]] = [
-        ("bf16", "auto", None, None, default),
-        ("words", "fp8_e4m3", "words", None, default),
+    arms: list[tuple[str, str, str | None, Shape | None, K.SplitPolicy, bool]] = [
+        ("bf16", "auto", None, None, default, False),
+        ("words", "fp8_e4m3", "words", None, default, False),
     ]
-    policies = [default] + [
-        K.SplitPolicy(programs_per_sm=n) for n in programs_per_sm if n != default.programs_per_sm
+    policies = [(default, "")]
+    policies += [
+        (K.SplitPolicy(programs_per_sm=n), f" pps{n}")
+        for n in programs_per_sm
+        if n != default.programs_per_sm
     ]
+    policies += [(K.SplitPolicy.with_target(n), f" split{n}") for n in split_targets]
     for spec in (x for x in mma_shapes.split(";") if x):
         ahead, tokens, maxnreg, ring, warps = (int(v) for v in spec.split(","))
-        for policy in policies:
-            pps = "" if policy is default else f" pps{policy.programs_per_sm}"
-            name = f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}{pps}"
-            arms.append((name, "fp8_e4m3", "mma", (ahead, tokens, maxnreg, ring, warps), policy))
+        for policy, tag in policies:
+            for st in steal:
+                name = f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}{tag}"
+                name += " steal" if st else ""
+                shape = (ahead, tokens, maxnreg, ring, warps)
+                arms.append((name, "fp8_e4m3", "mma", shape, policy, st))
     rows: list[dict[str, Any]] = []
     problems: dict[str, list[DecodeProblem]] = {}
-    for name, kv_name, kernel, shape, policy in arms:
+    for name, kv_name, kernel, shape, policy, st in arms:
         kv_dtype = kv_storage_dtype(kv_name, torch.bfloat16)
         if kv_name not in problems:
             problems[kv_name] = [
@@ -361,8 +373,9 @@ def sweep_fp8(
             ]
         saved = (
             decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
-            decode_mma.MMA_RING, decode_mma.MMA_WARPS,
+            decode_mma.MMA_RING, decode_mma.MMA_WARPS, decode_mma.MMA_STEAL,
         )  # fmt: skip
+        decode_mma.MMA_STEAL = st
         if shape is not None:
             decode_mma.MMA_WARPS = shape[4]
             decode_mma.MMA_AHEAD = shape[0] or decode_mma.MMA_AHEAD
@@ -383,6 +396,7 @@ def sweep_fp8(
                 splits = policy.max_splits(p.bs, p.ctx, p.hkv, sms)
                 rows.append(dict(arm=name, bs=p.bs, ctx=p.ctx, us=us, pct=pct, fused=fused,
                                  max_splits=splits, programs_per_sm=policy.programs_per_sm,
+                                 split_target=policy.target_split_len, steal=st,
                                  err=err if i == 0 else None))  # fmt: skip
                 if i == 0 and err > MAX_REL_ERR:
                     cells.append(f"wrong (error {err:.3g} vs the fp32 oracle)")
@@ -391,7 +405,7 @@ def sweep_fp8(
         finally:
             (
                 decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
-                decode_mma.MMA_RING, decode_mma.MMA_WARPS,
+                decode_mma.MMA_RING, decode_mma.MMA_WARPS, decode_mma.MMA_STEAL,
             ) = saved  # fmt: skip
         print(f"{name:>20}: " + " ".join(cells), flush=True)
     return rows
@@ -413,6 +427,15 @@ def main() -> None:
         "--programs-per-sm", default="",
         help="fp8: split policies (stage-1 programs per SM) to time each mma shape under too, "
         "comma-separated (the default policy always runs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--split-targets", default="",
+        help="fp8: split policies by tokens per split to time each mma shape under too, "
+        "comma-separated",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steal", default="off",
+        help="fp8: the mma kernel's work stealing (decode_mma.MMA_STEAL): off, on, or both",
     )  # fmt: skip
     parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",
@@ -450,7 +473,11 @@ def main() -> None:
         rows = [asdict(r) for r in sweep_tiles(kv_names, copy_bw, out_dir)]
     elif args.mode == "fp8":
         pps = tuple(int(n) for n in args.programs_per_sm.split(",") if n)
-        rows = sweep_fp8(copy_bw, args.mma_shapes, pps)
+        targets = tuple(int(n) for n in args.split_targets.split(",") if n)
+        steal = {"off": (False,), "on": (True,), "both": (False, True)}.get(args.steal)
+        if steal is None:
+            parser.error(f"--steal {args.steal!r} unsupported (supported: off, on, both)")
+        rows = sweep_fp8(copy_bw, args.mma_shapes, pps, targets, steal)
     elif args.mode == "ragged":
         grid = tuple(
             (n, w, st)

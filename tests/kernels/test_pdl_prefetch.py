@@ -89,7 +89,7 @@ PROBE = textwrap.dedent(
         for prefetch in (False, True):
             consts = dict(GROUP=4, D=128, DV=128, W=1, T=16, AHEAD=1, FUSED=True, E5M2=False,
                           SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp, LQ=lq, RING=4,
-                          SK=sk, SV=sv, PREFETCH=prefetch, PF_TOKENS=64)
+                          SK=sk, SV=sv, PREFETCH=prefetch, PF_TOKENS=64, STEAL=False)
             ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "part_o_ptr": "*fp32",
                     "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
             sig = {n: "constexpr" if n in consts else ptrs.get(

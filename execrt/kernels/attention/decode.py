@@ -1117,7 +1117,7 @@ def decode_attention(
             q, k_buffer, v_buffer, o, kv_indptr, kv_indices, num_splits, work, partial_o,
             partial_lse, kv_scales, arrivals, sm_scale * LOG2E, max_splits, grid,
             slot_i32=int32_slot_offsets(k_buffer, v_buffer), pdl=pdl_kwargs(q.device),
-            prefetch=prefetch,
+            prefetch=prefetch, sms=sm_count(q.device),
         )  # fmt: skip
         if arrivals is None:
             _merge(o, num_splits, partial_o, partial_lse, max_splits, batch, num_q_heads)

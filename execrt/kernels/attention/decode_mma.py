@@ -91,6 +91,40 @@ MMA_SHAPES_BY_BATCH: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
 #: latency whatever reads the bytes, and the Triton words kernel's is shorter (H200: 6.7
 #: against 7.6-8.7 µs per layer call at 1 x 512).
 MMA_MIN_BATCH = 8
+#: Work stealing (session 23; off until timed): each program takes its next work item from
+#: an atomic counter per kv head instead of every ``programs``-th item, and the grid is
+#: ``MMA_STEAL_WARPS_PER_SM`` warps per SM over the kv heads (never more programs than
+#: items). With one-warp programs every program is resident from the start, so a fixed share
+#: per program cannot be evened out by the GPU; taken from a queue, the items are.
+MMA_STEAL = False
+MMA_STEAL_WARPS_PER_SM = 8
+#: The zeroed int32 counters of the work queue, per device and stream (two per kv head: the
+#: next item, and the programs done; each launch leaves them zero), and those outgrown
+#: (kept: a captured graph holds their addresses).
+_QUEUES: dict[tuple[torch.device, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def steal_queue(device: torch.device, num_kv_heads: int) -> torch.Tensor:
+    """The work-stealing counters of ``device``'s current stream: at least ``2 *
+    num_kv_heads`` zeroed int32 (launches on one stream never overlap, and each leaves them
+    zero, so one set serves every launch on it)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    queue = _QUEUES.get(key)
+    if queue is None or queue.numel() < 2 * num_kv_heads:
+        if queue is not None:
+            _OUTGROWN.append(queue)
+        queue = torch.zeros(max(2 * num_kv_heads, 256), dtype=torch.int32, device=device)
+        _QUEUES[key] = queue
+    return queue
+
+
+def steal_programs(batch: int, max_splits: int, num_kv_heads: int, warps: int, sms: int) -> int:
+    """Programs per kv head under work stealing: ``MMA_STEAL_WARPS_PER_SM`` warps per SM
+    over the heads, at most one per work item there can be. Depends only on its arguments."""
+    want = -(-MMA_STEAL_WARPS_PER_SM * sms // (max(1, warps) * max(1, num_kv_heads)))
+    return max(1, min(max(1, batch * max_splits), want))
 
 
 def mma_launch_shape(batch: int) -> tuple[int, int, int | None, int]:
@@ -574,7 +608,7 @@ cvt.rn.f16x2.FMTx2 $3, yh;
         SLOT_I32: gl.constexpr, PDL: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
         V_PAIRS: gl.constexpr, LQ: gl.constexpr, RING: gl.constexpr, SK: gl.constexpr,
         SV: gl.constexpr, batch, num_ids, num_slots, PREFETCH: gl.constexpr,
-        PF_TOKENS: gl.constexpr,
+        PF_TOKENS: gl.constexpr, queue_ptr, STEAL: gl.constexpr,
     ):  # fmt: skip
         H: gl.constexpr = 8  # query heads on the mma's N side (the group, zero-padded)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -595,6 +629,8 @@ cvt.rn.f16x2.FMTx2 $3, yh;
                            stride_vs, SLOT_I32, D, DV, BLOCK, PF_TOKENS, W)  # fmt: skip
         pdl_prologue(PDL)
         n_items = gl.load(work_ptr)
+        if STEAL:  # the first item from the queue (a guess of it was prefetched above)
+            item = gl.atomic_add(queue_ptr + kv_head, 1, sem="relaxed", scope="gpu")
         # q^T [W, D, H] as the B operand (every warp holds it), scaled by sm_scale log2(e)
         # k_scale and rounded to fp16 (clamped to its range). Each thread loads its fragment's
         # D / 4 contiguous values, renamed into K's head-dim order (_k_dims) by reshapes.
@@ -611,7 +647,7 @@ cvt.rn.f16x2.FMTx2 $3, yh;
             b, split, kv_start, lo, hi, n_splits, _ = _item_bounds(
                 _record(work_ptr, item, n_items), kv_indptr_ptr, num_splits_ptr, max_splits, BLOCK
             )
-            if PREFETCH:  # the next item's first K/V, from DRAM during this one
+            if PREFETCH and not STEAL:  # the next item's first K/V, from DRAM during this one
                 if item + programs < n_items:
                     _prefetch_item(work_ptr, kv_indptr_ptr, num_splits_ptr, kv_indices_ptr,
                                    k_base, v_base, item + programs, batch, num_ids, num_slots,
@@ -685,7 +721,20 @@ cvt.rn.f16x2.FMTx2 $3, yh;
                         gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             # The next item reuses the combination's shared memory.
             _barrier()
-            item += programs
+            if STEAL:
+                item = gl.atomic_add(queue_ptr + kv_head, 1, sem="relaxed", scope="gpu")
+            else:
+                item += programs
+        if STEAL:
+            # Each program has drawn exactly one ticket past the items. The last of this kv
+            # head's programs to get here (its release/acquire orders every other draw
+            # before it) zeroes the queue for the next launch.
+            done = gl.atomic_add(queue_ptr + num_kv_heads + kv_head, 1, sem="acq_rel",
+                                 scope="gpu")  # fmt: skip
+            if done == programs - 1:
+                gl.atomic_xchg(queue_ptr + kv_head, 0, sem="relaxed", scope="gpu")
+                gl.atomic_xchg(queue_ptr + num_kv_heads + kv_head, 0, sem="relaxed",
+                               scope="gpu")  # fmt: skip
 
 
 def launch_mma(
@@ -713,12 +762,15 @@ def launch_mma(
     maxnreg: int | None = None,
     ring: int | None = None,
     prefetch: bool = False,
+    steal: bool | None = None,
+    sms: int = 132,
 ) -> None:
     """Stage 1 of :func:`execrt.kernels.attention.decode_attention` for an fp8 cache on the
     mma kernel (its checks done; ``programs`` per kv head, the work list built). The launch
     shape defaults to :func:`mma_launch_shape`'s, read at each call. ``prefetch``: ask
     L2 for each item's first K/V rows ahead (the first item's before the PDL wait; see
-    ``_triton.pdl_prefetch``)."""
+    ``_triton.pdl_prefetch``). ``steal``: take items from an atomic queue (default
+    ``MMA_STEAL``), ``MMA_STEAL_WARPS_PER_SM`` warps on each of ``sms`` SMs."""
     shape = mma_launch_shape(q.shape[0])
     warps = warps or shape[0]
     tokens = tokens or shape[1]
@@ -728,7 +780,11 @@ def launch_mma(
     num_kv_heads = k_buffer.shape[1]
     # ``programs`` counts 4-warp programs (decode_programs); smaller ones come in more, as
     # many as there are work items.
-    programs = min(q.shape[0] * max_splits, programs * max(1, 4 // warps))
+    steal = MMA_STEAL if steal is None else steal
+    if steal:
+        programs = steal_programs(q.shape[0], max_splits, num_kv_heads, warps, sms)
+    else:
+        programs = min(q.shape[0] * max_splits, programs * max(1, 4 // warps))
     lk, lv, lvp, lq, sk, sv = mma_layouts(warps, tokens, q.shape[-1], v_buffer.shape[-1])
     _decode_mma_kernel[(programs * num_kv_heads,)](
         q, k_buffer.view(torch.int32), v_buffer.view(torch.int32), kv_indptr, kv_indices,
@@ -745,6 +801,7 @@ def launch_mma(
         num_ids=max(1, kv_indices.numel()), num_slots=k_buffer.shape[0],
         PREFETCH=prefetch and kv_indices.numel() > 0,
         PF_TOKENS=mma_prefetch_tokens(warps, tokens, ring),
+        queue_ptr=steal_queue(q.device, num_kv_heads) if steal else work, STEAL=steal,
         num_warps=warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl,
     )  # fmt: skip
@@ -758,4 +815,6 @@ __all__ = [
     "mma_layouts",
     "mma_prefetch_tokens",
     "mma_unsupported",
+    "steal_programs",
+    "steal_queue",
 ]

@@ -138,6 +138,22 @@ def test_auto_takes_the_mma_kernel_from_its_least_batch(
     assert dec._run_mma(None, q, k, v, False) is False
 
 
+def test_work_stealing_programs_and_queue() -> None:
+    # warps per SM over the heads, never more programs than items
+    per_sm = mma.MMA_STEAL_WARPS_PER_SM
+    assert mma.steal_programs(32, 4, 8, 1, 132) == min(128, -(-per_sm * 132 // 8))
+    assert mma.steal_programs(32, 4, 8, 4, 132) == -(-per_sm * 132 // 32)
+    assert mma.steal_programs(1, 1, 8, 1, 132) == 1
+    assert mma.steal_programs(0, 3, 8, 1, 132) == 1  # an empty batch still launches
+    # one zeroed queue per device and stream, two counters per kv head, grown when needed
+    cpu = torch.device("cpu")
+    q1 = mma.steal_queue(cpu, 8)
+    assert q1.dtype == torch.int32 and q1.numel() >= 16 and not q1.any()
+    assert mma.steal_queue(cpu, 8) is q1
+    big = mma.steal_queue(cpu, q1.numel())  # more heads than it holds: a new one
+    assert big is not q1 and big.numel() >= 2 * q1.numel() and q1 in mma._OUTGROWN
+
+
 def test_an_mma_default_that_cannot_run_falls_back_to_the_words_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -164,13 +180,15 @@ from execrt.kernels.attention import decode_mma as mma
 fn = mma._decode_mma_kernel
 names = fn.arg_names
 result = {}
-for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, True, 0),
-                                    (64, 2, True, False, 0), (256, 1, False, False, 0),
-                                    (128, 1, False, False, 4), (64, 1, True, True, 3)):
+for d, ahead, fused, e5m2, ring, steal in (
+        (128, 2, False, False, 0, False), (128, 1, True, True, 0, False),
+        (64, 2, True, False, 0, False), (256, 1, False, False, 0, False),
+        (128, 1, False, False, 4, False), (64, 1, True, True, 3, False),
+        (128, 1, True, False, 3, True)):
     lk, lv, lvp, lq, sk, sv = mma.mma_layouts(4, 16, d, d)
     consts = dict(GROUP=4, D=d, DV=d, W=4, T=16, AHEAD=ahead,
                   FUSED=fused, E5M2=e5m2, SLOT_I32=True, PDL=True, LK=lk, LV=lv, V_PAIRS=lvp,
-                  LQ=lq, RING=ring, SK=sk, SV=sv, PREFETCH=False, PF_TOKENS=64)
+                  LQ=lq, RING=ring, SK=sk, SV=sv, PREFETCH=False, PF_TOKENS=64, STEAL=steal)
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else ptrs.get(
@@ -187,7 +205,7 @@ for d, ahead, fused, e5m2, ring in ((128, 2, False, False, 0), (128, 1, True, Tr
     moves = [i for i, ln in enumerate(lines) if "movmatrix" in ln]
     loop = lines[moves[0]:moves[-1] + 1] if moves else []
     fmt = "e5m2" if e5m2 else "e4m3"
-    result[f"d{d}-ahead{ahead}-fused{fused}-{fmt}-ring{ring}"] = {
+    result[f"d{d}-ahead{ahead}-fused{fused}-{fmt}-ring{ring}" + ("-steal" if steal else "")] = {
         "movmatrix": len(moves),
         "mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
         "cvt": ptx.count(f"cvt.rn.f16x2.{fmt}x2"),
@@ -212,10 +230,10 @@ def test_the_kernel_compiles_for_sm90_without_shared_memory_in_its_loop(tmp_path
     if mma.GLUON_IMPORT_ERROR is not None:
         pytest.skip(mma.GLUON_IMPORT_ERROR)
     got = json.loads(run_compile_probe(tmp_path, PROBE).strip().splitlines()[-1])
-    assert len(got) == 6
+    assert len(got) == 7
     for name, k in got.items():
         d = int(name.split("-")[0][1:])
-        ring = int(name.split("ring")[1])
+        ring = int(name.split("ring")[1].split("-")[0])
         # the loop's steps: unrolled ahead + 1 times for direct loads, once with a ring
         steps = int(name.split("ahead")[1].split("-")[0]) + 1 if ring == 0 else 1
         assert k["movmatrix"] == 2 * steps, (name, k)
@@ -230,7 +248,9 @@ def test_the_kernel_compiles_for_sm90_without_shared_memory_in_its_loop(tmp_path
         # two K rows' D / 64 chunks, and one copy of up to 16 bytes of four V rows each
         assert k["cp_async"] == ring * (2 * (d // 64) + 4 * max(1, d // 128)), (name, k)
         assert k["local"] == 0, (name, k)
-        assert (k["atomics"] > 0) == ("fusedTrue" in name), (name, k)
+        # the fused merge's arrival and reset; work stealing's two draws, the programs'
+        # count and the queue's two resets
+        assert k["atomics"] == 2 * ("fusedTrue" in name) + 5 * ("steal" in name), (name, k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,6 +340,44 @@ def test_gpu_mma_programs_with_several_items(monkeypatch) -> None:  # type: igno
 
 @mma_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("row", range(len(mma.MMA_SHAPES_BY_BATCH)))
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_gpu_mma_work_stealing_gives_the_same_bits(row: int, fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Items taken from the queue instead of every programs-th: each item is computed the
+    # same way whichever program takes it, so the output keeps every bit; and every launch
+    # leaves the queue zero for the next (here: several launches, and a graph replay).
+    warps, tokens, maxnreg, ring = mma.MMA_SHAPES_BY_BATCH[row][1]
+    for name, value in (("WARPS", warps), ("TOKENS", tokens), ("MAXNREG", maxnreg),
+                        ("RING", ring)):  # fmt: skip
+        monkeypatch.setattr(mma, f"MMA_{name}", value)
+    lens = [
+        int(x) for x in torch.randint(1, 3000, (67,), generator=torch.Generator().manual_seed(2))
+    ] + [1, 4095]
+    outs = {}
+    for steal in (False, True, True):
+        monkeypatch.setattr(mma, "MMA_STEAL", steal)
+        o, ref = run_decode(lens, device=CUDA_DEV, dtype=torch.bfloat16, num_q_heads=32,
+                            num_kv_heads=8, head_dim=128, max_splits=8, min_split_len=128,
+                            kv_dtype=E4M3, kv_scales=(4.0, 0.25), fp8_kernel="mma",
+                            fused=fused, seed=row)  # fmt: skip
+        torch.cuda.synchronize()
+        assert_close(o, ref, GPU_TOL[torch.bfloat16])
+        outs.setdefault(steal, []).append(o)
+        if steal:
+            assert not mma.steal_queue(CUDA_DEV, 8).any()
+    assert torch.equal(outs[False][0], outs[True][0])
+    assert torch.equal(outs[True][0], outs[True][1])
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_mma_work_stealing_in_a_graph(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(mma, "MMA_STEAL", True)
+    _graph_replay_is_bitwise()
+
+
+@mma_gpu
+@pytest.mark.gpu
 def test_gpu_mma_int64_offsets(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Caches past 2^31 elements address rows in int64: the same bits as int32 here.
     monkeypatch.setattr(dec, "int32_slot_offsets", lambda *_: False)
@@ -345,6 +403,11 @@ def test_gpu_mma_agrees_with_the_words_kernel() -> None:
 @mma_gpu
 @pytest.mark.gpu
 def test_gpu_mma_graph_replay_is_bitwise() -> None:
+    _graph_replay_is_bitwise()
+
+
+def _graph_replay_is_bitwise() -> None:
+    """Eager, then three replays of the captured launch: the same bits each time."""
     from tests.kernels.attention.test_decode import flat_indices, fp8_cache, make_cache
 
     gen = torch.Generator().manual_seed(3)
@@ -376,9 +439,11 @@ def test_gpu_mma_graph_replay_is_bitwise() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o, eager)
+    for _ in range(3):
+        o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, eager)
 
 
 @mma_gpu
