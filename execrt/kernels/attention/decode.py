@@ -1020,7 +1020,8 @@ def decode_attention(
             interpreter), so that the dots keep 32-bit operands: about half the instructions
             per block of the element path. Same values; the dots may sum in another order.
             None takes it wherever :func:`fp8_words_supported` holds, True requires it (an
-            error naming the reason otherwise), False keeps the element path.
+            error naming the reason otherwise), False keeps the element path. Set, it names
+            the words kernel (``fp8_kernel`` ``words``; with ``mma`` it is an error).
         prologue: run ``qk_norm_rope`` inside the launch (:class:`DecodePrologue`): ``q`` is
             then the raw queries (e.g. a strided view of the fused qkv output), and each
             program normalises and rotates the query heads it needs (through ``o``, which
@@ -1048,6 +1049,10 @@ def decode_attention(
             COMPONENT,
             f"fp8_kernel {fp8_kernel!r} unsupported (supported: {', '.join(FP8_DECODE_KERNELS)})",
         )
+    if fp8_words is not None and fp8_kernel == "mma":
+        fail(COMPONENT, "fp8_words applies to the words kernel, not fp8_kernel='mma'")
+    if fp8_words is not None and fp8_kernel is None:
+        fp8_kernel = "words"  # a words-kernel option names the kernel
     batch, num_q_heads, num_kv_heads, head_dim, head_dim_v = check_qkvo(
         q, k_buffer, v_buffer, o, kv_scales
     )

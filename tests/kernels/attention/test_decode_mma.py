@@ -82,6 +82,19 @@ def test_decode_attention_refuses_a_named_mma_kernel_that_cannot_run() -> None:
                    fp8_kernel="mma")  # fmt: skip
 
 
+def test_a_words_option_names_the_words_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp8_words picks the Triton kernel's read, so it takes that kernel whatever the default;
+    # asked of the mma kernel it is refused by name
+    seen = []
+    monkeypatch.setattr(dec, "_run_mma", lambda kernel, *a: seen.append(kernel) or False)
+    run_decode([5, 9], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
+               fp8_words=False)  # fmt: skip
+    assert seen == ["words"]
+    with pytest.raises(ValueError, match=r"fp8_words applies to the words kernel"):
+        run_decode([5], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
+                   fp8_words=True, fp8_kernel="mma")  # fmt: skip
+
+
 def test_decode_attention_refuses_an_unknown_fp8_kernel() -> None:
     with pytest.raises(
         ValueError, match=r"fp8_kernel 'wide' unsupported \(supported: auto, words, mma\)"
