@@ -76,11 +76,15 @@ def bench(
     longest_first: bool = True,
     fused: bool = False,
     fp8_kernel: str | None = None,
+    interleave: bool = False,
 ) -> tuple[float, float]:
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
     layer 0 against the fp32 oracle when ``check``, else 0). ``longest_first``: the work list
     in the backend's default order (longest split first), else request after request.
-    ``fused``: the merge inside the split launch (arrival counters), else its own launch."""
+    ``fused``: the merge inside the split launch (arrival counters), else its own launch.
+    ``interleave``: each layer call follows a small PDL kernel (an RMSNorm over ``[bs,
+    4096]``, as the step's q/k norm kernel precedes its attention), whose time alone is
+    subtracted: the launch as it starts inside a decode step, not back to back."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = p.seq_lens()
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -98,8 +102,19 @@ def bench(
     cache = p.kv_cache
     arrivals = torch.zeros(bs * p.hkv, dtype=torch.int32, device="cuda") if fused else None
 
+    from execrt.kernels.triton_norm import rmsnorm_triton
+
+    x = torch.randn(bs, 4096, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+
+    def norms() -> None:
+        for _ in p.layers:
+            rmsnorm_triton(x, w, 1e-6)
+
     def run() -> None:
         for layer, o in zip(p.layers, outs, strict=True):
+            if interleave:
+                rmsnorm_triton(x, w, 1e-6)
             i = layer.layer_id
             K.decode_attention(
                 p.q, cache.k_buffers[i], cache.v_buffers[i], o, indptr, indices, splits, po,
@@ -115,9 +130,17 @@ def bench(
         torch.cuda.synchronize()
         ref = p.reference()
         err = float((outs[0].float() - ref).norm() / ref.norm())
+    us = _graph_us(run, len(p.layers))
+    if interleave:
+        us -= _graph_us(norms, len(p.layers))
+    return us, err
+
+
+def _graph_us(fn: Any, calls: int) -> float:
+    """µs per call of ``fn``'s ``calls`` launches, median of CUDA-graph replays."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run()
+        fn()
     g.replay()
     times = []
     for _ in range(5):
@@ -127,8 +150,8 @@ def bench(
             g.replay()
         e.record()
         torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / (10 * len(p.layers)))
-    return statistics.median(times), err
+        times.append(s.elapsed_time(e) * 1e3 / (10 * calls))
+    return statistics.median(times)
 
 
 def sweep_policy(
@@ -330,12 +353,14 @@ def sweep_fp8(
     programs_per_sm: tuple[int, ...] = (),
     split_targets: tuple[int, ...] = (),
     steal: tuple[bool, ...] = (False,),
+    interleave: bool = False,
 ) -> list[dict[str, Any]]:
     """The bf16 and fp8-words kernels, then each mma launch shape under the default split
     policy, each of ``programs_per_sm`` (the policy's stage-1 programs per SM before splits
     get longer: more splits of short contexts, for the mma kernel's 1-warp programs) and each
     of ``split_targets`` (tokens per split), with and/or without work stealing (``steal``:
-    ``decode_mma.MMA_STEAL``)."""
+    ``decode_mma.MMA_STEAL``). ``interleave``: each launch after a small PDL kernel, as in
+    a decode step (see :func:`bench`)."""
     from execrt.kernels.attention import decode_mma
 
     default = K.SplitPolicy()
@@ -388,7 +413,8 @@ def sweep_fp8(
                 fused = policy.min_splits(p.bs, p.hkv, sms) == 1
                 try:
                     us, err = bench(p, policy, t.block_n, t.num_warps, t.num_stages,
-                                    check=i == 0, fused=fused, fp8_kernel=kernel)  # fmt: skip
+                                    check=i == 0, fused=fused, fp8_kernel=kernel,
+                                    interleave=interleave)  # fmt: skip
                 except Exception as exc:  # a launch shape the GPU cannot run
                     cells.append(f"failed ({type(exc).__name__}: {str(exc)[:100]})")
                     break
@@ -397,6 +423,7 @@ def sweep_fp8(
                 rows.append(dict(arm=name, bs=p.bs, ctx=p.ctx, us=us, pct=pct, fused=fused,
                                  max_splits=splits, programs_per_sm=policy.programs_per_sm,
                                  split_target=policy.target_split_len, steal=st,
+                                 interleave=interleave,
                                  err=err if i == 0 else None))  # fmt: skip
                 if i == 0 and err > MAX_REL_ERR:
                     cells.append(f"wrong (error {err:.3g} vs the fp32 oracle)")
@@ -432,6 +459,11 @@ def main() -> None:
         "--split-targets", default="",
         help="fp8: split policies by tokens per split to time each mma shape under too, "
         "comma-separated",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="fp8: each launch after a small PDL kernel (as in a decode step), its time "
+        "subtracted",
     )  # fmt: skip
     parser.add_argument(
         "--steal", default="off",
@@ -477,7 +509,7 @@ def main() -> None:
         steal = {"off": (False,), "on": (True,), "both": (False, True)}.get(args.steal)
         if steal is None:
             parser.error(f"--steal {args.steal!r} unsupported (supported: off, on, both)")
-        rows = sweep_fp8(copy_bw, args.mma_shapes, pps, targets, steal)
+        rows = sweep_fp8(copy_bw, args.mma_shapes, pps, targets, steal, args.interleave)
     elif args.mode == "ragged":
         grid = tuple(
             (n, w, st)
