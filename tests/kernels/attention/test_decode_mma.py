@@ -323,6 +323,13 @@ def test_gpu_mma_launch_shapes(ahead: int, maxnreg: int | None, monkeypatch) -> 
     _run([3000, 17, 128, 129, 4095], seed=ahead)
 
 
+def _force_table_row(monkeypatch: pytest.MonkeyPatch, row: int) -> None:
+    """Every launch takes the shape of ``MMA_SHAPES_BY_BATCH[row]``, whatever its batch."""
+    shape = mma.MMA_SHAPES_BY_BATCH[row][1]
+    for name, value in zip(("WARPS", "TOKENS", "MAXNREG", "RING"), shape, strict=True):
+        monkeypatch.setattr(mma, f"MMA_{name}", value)
+
+
 @mma_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("row", range(len(mma.MMA_SHAPES_BY_BATCH)))
@@ -330,10 +337,7 @@ def test_gpu_mma_launch_shapes(ahead: int, maxnreg: int | None, monkeypatch) -> 
 def test_gpu_mma_every_shape_of_the_batch_table(row: int, fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Each shape the table gives some batch, forced on one ragged batch (block edges, one
     # token, several splits) and a GQA-3 head-dim-64 one.
-    warps, tokens, maxnreg, ring = mma.MMA_SHAPES_BY_BATCH[row][1]
-    for name, value in (("WARPS", warps), ("TOKENS", tokens), ("MAXNREG", maxnreg),
-                        ("RING", ring)):  # fmt: skip
-        monkeypatch.setattr(mma, f"MMA_{name}", value)
+    _force_table_row(monkeypatch, row)
     _run([3000, 17, 31, 32, 33, 4095, 1], fused=fused, seed=row)
     _run([1, 63, 64, 65, 191, 1000], num_q_heads=9, num_kv_heads=3, head_dim=64, fused=fused,
          seed=row + 1)  # fmt: skip
@@ -359,10 +363,7 @@ def test_gpu_mma_work_stealing_gives_the_same_bits(row: int, fused: bool, monkey
     # Items taken from the queue instead of every programs-th: each item is computed the
     # same way whichever program takes it, so the output keeps every bit; and every launch
     # leaves the queue zero for the next (here: several launches, and a graph replay).
-    warps, tokens, maxnreg, ring = mma.MMA_SHAPES_BY_BATCH[row][1]
-    for name, value in (("WARPS", warps), ("TOKENS", tokens), ("MAXNREG", maxnreg),
-                        ("RING", ring)):  # fmt: skip
-        monkeypatch.setattr(mma, f"MMA_{name}", value)
+    _force_table_row(monkeypatch, row)
     lens = [
         int(x) for x in torch.randint(1, 3000, (67,), generator=torch.Generator().manual_seed(2))
     ] + [1, 4095]
