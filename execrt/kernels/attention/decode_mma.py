@@ -24,10 +24,17 @@ Two facts make that possible:
 
 Each warp is independent: it takes its own ``T`` tokens of every ``W * T``-token block, runs
 its own online softmax, and the warps' partial results are combined once per work item
-(through shared memory, outside the loop). K/V are loaded ``AHEAD`` blocks ahead into
-registers (no ``cp.async``, no shared-memory ring). The bytes of a V fragment pair two tokens
-per 32-bit register (the mma's k side is tokens): one ``PRMT`` per four values interleaves
-them before the conversion.
+(through shared memory, outside the loop). K/V come through a ``cp.async`` ring of shared
+memory ``RING - 1`` steps ahead (each thread copies exactly the chunks it reads back), or
+with ``RING = 0`` straight into registers ``AHEAD`` steps ahead. The bytes of a V fragment
+pair two tokens per 32-bit register (the mma's k side is tokens): one ``PRMT`` per four
+values interleaves them before the conversion.
+
+Launch shape: by batch from ``MMA_SHAPES_BY_BATCH`` (one-warp programs, each warp its own
+item, where the batch gives many items; 4-warp programs below), unless the ``MMA_*``
+overrides are set. ``decode_attention`` runs this kernel by default from ``MMA_MIN_BATCH``
+requests (``EXECRT_FP8_DECODE_KERNEL=auto``). ``MMA_STEAL`` (off until timed) has programs
+draw their items from an atomic queue instead of a fixed round robin.
 
 The work list, splits, partial outputs and fused merge are those of the Triton kernel: the
 same ``decode_work`` items, the same ``[B, Hq, splits, Dv]`` partials and log2-sum-exps, so
