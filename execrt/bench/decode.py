@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import time
@@ -209,6 +210,22 @@ class _Context:
     gpu: str
     date: str
     records: list[Record] = field(default_factory=list)
+    #: where the records so far are kept while the run goes on (None: no out_dir)
+    partial: str | None = None
+
+    def checkpoint(self) -> None:
+        """Write the records so far to ``partial`` (a run cut short, e.g. by a device call's
+        time limit, keeps what it measured), compared as the final file compares them. The
+        final file replaces it."""
+        if self.partial is None:
+            return
+        _compare_to_peers(self.records)
+        _compare_kv_dtypes(self.records)
+        os.makedirs(os.path.dirname(self.partial) or ".", exist_ok=True)
+        tmp = f"{self.partial}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump([asdict(r) for r in self.records], fh, indent=2)
+        os.replace(tmp, self.partial)
 
     def add(
         self, mode: str, path: str, bs: int, step_s: float | None, attention: str, **extra: Any
@@ -259,6 +276,9 @@ def run(opts: Options) -> list[Record]:
         raise ExecrtError(f"bench decode: ctx + steps must stay below {limit - KV_MARGIN}")
     gpu, copy_gbps = measure_copy_rate(device)
     ctx = _Context(opts, config, mc, device, copy_gbps, gpu, utc_now())
+    if opts.out_dir:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        ctx.partial = os.path.join(opts.out_dir, f"decode-partial-{stamp}.json")
     print(f"# {gpu}: device-to-device copy {ctx.copy_gbps:.0f} GB/s (read + write)")
     print(f"# {opts.model}, {mc.num_layers} layers, ctx {opts.ctx}, {opts.steps} steps timed")
     for mode in opts.modes:
@@ -268,6 +288,7 @@ def run(opts: Options) -> list[Record]:
     if opts.ttft:
         _run_ttft(ctx)
         release_memory()
+        ctx.checkpoint()
     if opts.hf:
         _run_hf(ctx)
         release_memory()
@@ -275,7 +296,10 @@ def run(opts: Options) -> list[Record]:
     _compare_kv_dtypes(ctx.records)
     if opts.profile:
         print(format_profiles(ctx.records))
-    return report(ctx.records, format_table, opts.out_dir, "decode-step")
+    records = report(ctx.records, format_table, opts.out_dir, "decode-step")
+    if ctx.partial is not None and os.path.exists(ctx.partial):
+        os.remove(ctx.partial)  # the final file has every record
+    return records
 
 
 # -- execrt ---------------------------------------------------------------------------------------
@@ -341,6 +365,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
                     print(format_kernels(fwd.kernels or []), flush=True)
             except Exception as exc:
                 ctx.add(mode, "forward", bs, None, attention, note=failure_note(exc), **ov)
+            ctx.checkpoint()
 
 
 def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int, reps: int) -> float:

@@ -313,6 +313,40 @@ def test_cpu_run_times_each_kv_dtype_against_auto(tmp_path) -> None:  # type: ig
     assert {row["kv_dtype"] for row in rows} == {"auto", "fp8_e5m2"}
 
 
+def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A device call's time limit can end a run between its configurations: the records so
+    # far are on disk (compared as the final file compares them), and a run that completes
+    # leaves only the final file.
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(1, 2), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), kv_dtypes=("auto", "fp8_e5m2"), out_dir=str(tmp_path),
+    )  # fmt: skip
+    real = decode._run_execrt
+
+    def cut(ctx, mode, kv_dtype="auto"):  # type: ignore[no-untyped-def]
+        if kv_dtype != "auto":
+            raise KeyboardInterrupt  # (as the call's timeout would end it)
+        real(ctx, mode, kv_dtype)
+
+    monkeypatch.setattr(decode, "_run_execrt", cut)
+    with pytest.raises(KeyboardInterrupt):
+        decode.run(opts)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("decode-step-")]
+    (partial,) = [f for f in os.listdir(tmp_path) if f.startswith("decode-partial-")]
+    rows = json.loads((tmp_path / partial).read_text())
+    assert {(row["path"], row["bs"]) for row in rows} == {
+        (path, bs) for path in ("generate", "forward") for bs in (1, 2)
+    }
+    assert all(row["kv_dtype"] == "auto" for row in rows)
+    assert all(row["vs_kv_auto"] == 1.0 for row in rows if row["step_ms"])
+    monkeypatch.setattr(decode, "_run_execrt", real)
+    (tmp_path / partial).unlink()
+    decode.run(opts)
+    names = os.listdir(tmp_path)
+    assert len([f for f in names if f.startswith("decode-step-")]) == 1
+    assert not [f for f in names if f.startswith("decode-partial-")]
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
