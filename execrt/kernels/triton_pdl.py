@@ -28,6 +28,13 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+#: ``prefetch_l2``'s instruction (inline asm must produce a value: a dummy 0), for kernels
+#: that issue it themselves (Gluon: ``decode_mma``).
+PREFETCH_L2_ASM = "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;"
+# jit functions read module globals only as constexprs
+_PREFETCH_L2 = tl.constexpr(PREFETCH_L2_ASM)
+
+
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte line of every pointer of ``ptrs`` without waiting for it (no
@@ -35,7 +42,7 @@ def prefetch_l2(ptrs):
     ``pdl_prologue``, it lets a kernel's first reads of memory that the grid ahead does not
     write (weights, older K/V) overlap that grid instead of following it."""
     tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        _PREFETCH_L2,
         "=r,l",
         [ptrs],
         dtype=tl.int32,

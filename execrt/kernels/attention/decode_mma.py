@@ -60,7 +60,7 @@ try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
 
     from execrt.kernels.attention.decode import _CVT_ASM, _item_bounds, _record
     from execrt.kernels.attention.indices import slot_offsets
-    from execrt.kernels.triton_pdl import pdl_prologue
+    from execrt.kernels.triton_pdl import PREFETCH_L2_ASM, pdl_prologue
 
     # A barrier over the program's threads: ``thread_barrier`` in triton 3.6 (the H200's),
     # ``barrier`` by 3.9.
@@ -286,8 +286,7 @@ cvt.rn.f16x2.FMTx2 $3, yh;
     # An 8 x 8 transpose of 16-bit values across the warp: thread l's register holds row l // 4,
     # columns 2 (l % 4) and 2 (l % 4) + 1, before and after.
     _TRANSPOSE = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-    # triton_pdl.prefetch_l2's instruction (a dummy output: inline asm must produce one)
-    _PREFETCH = gl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
+    _PREFETCH = gl.constexpr(PREFETCH_L2_ASM)
 
     @gluon.jit
     def _index3(N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, layout: gl.constexpr):
