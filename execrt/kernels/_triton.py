@@ -145,6 +145,33 @@ def num_warps_for(block: int, elem_per_thread: int = 8) -> int:
     return max(1, min(cap, block // (32 * elem_per_thread)))
 
 
+# Kernel scratch per name, device and stream (split-K partials and counters, the mma decode's
+# work queue). Launches on one stream never overlap (PDL waits for the grid ahead before any
+# load or store; only prefetches come first), so one buffer serves every call on it; kernels
+# on two streams may run at once, so each stream has its own. Zeroed buffers stay zero
+# between launches (each launch resets what it counts). A buffer that grows is kept alive,
+# not freed: CUDA graphs captured earlier still read it.
+_SCRATCH: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def stream_scratch(
+    name: str, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool, least: int
+) -> torch.Tensor:
+    """Scratch ``name`` of ``device``'s current stream: at least ``numel`` (and ``least``)
+    elements of ``dtype``, zeros when first made if ``zeroed``."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (name, device, stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        make = torch.zeros if zeroed else torch.empty
+        buf = make(max(numel, least), dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (``INTERPRETER_SM_COUNT`` elsewhere)."""
     if device.type != "cuda":

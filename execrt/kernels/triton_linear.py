@@ -35,6 +35,7 @@ from execrt.kernels._triton import (
     pdl_kwargs,
     pdl_prefetch,
     pow2_at_least,
+    stream_scratch,
     tuned_table_name,
 )
 from execrt.kernels.triton_dot import dot
@@ -448,14 +449,8 @@ def prefetch_columns(tile: SkinnyTile, element_size: int, swiglu_out: bool = Fal
     return steps * tile.block_k
 
 
-# Split-K scratch per device and stream: fp32 partials and int32 arrival counters (zero
-# between launches: the last slice of each tile resets its counter). Launches on one stream
-# never overlap (PDL waits for the grid ahead before any load or store; only the weight
-# prefetch comes first), so one workspace serves every call on it; kernels on two streams
-# may run at once, so each stream has its own. A workspace that grows is kept alive, not
-# freed: CUDA graphs captured earlier still read it.
-_WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+# Split-K scratch: fp32 partials and int32 arrival counters (zero between launches: the last
+# slice of each tile resets its counter), per device and stream (``stream_scratch``).
 _MIN_PART_ELEMS = 1 << 20  # 4 MiB: every 0.6B projection at 8 slices of 16 rows
 _MIN_COUNTERS = 4096
 
@@ -465,15 +460,12 @@ def split_workspace(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K scratch of ``device``'s current stream: at least ``part_elems`` fp32
     partials and ``counters`` zeroed int32 counters."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    part, counts = _WORKSPACES.get(key, (None, None))
-    if part is None or counts is None or part.numel() < part_elems or counts.numel() < counters:
-        if part is not None and counts is not None:
-            _OUTGROWN.append((part, counts))
-        part = torch.empty(max(part_elems, _MIN_PART_ELEMS), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(counters, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _WORKSPACES[key] = (part, counts)
+    part = stream_scratch(
+        "split-k partials", device, part_elems, torch.float32, zeroed=False, least=_MIN_PART_ELEMS
+    )
+    counts = stream_scratch(
+        "split-k counters", device, counters, torch.int32, zeroed=True, least=_MIN_COUNTERS
+    )
     return part, counts
 
 

@@ -51,7 +51,7 @@ import math
 import torch
 
 from execrt.core.kv_quant import FP8_DTYPES
-from execrt.kernels._triton import cuda_capability, interpreter_enabled
+from execrt.kernels._triton import cuda_capability, interpreter_enabled, stream_scratch
 
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
@@ -105,26 +105,15 @@ MMA_MIN_BATCH = 8
 #: per program cannot be evened out by the GPU; taken from a queue, the items are.
 MMA_STEAL = False
 MMA_STEAL_WARPS_PER_SM = 8
-#: The zeroed int32 counters of the work queue, per device and stream (two per kv head: the
-#: next item, and the programs done; each launch leaves them zero), and those outgrown
-#: (kept: a captured graph holds their addresses).
-_QUEUES: dict[tuple[torch.device, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
 
 
 def steal_queue(device: torch.device, num_kv_heads: int) -> torch.Tensor:
-    """The work-stealing counters of ``device``'s current stream: at least ``2 *
-    num_kv_heads`` zeroed int32 (launches on one stream never overlap, and each leaves them
-    zero, so one set serves every launch on it)."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    queue = _QUEUES.get(key)
-    if queue is None or queue.numel() < 2 * num_kv_heads:
-        if queue is not None:
-            _OUTGROWN.append(queue)
-        queue = torch.zeros(max(2 * num_kv_heads, 256), dtype=torch.int32, device=device)
-        _QUEUES[key] = queue
-    return queue
+    """The work-stealing counters of ``device``'s current stream (``stream_scratch``): at
+    least ``2 * num_kv_heads`` zeroed int32, two per kv head (the next item, and the
+    programs done), which every launch leaves zero for the next."""
+    return stream_scratch(
+        "mma decode queue", device, 2 * num_kv_heads, torch.int32, zeroed=True, least=256
+    )
 
 
 def steal_programs(batch: int, max_splits: int, num_kv_heads: int, warps: int, sms: int) -> int:
