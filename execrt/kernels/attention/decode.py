@@ -1111,7 +1111,8 @@ def decode_attention(
         return
 
     group = num_q_heads // num_kv_heads
-    grid = decode_programs(batch, num_kv_heads, max_splits, sm_count(q.device), programs)
+    sms = sm_count(q.device)
+    grid = decode_programs(batch, num_kv_heads, max_splits, sms, programs)
     if k_buffer.dtype in FP8_DTYPES and _run_mma(
         fp8_kernel, q, k_buffer, v_buffer, prologue is not None
     ):
@@ -1122,7 +1123,7 @@ def decode_attention(
             q, k_buffer, v_buffer, o, kv_indptr, kv_indices, num_splits, work, partial_o,
             partial_lse, kv_scales, arrivals, sm_scale * LOG2E, max_splits, grid,
             slot_i32=int32_slot_offsets(k_buffer, v_buffer), pdl=pdl_kwargs(q.device),
-            prefetch=prefetch, sms=sm_count(q.device),
+            prefetch=prefetch, sms=sms,
         )  # fmt: skip
         if arrivals is None:
             _merge(o, num_splits, partial_o, partial_lse, max_splits, batch, num_q_heads)
@@ -1243,10 +1244,12 @@ def _run_mma(
         return False
     from execrt.kernels.attention import decode_mma  # (it imports this module)
 
+    if kernel == "auto" and q.shape[0] < decode_mma.MMA_MIN_BATCH:
+        return False
     why = decode_mma.mma_unsupported(q, k_buffer, v_buffer, prologue=prologue)
     if why is not None and fp8_kernel == "mma":
         fail(COMPONENT, f"fp8_kernel='mma' unsupported here: {why}")
-    return why is None and (kernel == "mma" or q.shape[0] >= decode_mma.MMA_MIN_BATCH)
+    return why is None
 
 
 def _merge(
