@@ -159,6 +159,31 @@ def _compile(fn, pointers, constants, aligned, num_warps, num_stages):  # type: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_gluon(fn, pointers, constants, num_warps):  # type: ignore[no-untyped-def]
+    """A Gluon kernel compiled for sm90 (no GPU needed): ``pointers`` types the pointer
+    arguments it names (any other ``*_ptr`` is ``*i32``), ``qk_scale`` is fp32 and the rest
+    i32; pointers and strides are 16-aligned, as the launches pass them."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = fn.arg_names
+
+    def pointer(n: str) -> str | None:
+        return pointers.get(n, "*i32" if n.endswith("_ptr") else None)
+
+    signature = {
+        n: "constexpr" if n in constants else pointer(n) or ("fp32" if n == "qk_scale" else "i32")
+        for n in names
+    }
+    aligned = [n for n in names if pointer(n) or n.startswith("stride")]
+    src = GluonASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 

@@ -82,9 +82,8 @@ PROBE = textwrap.dedent(
             report(f"decode-{kv}-{prefetch}", kernel.asm["ptx"])
     from execrt.kernels.attention import decode_mma as mma
     if mma.GLUON_IMPORT_ERROR is None:
-        from triton.experimental.gluon._runtime import GluonASTSource
+        from benchmarks.kernel_sass import compile_gluon
 
-        names = mma._decode_mma_kernel.arg_names
         lk, lv, lvp, lq, sk, sv = mma.mma_layouts(1, 16, 128, 128)
         for prefetch in (False, True):
             consts = dict(GROUP=4, D=128, DV=128, W=1, T=16, AHEAD=1, FUSED=True, E5M2=False,
@@ -92,13 +91,7 @@ PROBE = textwrap.dedent(
                           SK=sk, SV=sv, PREFETCH=prefetch, PF_TOKENS=64, STEAL=False)
             ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "part_o_ptr": "*fp32",
                     "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
-            sig = {n: "constexpr" if n in consts else ptrs.get(
-                n, "*i32" if n.endswith("_ptr") else ("fp32" if n == "qk_scale" else "i32"))
-                for n in names}
-            src = GluonASTSource(fn=mma._decode_mma_kernel, signature=sig,
-                                 constexprs={(names.index(k),): v for k, v in consts.items()})
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 1})
+            kernel = compile_gluon(mma._decode_mma_kernel, ptrs, consts, num_warps=1)
             report(f"mma-{prefetch}", kernel.asm["ptx"])
     """
 )

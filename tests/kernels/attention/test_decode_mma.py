@@ -186,13 +186,9 @@ def test_an_mma_default_that_cannot_run_falls_back_to_the_words_kernel(
 
 PROBE = """
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from benchmarks.kernel_sass import compile_gluon
 from execrt.kernels.attention import decode_mma as mma
 
-fn = mma._decode_mma_kernel
-names = fn.arg_names
 result = {}
 for d, ahead, fused, e5m2, ring, steal in (
         (128, 2, False, False, 0, False), (128, 1, True, True, 0, False),
@@ -205,15 +201,7 @@ for d, ahead, fused, e5m2, ring, steal in (
                   LQ=lq, RING=ring, SK=sk, SV=sv, PREFETCH=False, PF_TOKENS=64, STEAL=steal)
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_scales_ptr": "*fp32"}
-    sig = {n: "constexpr" if n in consts else ptrs.get(
-        n, "*i32" if n.endswith("_ptr") else ("fp32" if n == "qk_scale" else "i32"))
-        for n in names}
-    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
-    src = GluonASTSource(
-        fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4})
+    k = compile_gluon(mma._decode_mma_kernel, ptrs, consts, num_warps=4)
     ptx = k.asm["ptx"]
     lines = ptx.splitlines()
     moves = [i for i, ln in enumerate(lines) if "movmatrix" in ln]

@@ -123,14 +123,10 @@ def test_untuned_ws_tiles_fit_the_kernel() -> None:
 
 PROBE = """
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from benchmarks.kernel_sass import compile_gluon
 from execrt.kernels.attention import extend as ext
 from execrt.kernels.attention import extend_ws as ws
 
-fn = ws._extend_ws_kernel
-names = fn.arg_names
 result = {}
 for d, t in sorted(ext._WS_TILES.items()):
     for dtype in ("bf16", "fp16"):
@@ -140,14 +136,7 @@ for d, t in sorted(ext._WS_TILES.items()):
         consts = dict(GROUP=4, HEADS=4, HEAD_DIM=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                       STAGES=t.num_stages, LOAD_WARPS=ws.LOAD_WARPS, LOAD_REGS=ws.LOAD_REGS,
                       CONSUMER_REGS=ws.CONSUMER_REGS, OVERLAP=True, num_warps=4)
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
-               for n in names}
-        aligned = [n for n in names if n in ptrs or n.startswith("stride")]
-        src = GluonASTSource(
-            fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
+        k = compile_gluon(ws._extend_ws_kernel, ptrs, consts, num_warps=4)
         ptx = k.asm["ptx"]
         arrives = [ln.strip() for ln in ptx.splitlines() if "cp.async.mbarrier.arrive" in ln]
         result[f"{dtype}-d{d}"] = {
