@@ -85,14 +85,15 @@ def test_decode_attention_refuses_a_named_mma_kernel_that_cannot_run() -> None:
 def test_a_words_option_names_the_words_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # fp8_words picks the Triton kernel's read, so it takes that kernel whatever the default;
     # asked of the mma kernel it is refused by name
+    # (the GPU where there is one: CPU tensors run Triton only under the interpreter)
+    device = CUDA_DEV if CUDA else torch.device("cpu")
     seen = []
     monkeypatch.setattr(dec, "_run_mma", lambda kernel, *a: seen.append(kernel) or False)
-    run_decode([5, 9], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
-               fp8_words=False)  # fmt: skip
+    run_decode([5, 9], device=device, dtype=torch.float16, kv_dtype=E4M3, fp8_words=False)
     assert seen == ["words"]
     with pytest.raises(ValueError, match=r"fp8_words applies to the words kernel"):
-        run_decode([5], device=torch.device("cpu"), dtype=torch.float16, kv_dtype=E4M3,
-                   fp8_words=True, fp8_kernel="mma")  # fmt: skip
+        run_decode([5], device=device, dtype=torch.float16, kv_dtype=E4M3, fp8_words=True,
+                   fp8_kernel="mma")  # fmt: skip
 
 
 def test_decode_attention_refuses_an_unknown_fp8_kernel() -> None:
