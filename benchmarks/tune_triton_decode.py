@@ -77,6 +77,7 @@ def bench(
     fused: bool = False,
     fp8_kernel: str | None = None,
     interleave: bool = False,
+    wave: bool = True,
 ) -> tuple[float, float]:
     """(µs per layer call, timed over CUDA-graph replays of every layer; relative error of
     layer 0 against the fp32 oracle when ``check``, else 0). ``longest_first``: the work list
@@ -84,7 +85,8 @@ def bench(
     ``fused``: the merge inside the split launch (arrival counters), else its own launch.
     ``interleave``: each layer call follows a small PDL kernel (an RMSNorm over ``[bs,
     4096]``, as the step's q/k norm kernel precedes its attention), whose time alone is
-    subtracted: the launch as it starts inside a decode step, not back to back."""
+    subtracted: the launch as it starts inside a decode step, not back to back. ``wave``:
+    the split counts under the backend's wave rule (``decode_wave``), else the policy's."""
     bs, sms = p.bs, torch.cuda.get_device_properties(0).multi_processor_count
     seq = p.seq_lens()
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -92,14 +94,16 @@ def bench(
     fill_kv_index(p.pool.req_to_token, torch.arange(1, bs + 1, device="cuda"), seq, indptr, indices)
     max_splits = policy.max_splits(bs, p.ctx, p.hkv, sms)
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-    K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms))
+    cache = p.kv_cache
+    w = K.decode_wave(p.q, cache.k_buffers[0], cache.v_buffers[0], fp8_kernel=fp8_kernel)
+    K.decode_num_splits(seq, splits, max_splits, policy, policy.min_splits(bs, p.hkv, sms),
+                        wave=w if wave else 0)  # fmt: skip
     work = torch.empty(K.work_size(bs, max_splits), dtype=torch.int32, device="cuda")
     # once, as the backend's metadata launch does
     K.decode_work(splits, max_splits, work, seq if longest_first else None)
     po = torch.empty(bs, p.hq, max_splits, p.d, dtype=torch.float32, device="cuda")
     pl = torch.empty(bs, p.hq, max_splits, dtype=torch.float32, device="cuda")
     outs = [torch.empty_like(p.q) for _ in p.layers]
-    cache = p.kv_cache
     arrivals = torch.zeros(bs * p.hkv, dtype=torch.int32, device="cuda") if fused else None
 
     from execrt.kernels.triton_norm import rmsnorm_triton
@@ -354,23 +358,28 @@ def sweep_fp8(
     split_targets: tuple[int, ...] = (),
     steal: tuple[bool, ...] = (False,),
     interleave: bool = False,
+    waves: tuple[bool, ...] = (True,),
+    ctx_extra: int = 0,
 ) -> list[dict[str, Any]]:
     """The bf16 and fp8-words kernels, then each mma launch shape under the default split
     policy, each of ``programs_per_sm`` (the policy's stage-1 programs per SM before splits
     get longer: more splits of short contexts, for the mma kernel's 1-warp programs) and each
     of ``split_targets`` (tokens per split), with and/or without work stealing (``steal``:
     ``decode_mma.MMA_STEAL``). ``interleave``: each launch after a small PDL kernel, as in
-    a decode step (see :func:`bench`)."""
+    a decode step (see :func:`bench`). ``waves``: the mma arms with and/or without the
+    wave rule; ``ctx_extra``: tokens added to every shape's context (a decode step past an
+    8k prompt has 8k + n)."""
     from execrt.kernels.attention import decode_mma
 
     default = K.SplitPolicy()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in TILE_SHAPES)
+    tile_shapes = [(bs, ctx + ctx_extra) for bs, ctx in TILE_SHAPES]
+    shapes = ", ".join(f"{bs}x{ctx}" for bs, ctx in tile_shapes)
     print(f"# % of copy bandwidth ({copy_bw:.0f} GB/s) at {shapes}", flush=True)
     Shape = tuple[int, int, int, int, int]
-    arms: list[tuple[str, str, str | None, Shape | None, K.SplitPolicy, bool]] = [
-        ("bf16", "auto", None, None, default, False),
-        ("words", "fp8_e4m3", "words", None, default, False),
+    arms: list[tuple[str, str, str | None, Shape | None, K.SplitPolicy, bool, bool]] = [
+        ("bf16", "auto", None, None, default, False, False),
+        ("words", "fp8_e4m3", "words", None, default, False, False),
     ]
     policies = [(default, "")]
     policies += [
@@ -383,18 +392,19 @@ def sweep_fp8(
         ahead, tokens, maxnreg, ring, warps = (int(v) for v in spec.split(","))
         for policy, tag in policies:
             for st in steal:
-                name = f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}{tag}"
-                name += " steal" if st else ""
-                shape = (ahead, tokens, maxnreg, ring, warps)
-                arms.append((name, "fp8_e4m3", "mma", shape, policy, st))
+                for wv in waves:
+                    name = f"mma w{warps} a{ahead} t{tokens} r{maxnreg or '-'} ring{ring}{tag}"
+                    name += (" steal" if st else "") + ("" if wv else " nowave")
+                    shape = (ahead, tokens, maxnreg, ring, warps)
+                    arms.append((name, "fp8_e4m3", "mma", shape, policy, st, wv))
     rows: list[dict[str, Any]] = []
     problems: dict[str, list[DecodeProblem]] = {}
-    for name, kv_name, kernel, shape, policy, st in arms:
+    for name, kv_name, kernel, shape, policy, st, wv in arms:
         kv_dtype = kv_storage_dtype(kv_name, torch.bfloat16)
         if kv_name not in problems:
             problems[kv_name] = [
                 DecodeProblem(bs, ctx, 32, 8, 128, torch.bfloat16, kv_dtype=kv_dtype)
-                for bs, ctx in TILE_SHAPES
+                for bs, ctx in tile_shapes
             ]
         saved = (
             decode_mma.MMA_AHEAD, decode_mma.MMA_TOKENS, decode_mma.MMA_MAXNREG,
@@ -414,7 +424,7 @@ def sweep_fp8(
                 try:
                     us, err = bench(p, policy, t.block_n, t.num_warps, t.num_stages,
                                     check=i == 0, fused=fused, fp8_kernel=kernel,
-                                    interleave=interleave)  # fmt: skip
+                                    interleave=interleave, wave=wv)  # fmt: skip
                 except Exception as exc:  # a launch shape the GPU cannot run
                     cells.append(f"failed ({type(exc).__name__}: {str(exc)[:100]})")
                     break
@@ -422,7 +432,7 @@ def sweep_fp8(
                 splits = policy.max_splits(p.bs, p.ctx, p.hkv, sms)
                 rows.append(dict(arm=name, bs=p.bs, ctx=p.ctx, us=us, pct=pct, fused=fused,
                                  max_splits=splits, programs_per_sm=policy.programs_per_sm,
-                                 split_target=policy.target_split_len, steal=st,
+                                 split_target=policy.target_split_len, steal=st, wave=wv,
                                  interleave=interleave,
                                  err=err if i == 0 else None))  # fmt: skip
                 if i == 0 and err > MAX_REL_ERR:
@@ -470,6 +480,14 @@ def main() -> None:
         help="fp8: the mma kernel's work stealing (decode_mma.MMA_STEAL): off, on, or both",
     )  # fmt: skip
     parser.add_argument(
+        "--waves", default="on",
+        help="fp8: the mma arms under the backend's wave rule (decode_wave): on, off, or both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ctx-extra", type=int, default=0,
+        help="fp8: tokens added to every shape's context (a step past an 8k prompt: 8k + n)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-dtypes", default="fp8_e4m3,auto",
         help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
     )  # fmt: skip
@@ -509,7 +527,11 @@ def main() -> None:
         steal = {"off": (False,), "on": (True,), "both": (False, True)}.get(args.steal)
         if steal is None:
             parser.error(f"--steal {args.steal!r} unsupported (supported: off, on, both)")
-        rows = sweep_fp8(copy_bw, args.mma_shapes, pps, targets, steal, args.interleave)
+        waves = {"off": (False,), "on": (True,), "both": (True, False)}.get(args.waves)
+        if waves is None:
+            parser.error(f"--waves {args.waves!r} unsupported (supported: off, on, both)")
+        rows = sweep_fp8(copy_bw, args.mma_shapes, pps, targets, steal, args.interleave, waves,
+                         args.ctx_extra)  # fmt: skip
     elif args.mode == "ragged":
         grid = tuple(
             (n, w, st)

@@ -36,6 +36,9 @@ TRITON_EXTEND_KERNELS = ("auto", "gather", "fresh", "ws")
 #: the triton backend's fp8 decode kernel: the default (EXECRT_FP8_DECODE_KERNEL, else the
 #: kernels'), the Triton split kernel, or the Gluon kernel that converts into mma registers
 TRITON_DECODE_FP8_KERNELS = ("auto", "words", "mma")
+#: the triton backend's decode splits past one wave of the fp8 mma kernel's programs: cut to
+#: fit one wave where that is faster, or left to the split policy
+TRITON_DECODE_WAVE = ("auto", "off")
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -83,6 +86,7 @@ class RuntimeConfig:
     triton_decode_programs: str = "request"
     triton_extend_kernel: str = "auto"
     triton_decode_fp8_kernel: str = "auto"
+    triton_decode_wave: str = "auto"
     strict: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -141,6 +145,7 @@ class RuntimeConfig:
             "triton_decode_programs": TRITON_DECODE_PROGRAMS,
             "triton_extend_kernel": TRITON_EXTEND_KERNELS,
             "triton_decode_fp8_kernel": TRITON_DECODE_FP8_KERNELS,
+            "triton_decode_wave": TRITON_DECODE_WAVE,
             "fused_kernels": FUSED_KERNELS,
         }
         for name, accepted in choices.items():

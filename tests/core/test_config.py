@@ -197,6 +197,7 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
         "decode_programs": "request",
         "extend_kernel": "auto",
         "decode_fp8_kernel": "auto",
+        "decode_wave": "auto",
     }
     assert cfg.backend_options("torch_native") == {}
     file = tmp_path / "c.toml"
@@ -221,6 +222,7 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
         "decode_programs": "request",
         "extend_kernel": "auto",
         "decode_fp8_kernel": "auto",
+        "decode_wave": "auto",
     }
     assert "decode_merge" not in config.backend_options("flashinfer")
     auto = RuntimeConfig.load(environ={"EXECRT_TRITON_DECODE_MERGE": "auto"})

@@ -20,6 +20,7 @@ from execrt.kernels.attention.decode import (
     decode_attention,
     decode_programs,
     decode_tiles,
+    decode_wave,
     load_tile_table,
     tile_table_json,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "decode_attention",
     "decode_programs",
     "decode_tiles",
+    "decode_wave",
     "decode_metadata",
     "decode_num_splits",
     "decode_work",

@@ -1252,6 +1252,32 @@ def _run_mma(
     return why is None
 
 
+def decode_wave(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    *,
+    fp8_kernel: str | None = None,
+    prologue: bool = False,
+) -> int:
+    """Work items per kv head that one wave of :func:`decode_attention`'s launch for ``q``
+    (``[B, Hq, D]``; an expanded view will do) runs at once: ``decode_metadata``'s ``wave``.
+    Where that launch is the fp8 mma kernel, every item is a program of its own and all of
+    a wave's are resident together, so items a little past a wave double the launch
+    (:func:`execrt.kernels.attention.indices.wave_cap`). 0 for the Triton kernels, whose
+    programs share the items out in a fixed round robin. Depends only on the shapes, the
+    device and the kernel choice, so a graph bucket replays the rule it captured."""
+    if k_buffer.dtype not in FP8_DTYPES or not _run_mma(
+        fp8_kernel, q, k_buffer, v_buffer, prologue
+    ):
+        return 0
+    from execrt.kernels.attention import decode_mma  # (it imports this module)
+
+    shape = decode_mma.mma_launch_shape(q.shape[0])
+    resident = decode_mma.mma_resident(shape, q.shape[-1], v_buffer.shape[-1], q.device)
+    return max(1, resident // k_buffer.shape[1])
+
+
 def _merge(
     o: torch.Tensor,
     num_splits: torch.Tensor,

@@ -123,6 +123,42 @@ def steal_programs(batch: int, max_splits: int, num_kv_heads: int, warps: int, s
     return max(1, min(max(1, batch * max_splits), want))
 
 
+#: Registers per thread the wave count (:func:`mma_resident`) assumes of a launch shape
+#: without ``maxnreg``: a little above what ptxas gives the one-warp shapes (138-154, sm90
+#: AOT, triton 3.9), so that a wave is never overcounted by a program per SM.
+MMA_REGS_ESTIMATE = 160
+#: Resident blocks per SM by compute capability (the CUDA occupancy tables); 16 elsewhere.
+_BLOCKS_PER_SM = {(8, 0): 32, (8, 6): 16, (8, 7): 16, (8, 9): 24, (9, 0): 32, (10, 0): 32}
+_REGS_PER_SM = 65536  # sm70 onwards
+_SMEM_RESERVED = 1024  # per block, sm80 onwards
+
+
+def mma_shared_bytes(warps: int, tokens: int, ring: int, head_dim: int, head_dim_v: int) -> int:
+    """Shared memory of one program's cp.async ring: every warp ``ring`` stages of
+    ``tokens`` fp8 K and V rows (0 for ``ring`` 0)."""
+    return warps * ring * tokens * (head_dim + head_dim_v)
+
+
+def mma_resident(
+    shape: tuple[int, int, int | None, int], head_dim: int, head_dim_v: int, device: torch.device
+) -> int:
+    """Programs of launch ``shape`` (:func:`mma_launch_shape`'s) that ``device`` holds at once
+    (one wave): the least of what its shared memory, registers (``maxnreg``, else
+    ``MMA_REGS_ESTIMATE``), warps and blocks per SM allow, times its SMs. H200, D 128: 1,188
+    one-warp programs of 32 tokens and a 3-stage ring (shared memory: 9 per SM), 1,584 of 16
+    tokens and 4 stages (registers: 12 per SM)."""
+    warps, tokens, maxnreg, ring = shape
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    smem = mma_shared_bytes(warps, tokens, ring, head_dim, head_dim_v)
+    by_smem = props.shared_memory_per_multiprocessor // (smem + _SMEM_RESERVED)
+    regs = -(-(maxnreg or MMA_REGS_ESTIMATE) // 8) * 8
+    by_regs = _REGS_PER_SM // (-(-regs * 32 // 256) * 256) // warps
+    by_warps = props.max_threads_per_multi_processor // (32 * warps)
+    blocks = _BLOCKS_PER_SM.get(cuda_capability(device), 16)
+    return max(1, min(by_smem, by_regs, by_warps, blocks)) * props.multi_processor_count
+
+
 def mma_launch_shape(batch: int) -> tuple[int, int, int | None, int]:
     """(warps, tokens, maxnreg or None, ring) of a launch over ``batch`` requests: the
     ``MMA_*`` overrides where set, else the ``MMA_SHAPES_BY_BATCH`` row of the batch. Depends
@@ -808,6 +844,8 @@ __all__ = [
     "launch_mma",
     "mma_launch_shape",
     "mma_layouts",
+    "mma_resident",
+    "mma_shared_bytes",
     "mma_prefetch_tokens",
     "mma_unsupported",
     "steal_programs",

@@ -154,6 +154,7 @@ def decode_num_splits(
     max_splits: int,
     policy: SplitPolicy,
     min_splits: int = 1,
+    wave: int = 0,
 ) -> None:
     """Write each request's KV split count for :func:`decode_attention` (device op, no sync).
 
@@ -162,12 +163,20 @@ def decode_num_splits(
     ``n[b]`` depends only on ``len[b]``, ``min_splits`` (from the batch size) and the policy,
     so eager steps and graph replays of the same batch size split identically.
 
+    ``wave`` (0: off): the work items per kv head the decode launch runs at once (its
+    programs resident together, :func:`execrt.kernels.attention.decode_wave`). Where the
+    items are more than a wave, each request is cut at ``wave // B`` splits when one wave of
+    those beats the waves it would take (:func:`wave_cap`'s rule): 32 requests of 8.2k tokens
+    on one-warp programs of which an H200 holds 1,188 went from 5 splits (1,280 programs,
+    two waves) to 4. Then ``n[b]`` depends on the whole batch's lengths too.
+
     Args:
         seq_lens: int32/int64 ``[B]`` context lengths.
         num_splits_out: int32 ``[>= B]`` output, same device as ``seq_lens``.
         max_splits: the most splits per request the decode launch will use (``>= 1``).
         policy: the split policy.
         min_splits: splits wanted per request to fill the GPU (see SplitPolicy.min_splits).
+        wave: work items per kv head the launch runs at once (0: no wave rule).
 
     Raises:
         ValueError: on bad dtypes, lengths, devices or non-positive counts.
@@ -177,6 +186,7 @@ def decode_num_splits(
     check_index(COMPONENT, "num_splits_out", num_splits_out, batch, (torch.int32,))
     check_same_device(COMPONENT, seq_lens, num_splits_out=num_splits_out)
     check_split_range(max_splits, min_splits)
+    check_wave(wave)
     if batch == 0:
         return
     lens = seq_lens.to(torch.int64)
@@ -186,8 +196,39 @@ def decode_num_splits(
     useful = torch.div(
         lens + (policy.min_split_len - 1), policy.min_split_len, rounding_mode="floor"
     )
-    splits = torch.minimum(by_len.clamp_(min=min_splits), useful)
-    num_splits_out[:batch].copy_(splits.clamp_(1, max_splits))
+    splits = torch.minimum(by_len.clamp_(min=min_splits), useful).clamp_(1, max_splits)
+    if wave > 0 and wave >= batch:
+        cap = wave // batch
+        capped = splits.clamp(max=cap)
+        # wave_cap's rule: the longest item's tokens, and the waves the items take.
+        longest = torch.div(lens + splits - 1, splits, rounding_mode="floor").max()
+        longest_capped = torch.div(lens + capped - 1, capped, rounding_mode="floor").max()
+        waves = torch.div(splits.sum() + wave - 1, wave, rounding_mode="floor")
+        splits = torch.where(longest_capped < waves * longest, capped, splits)
+    num_splits_out[:batch].copy_(splits)
+
+
+def wave_cap(lens: list[int], counts: list[int], wave: int) -> list[int]:
+    """The split counts after the wave rule, on the host (the kernels' rule, for tests and
+    docs): with ``B`` requests whose ``counts`` come to more items than ``wave``, every count
+    is cut to ``wave // B`` (all items then run in one wave) where the longest item that
+    leaves is shorter than ``waves`` x today's longest (``waves`` = ceil(items / wave): a
+    launch of equal items takes about that many item times). Unchanged otherwise, or with
+    ``wave`` 0 or below ``B``."""
+    batch = len(counts)
+    if wave <= 0 or wave < batch or sum(counts) <= wave:
+        return list(counts)
+    cap = wave // batch
+    capped = [min(n, cap) for n in counts]
+    longest = max(-(-ln // n) for ln, n in zip(lens, counts, strict=True))
+    longest_capped = max(-(-ln // n) for ln, n in zip(lens, capped, strict=True))
+    waves = -(-sum(counts) // wave)
+    return capped if longest_capped < waves * longest else list(counts)
+
+
+def check_wave(wave: int) -> None:
+    if not isinstance(wave, int) or isinstance(wave, bool) or wave < 0:
+        fail(COMPONENT, f"wave {wave!r} unsupported (work items per kv head >= 0; 0: off)")
 
 
 def check_split_range(max_splits: int, min_splits: int) -> None:
@@ -228,6 +269,20 @@ def _split_count(seq_len, min_splits, max_splits, TARGET: tl.constexpr, MIN_LEN:
     by_len = tl.maximum((seq_len + TARGET - 1) // TARGET, min_splits)
     splits = tl.minimum(by_len, (seq_len + MIN_LEN - 1) // MIN_LEN)
     return clamp_splits(splits, max_splits)
+
+
+@triton.jit
+def _wave_counts(lens, counts, valid, batch, wave):
+    """wave_cap's rule on the device: ``counts`` (every request's, lanes ``valid``) cut to
+    ``wave // batch`` where one wave of those beats the waves today's take, and the cut
+    (a bound no count reaches where there is none)."""
+    cap = tl.maximum(wave // batch, 1)
+    capped = tl.minimum(counts, cap)
+    longest = tl.max(tl.where(valid, (lens + counts - 1) // counts, 0), axis=0)
+    longest_capped = tl.max(tl.where(valid, (lens + capped - 1) // capped, 0), axis=0)
+    waves = (tl.sum(tl.where(valid, counts, 0), axis=0) + wave - 1) // wave
+    use = (wave >= batch) & (longest_capped < waves * longest)
+    return tl.where(use, capped, counts), tl.where(use, cap, 1 << 30)
 
 
 @triton.jit
@@ -347,12 +402,14 @@ def _decode_metadata_kernel(
     batch,
     min_splits,
     max_splits,
+    wave,
     TARGET: tl.constexpr,
     MIN_LEN: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK: tl.constexpr,
     WORK: tl.constexpr,
+    WAVE: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -371,9 +428,14 @@ def _decode_metadata_kernel(
     # Split count: decode_num_splits' rule; the requests before this one were counted the
     # same way, for where this request's work items start.
     splits = _split_count(seq_len, min_splits, max_splits, TARGET, MIN_LEN)
+    if WAVE:  # the wave rule: a batch-wide choice every program makes alike
+        counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
+        counts, cap = _wave_counts(lens, counts, valid, batch, wave)
+        splits = tl.minimum(splits, cap)
     tl.store(num_splits_ptr + b, splits.to(tl.int32))
     if WORK:
-        counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
+        if not WAVE:
+            counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
         first, total = _work_first(lens, counts, valid, b, seq_len, splits, LONGEST_FIRST)
         _write_work(
             work_ptr, b, first.to(tl.int32), total.to(tl.int32), splits.to(tl.int32),
@@ -397,6 +459,7 @@ def decode_metadata(
     min_splits: int = 1,
     work_out: torch.Tensor | None = None,
     longest_first: bool = True,
+    wave: int = 0,
 ) -> None:
     """``kv_indices.fill_kv_index``, :func:`decode_num_splits` and :func:`decode_work` in one
     launch (no sync, no allocation: capturable). A decode step's metadata used to take a scan
@@ -409,7 +472,7 @@ def decode_metadata(
     per split of each request, longest first (ties by index): decode's programs start in
     list order, so a ragged batch's longest splits start first and its shortest fill the
     end, where request order can leave one long split running on an otherwise idle GPU.
-    False: request after request.
+    False: request after request. ``wave``: :func:`decode_num_splits`' wave rule (0: off).
 
     Raises:
         ValueError: on bad ranks, dtypes, lengths, devices or counts.
@@ -420,6 +483,7 @@ def decode_metadata(
     )  # fmt: skip
     check_index(COMPONENT, "num_splits_out", num_splits_out, batch, (torch.int32,))
     check_split_range(max_splits, min_splits)
+    check_wave(wave)
     if work_out is not None:
         check_work(work_out, batch, max_splits, num_splits_out.device)
     if batch == 0:
@@ -439,12 +503,14 @@ def decode_metadata(
         batch,
         min_splits,
         max_splits,
+        wave,
         TARGET=policy.target_split_len,
         MIN_LEN=policy.min_split_len,
         BLOCK_B=pow2_at_least(batch),
         BLOCK_S=pow2_at_least(max_splits, 2),
         BLOCK=512,
         WORK=work_out is not None,
+        WAVE=wave > 0,
         LONGEST_FIRST=longest_first,
         **pdl_kwargs(req_to_token.device),
     )

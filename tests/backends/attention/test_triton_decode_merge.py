@@ -233,3 +233,41 @@ def test_the_fp8_decode_kernel_option_reaches_the_kernel(
         AttentionStep(backend, meta, fb.out_cache_loc, fb.mode),
     )
     assert seen == [passed]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_wave_option_reaches_the_split_counts(
+    graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``decode_wave`` auto hands the kernels' wave for the batch to the metadata launch,
+    which cuts the splits by it (eager plans and graph buckets alike); ``off`` hands 0 and
+    keeps the policy's counts; other values are refused by name."""
+    from execrt.kernels.attention.indices import wave_cap
+
+    pool, cache, _ = _state(1, [4])
+    with pytest.raises(
+        ConfigError, match=r"decode_wave 'always' unsupported \(supported: auto, off\)"
+    ):
+        _backend("auto", pool, cache, decode_wave="always")
+    lens = [600] * 4  # 64-token splits below: 10 each (capped by max_splits)
+    pool, cache, fb = _state(4, lens)
+    asked = []
+
+    def wave(q, k, v, *, fp8_kernel=None, prologue=False):  # type: ignore[no-untyped-def]
+        asked.append((q.shape[0], fp8_kernel, prologue))
+        return 12  # 4 requests: 3 splits each fit one wave, against 2+ waves of 10
+
+    splits = {}
+    for option in ("auto", "off"):
+        backend = _backend("auto", pool, cache, decode_wave=option, decode_split_target=64)
+        monkeypatch.setattr(backend.kernels, "decode_wave", wave)
+        if graph:
+            backend.init_graph_state(MAX_BS, MAX_BS)
+            meta = backend.plan_graph(fb)
+        else:
+            meta = backend.plan(fb)
+        splits[option] = meta.num_splits[:4].tolist()
+    assert asked == [(4, None, False)]  # off never asks
+    top = max(splits["off"])
+    assert top > 3 and splits["off"] == [top] * 4
+    assert splits["auto"] == wave_cap(lens, splits["off"], 12) == [3] * 4

@@ -332,6 +332,85 @@ def test_decode_num_splits_values_and_untouched_tail() -> None:
             assert out[len(lens) :].tolist() == [-9, -9, -9]
 
 
+# The wave rule (decode_wave / wave_cap): one wave of fewer splits where a little past a wave
+# would double the launch.
+WAVE_CASES = [
+    # (lens, counts, wave, want): 32 x 8.2k tokens at 5 splits on 148 items per head (an H200's
+    # 1,188 one-warp programs over 8 kv heads): two waves -> one of 4 splits
+    ([8200] * 32, [5] * 32, 148, [4] * 32),
+    ([8192] * 32, [4] * 32, 148, [4] * 32),  # one wave already
+    ([8200] * 64, [5] * 64, 198, [3] * 64),  # 2 waves of 5 -> 1 of 3 (2731 < 2 x 1640)
+    ([8192] * 128, [4] * 128, 198, [4] * 128),  # 1 split of 8192 is longer than 3 waves of 2048
+    ([8200] * 16 + [500] * 16, [5] * 16 + [2] * 16, 148, [5] * 16 + [2] * 16),  # fits
+    ([8200] * 32, [5] * 32, 0, [5] * 32),  # off
+    ([8200] * 32, [5] * 32, 31, [5] * 32),  # a wave below the batch: no cap of 1 split
+    ([9000] * 30 + [20000] * 2, [5] * 30 + [10] * 2, 148, [5] * 30 + [10] * 2),  # 2 x 10 long
+]
+
+
+@pytest.mark.parametrize("case", range(len(WAVE_CASES)))
+def test_wave_cap_cuts_splits_only_where_one_wave_is_faster(case: int) -> None:
+    lens, counts, wave, want = WAVE_CASES[case]
+    assert tk.indices.wave_cap(lens, counts, wave) == want
+
+
+def test_decode_num_splits_and_metadata_follow_the_wave_rule() -> None:
+    """The torch split counts, the one-launch metadata kernel's counts and its work list all
+    apply wave_cap's rule to the policy's counts, over random batches (ragged and uniform)."""
+    gen = torch.Generator().manual_seed(11)
+    policy = tk.SplitPolicy(min_split_len=16, target_split_len=64)
+    max_splits = 8
+    fired = 0
+    for trial in range(16):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        if trial % 2:
+            lens = [int(torch.randint(1, 600, (1,), generator=gen))] * batch
+        else:
+            lens = torch.randint(1, 600, (batch,), generator=gen).tolist()
+        wave = int(torch.randint(0, 4 * batch, (1,), generator=gen))
+        plain = torch.empty(batch, dtype=torch.int32, device=SMALL)
+        seq = torch.tensor(lens, dtype=torch.int64, device=SMALL)
+        tk.decode_num_splits(seq, plain, max_splits, policy, 1)
+        want = tk.indices.wave_cap(lens, plain.tolist(), wave)
+        fired += want != plain.tolist()
+        got = torch.empty(batch, dtype=torch.int32, device=SMALL)
+        tk.decode_num_splits(seq, got, max_splits, policy, 1, wave=wave)
+        assert got.tolist() == want, (lens, wave)
+        cache = make_cache(lens, 1, 16, 16, torch.float32, SMALL, gen)
+        indptr = torch.empty(batch + 1, dtype=torch.int32, device=SMALL)
+        indices = torch.empty(sum(lens), dtype=torch.int32, device=SMALL)
+        splits = torch.empty(batch, dtype=torch.int32, device=SMALL)
+        work = torch.empty(tk.work_size(batch, max_splits), dtype=torch.int32, device=SMALL)
+        tk.decode_metadata(
+            cache.req_to_token, cache.rows, seq, indptr, indices, splits, max_splits, policy,
+            1, work, wave=wave,
+        )  # fmt: skip
+        assert splits.tolist() == want, (lens, wave)
+        ref = _work_reference(want, max_splits, lens)
+        assert work[: len(ref)].tolist() == ref, (lens, wave)
+    assert fired >= 3  # the rule cut some batches (so the comparisons above can fail)
+
+
+def test_the_wave_rule_rejects_a_bad_wave() -> None:
+    lens = torch.ones(4, dtype=torch.int32, device=SMALL)
+    out = torch.zeros(4, dtype=torch.int32, device=SMALL)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="wave .* unsupported"):
+            tk.decode_num_splits(lens, out, 4, tk.SplitPolicy(), wave=bad)  # type: ignore[arg-type]
+
+
+def test_decode_wave_is_off_for_the_triton_kernels() -> None:
+    """A model-dtype cache, and an fp8 one on the words kernel (or where the mma kernel cannot
+    run: this CPU), leave the split counts to the policy."""
+    q = torch.zeros(32, 8, 64, dtype=torch.float16, device=SMALL)
+    k = torch.zeros(64, 2, 64, dtype=torch.float16, device=SMALL)
+    assert tk.decode_wave(q, k, k) == 0
+    k8 = k.to(torch.float8_e4m3fn)
+    assert tk.decode_wave(q, k8, k8, fp8_kernel="words") == 0
+    if not CUDA:
+        assert tk.decode_wave(q, k8, k8) == 0
+
+
 def test_decode_num_splits_rejects_bad_input() -> None:
     lens = torch.ones(4, dtype=torch.int32, device=SMALL)
     policy = tk.SplitPolicy()

@@ -169,6 +169,47 @@ def test_work_stealing_programs_and_queue() -> None:
     assert any(buf is q1 for buf in _triton._OUTGROWN)
 
 
+def _h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H200's occupancy limits for mma_resident, on any machine."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(
+        multi_processor_count=132, shared_memory_per_multiprocessor=233472,
+        max_threads_per_multi_processor=2048,
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mma, "cuda_capability", lambda device: (9, 0))
+
+
+def test_a_wave_counts_the_programs_each_limit_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    _h200(monkeypatch)
+    dev = torch.device("cuda", 0)
+    assert mma.mma_shared_bytes(1, 32, 3, 128, 128) == 24576
+    # shared memory: 233472 // (24576 + 1024) = 9 per SM
+    assert mma.mma_resident((1, 32, None, 3), 128, 128, dev) == 9 * 132
+    # registers: 160 a thread -> 5120 a warp -> 12 per SM (shared memory would allow 13)
+    assert mma.mma_resident((1, 16, None, 4), 128, 128, dev) == 12 * 132
+    # 4 warps of 128 registers: 4 per SM by registers and by shared memory (49152 + 1024)
+    assert mma.mma_resident((4, 16, 128, 3), 128, 128, dev) == 4 * 132
+    # no ring: registers, then the 32 blocks an SM holds
+    assert mma.mma_resident((1, 16, 64, 0), 64, 64, dev) == 32 * 132
+    monkeypatch.setattr(mma, "cuda_capability", lambda device: (8, 9))  # 24 blocks per SM
+    assert mma.mma_resident((1, 16, 64, 0), 64, 64, dev) == 24 * 132
+
+
+def test_decode_wave_is_the_mma_kernels_wave_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the mma kernel runs the batch, the wave is its resident programs over the kv
+    heads; with words, 0."""
+    _h200(monkeypatch)
+    monkeypatch.setattr(dec, "_run_mma", lambda kernel, *a: kernel != "words")
+    q, k, v = _case(hq=32, hkv=8)
+    q32 = q[:1].expand(32, -1, -1)
+    assert tk.decode_wave(q32, k, v) == 9 * 132 // 8  # 32 requests: 32 tokens, 3 stages
+    assert tk.decode_wave(q32[:1].expand(64, -1, -1), k, v) == 12 * 132 // 8
+    assert tk.decode_wave(q32, k, v, fp8_kernel="words") == 0
+
+
 def test_an_mma_default_that_cannot_run_falls_back_to_the_words_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -276,6 +317,38 @@ def _run(seq_lens: list[int], **kw: object) -> None:
             "kv_scales": (4.0, 0.25), "fp8_kernel": "mma"} | kw),  # type: ignore[arg-type]
     )  # fmt: skip
     assert_close(o, ref, tol)  # type: ignore[arg-type]
+
+
+@mma_gpu
+@pytest.mark.gpu
+def test_gpu_a_batch_just_past_a_wave_runs_in_one_wave_of_fewer_splits() -> None:
+    """32 requests of 8,200 tokens (a decode step past an 8k prompt): the policy's 5 splits
+    are 1,280 programs, past the 1,188 one-warp programs of 32 tokens and 3 stages that an
+    sm90 GPU of 132 SMs holds. The wave rule cuts them to 4 (one wave), and the output
+    still matches the oracle."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q = torch.empty(32, 32, 128, dtype=torch.bfloat16, device=CUDA_DEV)
+    k = torch.empty(16, 8, 128, device=CUDA_DEV).to(E4M3)
+    wave = tk.decode_wave(q, k, k)
+    assert wave == mma.mma_resident(mma.mma_launch_shape(32), 128, 128, CUDA_DEV) // 8 > 0
+    policy = tk.SplitPolicy()
+    lens = torch.full((32,), 8200, dtype=torch.int64, device=CUDA_DEV)
+    fill, top = policy.min_splits(32, 8, sms), policy.max_splits(32, 8200, 8, sms)
+    plain = torch.empty(32, dtype=torch.int32, device=CUDA_DEV)
+    tk.decode_num_splits(lens, plain, top, policy, fill)
+    cut = torch.empty_like(plain)
+    tk.decode_num_splits(lens, cut, top, policy, fill, wave=wave)
+    assert plain.eq(5).all()
+    want = tk.indices.wave_cap([8200] * 32, [5] * 32, wave)
+    assert cut.tolist() == want
+    if torch.cuda.get_device_capability() == (9, 0) and sms == 132:
+        assert want == [4] * 32
+    o, ref = run_decode(
+        [8200] * 32, device=CUDA_DEV, dtype=torch.bfloat16, num_q_heads=32, num_kv_heads=8,
+        head_dim=128, max_splits=top, num_splits=want, kv_dtype=E4M3, kv_scales=(4.0, 0.25),
+        fp8_kernel="mma", seed=5,
+    )  # fmt: skip
+    assert_close(o, ref, GPU_TOL[torch.bfloat16])
 
 
 @mma_gpu
