@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from execrt.core import envs
 from execrt.core.batch import ForwardBatch
 from execrt.core.config import TRITON_DECODE_FP8_KERNELS as DECODE_FP8_KERNELS
 from execrt.core.config import TRITON_DECODE_MERGE as DECODE_MERGE
@@ -163,6 +165,7 @@ class TritonAttnBackend(AttentionBackend):
         self._q_probe = torch.empty(
             1, init.num_q_heads, init.head_dim, dtype=init.dtype, device=init.device
         )
+        self._waves: dict[tuple[int, str | None], int] = {}
         self._graph: dict[str, torch.Tensor] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -231,13 +234,19 @@ class TritonAttnBackend(AttentionBackend):
         programs are cut into fewer splits when that is faster)."""
         if self.decode_wave == "off" or batch_size == 0 or not self.kv_cache.k_buffers:
             return 0
-        return self.kernels.decode_wave(
-            self._q_probe.expand(batch_size, -1, -1),
-            self.kv_cache.k_buffers[0],
-            self.kv_cache.v_buffers[0],
-            fp8_kernel=None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel,
-            prologue=self.decode_prologue,
-        )
+        # Once per batch size (plan_graph runs every step), and again if the variable that
+        # names the fp8 kernel changes.
+        key = (batch_size, os.environ.get(envs.FP8_DECODE_KERNEL))
+        wave = self._waves.get(key)
+        if wave is None:
+            wave = self._waves[key] = self.kernels.decode_wave(
+                self._q_probe.expand(batch_size, -1, -1),
+                self.kv_cache.k_buffers[0],
+                self.kv_cache.v_buffers[0],
+                fp8_kernel=None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel,
+                prologue=self.decode_prologue,
+            )
+        return wave
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (b, self.num_q_heads, max_splits)

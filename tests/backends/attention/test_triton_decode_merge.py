@@ -263,9 +263,8 @@ def test_the_wave_option_reaches_the_split_counts(
         monkeypatch.setattr(backend.kernels, "decode_wave", wave)
         if graph:
             backend.init_graph_state(MAX_BS, MAX_BS)
-            meta = backend.plan_graph(fb)
-        else:
-            meta = backend.plan(fb)
+        for _ in range(2):  # asked once per batch size
+            meta = backend.plan_graph(fb) if graph else backend.plan(fb)
         splits[option] = meta.num_splits[:4].tolist()
     assert asked == [(4, None, False)]  # off never asks
     top = max(splits["off"])
