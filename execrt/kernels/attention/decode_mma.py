@@ -85,11 +85,12 @@ MMA_MAXNREG: int | None = None
 MMA_RING: int | None = None
 MMA_AHEAD = 2
 #: (least batch, (warps, tokens, maxnreg, ring)): the first row whose batch a launch reaches
-#: gives its shape. From the H200 sweep of session 22 (docs/kernels.md): one-warp programs
-#: (each warp its own work item) where the batch gives many items, 32-token steps with a
+#: gives its shape. From the H200 sweeps of sessions 22 and 24 (docs/kernels.md): one-warp
+#: programs (each warp its own work item) where the batch gives many items (from 64: 16-token
+#: steps, a 3-stage ring and 128 registers, 16 resident per SM), 32-token steps with a
 #: 3-stage ring in the middle, 4-warp programs sharing out a few long items below.
 MMA_SHAPES_BY_BATCH: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
-    (64, (1, 16, 0, 4)),
+    (64, (1, 16, 128, 3)),
     (16, (1, 32, 0, 3)),
     (1, (4, 16, 128, 3)),
 )
