@@ -20,6 +20,10 @@ argument. The second picks the sweep:
   ``words`` at the tuned tiles, ``mma`` (Gluon) at each ``ahead,tokens,maxnreg`` launch shape
   of ``--mma-shapes``, and the bf16 cache at its tuned tiles for scale; the merge fused where
   the backend's ``auto`` fuses it. Each is checked against the fp32 oracle at bs 1 x 512 first.
+  The mma arms split as the backend does, under the wave rule (``--waves off|both`` for
+  without). A decode step runs at ctx + n, not ctx: ``--ctx-extra 40`` times that (at 32 x
+  8192 it is 5 splits a request instead of 4, which only the wave rule brings back to one
+  wave).
 
     python benchmarks/tune_triton_decode.py "$OUT/tune-decode.json" tiles --kv-dtypes fp8_e4m3,auto
 """
