@@ -243,10 +243,14 @@ class TritonAttnBackend(AttentionBackend):
                 self._q_probe.expand(batch_size, -1, -1),
                 self.kv_cache.k_buffers[0],
                 self.kv_cache.v_buffers[0],
-                fp8_kernel=None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel,
+                fp8_kernel=self._fp8_kernel_arg(),
                 prologue=self.decode_prologue,
             )
         return wave
+
+    def _fp8_kernel_arg(self) -> str | None:
+        """``decode_attention``'s ``fp8_kernel`` for this backend (None: the kernels' choice)."""
+        return None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel
 
     def _partials(self, b: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (b, self.num_q_heads, max_splits)
@@ -346,7 +350,7 @@ class TritonAttnBackend(AttentionBackend):
             kv_scales=scales, block_n=t.block_n, num_warps=t.num_warps,
             num_stages=t.num_stages, work=meta.work, arrivals=meta.arrivals, prologue=prologue,
             programs=self.decode_programs,
-            fp8_kernel=None if self.decode_fp8_kernel == "auto" else self.decode_fp8_kernel,
+            fp8_kernel=self._fp8_kernel_arg(),
         )  # fmt: skip
         return o
 

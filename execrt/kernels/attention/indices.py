@@ -428,14 +428,13 @@ def _decode_metadata_kernel(
     # Split count: decode_num_splits' rule; the requests before this one were counted the
     # same way, for where this request's work items start.
     splits = _split_count(seq_len, min_splits, max_splits, TARGET, MIN_LEN)
-    if WAVE:  # the wave rule: a batch-wide choice every program makes alike
+    if WAVE or WORK:
         counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
+    if WAVE:  # the wave rule: a batch-wide choice every program makes alike
         counts, cap = _wave_counts(lens, counts, valid, batch, wave)
         splits = tl.minimum(splits, cap)
     tl.store(num_splits_ptr + b, splits.to(tl.int32))
     if WORK:
-        if not WAVE:
-            counts = _split_count(lens, min_splits, max_splits, TARGET, MIN_LEN)
         first, total = _work_first(lens, counts, valid, b, seq_len, splits, LONGEST_FIRST)
         _write_work(
             work_ptr, b, first.to(tl.int32), total.to(tl.int32), splits.to(tl.int32),
