@@ -15,7 +15,10 @@ SmolLM2's small V values out of e4m3's subnormals: 43% of layer 0's V are below 
 96.4% (e4m3) and 93.0% (e5m2) over 64 tokens, against 95.4% and 92.3% at 1.0 in the same run
 (session 8): the rest is the 3 and 2 mantissa bits themselves. On a GPU (H100, bf16 model,
 session 24, ``benchmarks/fp8_agreement.py --tokens 128``): e4m3 96.75% rotated and unrotated,
-e5m2 95.25% rotated and 93.85% unrotated.
+e5m2 95.25% rotated and 93.85% unrotated. Where the e4m3 steps go (``fp8_agreement.py
+--decompose``, session 25, CPU, 128 tokens): K alone costs 47 steps, V alone 25 (23 with V lifted
+out of the subnormals by a scale), both 63; smoothing K, rotating V and random Hadamard signs
+move the count only within the measure's noise (docs/kernels.md).
 """
 
 from __future__ import annotations
