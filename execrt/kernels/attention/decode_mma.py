@@ -51,7 +51,7 @@ import math
 import torch
 
 from execrt.core.kv_quant import FP8_DTYPES
-from execrt.kernels._triton import cuda_capability, interpreter_enabled, stream_scratch
+from execrt.kernels._triton import cuda_capability, interpreter_enabled, sm_count, stream_scratch
 
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
@@ -149,15 +149,14 @@ def mma_resident(
     one-warp programs of 32 tokens and a 3-stage ring (shared memory: 9 per SM), 1,584 of 16
     tokens and 4 stages (registers: 12 per SM)."""
     warps, tokens, maxnreg, ring = shape
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
+    props = torch.cuda.get_device_properties(device)
     smem = mma_shared_bytes(warps, tokens, ring, head_dim, head_dim_v)
     by_smem = props.shared_memory_per_multiprocessor // (smem + _SMEM_RESERVED)
     regs = -(-(maxnreg or MMA_REGS_ESTIMATE) // 8) * 8
     by_regs = _REGS_PER_SM // (-(-regs * 32 // 256) * 256) // warps
     by_warps = props.max_threads_per_multi_processor // (32 * warps)
     blocks = _BLOCKS_PER_SM.get(cuda_capability(device), 16)
-    return max(1, min(by_smem, by_regs, by_warps, blocks)) * props.multi_processor_count
+    return max(1, min(by_smem, by_regs, by_warps, blocks)) * sm_count(device)
 
 
 def mma_launch_shape(batch: int) -> tuple[int, int, int | None, int]:

@@ -177,8 +177,8 @@ def _h200(monkeypatch: pytest.MonkeyPatch) -> None:
         multi_processor_count=132, shared_memory_per_multiprocessor=233472,
         max_threads_per_multi_processor=2048,
     )  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(mma, "sm_count", lambda device: props.multi_processor_count)
     monkeypatch.setattr(mma, "cuda_capability", lambda device: (9, 0))
 
 
