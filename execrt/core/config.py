@@ -81,6 +81,7 @@ class RuntimeConfig:
     flashinfer_prefill_backend: str = "auto"
     triton_decode_merge: str = "auto"
     triton_decode_split_target: int = 0  # tokens per decode KV split; 0 = the kernel's default
+    triton_decode_min_split: int = 0  # shortest decode KV split in tokens; 0 = the kernel's default
     triton_decode_order: str = "longest"
     triton_decode_prologue: str = "off"
     triton_decode_programs: str = "request"
@@ -121,7 +122,8 @@ class RuntimeConfig:
             raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}")
         auto_sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_tokens")
         for name in (
-            *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size", "triton_decode_split_target"
+            *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size", "triton_decode_split_target",
+            "triton_decode_min_split",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(

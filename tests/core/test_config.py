@@ -192,6 +192,7 @@ def test_a_backend_gets_only_its_own_keys_from_any_source(tmp_path) -> None:
     assert cfg.backend_options("triton") == {
         "decode_merge": "auto",
         "decode_split_target": 0,
+        "decode_min_split": 0,
         "decode_order": "longest",
         "decode_prologue": "off",
         "decode_programs": "request",
@@ -217,6 +218,7 @@ def test_triton_decode_merge_is_checked_and_reaches_only_the_triton_backend() ->
     assert config.backend_options("triton") == {
         "decode_merge": "fused",
         "decode_split_target": 0,
+        "decode_min_split": 0,
         "decode_order": "longest",
         "decode_prologue": "off",
         "decode_programs": "request",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -80,6 +80,11 @@ class TritonAttnBackend(AttentionBackend):
     GPU is still cut finer); shorter splits balance ragged batches, longer ones write fewer
     partials.
 
+    Option ``decode_min_split`` (config ``triton_decode_min_split``): the shortest split in
+    tokens (0: the policy's default, 128; at most the split target). A batch too small to fill
+    the GPU is cut no finer than this: one split per request of up to this many tokens, so a
+    one-split request under the ``fused`` merge needs no merge at all.
+
     Option ``decode_order`` (config ``triton_decode_order``): ``longest`` (the default) hands
     decode's programs the work list longest split first, so the shortest splits fill the end
     of a ragged batch; ``request`` keeps request order.
@@ -126,7 +131,11 @@ class TritonAttnBackend(AttentionBackend):
             if init.device.type == "cuda"
             else 4
         )
-        self.split_policy = _split_policy(kernels, init.options.get("decode_split_target", 0))
+        self.split_policy = _split_policy(
+            kernels,
+            init.options.get("decode_split_target", 0),
+            init.options.get("decode_min_split", 0),
+        )
         self.max_context_len = init.max_context_len
         self.decode_merge = _choice(init.options, "decode_merge", "auto", DECODE_MERGE)
         self.decode_order = _choice(init.options, "decode_order", "longest", DECODE_ORDER)
@@ -419,11 +428,21 @@ def _choice(options: Mapping[str, object], name: str, default: str, accepted: Se
     return value
 
 
-def _split_policy(kernels: ModuleType, target: object) -> SplitPolicy:
-    """The decode split policy with ``target`` tokens per split (0: the default policy)."""
-    if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+def _split_policy(kernels: ModuleType, target: object, min_split: object = 0) -> SplitPolicy:
+    """The decode split policy with ``target`` tokens per split and splits of at least
+    ``min_split`` tokens (0: the default policy's)."""
+    for name, value in (("decode_split_target", target), ("decode_min_split", min_split)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"triton attention: {name} {value!r} unsupported "
+                "(a token count >= 1, or 0 for the default)"
+            )
+    policy = kernels.SplitPolicy.with_target(target) if target else kernels.SplitPolicy()
+    if not min_split:
+        return policy
+    if min_split > policy.target_split_len:
         raise ConfigError(
-            f"triton attention: decode_split_target {target!r} unsupported "
-            "(a token count >= 1, or 0 for the default)"
+            f"triton attention: decode_min_split {min_split} unsupported (at most the split "
+            f"target, {policy.target_split_len} tokens)"
         )
-    return kernels.SplitPolicy.with_target(target) if target else kernels.SplitPolicy()
+    return replace(policy, min_split_len=min_split)

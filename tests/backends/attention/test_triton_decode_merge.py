@@ -151,6 +151,40 @@ def test_a_split_target_below_the_minimum_split_lowers_the_minimum() -> None:
     assert default == _backend("auto", pool, cache, decode_split_target=0).split_policy
 
 
+def test_a_minimum_split_gives_a_short_lone_request_one_split_and_the_same_output() -> None:
+    """``decode_min_split``: a lone request (whose batch cannot fill the GPU, so the policy
+    cuts it as fine as it may) gets cdiv(len, min) splits, one where it is no longer than the
+    minimum; under the fused merge that one split writes the output itself."""
+    lens = [CTX - 1]
+    pool, cache, fb = _state(1, lens)
+    layer = AttentionLayer(0, HQ, HKV, D, D, D**-0.5)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    outs, splits = {}, {}
+    for merge, min_split in (("separate", 0), ("fused", CTX), ("separate", 256)):
+        backend = _backend(merge, pool, cache, decode_min_split=min_split)
+        meta = backend.plan(fb)
+        splits[min_split] = meta.num_splits[:1].tolist()
+        outs[min_split] = backend.attend(
+            q, layer, AttentionStep(backend, meta, fb.out_cache_loc, fb.mode)
+        )
+    fill = -(-2 * SMS // HKV)  # the splits a lone request is cut into to fill the GPU
+    assert splits == {m: [min(fill, -(-(CTX - 1) // (m or 128)))] for m in (0, CTX, 256)}
+    assert splits[CTX] == [1] and splits[256] < splits[0]
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    torch.testing.assert_close(outs[CTX], outs[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(outs[256], outs[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("min_split", "why"),
+    [(-1, "a token count"), (True, "a token count"), (4096, "at most the split target")],
+)
+def test_a_bad_minimum_split_is_refused_naming_the_value(min_split, why) -> None:  # type: ignore[no-untyped-def]
+    pool, cache, _ = _state(1, [4])
+    with pytest.raises(ConfigError, match=rf"decode_min_split {min_split!r} unsupported \({why}"):
+        _backend("auto", pool, cache, decode_min_split=min_split)
+
+
 @pytest.mark.parametrize("merge", ["separate", "fused"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_one_wave_of_programs_gives_the_per_request_grids_output(merge, graph, monkeypatch) -> None:  # type: ignore[no-untyped-def]
