@@ -122,8 +122,8 @@ class RuntimeConfig:
             raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}")
         auto_sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_tokens")
         for name in (
-            *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size", "triton_decode_split_target",
-            "triton_decode_min_split",
+            *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size",
+            "triton_decode_split_target", "triton_decode_min_split",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(

@@ -37,6 +37,9 @@ FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
 #: (mma from 8 requests where it can run, else words). Unset: auto. A call that names its
 #: kernel overrides it.
 FP8_DECODE_KERNEL = "EXECRT_FP8_DECODE_KERNEL"
+#: Splits whose partials a decode merge loads at once: 1, 2, 4, 8 or 16 (unset: 8). The same
+#: bits whatever the value; 1 is the split-at-a-time merge, for the A/B of docs/kernels.md.
+DECODE_MERGE_CHUNK = "EXECRT_DECODE_MERGE_CHUNK"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies
 #: the slot ids of each reservation and release to the host). The tests run with it on.
@@ -57,6 +60,7 @@ NON_CONFIG = frozenset(
         PDL_PREFETCH_ROWS,
         FP8_WORDS_OPAQUE,
         FP8_DECODE_KERNEL,
+        DECODE_MERGE_CHUNK,
         DEBUG_KV_OWNERSHIP,
     }
 )
@@ -81,6 +85,7 @@ KERNEL_SWITCHES = (
     PDL_PREFETCH_ROWS,
     FP8_WORDS_OPAQUE,
     FP8_DECODE_KERNEL,
+    DECODE_MERGE_CHUNK,
 )
 
 

@@ -284,6 +284,28 @@ def fp8_words_opaque() -> bool:
     return value in envs.TRUE_WORDS
 
 
+#: Splits whose partials a decode merge loads at once (``decode._merge_chunk``), unless
+#: ``EXECRT_DECODE_MERGE_CHUNK`` says otherwise; 1 loads a split at a time (the merge before
+#: session 26), a dependent round trip to L2 per split.
+DEFAULT_MERGE_CHUNK = 8
+MERGE_CHUNKS = (1, 2, 4, 8, 16)
+
+
+def merge_chunk() -> int:
+    """Splits a decode merge loads at once: ``EXECRT_DECODE_MERGE_CHUNK`` (1, 2, 4, 8 or 16),
+    else ``DEFAULT_MERGE_CHUNK``. Every value gives the same bits (the sum still runs split
+    by split); read at each launch."""
+    value = os.environ.get(envs.DECODE_MERGE_CHUNK, "").strip()
+    if not value:
+        return DEFAULT_MERGE_CHUNK
+    if value not in {str(c) for c in MERGE_CHUNKS}:
+        raise ConfigError(
+            f"{envs.DECODE_MERGE_CHUNK}={value!r} unsupported; accepted: "
+            f"{', '.join(map(str, MERGE_CHUNKS))}, or unset ({DEFAULT_MERGE_CHUNK})"
+        )
+    return int(value)
+
+
 #: The kernels that can read an fp8 cache at decode (``decode_attention(fp8_kernel=...)``),
 #: and ``auto``: the mma kernel from ``decode_mma.MMA_MIN_BATCH`` requests where it can run,
 #: else the words kernel.

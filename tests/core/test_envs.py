@@ -102,6 +102,7 @@ def test_non_config_names_every_special_variable() -> None:
         "EXECRT_PDL_PREFETCH_ROWS",
         "EXECRT_FP8_WORDS_OPAQUE",
         "EXECRT_FP8_DECODE_KERNEL",
+        "EXECRT_DECODE_MERGE_CHUNK",
         "EXECRT_DEBUG_KV_OWNERSHIP",
     }
     assert all(name.startswith(envs.CONFIG_PREFIX) for name in envs.NON_CONFIG)

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
+from execrt.core.errors import ConfigError
 from execrt.core.kv_quant import quantize
 from execrt.kernels import attention as tk
 from execrt.kernels.kv_indices import fill_kv_index, host_indptr
@@ -573,6 +574,27 @@ def test_fused_merge_matches_the_oracle_and_the_separate_merge(case: str) -> Non
     torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
     empty = [b for b, n in enumerate(kwargs["seq_lens"]) if n == 0]
     assert all(torch.all(fused[b] == 0) for b in empty)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_every_merge_chunk_gives_the_same_bits(fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``EXECRT_DECODE_MERGE_CHUNK``: the merge loads that many splits at once but still sums
+    them one by one, so every chunk gives the split-at-a-time merge's bits (1), over requests
+    of fewer splits than a chunk, more (several chunks and a partial one), empty splits and
+    an empty request, with the scratch past them NaN (``run_decode``)."""
+    kwargs: dict = dict(
+        seq_lens=[1, 40, 77, 0, 130, 9], max_splits=11, num_splits=[1, 5, 11, 3, 11, 9]
+    )
+    outs = {}
+    for chunk in (1, 2, 8, 16):
+        monkeypatch.setenv("EXECRT_DECODE_MERGE_CHUNK", str(chunk))
+        outs[chunk], ref = run_decode(**kwargs, fused=fused, seed=7)
+        assert_close(outs[chunk], ref, SMALL_TOL[torch.float32])
+    for chunk in (2, 8, 16):
+        assert torch.equal(outs[chunk], outs[1]), f"chunk {chunk}"
+    monkeypatch.setenv("EXECRT_DECODE_MERGE_CHUNK", "3")
+    with pytest.raises(ConfigError, match=r"EXECRT_DECODE_MERGE_CHUNK='3' unsupported"):
+        run_decode(**kwargs, fused=fused)
 
 
 def test_fused_merge_rejects_bad_counters() -> None:
