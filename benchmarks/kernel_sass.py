@@ -85,11 +85,14 @@ def compile_split_kernel(
     group: int = 4,
     prologue: bool = False,
     prefetch: bool = False,
+    fused: bool = False,
+    merge_chunk: int = 8,
 ):  # type: ignore[no-untyped-def]
     """The compiled kernel (``triton.compile``'s object) for a 128-dim head, ``group`` query
     heads per KV head, bf16 q; ``prologue``: with q/k norm, RoPE and the K/V store inside
     (``decode_attention(prologue=)``); ``prefetch``: with the K/V prefetch ahead of the PDL
-    wait."""
+    wait; ``fused``: with the merge inside (``arrivals``), loading ``merge_chunk`` splits'
+    partials at once."""
     fn = D._decode_split_kernel
     names = fn.arg_names
     kv_type = KV_TYPES[kv][0]
@@ -105,8 +108,9 @@ def compile_split_kernel(
     }  # fmt: skip
     constants = {
         "GROUP": group, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BLOCK_H": max(16, group),
-        "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
-        "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16", "FUSED": False, "PDL": True,
+        "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128,
+        "MERGE_CHUNK": merge_chunk, "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16",
+        "FUSED": fused, "PDL": True,
         "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "F8_OPAQUE": fp8_words_opaque(),
         "SLOT_I32": True, "PROLOGUE": prologue,
         "HAS_Q_NORM": True, "HAS_K_NORM": True, "HADAMARD": kv != "bf16", "HALF": 64,
