@@ -38,7 +38,7 @@ FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
 #: kernel overrides it.
 FP8_DECODE_KERNEL = "EXECRT_FP8_DECODE_KERNEL"
 #: Splits whose partials a decode merge loads at once: 1, 2, 4, 8 or 16 (unset: 8). The same
-#: bits whatever the value; 1 is the split-at-a-time merge, for the A/B of docs/kernels.md.
+#: bits whatever the value; 1 loads a split at a time (an L2 round trip each).
 DECODE_MERGE_CHUNK = "EXECRT_DECODE_MERGE_CHUNK"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies

@@ -285,8 +285,8 @@ def fp8_words_opaque() -> bool:
 
 
 #: Splits whose partials a decode merge loads at once (``decode._merge_chunk``), unless
-#: ``EXECRT_DECODE_MERGE_CHUNK`` says otherwise; 1 loads a split at a time (the merge before
-#: session 26), a dependent round trip to L2 per split.
+#: ``EXECRT_DECODE_MERGE_CHUNK`` says otherwise; 1 loads a split at a time, a dependent round
+#: trip to L2 per split.
 DEFAULT_MERGE_CHUNK = 8
 MERGE_CHUNKS = (1, 2, 4, 8, 16)
 
