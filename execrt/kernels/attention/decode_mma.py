@@ -591,8 +591,10 @@ cvt.rn.f16x2.FMTx2 $3, yh;
                       GROUP: gl.constexpr, H: gl.constexpr, DV: gl.constexpr,
                       W: gl.constexpr):  # fmt: skip
         """The fused merge: the last split of request ``b`` to finish combines every split's
-        partial for its kv head's query heads (``decode._merge_group``'s arithmetic). The
-        partials are read past L1 (``.cg``): this SM may hold older lines of them."""
+        partial for its kv head's query heads: the maximum log-sum-exp first, then the
+        weighted sum (``decode._merge_group`` takes one pass with a running maximum instead;
+        the two agree to rounding). The partials are read past L1 (``.cg``): this SM may hold
+        older lines of them."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         h = gl.arange(0, H, layout=gl.SliceLayout(1, layout))
         dv = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
