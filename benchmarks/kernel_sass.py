@@ -86,13 +86,13 @@ def compile_split_kernel(
     prologue: bool = False,
     prefetch: bool = False,
     fused: bool = False,
-    merge_chunk: int = 8,
+    merge_chunk: int = 0,
 ):  # type: ignore[no-untyped-def]
     """The compiled kernel (``triton.compile``'s object) for a 128-dim head, ``group`` query
     heads per KV head, bf16 q; ``prologue``: with q/k norm, RoPE and the K/V store inside
     (``decode_attention(prologue=)``); ``prefetch``: with the K/V prefetch ahead of the PDL
-    wait; ``fused``: with the merge inside (``arrivals``), loading ``merge_chunk`` splits'
-    partials at once."""
+    wait; ``fused``: with the merge inside (``arrivals``), ``merge_chunk`` its ``CHUNK`` (0:
+    two passes)."""
     fn = D._decode_split_kernel
     names = fn.arg_names
     kv_type = KV_TYPES[kv][0]
@@ -108,7 +108,7 @@ def compile_split_kernel(
     }  # fmt: skip
     constants = {
         "GROUP": group, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BLOCK_H": max(16, group),
-        "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128,
+        "BLOCK_N": block_n, "BLOCK_D": 128, "BLOCK_DV": 128, "BLOCK_S": 32,
         "MERGE_CHUNK": merge_chunk, "KV_SCALED": kv != "bf16", "DOT_F16": kv != "bf16",
         "FUSED": fused, "PDL": True,
         "F8_WORDS": kv == "fp8w", "F8_E5M2": False, "F8_ASM": True, "F8_OPAQUE": fp8_words_opaque(),

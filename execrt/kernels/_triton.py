@@ -284,26 +284,26 @@ def fp8_words_opaque() -> bool:
     return value in envs.TRUE_WORDS
 
 
-#: Splits whose partials a decode merge loads at once (``decode._merge_chunk``), unless
-#: ``EXECRT_DECODE_MERGE_CHUNK`` says otherwise; 1 loads a split at a time, a dependent round
-#: trip to L2 per split.
-DEFAULT_MERGE_CHUNK = 8
-MERGE_CHUNKS = (1, 2, 4, 8, 16)
+#: How a decode merge takes the splits (``decode._merge_group``) unless
+#: ``EXECRT_DECODE_MERGE_CHUNK`` says otherwise: 0, two passes (every split's log-sum-exp and
+#: their maximum first); N >= 1, one pass with a running maximum, loading N splits at a time.
+#: 0 until the one-pass merge has been timed on a GPU (docs/kernels.md).
+DEFAULT_MERGE_CHUNK = 0
+MERGE_CHUNKS = (0, 1, 2, 4, 8, 16)
 
 
-def merge_chunk() -> int:
-    """Splits a decode merge loads at once: ``EXECRT_DECODE_MERGE_CHUNK`` (1, 2, 4, 8 or 16),
-    else ``DEFAULT_MERGE_CHUNK``. Every value gives the same bits (the sum still runs split
-    by split); read at each launch."""
+def merge_chunk(max_splits: int) -> int:
+    """The decode merge's ``CHUNK`` for launches of up to ``max_splits`` splits:
+    ``EXECRT_DECODE_MERGE_CHUNK`` (0, 1, 2, 4, 8 or 16), else ``DEFAULT_MERGE_CHUNK``; a
+    one-pass chunk is cut to the splits there can be. Read at each launch."""
     value = os.environ.get(envs.DECODE_MERGE_CHUNK, "").strip()
-    if not value:
-        return DEFAULT_MERGE_CHUNK
-    if value not in {str(c) for c in MERGE_CHUNKS}:
+    if value and value not in {str(c) for c in MERGE_CHUNKS}:
         raise ConfigError(
             f"{envs.DECODE_MERGE_CHUNK}={value!r} unsupported; accepted: "
             f"{', '.join(map(str, MERGE_CHUNKS))}, or unset ({DEFAULT_MERGE_CHUNK})"
         )
-    return int(value)
+    chunk = int(value) if value else DEFAULT_MERGE_CHUNK
+    return min(chunk, next_power_of_2(max(1, max_splits)))
 
 
 #: The kernels that can read an fp8 cache at decode (``decode_attention(fp8_kernel=...)``),

@@ -387,6 +387,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
@@ -512,7 +513,7 @@ def _decode_split_kernel(
             m_i, l_i, acc, part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr,
             kv_head, num_kv_heads, b, split, n_splits, max_splits, stride_pob, stride_poh,
             stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, GROUP, HEAD_DIM_V, BLOCK_H,
-            BLOCK_DV, MERGE_CHUNK, KV_SCALED, FUSED,
+            BLOCK_DV, BLOCK_S, MERGE_CHUNK, KV_SCALED, FUSED,
         )  # fmt: skip
         b, split, kv_start, lo, hi, n_splits = b_n, split_n, kv_start_n, lo_n, hi_n, n_splits_n
         q = q_n
@@ -738,8 +739,8 @@ def _split_epilogue(
     m_i, l_i, acc, part_o_ptr, part_lse_ptr, kv_scales_ptr, o_ptr, arrivals_ptr, kv_head,
     num_kv_heads, b, split, n_splits, max_splits, stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    KV_SCALED: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, KV_SCALED: tl.constexpr, FUSED: tl.constexpr,
 ):  # fmt: skip
     """One split's partial output and log-sum-exp. ``FUSED``: a request of one split writes
     its output directly, and the last split of a request to finish merges them all (see
@@ -784,7 +785,7 @@ def _split_epilogue(
                 _merge_group(
                     o_ptr, part_o_ptr, part_lse_ptr, b, heads, mask_h, n_splits, max_splits,
                     stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb,
-                    stride_plh, HEAD_DIM_V, BLOCK_H, BLOCK_DV, MERGE_CHUNK,
+                    stride_plh, HEAD_DIM_V, BLOCK_H, BLOCK_S, BLOCK_DV, MERGE_CHUNK,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -793,37 +794,65 @@ def _split_epilogue(
 def _merge_group(
     o_ptr, part_o_ptr, part_lse_ptr, b, heads, mask_h, n_splits, max_splits, stride_ob,
     stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CHUNK: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Stage 2 for the query heads ``heads`` of request ``b``: in a merge program of its own
     (``_decode_merge_kernel``, one head) or in the last stage-1 program to finish the request
     (fused, the kv head's group). The partials are read past L1 (``.cg``): a fused merge's SM
     may hold older lines of the same scratch from an earlier layer.
 
-    The merge costs dependent round trips to L2, not bytes. So it takes the splits in order
-    with a running maximum (no pass over every split's log-sum-exp first, and no reduction
-    across threads between the loads and the sums), addresses its loads by ``max_splits``
-    (in bounds of the scratch) instead of by ``n_splits`` (itself a load in the separate
-    merge), and loads ``CHUNK`` splits at a time: up to ``CHUNK`` splits take one round
-    trip. What is read past ``n_splits`` is dropped by value. The sums run split by split
-    whatever the chunk, so every chunk gives the same bits."""
+    ``CHUNK`` 0 (the default, :func:`execrt.kernels._triton.merge_chunk`): two passes, every
+    split's log-sum-exp and their maximum first (a reduction across the program's threads),
+    then the weighted partials one split at a time. The merge costs dependent round trips to
+    L2, not bytes, and that is about 2n + 2 of them for n splits. ``CHUNK`` >= 1: one pass in
+    split order with a running maximum (no reduction across threads), every load addressed
+    by ``max_splits`` (in bounds of the scratch) instead of by ``n_splits`` (itself a load
+    in the separate merge) and what lies past ``n_splits`` dropped by value, ``CHUNK``
+    splits loaded at a time: up to ``CHUNK`` splits in one round trip. Its sums run split
+    by split whatever the chunk, so every chunk >= 1 gives the same bits; they agree with
+    the two-pass merge to rounding."""
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
     lse_base = part_lse_ptr + b * stride_plb + heads * stride_plh  # [BLOCK_H]
     po_base = part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    acc, denom, lse_max = _merge_chunk(
-        acc, denom, lse_max, lse_base, po_base, mask_h, mask_dv, 0, n_splits, max_splits,
-        stride_pos, CHUNK,
-    )  # fmt: skip
-    for first in range(CHUNK, n_splits, CHUNK):
+    if CHUNK == 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_all = tl.load(
+            lse_base[:, None] + offs_s[None, :],
+            mask=mask_h[:, None] & (offs_s < n_splits)[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # [BLOCK_H, BLOCK_S]
+        lse_max = tl.max(lse_all, 1)
+        # Every split empty (seq_len 0): 0 as the reference keeps the exponentials 0, not NaN.
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        denom = tl.sum(tl.exp2(lse_all - lse_max[:, None]), 1)
+        for split in range(0, n_splits):
+            lse = tl.load(lse_base + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+            # Empty splits wrote no partial row: masking the load keeps stale memory (possibly
+            # NaN) out of the sum, where a zero weight alone would not (0 * NaN).
+            written = mask_h & (lse > float("-inf"))
+            part = tl.load(
+                po_base + split * stride_pos,
+                mask=written[:, None] & mask_dv[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += tl.exp2(lse - lse_max)[:, None] * part
+    else:
+        denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+        lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         acc, denom, lse_max = _merge_chunk(
-            acc, denom, lse_max, lse_base, po_base, mask_h, mask_dv, first, n_splits,
-            max_splits, stride_pos, CHUNK,
+            acc, denom, lse_max, lse_base, po_base, mask_h, mask_dv, 0, n_splits, max_splits,
+            stride_pos, CHUNK,
         )  # fmt: skip
+        for first in range(CHUNK, n_splits, CHUNK):
+            acc, denom, lse_max = _merge_chunk(
+                acc, denom, lse_max, lse_base, po_base, mask_h, mask_dv, first, n_splits,
+                max_splits, stride_pos, CHUNK,
+            )  # fmt: skip
     # Every split empty (seq_len 0): acc is 0 and so is the output, as the reference's.
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(
@@ -883,6 +912,7 @@ def _decode_merge_kernel(
     stride_plb,
     stride_plh,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
@@ -895,7 +925,7 @@ def _decode_merge_kernel(
     _merge_group(
         o_ptr, part_o_ptr, part_lse_ptr, b, heads, heads >= 0, n_splits, max_splits, stride_ob,
         stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, HEAD_DIM_V, 1,
-        BLOCK_DV, CHUNK,
+        BLOCK_S, BLOCK_DV, CHUNK,
     )  # fmt: skip
 
 
@@ -1229,7 +1259,8 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
-        MERGE_CHUNK=min(merge_chunk(), next_power_of_2(max_splits)),
+        BLOCK_S=pow2_at_least(max_splits, 2),
+        MERGE_CHUNK=merge_chunk(max_splits),
         KV_SCALED=kv_scales is not None,
         DOT_F16=fp16_dots(q, k_buffer),
         FUSED=arrivals is not None,
@@ -1337,8 +1368,9 @@ def _merge(
         partial_lse.stride(0),
         partial_lse.stride(1),
         HEAD_DIM_V=head_dim_v,
+        BLOCK_S=pow2_at_least(max_splits, 2),
         BLOCK_DV=pow2_at_least(head_dim_v),
-        CHUNK=min(merge_chunk(), next_power_of_2(max_splits)),
+        CHUNK=merge_chunk(max_splits),
         num_warps=4 if head_dim_v > 128 else 2,
         **pdl_kwargs(o.device),
     )

@@ -577,21 +577,26 @@ def test_fused_merge_matches_the_oracle_and_the_separate_merge(case: str) -> Non
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_every_merge_chunk_gives_the_same_bits(fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """``EXECRT_DECODE_MERGE_CHUNK``: the merge loads that many splits at once but still sums
-    them one by one, so every chunk gives the split-at-a-time merge's bits (1), over requests
-    of fewer splits than a chunk, more (several chunks and a partial one), empty splits and
-    an empty request, with the scratch past them NaN (``run_decode``)."""
+def test_every_one_pass_merge_chunk_gives_the_same_bits(fused: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``EXECRT_DECODE_MERGE_CHUNK``: the one-pass merge loads that many splits at once but
+    still sums them one by one, so every chunk gives the bits of a split at a time (1), over
+    requests of fewer splits than a chunk, more (several chunks and a partial one), empty
+    splits and an empty request, with the scratch past them NaN (``run_decode``); and it
+    agrees with the two-pass merge (0, the default) to rounding."""
     kwargs: dict = dict(
         seq_lens=[1, 40, 77, 0, 130, 9], max_splits=11, num_splits=[1, 5, 11, 3, 11, 9]
     )
     outs = {}
-    for chunk in (1, 2, 8, 16):
+    for chunk in (0, 1, 2, 8, 16):
         monkeypatch.setenv("EXECRT_DECODE_MERGE_CHUNK", str(chunk))
         outs[chunk], ref = run_decode(**kwargs, fused=fused, seed=7)
         assert_close(outs[chunk], ref, SMALL_TOL[torch.float32])
     for chunk in (2, 8, 16):
         assert torch.equal(outs[chunk], outs[1]), f"chunk {chunk}"
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    assert torch.all(outs[1][3] == 0), "an empty request's output is 0"
+    monkeypatch.delenv("EXECRT_DECODE_MERGE_CHUNK")
+    assert torch.equal(run_decode(**kwargs, fused=fused, seed=7)[0], outs[0]), "the default"
     monkeypatch.setenv("EXECRT_DECODE_MERGE_CHUNK", "3")
     with pytest.raises(ConfigError, match=r"EXECRT_DECODE_MERGE_CHUNK='3' unsupported"):
         run_decode(**kwargs, fused=fused)
