@@ -1260,7 +1260,7 @@ def decode_attention(
         BLOCK_D=pow2_at_least(head_dim),
         BLOCK_DV=pow2_at_least(head_dim_v),
         BLOCK_S=pow2_at_least(max_splits, 2),
-        MERGE_CHUNK=merge_chunk(max_splits),
+        MERGE_CHUNK=merge_chunk(max_splits) if arrivals is not None else 0,  # (no merge inside)
         KV_SCALED=kv_scales is not None,
         DOT_F16=fp16_dots(q, k_buffer),
         FUSED=arrivals is not None,
