@@ -37,8 +37,8 @@ FP8_WORDS_OPAQUE = "EXECRT_FP8_WORDS_OPAQUE"
 #: (mma from 8 requests where it can run, else words). Unset: auto. A call that names its
 #: kernel overrides it.
 FP8_DECODE_KERNEL = "EXECRT_FP8_DECODE_KERNEL"
-#: How the decode merge takes the splits: 0 (unset), two passes; 1, 2, 4, 8 or 16, one pass
-#: with a running maximum, loading that many splits at a time (untimed: docs/kernels.md).
+#: How the decode merge takes the splits: 0, two passes; 1, 2, 4, 8 (unset) or 16, one pass
+#: with a running maximum, loading that many splits at a time (docs/kernels.md).
 DECODE_MERGE_CHUNK = "EXECRT_DECODE_MERGE_CHUNK"
 #: "1" gives KVMemory a map of every KV slot's holder that raises KVOwnershipError on a double
 #: free, on freeing slot 0 and on one slot handed to two holders (a debugging aid: it copies

@@ -582,7 +582,7 @@ def test_every_one_pass_merge_chunk_gives_the_same_bits(fused: bool, monkeypatch
     still sums them one by one, so every chunk gives the bits of a split at a time (1), over
     requests of fewer splits than a chunk, more (several chunks and a partial one), empty
     splits and an empty request, with the scratch past them NaN (``run_decode``); and it
-    agrees with the two-pass merge (0, the default) to rounding."""
+    agrees with the two-pass merge (0) to rounding. Unset, it is 8 (``DEFAULT_MERGE_CHUNK``)."""
     kwargs: dict = dict(
         seq_lens=[1, 40, 77, 0, 130, 9], max_splits=11, num_splits=[1, 5, 11, 3, 11, 9]
     )
@@ -596,7 +596,7 @@ def test_every_one_pass_merge_chunk_gives_the_same_bits(fused: bool, monkeypatch
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     assert torch.all(outs[1][3] == 0), "an empty request's output is 0"
     monkeypatch.delenv("EXECRT_DECODE_MERGE_CHUNK")
-    assert torch.equal(run_decode(**kwargs, fused=fused, seed=7)[0], outs[0]), "the default"
+    assert torch.equal(run_decode(**kwargs, fused=fused, seed=7)[0], outs[8]), "the default"
     monkeypatch.setenv("EXECRT_DECODE_MERGE_CHUNK", "3")
     with pytest.raises(ConfigError, match=r"EXECRT_DECODE_MERGE_CHUNK='3' unsupported"):
         run_decode(**kwargs, fused=fused)

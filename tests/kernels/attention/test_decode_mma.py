@@ -206,9 +206,9 @@ def test_decode_wave_is_the_mma_kernels_wave_per_kv_head(monkeypatch: pytest.Mon
     q, k, v = _case(hq=32, hkv=8)
     q32 = q[:1].expand(32, -1, -1)
     assert tk.decode_wave(q32, k, v) == 9 * 132 // 8  # 32 requests: 32 tokens, 3 stages
-    # 64 requests: 16 tokens, 3 stages, 128 registers: 16 per SM by registers
-    assert mma.mma_launch_shape(64) == (1, 16, 128, 3)
-    assert tk.decode_wave(q32[:1].expand(64, -1, -1), k, v) == 16 * 132 // 8
+    # 64 requests: 16 tokens, 4 stages, registers as ptxas allocates: 12 per SM by registers
+    assert mma.mma_launch_shape(64) == (1, 16, None, 4)
+    assert tk.decode_wave(q32[:1].expand(64, -1, -1), k, v) == 12 * 132 // 8
     assert tk.decode_wave(q32, k, v, fp8_kernel="words") == 0
 
 
