@@ -291,6 +291,7 @@ def fp8_words_opaque() -> bool:
 #: step on an H200 and an H100, bs 8 unchanged (docs/kernels.md).
 DEFAULT_MERGE_CHUNK = 8
 MERGE_CHUNKS = (0, 1, 2, 4, 8, 16)
+_MERGE_CHUNK_VALUES = frozenset(map(str, MERGE_CHUNKS))
 
 
 def merge_chunk(max_splits: int) -> int:
@@ -298,7 +299,7 @@ def merge_chunk(max_splits: int) -> int:
     ``EXECRT_DECODE_MERGE_CHUNK`` (0, 1, 2, 4, 8 or 16), else ``DEFAULT_MERGE_CHUNK``; a
     one-pass chunk is cut to the splits there can be. Read at each launch."""
     value = os.environ.get(envs.DECODE_MERGE_CHUNK, "").strip()
-    if value and value not in {str(c) for c in MERGE_CHUNKS}:
+    if value and value not in _MERGE_CHUNK_VALUES:
         raise ConfigError(
             f"{envs.DECODE_MERGE_CHUNK}={value!r} unsupported; accepted: "
             f"{', '.join(map(str, MERGE_CHUNKS))}, or unset ({DEFAULT_MERGE_CHUNK})"

@@ -802,7 +802,7 @@ def _merge_group(
     (fused, the kv head's group). The partials are read past L1 (``.cg``): a fused merge's SM
     may hold older lines of the same scratch from an earlier layer.
 
-    ``CHUNK`` 0 (the default, :func:`execrt.kernels._triton.merge_chunk`): two passes, every
+    ``CHUNK`` (:func:`execrt.kernels._triton.merge_chunk`; 8 unless set) 0: two passes, every
     split's log-sum-exp and their maximum first (a reduction across the program's threads),
     then the weighted partials one split at a time. The merge costs dependent round trips to
     L2, not bytes, and that is about 2n + 2 of them for n splits. ``CHUNK`` >= 1: one pass in
