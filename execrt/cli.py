@@ -307,6 +307,14 @@ def _add_bench_decode(bench_sub: Any) -> None:
     )
     dec.add_argument("--steps", type=int, help="decode steps timed (default: 32; --quick 8)")
     dec.add_argument(
+        "--generate-base",
+        type=int,
+        default=1,
+        help="the generate path's step is (t(base + steps) - t(base)) / steps: 1 also counts "
+        "what a call pays once per request after its prefill (its first steps, the batch "
+        "finishing), more leaves steady steps only (default: 1)",
+    )
+    dec.add_argument(
         "--context-len",
         default="run",
         help="the engine's context limit: run (ctx + steps + a margin), model (the model's own "
@@ -475,6 +483,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         out_dir=args.out,
         ttft=ttft,
         context_len=args.context_len,
+        generate_base=args.generate_base,
     )
     decode.run(opts)
     return 0

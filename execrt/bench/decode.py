@@ -109,11 +109,24 @@ class Options:
     #: "model" (the model's own limit: what a user's engine gets by default) or a number.
     #: A graph bucket's decode launch is sized by it; the KV pool holds what the run needs.
     context_len: str = "run"
+    #: The generate path's step is ``(t(base + steps) - t(base)) / steps``, ``t(n)`` a generate
+    #: of ``n`` new tokens. 1 (the default): the difference also holds what a call pays once
+    #: per request after its prefill (the first decode steps, and the whole batch finishing
+    #: at once at the end, where t(1)'s requests finish chunk by chunk under the next
+    #: chunk's prefill). Larger: both generates decode and finish every request, so only
+    #: steady decode steps are left; the two together split a call's cost.
+    generate_base: int = 1
+
+    @property
+    def decoded(self) -> int:
+        """Steps the longest generate decodes past its prompt (its first token comes from
+        the prefill): ``generate_base - 1 + steps``."""
+        return self.generate_base - 1 + self.steps
 
     @property
     def run_len(self) -> int:
-        """Context slots one request of the run needs: ctx + steps + a margin."""
-        return self.ctx + self.steps + KV_MARGIN
+        """Context slots one request of the run needs: ctx + the steps decoded + a margin."""
+        return self.ctx + self.decoded + KV_MARGIN
 
     def context_limit(self, model_limit: int) -> int:
         """``context_len`` as the engine's limit (``model_limit``: the model's own)."""
@@ -124,11 +137,12 @@ class Options:
     def __post_init__(self) -> None:
         problems = []
         if self.context_len not in ("run", "model") and not (
-            self.context_len.isdigit() and int(self.context_len) > self.ctx + self.steps
+            self.context_len.isdigit() and int(self.context_len) > self.ctx + self.decoded
         ):
+            base = " + generate base - 1" if self.generate_base > 1 else ""
             problems.append(
                 f"context_len {self.context_len!r} unsupported (run, model, or a number above "
-                f"ctx + steps = {self.ctx + self.steps})"
+                f"ctx + steps{base} = {self.ctx + self.decoded})"
             )
         if self.config is None and self.model not in MODELS:
             problems.append(f"model {self.model!r} unknown (known: {', '.join(MODELS)})")
@@ -140,6 +154,8 @@ class Options:
             problems.append(f"ttft prompt lengths {list(self.ttft)} must be >= 1")
         if self.ctx < 1 or self.steps < 1 or self.reps < 1:
             problems.append(f"ctx {self.ctx}, steps {self.steps}, reps {self.reps} must be >= 1")
+        if self.generate_base < 1:
+            problems.append(f"generate base {self.generate_base} must be >= 1")
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             problems.append(f"modes {list(self.modes)} unsupported (supported: {', '.join(MODES)})")
@@ -150,6 +166,17 @@ class Options:
             )
         if problems:
             raise ExecrtError("bench decode: " + "; ".join(problems))
+
+
+def timed_context(ctx: int, path: str, base: int, steps: int) -> float:
+    """K/V tokens per request that a timed decode step reads, on average, after a ``ctx``-token
+    prompt. A forward step reads ctx + 1 (its own token's too). The generate path's timed
+    steps are the differenced ones, decode steps ``base .. base + steps - 1`` of every request
+    (its first token comes from the prefill), step ``j`` reading ctx + j: ctx + base +
+    (steps - 1) / 2 on average (ctx + 16.5 at base 1 and 32 steps)."""
+    if path != "generate":
+        return ctx + 1
+    return ctx + base + (steps - 1) / 2
 
 
 @dataclass
@@ -178,6 +205,10 @@ class Record:
     fused_kernels: str | None = None  # execrt's fused_kernels setting (None for the peer)
     context_len: int | None = None  # execrt's context limit (None for the peer)
     kv_dtype: str = "auto"  # execrt's kv_cache_dtype (the peer: its own, the model dtype)
+    generate_base: int | None = None  # execrt's generate path: Options.generate_base
+    #: K/V tokens per request a timed step reads, on average (``timed_context``): the
+    #: roofline's K/V bytes count these, not the prompt alone
+    kv_ctx: float | None = None
     vs_kv_auto: float | None = None  # this step_ms / the kv auto step_ms (< 1: this is faster)
     note: str = ""
     #: execrt's ``EXECRT_*`` config overrides in effect (e.g. an A/B of a backend option run
@@ -231,9 +262,11 @@ class _Context:
         self, mode: str, path: str, bs: int, step_s: float | None, attention: str, **extra: Any
     ) -> Record:
         mc, steps = self.model_config, extra.pop("steps", self.opts.steps)
+        base = extra.pop("base", extra.get("generate_base") or 1)
+        kv_ctx = timed_context(self.opts.ctx, path, base, steps)
         weights = weight_bytes_per_step(mc, bs)
         fp8 = extra.get("kv_dtype", "auto") != "auto"
-        kv = kv_bytes_per_step(mc, bs, self.opts.ctx, dtype_bytes=1 if fp8 else 2)
+        kv = kv_bytes_per_step(mc, bs, kv_ctx, dtype_bytes=1 if fp8 else 2)
         roofline_ms = (weights + kv) / (self.copy_gbps * 1e9) * 1e3
         step_ms = None if step_s is None else step_s * 1e3
         record = Record(
@@ -243,6 +276,7 @@ class _Context:
             path=path,
             bs=bs,
             ctx=self.opts.ctx,
+            kv_ctx=kv_ctx,
             steps=steps,
             step_ms=step_ms,
             prefill_ms=None,
@@ -346,8 +380,11 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             prompts = _prompts(bs, opts.ctx, ctx.model_config.vocab_size, opts.seed + bs)
             try:
                 generate = functools.partial(_generate_s, engine, prompts)
-                t = difference_timing(generate, opts.steps, opts.reps)
-                rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
+                t = difference_timing(generate, opts.steps, opts.reps, base=opts.generate_base)
+                rec = ctx.add(
+                    mode, "generate", bs, t.step_s, attention, note=t.note,
+                    generate_base=opts.generate_base, **ov,
+                )  # fmt: skip
                 rec.prefill_ms = t.prefill_s * 1e3
                 if opts.profile:
                     _profile_generate(engine, prompts, opts, rec, f"{tag}-generate-bs{bs}")
@@ -629,7 +666,9 @@ def _run_hf_compile(ctx: _Context, model: Any, steps: int, attention: str) -> No
         )
         note = f"compile + warm-up {compile_s:.0f} s" + ("" if compiled else "; NOT compiled")
         note += f"; {t.note}" if t.note else ""
-        rec = ctx.add("hf-compile", "generate", 1, t.step_s, attention, steps=steps, note=note)
+        rec = ctx.add(
+            "hf-compile", "generate", 1, t.step_s, attention, steps=steps, note=note, base=1 + steps
+        )
         rec.prefill_ms = t.prefill_s * 1e3
     except (Exception, TimeLimitExceeded) as exc:
         ctx.add("hf-compile", "generate", 1, None, attention, steps=steps, note=failure_note(exc))

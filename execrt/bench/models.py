@@ -288,8 +288,11 @@ def weight_bytes_per_step(config: ModelConfig, batch_size: int, dtype_bytes: int
     return total
 
 
-def kv_bytes_per_step(config: ModelConfig, batch_size: int, ctx: int, dtype_bytes: int = 2) -> int:
-    """K and V bytes the attention of one decode step reads: bs × ctx × layers × 2 × Hkv × D."""
+def kv_bytes_per_step(
+    config: ModelConfig, batch_size: int, ctx: float, dtype_bytes: int = 2
+) -> float:
+    """K and V bytes the attention of one decode step reads: bs × ctx × layers × 2 × Hkv × D
+    (``ctx``: the tokens each request's step reads, a mean over steps possibly)."""
     c = config
     return batch_size * ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
 

@@ -170,7 +170,7 @@ def workload_bytes(config: ModelConfig, workload: Workload) -> tuple[float, floa
     than ``t`` tokens to make reads the K/V of its prompt and ``t`` generated tokens."""
     per_token = kv_bytes_per_step(config, 1, 1)
     weights = weight_bytes_per_step(config, len(workload.prompts))  # the prefill step
-    kv = 0
+    kv = 0.0
     decode_steps: collections.Counter[int] = collections.Counter()  # running -> steps
     for prompt, out in zip(workload.prompts, workload.max_tokens, strict=True):
         steps = out - 1  # the first token comes from the prefill

@@ -177,6 +177,32 @@ def test_roofline_bytes_match_hand_counts() -> None:
     assert kv_bytes_per_step(dense, 3, 10) == 7680
 
 
+def test_the_roofline_counts_the_context_each_timed_step_reads() -> None:
+    # forward: a step after a 512-token prompt reads 513 tokens; generate at base 1, 32 steps:
+    # decode steps 1..32 read 513..544, 528.5 on average; base 33: steps 33..64, 560.5
+    assert decode.timed_context(512, "forward", 1, 32) == 513
+    assert decode.timed_context(512, "generate", 1, 32) == 528.5
+    assert decode.timed_context(512, "generate", 33, 32) == 560.5
+    assert decode.timed_context(6, "generate", 1, 1) == 7  # one step: the first decode step
+
+
+def test_records_price_the_kv_their_steps_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(2,), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), out_dir=str(tmp_path), generate_base=3,
+    )  # fmt: skip
+    records = {r.path: r for r in decode.run(opts)}
+    mc = ModelConfig.from_dict(TINY)
+    for path, kv_ctx in (("forward", 7), ("generate", 6 + 3 + 0.5)):
+        r = records[path]
+        assert r.kv_ctx == kv_ctx
+        assert r.kv_gb * 1e9 == pytest.approx(kv_bytes_per_step(mc, 2, kv_ctx))
+        assert r.roofline_ms == pytest.approx(
+            (weight_bytes_per_step(mc, 2) + kv_bytes_per_step(mc, 2, kv_ctx))
+            / (r.copy_gbps * 1e9) * 1e3
+        )  # fmt: skip
+
+
 def test_prefill_flops_match_hand_counts() -> None:
     dense = ModelConfig.from_dict(TINY)
     # per token: 2 x (12288 + 24576) x 2 layers = 147456; attention 4 * 16 * 4 heads * 55
@@ -278,6 +304,30 @@ def test_cpu_run_records_the_context_limit_it_ran_with(tmp_path, context_len, re
     assert all(r.step_ms or r.note.startswith("noise") for r in records)
 
 
+def test_a_generate_base_times_steady_steps_in_a_run_sized_context(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # base 3: the step is (t(3 + 2) - t(3)) / 2, so the longest generate decodes 4 steps past
+    # its prompt and the engine's context ("run") holds them; the record says which base.
+    seen: list[int] = []
+    real = decode._generate_s
+
+    def generate_s(engine, prompts, new_tokens, reps):  # type: ignore[no-untyped-def]
+        seen.append(new_tokens)
+        return real(engine, prompts, new_tokens, reps)
+
+    monkeypatch.setattr(decode, "_generate_s", generate_s)
+    opts = decode.Options(
+        model="tiny", config=TINY, device="cpu", batch_sizes=(2,), ctx=6, steps=2, reps=1,
+        hf=False, modes=("eager",), out_dir=str(tmp_path), generate_base=3,
+    )  # fmt: skip
+    records = decode.run(opts)
+    generate = [r for r in records if r.path == "generate"]
+    assert generate and all(r.generate_base == 3 for r in generate)
+    assert all(r.generate_base is None for r in records if r.path == "forward")
+    assert all(r.context_len == 6 + 3 - 1 + 2 + 16 for r in records)
+    assert max(seen) == 5 and {3, 5} <= set(seen)
+    assert all(r.step_ms or r.note.startswith("noise") for r in generate)
+
+
 def test_records_name_the_kernel_switches_of_the_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # An A/B of a kernel switch is two calls whose records must say which was which.
     monkeypatch.setenv(envs.PDL_PREFETCH, "linear")
@@ -360,6 +410,11 @@ def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch) -> None: 
         (["--ttft", "0"], "ttft prompt lengths [0] must be >= 1"),
         (["--context-len", "all"], "context_len 'all' unsupported (run, model, or a number"),
         (["--context-len", "100", "--ctx", "90"], "above ctx + steps = 122"),
+        (["--generate-base", "0"], "generate base 0 must be >= 1"),
+        (
+            ["--context-len", "130", "--ctx", "90", "--generate-base", "9"],
+            "above ctx + steps + generate base - 1 = 130",
+        ),
     ],
 )
 def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -374,6 +429,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
     argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
     argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3", "--context-len", "model"]
+    argv += ["--generate-base", "33"]
     assert main(["bench", "decode", *argv]) == 0
     assert main(["bench", "decode", "--quick"]) == 0
     assert main(["bench", "decode", "--ttft", "none"]) == 0
@@ -404,6 +460,7 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
     )
     assert quick.overlap
     assert (full.context_len, quick.context_len, full.reps) == ("model", "run", 3)
+    assert (full.generate_base, quick.generate_base) == (33, 1)
     assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
         "qwen3-0.6b",
         (1, 32),
