@@ -429,17 +429,17 @@ def _profile_generate(
     engine: Engine, prompts: list[list[int]], opts: Options, rec: Record, label: str
 ) -> None:
     """Profile the generate path's decode steps: kernels and GPU busy vs wall per step by
-    difference (a generate of 1 + ``opts.steps`` tokens less one of 1, as the step is timed:
-    the prefill cancels), and where the host's own time goes per step (cProfile, by the same
-    difference)."""
-    steps = opts.steps
+    difference (a generate of base + ``opts.steps`` tokens less one of base, as the step is
+    timed: the prefill cancels), and where the host's own time goes per step (cProfile, by
+    the same difference)."""
+    steps, base = opts.steps, opts.generate_base
     device = engine.worker.limits.device
 
     def run(tokens: int) -> None:
         _generate_s(engine, prompts, tokens, 1)
 
-    report = profile_difference(run, steps, device, _trace_path(opts, label))
-    host = host_hotspots(lambda: run(1 + steps), steps, base=lambda: run(1))
+    report = profile_difference(run, steps, device, _trace_path(opts, label), base=base)
+    host = host_hotspots(lambda: run(base + steps), steps, base=lambda: run(base))
     report = dataclasses.replace(report, host_us_per_step=host.host_us_per_step)
     rec.profile = asdict(report) | {"gpu_busy_pct": report.gpu_busy_pct}
     rec.hotspots = [(where, round(us, 1)) for where, us in host.hotspots]

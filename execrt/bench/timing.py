@@ -108,17 +108,22 @@ def profile_run(
 
 
 def profile_difference(
-    run: Callable[[int], object], steps: int, device: torch.device, trace_path: str | None = None
+    run: Callable[[int], object],
+    steps: int,
+    device: torch.device,
+    trace_path: str | None = None,
+    base: int = 1,
 ) -> StepProfile:
-    """Profile ``run(1)`` and ``run(1 + steps)`` (e.g. generates of that many new tokens) and
-    report their difference per step: the decode steps alone, the prefill and any per-call
-    cost cancelled, as :func:`difference_timing` cancels them from the wall clock. So the GPU
-    busy time per step is comparable with a timed step. The trace is the longer run's."""
-    base = profile_run(lambda: run(1), 1, device)
-    full = profile_run(lambda: run(1 + steps), 1, device, trace_path)
+    """Profile ``run(base)`` and ``run(base + steps)`` (e.g. generates of that many new tokens)
+    and report their difference per step: the decode steps alone, the prefill and any per-call
+    cost cancelled, as :func:`difference_timing` with the same ``base`` cancels them from the
+    wall clock. So the GPU busy time per step is comparable with a timed step. The trace is
+    the longer run's."""
+    short = profile_run(lambda: run(base), 1, device)
+    full = profile_run(lambda: run(base + steps), 1, device, trace_path)
 
     def per_step(name: str) -> float:
-        return float(getattr(full, name) - getattr(base, name)) / steps
+        return float(getattr(full, name) - getattr(short, name)) / steps
 
     return StepProfile(
         steps=steps,

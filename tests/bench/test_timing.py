@@ -240,6 +240,11 @@ def test_profile_by_difference_cancels_what_both_runs_share(monkeypatch) -> None
     # A host time by difference can come out at or below 0 on a busy machine: said, not hidden.
     noisy = dataclasses.replace(report, host_us_per_step=-408.0).describe()
     assert "host -408 us (noise" in noisy
+    # A base past 1 (bench decode --generate-base): run(base) and run(base + steps).
+    asked.clear()
+    again = timing.profile_difference(asked.append, 8, torch.device("cpu"), base=5)
+    assert asked == [5, 13]
+    assert again.kernels_per_step == pytest.approx(3.0)  # 12 steps less 4, 3 kernels each
 
 
 def test_kernel_profile_ranks_gpu_time_by_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
