@@ -259,10 +259,22 @@ class _Context:
         os.replace(tmp, self.partial)
 
     def add(
-        self, mode: str, path: str, bs: int, step_s: float | None, attention: str, **extra: Any
+        self,
+        mode: str,
+        path: str,
+        bs: int,
+        step_s: float | None,
+        attention: str,
+        *,
+        base: int | None = None,
+        **extra: Any,
     ) -> Record:
+        """``base``: the difference base of a generate record's timing; by default the run's
+        ``generate_base`` for execrt's own modes (the record says it), 1 for a peer."""
         mc, steps = self.model_config, extra.pop("steps", self.opts.steps)
-        base = extra.pop("base", extra.get("generate_base") or 1)
+        ours = mode in MODES and path == "generate"
+        if base is None:
+            base = self.opts.generate_base if ours else 1
         kv_ctx = timed_context(self.opts.ctx, path, base, steps)
         weights = weight_bytes_per_step(mc, bs)
         fp8 = extra.get("kv_dtype", "auto") != "auto"
@@ -277,6 +289,7 @@ class _Context:
             bs=bs,
             ctx=self.opts.ctx,
             kv_ctx=kv_ctx,
+            generate_base=base if ours else None,
             steps=steps,
             step_ms=step_ms,
             prefill_ms=None,
@@ -381,10 +394,7 @@ def _run_execrt(ctx: _Context, mode: str, kv_dtype: str = "auto") -> None:
             try:
                 generate = functools.partial(_generate_s, engine, prompts)
                 t = difference_timing(generate, opts.steps, opts.reps, base=opts.generate_base)
-                rec = ctx.add(
-                    mode, "generate", bs, t.step_s, attention, note=t.note,
-                    generate_base=opts.generate_base, **ov,
-                )  # fmt: skip
+                rec = ctx.add(mode, "generate", bs, t.step_s, attention, note=t.note, **ov)
                 rec.prefill_ms = t.prefill_s * 1e3
                 if opts.profile:
                     _profile_generate(engine, prompts, opts, rec, f"{tag}-generate-bs{bs}")

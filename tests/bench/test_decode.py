@@ -327,6 +327,15 @@ def test_a_generate_base_times_steady_steps_in_a_run_sized_context(tmp_path, mon
     assert max(seen) == 5 and {3, 5} <= set(seen)
     assert all(r.step_ms or r.note.startswith("noise") for r in generate)
 
+    # A generate that fails still records the run's base, and its roofline at that base.
+    def fail(engine, prompts, new_tokens, reps):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(decode, "_generate_s", fail)
+    failed = [r for r in decode.run(opts) if r.path == "generate"]
+    assert failed and all(r.step_ms is None for r in failed)
+    assert all(r.generate_base == 3 and r.kv_ctx == 6 + 3 + 0.5 for r in failed)
+
 
 def test_records_name_the_kernel_switches_of_the_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # An A/B of a kernel switch is two calls whose records must say which was which.
