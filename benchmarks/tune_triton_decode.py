@@ -163,13 +163,22 @@ def _graph_us(fn: Any, calls: int) -> float:
 
 
 def sweep_policy(
-    short: bool, copy_bw: float, merges: tuple[str, ...] = ("separate",)
+    short: bool,
+    copy_bw: float,
+    merges: tuple[str, ...] = ("separate",),
+    shapes: list[tuple[int, int]] | None = None,
+    short_grid: list[tuple[int, int, int, int, int]] | None = None,
+    interleave: bool = False,
 ) -> list[dict[str, Any]]:
-    shapes = SHORT_SHAPES if short else SHAPES
+    """``short_grid``: (min_split_len, block_n, warps, stages, programs_per_sm) rows for the
+    short sweep instead of ``SHORT_GRID`` (4 warps, 2 stages); ``shapes``: (bs, ctx) instead of
+    the mode's."""
+    shapes = shapes or (SHORT_SHAPES if short else SHAPES)
     problems = {s: DecodeProblem(*s, 32, 8, 128, torch.bfloat16) for s in shapes}
     rows: list[dict[str, Any]] = []
     if short:
-        grid = [(2048, m, n, 4, 2, ppsm) for m, n, ppsm in SHORT_GRID]
+        rows_ = short_grid or [(m, n, 4, 2, ppsm) for m, n, ppsm in SHORT_GRID]
+        grid = [(2048, m, n, w, st, ppsm) for m, n, w, st, ppsm in rows_]
     else:
         tiles = itertools.product([512, 1024, 2048], [128, 256], [64, 128], [4, 8], [2, 3])
         grid = [(*t, K.DEFAULT_PROGRAMS_PER_SM) for t in tiles]
@@ -177,16 +186,23 @@ def sweep_policy(
         policy = K.SplitPolicy(min_split_len=min_len, target_split_len=target, programs_per_sm=ppsm)
         cells = []
         for shape, p in problems.items():
-            us, _ = bench(p, policy, block_n, warps, stages, fused=merge == "fused")
+            try:
+                us, err = bench(p, policy, block_n, warps, stages, check=short_grid is not None,
+                                fused=merge == "fused", interleave=interleave)  # fmt: skip
+            except Exception as exc:  # a tile the GPU cannot launch (shared memory)
+                print(f"# n{block_n} w{warps} s{stages} {shape}: {type(exc).__name__}", flush=True)
+                cells.append("  -  ")
+                continue
             pct = 100 * p.kv_bytes / (us * 1e-6) / 1e9 / copy_bw
             rows.append(
                 dict(
                     bs=shape[0], ctx=shape[1], target=target, min_len=min_len, block_n=block_n,
                     warps=warps, stages=stages, programs_per_sm=ppsm, merge=merge, us=us,
-                    pct=pct,
+                    pct=pct, err=err,
                 )
             )  # fmt: skip
-            cells.append(f"{pct:5.1f}")
+            bad = " BAD" if err > MAX_REL_ERR else ""
+            cells.append(f"{pct:5.1f}" if short_grid is None else f"{us:6.2f} us{bad}")
         print(
             f"target {target:>4} min {min_len:>3} n{block_n:>3} w{warps} s{stages} p{ppsm} "
             f"{merge}: " + " ".join(cells),
@@ -508,6 +524,15 @@ def main() -> None:
         "--ragged-orders", default="longest,request", help="ragged: work orders, comma-separated"
     )
     parser.add_argument(
+        "--shapes", default="",
+        help="long/short: BSxCTX shapes, comma-separated, instead of the mode's (1x512,8x512)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--short-grid", default="",
+        help="short: min_split_len,block_n,warps,stages,programs_per_sm rows, ';'-separated, "
+        "instead of the built-in grid (4 warps, 2 stages)",
+    )  # fmt: skip
+    parser.add_argument(
         "--merges", default="separate",
         help="long/short: the split merge, comma-separated: separate (its own launch), fused "
         "(inside the split launch)",
@@ -548,7 +573,18 @@ def main() -> None:
             tuple(o for o in args.ragged_orders.split(",") if o),
         )
     else:
-        rows = sweep_policy(args.mode == "short", copy_bw, merges)
+        shapes = [tuple(map(int, t.split("x"))) for t in args.shapes.split(",") if t]
+        short_grid = [tuple(map(int, t.split(","))) for t in args.short_grid.split(";") if t]
+        if any(len(t) != 2 for t in shapes) or any(len(t) != 5 for t in short_grid):
+            parser.error("--shapes: BSxCTX,...; --short-grid: min,block_n,warps,stages,ppsm;...")
+        rows = sweep_policy(
+            args.mode == "short",
+            copy_bw,
+            merges,
+            shapes or None,  # type: ignore[arg-type]
+            short_grid or None,  # type: ignore[arg-type]
+            args.interleave,
+        )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)

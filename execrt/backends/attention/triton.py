@@ -69,11 +69,12 @@ class TritonAttnBackend(AttentionBackend):
     Option ``decode_merge`` (config ``triton_decode_merge``): ``separate`` merges the splits
     in a launch of its own; ``fused`` merges them in the last stage-1 program of each request
     to finish (one launch per layer, and a one-split request writes its output directly);
-    ``auto`` (the default) fuses exactly the batches whose requests the split policy gives
-    one split each unless they are longer than a split (``min_splits`` 1: enough requests to
-    fill the GPU), where the H200 measured fused 5-9% faster, and keeps the separate merge
-    below, where it measured fused 5-8% slower (docs/kernels.md); end to end on the H200 it
-    was never slower than ``separate`` and 4-15% faster at bs 64-128.
+    ``auto`` (the default) runs the merge the batch size's tuned tile entry names
+    (``DecodeTiles.merge``), and otherwise fuses exactly the batches whose requests the split
+    policy gives one split each unless they are longer than a split (``min_splits`` 1:
+    enough requests to fill the GPU), where the H200 measured fused 5-9% faster, and keeps
+    the separate merge below, where it measured fused 5-8% slower (docs/kernels.md); end to
+    end on the H200 it was never slower than ``separate`` and 4-15% faster at bs 64-128.
 
     Option ``decode_split_target`` (config ``triton_decode_split_target``): the tokens per
     decode KV split (0: the kernels' ``SplitPolicy`` default; a batch too small to fill the
@@ -81,7 +82,8 @@ class TritonAttnBackend(AttentionBackend):
     partials.
 
     Option ``decode_min_split`` (config ``triton_decode_min_split``): the shortest split in
-    tokens (0: the policy's default, 128; at most the split target). A batch too small to fill
+    tokens (0: the batch size's tuned tile entry's ``min_split_len`` where it has one, else the
+    policy's default, 128; at most the split target). A batch too small to fill
     the GPU is cut no finer than this: one split per request of up to this many tokens, so a
     one-split request under the ``fused`` merge needs no merge at all.
 
@@ -136,6 +138,8 @@ class TritonAttnBackend(AttentionBackend):
             init.options.get("decode_split_target", 0),
             init.options.get("decode_min_split", 0),
         )
+        self.min_split_set = bool(init.options.get("decode_min_split", 0))
+        self._tiles_by_bs: dict[int, DecodeTiles] = {}
         self.max_context_len = init.max_context_len
         self.decode_merge = _choice(init.options, "decode_merge", "auto", DECODE_MERGE)
         self.decode_order = _choice(init.options, "decode_order", "longest", DECODE_ORDER)
@@ -216,9 +220,24 @@ class TritonAttnBackend(AttentionBackend):
 
     def _tiles(self, batch_size: int) -> DecodeTiles:
         """Stage-1 tiles for this cache dtype and batch size (a graph bucket captures them)."""
-        return self.kernels.decode_tiles(
-            self.kv_cache.dtype, self.kv_cache.head_dim, batch_size, self.device
-        )
+        tiles = self._tiles_by_bs.get(batch_size)
+        if tiles is None:
+            tiles = self._tiles_by_bs[batch_size] = self.kernels.decode_tiles(
+                self.kv_cache.dtype, self.kv_cache.head_dim, batch_size, self.device
+            )
+        return tiles
+
+    def _policy(self, batch_size: int) -> SplitPolicy:
+        """The split policy of a ``batch_size`` decode batch: the backend's, with the shortest
+        split its tuned tiles name (unless ``decode_min_split`` set one; never past the split
+        target). Splits only get fewer than the backend's policy gives (``_max_splits``, which
+        sizes the scratch, stays a bound)."""
+        tuned = self._tiles(batch_size).min_split_len
+        policy = self.split_policy
+        if not tuned or self.min_split_set:
+            return policy
+        shortest = max(policy.min_split_len, min(tuned, policy.target_split_len))
+        return replace(policy, min_split_len=shortest)
 
     def _decode_metadata(
         self,
@@ -233,7 +252,7 @@ class TritonAttnBackend(AttentionBackend):
         fill = self._fill(fb.batch_size)
         self.kernels.decode_metadata(
             self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
-            kv_indices, num_splits, max_splits, self.split_policy, fill, work,
+            kv_indices, num_splits, max_splits, self._policy(fb.batch_size), fill, work,
             longest_first=self.decode_order == "longest", wave=self._wave(fb.batch_size),
         )  # fmt: skip
 
@@ -273,9 +292,12 @@ class TritonAttnBackend(AttentionBackend):
         return self.split_policy.min_splits(batch_size, self.num_kv_heads, self.num_sms)
 
     def fuses_merge(self, batch_size: int) -> bool:
-        """Whether decode steps of ``batch_size`` requests merge inside the split launch."""
+        """Whether decode steps of ``batch_size`` requests merge inside the split launch
+        (``auto``: as the batch size's tuned tiles say, else where the batch needs no more
+        splits than a request each to fill the GPU)."""
         if self.decode_merge == "auto":
-            return self._fill(batch_size) == 1
+            tuned = self._tiles(batch_size).merge
+            return tuned == "fused" if tuned else self._fill(batch_size) == 1
         return self.decode_merge == "fused"
 
     def _arrivals(self, b: int) -> torch.Tensor | None:
@@ -382,11 +404,12 @@ class TritonAttnBackend(AttentionBackend):
                 (max_bs, self.num_q_heads, splits), dtype=torch.float32, device=dev
             ),
         }
-        # Counters for the largest bucket, if it fuses: under auto, smaller buckets fuse
-        # only if it does (a batch's fill shrinks as the batch grows).
-        arrivals = self._arrivals(max_bs)
-        if arrivals is not None:
-            self._graph["arrivals"] = arrivals
+        # Counters for the largest bucket wherever a bucket may fuse (under auto a tuned
+        # entry can fuse a small bucket while the largest does not); a few KB.
+        if self.decode_merge != "separate":
+            self._graph["arrivals"] = torch.zeros(
+                max_bs * self.num_kv_heads, dtype=torch.int32, device=dev
+            )
 
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.

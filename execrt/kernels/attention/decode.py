@@ -61,11 +61,20 @@ from execrt.kernels.triton_rotary import norm_rope_heads, store_kv_heads
 class DecodeTiles:
     """Launch shape of decode stage 1: tokens per loop step, warps, pipelining depth (K/V
     blocks are gathered ``num_stages - 1`` steps ahead). ``benchmarks/tune_triton_decode.py``
-    sweeps these and writes a per-GPU table (:func:`decode_tiles` reads it)."""
+    sweeps these and writes a per-GPU table (:func:`decode_tiles` reads it).
+
+    A table entry may also tune how its batch size splits and merges (0 and "" leave both to
+    the attention backend's options and defaults): ``min_split_len``, the shortest split in
+    tokens (``SplitPolicy.min_split_len``: a request of up to this many tokens gets one split),
+    and ``merge``, ``fused`` or ``separate`` (where the backend's ``decode_merge`` is auto).
+    A batch of a few requests (8-16 on an H100) is faster with one split per short request and
+    no merge launch than with the GPU filled by short splits and a merge (docs/kernels.md)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    min_split_len: int = 0
+    merge: str = ""
 
     def __post_init__(self) -> None:
         check_block("block_n", self.block_n)
@@ -74,6 +83,23 @@ class DecodeTiles:
                 COMPONENT,
                 f"decode tiles {self} unsupported (num_warps 1/2/4/8/16, num_stages >= 1)",
             )
+        split = self.min_split_len
+        if not isinstance(split, int) or isinstance(split, bool) or split < 0:
+            fail(
+                COMPONENT,
+                f"decode tiles min_split_len {self.min_split_len!r} unsupported (a token "
+                "count >= 1, or 0 for the policy's)",
+            )
+        if self.merge not in TILE_MERGES:
+            fail(
+                COMPONENT,
+                f"decode tiles merge {self.merge!r} unsupported (supported: "
+                f"{', '.join(repr(m) for m in TILE_MERGES)})",
+            )
+
+
+#: A tile entry's ``merge``: "" (the backend decides), or the merge its batch size runs.
+TILE_MERGES = ("", "fused", "separate")
 
 
 # Untuned defaults, keyed by the cache's bytes per element. Each program has one or two K/V

@@ -175,6 +175,61 @@ def test_a_minimum_split_gives_a_short_lone_request_one_split_and_the_same_outpu
     torch.testing.assert_close(outs[256], outs[0], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_tuned_entry_sets_its_batch_sizes_shortest_split_and_merge(graph, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A tile table entry with ``min_split_len`` and ``merge`` (docs/kernels.md: on an H100 a
+    batch of 8-16 short requests is faster in one split each with no merge launch): its batch
+    sizes get splits of at least that length and, under ``auto``, that merge; other batch
+    sizes keep the policy's; ``decode_min_split`` and a named merge override the entry; the
+    attention is the default plan's."""
+    from dataclasses import replace
+
+    from execrt.kernels import attention as kernels
+
+    bs, lens = 3, [CTX - 1, 400, 100]
+    pool, cache, fb = _state(bs, lens)
+    plain = kernels.decode_tiles(torch.float32, D, bs, torch.device("cpu"))
+    tuned = replace(plain, min_split_len=512, merge="fused")
+    real = kernels.decode_tiles
+    monkeypatch.setattr(
+        kernels,
+        "decode_tiles",
+        lambda dtype, d, b, dev: tuned if b == bs else real(dtype, d, b, dev),
+    )
+    layer = AttentionLayer(0, HQ, HKV, D, D, D**-0.5)
+    q = torch.randn(bs, HQ, D, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    fill = -(-2 * SMS // (bs * HKV))
+    assert fill > 1, "the batch does not fill the GPU: the policy alone would split every request"
+    policy = [min(fill, -(-n // 128)) for n in lens]
+    shortest = [min(fill, -(-n // 512)) for n in lens]
+    cases = [  # (merge, options, fuses, splits)
+        ("auto", {}, True, shortest),
+        ("auto", {"decode_min_split": 128}, True, policy),
+        ("separate", {}, False, shortest),
+    ]
+    outs = []
+    for merge, options, fuses, splits in cases:
+        backend = _backend(merge, pool, cache, **options)
+        assert backend.fuses_merge(bs) is fuses and backend.fuses_merge(bs - 1) is False
+        if graph:
+            backend.init_graph_state(MAX_BS, MAX_BS)
+        meta = backend.plan_graph(fb) if graph else backend.plan(fb)
+        assert meta.num_splits[:bs].tolist() == splits, (merge, options)
+        assert (meta.arrivals is not None) is fuses
+        outs.append(
+            backend.attend(q, layer, AttentionStep(backend, meta, fb.out_cache_loc, fb.mode))
+        )
+        if fuses:
+            assert int(meta.arrivals.abs().sum()) == 0
+    assert shortest != policy  # the entry changed the splits
+    reference = _backend("separate", pool, cache, decode_min_split=128)
+    meta = reference.plan(fb)
+    want = reference.attend(q, layer, AttentionStep(reference, meta, fb.out_cache_loc, fb.mode))
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     ("min_split", "why"),
     [(-1, "a token count"), (True, "a token count"), (4096, "at most the split target")],

@@ -1334,6 +1334,27 @@ def test_decode_tile_table_rejects_bad_files_and_tiles(tmp_path: Path) -> None:
         tk.DecodeTiles(24, 4, 2)
     with pytest.raises(ValueError, match="num_warps 1/2/4/8/16"):
         tk.DecodeTiles(64, 3, 2)
+    with pytest.raises(ValueError, match=r"min_split_len -1 unsupported \(a token count"):
+        tk.DecodeTiles(64, 4, 2, min_split_len=-1)
+    with pytest.raises(ValueError, match=r"merge 'last' unsupported \(supported: '', 'fused'"):
+        tk.DecodeTiles(64, 4, 2, merge="last")
+    path = tmp_path / "bad_merge.json"
+    path.write_text('{"tiles": {"128": {"8": {"block_n": 128, "num_warps": 4, "num_stages": 3, '
+                    '"merge": "both"}}}}')  # fmt: skip
+    with pytest.raises(ValueError, match="bad_merge.json unreadable"):
+        tk.load_tile_table(str(path))
+
+
+def test_a_tile_entry_carries_its_split_and_merge(tmp_path: Path) -> None:
+    # An entry may tune its batch size's shortest split and merge; older entries leave both
+    # to the backend (0 and "").
+    tuned = tk.DecodeTiles(128, 4, 3, min_split_len=1024, merge="fused")
+    data = tk.tile_table_json({128: {1: tk.DecodeTiles(128, 4, 2), 8: tuned}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    table = tk.load_tile_table(str(path))
+    assert table == {128: {1: tk.DecodeTiles(128, 4, 2), 8: tuned}}
+    assert (table[128][1].min_split_len, table[128][1].merge) == (0, "")
 
 
 def test_shipped_decode_tile_tables_load() -> None:
