@@ -2,9 +2,10 @@
 # A/B of this GPU's shipped decode tile table (execrt/kernels/attention/decode_configs/) in the
 # whole decode step: `execrt bench decode` with the table, without it (moved aside), and with it
 # again, in one device call, so the table's entries are judged end to end on the GPU that reads
-# them. Usage (device tool): OUT=$OUT bash benchmarks/decode_tiles_ab.sh [bench decode args]
-# (default: --model qwen3-0.6b --bs 1,8,16 --modes graph --no-hf --ttft none). Results:
-# $OUT/with-1, $OUT/without, $OUT/with-2 (bench decode's JSON records).
+# them. CANDIDATE=<file>: the B run reads that table in the shipped one's place instead.
+# Usage (device tool): OUT=$OUT [CANDIDATE=f] bash benchmarks/decode_tiles_ab.sh [bench decode
+# args] (default: --model qwen3-0.6b --bs 1,8,16 --modes graph --no-hf --ttft none). Results:
+# $OUT/with-1, $OUT/without (or $OUT/candidate), $OUT/with-2 (bench decode's JSON records).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -22,7 +23,12 @@ run with-1
 aside=$(mktemp)
 mv "$table" "$aside"
 trap 'mv "$aside" "$table"' EXIT
-run without
+if [ -n "${CANDIDATE:-}" ]; then
+  cp "$CANDIDATE" "$table"
+  run candidate
+else
+  run without
+fi
 mv "$aside" "$table"
 trap - EXIT
 run with-2
