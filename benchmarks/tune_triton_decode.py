@@ -474,68 +474,85 @@ def main() -> None:
     parser.add_argument(
         "mode", nargs="?", default="long", choices=["long", "short", "tiles", "ragged", "fp8"]
     )
-    parser.add_argument(
-        "--mma-shapes", default=MMA_SHAPES,
-        help="fp8: the mma kernel's ahead,tokens,maxnreg,ring,warps launch shapes, ';'-separated "
-        "(maxnreg 0: as ptxas allocates; ring 0: loads into registers ahead steps ahead, else "
-        "a cp.async ring of that many stages)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--programs-per-sm", default="",
-        help="fp8: split policies (stage-1 programs per SM) to time each mma shape under too, "
-        "comma-separated (the default policy always runs)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--split-targets", default="",
-        help="fp8: split policies by tokens per split to time each mma shape under too, "
-        "comma-separated",
-    )  # fmt: skip
+    for flag, default, text in (
+        (
+            "--mma-shapes",
+            MMA_SHAPES,
+            "fp8: the mma kernel's ahead,tokens,maxnreg,ring,warps launch shapes, ';'-separated "
+            "(maxnreg 0: as ptxas allocates; ring 0: loads into registers ahead steps ahead, else "
+            "a cp.async ring of that many stages)",
+        ),
+        (
+            "--programs-per-sm",
+            "",
+            "fp8: split policies (stage-1 programs per SM) to time each mma shape under too, "
+            "comma-separated (the default policy always runs)",
+        ),
+        (
+            "--split-targets",
+            "",
+            "fp8: split policies by tokens per split to time each mma shape under too, "
+            "comma-separated",
+        ),
+        (
+            "--steal",
+            "off",
+            "fp8: the mma kernel's work stealing (decode_mma.MMA_STEAL): off, on, or both",
+        ),
+        (
+            "--waves",
+            "on",
+            "fp8: the mma arms under the backend's wave rule (decode_wave): on, off, or both",
+        ),
+        (
+            "--kv-dtypes",
+            "fp8_e4m3,auto",
+            f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
+        ),
+        (
+            "--ragged-tiles",
+            "",
+            "ragged: block_n,warps,stages tiles, ';'-separated (default: "
+            + "; ".join(",".join(map(str, t)) for t in RAGGED_TILES)
+            + ")",
+        ),
+        (
+            "--ragged-targets",
+            ",".join(map(str, RAGGED_TARGETS)),
+            "ragged: split targets, comma-separated",
+        ),
+        (
+            "--ragged-orders",
+            "longest,request",
+            "ragged: work orders, comma-separated",
+        ),
+        (
+            "--shapes",
+            "",
+            "long/short: BSxCTX shapes, comma-separated, instead of the mode's (1x512,8x512)",
+        ),
+        (
+            "--short-grid",
+            "",
+            "short: min_split_len,block_n,warps,stages,programs_per_sm rows, ';'-separated, "
+            "instead of the built-in grid (4 warps, 2 stages)",
+        ),
+        (
+            "--merges",
+            "separate",
+            "long/short: the split merge, comma-separated: separate (its own launch), fused "
+            "(inside the split launch)",
+        ),
+    ):
+        parser.add_argument(flag, default=default, help=text)
     parser.add_argument(
         "--interleave", action="store_true",
         help="fp8: each launch after a small PDL kernel (as in a decode step), its time "
         "subtracted",
     )  # fmt: skip
     parser.add_argument(
-        "--steal", default="off",
-        help="fp8: the mma kernel's work stealing (decode_mma.MMA_STEAL): off, on, or both",
-    )  # fmt: skip
-    parser.add_argument(
-        "--waves", default="on",
-        help="fp8: the mma arms under the backend's wave rule (decode_wave): on, off, or both",
-    )  # fmt: skip
-    parser.add_argument(
         "--ctx-extra", type=int, default=0,
         help="fp8: tokens added to every shape's context (a step past an 8k prompt: 8k + n)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kv-dtypes", default="fp8_e4m3,auto",
-        help=f"tiles: kv_cache_dtype names, comma-separated ({', '.join(KV_CACHE_DTYPES)})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ragged-tiles", default="",
-        help="ragged: block_n,warps,stages tiles, ';'-separated (default: "
-        + "; ".join(",".join(map(str, t)) for t in RAGGED_TILES) + ")",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ragged-targets", default=",".join(map(str, RAGGED_TARGETS)),
-        help="ragged: split targets, comma-separated",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ragged-orders", default="longest,request", help="ragged: work orders, comma-separated"
-    )
-    parser.add_argument(
-        "--shapes", default="",
-        help="long/short: BSxCTX shapes, comma-separated, instead of the mode's (1x512,8x512)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--short-grid", default="",
-        help="short: min_split_len,block_n,warps,stages,programs_per_sm rows, ';'-separated, "
-        "instead of the built-in grid (4 warps, 2 stages)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--merges", default="separate",
-        help="long/short: the split merge, comma-separated: separate (its own launch), fused "
-        "(inside the split launch)",
     )  # fmt: skip
     args = parser.parse_args()
     kv_names = [k for k in args.kv_dtypes.split(",") if k]
