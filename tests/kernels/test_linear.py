@@ -406,3 +406,53 @@ def test_a_tile_that_keeps_the_norm_apart(monkeypatch: pytest.MonkeyPatch) -> No
     expected, expected_res = norm_oracle(x, residual, norm_w, 1e-6, w, None)
     assert launches == [False]  # the norm ran by itself, the product on the same tile
     assert max_rel(out, expected) <= 1e-5 and torch.equal(new_res, expected_res)
+
+
+@needs_cuda
+def test_every_entry_of_this_gpus_shipped_table_matches_the_oracle() -> None:
+    """Each (N, K, variant, M) of the running GPU's own shipped table (the tuned tiles, split
+    K, late norms, cuBLAS and "apart" choices alike) through the public dispatch at its M,
+    against the fp64 oracle: a table entry that picks a broken tile fails here, on the GPU that
+    reads it (the tuner checks its candidates too, but tables are also edited by hand)."""
+    import os
+
+    from execrt.kernels import triton_linear as tl_mod
+    from execrt.kernels._triton import tuned_table_name
+    from execrt.kernels.linear import norm_linear
+
+    name = tuned_table_name(torch.cuda.get_device_name(), torch.bfloat16)
+    path = os.path.join(tl_mod.CONFIG_DIR, name)
+    if not os.path.exists(path):
+        pytest.skip(f"no shipped skinny-GEMM table for this GPU ({name})")
+    table = tl_mod.load_table(path)
+    assert table
+    dtype, eps, checked = torch.bfloat16, 1e-6, 0
+    for (n, k, variant), by_m in sorted(table.items()):
+        for m in sorted(by_m):
+            seed = n + k + m
+            if variant == tl_mod.SWIGLU_IN:
+                x, w, b = make(m, n, k, dtype, True, bias=False, seed=seed)
+                out, expected = linear(x, w, swiglu=True, use_triton=True), oracle(x, w, None, True)
+            elif variant in (tl_mod.NORM, tl_mod.SWIGLU_OUT):
+                x, w, _ = make(m, n, k, dtype, False, bias=False, seed=seed)
+                residual = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 4
+                residual = residual.to(dtype).to(DEVICE)
+                norm_w = torch.rand(k, generator=torch.Generator().manual_seed(seed)) + 0.5
+                norm_w = norm_w.to(dtype).to(DEVICE)
+                swiglu_out = variant == tl_mod.SWIGLU_OUT
+                out, new_res = norm_linear(x, w, None, norm_w, eps, residual=residual,
+                                           swiglu_out=swiglu_out, use_triton=True)  # fmt: skip
+                expected, expected_res = norm_oracle(x, residual, norm_w, eps, w, None)
+                assert torch.equal(new_res, expected_res), (n, k, variant, m)
+                if out.shape[-1] != n:  # SwiGLU on the output: silu(gate) * up, [M, N / 2]
+                    gate, up = expected[:, : n // 2], expected[:, n // 2 :]
+                    gate, up = gate.to(dtype).double(), up.to(dtype).double()
+                    expected = gate / (1.0 + torch.exp(-gate)) * up
+            else:
+                x, w, _ = make(m, n, k, dtype, False, bias=False, seed=seed)
+                out, expected = linear(x, w, use_triton=True), oracle(x, w, None, False)
+            # late_norm tiles round (x + r) * g where the norm kernel rounds (x + r) / rms
+            # first (docs/kernels.md): a few bf16 ulps more than one rounding.
+            assert max_rel(out, expected) <= 2e-2, (n, k, variant, m, by_m[m])
+            checked += 1
+    assert checked >= len(table)
