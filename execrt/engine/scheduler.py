@@ -90,7 +90,8 @@ class Scheduler:
     head of ``waiting``, to be re-prefilled with what they generated so far). The oldest
     running request O is never a victim: with everything else let go, O's cached and owned
     slots, ``seq_len - 1 <= kv_slots_needed - 1``, are all that is not available (no other
-    lock remains), so at least one slot is. After a retraction, until some request finishes,
+    lock remains), so at least one slot is. After a retraction (of a running request or of a
+    partial prefill), until some request finishes,
     extends admit only requests that fit even if they and every running request grow to
     their full need (no ping-pong): nothing but growth and admissions makes fewer slots
     available (eviction moves evictable to free, and handing K/V to the cache keeps it
@@ -470,7 +471,10 @@ class Scheduler:
             else:
                 assert len(self.running) > 1, "the oldest running request alone always fits"
                 self._retract(self.running[-1], requeue=True)
-                self._hold_admission = True
+            # Either way, hold admissions: a partial prefill let go and prefilled again at
+            # once would take the slots the running requests grow into, and be let go again
+            # at the next decode, over and over (its prefill thrown away each time).
+            self._hold_admission = True
         reqs = list(self.running)
         return self._batch(reqs, self.memory.reserve_decode(reqs))
 

@@ -132,6 +132,27 @@ def test_requests_that_fit_alone_all_complete_with_their_own_greedy_tokens(dense
     assert end == start and stats.retractions > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_partial_prefill_let_go_waits_instead_of_being_prefilled_and_let_go_again(
+    dense, overlap
+) -> None:
+    # Each request needs 60 + 61 - 1 = 120 slots: the cache holds one at a time. The second is
+    # admitted in chunks beside the first until the first's decodes need those slots, and is
+    # let go; it must then wait for the first to finish, not be prefilled again into the
+    # slots the first grows into (and let go again at the next decode, some 20 times here).
+    params = SamplingParams(max_new_tokens=61, temperature=0, ignore_eos=True)
+    prompts = [[(11 * i + 7 * j) % 300 + 1 for j in range(60)] for i in range(2)]
+    with Engine(dense, device="cpu") as engine:
+        alone = [engine.generate(p, params).token_ids for p in prompts]
+    results, start, end, stats = _run(
+        dense, prompts, params, kv_cache_tokens=120, prefix_cache="none", overlap_schedule=overlap
+    )
+    assert [r.token_ids for r in results] == alone
+    assert stats.retractions <= 1 and sum(r.num_retractions for r in results) <= 1
+    assert stats.extend_steps <= 3
+    assert end == start
+
+
 def test_overlapped_decodes_sample_at_each_requests_own_step(dense) -> None:
     # The steady state reuses the previous batch's sampling rows with steps + 1 on the device
     # (nothing staged per request); whatever path built a batch, each row's step must be the

@@ -219,7 +219,6 @@ class Launch:
     finished: int  # requests finished so far
     oldest: int | None  # rid of the oldest unfinished request
     retracted: list[int]  # rids retracted since the previous launch (running or mid-prefill)
-    from_running: list[int]  # those of them that were running
 
 
 class LaunchLog:
@@ -230,7 +229,6 @@ class LaunchLog:
     def __init__(self, sched: Scheduler, reqs: list[Req]) -> None:
         self.sched, self.reqs = sched, reqs
         self.counts = [0] * len(reqs)
-        self.running: set[int] = set()  # rids running once the last launch was accounted
         self.launches: list[Launch] = []
 
     def __call__(self, batch: ScheduleBatch) -> None:
@@ -244,18 +242,12 @@ class LaunchLog:
                 finished=len(self.reqs) - len(unfinished),
                 oldest=min(unfinished, default=None),
                 retracted=retracted,
-                from_running=[rid for rid in retracted if rid in self.running],
             )
-        )
-        # An extend's requests with a real sample join the running ones at this launch.
-        joined = {r.rid for r, s in zip(batch.reqs, batch.samples, strict=True) if s}
-        self.running = {r.rid for r in self.sched.running} | (
-            joined if batch.mode.is_extend() else set()
         )
 
     def check_progress_rules(self) -> None:
         """The rules the step bound in Scheduler's docstring rests on."""
-        hold_since: int | None = None  # finished count when a running request was retracted
+        hold_since: int | None = None  # finished count at the retraction that set the hold
         admitted: set[int] = set()  # requests prefilled since then
         for prev, launch in zip([None, *self.launches], self.launches, strict=False):
             # The oldest unfinished request is never a victim.
@@ -264,13 +256,13 @@ class LaunchLog:
             # (the extend kept them back): it never retracts.
             if launch.retracted and prev is not None and prev.extend:
                 assert launch.extend, (prev, launch)
-            # After a running request is retracted, and until a request finishes, only
-            # requests that fit at full growth are admitted: none of them is retracted
-            # again before that finish (no ping-pong).
+            # After a retraction (a running request or a partial prefill), and until a
+            # request finishes, only requests that fit at full growth are admitted: none of
+            # them is retracted again before that finish (no ping-pong).
             if hold_since is not None and launch.finished > hold_since:
                 hold_since, admitted = None, set()
             assert not admitted.intersection(launch.retracted), (admitted, launch)
-            if launch.from_running and hold_since is None:
+            if launch.retracted and hold_since is None:
                 hold_since = launch.finished
             if hold_since is not None and launch.extend:
                 admitted.update(launch.rids)
