@@ -317,11 +317,11 @@ class Engine:
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
             return ids, sp  # generate() / stream() reject them, naming the caller's values
-        stops = tuple(
-            dict.fromkeys(
-                tuple(sp.stop_token_ids) + self.chat_template.stop_token_ids(self.tokenizer)
-            )
-        )
+        if sp.ignore_eos:  # the template's end of turn is an EOS too: run to max_new_tokens
+            return ids, sp
+        vocab = self.model_config.vocab_size  # (an end id past the logits is never sampled)
+        ends = tuple(t for t in self.chat_template.stop_token_ids(self.tokenizer) if t < vocab)
+        stops = tuple(dict.fromkeys(tuple(sp.stop_token_ids) + ends))
         return ids, replace(sp, stop_token_ids=stops)
 
     def stream(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from execrt.engine.client import (
     EngineClient,
@@ -82,9 +83,12 @@ def create_app(
         )
     model_defaults = generation_config == "auto"
 
+    jobs = LiveJobs()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client.serve_on(asyncio.get_running_loop())
+        jobs.loop = asyncio.get_running_loop()
+        client.serve_on(jobs.loop)
         yield
         client.serve_on(None)
         if close_client:
@@ -93,6 +97,7 @@ def create_app(
     app = FastAPI(
         title="execrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
+    app.state.jobs = jobs
     metrics = Metrics(lambda: client.stats() if client.ready() else None)
     app.state.metrics = metrics
 
@@ -100,7 +105,7 @@ def create_app(
     async def api_error(request: Request, exc: APIError) -> Response:
         return json_response(exc.body(), exc.status)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> Response:
         if client.ready():
             return json_response({"status": "ok"})
@@ -122,9 +127,11 @@ def create_app(
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
+    started = int(time.time())  # the model card's "created": when this server began serving it
+
     def model_card() -> dict[str, Any]:
         info = _ready(client).model_info()
-        model = {"id": info.name, "object": "model", "created": 0, "owned_by": "execrt"}
+        model = {"id": info.name, "object": "model", "created": started, "owned_by": "execrt"}
         return model | {"max_model_len": info.context_len}
 
     @app.get("/v1/models")
@@ -176,11 +183,13 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(client, metrics, request, "completion", model_defaults)
+        return await _generate(client, metrics, jobs, request, "completion", model_defaults)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(client, metrics, request, "chat", model_defaults, reasoning_parser)
+        return await _generate(
+            client, metrics, jobs, request, "chat", model_defaults, reasoning_parser
+        )
 
     return app
 
@@ -190,6 +199,8 @@ async def _json_body(request: Request) -> Any:
         return orjson.loads(await request.body())
     except orjson.JSONDecodeError as exc:
         raise APIError(f"the request body is not valid JSON ({exc})") from None
+    except ClientDisconnect:  # gone before its body arrived: nothing to serve, nothing to log
+        raise APIError("the client disconnected before sending the whole body") from None
 
 
 def _check_model(model: object, served: str) -> None:
@@ -215,25 +226,72 @@ def _ready(client: EngineClient) -> EngineClient:
     return client
 
 
+class LiveJobs:
+    """The jobs the app is serving, so that a shutdown can end them at once (``close``)
+    instead of waiting for every answer to run its course."""
+
+    def __init__(self) -> None:
+        self.jobs: set[Job] = set()
+        self.closing: str | None = None  # why no new job is taken
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it serves
+
+    def close(self, reason: str) -> None:
+        """Refuse new jobs and abort what every job still runs, with ``reason``: each
+        choice then ends with that error (streams: an error event, then ``[DONE]``), so the
+        connections close and the server can exit. Safe from any thread (and from a signal
+        handler): the work runs on the app's event loop."""
+        if self.loop is None or self.loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self.loop.call_soon_threadsafe(self._close, reason)
+
+    def _close(self, reason: str) -> None:
+        self.closing = reason
+        for job in list(self.jobs):
+            job.abort_running(reason)
+
+    def check_open(self) -> None:
+        if self.closing is not None:
+            raise APIError(self.closing, status=503, type="service_unavailable")
+
+
 async def _generate(
     client: EngineClient,
     metrics: Metrics,
+    jobs: LiveJobs,
     request: Request,
     endpoint: Endpoint,
     model_defaults: bool,
     reasoning_parser: str = "none",
 ) -> Response:
     _ready(client)
+    jobs.check_open()
     body = await _json_body(request)
     info = client.model_info()
     defaults = dict(info.sampling_defaults) if model_defaults else None
-    plan = parse(body, endpoint, client.text(), info.context_len, defaults)
+    plan = parse(body, endpoint, client.text(), info.context_len, defaults, info.vocab_size)
     _check_model(plan.model, info.name)
+    jobs.check_open()
     job = Job(client, metrics, plan, info.name, reasoning_parser)
     job.submit()
+    jobs.jobs.add(job)
     if plan.stream:
-        return EventSourceResponse(job.events())
-    return await job.respond(request)
+        return EventSourceResponse(_tracked(job, jobs))
+    try:
+        return await job.respond(request)
+    finally:
+        jobs.jobs.discard(job)
+
+
+async def _tracked(job: Job, jobs: LiveJobs) -> AsyncIterator[bytes]:
+    """``job.events()``, the job counted live until the stream ends or is closed."""
+    events = job.events()
+    try:
+        async for event in events:
+            yield event
+    finally:
+        jobs.jobs.discard(job)
+        await events.aclose()
 
 
 @dataclass
@@ -322,6 +380,14 @@ class Job:
     def submit(self) -> None:
         for choice in self.choices:
             self.client.submit(choice.request, choice.holder)
+
+    def abort_running(self, reason: str) -> None:
+        """Ask the engine to abort every unfinished choice: each then ends through its
+        output, as an error naming ``reason`` (``abort_unfinished`` ends them here, for a
+        client that went away and reads nothing more)."""
+        for choice in self.choices:
+            if not choice.done:
+                self.client.abort(choice.request.request_id, reason)
 
     def abort_unfinished(self, reason: str) -> None:
         for choice in self.choices:
@@ -472,7 +538,7 @@ class Job:
         return chat_logprobs(logprobs, self.codec, top)
 
     # -- server-sent events --------------------------------------------------------------------
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes, None]:
         """The SSE stream: chunks as choices progress, the usage chunk when asked for, then
         ``[DONE]``. Closing it early (the client went away) aborts what still runs."""
         try:

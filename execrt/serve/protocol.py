@@ -109,10 +109,12 @@ def parse(
     text: TextCodec,
     context_len: int,
     defaults: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> Plan:
     """Read an OpenAI request body; APIError (400) naming the first field that is wrong.
     ``defaults``: SamplingParams keywords for the sampling fields the body leaves out (the
-    model's generation config)."""
+    model's generation config). ``vocab_size``: the model's; a chat template's end-of-turn
+    id past it (never sampled) is not added to the stop tokens."""
     fields = _fields(body)
     _refuse_unknown(fields, endpoint)
     n = _int(fields, "n", 1, 1, MAX_N)
@@ -122,6 +124,9 @@ def parse(
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"model {model!r} must be a string", param="model")
+    user = fields.get("user")
+    if user is not None and not isinstance(user, str):
+        raise APIError(f"user {user!r} must be a string", param="user")
     metadata = fields.get("metadata", {})
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -165,9 +170,13 @@ def parse(
         default_tokens = max(1, context_len - len(ids))
         given = fields.get("stop_token_ids", [])
         if isinstance(given, list) and all(_is_token(t) for t in given):
-            # The template's end-of-turn tokens stop the answer too (a wrong value is left
-            # for the engine to name).
-            fields["stop_token_ids"] = list(dict.fromkeys([*given, *end_ids]))
+            # The template's end-of-turn tokens stop the answer too, unless the request
+            # ignores EOS (a fixed-length benchmark): it then runs to max_tokens, as on the
+            # completions endpoint. A wrong value is left for the engine to name.
+            ends = [t for t in end_ids if vocab_size is None or t < vocab_size]
+            if fields.get("ignore_eos") is True:
+                ends = []
+            fields["stop_token_ids"] = list(dict.fromkeys([*given, *ends]))
     if "logit_bias" in fields:
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
     schema = ""
@@ -372,11 +381,15 @@ def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
     return _bool(options, "include_usage", False)
 
 
+#: A token id as a JSON key: ASCII digits (``int`` also reads other scripts' digits)
+_TOKEN_KEY = re.compile(r"\s*-?[0-9]+\s*")
+
+
 def _logit_bias(value: object) -> dict[int, Any]:
     """OpenAI's ``{"token id": bias}`` (JSON keys are strings) as ``{id: bias}``; the engine
     checks the ids against the vocabulary and the biases against [-100, 100]."""
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and k.strip().lstrip("-").isdigit() for k in value
+        isinstance(k, str) and _TOKEN_KEY.fullmatch(k) for k in value
     ):
         raise APIError(
             f"logit_bias {value!r} must map token ids (as strings) to biases", param="logit_bias"

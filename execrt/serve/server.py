@@ -9,11 +9,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
 from execrt.engine.client import EngineClient
-from execrt.serve.app import create_app
+from execrt.serve.app import LiveJobs, create_app
 
 #: How long a thread may keep the GIL while another waits for it. With the engine on a thread
 #: (--engine thread), after each GPU step the engine thread needs it back at once to launch the
@@ -66,6 +67,27 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{shown}:{port}"
 
 
+#: What a request still running when the server is told to stop ends with (an error event
+#: on a stream, a 500 otherwise), and what a request arriving then gets (a 503).
+SHUTTING_DOWN = "the server is shutting down"
+#: How long uvicorn waits for connections once every job was aborted (they end within a step
+#: or two); past it, it cancels them.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGINT / SIGTERM also aborts what the app still runs:
+    uvicorn alone waits for every answer to run its course (a long stream: minutes)."""
+
+    def __init__(self, config: uvicorn.Config, jobs: LiveJobs) -> None:
+        super().__init__(config)
+        self.jobs = jobs
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.jobs.close(SHUTTING_DOWN)
+
+
 class UvicornServer:
     """The app over ``client`` under uvicorn on ``sock``: ``run()`` in this thread (signals
     handled, returns after a graceful shutdown) or ``start()`` in a background one."""
@@ -86,8 +108,11 @@ class UvicornServer:
             client, close_client=True, reasoning_parser=reasoning_parser,
             generation_config=generation_config,
         )  # fmt: skip
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30)
-        self.server = uvicorn.Server(config)
+        self.jobs: LiveJobs = app.state.jobs
+        config = uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
+        self.server = _Server(config, self.jobs)
         self._thread: threading.Thread | None = None
 
     def run(self) -> None:
@@ -103,6 +128,7 @@ class UvicornServer:
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
+        self.jobs.close(SHUTTING_DOWN)
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)

@@ -92,6 +92,12 @@ def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -
             param="tools",
         )
     choice = fields.get("tool_choice", "auto" if tools else "none")
+    if not tools and choice != "none":
+        raise APIError(
+            f"tool_choice {choice!r} needs tools (a non-empty list); without tools only "
+            "'none' is accepted",
+            param="tool_choice",
+        )
     names = [t["function"]["name"] for t in tools]
     forced = _forced(choice, names)
     parallel = fields.get("parallel_tool_calls", True)

@@ -238,6 +238,22 @@ def test_chat_stops_at_the_end_of_turn_token(engine, monkeypatch) -> None:
     assert result.prompt_token_ids == ids and result.finish_reason in ("stop", "length")
 
 
+def test_chat_ignoring_eos_runs_past_the_end_of_turn(engine, monkeypatch) -> None:
+    # The template's end of turn is an EOS: a fixed-length request (ignore_eos) keeps only the
+    # caller's stop ids, and runs to max_new_tokens as generate does.
+    template = ChatTemplate(TEMPLATE, "<|im_start|>", "<|endoftext|>", ("<|im_end|>",))
+    monkeypatch.setattr(engine, "chat_template", template)
+    messages = [{"role": "user", "content": "hi"}]
+    _, params = engine.chat_request(messages, SamplingParams(stop_token_ids=(5,), ignore_eos=True))
+    assert params.stop_token_ids == (5,)
+    im_end = engine.tokenizer.token_to_id("<|im_end|>")
+    params = SamplingParams(
+        max_new_tokens=6, temperature=0, ignore_eos=True, logit_bias={im_end: 100}
+    )
+    result = engine.chat(messages, params)  # im_end every time: ignored
+    assert result.token_ids == [im_end] * 6 and result.finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("params", "error"),
     [

@@ -232,6 +232,46 @@ def test_chat_shape_and_template_stop(fake) -> None:
     assert fake.submitted[0].sampling["stop_token_ids"] == [25]
 
 
+def test_chat_ignoring_eos_runs_to_max_tokens_past_the_end_of_turn(fake) -> None:
+    # Fixed-length benchmarks (vLLM's benchmark_serving, genai-perf) send ignore_eos: the
+    # template's end of turn (an EOS) must not stop them, as it does not on completions.
+    body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 6, "ignore_eos": True}
+    out = call(fake, "POST", "/v1/chat/completions", body).json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 6
+    assert fake.submitted[0].sampling["stop_token_ids"] == []
+    body |= {"stop_token_ids": [24]}  # the caller's own stop ids still stop it
+    out = call(fake, "POST", "/v1/chat/completions", body).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert fake.submitted[1].sampling["stop_token_ids"] == [24]
+
+
+def test_health_answers_head_and_models_say_when_served(fake) -> None:
+    import time
+
+    assert call(fake, "HEAD", "/health").status_code == 200  # load balancers probe so
+    (model,) = call(fake, "GET", "/v1/models").json()["data"]
+    assert abs(model["created"] - time.time()) < 600
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs tools"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice", "needs tools"),
+        ({"user": 5}, "user", "user 5 must be a string"),
+        ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias", "must map token ids"),
+    ],
+)
+def test_more_bad_chat_fields_are_400s_naming_them(fake, extra, param, needle) -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 2} | extra
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
+    ok = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 2, "tool_choice": "none"}
+    assert call(fake, "POST", "/v1/chat/completions", ok).status_code == 200
+
+
 def test_chat_template_kwargs_reach_the_template_and_a_bad_value_is_a_400(fake) -> None:
     body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 1}
     variables = {"enable_thinking": True, "other": False}

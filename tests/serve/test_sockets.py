@@ -7,6 +7,8 @@ token of every request after a connection's first reached the client tens of ms 
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import statistics
 import threading
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from execrt.engine.client import EngineRequest, OutputHolder, RequestOutput
 from execrt.serve.server import UvicornServer, bind
@@ -100,3 +103,57 @@ def test_a_serving_process_collects_rarely_and_not_what_was_alive_when_ready() -
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize("how", ["signal", "stop"])
+def test_a_shutdown_ends_running_streams_at_once_with_an_error_and_done(how: str) -> None:
+    # A stream of 100,000 tokens at 100 a second: uvicorn alone would wait out its grace
+    # period for it; the server aborts it instead, the client reads why, then [DONE].
+    client = FakeClient(tick=0.01, context_len=1_000_000)
+    server = UvicornServer(client, bind("127.0.0.1", 0)).start()
+    body = {"prompt": "ab", "max_tokens": 100_000, "stream": True, "ignore_eos": True}
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def read() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    if len(lines) > 6:
+                        streaming.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert streaming.wait(30)
+    finally:
+        start = time.monotonic()
+        if how == "signal":  # what SIGINT / SIGTERM run (uvicorn's handler, and ours)
+            server.server.handle_exit(signal.SIGTERM, None)
+            server._thread.join(30)  # type: ignore[union-attr]
+        else:
+            server.stop()
+        reader.join(30)
+    took = time.monotonic() - start
+    assert not reader.is_alive() and took < 5, took
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert "shutting down" in error["message"]
+    assert [reason for _, reason in client.aborted] == ["the server is shutting down"]
+    assert client.closed  # the app's shutdown closed the client
+
+
+def test_a_request_after_the_shutdown_began_is_a_503() -> None:
+    from fastapi.testclient import TestClient
+
+    from execrt.serve.app import create_app
+
+    app = create_app(FakeClient())
+    with TestClient(app) as http:
+        app.state.jobs.close("the server is shutting down")
+        http.get("/health")  # a round trip of the event loop runs the close
+        response = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+    assert response.status_code == 503
+    assert "shutting down" in response.json()["error"]["message"]
