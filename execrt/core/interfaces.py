@@ -78,6 +78,10 @@ class AttentionRequirements:
     num_kv_heads: int
     graph: bool = False
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: ``dtype``
+    # The steps it will run: an engine runs both (prefills and decodes); a conformance case
+    # names its own.
+    decode: bool = True
+    extend: bool = True
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -122,6 +126,9 @@ class AttentionCapabilities(Capabilities):
             self._check("GQA ratio", req.num_q_heads // req.num_kv_heads, self.gqa_ratios, out)
         if req.graph and not self.graph:
             out.append("graph capture unsupported")
+        for mode in ("decode", "extend"):
+            if getattr(req, mode) and not getattr(self, mode):
+                out.append(f"{mode} steps unsupported (capability {mode} is False)")
         return out
 
 

@@ -221,6 +221,8 @@ class BackendRegistry:
         self._conflicts: dict[tuple[str, str], tuple[str, str]] = {}
         # plugin -> its first refused registration, kept even if its hook caught the error
         self._refused: dict[str, PluginError] = {}
+        # plugin -> why it was skipped whole (``note_skipped``): told with a name not found
+        self._skipped: dict[str, str] = {}
         self._plugin = "<direct>"
         self._version = ""
 
@@ -337,14 +339,20 @@ class BackendRegistry:
         """The first registration of ``plugin`` that was refused, None if none was."""
         return self._refused.get(plugin)
 
+    def note_skipped(self, plugin: str, reason: str) -> None:
+        """Record that ``plugin`` registered nothing, and why (its host failed to load it, or
+        refused it whole): a lookup of a name that is not registered says so, since the name
+        may well be that plugin's."""
+        self._skipped.setdefault(plugin, reason)
+
     def get(self, kind: str, name: str) -> BackendSpec[Capabilities]:
         try:
             return self._specs[(kind, name)]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none"
-            raise BackendUnavailableError(
-                kind, name, [f"not registered (registered: {known})"]
-            ) from None
+            reasons = [f"not registered (registered: {known})"]
+            reasons += [f"plugin {p!r} was skipped: {why}" for p, why in self._skipped.items()]
+            raise BackendUnavailableError(kind, name, reasons) from None
 
     def names(self, kind: str) -> list[str]:
         return sorted(name for k, name in self._specs if k == kind)

@@ -113,6 +113,13 @@ class PluginHost:
             self.pm.unregister(name=name)
             self._fail(name, f"implements an unknown hook: {exc}")
             return False
+        if not impls:  # e.g. the hook written without @hookimpl: nothing would say why
+            self._fail(
+                name,
+                "registers nothing: it has no execrt_register_backends marked @hookimpl "
+                "(pluggy.HookimplMarker('execrt'))",
+            )
+            return False
         for impl in impls:
             kwargs = {"registry": self.registry} if "registry" in impl.argnames else {}
             with self.registry.attributed_to(name, version):
@@ -133,6 +140,7 @@ class PluginHost:
 
     def _fail(self, plugin: str, message: str) -> None:
         self.failures.append(PluginFailure(plugin, message))
+        self.registry.note_skipped(plugin, message)  # a lookup that misses names it
         logger.warning("plugin %r skipped: %s", plugin, message)
 
 

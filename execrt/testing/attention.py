@@ -48,7 +48,7 @@ from execrt.testing.suite import (
 Record = Callable[[str, object], None]
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
-GQA_RATIOS = (1, 2, 4, 8)
+GQA_RATIOS = (1, 2, 3, 4, 8)  # 3: a group that is not a power of two (SmolLM2: 9 q, 3 kv heads)
 MODES = ("decode", "extend")
 
 
@@ -137,8 +137,9 @@ class AttentionBackendSuite(ConformanceSuite):
         )
         hkv = cls.profile(device).num_kv_heads
         req = AttentionRequirements(
-            device, dtype, head_dim, hkv * gqa_ratio, hkv, graph=graph, kv_dtype=kv_dtype
-        )
+            device, dtype, head_dim, hkv * gqa_ratio, hkv, graph=graph, kv_dtype=kv_dtype,
+            decode=mode == "decode", extend=mode == "extend",
+        )  # fmt: skip
         skip, error = cls.runnable(spec, device, req, declared)
         opts = {"head_dim": head_dim, "gqa_ratio": gqa_ratio, "mode": mode, "graph": graph}
         opts |= {"kv_dtype": kv_dtype} | options

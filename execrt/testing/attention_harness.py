@@ -93,6 +93,8 @@ class Prepared:
     real_locs: torch.Tensor  # [T_real] int64 (device)
     table: torch.Tensor  # req_to_token as laid out, to catch a backend that edits it
     graph: bool = False
+    # The batch's tensors and host lists as laid out, to catch a backend that writes into them
+    batch: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -211,7 +213,9 @@ class AttentionHarness:
         qkv = self._new_qkv(fb.num_tokens, reuse)
         self._store_new_kv(qkv, real_locs)
         table = self.pool.req_to_token.clone()
-        return Prepared(step, fb, qkv, rows, real_locs.numel(), real_locs, table, graph)
+        return Prepared(
+            step, fb, qkv, rows, real_locs.numel(), real_locs, table, graph, batch_snapshot(fb)
+        )
 
     def prepare_prologue(
         self, step: Step, *, graph: bool = False, norm: bool = True, hadamard: bool = False
@@ -241,7 +245,7 @@ class AttentionHarness:
             self._mirror(layer, real_locs, qkv[-1][1][:t], v[:t])
             rotations.append(rotation)
         table = self.pool.req_to_token.clone()
-        prepared = Prepared(step, fb, qkv, rows, t, real_locs, table, graph)
+        prepared = Prepared(step, fb, qkv, rows, t, real_locs, table, graph, batch_snapshot(fb))
         return PrologueStep(prepared, raw, rotations)
 
     def _lay_out(self, step: Step, graph: bool) -> tuple[list[int], ForwardBatch, torch.Tensor]:
@@ -415,6 +419,11 @@ class AttentionHarness:
         result.problems += self.cache_problems(prepared, label, stored_tolerance)
         if not torch.equal(self.pool.req_to_token, prepared.table):
             result.problems.append(f"{label}: the backend modified req_to_token")
+        for name in batch_changes(prepared.fb, prepared.batch):
+            result.problems.append(
+                f"{label}: the backend wrote into the batch's {name} (a backend reads the "
+                "ForwardBatch; the model and the runner read it after)"
+            )
         return result
 
     def _oracle(self, p: Prepared, layer: int, *kv_and_scales: Any) -> torch.Tensor:
@@ -604,3 +613,33 @@ def matches_eager(
                 f"(tolerance {tol:.3g})"
             )
     return problems
+
+
+def batch_snapshot(fb: ForwardBatch) -> dict[str, Any]:
+    """Copies of ``fb``'s tensors and host lists (``batch_changes`` compares against them)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(fb):
+        value = getattr(fb, f.name)
+        if isinstance(value, torch.Tensor):
+            out[f.name] = value.clone()
+        elif isinstance(value, list):
+            out[f.name] = list(value)
+    return out
+
+
+def batch_changes(fb: ForwardBatch, snapshot: dict[str, Any]) -> list[str]:
+    """The fields of ``fb`` whose tensors or lists differ from ``snapshot``'s copies."""
+    changed = []
+    for name, before in snapshot.items():
+        now = getattr(fb, name)
+        if isinstance(before, torch.Tensor):
+            same = (
+                isinstance(now, torch.Tensor)
+                and now.shape == before.shape
+                and torch.equal(now, before)
+            )
+        else:
+            same = now == before
+        if not same:
+            changed.append(name)
+    return changed

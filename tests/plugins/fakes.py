@@ -69,6 +69,13 @@ class RaisingPlugin:
         raise RuntimeError("kernel library exploded")
 
 
+class UnmarkedPlugin:
+    """Its hook lacks @hookimpl: pluggy never calls it."""
+
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "unmarked", NATIVE, AttentionCapabilities())
+
+
 class WrongCapabilitiesPlugin:
     @hookimpl
     def execrt_register_backends(self, registry):

@@ -49,6 +49,21 @@ def test_a_raising_plugin_is_reported_skipped_and_rolled_back(plugin_host: Plugi
     assert "fake_attn" in plugin_host.registry.names("attention")
 
 
+def test_a_name_not_found_says_which_plugins_were_skipped_and_why(
+    plugin_host: PluginHost,
+) -> None:
+    # The backend asked for is likely the skipped plugin's: the lookup says why it is missing.
+    assert not plugin_host.add_plugin(fakes.RaisingPlugin(), "raiser")
+    assert not plugin_host.add_plugin(fakes.UnmarkedPlugin(), "unmarked-plugin")
+    with pytest.raises(BackendUnavailableError) as info:
+        plugin_host.registry.get("attention", "half_done")
+    message = str(info.value)
+    assert "not registered (registered: " in message
+    assert "plugin 'raiser' was skipped: " in message and "kernel library exploded" in message
+    assert "plugin 'unmarked-plugin' was skipped: registers nothing" in message
+    assert "@hookimpl" in message
+
+
 def test_duplicate_names_are_an_error_naming_both_plugins(plugin_host: PluginHost) -> None:
     plugin_host.add_plugin(fakes.GoodPlugin(), "first-plugin")
     assert not plugin_host.add_plugin(fakes.ClashingPlugin(), "second-plugin")

@@ -49,6 +49,31 @@ class WrongScaleAttention(TorchNativeAttnBackend):
         return super().attend(q, own, step, kv)
 
 
+class PowerOfTwoGroupsAttention(TorchNativeAttnBackend):
+    """Broken: query head h reads kv head ``h >> log2(G)``, right only where the GQA group G
+    is a power of two (SmolLM2's 9 q / 3 kv heads read the wrong heads)."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        self._num_q_heads = layer.num_q_heads
+        return super().attend(q, layer, step, kv)
+
+    def _gather(self, layer_id, slots):  # type: ignore[no-untyped-def]
+        k, v = super()._gather(layer_id, slots)
+        hkv = k.shape[-2]
+        shift = (self._num_q_heads // hkv).bit_length() - 1
+        heads = (torch.arange(self._num_q_heads, device=k.device) >> shift).clamp(max=hkv - 1)
+        return k.index_select(-2, heads), v.index_select(-2, heads)  # one kv head per q head
+
+
+class BatchWritingAttention(TorchNativeAttnBackend):
+    """Broken: clamps the batch's positions in place while planning (the model's RoPE and
+    the runner read them after)."""
+
+    def plan(self, fb):  # type: ignore[no-untyped-def]
+        fb.positions.clamp_(max=3)
+        return super().plan(fb)
+
+
 class StoringAttention(TorchNativeAttnBackend):
     """Correct: declares ``stores_kv`` and stores the K/V it is handed before reading."""
 

@@ -257,3 +257,47 @@ class TestBroken(PrefixCacheSuite):
     assert failing <= set(failed), failed
     for test_id in failing:
         assert message in failed[test_id], failed[test_id]
+
+
+def test_a_backend_right_only_for_power_of_two_groups_fails_at_gqa_3(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:PowerOfTwoGroupsAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "gqa")
+    assert code == 1
+    failed = failures(report)
+    assert failed and all("gqa3" in case for case in failed), failed
+    passed = [r["id"] for r in report["results"] if r["outcome"] == "passed"]
+    assert any("gqa2" in case for case in passed) and any("gqa4" in case for case in passed)
+
+
+def test_a_backend_that_writes_into_the_batch_fails_naming_the_field(tmp_path: Path) -> None:
+    body = """
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:BatchWritingAttention"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "decode-ragged or extend-prefix")
+    assert code == 1
+    reasons = failures(report).values()
+    assert reasons and all("wrote into the batch's positions" in r for r in reasons), reasons
+
+
+def test_a_backend_without_decode_or_extend_is_refused_where_both_run() -> None:
+    import torch
+
+    from execrt.core.interfaces import AttentionCapabilities, AttentionRequirements
+
+    engine = AttentionRequirements("cpu", torch.float32, 64, 4, 2)  # an engine runs both
+    assert AttentionCapabilities(decode=False).refusals(engine) == [
+        "decode steps unsupported (capability decode is False)"
+    ]
+    assert AttentionCapabilities(extend=False).refusals(engine) == [
+        "extend steps unsupported (capability extend is False)"
+    ]
+    decode_only = AttentionRequirements("cpu", torch.float32, 64, 4, 2, extend=False)
+    assert AttentionCapabilities(extend=False).refusals(decode_only) == []
