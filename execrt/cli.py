@@ -836,7 +836,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _show_progress()
+    try:
+        _show_progress()  # imports torch: a Ctrl-C this early is as quiet as a later one
+    except KeyboardInterrupt:
+        return 128 + 2
     if sys.stdout is None:  # started with file descriptor 1 closed (`execrt backends >&-`)
         print("execrt: error: cannot write the output: standard output is closed", file=sys.stderr)
         return 1

@@ -115,7 +115,7 @@ def engine_main(
 ) -> None:
     """The engine process: build, say what the front end needs, run the command loop."""
     from execrt.engine.codec import model_info, text_codec
-    from execrt.engine.scheduler import describe_exception
+    from execrt.engine.scheduler import describe_exception, describe_load_failure
     from execrt.engine.threaded import run_commands
 
     # Ctrl-C in a terminal reaches the whole process group: the front end decides (it sends
@@ -124,7 +124,7 @@ def engine_main(
     try:
         engine = build()
     except BaseException as exc:
-        _send_quietly(outputs, ("error", describe_exception(exc)))
+        _send_quietly(outputs, ("error", describe_load_failure(exc)))
         return
     try:
         ready = (

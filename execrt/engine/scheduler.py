@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from execrt.core.errors import ExecrtError
 from execrt.core.sampler import TokenConstraint
 from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.staging import stage_ints
@@ -636,3 +637,12 @@ def describe_exception(exc: BaseException) -> str:
     """``RuntimeError: CUDA error ...`` or just ``KeyboardInterrupt`` when there is no text."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def describe_load_failure(exc: BaseException) -> str:
+    """Why an engine could not be built: execrt's own errors (a bad configuration, model or
+    backend) are already sentences for the user and keep no class name; anything else is
+    ``describe_exception``'s."""
+    if isinstance(exc, ExecrtError) and str(exc):
+        return str(exc)
+    return describe_exception(exc)

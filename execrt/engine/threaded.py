@@ -29,7 +29,7 @@ from execrt.engine.client import (
 )
 from execrt.engine.codec import model_info, text_codec
 from execrt.engine.engine import Engine
-from execrt.engine.scheduler import describe_exception
+from execrt.engine.scheduler import describe_exception, describe_load_failure
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class ThreadedEngineClient(BackgroundEngineClient):
         try:
             engine = self._build()
         except BaseException as exc:
-            self._error = describe_exception(exc)
+            self._error = describe_load_failure(exc)
             self._loaded.set()
             return
         try:

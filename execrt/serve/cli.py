@@ -21,6 +21,7 @@ ENGINE_FLAGS = (
     "attention_backend",
     "moe_dispatcher",
     "graph_backend",
+    "prefix_cache",
     "flashinfer_prefill_backend",
     "device",
     "dtype",
@@ -118,6 +119,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = RuntimeConfig.load(file=args.config, cli=cli | {"model": args.model})
     if not 0 <= args.port <= 65535:
         raise ExecrtError(f"serve: --port {args.port} must be in 0..65535")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ExecrtError(
+            f"serve: --served-model-name {args.served_model_name!r} must be a non-empty name "
+            "(leave it out for the checkpoint's name)"
+        )
     runner = engine_runner(args.engine_runner, int(os.environ.get("WORLD_SIZE", "1")))
     if launch_rank():
         return _follow(Engine(config=config))

@@ -169,10 +169,11 @@ def serve(
                     f"; the model's sampling defaults: {shown} (--generation-config none: OpenAI's)"
                 )
             (announce or _print)(line)
-        else:
+        elif client.load_error() is not None:
             print(f"execrt: error: {client.load_error()}", file=sys.stderr, flush=True)
             status = 2
             server.server.should_exit = True
+        # else: stopped while loading (Ctrl-C, SIGTERM): closed, nothing failed, nothing to say
 
     threading.Thread(target=watch, name="execrt-ready", daemon=True).start()
     server.run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_serve_takes_every_engine_flag_of_generate() -> None:
     assert {"--model", "--config", "--attention", "--tp", "--ep", "--dtype", "--strict"} <= set(
         engine
     )
-    assert "--kv-cache-dtype" in engine
+    assert {"--kv-cache-dtype", "--prefix-cache"} <= set(engine)
     for opt, action in engine.items():
         assert serve[opt].dest == action.dest and serve[opt].help == action.help
     assert {"--host", "--port", "--served-model-name"} <= set(serve)
@@ -39,12 +40,14 @@ def test_a_model_that_fails_to_load_is_one_line_and_status_2(tmp_path, capsys) -
     assert main(["serve", "--model", missing, "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a directory or a .gguf file" in err, err
+    assert "Error:" not in err  # execrt's own errors are sentences, without a class name
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["serve", "--port", "70000"], "--port 70000 must be in 0..65535"),
+        (["serve", "--served-model-name", " "], "--served-model-name ' ' must be a non-empty"),
         (["bench", "serve", "--max-concurrency", "a,b"], "--max-concurrency 'a,b' must be"),
         (["bench", "serve", "--max-concurrency", "", "--request-rate", ""], "at least one"),
     ],
@@ -63,3 +66,25 @@ def test_the_engine_runs_in_its_own_process_unless_under_torchrun(monkeypatch, c
     assert main(["serve", "--engine", "process", "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--engine process needs a single process" in err, err
+
+
+def test_stopped_while_loading_says_nothing(monkeypatch, capsys) -> None:
+    # Ctrl-C or SIGTERM before the model is ready: the client is closed, nothing failed, so
+    # no "execrt: error: None" line.
+    import execrt.serve.server as server
+    from tests.serve.fakes import FakeClient
+
+    class Closed(FakeClient):
+        def wait_ready(self, timeout: float | None = None) -> bool:
+            return False
+
+    def interrupted(self: server.UvicornServer) -> None:  # the signal, then the shutdown
+        time.sleep(0.1)
+        self.server.should_exit = True
+        time.sleep(0.3)
+
+    client = Closed(is_ready=False)
+    monkeypatch.setattr(server.UvicornServer, "run", interrupted)
+    assert server.serve(client, "127.0.0.1", 0) == 0
+    assert capsys.readouterr().err == ""
+    client.close()
