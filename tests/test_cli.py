@@ -404,3 +404,21 @@ def test_generate_takes_flashinfer_prefill_variant_into_the_config(capsys) -> No
         "execrt: error: config: flashinfer_prefill_backend 'fa4' unsupported "
         "(supported: auto, fa2, fa3)"
     )
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("EXECRT_DISABLE_PDL", "maybe", "EXECRT_DISABLE_PDL='maybe' unsupported"),
+        ("EXECRT_DECODE_MERGE_CHUNK", "7", "EXECRT_DECODE_MERGE_CHUNK='7' unsupported"),
+        ("EXECRT_FP8_DECODE_KERNEL", "nosuch", "EXECRT_FP8_DECODE_KERNEL='nosuch' unsupported"),
+        ("EXECRT_PDL_PREFETCH", "linaer", "['linaer'] unknown"),
+        ("EXECRT_PDL_PREFETCH_ROWS", "0", "EXECRT_PDL_PREFETCH_ROWS='0' unsupported"),
+    ],
+)
+def test_a_kernel_switch_typo_fails_on_any_device(monkeypatch, capsys, variable, value, needle):
+    # GPU-only switches are read at launch; a CPU run would never launch and never complain.
+    monkeypatch.setenv(variable, value)
+    assert main(["generate", "--model", "builtin", "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err

@@ -72,9 +72,16 @@ FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """True when the variable is set to a truthy value (1, true, yes, on)."""
-    value = (environ if environ is not None else os.environ).get(name, "")
-    return value.strip().lower() in TRUE_WORDS
+    """True when the variable is set to a truthy value (1, true, yes, on), False when it is
+    unset, empty or falsy (0, false, no, off); ConfigError for anything else (a typo such as
+    ``maybe`` would otherwise silently mean false)."""
+    value = (environ if environ is not None else os.environ).get(name, "").strip().lower()
+    if value and value not in TRUE_WORDS | FALSE_WORDS:
+        raise ConfigError(
+            f"{name}={value!r} unsupported; accepted: 1, true, yes or on; 0, false, no or off "
+            "(any case); or unset"
+        )
+    return value in TRUE_WORDS
 
 
 #: The variables that change which kernels run or how they launch (not config keys): what a

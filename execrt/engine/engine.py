@@ -40,6 +40,7 @@ from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
 from execrt.engine.structured import JsonConstraint, JsonIndex, Reasoning
+from execrt.kernels._triton import check_kernel_switches
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes
 from execrt.plugins.host import PluginHost, get_plugin_host
@@ -102,6 +103,7 @@ class Engine:
         loader: ModelLoader | None = None,
         **overrides: Any,
     ) -> None:
+        check_kernel_switches()  # EXECRT_* kernel switches: a typo fails here, on any device
         # Precedence: EXECRT_* environment (or ``config`` as given) < keyword arguments.
         base = config if config is not None else RuntimeConfig.load(environ=os.environ)
         cfg = base.replace(**overrides) if overrides else base

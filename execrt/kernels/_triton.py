@@ -239,6 +239,15 @@ def pdl_prefetch(device: torch.device, kernel: str, rows: int | None = None) -> 
         raise ValueError(f"kernel {kernel!r} is not one of {PREFETCHING_KERNELS}")
     if not use_pdl(device):
         return False
+    names = _prefetch_names()
+    if not (names & envs.TRUE_WORDS or kernel in names):
+        return False
+    limit = prefetch_rows_limit()
+    return limit is None or rows is None or rows <= limit
+
+
+def _prefetch_names() -> set[str]:
+    """``EXECRT_PDL_PREFETCH`` as a set of lower-case words, checked."""
     value = os.environ.get(envs.PDL_PREFETCH, "")
     names = {n.strip().lower() for n in value.split(",") if n.strip()}
     unknown = names - set(PREFETCHING_KERNELS) - envs.TRUE_WORDS - envs.FALSE_WORDS
@@ -247,10 +256,19 @@ def pdl_prefetch(device: torch.device, kernel: str, rows: int | None = None) -> 
             f"{envs.PDL_PREFETCH}={value!r}: {sorted(unknown)} unknown; accepted: 1 or 0, or "
             f"a comma-separated list of {', '.join(PREFETCHING_KERNELS)}"
         )
-    if not (envs.flag(envs.PDL_PREFETCH) or kernel in names):
-        return False
-    limit = prefetch_rows_limit()
-    return limit is None or rows is None or rows <= limit
+    return names
+
+
+def check_kernel_switches() -> None:
+    """ConfigError for the first ``envs.KERNEL_SWITCHES`` variable set to a value its kernel
+    would refuse: checked when an engine starts, on any device, so that a typo is not
+    silently ignored on a CPU machine and found only on a GPU (each is read again at launch)."""
+    envs.flag(envs.DISABLE_PDL)
+    _prefetch_names()
+    prefetch_rows_limit()
+    fp8_words_opaque()
+    fp8_decode_kernel()
+    merge_chunk(1)
 
 
 def prefetch_rows_limit() -> int | None:

@@ -15,9 +15,16 @@ def test_truthy_flag_values(value: str) -> None:
     assert envs.flag("X", {"X": value})
 
 
-@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", "2", "enabled", "y"])
-def test_other_flag_values_are_false(value: str) -> None:
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", "OFF", " No "])
+def test_falsy_flag_values(value: str) -> None:
     assert not envs.flag("X", {"X": value})
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "y", "maybe"])
+def test_other_flag_values_are_refused_naming_them(value: str) -> None:
+    # A typo must not silently mean false (EXECRT_DISABLE_PDL=maybe ran with PDL).
+    with pytest.raises(ConfigError, match=f"X='{value}' unsupported; accepted: 1, true"):
+        envs.flag("X", {"X": value})
 
 
 def test_an_unset_flag_is_false_and_os_environ_is_the_default(
