@@ -37,17 +37,22 @@ def run_suite(
     return code, json.loads(path.read_text())
 
 
+def cpu_attention_suite(fake: str, capabilities: str = "NATIVE_CAPS") -> str:
+    """A suite module body holding ``fake_backends.<fake>`` to the attention suite on CPU."""
+    return f"""
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:{fake}"
+    capabilities = fakes.{capabilities}
+    devices = ("cpu",)
+"""
+
+
 def failures(report: dict[str, Any]) -> dict[str, str]:
     return {r["id"]: r["reason"] for r in report["results"] if r["outcome"] == "failed"}
 
 
 def test_wrong_scale_attention_fails_with_scenario_and_error(tmp_path: Path) -> None:
-    body = """
-class TestBroken(AttentionBackendSuite):
-    factory = "tests.testing.fake_backends:WrongScaleAttention"
-    capabilities = fakes.NATIVE_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_attention_suite("WrongScaleAttention")
     code, report = run_suite(tmp_path, body, "attention", "decode-ragged or extend-prefix")
     assert code == 1
     failed = failures(report)
@@ -60,12 +65,7 @@ class TestBroken(AttentionBackendSuite):
 
 
 def test_a_storing_backend_that_stores_nothing_fails_naming_the_slots(tmp_path: Path) -> None:
-    body = """
-class TestBroken(AttentionBackendSuite):
-    factory = "tests.testing.fake_backends:ForgetfulStoringAttention"
-    capabilities = fakes.STORES_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_attention_suite("ForgetfulStoringAttention", "STORES_CAPS")
     code, report = run_suite(tmp_path, body, "attention", "decode-single or extend-single")
     assert code == 1
     failed = failures(report)
@@ -260,12 +260,7 @@ class TestBroken(PrefixCacheSuite):
 
 
 def test_a_backend_right_only_for_power_of_two_groups_fails_at_gqa_3(tmp_path: Path) -> None:
-    body = """
-class TestBroken(AttentionBackendSuite):
-    factory = "tests.testing.fake_backends:PowerOfTwoGroupsAttention"
-    capabilities = fakes.NATIVE_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_attention_suite("PowerOfTwoGroupsAttention")
     code, report = run_suite(tmp_path, body, "attention", "gqa")
     assert code == 1
     failed = failures(report)
@@ -275,12 +270,7 @@ class TestBroken(AttentionBackendSuite):
 
 
 def test_a_backend_that_writes_into_the_batch_fails_naming_the_field(tmp_path: Path) -> None:
-    body = """
-class TestBroken(AttentionBackendSuite):
-    factory = "tests.testing.fake_backends:BatchWritingAttention"
-    capabilities = fakes.NATIVE_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_attention_suite("BatchWritingAttention")
     code, report = run_suite(tmp_path, body, "attention", "decode-ragged or extend-prefix")
     assert code == 1
     reasons = failures(report).values()
