@@ -78,12 +78,21 @@ def capability_problems(capabilities: Capabilities) -> list[str]:
 
 
 def interface_problem(kind: str, factory: object) -> str | None:
-    """A factory that is a class but not a subclass of the kind's interface (None: fine, or
-    not knowable before it is called)."""
+    """A factory that is a class but not a subclass of the kind's interface, or one that
+    leaves some of its abstract methods unwritten (None: fine, or not knowable before it is
+    called)."""
     interface = INTERFACES.get(kind)
-    if interface is None or not isinstance(factory, type) or issubclass(factory, interface):
+    if interface is None or not isinstance(factory, type):
         return None
-    return f"{_name(factory)} does not implement {interface.__name__} (subclass it)"
+    if not issubclass(factory, interface):
+        return f"{_name(factory)} does not implement {interface.__name__} (subclass it)"
+    missing = sorted(getattr(factory, "__abstractmethods__", ()))
+    if missing:
+        return (
+            f"{_name(factory)} does not implement {interface.__name__}'s "
+            f"{', '.join(missing)} (abstract: it cannot be built)"
+        )
+    return None
 
 
 def built_problem(kind: str, built: object) -> str | None:

@@ -392,3 +392,18 @@ def test_bad_plugins_installed_leave_backends_and_generate_working(
         "implement AttentionBackend" in err
     )
     assert "rejected wrong_class: plugin 'not-a-backend': json.decoder.JSONDecoder" in err
+
+
+def test_a_backend_class_missing_an_abstract_method_is_unusable_naming_it() -> None:
+    from execrt.core.interfaces import AttentionBackend
+    from execrt.core.registration import interface_problem
+
+    class PlanOnly(AttentionBackend):  # attend left out
+        def plan(self, fb):  # type: ignore[no-untyped-def]
+            return None
+
+    problem = interface_problem("attention", PlanOnly)
+    assert problem is not None and "does not implement AttentionBackend's attend" in problem
+    from execrt.backends.attention.torch_native import TorchNativeAttnBackend
+
+    assert interface_problem("attention", TorchNativeAttnBackend) is None
