@@ -152,10 +152,13 @@ class TextCodec(ABC):
         self,
         messages: Sequence[Mapping[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> tuple[list[int], tuple[int, ...]]:
         """The prompt ids of a conversation through the chat template (``template_kwargs``:
-        more variables for it), and the token ids that end the assistant's turn. Raises
-        ValueError naming what is wrong."""
+        more variables for it; the two flags as ``codec.chat_prompt_ids``'s), and the token
+        ids that end the assistant's turn. Raises ValueError naming what is wrong."""
 
 
 class EngineClient(ABC):

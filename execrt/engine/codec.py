@@ -22,19 +22,49 @@ def chat_prompt_ids(
     template: ChatTemplate,
     messages: Sequence[Mapping[str, Any]],
     template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The prompt ids of ``messages`` through ``template`` (``template_kwargs``: more
-    variables for it, e.g. ``{"enable_thinking": False}``). Raises RequestError naming the
-    message and field that are wrong, or why the template refused them."""
+    variables for it, e.g. ``{"enable_thinking": False}``). ``add_generation_prompt``: end
+    with the opening of the assistant's turn (the default). ``continue_final_message``: end
+    inside the final message, an assistant's, right after its content, so that the answer
+    continues it (assistant prefill; the template's text after it, such as its end of turn,
+    is cut; exclusive with ``add_generation_prompt``). Raises RequestError naming the message
+    and field that are wrong, or why the template refused them."""
     from execrt.models.tokenizer import chat_messages_problem
 
     problem = chat_messages_problem(messages)
     if problem is not None:
         raise RequestError(f"engine: chat: {problem}")
+    final = messages[-1] if messages else {}
+    if continue_final_message:
+        if add_generation_prompt:
+            raise RequestError(
+                "engine: chat: continue_final_message and add_generation_prompt exclude each "
+                "other (set add_generation_prompt false to continue the final message)"
+            )
+        content = final.get("content")
+        if final.get("role") != "assistant" or not isinstance(content, str) or not content:
+            raise RequestError(
+                "engine: chat: continue_final_message needs a final assistant message with "
+                f"text to continue (the final message is a {final.get('role')!r} one)"
+            )
     try:
-        text = template.render(messages, add_generation_prompt=True, variables=template_kwargs)
+        text = template.render(
+            messages, add_generation_prompt=add_generation_prompt, variables=template_kwargs
+        )
     except ValueError as exc:  # raise_exception() in the template, or one of its errors
         raise RequestError(f"engine: {exc}") from None
+    if continue_final_message:
+        at = text.rfind(final["content"])
+        if at < 0:
+            raise RequestError(
+                "engine: chat: continue_final_message: the template does not write the final "
+                "message's content as given, so it cannot be continued"
+            )
+        text = text[: at + len(final["content"])]
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
@@ -100,11 +130,18 @@ class TokenizerCodec(TextCodec):
         self,
         messages: Sequence[Mapping[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> tuple[list[int], tuple[int, ...]]:
         if self._template is None:
             raise ValueError(self._no_chat)
         try:
-            ids = chat_prompt_ids(self._tokenizer, self._template, messages, template_kwargs)
+            ids = chat_prompt_ids(
+                self._tokenizer, self._template, messages, template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )  # fmt: skip
         except (RequestError, TypeError) as exc:
             raise ValueError(str(exc)) from None
         return ids, self._stops
@@ -145,6 +182,9 @@ class TokenIdCodec(TextCodec):
         self,
         messages: Sequence[Mapping[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> tuple[list[int], tuple[int, ...]]:
         raise ValueError("the model has no tokenizer.json, hence no chat template")
 

@@ -46,6 +46,7 @@ FIELDS: dict[Endpoint, frozenset[str]] = {
         _COMMON
         | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
         | {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
+        | {"add_generation_prompt", "continue_final_message"}
     ),
 }
 #: Fields accepted only at a value that changes nothing (what clients send by default).
@@ -148,7 +149,7 @@ def parse(
         variables = _template_variables(fields)
         if tools is not None:  # the template renders them (transformers' tools=)
             variables = variables | {"tools": list(tools.tools)}
-        ids, end_ids = _chat_prompt(fields.get("messages"), text, variables)
+        ids, end_ids = _chat_prompt(fields.get("messages"), text, variables, fields)
         if tools is not None and tools.forced:
             if "response_format" in fields:
                 raise APIError(
@@ -197,6 +198,7 @@ def parse(
 
 TOKENIZE_FIELDS = frozenset(
     {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"}
+    | {"add_generation_prompt", "continue_final_message"}
 )
 
 
@@ -209,7 +211,8 @@ def parse_tokenize(body: object, text: TextCodec) -> tuple[str | None, list[int]
     if ("prompt" in fields) == ("messages" in fields):
         raise APIError("give one of prompt (a string) and messages (a chat)", param="prompt")
     if "messages" in fields:
-        return model, _chat_prompt(fields["messages"], text, _template_variables(fields))[0]
+        variables = _template_variables(fields)
+        return model, _chat_prompt(fields["messages"], text, variables, fields)[0]
     prompt = fields["prompt"]
     if not isinstance(prompt, str):
         raise APIError(f"prompt {prompt!r} must be a string", param="prompt")
@@ -448,16 +451,26 @@ def _is_token(value: object) -> bool:
 
 
 def _chat_prompt(
-    messages: object, text: TextCodec, variables: Mapping[str, Any]
+    messages: object, text: TextCodec, variables: Mapping[str, Any], fields: Mapping[str, Any]
 ) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt ids and end-of-turn ids of ``messages``, with the request's
+    ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false:
+    true continues the final assistant message, vLLM's assistant prefill)."""
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list of messages", param="messages")
     plain = [_message(m, i) for i, m in enumerate(messages)]
+    continued = _bool(fields, "continue_final_message", False)
+    opening = _bool(fields, "add_generation_prompt", not continued)
     try:
-        return text.chat_prompt(plain, variables)
+        return text.chat_prompt(
+            plain, variables, add_generation_prompt=opening, continue_final_message=continued
+        )
     except ValueError as exc:
-        param = "chat_template_kwargs" if "is reserved: the renderer" in str(exc) else "messages"
-        raise APIError(str(exc), param=param) from None
+        message = str(exc)
+        param = "chat_template_kwargs" if "is reserved: the renderer" in message else "messages"
+        if "continue_final_message" in message:
+            param = "continue_final_message"
+        raise APIError(message, param=param) from None
 
 
 def _message(message: object, index: int) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class LetterCodec(seam.TextCodec):
         self,
         messages: Sequence[Mapping[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
+        **modes: bool,
     ) -> tuple[list[int], tuple[int, ...]]:
         if any(m["role"] not in ("system", "user", "assistant") for m in messages):
             raise ValueError("chat template: bad role")
@@ -182,6 +183,7 @@ class ScriptCodec(LetterCodec):
         self,
         messages: Sequence[Mapping[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
+        **modes: bool,
     ) -> tuple[list[int], tuple[int, ...]]:
         ScriptCodec.seen = {"messages": list(messages), "variables": dict(template_kwargs or {})}
         return self.encode("hi"), ()

@@ -297,6 +297,40 @@ def test_a_reserved_template_variable_is_a_400_on_chat_template_kwargs() -> None
     )
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_assistant_prefill_is_continued_with_continue_final_message() -> None:
+    # vLLM's fields: the prompt ends right after the final assistant message's content (its
+    # end of turn cut), or, with add_generation_prompt false, after the last turn.
+    tokenizer = build_tokenizer()
+    text = TokenizerCodec(tokenizer, ChatTemplate(CHATML))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+
+    def prompt(**fields: Any) -> str:
+        ids = parse({"messages": messages} | fields, "chat", text, 256).prompts[0]
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    continued = prompt(continue_final_message=True, add_generation_prompt=False)
+    assert continued.endswith("<|im_start|>assistant\nSure, ")
+    assert prompt(continue_final_message=True) == continued  # the opening is then off by default
+    assert prompt().endswith("Sure, <|im_end|>\n<|im_start|>assistant\n")
+    assert prompt(add_generation_prompt=False).endswith("Sure, <|im_end|>\n")
+    for fields, needle in [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "exclude each other"),
+        ({"continue_final_message": "yes"}, "continue_final_message 'yes' must be true or false"),
+    ]:
+        with pytest.raises(APIError) as info:
+            prompt(**fields)
+        assert info.value.param == "continue_final_message" and needle in str(info.value)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(APIError, match="needs a final assistant message"):
+        prompt(continue_final_message=True)
+
+
 def _choice_of(fake, body):  # type: ignore[no-untyped-def]
     """The first choice's text and logprobs, non-streamed and streamed (must agree)."""
     (choice,) = call(fake, "POST", "/v1/completions", body).json()["choices"]
