@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--response-format",
         choices=RESPONSE_FORMATS,
-        default="text",
+        default=None,
         help="json_object: JSON mode, every answer one JSON object; json_schema: one that "
         "matches --json-schema (default: text, or json_schema with --json-schema)",
     )
@@ -670,11 +670,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
         min_tokens=args.min_tokens,
-        response_format=(
-            "json_schema"
-            if args.json_schema and args.response_format == "text"
-            else args.response_format
-        ),
+        response_format=_response_format(args.response_format, args.json_schema),
         json_schema=_schema_text(args.json_schema),
     )
     with Engine(config=config) as engine:
@@ -810,6 +806,22 @@ class _ProgressLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         print(f"execrt: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _response_format(given: str | None, schema: str | None) -> str:
+    """``--response-format`` as given, else ``json_schema`` with ``--json-schema`` and ``text``
+    without; a given format other than ``json_schema`` beside ``--json-schema``, or
+    ``json_schema`` without one, is an error (the one would silently override the other)."""
+    if given is None:
+        return "json_schema" if schema else "text"
+    if schema and given != "json_schema":
+        raise ConfigError(
+            f"--response-format {given} and --json-schema exclude each other (a schema "
+            "constrains the answer: leave out --response-format, or give json_schema)"
+        )
+    if given == "json_schema" and not schema:
+        raise ConfigError("--response-format json_schema needs --json-schema (the schema)")
+    return given
 
 
 def _show_progress() -> None:

@@ -102,6 +102,11 @@ def test_generate_json_schema_from_a_file_and_its_refusals(capsys, tmp_path) -> 
     assert main([*argv, "--json-schema", '{"type": "object", "minProperties": 1}']) == 2
     (out,) = json.loads(capsys.readouterr().out)
     assert "keyword 'minProperties'" in out["error"]
+    # An explicit format beside a schema, or json_schema without one, would override silently.
+    assert main([*argv, "--response-format", "text", "--json-schema", f"@{path}"]) == 2
+    assert "--response-format text and --json-schema exclude each other" in capsys.readouterr().err
+    assert main([*argv, "--response-format", "json_schema"]) == 2
+    assert "json_schema needs --json-schema" in capsys.readouterr().err
 
 
 def test_user_mistakes_print_one_line_and_exit_2(capsys) -> None:

@@ -321,6 +321,10 @@ class BackendRegistry:
         key = (kind, name)
         if key in self._specs:
             first = self._specs[key].plugin
+            if first == self._plugin:  # the plugin is refused whole: nobody keeps the name
+                raise PluginError(
+                    self._plugin, f"{kind} backend {name!r} is registered twice by this plugin"
+                )
             self._conflicts.setdefault(key, (first, self._plugin))
             raise PluginError(
                 self._plugin,

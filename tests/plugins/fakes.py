@@ -69,6 +69,13 @@ class RaisingPlugin:
         raise RuntimeError("kernel library exploded")
 
 
+class TwiceSelfPlugin:
+    @hookimpl
+    def execrt_register_backends(self, registry):
+        registry.register("attention", "twice", NATIVE, AttentionCapabilities())
+        registry.register("attention", "twice", NATIVE, AttentionCapabilities())
+
+
 class UnmarkedPlugin:
     """Its hook lacks @hookimpl: pluggy never calls it."""
 

@@ -75,6 +75,17 @@ def test_duplicate_names_are_an_error_naming_both_plugins(plugin_host: PluginHos
     assert conflicts[("attention", "fake_attn")] == ("first-plugin", "second-plugin")
 
 
+def test_a_name_registered_twice_by_one_plugin_refuses_it_saying_so(
+    plugin_host: PluginHost,
+) -> None:
+    assert not plugin_host.add_plugin(fakes.TwiceSelfPlugin(), "twice-plugin")
+    failure = plugin_host.failures[-1]
+    assert "attention backend 'twice' is registered twice by this plugin" in failure.error
+    assert "keeps it" not in failure.error and "twice" not in plugin_host.registry.names(
+        "attention"
+    )
+
+
 def test_a_plugin_cannot_take_a_builtin_name(plugin_host: PluginHost) -> None:
     assert not plugin_host.add_plugin(fakes.BuiltinClashPlugin(), "usurper")
     failure = plugin_host.failures[-1]
