@@ -161,6 +161,16 @@ class TextCodec(ABC):
         ids that end the assistant's turn. Raises ValueError naming what is wrong."""
 
 
+def chat_stop_ids(
+    given: Sequence[int], turn_ends: Sequence[int], *, ignore_eos: bool, vocab_size: int | None
+) -> list[int]:
+    """A chat request's stop ids: its own, then the template's end-of-turn ids, which are
+    left out when it ignores EOS (an end of turn is one: it then runs to its token limit, as
+    a completion does) and where they lie past the logits (``vocab_size``: never sampled)."""
+    ends = () if ignore_eos else [t for t in turn_ends if vocab_size is None or t < vocab_size]
+    return list(dict.fromkeys([*given, *ends]))
+
+
 class EngineClient(ABC):
     """A handle on an engine for a front end that never touches torch.
 

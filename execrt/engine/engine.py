@@ -31,7 +31,7 @@ from execrt.core.prompts import (
 )
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
-from execrt.engine.client import EngineStats, RequestOutput
+from execrt.engine.client import EngineStats, RequestOutput, chat_stop_ids
 from execrt.engine.driver import Driver
 from execrt.engine.json_grammar import JSON_OBJECT, schema_grammar
 from execrt.engine.limits import RequestLimits
@@ -319,12 +319,13 @@ class Engine:
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams) or sp.problems():
             return ids, sp  # generate() / stream() reject them, naming the caller's values
-        if sp.ignore_eos:  # the template's end of turn is an EOS too: run to max_new_tokens
-            return ids, sp
-        vocab = self.model_config.vocab_size  # (an end id past the logits is never sampled)
-        ends = tuple(t for t in self.chat_template.stop_token_ids(self.tokenizer) if t < vocab)
-        stops = tuple(dict.fromkeys(tuple(sp.stop_token_ids) + ends))
-        return ids, replace(sp, stop_token_ids=stops)
+        stops = chat_stop_ids(
+            sp.stop_token_ids,
+            self.chat_template.stop_token_ids(self.tokenizer),
+            ignore_eos=sp.ignore_eos,
+            vocab_size=self.model_config.vocab_size,
+        )
+        return ids, replace(sp, stop_token_ids=tuple(stops))
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,7 +232,9 @@ class LiveJobs:
     instead of waiting for every answer to run its course."""
 
     def __init__(self) -> None:
-        self.jobs: set[Job] = set()
+        # Weak: a job leaves when its answer is done with (a finished one still held only
+        # aborts nothing)
+        self.jobs: weakref.WeakSet[Job] = weakref.WeakSet()
         self.closing: str | None = None  # why no new job is taken
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it serves
 
@@ -276,22 +279,8 @@ async def _generate(
     job.submit()
     jobs.jobs.add(job)
     if plan.stream:
-        return EventSourceResponse(_tracked(job, jobs))
-    try:
-        return await job.respond(request)
-    finally:
-        jobs.jobs.discard(job)
-
-
-async def _tracked(job: Job, jobs: LiveJobs) -> AsyncIterator[bytes]:
-    """``job.events()``, the job counted live until the stream ends or is closed."""
-    events = job.events()
-    try:
-        async for event in events:
-            yield event
-    finally:
-        jobs.jobs.discard(job)
-        await events.aclose()
+        return EventSourceResponse(job.events())
+    return await job.respond(request)
 
 
 @dataclass
@@ -538,7 +527,7 @@ class Job:
         return chat_logprobs(logprobs, self.codec, top)
 
     # -- server-sent events --------------------------------------------------------------------
-    async def events(self) -> AsyncGenerator[bytes, None]:
+    async def events(self) -> AsyncIterator[bytes]:
         """The SSE stream: chunks as choices progress, the usage chunk when asked for, then
         ``[DONE]``. Closing it early (the client went away) aborts what still runs."""
         try:

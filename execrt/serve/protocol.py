@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from execrt.engine.client import TextCodec
+from execrt.engine.client import TextCodec, chat_stop_ids
 from execrt.serve.errors import APIError
 from execrt.serve.tools import ToolPlan, parse_tools, template_tool_calls
 
@@ -174,10 +174,9 @@ def parse(
             # The template's end-of-turn tokens stop the answer too, unless the request
             # ignores EOS (a fixed-length benchmark): it then runs to max_tokens, as on the
             # completions endpoint. A wrong value is left for the engine to name.
-            ends = [t for t in end_ids if vocab_size is None or t < vocab_size]
-            if fields.get("ignore_eos") is True:
-                ends = []
-            fields["stop_token_ids"] = list(dict.fromkeys([*given, *ends]))
+            fields["stop_token_ids"] = chat_stop_ids(
+                given, end_ids, ignore_eos=fields.get("ignore_eos") is True, vocab_size=vocab_size
+            )
     if "logit_bias" in fields:
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
     schema = ""
