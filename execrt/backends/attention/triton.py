@@ -303,10 +303,8 @@ class TritonAttnBackend(AttentionBackend):
     def _arrivals(self, b: int) -> torch.Tensor | None:
         """Zeroed arrival counters for the fused merge (None: the separate merge). Every
         layer's launch leaves them zero again, so one set serves the whole step."""
-        return self._counters(b) if self.fuses_merge(b) else None
-
-    def _counters(self, b: int) -> torch.Tensor:
-        """Arrival counters of a ``b``-request batch, zero (one per request and kv head)."""
+        if not self.fuses_merge(b):
+            return None
         return torch.zeros(b * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     # -- attending ------------------------------------------------------------------------------
@@ -409,7 +407,9 @@ class TritonAttnBackend(AttentionBackend):
         # Counters for the largest bucket wherever a bucket may fuse (under auto a tuned
         # entry can fuse a small bucket while the largest does not); a few KB.
         if self.decode_merge != "separate":
-            self._graph["arrivals"] = self._counters(max_bs)
+            self._graph["arrivals"] = torch.zeros(
+                max_bs * self.num_kv_heads, dtype=torch.int32, device=dev
+            )
 
     def plan_graph(self, fb: ForwardBatch) -> TritonMetadata:
         """Decode plan written into the static buffers: no allocation of them, no sync.
