@@ -11,7 +11,7 @@
 #   skipped is deselected; never re-archive $OUT yourself: the logs.tgz below carries the list)
 #   (pytest-xdist, default 8), TESTS_TIMEOUT (s, default 420), DECODE_MODELS (default
 #   "qwen3-0.6b qwen3-8b qwen3-30b-a3b:4"), DECODE_ARGS / MOE_ARGS / EXTEND_ARGS / TUNE_ARGS,
-#   TESTS_ORDER=reverse (collection back to front),
+#   TESTS_ORDER=reverse (collection back to front), TESTS_K (a -k expression for the tests step),
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts; "tiles": the stage-1 tiles per
 #   KV dtype at bs 1/32/128 x ctx 512/8192, tables for execrt/kernels/attention/decode_configs/),
 #   TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
@@ -57,12 +57,15 @@ for step in "$@"; do
       sel=${TESTS:-tests examples/execrt-example-plugin/tests}
       limit=${TESTS_TIMEOUT:-420}
       [ "$step" = tests2 ] && sel=${TESTS2:?TESTS2 names the second selection} && limit=${TESTS2_TIMEOUT:-$limit}
+      # TESTS_K: a -k expression with spaces ("gqa5 or gqa7"), which $sel's word splitting breaks
+      kexpr=()
+      [ -n "${TESTS_K:-}" ] && [ "$step" = tests ] && kexpr=(-k "$TESTS_K")
       # SIGINT at the limit: pytest still prints its summary and slowest tests; the time log
       # lists every finished test, and TESTS_SKIP_DONE=<that log> runs only the rest next call.
       TESTS_FAILLOG="$OUT/test-failures.log" TESTS_TIMELOG="$OUT/tests-done.txt" \
         timeout -s INT -k 30 "$(cap "$limit")" \
         python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfEs --durations=25 \
-        $sel 2>&1 | tee "$OUT/$step.log" | tail -40
+        $sel "${kexpr[@]}" 2>&1 | tee "$OUT/$step.log" | tail -40
       note "$step: $(tail -1 "$OUT/$step.log")" ;;
     conformance)
       for kb in ${CONF:-attention:triton attention:flashinfer attention:torch_native moe_dispatch:allreduce moe_dispatch:all_to_all moe_dispatch:all_to_all_fixed graph:full_cuda_graph}; do

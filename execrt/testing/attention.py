@@ -48,7 +48,9 @@ from execrt.testing.suite import (
 Record = Callable[[str, object], None]
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
-GQA_RATIOS = (1, 2, 3, 4, 8)  # 3: a group that is not a power of two (SmolLM2: 9 q, 3 kv heads)
+# 3 and 7: groups padded to a power of two (SmolLM2: 9 q / 3 kv heads, Qwen2.5: 14 / 2); 16: a
+# group that fills a 16-row tile (Llama-3.1-405B: 128 / 8)
+GQA_RATIOS = (1, 2, 3, 4, 7, 8, 16)
 MODES = ("decode", "extend")
 
 
