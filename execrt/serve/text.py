@@ -98,18 +98,23 @@ def tag_overlap(text: str, stop: str) -> int:
 def completion_logprobs(
     logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int, offset: int = 0
 ) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists; ``text_offset`` counts from ``offset``."""
+    """The legacy completions shape: parallel lists; ``text_offset`` counts from ``offset``.
+    Each ``top_logprobs`` entry holds the ``top`` most likely tokens and the chosen one, so up
+    to ``top + 1`` (OpenAI's and vLLM's rule: ``logprobs: 0`` lists the chosen token alone)."""
     tokens = [codec.token_text(lp.token_id) for lp in logprobs]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    tops = []
+    for token, lp in zip(tokens, logprobs, strict=True):
+        alternatives = {codec.token_text(t): v for t, v in lp.top[:top]}
+        alternatives.setdefault(token, lp.logprob)
+        tops.append(alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{codec.token_text(t): v for t, v in lp.top[:top]} for lp in logprobs]
-        if top
-        else None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
@@ -124,7 +129,7 @@ def echo_logprobs(
     return {
         "tokens": [first, *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
-        "top_logprobs": None if rest["top_logprobs"] is None else [None, *rest["top_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
         "text_offset": [0, *rest["text_offset"]],
     }
 
@@ -132,10 +137,7 @@ def echo_logprobs(
 def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     """Two completions-shape listings, one after the other (``then``'s offsets already
     counted past ``first``'s text)."""
-    return {
-        key: None if first[key] is None or then[key] is None else first[key] + then[key]
-        for key in first
-    }
+    return {key: first[key] + then[key] for key in first}
 
 
 def logprob_text_len(listing: dict[str, Any]) -> int:

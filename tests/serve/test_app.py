@@ -375,7 +375,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(fake) -> None:
     assert r["choices"][1]["logprobs"] == {
         "tokens": ["x", "y", "z"],
         "token_logprobs": [None, -1.0, -1.0],
-        "top_logprobs": None,
+        "top_logprobs": [None, {"y": -1.0}, {"z": -1.0}],  # logprobs 0: the chosen token alone
         "text_offset": [0, 1, 2],
     }
     assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 5

@@ -1,14 +1,16 @@
 """ChoiceText: stop strings on detokenized text (held back, cut, never shown) and UTF-8 pieces
-never split, over random token chunkings, with the built-in byte-level tokenizer."""
+never split, over random token chunkings, with the built-in byte-level tokenizer; the
+completions shape of log-probabilities."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from execrt.engine.client import TokenLogprobs
 from execrt.engine.codec import _Detokenizer
 from execrt.models.builtin import build_tokenizer
-from execrt.serve.text import ChoiceText
+from execrt.serve.text import ChoiceText, completion_logprobs, echo_logprobs
 
 TOKENIZER = build_tokenizer()
 ALPHABET = "abé✓日🎉 \n"
@@ -57,3 +59,27 @@ def test_later_tokens_after_a_stop_are_ignored() -> None:
     assert choice.feed(TOKENIZER.encode("abcd").ids)[0] == "ab"
     assert choice.stopped and choice.tokens == 3
     assert choice.feed(TOKENIZER.encode("xyz").ids) == ("", []) and choice.finish() == ""
+
+
+class _Letters:
+    """A codec whose token i spells the i-th lowercase letter."""
+
+    def token_text(self, token_id: int) -> str:
+        return chr(ord("a") + token_id)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
+    # OpenAI: "up to logprobs+1 elements"; vLLM lists the chosen token beside the top ones, so
+    # a sampled token outside the top stays visible, and logprobs 0 lists it alone.
+    chosen_outside = TokenLogprobs(3, -4.0, ((0, -0.1), (1, -2.5)))
+    chosen_on_top = TokenLogprobs(0, -0.1, ((0, -0.1), (1, -2.5)))
+    listing = completion_logprobs([chosen_outside, chosen_on_top], _Letters(), top=2)
+    assert listing["top_logprobs"] == [
+        {"a": -0.1, "b": -2.5, "d": -4.0},
+        {"a": -0.1, "b": -2.5},
+    ]
+    alone = completion_logprobs([chosen_outside, chosen_on_top], _Letters(), top=0)
+    assert alone["top_logprobs"] == [{"d": -4.0}, {"a": -0.1}]
+    echoed = echo_logprobs([2, 3], [chosen_outside], _Letters(), top=1)
+    assert echoed["top_logprobs"] == [None, {"a": -0.1, "d": -4.0}]
+    assert echoed["tokens"] == ["c", "d"] and echoed["text_offset"] == [0, 1]
