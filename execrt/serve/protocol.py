@@ -182,6 +182,8 @@ def parse(
     schema = ""
     if "response_format" in fields:
         fields["response_format"], schema = _response_format(fields["response_format"])
+    if not prompt_only:
+        _check_room(prompts, fields.get("max_tokens"), context_len, endpoint, fields)
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if schema:
         sampling["json_schema"] = schema
@@ -349,6 +351,29 @@ def _response_format(value: Any) -> tuple[str, str]:
     )
 
 
+def _check_room(
+    prompts: list[list[int]],
+    max_tokens: object,
+    context_len: int,
+    endpoint: Endpoint,
+    fields: Mapping[str, Any],
+) -> None:
+    """A ``max_tokens`` that the context cannot hold after the longest prompt is a 400, as
+    OpenAI and vLLM answer it (the engine would cut it to the context). A prompt that fills
+    the context alone is left for the engine to name."""
+    if not _is_token(max_tokens) or not prompts:
+        return
+    longest = max(len(p) for p in prompts)
+    room = context_len - longest
+    if room > 0 and max_tokens > room:  # type: ignore[operator]
+        name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+        raise APIError(
+            f"{name} {max_tokens} is too large: the model's context holds {context_len} tokens "
+            f"and the prompt has {longest}, so at most {room} can be generated",
+            param=name,
+        )
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b  # True is not 1 here
@@ -380,7 +405,13 @@ def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
             f"stream_options {options!r} unsupported (supported: {{'include_usage': bool}})",
             param="stream_options",
         )
-    return _bool(options, "include_usage", False)
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise APIError(
+            f"stream_options.include_usage {usage!r} must be true or false",
+            param="stream_options.include_usage",
+        )
+    return usage
 
 
 #: A token id as a JSON key: ASCII digits (``int`` also reads other scripts' digits)
@@ -472,6 +503,10 @@ def _chat_prompt(
         raise APIError(message, param=param) from None
 
 
+#: Message fields an answer carries that are neutral when empty (``annotations: []``).
+_EMPTY_MESSAGE_FIELDS = frozenset({"annotations"})
+
+
 def _message(message: object, index: int) -> dict[str, Any]:
     """One message as the template reads it: role and content (text parts joined), and an
     assistant's earlier ``tool_calls`` (arguments decoded) or a tool result's
@@ -479,6 +514,13 @@ def _message(message: object, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise APIError(f"{where} must be an object with 'role' and 'content'", param=where)
+    # An answer sent back as history (the client's ``message.model_dump()``) carries OpenAI's
+    # output-only fields, null or empty: as at the top level, those mean "not given".
+    message = {
+        k: v
+        for k, v in message.items()
+        if not (v is None or (k in _EMPTY_MESSAGE_FIELDS and v == []))
+    }
     unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if unknown:
         name = sorted(unknown)[0]

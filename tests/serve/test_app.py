@@ -120,6 +120,22 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
         ({"stop": [""]}, "stop", "non-empty string"),
         ({"logprobs": 6}, "logprobs", "logprobs 6 must be an integer in 0..5"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "y"}},
+            "stream_options.include_usage",
+            "stream_options.include_usage 'y' must be true or false",
+        ),
+        (
+            {"max_tokens": 64},
+            "max_tokens",
+            "max_tokens 64 is too large: the model's context "
+            "holds 64 tokens and the prompt has 1, so at most 63 can be generated",
+        ),
+        (
+            {"prompt": ["a", "bcd"], "max_tokens": 62},
+            "max_tokens",
+            "the prompt has 3, so at most 61",
+        ),
         ({"prompt": "a" * 70}, "prompt", "prompt of 70 tokens leaves no room in the context"),
         ({"prompt": []}, "prompt", "prompt must be a string"),
         ({"prompt": "A!"}, "prompt", "letters only"),
@@ -157,6 +173,16 @@ def test_a_bad_completion_is_a_400_naming_the_field(fake, extra, param, needle) 
             "tool_calls must be a list",
         ),
         ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", ""),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**9},
+            "max_completion_tokens",
+            "max_completion_tokens 1000000000 is too large",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "a", "annotations": [{"x": 1}]}]},
+            "messages[0].annotations",
+            "field 'annotations' is unsupported",
+        ),
         ({"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature", "-1"),
     ],
 )
@@ -230,6 +256,21 @@ def test_chat_shape_and_template_stop(fake) -> None:
     assert choice["finish_reason"] == "stop"
     assert fake.submitted[0].sampling["max_new_tokens"] == 10
     assert fake.submitted[0].sampling["stop_token_ids"] == [25]
+
+
+def test_an_answer_sent_back_as_history_keeps_its_null_output_fields(fake) -> None:
+    # openai's ChatCompletionMessage.model_dump() has refusal, audio, function_call and
+    # annotations (null or empty): the next turn sends them back, and vLLM takes them.
+    answer = {
+        "role": "assistant", "content": "xy", "refusal": None, "audio": None,
+        "function_call": None, "annotations": [], "tool_calls": None,
+    }  # fmt: skip
+    plain = [{"role": "user", "content": "w"}, {"role": "assistant", "content": "xy"}]
+    turn = {"role": "user", "content": "v"}
+    got = call(fake, "POST", "/v1/chat/completions", {"messages": [plain[0], answer, turn]})
+    want = call(fake, "POST", "/v1/chat/completions", {"messages": [*plain, turn]})
+    assert got.status_code == want.status_code == 200, got.text
+    assert fake.submitted[0].prompt_ids == fake.submitted[1].prompt_ids
 
 
 def test_chat_ignoring_eos_runs_to_max_tokens_past_the_end_of_turn(fake) -> None:
