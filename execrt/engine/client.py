@@ -144,6 +144,12 @@ class TextCodec(ABC):
     def token_text(self, token_id: int) -> str:
         """One token on its own, for log-probability listings."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text: a piece of a character that spans tokens
+        (an emoji, CJK) is its own bytes, not U+FFFD's as ``token_text`` spells it. This
+        default is ``token_text``'s UTF-8."""
+        return self.token_text(token_id).encode()
+
     @abstractmethod
     def detokenizer(self) -> Detokenizer: ...
 

@@ -6,7 +6,7 @@ another process receives them once, at start-up, and never asks the engine for t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from execrt.core.errors import RequestError
@@ -101,6 +101,10 @@ class TokenizerCodec(TextCodec):
         self._eos_ids = tuple(eos_token_ids)
         stops = () if template is None else template.stop_token_ids(tokenizer)
         self._stops = tuple(dict.fromkeys(stops))
+        self._read_bytes: Callable[[int], bytes | None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a front end in another process reads it anew
+        return self.__dict__ | {"_read_bytes": None}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -122,6 +126,14 @@ class TokenizerCodec(TextCodec):
 
     def token_text(self, token_id: int) -> str:
         return str(self._tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if self._read_bytes is None:  # the tokenizer's spelling, read on first use
+            from execrt.models.tokenizer import token_bytes_reader
+
+            self._read_bytes = token_bytes_reader(self._tokenizer)
+        raw = self._read_bytes(token_id)
+        return self.token_text(token_id).encode() if raw is None else raw
 
     def detokenizer(self) -> Detokenizer:
         return _Detokenizer(self._tokenizer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -184,9 +184,16 @@ def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
 
 def token_bytes(tokenizer: Any) -> list[bytes | None]:
     """Each token id's bytes as they appear in the text (None: a special token, which is
-    never text). Byte-level vocabularies (GPT-2's spelling: Llama 3, Qwen2, SmolLM2) are
-    mapped back to their bytes; SentencePiece-style ones turn ``<0xNN>`` into that byte and
-    ``▁`` into a space; anything else is its UTF-8."""
+    never text); see ``token_bytes_reader``."""
+    read = token_bytes_reader(tokenizer)
+    return [read(i) for i in range(tokenizer.get_vocab_size(with_added_tokens=True))]
+
+
+def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes | None]:
+    """A token id's bytes as they appear in the text (None: a special token, which is never
+    text, or an id outside the vocabulary). Byte-level vocabularies (GPT-2's spelling: Llama
+    3, Qwen2, SmolLM2) are mapped back to their bytes; SentencePiece-style ones turn
+    ``<0xNN>`` into that byte and ``▁`` into a space; anything else is its UTF-8."""
     spec = json.loads(tokenizer.to_str())
     kinds = set(_types(spec.get("decoder")))
     special = {t["id"] for t in spec.get("added_tokens") or () if t.get("special")}
@@ -204,11 +211,11 @@ def token_bytes(tokenizer: Any) -> list[bytes | None]:
             token = token.replace("\u2581", " ")
         return token.encode()
 
-    out: list[bytes | None] = []
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-        token = tokenizer.id_to_token(token_id)
-        out.append(None if token is None or token_id in special else raw(token))
-    return out
+    def read(token_id: int) -> bytes | None:
+        token = tokenizer.id_to_token(token_id) if token_id >= 0 else None
+        return None if token is None or token_id in special else raw(token)
+
+    return read
 
 
 def _types(node: Any) -> Iterator[str]:

@@ -150,8 +150,10 @@ def chat_logprobs(logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int)
     """The chat shape: one entry per token with its bytes and its top alternatives."""
 
     def entry(token_id: int, value: float) -> dict[str, Any]:
+        # bytes: the token's own (OpenAI: they combine into the text where a character
+        # spans tokens, which the token's text, U+FFFD there, cannot)
         text = codec.token_text(token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": value, "bytes": list(codec.token_bytes(token_id))}
 
     return {
         "content": [

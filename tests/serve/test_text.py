@@ -4,6 +4,8 @@ completions shape of log-probabilities."""
 
 from __future__ import annotations
 
+import pickle
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,3 +85,21 @@ def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
     echoed = echo_logprobs([2, 3], [chosen_outside], _Letters(), top=1)
     assert echoed["top_logprobs"] == [None, {"a": -0.1, "d": -4.0}]
     assert echoed["tokens"] == ["c", "d"] and echoed["text_offset"] == [0, 1]
+
+
+def test_chat_logprob_bytes_join_into_the_text_where_characters_span_tokens() -> None:
+    # OpenAI: "bytes ... useful where characters are represented by multiple tokens and their
+    # byte representations must be combined". Each piece of an emoji decodes to U+FFFD alone.
+    from execrt.engine.codec import TokenizerCodec
+    from execrt.serve.text import chat_logprobs
+
+    codec = TokenizerCodec(TOKENIZER, None)
+    text = "a😀東 b"
+    ids = codec.encode(text, add_special_tokens=False)
+    listing = chat_logprobs([TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in ids], codec, 1)
+    entries = listing["content"]
+    assert "\ufffd" in [e["token"] for e in entries]  # what the text alone spells
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == text
+    tops = [t for e in entries for t in e["top_logprobs"]]
+    assert bytes(b for t in tops for b in t["bytes"]).decode() == text
+    assert pickle.loads(pickle.dumps(codec)).token_bytes(ids[1]) == "😀".encode()[:1]
