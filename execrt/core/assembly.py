@@ -164,9 +164,13 @@ def resolve_runtime(
     dtype = resolve_dtype(config.dtype, spec.dtype, device)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
     kv_rotation = resolve_kv_rotation(config.kv_cache_rotation, kv_dtype, spec.head_dim)
-    context_len = min(
-        config.context_len or spec.max_position_embeddings, spec.max_position_embeddings
-    )
+    if config.context_len > spec.max_position_embeddings:  # vLLM and SGLang refuse it too
+        raise ConfigError(
+            f"context_len {config.context_len} exceeds the model's max_position_embeddings "
+            f"{spec.max_position_embeddings} (accepted: 0 = the model's, or at most "
+            f"{spec.max_position_embeddings})"
+        )
+    context_len = config.context_len or spec.max_position_embeddings
     auto_running = config.max_running_requests == 0
     config = resolve_sizes(config, spec, device, context_len)
     check_before_load(config, local, device, kv_dtype, context_len)  # before any weight loads

@@ -67,10 +67,15 @@ def test_runner_builds_pools_backends_and_loads_through_the_loader(runtime_conte
     assert not runtime_context.has("kv_cache") and not runtime_context.has("attn_backend")
 
 
-def test_context_len_is_capped_by_the_model(runtime_context) -> None:  # type: ignore[no-untyped-def]
+def test_context_len_is_the_models_or_less(runtime_context) -> None:  # type: ignore[no-untyped-def]
     assert runner(runtime_context, context_len=16).context_len == 16
     other = RuntimeContext()
-    assert runner(other, context_len=10_000).context_len == SPEC.max_position_embeddings
+    assert runner(other, context_len=0).context_len == SPEC.max_position_embeddings
+    other.close()
+    other = RuntimeContext()
+    longest = SPEC.max_position_embeddings
+    with pytest.raises(ConfigError, match=f"context_len 10000 exceeds .* at most {longest}"):
+        runner(other, context_len=10_000)  # more than the model's: refused, not cut
     other.close()
 
 

@@ -194,3 +194,14 @@ def test_a_request_larger_than_the_cache_is_told_which_setting_to_raise(dense) -
         "but the whole cache holds 16; raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at "
         "least 19"
     ), result.error
+
+
+def test_a_context_len_beyond_the_models_is_a_config_error_naming_both(dense) -> None:
+    # vLLM and SGLang refuse it at start-up; taking the model's maximum instead would serve
+    # less than asked for without a word.
+    from execrt.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="context_len 257 exceeds the model's max_position_"):
+        Engine(dense, device="cpu", context_len=257)
+    with Engine(dense, device="cpu", context_len=256) as engine:
+        assert engine.worker.limits.context_len == 256
