@@ -21,6 +21,25 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
+def assert_traces_agree(got: Trace, ref: Trace, tol: float = 2e-2) -> None:
+    """Two runs fed the same tokens (``follow``), in bf16 on different paths: every step's
+    logits within ``tol`` relative error, and the same greedy token wherever the reference's
+    top-2 margin is wider than twice their disagreement (at least one such row, so the
+    comparison checks something)."""
+    checked = 0
+    for step, (a, b) in enumerate(zip(got.logits, ref.logits, strict=True)):
+        a, b = a.float(), b.float()
+        assert bool(torch.isfinite(a).all()), f"step {step}: non-finite logits"
+        err = rel_err(a, b)
+        assert err < tol, f"step {step}: relative error {err:.2e}"
+        top2 = b.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (a - b).abs().amax(dim=-1)
+        same = a.argmax(-1) == b.argmax(-1)
+        assert bool(same[clear].all()), f"step {step}: greedy token differs at a clear margin"
+        checked += int(clear.sum())
+    assert checked > 0, "no step had a clear top-2 margin: the comparison checked nothing"
+
+
 #: A graph-capable CPU attention backend (torch_native with static graph metadata), so that
 #: decode graphs run on CPU under ``graph_backend="reexec"``; workers get it from
 #: ``graph_attention_host()``.
