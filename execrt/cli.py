@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph", dest="graph_backend", help="graph backend, none or auto (default: auto)"
     )
     gen.add_argument(
-        "--prefix-cache", dest="prefix_cache", help="prefix cache, none or auto (default: radix)"
+        "--prefix-cache",
+        dest="prefix_cache",
+        help="prefix cache: radix, a plugin's name, none or auto (default: radix)",
     )
     gen.add_argument(
         "--flashinfer-prefill",

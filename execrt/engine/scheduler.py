@@ -363,7 +363,8 @@ class Scheduler:
 
     def _admitted(self, req: Req) -> None:
         """Count an admission: prefix-cache hits and the request's ``cached_tokens``."""
-        self.stats.prefix_query_tokens += req.seq_len
+        if self.memory.prefix_cache is not None:  # without one, nothing is looked up
+            self.stats.prefix_query_tokens += req.seq_len
         self.stats.prefix_hit_tokens += req.kv_len
         if req.num_retractions == 0:
             req.cached_tokens = min(req.kv_len, len(req.origin_input_ids))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,7 +17,7 @@ from execrt.core.prefix_cache import (
     PrefixCacheRequirements,
     PrefixMatch,
 )
-from execrt.testing.prefix_cache_harness import CACHE, REQUEST, Session, SlotLedger
+from execrt.testing.prefix_cache_harness import CACHE, REQUEST, Session, SlotLedger, engine_key
 from execrt.testing.suite import Case, ConformanceSuite, cases, generated_settings, not_declared
 
 #: The page size the suite tests (the interface's contract is written for it).
@@ -33,6 +33,15 @@ class PrefixCacheProfile:
 
 CPU_PROFILE = PrefixCacheProfile(slots=40, steps=40, max_examples=60)
 CUDA_PROFILE = PrefixCacheProfile(slots=40, steps=40, max_examples=30)
+
+
+def refused(case: Case, what: str, call: Callable[[], object]) -> None:
+    """``call`` must raise ValueError, the contract's error for a misuse."""
+    try:
+        call()
+    except ValueError:
+        return
+    raise AssertionError(f"{case.id}: {what} did not raise ValueError (the contract's error)")
 
 
 class PrefixCacheSuite(ConformanceSuite):
@@ -163,9 +172,9 @@ class PrefixCacheSuite(ConformanceSuite):
                 s.ledger.handing = set(slots)
                 m: PrefixMatch | None = None
                 if i < len(keys):
-                    n = s.cache.insert(key, s.tensor(slots))
+                    n = s.cache.insert(engine_key(key), s.tensor(slots))
                 else:
-                    n, m = s.cache.insert_and_match(key, s.tensor(slots))
+                    n, m = s.cache.insert_and_match(engine_key(key), s.tensor(slots))
                 s.ledger.handing = set()
                 want = s.ref.longest(tuple(key))
                 assert n == want, f"{case.id}: insert of {key} returned {n}, {want} were cached"
@@ -258,14 +267,37 @@ class PrefixCacheSuite(ConformanceSuite):
         self.begin(case)
         with self.open_cache(case) as s:
             self.cached(s, [1, 2, 3])
-            m = s.cache.match([1, 2, 3])
+            m = s.cache.match(engine_key([1, 2, 3]))
             s.cache.lock(m.node)
             s.cache.reset()
             assert not s.ledger.freed, f"{case.id}: reset() freed slots {s.ledger.freed}"
             assert s.cache.evictable_size() == 0 and s.cache.protected_size() == 0
-            again = s.cache.match([1, 2, 3])
+            listed = s.cache.cached_slots().tolist()
+            assert listed == [], f"{case.id}: cached_slots() lists {listed} after reset()"
+            again = s.cache.match(engine_key([1, 2, 3]))
             assert again.length == 0, f"{case.id}: matched {again.length} tokens after reset()"
             assert s.cache.evict(100) == 0 and not s.ledger.freed
+
+    @cases("reuse_cases")
+    def test_lock_misuse_raises_value_error(self, case: Case) -> None:
+        """The contract's errors: unlocking more often than locking, and locking or
+        unlocking a node that is no longer in the cache (evicted, or from before reset())."""
+        self.begin(case)
+        with self.open_cache(case) as s:
+            self.cached(s, [1, 2, 3])
+            m = s.match((1, 2, 3))
+            s.cache.lock(m.node)
+            s.cache.unlock(m.node)
+            refused(case, "an unlock more than the locks", lambda: s.cache.unlock(m.node))
+            s.check("a refused unlock")  # and it changed nothing
+            s.drain()  # evicts [1, 2, 3]: m.node is gone
+            refused(case, "lock of an evicted node", lambda: s.cache.lock(m.node))
+            refused(case, "unlock of an evicted node", lambda: s.cache.unlock(m.node))
+            self.cached(s, [4, 5])
+            old = s.match((4, 5))
+            s.cache.reset()
+            refused(case, "lock of a node from before reset()", lambda: s.cache.lock(old.node))
+            refused(case, "unlock of a node from before reset()", lambda: s.cache.unlock(old.node))
 
     @cases("device_cases")
     def test_force_miss_reports_no_match(self, case: Case) -> None:

@@ -9,6 +9,7 @@ free duplicates, unlock) and checks every step against both.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,12 @@ from execrt.core.prefix_cache import PrefixCache, PrefixMatch
 
 FREE, REQUEST, CACHE = "free", "request", "cache"
 Key = tuple[int, ...]
+
+
+def engine_key(key: Sequence[int]) -> memoryview:
+    """``key`` as KVMemory hands keys to a cache: a read-only memoryview over int64 (it
+    indexes as ``int`` but never compares equal to a list or a tuple)."""
+    return memoryview(array("q", key)).toreadonly()
 
 
 class SlotLedger:
@@ -142,7 +149,7 @@ class Session:
     # -- operations -----------------------------------------------------------------------------
     def match(self, key: Key) -> PrefixMatch:
         self.log.append(f"match {list(key)}")
-        m = self.cache.match(list(key))
+        m = self.cache.match(engine_key(key))
         self.check_match(key, m)
         self.settle_frees("match")
         return m
@@ -178,7 +185,7 @@ class Session:
         self.ledger.handing = set(own)
         passed = self.tensor(req.row)
         try:
-            n = self.cache.insert(list(req.key), passed)
+            n = self.cache.insert(engine_key(req.key), passed)
         finally:
             self.ledger.handing = set()
         passed.fill_(-1)  # the caller reuses its row: a cache must keep copies, not this tensor
@@ -293,8 +300,15 @@ class Session:
         assert protected == want, f"after {where}: protected {protected}, locked paths: {want}"
         listed = c.cached_slots()
         owned = sorted(self.ref.prefix_of)
-        assert listed.dtype == torch.int64 and sorted(listed.tolist()) == owned, (
-            f"after {where}: cached_slots() lists {sorted(listed.tolist())}, the cache owns {owned}"
+        ids = sorted(listed.tolist())
+        kept_view = (
+            " (-1 is what the harness wrote into the tensor it passed to insert, after the call: "
+            "a cache must copy the slot ids it keeps, not keep that tensor or a view of it)"
+            if -1 in ids
+            else ""
+        )
+        assert listed.dtype == torch.int64 and ids == owned, (
+            f"after {where}: cached_slots() lists {ids}, the cache owns {owned}{kept_view}"
         )
 
     # -- helpers --------------------------------------------------------------------------------

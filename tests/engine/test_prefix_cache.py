@@ -98,6 +98,7 @@ def test_outputs_with_the_cache_are_token_identical_to_outputs_without_it(tiny: 
     prompts, params = radix_tree_workload(200)
     off = run(tiny, prompts, params, prefix_cache="none", overlap_schedule=False)
     assert off.stats.retractions > 0, "the workload must press the KV cache"
+    assert off.stats.prefix_query_tokens == off.stats.prefix_hit_tokens == 0  # nothing looked up
     for overlap, force_miss in [(False, False), (True, False), (True, True)]:
         on = run(
             tiny, prompts, params, overlap_schedule=overlap, prefix_cache_force_miss=force_miss

@@ -354,3 +354,46 @@ class SlotListLosingRadix(RadixCache):
                 values.append(node.value)
             stack.extend(node.children.values())
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+
+class OverUnlockingRadix(RadixCache):
+    """Broken: an unlock more than the locks is ignored instead of refused."""
+
+    def unlock(self, node: Any) -> None:
+        if node is not self._root and getattr(node, "lock_ref", 1) == 0:
+            return
+        super().unlock(node)
+
+
+class StaleNodeRadix(RadixCache):
+    """Broken: lock and unlock of a node no longer in the tree do nothing, silently."""
+
+    def lock(self, node: Any) -> None:
+        if node.tree is self._tree:
+            super().lock(node)
+
+    def unlock(self, node: Any) -> None:
+        if node.tree is self._tree:
+            super().unlock(node)
+
+
+class ResetListingRadix(RadixCache):
+    """Broken: ``cached_slots`` still lists the slots of entries from before ``reset``."""
+
+    _before_reset = torch.empty(0, dtype=torch.int64)
+
+    def reset(self) -> None:
+        if hasattr(self, "_root"):  # the constructor resets an empty tree first
+            self._before_reset = self.cached_slots()
+        super().reset()
+
+    def cached_slots(self) -> torch.Tensor:
+        return torch.cat([super().cached_slots(), self._before_reset])
+
+
+class ListKeyRadix(RadixCache):
+    """Broken: finds a cached prefix only when the key is a list (a fast path comparing keys
+    with ``==`` against stored lists); KVMemory passes memoryviews, so it never matches."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        return super().match(key) if isinstance(key, list) else PrefixMatch(self._empty, self._root)
