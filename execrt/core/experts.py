@@ -40,16 +40,20 @@ def grouped_mm_usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
     """Whether torch's grouped GEMM runs these operands natively, without a host sync.
 
     CPU: fp32/bf16/fp16. CUDA: bf16 on sm90/sm100 only (other devices and dtypes fall back
-    to a per-group loop that copies the offsets to the host), 16-byte aligned rows.
+    to a per-group loop that copies the offsets to the host). Everywhere, rows of 16 bytes'
+    multiples (the hidden size and the expert width: torch refuses other strides, e.g. an fp32
+    expert width of 30).
     """
     if _GROUPED_MM is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    per_16_bytes = 16 // x.element_size()
+    if x.shape[-1] % per_16_bytes or w2.shape[-1] % per_16_bytes:
         return False
     if x.device.type == "cpu":
         return True
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
-    aligned = x.shape[-1] % 8 == 0 and w2.shape[-1] % 8 == 0
-    return aligned and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 
 def standard_experts(

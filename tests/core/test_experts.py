@@ -51,6 +51,21 @@ def test_auto_uses_grouped_mm_on_cpu() -> None:
     assert not grouped_mm_usable(x.double(), w13.double(), w2.double())
 
 
+@pytest.mark.parametrize(("h", "i", "dtype"), [(24, 30, torch.float32), (20, 16, torch.bfloat16)])
+def test_auto_takes_the_dense_loop_where_rows_are_not_16_byte_multiples(
+    h: int, i: int, dtype: torch.dtype
+) -> None:
+    # torch's grouped GEMM refuses such strides ("strides should be multiple of 16 bytes"):
+    # an fp32 expert width of 30 loaded, then failed at the first prefill.
+    ids, w = routing("some_nonlocal", 7, 4, 2)
+    x = torch.randn(7, h, generator=torch.Generator().manual_seed(5))
+    w13, w2 = expert_weights(4, h, i, torch.float32)
+    assert not grouped_mm_usable(x.to(dtype), w13.to(dtype), w2.to(dtype))
+    out = standard_experts(x.to(dtype), ids, w, w13.to(dtype), w2.to(dtype))
+    ref = moe_oracle(x, ids, w, w13, w2)
+    assert compare(out, ref).ok(1e-5 if dtype == torch.float32 else 2e-2), compare(out, ref)
+
+
 def test_expert_major_counted_rows_ignore_poison() -> None:
     e, rows = 4, 5
     counts = torch.tensor([0, 5, 2, 1], dtype=torch.int32)
