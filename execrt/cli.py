@@ -448,7 +448,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         profile_host=args.profile_host,
         repeats=args.repeats,
     )
-    throughput.run(opts)
+    _fail_if_nothing_measured("throughput", throughput.run(opts))
     return 0
 
 
@@ -472,7 +472,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         layers=args.layers,
         batch_sizes=sizes or (decode.QUICK_BS if args.quick else decode.DEFAULT_BS),
         ctx=args.ctx,
-        steps=args.steps or (8 if args.quick else 32),
+        steps=args.steps if args.steps is not None else (8 if args.quick else 32),
         attention=args.attention,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         hf=args.hf,
@@ -487,8 +487,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         context_len=args.context_len,
         generate_base=args.generate_base,
     )
-    decode.run(opts)
+    records = decode.run(opts)
+    _fail_if_nothing_measured("decode", [r for r in records if not r.mode.startswith("hf")])
     return 0
+
+
+def _fail_if_nothing_measured(bench: str, records: Sequence[Any]) -> None:
+    """A run whose every configuration failed (a misspelled backend, say) is an error, not
+    exit 0 with a file of empty rows: its records are saved, and the first reason is said."""
+    measured = [r for r in records if getattr(r, "step_ms", getattr(r, "out_tok_s", None))]
+    if records and not measured:
+        raise ExecrtError(f"bench {bench}: nothing was measured: {records[0].note}")
 
 
 def _kv_dtypes(bench: str, value: str) -> tuple[str, ...]:

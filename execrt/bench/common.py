@@ -92,13 +92,42 @@ def utc_now() -> str:
 
 
 def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
-    """Write dataclass records as a JSON list to ``out_dir/<stem>-<UTC stamp>.json``."""
+    """Write dataclass records as a JSON list to ``out_dir/<stem>-<UTC stamp>.json`` (``-2``,
+    ``-3``, ... after the stamp when a file of that second exists: never overwritten)."""
     os.makedirs(out_dir, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(out_dir, f"{stem}-{stamp}.json")
-    with open(path, "w") as fh:
-        json.dump([asdict(r) for r in records], fh, indent=2)
-    return path
+    for n in range(1, 1000):
+        path = os.path.join(out_dir, f"{stem}-{stamp}{'' if n == 1 else f'-{n}'}.json")
+        try:
+            with open(path, "x") as fh:
+                json.dump([asdict(r) for r in records], fh, indent=2)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{out_dir}: 999 {stem} records of {stamp} already")
+
+
+def out_dir_problem(out_dir: str | None) -> str | None:
+    """Why the results folder cannot be written, checked before a run measures anything (a
+    long run would otherwise end without its records), or None (None: nothing is saved)."""
+    if out_dir is None:
+        return None
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):  # the folder is made at the end: its nearest ancestor
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"--out {out_dir!r} cannot be made: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out_dir!r} is not writable ({existing})"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """A device name a benchmark cannot run on, said as a sentence, or None."""
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
+        return f"device {device!r} unsupported (supported: cuda, cuda:N, cpu)"
+    return None
 
 
 def rank(

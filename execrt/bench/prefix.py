@@ -33,7 +33,15 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import cell, failure_note, release_memory, report, utc_now
+from execrt.bench.common import (
+    cell,
+    device_problem,
+    failure_note,
+    out_dir_problem,
+    release_memory,
+    report,
+    utc_now,
+)
 from execrt.bench.http_load import Request, Run
 from execrt.bench.load import percentile, replay
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
@@ -95,6 +103,19 @@ class Options:
         problems += [f"{n} {getattr(self, n)} must be >= 1" for n in sizes if getattr(self, n) < 1]
         if self.layers is not None and self.layers < 1:
             problems.append(f"layers {self.layers} must be >= 1")
+        engine_sizes = ["max_running_requests", "max_prefill_tokens", "kv_cache_tokens"]
+        problems += [
+            f"{n} {getattr(self, n)} must be >= 0 (0: the engine's own sizing)"
+            for n in engine_sizes
+            if getattr(self, n) < 0
+        ]
+        if not 0.0 <= self.kv_cache_memory_fraction <= 1.0:
+            problems.append(
+                f"kv_cache_memory_fraction {self.kv_cache_memory_fraction} not in [0, 1]"
+            )
+        for problem in (device_problem(self.device), out_dir_problem(self.out_dir)):
+            if problem is not None:
+                problems.append(problem)
         if problems:
             raise ExecrtError("bench prefix: " + "; ".join(problems))
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import save_records, utc_now
+from execrt.bench.common import device_problem, out_dir_problem, save_records, utc_now
 from execrt.bench.http_load import Request, Run, drive_http
 from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
@@ -106,6 +106,13 @@ class Options:
             problems.append(f"client_procs {self.client_procs} must be >= 1")
         if self.engine_runner not in ("process", "thread"):
             problems.append(f"engine {self.engine_runner!r} must be 'process' or 'thread'")
+        for name in ("rate_concurrency", "num_prompts", "layers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} {value} must be >= 1")
+        for problem in (device_problem(self.device), out_dir_problem(self.out_dir)):
+            if problem is not None:
+                problems.append(problem)
         if problems:
             raise ExecrtError("bench serve: " + "; ".join(problems))
 

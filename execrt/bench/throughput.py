@@ -10,7 +10,8 @@ tok/s (A100 80GB PCIe), nano-vllm 10,009 (A800).
 Each named configuration (``CONFIGS``: the defaults, the issue's tuned settings, ...) builds
 one engine, warms it up on the first sequences, then times ``generate`` of the whole
 workload per temperature (0.6 as published, and greedy): ``repeats`` runs, the median
-reported and every run's seconds kept. The roofline is the ideal schedule's
+reported (of an even count, the slower middle run: one run's own numbers, never flattered)
+and every run's seconds kept. The roofline is the ideal schedule's
 bytes: every prompt prefilled in one step, then all sequences decoding together, each leaving
 after its last token; every step reads the weights once (MoE: the experts its batch touches)
 and each running sequence reads the K/V of its context. Prefill compute is not counted.
@@ -109,7 +110,8 @@ class Options:
     profile: bool = False
     #: With ``profile``: record the host's ops too, and name those that overlap each idle gap.
     profile_host: bool = False
-    #: Timed generates per configuration and temperature; the median is reported.
+    #: Timed generates per configuration and temperature; the median run is reported (the
+    #: slower of the two middle ones for an even count).
     repeats: int = 1
 
     def __post_init__(self) -> None:

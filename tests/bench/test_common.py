@@ -89,3 +89,13 @@ def test_chosen_backend_names_the_kinds_choice_or_none() -> None:
     assert chosen_backend(resolution, "attention") == "triton"
     assert chosen_backend(resolution, "graph") == "none"  # resolved to nothing
     assert chosen_backend(resolution, "moe_dispatch") == "none"  # not in the report
+
+
+def test_records_saved_in_the_same_second_never_overwrite_each_other(tmp_path: Path) -> None:
+    @dataclass
+    class Row:
+        n: int
+
+    paths = [common.save_records([Row(i)], str(tmp_path), "x") for i in range(3)]
+    assert len(set(paths)) == 3
+    assert [json.loads(Path(p).read_text())[0]["n"] for p in paths] == [0, 1, 2]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
 import os
+from dataclasses import MISSING
 from typing import Any
 
 import pytest
@@ -420,6 +422,7 @@ def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch) -> None: 
         (["--context-len", "all"], "context_len 'all' unsupported (run, model, or a number"),
         (["--context-len", "100", "--ctx", "90"], "above ctx + steps = 122"),
         (["--generate-base", "0"], "generate base 0 must be >= 1"),
+        (["--steps", "0"], "steps 0"),  # not taken for "not given" (it timed 32 steps)
         (
             ["--context-len", "130", "--ctx", "90", "--generate-base", "9"],
             "above ctx + steps + generate base - 1 = 130",
@@ -434,7 +437,7 @@ def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, c
 
 def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: list[decode.Options] = []
-    monkeypatch.setattr(decode, "run", seen.append)
+    monkeypatch.setattr(decode, "run", lambda opts: seen.append(opts) or [])
     argv = ["--model", "qwen3-8b", "--layers", "4", "--bs", "2,16", "--ctx", "128"]
     argv += ["--modes", "graph", "--no-hf", "--profile", "--attention", "triton", "--out", "x"]
     argv += ["--no-overlap", "--kv-dtype", "fp8_e4m3", "--context-len", "model"]
@@ -519,3 +522,21 @@ def _has_transformers() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_a_run_that_measured_nothing_exits_2_naming_the_first_reason(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    # A misspelled backend skips every configuration: exit 0 with a file of empty rows let a
+    # CI job publish nothing as a pass. Peer rows (transformers) do not count as measured.
+    def failed(opts: decode.Options) -> list[decode.Record]:
+        row = dict.fromkeys(
+            f.name for f in dataclasses.fields(decode.Record) if f.default is MISSING
+        )
+        note = "skipped: BackendUnavailableError: attention backend 'bogus' unavailable"
+        own = decode.Record(**(row | {"mode": "graph", "step_ms": None}), note=note)
+        peer = decode.Record(**(row | {"mode": "hf-eager", "step_ms": 30.0}))
+        return [own, peer]
+
+    monkeypatch.setattr(decode, "run", failed)
+    assert main(["bench", "decode", "--attention", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "bench decode: nothing was measured: skipped: BackendUnavailableError" in err

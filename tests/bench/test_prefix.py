@@ -65,6 +65,11 @@ def test_options_are_checked_naming_what_is_wrong() -> None:
         prefix.Options(workloads=("nope",))
     with pytest.raises(ExecrtError, match=r"caches \['maybe'\].*groups 0 must be >= 1"):
         prefix.Options(caches=("maybe",), groups=0)
+    # These ran to the end and saved rows of failures with exit 0, or ended in a traceback.
+    with pytest.raises(ExecrtError, match=r"max_running_requests -1 must be >= 0 .*tokens -5"):
+        prefix.Options(max_running_requests=-1, max_prefill_tokens=-5)
+    with pytest.raises(ExecrtError, match=r"device 'tpu' unsupported"):
+        prefix.Options(device="tpu")
 
 
 def test_the_cli_runs_the_benchmark_with_its_flags(monkeypatch, tmp_path) -> None:

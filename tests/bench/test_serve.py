@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -99,6 +100,28 @@ def test_load_processes_follow_the_streams_and_the_cores(monkeypatch) -> None:
     assert serve.Options(config=TINY, client_procs=3).processes_for(closed(256)) == 3
     with pytest.raises(ExecrtError, match="client_procs 0 must be >= 1"):
         serve.Options(config=TINY, client_procs=0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"rate_concurrency": 0}, "rate_concurrency 0 must be >= 1"),  # it hung: no request sent
+        ({"rate_concurrency": -1}, "rate_concurrency -1 must be >= 1"),
+        ({"num_prompts": 0}, "num_prompts 0 must be >= 1"),
+        ({"layers": 0}, "layers 0 must be >= 1"),
+        ({"device": "tpu"}, "device 'tpu' unsupported (supported: cuda, cuda:N, cpu)"),
+    ],
+)
+def test_bad_options_are_refused_before_a_server_starts(bad, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ExecrtError, match=re.escape(message)):
+        serve.Options(config=TINY, **bad)
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ExecrtError, match="--out .* cannot be made: .*a-file is not a directory"):
+        serve.Options(config=TINY, out_dir=str(tmp_path / "a-file" / "sub"))
+    assert serve.Options(config=TINY, out_dir=str(tmp_path / "new" / "sub")).out_dir
 
 
 def test_layers_cut_a_named_model_and_a_custom_config_alike() -> None:

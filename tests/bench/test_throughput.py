@@ -111,7 +111,7 @@ def test_cli_refuses_bad_options_with_one_line(argv: list[str], expected: str, c
 
 def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: list[throughput.Options] = []
-    monkeypatch.setattr(throughput, "run", seen.append)
+    monkeypatch.setattr(throughput, "run", lambda opts: seen.append(opts) or [])
     argv = ["--configs", "tuned,tuned-flashinfer", "--temperatures", "0", "--num-seqs", "64"]
     assert main(["bench", "throughput", *argv, "--out", "x", "--profile", "--repeats", "5"]) == 0
     assert main(["bench", "throughput"]) == 0
