@@ -234,17 +234,23 @@ def _serve_child(opts: Options, pipe: Any) -> None:
 
     tune_interpreter()  # as execrt serve does
     client = _client(opts)
-    server = UvicornServer(client, bind("127.0.0.1", 0))
-    if not client.wait_ready():
-        pipe.send(("error", client.load_error()))
-        client.close()
-        return
-    settle_heap()  # as execrt serve does once ready
-    pipe.send(("ready", server.url))
     try:
+        server = UvicornServer(client, bind("127.0.0.1", 0))
+        if not client.wait_ready():
+            pipe.send(("error", client.load_error()))
+            client.close()
+            return
+        settle_heap()  # as execrt serve does once ready
+        pipe.send(("ready", server.url))
         server.run()
-    except KeyboardInterrupt:  # the parent's SIGINT, re-raised by uvicorn after shutting down
-        pass
+    except KeyboardInterrupt:  # the parent's SIGINT: while loading, or re-raised by uvicorn
+        client.close()  # after shutting down; the parent reports the interruption, not this
+
+
+def _quiet_sigint() -> None:
+    """A load process ends on Ctrl-C (the terminal signals the whole group) without printing a
+    KeyboardInterrupt traceback of its own: the parent reports the interruption."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _build_engine(opts: Options) -> Engine:
@@ -354,7 +360,9 @@ def run(opts: Options) -> list[Record]:
         warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
         drive_http(url, opts.model, warm)
         if most > 1:  # started once, warmed up (imports, first connection) before the runs
-            pool = ProcessPoolExecutor(most, mp_context=multiprocessing.get_context("spawn"))
+            pool = ProcessPoolExecutor(
+                most, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_sigint
+            )
             drive_http(
                 url,
                 opts.model,
