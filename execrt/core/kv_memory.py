@@ -15,6 +15,7 @@ import torch
 from execrt.core import envs
 from execrt.core.errors import KVOwnershipError
 from execrt.core.memory import ReqToTokenPool, SlotHolders, TokenToKVPoolAllocator
+from execrt.core.prefix_cache import cache_key
 from execrt.core.staging import HostToDevice
 from execrt.core.step import StepInputs
 from execrt.core.step_inputs import decode_inputs, extend_inputs
@@ -267,7 +268,7 @@ class KVMemory:
             prompt = self._prompts[req] = array("q", req.origin_input_ids)
         if n > len(prompt):
             prompt = prompt + array("q", req.output_ids[: n - len(prompt)])
-        return memoryview(prompt)[:n].toreadonly()
+        return cache_key(prompt, n)
 
     def _hand_over(self, holding: Holding, slots: torch.Tensor) -> torch.Tensor:
         """Record ``slots`` (a request's own) as the cache's in the debug map."""

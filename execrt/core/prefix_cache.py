@@ -11,6 +11,7 @@ request, or owned by the cache (protected while locked, evictable otherwise).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -18,6 +19,15 @@ from typing import Any, ClassVar
 import torch
 
 from execrt.core.interfaces import Capabilities
+
+
+def cache_key(tokens: array[int], n: int | None = None) -> memoryview:
+    """The first ``n`` (default all) of ``tokens`` (an int64 ``array``) in the form every
+    cache receives its keys: a read-only memoryview, no copy. It indexes and iterates as
+    ``int`` and converts to numpy without a copy, but never compares equal to a list or a
+    tuple. KVMemory and the conformance suite both build keys with it."""
+    view = memoryview(tokens)
+    return (view if n is None else view[:n]).toreadonly()
 
 
 @dataclass(frozen=True)

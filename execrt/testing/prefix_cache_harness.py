@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from execrt.core.prefix_cache import PrefixCache, PrefixMatch
+from execrt.core.prefix_cache import PrefixCache, PrefixMatch, cache_key
 
 FREE, REQUEST, CACHE = "free", "request", "cache"
 Key = tuple[int, ...]
 
 
 def engine_key(key: Sequence[int]) -> memoryview:
-    """``key`` as KVMemory hands keys to a cache: a read-only memoryview over int64 (it
-    indexes as ``int`` but never compares equal to a list or a tuple)."""
-    return memoryview(array("q", key)).toreadonly()
+    """``key`` as KVMemory hands keys to a cache (``cache_key``: a read-only memoryview over
+    int64, which never compares equal to a list or a tuple)."""
+    return cache_key(array("q", key))
 
 
 class SlotLedger:
