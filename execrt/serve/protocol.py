@@ -183,7 +183,7 @@ def parse(
     if "response_format" in fields:
         fields["response_format"], schema = _response_format(fields["response_format"])
     if not prompt_only:
-        _check_room(prompts, fields.get("max_tokens"), context_len, endpoint, fields)
+        _check_room(prompts, fields, context_len)
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if schema:
         sampling["json_schema"] = schema
@@ -351,16 +351,11 @@ def _response_format(value: Any) -> tuple[str, str]:
     )
 
 
-def _check_room(
-    prompts: list[list[int]],
-    max_tokens: object,
-    context_len: int,
-    endpoint: Endpoint,
-    fields: Mapping[str, Any],
-) -> None:
+def _check_room(prompts: list[list[int]], fields: Mapping[str, Any], context_len: int) -> None:
     """A ``max_tokens`` that the context cannot hold after the longest prompt is a 400, as
     OpenAI and vLLM answer it (the engine would cut it to the context). A prompt that fills
     the context alone is left for the engine to name."""
+    max_tokens = fields.get("max_tokens")
     if not _is_token(max_tokens) or not prompts:
         return
     longest = max(len(p) for p in prompts)
@@ -387,10 +382,13 @@ def _int(fields: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -
     return value
 
 
-def _bool(fields: Mapping[str, Any], name: str, default: bool) -> bool:
+def _bool(fields: Mapping[str, Any], name: str, default: bool, within: str = "") -> bool:
+    """``fields[name]``, a JSON boolean; ``within``: the object ``fields`` is a field of,
+    which the error names as its path (``stream_options.include_usage``)."""
     value = fields.get(name, default)
     if not isinstance(value, bool):
-        raise APIError(f"{name} {value!r} must be true or false", param=name)
+        path = f"{within}.{name}" if within else name
+        raise APIError(f"{path} {value!r} must be true or false", param=path)
     return value
 
 
@@ -405,13 +403,7 @@ def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
             f"stream_options {options!r} unsupported (supported: {{'include_usage': bool}})",
             param="stream_options",
         )
-    usage = options.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise APIError(
-            f"stream_options.include_usage {usage!r} must be true or false",
-            param="stream_options.include_usage",
-        )
-    return usage
+    return _bool(options, "include_usage", False, within="stream_options")
 
 
 #: A token id as a JSON key: ASCII digits (``int`` also reads other scripts' digits)
