@@ -448,7 +448,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         profile_host=args.profile_host,
         repeats=args.repeats,
     )
-    _fail_if_nothing_measured("throughput", throughput.run(opts))
+    _fail_if_nothing_measured("throughput", throughput.run(opts), "out_tok_s")
     return 0
 
 
@@ -488,15 +488,16 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         generate_base=args.generate_base,
     )
     records = decode.run(opts)
-    _fail_if_nothing_measured("decode", [r for r in records if not r.mode.startswith("hf")])
+    own = [r for r in records if not r.mode.startswith("hf")]  # the peer's rows do not count
+    _fail_if_nothing_measured("decode", own, "step_ms")
     return 0
 
 
-def _fail_if_nothing_measured(bench: str, records: Sequence[Any]) -> None:
-    """A run whose every configuration failed (a misspelled backend, say) is an error, not
-    exit 0 with a file of empty rows: its records are saved, and the first reason is said."""
-    measured = [r for r in records if getattr(r, "step_ms", getattr(r, "out_tok_s", None))]
-    if records and not measured:
+def _fail_if_nothing_measured(bench: str, records: Sequence[Any], value: str) -> None:
+    """A run whose every configuration failed (a misspelled backend, say: each record's
+    ``value`` None) is an error, not exit 0 with a file of empty rows: its records are saved,
+    and the first reason is said."""
+    if records and all(getattr(r, value) is None for r in records):
         raise ExecrtError(f"bench {bench}: nothing was measured: {records[0].note}")
 
 

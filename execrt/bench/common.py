@@ -107,6 +107,11 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
     raise FileExistsError(f"{out_dir}: 999 {stem} records of {stamp} already")
 
 
+def where_problems(device: str, out_dir: str | None) -> list[str]:
+    """What is wrong with where a benchmark runs (``device``) and saves (``out_dir``)."""
+    return [p for p in (device_problem(device), out_dir_problem(out_dir)) if p is not None]
+
+
 def out_dir_problem(out_dir: str | None) -> str | None:
     """Why the results folder cannot be written, checked before a run measures anything (a
     long run would otherwise end without its records), or None (None: nothing is saved)."""

@@ -35,12 +35,11 @@ import torch
 
 from execrt.bench.common import (
     cell,
-    device_problem,
     failure_note,
-    out_dir_problem,
     release_memory,
     report,
     utc_now,
+    where_problems,
 )
 from execrt.bench.http_load import Request, Run
 from execrt.bench.load import percentile, replay
@@ -113,9 +112,7 @@ class Options:
             problems.append(
                 f"kv_cache_memory_fraction {self.kv_cache_memory_fraction} not in [0, 1]"
             )
-        for problem in (device_problem(self.device), out_dir_problem(self.out_dir)):
-            if problem is not None:
-                problems.append(problem)
+        problems += where_problems(self.device, self.out_dir)
         if problems:
             raise ExecrtError("bench prefix: " + "; ".join(problems))
 

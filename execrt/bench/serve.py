@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import device_problem, out_dir_problem, save_records, utc_now
+from execrt.bench.common import save_records, utc_now, where_problems
 from execrt.bench.http_load import Request, Run, drive_http
 from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
@@ -110,9 +110,7 @@ class Options:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name} {value} must be >= 1")
-        for problem in (device_problem(self.device), out_dir_problem(self.out_dir)):
-            if problem is not None:
-                problems.append(problem)
+        problems += where_problems(self.device, self.out_dir)
         if problems:
             raise ExecrtError("bench serve: " + "; ".join(problems))
 
