@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     backends = sub.add_parser("backends", help="list every registered backend")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
-    backends.add_argument("--kind", choices=KINDS)
+    backends.add_argument("--kind", choices=KINDS, help="only this kind (default: every kind)")
 
     gen = sub.add_parser(
         "generate",
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
-    attn.add_argument("--iters", type=int, default=20)
+    attn.add_argument("--iters", type=int, default=20, help="timed calls per shape (default: 20)")
     attn.add_argument(
         "--kv-dtype",
         "--kv-cache-dtype",
@@ -180,12 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache dtypes, comma-separated: auto (bfloat16), fp8_e4m3, fp8_e5m2; auto is "
         "always timed too, as the reference (default: auto)",
     )
-    attn.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    attn.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: %(default)s)",
+    )
     moe = bench_sub.add_parser("moe", help="one MoE layer's expert compute: µs vs copy bandwidth")
     moe.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,..,256)")
     moe.add_argument("--impls", help="comma-separated: triton, grouped_mm, dense (default: all)")
-    moe.add_argument("--iters", type=int, default=10)
-    moe.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    moe.add_argument("--iters", type=int, default=10, help="timed calls per shape (default: 10)")
+    moe.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: %(default)s)",
+    )
     ext = bench_sub.add_parser("extend", help="extend (prefill) attention: TFLOP/s vs peers")
     ext.add_argument("--backends", help="comma-separated names (default: triton,flashinfer,sdpa)")
     ext.add_argument(
@@ -200,8 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="triton extend kernels, each timed as a record of its own: auto (the tuned "
         "choice), gather, fresh, ws (default: auto)",
     )
-    ext.add_argument("--iters", type=int, default=10)
-    ext.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    ext.add_argument("--iters", type=int, default=10, help="timed calls per shape (default: 10)")
+    ext.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: %(default)s)",
+    )
     _add_bench_decode(bench_sub)
     _add_bench_prefix(bench_sub)
     _add_bench_throughput(bench_sub)
@@ -230,22 +242,31 @@ def build_parser() -> argparse.ArgumentParser:
 #: ``execrt bench prefix`` flag -> (bench.prefix.Options field, what it sets). Unset flags
 #: keep the Options default (the issue's workloads, listed in the command's description).
 BENCH_PREFIX_FLAGS = {
-    "--groups": ("groups", "shared-prefix groups (32)"),
-    "--per-group": ("per_group", "prompts per group (16)"),
-    "--prefix-len": ("prefix_len", "shared prefix tokens; a random prompt has as many (2048)"),
-    "--question-len": ("question_len", "tokens after the prefix, random ones too (128)"),
-    "--output-len": ("output_len", "tokens generated per request (256)"),
-    "--random-prompts": ("random_prompts", "prompts of the random workload (64)"),
-    "--turns": ("turns", "chat turns (5)"),
-    "--turn-len": ("turn_len", "new tokens per chat turn (1024)"),
-    "--answer-len": ("answer_len", "tokens generated per chat turn (64)"),
-    "--conversations": ("conversations", "chat conversations; TTFT per turn is their mean (3)"),
+    "--groups": ("groups", "shared-prefix groups (default: 32)"),
+    "--per-group": ("per_group", "prompts per group (default: 16)"),
+    "--prefix-len": (
+        "prefix_len",
+        "shared prefix tokens; a random prompt has as many (default: 2048)",
+    ),
+    "--question-len": ("question_len", "tokens after the prefix, random ones too (default: 128)"),
+    "--output-len": ("output_len", "tokens generated per request (default: 256)"),
+    "--random-prompts": ("random_prompts", "prompts of the random workload (default: 64)"),
+    "--turns": ("turns", "chat turns (default: 5)"),
+    "--turn-len": ("turn_len", "new tokens per chat turn (default: 1024)"),
+    "--answer-len": ("answer_len", "tokens generated per chat turn (default: 64)"),
+    "--conversations": (
+        "conversations",
+        "chat conversations; TTFT per turn is their mean (default: 3)",
+    ),
     "--max-running": (
         "max_running_requests",
-        "max_running_requests, 0 for the engine's sizing (0)",
+        "max_running_requests, 0 for the engine's sizing (default: 0)",
     ),
-    "--max-prefill": ("max_prefill_tokens", "max_prefill_tokens, 0 for the engine's sizing (0)"),
-    "--layers": ("layers", "decoder layers (the model's)"),
+    "--max-prefill": (
+        "max_prefill_tokens",
+        "max_prefill_tokens, 0 for the engine's sizing (default: 0)",
+    ),
+    "--layers": ("layers", "decoder layers (default: the model's)"),
 }
 
 
@@ -268,7 +289,9 @@ def _add_bench_prefix(bench_sub: Any) -> None:
     )
     for flag, (_, what) in BENCH_PREFIX_FLAGS.items():
         pre.add_argument(flag, type=int, help=what)
-    pre.add_argument("--device", default="cuda", help="cuda, or cpu for a tiny smoke run")
+    pre.add_argument(
+        "--device", default="cuda", help="cuda, or cpu for a tiny smoke run (default: cuda)"
+    )
     pre.add_argument(
         "--out",
         default="benchmarks/results",
@@ -618,7 +641,15 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
 def cmd_backends(args: argparse.Namespace) -> int:
     from execrt.inventory import backend_inventory, format_inventory
 
-    rows = backend_inventory(kind=args.kind)
+    # The listing names each skipped plugin and why: the plugin host's warning as it loads
+    # them would say the same once more.
+    host_log = logging.getLogger("execrt.plugins.host")
+    level = host_log.level
+    host_log.setLevel(logging.ERROR)
+    try:
+        rows = backend_inventory(kind=args.kind)
+    finally:
+        host_log.setLevel(level)
     print(json.dumps(rows, indent=2) if args.json else format_inventory(rows))
     return 0
 

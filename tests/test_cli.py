@@ -214,6 +214,31 @@ def test_generate_help_shows_every_default(capsys) -> None:
             assert f"(default: {action.default})" in action.help, action.dest
 
 
+def _subcommands(parser: argparse.ArgumentParser, name: str = "execrt"):  # type: ignore[no-untyped-def]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield f"{name} {sub_name}", sub
+                yield from _subcommands(sub, f"{name} {sub_name}")
+
+
+def test_every_option_of_every_command_names_its_default() -> None:
+    # A flag whose help says nothing of what it is unset leaves a user reading the source
+    # (the bench commands' --iters and --out, serve's --workload did). Flags that only switch
+    # something on, and report paths (nothing written unless given), say nothing.
+    quiet = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._VersionAction)
+    missing = [
+        f"{name} {action.option_strings[0]}"
+        for name, sub in _subcommands(build_parser())
+        for action in sub._actions
+        if action.option_strings
+        and action.dest not in ("help", "json")
+        and not isinstance(action, quiet)
+        and "default" not in (action.help or "")
+    ]
+    assert not missing, missing
+
+
 def test_generate_exit_status_is_the_same_in_json_and_text_mode(capsys) -> None:
     bad = ["generate", "1,2,3", "--token-ids", "--max-new-tokens", "0", "--device", "cpu"]
     assert main(bad) == 2

@@ -187,7 +187,12 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "--model", default="qwen3-0.6b", help="random-weight shape (default: %(default)s)"
     )
     b.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
-    b.add_argument("--workload", default="random", choices=["random", "shared-prefix"])
+    b.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "shared-prefix"],
+        help="random prompts, or groups of prompts sharing a prefix (default: random)",
+    )
     b.add_argument(
         "--input-len", type=int, default=512, help="prompt tokens, at most (default: 512)"
     )
@@ -200,8 +205,12 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         default=0.5,
         help="lengths are uniform in [ratio * len, len]; 1 fixes them (default: 0.5)",
     )
-    b.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens")
-    b.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
+    b.add_argument(
+        "--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens (default: 1024)"
+    )
+    b.add_argument(
+        "--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes (default: 8)"
+    )
     b.add_argument(
         "--max-concurrency",
         default="1,32,256",
@@ -212,9 +221,15 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         default="8,32",
         help="Poisson runs, comma-separated requests/s; '' for none (default: 8,32)",
     )
-    b.add_argument("--rate-concurrency", type=int, help="cap on in-flight requests of rate runs")
+    b.add_argument(
+        "--rate-concurrency",
+        type=int,
+        help="cap on in-flight requests of rate runs (default: none)",
+    )
     b.add_argument("--num-prompts", type=int, help="requests per run (default: by the load)")
-    b.add_argument("--max-running-requests", type=int, default=256, help="engine batch limit")
+    b.add_argument(
+        "--max-running-requests", type=int, default=256, help="engine batch limit (default: 256)"
+    )
     b.add_argument("--attention", default="auto", help="attention backend (default: auto)")
     b.add_argument("--graph", default="auto", help="graph backend (default: auto)")
     b.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
@@ -233,7 +248,11 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     b.add_argument("--no-engine", action="store_true", help="skip the in-process Engine comparison")
     b.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
-    b.add_argument("--out", default="benchmarks/results", help="directory for the JSON file")
+    b.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for the JSON file (default: %(default)s)",
+    )
     return b
 
 
