@@ -33,19 +33,37 @@ class Family:
     #: the config's ``sliding_window`` (when not null) bounds every layer's attention span
     #: (Mistral); execrt attends in full, so the context is limited to the window instead
     sliding_window: bool = False
+    #: ``head_dim`` when config.json leaves it out (Qwen3Config's 128); None: hidden / heads
+    head_dim: int | None = None
+    #: ``use_sliding_window`` applies to layers from ``max_window_layers`` on (Qwen2, Qwen3),
+    #: unless ``layer_types`` lists them; False: to every layer
+    window_layers: bool = False
 
 
 #: Hugging Face ``architectures`` value -> how the decoder is configured for it
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=None, o_bias=None, mlp_bias=True),
-    "Qwen2ForCausalLM": Family(qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False),
+    "Qwen2ForCausalLM": Family(
+        qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False, window_layers=True
+    ),
     "MistralForCausalLM": Family(
         qk_norm=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=True
     ),
-    "Qwen3ForCausalLM": Family(qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False),
+    "Qwen3ForCausalLM": Family(
+        qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, head_dim=128, window_layers=True
+    ),
     "Qwen3MoeForCausalLM": Family(
         qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, moe=True
     ),
+}
+#: config.json ``model_type`` -> architecture, for a config without ``architectures`` (which
+#: transformers then loads by its model_type)
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -141,14 +159,8 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source}: must be a JSON object, got {type(cfg).__name__}")
         r = _Reader(cfg, source)
-        archs = r.get("architectures", list, [])
-        arch = str(archs[0]) if archs else "?"
-        family = FAMILIES.get(arch)
-        if family is None:
-            raise ModelLoadError(
-                f"{source}: architecture {arch!r} unsupported "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
+        arch = _architecture(r)
+        family = FAMILIES[arch]
         _refuse_unsupported_math(r, family)
         heads = r.get_int("num_attention_heads")
         hidden = r.get_int("hidden_size")
@@ -164,7 +176,7 @@ class ModelConfig:
             num_layers=r.get_int("num_hidden_layers"),
             num_q_heads=heads,
             num_kv_heads=r.get_int("num_key_value_heads", heads),
-            head_dim=r.get_int("head_dim", hidden // heads if heads > 0 else 0),
+            head_dim=r.get_int("head_dim", family.head_dim or (hidden // heads if heads else 0)),
             rms_norm_eps=r.get_float("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(r),
             max_position_embeddings=r.get_int("max_position_embeddings", 4096),
@@ -195,8 +207,10 @@ class ModelConfig:
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """From a checkpoint directory, a ``.gguf`` file or a directory holding one.
 
-        Eos ids from ``generation_config.json`` are merged with config.json's, as transformers'
-        generation does; its sampling settings become ``sampling_defaults``.
+        Eos ids from ``generation_config.json`` are merged with config.json's: a request
+        stops at either (vLLM stops at the tokenizer's and the generation config's;
+        transformers' ``generate`` at the generation config's alone). Its sampling settings
+        become ``sampling_defaults``.
         """
         root = checkpoint_dir(path)
         file = os.path.join(root, "config.json")
@@ -298,6 +312,28 @@ class _Reader:
         return tuple(items)
 
 
+def _architecture(r: _Reader) -> str:
+    """The config's first ``architectures`` entry, or, without that field, the architecture
+    of its ``model_type`` (as transformers' AutoModelForCausalLM picks it)."""
+    archs = r.get("architectures", list, [])
+    if archs:
+        arch = str(archs[0])
+        if arch not in FAMILIES:
+            raise ModelLoadError(
+                f"{r.source}: architecture {arch!r} unsupported "
+                f"(supported: {', '.join(sorted(FAMILIES))})"
+            )
+        return arch
+    model_type = r.cfg.get("model_type")
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[str(model_type)]
+    raise ModelLoadError(
+        f"{r.source}: no 'architectures' field, and model_type {model_type!r} is not one "
+        f"execrt knows (supported: {', '.join(MODEL_TYPES)}; architectures: "
+        f"{', '.join(sorted(FAMILIES))})"
+    )
+
+
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", list: "a list"}
 
 
@@ -321,27 +357,30 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
     p = _Reader(rope, f"{r.source} rope_scaling")
     if kind == "linear":
         return RopeScaling("linear", p.get_float("factor"))
+    # The context the model was trained on. Phi-3's and DeepSeek's configs keep it at the
+    # top level, and transformers then takes that copy over the one in the rope settings.
+    key = "original_max_position_embeddings"
+    context = r.get_int("max_position_embeddings", 8192 if kind == "llama3" else 4096)
+    original = r.get_int(key) if key in r.cfg else p.get_int(key, context)
+    if original < 1:
+        where = r.source if key in r.cfg else p.source
+        raise ModelLoadError(f"{where}: field {key!r} must be >= 1, got {original}")
     if kind == "yarn":
-        return _yarn(p, r.get_int("max_position_embeddings", 4096))
+        return _yarn(p, original)
     return RopeScaling(
         "llama3",
         p.get_float("factor"),
         p.get_float("low_freq_factor"),
         p.get_float("high_freq_factor"),
-        p.get_int("original_max_position_embeddings", r.get_int("max_position_embeddings", 8192)),
+        original,
     )
 
 
-def _yarn(p: _Reader, max_positions: int) -> RopeScaling:
-    """YaRN's parameters as transformers reads them: ``factor`` required, the original
-    context defaulting to max_position_embeddings, ``attention_factor`` to ``mscale(factor)``
-    or, with ``mscale`` and ``mscale_all_dim`` given (DeepSeek's configs), their ratio, where
+def _yarn(p: _Reader, original: int) -> RopeScaling:
+    """YaRN's parameters as transformers reads them: ``factor`` required (its validation
+    refuses a config without), ``attention_factor`` defaulting to ``mscale(factor)`` or, with
+    ``mscale`` and ``mscale_all_dim`` given (DeepSeek's configs), their ratio, where
     ``mscale(s, m) = 1 + 0.1 m ln s`` for s > 1, else 1."""
-    original = p.get_int("original_max_position_embeddings", max_positions)
-    if original < 1:
-        raise ModelLoadError(
-            f"{p.source}: field 'original_max_position_embeddings' must be >= 1, got {original}"
-        )
     factor = p.get_float("factor")
     if factor < 1.0:
         raise ModelLoadError(f"{p.source}: field 'factor' must be >= 1 for yarn, got {factor}")
@@ -466,11 +505,6 @@ def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
             raise ModelLoadError(
                 f"{src}: partial_rotary_factor {partial!r} unsupported (supported: 1.0)"
             )
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
-        raise ModelLoadError(
-            f"{src}: sliding-window attention unsupported "
-            f"(use_sliding_window true, sliding_window {cfg.get('sliding_window')!r})"
-        )
     layer_types = cfg.get("layer_types") or []
     if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
         odd = next(t for t in layer_types if t != "full_attention")
@@ -478,5 +512,17 @@ def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
             f"{src}: layer type {odd!r} unsupported (sliding-window attention; "
             "supported: full_attention)"
         )
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+        # Qwen2 and Qwen3 slide the window in the layers layer_types names (checked above:
+        # none) or, without it, from max_window_layers on: none where that is past the last.
+        # Qwen3-MoE slides it in every layer whatever layer_types says.
+        first = r.get_int("max_window_layers", 28) if family.window_layers else 0
+        listed = bool(layer_types) and family.window_layers
+        if not listed and first < r.get_int("num_hidden_layers", 0):
+            layers = f", from layer {first} (max_window_layers)" if family.window_layers else ""
+            raise ModelLoadError(
+                f"{src}: sliding-window attention unsupported (use_sliding_window true, "
+                f"sliding_window {cfg.get('sliding_window')!r}{layers})"
+            )
     if cfg.get("mlp_bias") and not family.mlp_bias:
         raise ModelLoadError(f"{src}: mlp_bias true unsupported for this architecture")

@@ -239,8 +239,13 @@ class DecoderForCausalLM(nn.Module):
         shard = _TpShard.of(self.config, self.parallel)
         filled: dict[str, int] = {}
         unexpected: list[str] = []
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        stored_head: torch.Tensor | None = None
         for name, tensor in weights:
             if self._load_kv_scale(name, tensor):
+                continue
+            if tied and name == "lm_head.weight":
+                stored_head = tensor  # settled once the embedding is known (below)
                 continue
             for target, index, value in _map_weight(name, tensor, self.config, experts, shard):
                 if target not in params:
@@ -261,9 +266,35 @@ class DecoderForCausalLM(nn.Module):
                 ", ".join(unexpected[:8]),
             )
         loaded = {n for n, count in filled.items() if count >= params[n].numel()}
+        if stored_head is not None:
+            self._settle_tied_head(stored_head, loaded)
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _settle_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
+        """A checkpoint whose config ties the output head to the embedding but which stores
+        ``lm_head.weight`` too, read as transformers reads it: the head fills a missing
+        embedding; one that differs from the stored embedding is kept as its own head (the
+        config's tie is wrong there), with a warning; an equal one changes nothing."""
+        embed = self.model.embed_tokens.weight
+        if tuple(head.shape) != tuple(embed.shape):
+            raise ModelLoadError(
+                f"model: tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
+                f"expected {tuple(embed.shape)}"
+            )
+        value = head.to(device=embed.device, dtype=embed.dtype)
+        if "model.embed_tokens.weight" not in loaded:
+            embed.data.copy_(value)
+            loaded.add("model.embed_tokens.weight")
+        elif not torch.equal(value, embed.data):
+            logger.warning(
+                "model: tie_word_embeddings is true, but the checkpoint's lm_head.weight "
+                "differs from model.embed_tokens.weight: the stored head is used, untied "
+                "(as transformers does)"
+            )
+            self.lm_head.weight = nn.Parameter(value.clone(), requires_grad=embed.requires_grad)
+            loaded.add("lm_head.weight")
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
         """Keep ``name`` if it is a layer's K/V cache scale (see ``KV_SCALE_NAME``)."""

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +66,36 @@ def test_missing_tensor_is_named(checkpoint, tmp_path) -> None:
         ModelLoadError, match="lacks tensor.*model.layers.1.self_attn.k_norm.weight"
     ):
         _load(path)
+
+
+def test_a_tied_config_with_a_stored_head_loads_as_transformers_loads_it(
+    checkpoint, tmp_path, caplog
+) -> None:
+    """tie_word_embeddings true, yet lm_head.weight stored: a head that differs from the
+    embedding is used untied (as transformers 5 does; it was dropped, every logit wrong), one
+    stored alone fills the embedding too (that load was refused), an equal one keeps the tie."""
+    from transformers import AutoModelForCausalLM
+
+    embed_name = "model.embed_tokens.weight"
+    cases = {"distinct": lambda t: t[embed_name] * 0.5 + 0.01, "equal": lambda t: t[embed_name]}
+    for case in (*cases, "alone"):
+        path = _copy(checkpoint("dense-tied-hd64"), tmp_path / case)
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        if case == "alone":
+            tensors["lm_head.weight"] = tensors.pop(embed_name)
+        else:
+            tensors["lm_head.weight"] = cases[case](tensors).clone()
+        save_file(tensors, file)
+        with caplog.at_level("WARNING"):
+            ours = _load(path)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert torch.equal(ours.lm_head.weight, hf.lm_head.weight), case
+        assert torch.equal(ours.model.embed_tokens.weight, hf.model.embed_tokens.weight), case
+        tied = ours.lm_head.weight is ours.model.embed_tokens.weight
+        assert tied == (case != "distinct"), case
+        assert ("the stored head is used, untied" in caplog.text) == (case == "distinct"), case
+        caplog.clear()
 
 
 def _moe_load(path: str, experts: int = 8, top_k: int = 2):  # type: ignore[no-untyped-def]
@@ -248,7 +279,28 @@ def test_unsupported_config_features_are_refused() -> None:
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}
         },
         "rope_type 'dynamic' unsupported": {"rope_parameters": {"rope_type": "dynamic"}},
-        "sliding-window": {"use_sliding_window": True, "sliding_window": 4096},
+        "sliding_window 4096, from layer 0 (max_window_layers)": {
+            "use_sliding_window": True,
+            "sliding_window": 4096,
+            "max_window_layers": 0,
+        },
+        "sliding_window 64)": {  # Qwen3-MoE slides it in every layer, whatever layer_types says
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 8,
+            "use_sliding_window": True,
+            "sliding_window": 64,
+            "layer_types": ["full_attention"],
+        },
+        "field 'original_max_position_embeddings' must be >= 1, got 0": {
+            "original_max_position_embeddings": 0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+        },
+        "no 'architectures' field, and model_type 'gpt2' is not one execrt knows": {
+            "architectures": None,
+            "model_type": "gpt2",
+        },
         "layer type 'sliding_attention'": {"layer_types": ["sliding_attention"]},
         "hidden_act 'gelu' unsupported": {"hidden_act": "gelu"},
         "partial_rotary_factor 0.5 unsupported": {"partial_rotary_factor": 0.5},
@@ -263,7 +315,8 @@ def test_unsupported_config_features_are_refused() -> None:
     }
     for message, change in refused.items():
         with pytest.raises(ModelLoadError, match=re.escape(message)):
-            ModelConfig.from_dict(base | change, source="cfg.json")
+            raw = {k: v for k, v in (base | change).items() if v is not None or k == "vocab_size"}
+            ModelConfig.from_dict(raw, source="cfg.json")
     # Qwen2 configs carry a sliding_window that is off: that is fine.
     qwen2 = base | {
         "architectures": ["Qwen2ForCausalLM"],
@@ -271,6 +324,73 @@ def test_unsupported_config_features_are_refused() -> None:
         "sliding_window": 4096,
     }
     assert ModelConfig.from_dict(qwen2).attention_bias is True
+
+
+def test_configs_transformers_loads_the_same_way() -> None:
+    """Fields whose absence or place transformers reads its own way (each was a refusal or a
+    wrong shape here): no ``architectures`` (the model_type's), Qwen3 without ``head_dim``
+    (Qwen3Config's 128, where Llama's is hidden / heads), and Qwen2/Qwen3's
+    ``use_sliding_window`` where ``max_window_layers`` leaves the window no layer."""
+    bare = {k: v for k, v in TINY_QWEN3.items() if k != "architectures"}
+    for model_type, arch in (("qwen3", "Qwen3ForCausalLM"), ("llama", "LlamaForCausalLM")):
+        config = ModelConfig.from_dict(bare | {"model_type": model_type})
+        assert config.architecture == arch
+    assert ModelConfig.from_dict(TINY_QWEN3).head_dim == 128
+    llama = TINY_QWEN3 | {"architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_dict(llama).head_dim == 4
+    window = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 28}
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        cfg = TINY_QWEN3 | window | {"architectures": [arch]}
+        assert ModelConfig.from_dict(cfg).num_layers == 1  # the window is in no layer
+        listed = cfg | {"max_window_layers": 0, "layer_types": ["full_attention"]}
+        assert ModelConfig.from_dict(listed).num_layers == 1  # layer_types decides
+
+
+def _llama_1024(scaling: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """A Llama config.json of 8 heads of 128 with ``scaling`` as its rope_scaling."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": max_positions,
+        "rope_scaling": dict(scaling),
+    }
+
+
+def test_rope_original_context_is_read_where_transformers_reads_it() -> None:
+    """A top-level ``original_max_position_embeddings`` (Phi-3's and DeepSeek's layout) wins
+    over the rope settings' copy, as transformers reads it."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from execrt.models.layers import rope_inv_freq
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cases = [
+        (llama3, {"original_max_position_embeddings": 8192}, 8192),
+        (
+            llama3 | {"original_max_position_embeddings": 2048},
+            {"original_max_position_embeddings": 8192},
+            8192,
+        ),
+        ({"rope_type": "yarn", "factor": 4.0}, {"original_max_position_embeddings": 4096}, 4096),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, {}, 1024),
+    ]
+    for scaling, top, original in cases:
+        raw = _llama_1024(scaling, 32768) | top
+        ours = ModelConfig.from_dict(raw)
+        assert ours.rope_scaling is not None
+        assert ours.rope_scaling.original_max_position_embeddings == original, (scaling, top)
+        hf_cfg = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+        kind = hf_cfg.rope_parameters["rope_type"]
+        ref, attention = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+        got = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+        assert torch.allclose(got, ref.float(), rtol=1e-6, atol=0), (scaling, top)
+        assert ours.rope_scaling.attention_factor == pytest.approx(attention, rel=1e-12)
 
 
 def test_a_mistral_context_is_limited_to_its_sliding_window(caplog) -> None:
@@ -347,17 +467,7 @@ def test_rope_scaling_frequencies_match_transformers() -> None:
         },
     ]
     for scaling in cases:
-        raw = {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 8,
-            "hidden_size": 1024,
-            "intermediate_size": 16,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 8,
-            "rope_theta": 500000.0,
-            "max_position_embeddings": 131072,
-            "rope_scaling": scaling,
-        }
+        raw = _llama_1024(scaling, 131072)
         ours = ModelConfig.from_dict(raw)
         assert ours.rope_scaling is not None and ours.head_dim == 128
         hf_cfg = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
