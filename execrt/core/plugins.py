@@ -101,22 +101,28 @@ class BackendSpec(Generic[C]):
 
     def refusals(self, requirements: Any) -> list[str]:
         """Why this backend cannot serve ``requirements`` here (empty: usable)."""
+        return self.assess(requirements)[0]
+
+    def assess(self, requirements: Any) -> tuple[list[str], str | None]:
+        """``refusals``, and what is wrong with the plugin's ``check`` itself where it ran:
+        it raised, or answered something other than a list of reasons (None: it answered,
+        or did not run). Selection takes that as a refusal, never a crash of `execrt
+        backends` or of "auto"; the conformance suite fails on it, since otherwise every case
+        would be skipped as "refused here" and the suite pass."""
         out = [self._missing(m) for m in self.requires if not _importable(m)]
         out += self.capabilities.refusals(requirements)
-        if self.check is not None and not out:
-            out += self._run_check(requirements)
-        return out
-
-    def _run_check(self, requirements: Any) -> list[str]:
-        # A plugin's probe that raises or answers nonsense is a refusal of its backend, never
-        # a crash of `execrt backends` or of "auto".
-        assert self.check is not None
+        if self.check is None or out:
+            return out, None
         try:
             result = self.check(requirements)
         except Exception as exc:
-            return [f"plugin {self.plugin!r}: check raised {exc!r}"]
-        problem = check_result_problem(result)
-        return [f"plugin {self.plugin!r}: {problem}"] if problem else list(result)
+            problem = f"plugin {self.plugin!r}: check raised {exc!r}"
+        else:
+            answer = check_result_problem(result)
+            if answer is None:
+                return list(result), None
+            problem = f"plugin {self.plugin!r}: {answer}"
+        return [problem], problem
 
     def unusable_here(self) -> list[str]:
         """Requirement-independent refusals: missing modules (used by ``execrt backends``)."""

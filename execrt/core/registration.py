@@ -13,6 +13,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from execrt.core.interfaces import AttentionBackend, Capabilities, GraphBackend, MoEDispatcher
 from execrt.core.prefix_cache import PrefixCache
 
@@ -74,7 +76,35 @@ def capability_problems(capabilities: Capabilities) -> list[str]:
             out.append(f"capabilities.{f.name} must be {_describe(declared)}, got {value!r}")
         elif isinstance(value, frozenset) and not value:
             out.append(f"capabilities.{f.name} is empty (use None for 'any')")
+        else:
+            out += _value_problems(f.name, value)
     return out
+
+
+def _value_problems(field: str, value: object) -> list[str]:
+    """Values of the right type that no backend can mean: a device type torch does not
+    know (``"gpu"``: the backend would be refused everywhere), a dtype that is not a
+    floating-point one (models and caches are), a size or ratio below 1."""
+    members = value if isinstance(value, frozenset) else (value,)
+    bad: list[str] = []
+    for member in members:
+        if isinstance(member, str) and field == "devices":
+            try:
+                torch.device(member)
+            except (RuntimeError, ValueError):
+                bad.append(repr(member))
+        elif isinstance(member, torch.dtype) and not member.is_floating_point:
+            bad.append(str(member))
+        elif isinstance(member, int) and not isinstance(member, bool) and member < 1:
+            bad.append(repr(member))
+    if not bad:
+        return []
+    accepted = {
+        "devices": "device types such as 'cpu' and 'cuda'",
+        "dtypes": "floating-point dtypes",
+        "kv_dtypes": "floating-point dtypes",
+    }.get(field, "integers >= 1")
+    return [f"capabilities.{field} holds {', '.join(sorted(bad))} (accepted: {accepted})"]
 
 
 def interface_problem(kind: str, factory: object) -> str | None:
@@ -96,11 +126,41 @@ def interface_problem(kind: str, factory: object) -> str | None:
 
 
 def built_problem(kind: str, built: object) -> str | None:
-    """What a factory returned, when it does not implement the kind's interface."""
+    """What a factory returned, when it does not implement the kind's interface or breaks
+    a promise the engine relies on only later (a graph claim without the graph methods, a
+    padding fill value a graph cannot use): named now, once, not as a traceback mid-run."""
     interface = INTERFACES.get(kind)
-    if interface is None or isinstance(built, interface):
+    if interface is None:
         return None
-    return f"factory built {type(built).__name__}, which does not implement {interface.__name__}"
+    if not isinstance(built, interface):
+        return (
+            f"factory built {type(built).__name__}, which does not implement {interface.__name__}"
+        )
+    if isinstance(built, AttentionBackend):
+        return _attention_contract_problem(built)
+    return None
+
+
+def _attention_contract_problem(backend: AttentionBackend) -> str | None:
+    name = type(backend).__name__
+    fill = backend.graph_seq_len_fill_value
+    if not isinstance(fill, int) or isinstance(fill, bool) or fill < 1:
+        return (
+            f"{name}.graph_seq_len_fill_value must be an int >= 1 (the context length of a "
+            f"padded graph row, which reads slot 0), got {fill!r}"
+        )
+    if getattr(getattr(backend, "capabilities", None), "graph", False):
+        missing = [
+            method
+            for method in ("init_graph_state", "plan_graph")
+            if getattr(type(backend), method) is getattr(AttentionBackend, method)
+        ]
+        if missing:
+            return (
+                f"{name} declares capabilities.graph = True but does not implement "
+                f"{' and '.join(missing)} (implement them, or declare graph = False)"
+            )
+    return None
 
 
 def check_result_problem(result: object) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,8 @@ class Prepared:
     graph: bool = False
     # The batch's tensors and host lists as laid out, to catch a backend that writes into them
     batch: dict[str, Any] = field(default_factory=dict)
+    #: inputs the backend wrote into (q, k, v are read-only), found by ``attend_layers``
+    input_writes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -227,7 +229,7 @@ class AttentionHarness:
         if step.mode != "decode":
             raise ValueError("harness: the q/k prologue is decode-only")
         rows, fb, real_locs = self._lay_out(step, graph)
-        raw = self._new_qkv(fb.num_tokens, None)
+        raw = self._new_qkv(fb.num_tokens, None, projected=True)
         g, t = self.geo, real_locs.numel()
         cos, sin = rope_tables(self.pool.max_context_len, g.head_dim, self.device)
         qkv: list[QKV] = []
@@ -307,16 +309,31 @@ class AttentionHarness:
             return self.static.load_padded(fb, step.batch_size + step.padded_rows, fill)
         return padded_decode_batch(fb, step.batch_size + step.padded_rows, fill)
 
-    def _new_qkv(self, tokens: int, reuse: Prepared | None) -> list[QKV]:
+    def _new_qkv(self, tokens: int, reuse: Prepared | None, projected: bool = False) -> list[QKV]:
         """Fresh q/k/v per layer for ``tokens`` rows (padding last); written into ``reuse``'s
-        tensors when given, so a captured graph reads them."""
+        tensors when given, so a captured graph reads them.
+
+        Laid out as a model hands them: ``v`` is a strided view of one ``[T, Hq + 2 Hkv, D]``
+        projection (q and k come out of the rotation as tensors of their own), and with
+        ``projected`` (the prologue's raw inputs) q and k are views of it too. The rest of
+        that projection holds NaN, so a kernel that ignores the strides reads NaN."""
         g = self.geo
         out: list[QKV] = []
+        hq, hkv = g.num_q_heads, g.num_kv_heads
         for layer in range(g.num_layers):
-            new = (
+            q, k, v = (
                 self._randn(tokens, g.num_q_heads, g.head_dim),
                 self._randn(tokens, g.num_kv_heads, g.head_dim),
                 self._randn(tokens, g.num_kv_heads, g.head_dim),
+            )
+            fused = torch.full(
+                (tokens, hq + 2 * hkv, g.head_dim), float("nan"), dtype=v.dtype, device=v.device
+            )
+            parts = (fused[:, :hq], fused[:, hq : hq + hkv], fused[:, hq + hkv :])
+            new = (
+                parts[0].copy_(q) if projected else q,
+                parts[1].copy_(k) if projected else k,
+                parts[2].copy_(v),
             )
             if reuse is not None:
                 old = reuse.qkv[layer]
@@ -358,16 +375,28 @@ class AttentionHarness:
     def attend_with_prologue(self, p: PrologueStep, step: AttentionStep) -> list[Any]:
         """Every layer's ``attend_with_prologue`` on the raw q/k/v."""
         return [
-            self.backend.attend_with_prologue(q, k, v, layer, step, rotation)
+            _read_only(
+                self.backend.attend_with_prologue,
+                (q, k, v, layer, step, rotation),
+                f"layer {layer.layer_id}'s raw",
+                p.prepared.input_writes,
+            )
             for layer, (q, k, v), rotation in zip(self.layers, p.raw, p.rotations, strict=True)
         ]
 
     def attend_layers(self, prepared: Prepared, step: AttentionStep) -> list[Any]:
         """Every layer's ``attend``, handed this step's K/V as a model hands them: a backend
         that stores K/V itself must store them; the others may read them (the cache holds
-        them already)."""
+        them already). A write into q, k or v is noted (and undone, so the oracle reads what
+        the backend was given)."""
         return [
-            self.backend.attend(q, layer, step, (k, v))
+            _read_only(
+                self.backend.attend,
+                (q, layer, step, (k, v)),
+                f"layer {layer.layer_id}'s",
+                prepared.input_writes,
+                inputs=(q, k, v),
+            )
             for layer, (q, k, v) in zip(self.layers, prepared.qkv, strict=True)
         ]
 
@@ -406,6 +435,13 @@ class AttentionHarness:
                     f"{want_shape} {q.dtype} on {q.device} ([T, Hq, Dv], q's dtype)"
                 )
                 continue
+            padded = out[t_real:]
+            if not bool(torch.isfinite(padded).all()):
+                result.problems.append(
+                    f"{where}: padded rows {t_real}..{out.shape[0] - 1} hold non-finite values "
+                    "(a padded row's output is dropped, but the model then stores that row's "
+                    "K/V into slot 0, which requests read under a mask: 0 x NaN is NaN)"
+                )
             out, problems = out[:t_real], result.problems
             k_scale, v_scale = self.kv.scales.k[layer], self.kv.scales.v[layer]
             ref = self._oracle(prepared, layer, self.mirror_k, self.mirror_v, k_scale, v_scale)
@@ -416,6 +452,7 @@ class AttentionHarness:
                 where += " (vs the unquantized K/V)"
                 err = self._compare(out, ref, exact_tolerance, where, step, problems)
                 result.max_exact_error = max(result.max_exact_error, err)
+        result.problems += [f"{label}: {w}" for w in dict.fromkeys(prepared.input_writes)]
         result.problems += self.cache_problems(prepared, label, stored_tolerance)
         if not torch.equal(self.pool.req_to_token, prepared.table):
             result.problems.append(f"{label}: the backend modified req_to_token")
@@ -521,6 +558,37 @@ class PrologueStep:
     prepared: Prepared
     raw: list[QKV]
     rotations: list[QKPrologue]
+
+
+def _read_only(
+    call: Callable[..., Any],
+    args: tuple[Any, ...],
+    what: str,
+    writes: list[str],
+    inputs: QKV | None = None,
+) -> Any:
+    """``call(*args)``, noting in ``writes`` which of ``inputs`` (q, k, v; default: the
+    first three ``args``) it wrote into, and putting their values back. Not while a CUDA
+    graph is being captured (no copies or host reads may run then); the eager call before a
+    capture is checked."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return call(*args)
+    inputs = inputs if inputs is not None else (args[0], args[1], args[2])
+    before = [x.clone() for x in inputs]
+    out = call(*args)
+    for name, x, was in zip("qkv", inputs, before, strict=True):
+        if not _same(x, was):
+            writes.append(
+                f"the backend wrote into {what} {name} (q, k and v are read-only: the model "
+                "reads them after, and a graph replays from them)"
+            )
+            x.copy_(was)
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN (the inputs hold none, but a backend may write some)."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
 def rope_tables(positions: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -90,10 +90,13 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
         Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),
     ),
 }
-#: The steps of the multi-layer, multi-step test (CPU; CUDA scales lengths by 20).
+#: The steps of the multi-layer, multi-step test (CPU; CUDA scales lengths by 20). The two
+#: decode steps of four requests share every shape (as an engine's steady decode steps do)
+#: and differ in lengths and slots: a plan kept by shape from the first step is stale.
 MULTI_STEPS = (
     Step.extend([0, 12, 3], [9, 4, 6]),
     Step.decode([33, 5, 18, 1]),
+    Step.decode([34, 6, 19, 2]),
     Step.decode([70]),
     Step.extend([40], [2]),
 )

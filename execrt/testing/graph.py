@@ -164,8 +164,9 @@ class GraphBackendSuite(ConformanceSuite):
                     worst = max(worst, cmp.rel_error)
                     assert cmp.ok(tol), (
                         f"{case.id}: replay {round_} of {key}: {name} differs from eager by "
-                        f"{cmp.rel_error:.3g} (tolerance {tol:.3g}); a replay must read the "
-                        "current contents of the static inputs"
+                        f"{cmp.rel_error:.3g} (tolerance {tol:.3g}); a replay must run the "
+                        "graph captured for this very key (keys of one batch size differ by "
+                        "variant) on the current contents of the static inputs"
                     )
         return worst
 
@@ -197,7 +198,8 @@ class GraphBackendSuite(ConformanceSuite):
 
     @cases("device_cases")
     def test_has_and_duplicate_capture(self, case: Case) -> None:
-        """has() reports captured keys only; capturing a key twice raises."""
+        """has() reports captured keys only; replaying another raises KeyError; capturing a
+        key twice raises."""
         self.begin(case)
         work = Workload(case.device, seed=3)
         key, other = KEYS[1], KEYS[2]  # same batch size, different variant
@@ -206,6 +208,17 @@ class GraphBackendSuite(ConformanceSuite):
             self.capture_all(backend, work, (key,))
             assert backend.has(key), f"{case.id}: has({key}) False after capture"
             assert not backend.has(other), f"{case.id}: has({other}) True, only {key} captured"
+            try:
+                backend.replay(other)
+            except KeyError:
+                pass  # the contract: the runner tells a missing bucket by it
+            except Exception as exc:
+                pytest.fail(
+                    f"{case.id}: replay({other}) of a key never captured raised "
+                    f"{type(exc).__name__}, not KeyError (naming the captured keys)"
+                )
+            else:
+                pytest.fail(f"{case.id}: replay({other}) of a key never captured did not raise")
             try:
                 with backend.capture_session():
                     backend.capture(key, work.fn(key))

@@ -232,7 +232,13 @@ class ConformanceSuite:
             return declared, None
         if not device_available(device):
             return "; ".join([f"no {device} device here", *spec.unusable_here()]), None
-        reasons = spec.refusals(requirements)
+        reasons, broken = spec.assess(requirements)
+        if broken:
+            return (
+                None,
+                f"{spec.name}: {broken} (a check returns the reasons it refuses, [] where "
+                "it serves)",
+            )
         if reasons and not all(isinstance(r, str) and r.strip() for r in reasons):
             return None, f"{spec.name} refused {requirements} without a reason: {reasons!r}"
         return ("refused here: " + "; ".join(reasons) if reasons else None), None

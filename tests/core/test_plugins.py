@@ -151,6 +151,40 @@ def test_a_factory_class_of_another_interface_is_refused_before_building() -> No
     assert "Built does not implement GraphBackend" in graph_class.factory_problems()[0]
 
 
+class GraphClaimWithoutMethods(Built):
+    capabilities = AttentionCapabilities(graph=True)
+
+
+class ZeroFillBackend(Built):
+    capabilities = AttentionCapabilities()
+    graph_seq_len_fill_value = 0
+
+
+@pytest.mark.parametrize(
+    ("factory", "reason"),
+    [
+        (
+            GraphClaimWithoutMethods,
+            "GraphClaimWithoutMethods declares capabilities.graph = True but does not implement "
+            "init_graph_state and plan_graph (implement them, or declare graph = False)",
+        ),
+        (
+            ZeroFillBackend,
+            "ZeroFillBackend.graph_seq_len_fill_value must be an int >= 1 (the context length "
+            "of a padded graph row, which reads slot 0), got 0",
+        ),
+    ],
+)
+def test_a_backend_breaking_the_graph_contract_is_refused_when_built(
+    factory: Any, reason: str
+) -> None:
+    # Both surfaced mid-run as tracebacks naming neither the backend nor its plugin.
+    with pytest.raises(BackendUnavailableError) as info:
+        spec(factory=factory).create("init")
+    assert info.value.reasons == [f"plugin 'fake-plugin': {reason}"]
+    assert str(info.value).startswith("attention backend 'fake' unavailable: plugin 'fake-plugin'")
+
+
 def test_a_factory_string_naming_no_callable_is_refused() -> None:
     [reason] = spec(factory="json:__name__").factory_problems()
     assert reason == "plugin 'fake-plugin': factory json:__name__ is 'json', not a callable"
@@ -474,6 +508,19 @@ def _caps(**fields: Any) -> AttentionCapabilities:
             "capabilities.gqa_ratios is empty (use None for 'any')",
         ),
         ({"capabilities": _caps(graph="yes")}, "capabilities.graph must be bool, got 'yes'"),
+        # the right types, values no backend can mean (a typo made a backend unusable anywhere)
+        (
+            {"capabilities": _caps(devices=frozenset({"gpu", "cpu"}))},
+            "capabilities.devices holds 'gpu' (accepted: device types such as 'cpu' and 'cuda')",
+        ),
+        (
+            {"capabilities": _caps(kv_dtypes=frozenset({torch.float32, torch.int8}))},
+            "capabilities.kv_dtypes holds torch.int8 (accepted: floating-point dtypes)",
+        ),
+        (
+            {"capabilities": _caps(gqa_ratios=frozenset({0, 2}))},
+            "capabilities.gqa_ratios holds 0 (accepted: integers >= 1)",
+        ),
     ],
 )
 def test_register_refuses_a_badly_typed_field_naming_plugin_field_and_value(

@@ -129,6 +129,52 @@ class StaleSeqLensGraphAttention(StaticGraphAttention):
         return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
+class NaNPaddingGraphAttention(StaticGraphAttention):
+    """Broken: padded graph rows come out NaN (as a softmax over no key does); every real
+    row is exact. In a model that NaN reaches slot 0 through the padded row's K/V, and every
+    gathering backend reads slot 0 under a mask: 0 x NaN is NaN."""
+
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        self.real_rows = fb.num_token_non_padded
+        return super().plan_graph(fb)
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        out = super().attend(q, layer, step, kv)
+        out[getattr(self, "real_rows", out.shape[0]) :] = float("nan")
+        return out
+
+
+class StrideBlindStoringAttention(StoringAttention):
+    """Broken: stores K/V as a kernel handed a bare pointer would, reading rows as if
+    contiguous; the model hands ``v`` as a strided view of the q/k/v projection."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        assert kv is not None
+        k, v = (torch.as_strided(x, x.shape, torch.empty(x.shape).stride()) for x in kv)
+        return super().attend(q, layer, step, (k, v))
+
+
+class ShapeMemoAttention(TorchNativeAttnBackend):
+    """Broken: reuses its plan for a later step of the same shape (batch size, mode and
+    tokens), as if every such step were a graph bucket; an engine's decode steps all are."""
+
+    def plan(self, fb):  # type: ignore[no-untyped-def]
+        memo: dict[Any, Any] = self.__dict__.setdefault("_memo", {})
+        key = (fb.batch_size, fb.mode, fb.num_tokens)
+        if key not in memo:
+            memo[key] = super().plan(fb)
+        return memo[key]
+
+
+class QScalingAttention(TorchNativeAttnBackend):
+    """Broken: folds the softmax scale into the caller's q in place (its output is right)."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        q.mul_(layer.scaling)
+        own = dataclasses.replace(layer, scaling=1.0)
+        return super().attend(q, own, step, kv)
+
+
 # ---------------------------------------------------------------------------------------------
 # MoE dispatch
 # ---------------------------------------------------------------------------------------------

@@ -64,16 +64,21 @@ def test_wrong_scale_attention_fails_with_scenario_and_error(tmp_path: Path) -> 
     assert row["max_error"] > row["tolerance"]
 
 
-def test_a_storing_backend_that_stores_nothing_fails_naming_the_slots(tmp_path: Path) -> None:
-    body = cpu_attention_suite("ForgetfulStoringAttention", "STORES_CAPS")
-    code, report = run_suite(tmp_path, body, "attention", "decode-single or extend-single")
+def failed_scenarios(tmp_path: Path, fake: str, capabilities: str, *scenarios: str) -> list[str]:
+    """Run ``fake`` on the CPU float32 ``scenarios``; each must fail: their reasons."""
+    body = cpu_attention_suite(fake, capabilities)
+    code, report = run_suite(tmp_path, body, "attention", " or ".join(scenarios))
     assert code == 1
     failed = failures(report)
-    assert set(failed) == {
-        "test_scenario[cpu-float32-decode-single]",
-        "test_scenario[cpu-float32-extend-single]",
-    }, failed
-    for reason in failed.values():
+    assert set(failed) == {f"test_scenario[cpu-float32-{s}]" for s in scenarios}, failed
+    return list(failed.values())
+
+
+def test_a_storing_backend_that_stores_nothing_fails_naming_the_slots(tmp_path: Path) -> None:
+    reasons = failed_scenarios(
+        tmp_path, "ForgetfulStoringAttention", "STORES_CAPS", "decode-single", "extend-single"
+    )
+    for reason in reasons:
         assert "K at out_cache_loc not stored exactly (slots [" in reason, reason
 
 
@@ -308,3 +313,55 @@ def test_a_backend_without_decode_or_extend_is_refused_where_both_run() -> None:
     ]
     decode_only = AttentionRequirements("cpu", torch.float32, 64, 4, 2, extend=False)
     assert AttentionCapabilities(extend=False).refusals(decode_only) == []
+
+
+def test_nan_in_padded_graph_rows_fails_naming_the_padding(tmp_path: Path) -> None:
+    # Every real row is exact; the padded rows' NaN would reach slot 0 in a model.
+    body = cpu_attention_suite("NaNPaddingGraphAttention", "GRAPH_CAPS")
+    code, report = run_suite(tmp_path, body, "attention", "test_graph_metadata or decode-padded")
+    assert code == 1
+    failed = failures(report)
+    assert list(failed) == ["test_graph_metadata[cpu-float32]"], failed
+    reason = failed["test_graph_metadata[cpu-float32]"]
+    assert "padded rows 3..3 hold non-finite values" in reason, reason
+
+
+def test_a_kernel_blind_to_strides_fails_on_the_models_strided_v(tmp_path: Path) -> None:
+    # The model hands v as a view of the q/k/v projection; the suite did not, and such a
+    # backend passed every case, then wrote wrong tokens from the first one.
+    reasons = failed_scenarios(
+        tmp_path, "StrideBlindStoringAttention", "STORES_CAPS", "decode-ragged", "extend-ragged"
+    )
+    assert all("V at out_cache_loc not stored exactly" in r for r in reasons), reasons
+
+
+def test_a_plan_kept_by_shape_fails_the_multi_step_test(tmp_path: Path) -> None:
+    body = cpu_attention_suite("ShapeMemoAttention")
+    code, report = run_suite(tmp_path, body, "attention", "test_multi_layer_multi_step")
+    assert code == 1
+    reason = failures(report)["test_multi_layer_multi_step[cpu-float32]"]
+    assert "step 2 (decode), layer 0: max relative error" in reason, reason
+
+
+def test_a_write_into_q_is_named_as_one(tmp_path: Path) -> None:
+    [reason] = failed_scenarios(tmp_path, "QScalingAttention", "NATIVE_CAPS", "decode-single")
+    assert "the backend wrote into layer 0's q (q, k and v are read-only" in reason, reason
+    assert "max relative error" not in reason  # the oracle read what the backend was given
+
+
+def test_a_check_that_raises_fails_the_cases_instead_of_skipping_them(tmp_path: Path) -> None:
+    body = """
+def broken_check(requirements):
+    raise RuntimeError("probe crashed")
+
+
+class TestBroken(AttentionBackendSuite):
+    factory = "execrt.backends.attention.torch_native:TorchNativeAttnBackend"
+    capabilities = fakes.NATIVE_CAPS
+    devices = ("cpu",)
+    refusal_check = broken_check
+"""
+    code, report = run_suite(tmp_path, body, "attention", "decode-single")
+    assert code == 1
+    reason = failures(report)["test_scenario[cpu-float32-decode-single]"]
+    assert "check raised RuntimeError('probe crashed')" in reason, reason
