@@ -471,12 +471,19 @@ class Engine:
         """Finish submitted request ``rid`` with ``abort`` and free its KV slots, now or before
         the next step; its callback gets the last output. An unknown or finished id is
         ignored."""
+        self.abort_requests((rid,), reason)
+
+    def abort_requests(self, rids: Iterable[int], reason: str = "aborted") -> None:
+        """``abort_request`` for every id of ``rids``, in one pass over the scheduler's
+        queues (one per request would rescan them each time)."""
+        ids = list(dict.fromkeys(rids))
 
         def abort() -> None:
-            req = self._requests.get(rid)
-            if req is not None and not req.finished:
-                self.scheduler.abort([req], reason)
-                self._requests.finish(req)
+            reqs = [r for r in map(self._requests.get, ids) if r is not None and not r.finished]
+            if reqs:
+                self.scheduler.abort(reqs, reason)
+                for req in reqs:
+                    self._requests.finish(req)
 
         self._driver.call(abort)
 

@@ -10,7 +10,11 @@ and detokenizing, nor the front end for a step.
   (tokenizer and chat template), the ``RequestLimits`` that ``check`` validates against, and
   whether there is a prefix cache. Then it runs ``run_commands``, the loop the engine thread
   of ``ThreadedEngineClient`` runs.
-- Commands (submit, abort, flush, stop) go to it over one pipe, written by the calling thread.
+- Commands (submit, abort, flush, stop) go to it over one pipe, written by a writer thread
+  from a queue: a caller never blocks on the pipe. The event loop that calls ``submit`` and
+  ``abort`` is also the one that reads the outputs; had it blocked on a full command pipe
+  while the engine blocked on a full output pipe (a burst of thousands of aborts or long
+  prompts during a busy step), each would have waited for the other for good.
 - After each round of commands and step, ONE message comes back over a second pipe with that
   step's outputs of every request and the engine's stats; a reader thread in the front end
   hands them to their holders with ``deliver`` (one wake-up of the event loop per step).
@@ -26,6 +30,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -217,7 +222,7 @@ class ProcessEngineClient(BackgroundEngineClient):
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
         for conn in (self._commands, self._outputs):
             _widen(conn)
-        self._send_lock = threading.Lock()
+        self._pending: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # to the writer
         self._lock = threading.Lock()  # _live and _gone, between callers and the reader
         self._live: dict[str, OutputHolder] = {}
         self._gone = False  # the engine process ended: no output will come
@@ -248,6 +253,10 @@ class ProcessEngineClient(BackgroundEngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None  # reads the outputs, if any
         self._done = threading.Event()  # set once the pipe ended and the live requests failed
         self._reader = self._start_reader()
+        self._writer = threading.Thread(
+            target=self._write, name="execrt-engine-writer", daemon=True
+        )
+        self._writer.start()
 
     # -- reading the engine's messages -------------------------------------------------------------
     # A thread reads them until the front end's event loop takes over (``serve_on``): then the
@@ -377,12 +386,24 @@ class ProcessEngineClient(BackgroundEngineClient):
         return thread
 
     def _send(self, command: Command) -> bool:
-        try:
-            with self._send_lock:
-                self._commands.send(command)
-            return True
-        except (OSError, ValueError):  # the engine process is gone (the reader says so)
+        """Queue ``command`` for the writer thread (never blocks); False once the engine
+        process is gone or the client closed."""
+        if self._gone or self._closed:
             return False
+        self._pending.put(command)
+        return True
+
+    def _write(self) -> None:
+        """The writer thread: the queued commands into the pipe, in order, until ``None``
+        (``close``) or the pipe breaks (the engine process is gone: the reader says so)."""
+        while True:
+            command = self._pending.get()
+            if command is None:
+                return
+            try:
+                self._commands.send(command)
+            except (OSError, ValueError):
+                return
 
     def _has_prefix_cache(self) -> bool:
         return self._prefix_cache
@@ -435,8 +456,9 @@ class ProcessEngineClient(BackgroundEngineClient):
             self._ended()
         if self._loop is None:
             self._reader.join(timeout)
-        with self._send_lock:
-            self._commands.close()
+        self._pending.put(None)
+        self._writer.join(timeout)  # the process is gone: a blocked send has failed
+        self._commands.close()
         self._outputs.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -106,6 +106,17 @@ def run_commands(
         except (RequestError, TypeError) as exc:  # check() passed: only a racing change
             on_output(RequestOutput([], finish_reason="error", error=str(exc)))
 
+    aborts: dict[str, list[int]] = {}  # a round's aborts by reason, applied together
+
+    def abort_all() -> None:
+        # One pass over the queues for a round's aborts: one per request rescanned them all,
+        # and a client that left with thousands of queued choices stalled every other
+        # request for a time growing with the square of their number.
+        for reason, ids in aborts.items():
+            engine.abort_requests(ids, reason)
+            summary.aborted += len(ids)
+        aborts.clear()
+
     while True:
         commands = take(not engine.has_work) if take is not None else []
         if channel is not None:
@@ -118,13 +129,14 @@ def run_commands(
             elif command[0] == "abort":
                 rid = rids.get(command[1])
                 if rid is not None:
-                    engine.abort_request(rid, command[2])
-                    summary.aborted += 1
+                    aborts.setdefault(command[2], []).append(rid)
             elif command[0] == "flush":
+                abort_all()  # what was aborted before the flush is freed before it
                 engine.flush_cache()
                 ok = engine.worker.memory.cached_slots == 0  # else running requests read some
                 if flushed is not None:
                     flushed(command[1], ok)
+        abort_all()
         try:
             if engine.step():
                 summary.steps += 1

@@ -27,8 +27,9 @@ def _builtin() -> Engine:
 
 
 def _left_behind(client: ProcessEngineClient) -> list[object]:
-    """The client's engine process and reader thread, where still running."""
-    alive: list[object] = [t for t in threading.enumerate() if t is client._reader]
+    """The client's engine process, reader and writer threads, where still running."""
+    mine = (client._reader, client._writer)
+    alive: list[object] = [t for t in threading.enumerate() if t in mine]
     return alive + [p for p in multiprocessing.active_children() if p is client.process]
 
 
@@ -163,6 +164,21 @@ def test_an_engine_process_that_dies_fails_every_live_request() -> None:
         late = OutputHolder()  # a request after the fact is refused at once
         client.submit(EngineRequest("late", [1], sampling), late)
         assert late.take() == RequestOutput([], finish_reason="error", error=out.error)
+    finally:
+        client.close()
+    assert _left_behind(client) == []
+
+
+def test_commands_never_block_the_caller_on_a_full_pipe() -> None:
+    # The event loop that submits and aborts is the one that reads the engine's outputs: a
+    # send that blocked on a full command pipe, while the engine blocked on a full output
+    # pipe, hung the server for good (a client leaving with thousands of queued choices).
+    client = ProcessEngineClient(functools.partial(time.sleep, 600))  # reads no command
+    try:
+        start = time.monotonic()
+        for i in range(40_000):  # about 2.5 MB of aborts: more than a pipe holds
+            client.abort(f"request-{i}", "the client disconnected")
+        assert time.monotonic() - start < 20
     finally:
         client.close()
     assert _left_behind(client) == []
