@@ -92,6 +92,17 @@ class ModelInfo:
     has_chat_template: bool
     #: the checkpoint's recommended sampling (generation_config.json), SamplingParams keywords
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    #: the whole KV cache in tokens (None: not known; the context alone bounds a request)
+    kv_slots_total: int | None = None
+
+    @property
+    def max_request_len(self) -> int:
+        """The longest request (prompt and answer) served: the context, or one token more
+        than the whole KV cache holds where that is less (the last token's K/V is never
+        stored)."""
+        if self.kv_slots_total is None:
+            return self.context_len
+        return min(self.context_len, self.kv_slots_total + 1)
 
 
 @dataclass(frozen=True)

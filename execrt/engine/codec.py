@@ -216,7 +216,8 @@ def text_codec(engine: Engine) -> TextCodec:
 def no_chat_reason(engine: Engine) -> str:
     return (
         f"engine: {engine.model_note} has no chat template "
-        "(tokenizer_config.json 'chat_template'); use generate() with plain text"
+        "(neither chat_template.jinja nor tokenizer_config.json's 'chat_template'); use "
+        "generate() with plain text"
     )
 
 
@@ -232,6 +233,7 @@ def model_info(engine: Engine, name: str | None = None) -> ModelInfo:
         sampling_defaults=getattr(
             engine.model_config, "sampling_defaults", ()
         ),  # (a ModelSpec: none)
+        kv_slots_total=engine.limits.kv_slots_total,
     )
 
 

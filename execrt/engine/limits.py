@@ -26,6 +26,17 @@ def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> i
     return min(prompt_len + max_new_tokens, context_len) - 1
 
 
+def kv_refusal(prompt_len: int, max_new_tokens: int, context_len: int, total: int) -> str:
+    """Why a request that needs more KV slots than the whole cache holds is refused."""
+    needed = kv_slots_needed(prompt_len, max_new_tokens, context_len)
+    return (
+        f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
+        f"{max_new_tokens} - 1, capped by the context of {context_len}) but the whole cache "
+        f"holds {total}; lower max_new_tokens, or raise kv_cache_tokens "
+        f"(EXECRT_KV_CACHE_TOKENS) to at least {needed}"
+    )
+
+
 def top_logprobs_problems(top: object, name: str = "top_logprobs") -> list[str]:
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
         return [f"{name} {top!r} must be an integer in 0..{MAX_TOP_LOGPROBS}"]
@@ -87,10 +98,7 @@ class RequestLimits:
         """Why a valid request could not run even alone in an empty KV cache, or None."""
         needed = kv_slots_needed(prompt_len, max_new_tokens, self.context_len)
         if needed > self.kv_slots_total:
-            return (
-                f"request needs up to {needed} KV slots but the whole cache holds "
-                f"{self.kv_slots_total}"
-            )
+            return kv_refusal(prompt_len, max_new_tokens, self.context_len, self.kv_slots_total)
         return None
 
     def check(

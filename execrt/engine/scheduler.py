@@ -18,7 +18,7 @@ from execrt.core.schedule import FinishReason, Req, ScheduleBatch
 from execrt.core.staging import stage_ints
 from execrt.core.step import StepInputs
 from execrt.core.worker import GenerationBatchResult, TpModelWorker
-from execrt.engine.limits import kv_slots_needed
+from execrt.engine.limits import kv_refusal, kv_slots_needed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,11 +179,11 @@ class Scheduler:
                 f"prompt of {prompt_len} tokens leaves no room in the context of {self.context_len}"
             )
         elif needed > self.memory.total_slots:
-            error = (
-                f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
-                f"{req.sampling_params.max_new_tokens} - 1, capped by the context of "
-                f"{self.context_len}) but the whole cache holds {self.memory.total_slots}; raise "
-                f"kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least {needed}"
+            error = kv_refusal(
+                prompt_len,
+                req.sampling_params.max_new_tokens,
+                self.context_len,
+                self.memory.total_slots,
             )
         elif (error := self._constrain(req)) is None:
             self.waiting.append(req)

@@ -111,11 +111,15 @@ def parse(
     context_len: int,
     defaults: Mapping[str, Any] | None = None,
     vocab_size: int | None = None,
+    max_len: int | None = None,
 ) -> Plan:
     """Read an OpenAI request body; APIError (400) naming the first field that is wrong.
     ``defaults``: SamplingParams keywords for the sampling fields the body leaves out (the
     model's generation config). ``vocab_size``: the model's; a chat template's end-of-turn
-    id past it (never sampled) is not added to the stop tokens."""
+    id past it (never sampled) is not added to the stop tokens. ``max_len``: the longest
+    request served (``ModelInfo.max_request_len``; default the context), which a chat answer
+    without ``max_tokens`` stays within, so that a KV cache smaller than the context still
+    serves such requests."""
     fields = _fields(body)
     _refuse_unknown(fields, endpoint)
     n = _int(fields, "n", 1, 1, MAX_N)
@@ -168,7 +172,7 @@ def parse(
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if "max_completion_tokens" in fields:
             fields["max_tokens"] = fields["max_completion_tokens"]
-        default_tokens = max(1, context_len - len(ids))
+        default_tokens = max(1, (max_len or context_len) - len(ids))
         given = fields.get("stop_token_ids", [])
         if isinstance(given, list) and all(_is_token(t) for t in given):
             # The template's end-of-turn tokens stop the answer too, unless the request
@@ -289,6 +293,8 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
         param = "logprobs" if endpoint == "completion" else "top_logprobs"
     elif first.startswith("prompt_logprobs"):  # asked for through completions' echo
         param = "echo"
+    elif message.startswith("request needs up to"):  # more KV slots than the cache has
+        param = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
     else:
         param = None
     # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).

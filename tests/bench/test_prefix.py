@@ -89,6 +89,6 @@ def test_the_cli_runs_the_benchmark_with_its_flags(monkeypatch, tmp_path) -> Non
 def test_the_defaults_the_cli_help_names_are_the_options_defaults() -> None:
     defaults = prefix.Options()
     for flag, (field, what) in BENCH_PREFIX_FLAGS.items():
-        shown = what.rsplit("(", 1)[1].rstrip(")")
+        shown = what.rsplit("(default: ", 1)[1].rstrip(")")
         value = getattr(defaults, field)
         assert shown == str(value) or (value is None and shown == "the model's"), flag

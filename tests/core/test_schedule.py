@@ -22,6 +22,9 @@ CPU = torch.device("cpu")
         ({"seed": "1"}, "seed '1' has type str (accepted: int or None)"),
         ({"seed": False}, "seed False has type bool (accepted: int or None)"),
         ({"max_new_tokens": 2.0}, "max_new_tokens 2.0 has type float (accepted: int)"),
+        # an integer past 64 bits, as orjson reads a JSON body's 10**30
+        ({"max_new_tokens": 1e30}, "max_new_tokens 1e+30 is out of range (accepted: int within"),
+        ({"seed": 2.0**64}, "seed 1.845e+19 is out of range (accepted: int or None within 64"),
         ({"max_new_tokens": True}, "max_new_tokens True has type bool (accepted: int)"),
         ({"ignore_eos": "no"}, "ignore_eos 'no' has type str (accepted: bool)"),
         ({"ignore_eos": 1}, "ignore_eos 1 has type int (accepted: bool)"),

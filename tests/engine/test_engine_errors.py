@@ -191,8 +191,8 @@ def test_a_request_larger_than_the_cache_is_told_which_setting_to_raise(dense) -
         result = engine.generate([1, 2, 3, 4, 5, 6, 7, 8], params)
     assert result.finish_reason == "abort"
     assert result.error.endswith(
-        "but the whole cache holds 16; raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at "
-        "least 19"
+        "but the whole cache holds 16; lower max_new_tokens, or raise kv_cache_tokens "
+        "(EXECRT_KV_CACHE_TOKENS) to at least 19"
     ), result.error
 
 
