@@ -245,6 +245,9 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
 
 
 def _wrong_type(name: str, value: object, accepted: str) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        # An integer past 64 bits, which a JSON reader (orjson) hands over as a float.
+        return f"{name} {value:.4g} is out of range (accepted: {accepted} within 64 bits)"
     kind = type(value).__name__
     if isinstance(value, (tuple, list)):
         kind += " of " + ("/".join(sorted({type(v).__name__ for v in value})) or "nothing")

@@ -133,7 +133,8 @@ def create_app(
     def model_card() -> dict[str, Any]:
         info = _ready(client).model_info()
         model = {"id": info.name, "object": "model", "created": started, "owned_by": "execrt"}
-        return model | {"max_model_len": info.context_len}
+        # The longest request served, so that a client sizing requests by it is not refused.
+        return model | {"max_model_len": info.max_request_len}
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -173,7 +174,9 @@ def create_app(
         info = _ready(client).model_info()
         model, ids = parse_tokenize(await _json_body(request), client.text())
         _check_model(model, info.name)
-        return json_response({"count": len(ids), "max_model_len": info.context_len, "tokens": ids})
+        return json_response(
+            {"count": len(ids), "max_model_len": info.max_request_len, "tokens": ids}
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -193,6 +196,10 @@ def create_app(
         )
 
     return app
+
+
+#: Request bodies larger than this are parsed (their texts tokenized) off the event loop.
+PARSE_OFF_LOOP_BYTES = 1 << 16
 
 
 async def _json_body(request: Request) -> Any:
@@ -272,7 +279,16 @@ async def _generate(
     body = await _json_body(request)
     info = client.model_info()
     defaults = dict(info.sampling_defaults) if model_defaults else None
-    plan = parse(body, endpoint, client.text(), info.context_len, defaults, info.vocab_size)
+    args = (
+        body, endpoint, client.text(), info.context_len, defaults, info.vocab_size,
+        info.max_request_len,
+    )  # fmt: skip
+    if len(await request.body()) > PARSE_OFF_LOOP_BYTES:  # the body is cached: no new read
+        # Tokenizing megabytes of text takes seconds, which every other stream and /health
+        # would wait out on the event loop; the tokenizer lets go of the GIL meanwhile.
+        plan = await asyncio.to_thread(parse, *args)
+    else:
+        plan = parse(*args)
     _check_model(plan.model, info.name)
     jobs.check_open()
     job = Job(client, metrics, plan, info.name, reasoning_parser)

@@ -17,6 +17,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         code: str | None = None,
     ) -> None:
+        message = _bounded(message)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -27,3 +28,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param}
         return {"error": error | {"code": self.code}}
+
+
+#: The longest error message sent back: messages quote the offending value, which a client
+#: may make as large as its request (100,000 stop strings gave a 989 KB error body).
+MAX_MESSAGE_CHARS = 2000
+
+
+def _bounded(message: str) -> str:
+    """``message``, its middle cut where it is longer than ``MAX_MESSAGE_CHARS`` (the field
+    it names comes first, what is accepted last)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    keep = MAX_MESSAGE_CHARS // 2
+    cut = len(message) - 2 * keep
+    return f"{message[:keep]} ... ({cut} characters cut) ... {message[-keep:]}"

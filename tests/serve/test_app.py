@@ -4,6 +4,7 @@ framing, stop strings, n, logprobs, metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from execrt.engine.codec import TokenizerCodec
+from execrt.engine.limits import kv_refusal
 from execrt.models.builtin import build_tokenizer
 from execrt.models.tokenizer import ChatTemplate
 from execrt.serve.app import create_app
@@ -79,6 +81,16 @@ def test_models_names_the_model_and_its_context(fake) -> None:
     assert r.status_code == 200
     (model,) = r.json()["data"]
     assert (model["id"], model["object"], model["max_model_len"]) == ("fake", "model", 64)
+
+
+def test_max_model_len_is_what_the_kv_cache_holds_where_that_is_less(fake, monkeypatch) -> None:
+    # A client sizing requests by max_model_len must not be refused for lack of KV slots.
+    info = fake.model_info()
+    monkeypatch.setattr(fake, "model_info", lambda: dataclasses.replace(info, kv_slots_total=20))
+    (model,) = call(fake, "GET", "/v1/models").json()["data"]
+    assert model["max_model_len"] == 21  # 20 slots: the last token's K/V is never stored
+    r = call(fake, "POST", "/tokenize", {"prompt": "abc"})
+    assert r.json()["max_model_len"] == 21
 
 
 def test_a_model_is_retrieved_by_its_id_and_another_is_404(fake) -> None:
@@ -208,6 +220,37 @@ def test_an_engine_refusal_names_the_request_field_not_the_engine_keyword(endpoi
     assert engine_error("prompt_logprobs: the model (M) does not", endpoint).param == "echo"
 
 
+def test_an_error_quoting_a_huge_value_stays_small(fake) -> None:
+    # 100,000 stop strings were quoted whole: a 989 KB error body.
+    stops = [f"s{i}" for i in range(100_000)]
+    r = call(fake, "POST", "/v1/completions", {"prompt": "a", "stop": stops})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "stop"
+    assert len(error["message"]) < 2100 and "characters cut" in error["message"]
+    assert error["message"].startswith("stop ['s0', 's1'")  # the field still comes first
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(fake, monkeypatch) -> None:
+    # An 8 MB prompt was tokenized on the event loop: every other stream and /health
+    # stalled for seconds before its 400 came back.
+    import threading
+
+    from execrt.serve import app as app_module
+
+    threads: list[bool] = []
+    real = app_module.parse
+
+    def parse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "parse", parse)
+    assert call(fake, "POST", "/v1/completions", {"prompt": "a"}).status_code == 200
+    big = "a " * app_module.PARSE_OFF_LOOP_BYTES
+    assert call(fake, "POST", "/v1/completions", {"prompt": big}).status_code == 400
+    assert threads == [True, False]  # the small one on the loop (no thread hop), not the big
+
+
 def test_bad_json_a_non_object_and_a_wrong_model(fake) -> None:
     r = call(fake, "POST", "/v1/completions", raw=b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
@@ -325,6 +368,25 @@ def test_chat_template_kwargs_reach_the_template_and_a_bad_value_is_a_400(fake) 
     r = call(fake, "POST", "/v1/completions", {"prompt": "a", "chat_template_kwargs": {}})
     assert r.status_code == 400 and "'chat_template_kwargs' is unsupported" in r.text
     assert len(fake.submitted) == 2
+
+
+def test_a_chat_answer_without_max_tokens_stays_within_a_kv_cache_smaller_than_the_context() -> (
+    None
+):
+    # The OpenAI SDK sends no max_tokens: the default was the whole context left, which a
+    # smaller cache refused as "needs up to 4095 KV slots" for every such request.
+    text = TokenizerCodec(build_tokenizer(), ChatTemplate("{{ messages[0]['content'] }}"))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    ids = parse(body, "chat", text, 4096).prompts[0]
+    assert parse(body, "chat", text, 4096).sampling["max_new_tokens"] == 4096 - len(ids)
+    small = parse(body, "chat", text, 4096, max_len=257)  # a cache of 256 slots
+    assert small.sampling["max_new_tokens"] == 257 - len(ids)  # needs exactly the 256 slots
+    given = parse(body | {"max_tokens": 300}, "chat", text, 4096, max_len=257)
+    assert given.sampling["max_new_tokens"] == 300  # the client's own choice is refused later
+    for endpoint, field in (("chat", "max_completion_tokens"), ("completion", "max_tokens")):
+        error = engine_error(kv_refusal(2, 300, 4096, 256), endpoint)
+        assert error.param == field, endpoint
+        assert f"lower {field}, or raise kv_cache_tokens" in error.message
 
 
 def test_a_reserved_template_variable_is_a_400_on_chat_template_kwargs() -> None:

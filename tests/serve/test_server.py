@@ -292,20 +292,20 @@ def test_a_disconnect_mid_stream_aborts_and_frees_the_slots(served) -> None:
     body = {"prompt": "long", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     steps: list[int] = []
     if served.runner == "thread":
-        real = served.engine.abort_request
+        real = served.engine.abort_requests
 
-        def abort(rid: int, reason: str = "aborted") -> None:  # when the server gives up on it
-            steps.append(served.engine.stats().steps)
-            real(rid, reason)
+        def abort(rids, reason: str = "aborted") -> None:  # type: ignore[no-untyped-def]
+            steps.append(served.engine.stats().steps)  # when the server gives up on it
+            real(rids, reason)
 
-        served.engine.abort_request = abort  # type: ignore[method-assign]
+        served.engine.abort_requests = abort  # type: ignore[method-assign]
     try:
         abandon_stream(served.url, body, chunks=3)
         # Closed after three chunks of 1000: the request is aborted, its slots come back
         # (its prompt's stay in the prefix cache, evictable).
         wait_until(lambda: reclaimable(served.stats()) == reclaimable(baseline))
     finally:
-        served.engine.__dict__.pop("abort_request", None)
+        served.engine.__dict__.pop("abort_requests", None)
     after = served.stats()
     assert after.requests_running == 0 and after.requests_waiting == 0
     assert after.steps < baseline.steps + 50  # aborted long before its 1000 tokens
