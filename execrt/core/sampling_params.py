@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numbers
 import operator
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -129,15 +128,19 @@ class SamplingParams:
                 f"min_tokens {self.min_tokens!r} must be in 0..max_new_tokens "
                 f"({self.max_new_tokens})"
             )
-        # An int beyond the largest float is finite but cannot be sampled with (float() fails).
-        if not 0.0 <= self.temperature <= sys.float_info.max:
-            out.append(f"temperature {self.temperature!r} must be a finite number >= 0")
+        # The sampler holds both in fp32 and divides logits by them: past these bounds a
+        # temperature becomes inf (a masked logit then NaN) and a penalty sends a logit to inf.
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            out.append(
+                f"temperature {self.temperature!r} must be a finite number >= 0, at most "
+                f"{MAX_TEMPERATURE:g}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             out.append(f"top_p {self.top_p!r} must be in (0, 1]")
-        if not 0.0 < self.repetition_penalty <= sys.float_info.max:
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             out.append(
                 f"repetition_penalty {self.repetition_penalty!r} must be a finite number > 0 "
-                "(1 is off)"
+                f"(1 is off), in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -190,6 +193,11 @@ class SamplingParams:
         return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
 
 
+#: The largest temperature accepted: flat beyond it in fp32 for any logits a model gives.
+MAX_TEMPERATURE = 1e6
+#: ``repetition_penalty`` is accepted in [1 / this, this]: a logit divided or multiplied by
+#: it stays finite in fp32.
+MAX_REPETITION_PENALTY = 1e6
 #: ``response_format`` values: plain text, one JSON object (JSON mode), one matching a schema
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 #: ``reasoning`` values: none, or how a reasoning model's answer reasons before its format

@@ -43,12 +43,24 @@ class Driver:
             self._driver = threading.get_ident()
         self._leave()
 
+    def refuse_reentry(self, call: str) -> None:
+        """Raise if the calling thread is the driver: an ``on_output`` callback (run by the
+        thread that steps, between two steps) that would wait for a step waits for itself."""
+        if self._driver == threading.get_ident():
+            raise RuntimeError(
+                f"engine: {call} called from the thread that is stepping the engine (an "
+                "on_output callback), which would wait for itself; a callback may use "
+                "submit, abort_request(s), validate and stats, or hand the call to another "
+                "thread"
+            )
+
     def drive(self, done: Callable[[], bool], *, max_steps: int | None = None) -> int:
         """Step until ``done()`` (checked before every step, without the scheduler lock) or
         ``max_steps`` steps ran; returns the steps this thread ran. While another thread
         drives, wait for it: its steps advance every queued request, ours too. A step that
         raises aborts the requests it carried (see ``Scheduler.step``) and propagates."""
         me = threading.get_ident()
+        self.refuse_reentry("a call that steps or waits for a step")
         with self._cond:
             while self._driver is not None and not done():
                 self._cond.wait()

@@ -244,6 +244,7 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("engine: generate() after close()")
+        self._driver.refuse_reentry("generate()")
         batch, single = split_prompts(prompts)
         params = broadcast_sampling_params(sampling_params, len(batch))
         checked = [self._validate(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
@@ -378,6 +379,7 @@ class Engine:
                     continue
                 if req.finished:
                     break
+                self._driver.refuse_reentry("iterating a stream()")  # not a step's failure
                 try:
                     self._driver.drive(lambda: bool(pieces) or req.finished, max_steps=1)
                 except Exception as exc:
@@ -492,6 +494,7 @@ class Engine:
         whether this call ran one."""
         if self._closed:
             raise RuntimeError("engine: step() after close()")
+        self._driver.refuse_reentry("step()")
         return self._driver.drive(lambda: not self._driver.has_work, max_steps=1) > 0
 
     @property
@@ -531,6 +534,7 @@ class Engine:
         cached: with nothing running, every slot is free afterwards."""
         if self._closed:
             raise RuntimeError("engine: flush_cache() after close()")
+        self._driver.refuse_reentry("flush_cache()")
         freed: list[int] = []
         self._driver.call(lambda: freed.append(self.worker.memory.flush_cache()))
         self._driver.drive(lambda: bool(freed), max_steps=0)  # while another thread drives
@@ -599,6 +603,7 @@ class Engine:
         """Release the model, KV cache and backends. Returns what was left open (ideally [])."""
         if self._closed:
             return []
+        self._driver.refuse_reentry("close()")  # would free the cache under the step
         self._closed = True
         try:
             self.worker.close()

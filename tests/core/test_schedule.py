@@ -36,6 +36,12 @@ CPU = torch.device("cpu")
         ({"temperature": -0.5}, "temperature -0.5 must be a finite number >= 0"),
         ({"temperature": float("nan")}, "temperature nan must be a finite number >= 0"),
         ({"temperature": float("inf")}, "temperature inf must be a finite number >= 0"),
+        # inf in the sampler's fp32 (a masked logit then NaN, the draw token 0)
+        ({"temperature": 1e39}, "temperature 1e+39 must be a finite number >= 0, at most 1e+06"),
+        ({"temperature": 1e6 * 1.01}, "temperature 1010000.0 must be a finite number >= 0"),
+        # 0 in fp32, which sent every seen token's positive logit to inf
+        ({"repetition_penalty": 1e-45}, "repetition_penalty 1e-45 must be a finite number > 0"),
+        ({"repetition_penalty": 1e7}, "repetition_penalty 10000000.0 must be a finite number"),
         ({"top_p": 0}, "top_p 0 must be in (0, 1]"),
         ({"seed": 2**63}, f"seed {2**63} must be in [0, 2**63)"),
     ],
@@ -57,6 +63,8 @@ def test_good_values_of_every_accepted_type() -> None:
         SamplingParams(max_new_tokens=1, temperature=0, top_k=5, top_p=1, seed=0),
         SamplingParams(temperature=0.7, top_p=0.5, seed=2**63 - 1, stop_token_ids=(1, 2)),
         SamplingParams(stop_token_ids=[4, 5], ignore_eos=True),
+        SamplingParams(temperature=1e6, repetition_penalty=1e-6),  # the bounds themselves
+        SamplingParams(temperature=1e6, repetition_penalty=1e6),
     ):
         assert sp.problems() == []
 

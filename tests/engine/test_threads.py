@@ -194,6 +194,40 @@ def test_a_callback_that_raises_harms_nobody(engine) -> None:
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("call", ["generate", "step", "flush_cache", "close", "stream"])
+def test_a_callback_that_calls_back_into_a_step_is_refused_not_hung(engine, call) -> None:
+    """A callback runs on the thread that steps: a call that waits for a step would wait for
+    itself (it hung the engine for good, and every later caller with it)."""
+    seen: list[BaseException] = []
+
+    def reenter(out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        try:
+            if call == "stream":
+                "".join(engine.stream("inner", GREEDY))
+            else:
+                getattr(engine, call)(*(["inner", GREEDY] if call == "generate" else []))
+        except RuntimeError as exc:
+            seen.append(exc)
+
+    engine.submit("outer", GREEDY, on_output=reenter)
+    engine.submit("longer", replace(GREEDY, max_new_tokens=6))  # still running meanwhile
+    done = threading.Event()
+
+    def drive() -> None:
+        while engine.step():
+            pass
+        done.set()
+
+    threading.Thread(target=drive, daemon=True).start()
+    assert done.wait(timeout=60), f"{call} from a callback hung the engine"
+    assert len(seen) == 1 and "from the thread that is stepping the engine" in str(seen[0])
+    assert not engine._closed  # close() was refused too, before it freed anything
+    assert len(engine.generate("after", GREEDY).token_ids) == GREEDY.max_new_tokens
+    assert_all_free(engine)
+
+
 def test_wait_for_work_blocks_until_a_request_is_queued(engine) -> None:
     assert engine.wait_for_work(timeout=0.01) is False
     woke: list[bool] = []

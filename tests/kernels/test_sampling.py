@@ -202,7 +202,8 @@ def test_masked_logits_draw_the_same_tokens_as_the_sampler() -> None:
     keep = torch.rand(b, vocab, generator=gen) < 0.05
     keep[:, 0] = True
     logits[4:] = torch.where(keep[4:], logits[4:], torch.full_like(logits[4:], -math.inf))
-    temps = [0.0, 0.7, 1.0, 1.5] * 3
+    # 1e6: SamplingParams' largest temperature, flat in fp32 yet never NaN on a masked logit
+    temps = [0.0, 0.7, 1.0, 1.5, 1.0, 1e6] * 2
     top_ks = [-1, 5, -1, 40] * 3
     top_ps = [1.0, 0.9, 0.5, 1.0] * 3
     seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
