@@ -39,7 +39,7 @@ from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
-from execrt.engine.structured import JsonConstraint, JsonIndex, Reasoning
+from execrt.engine.structured import THINK_TAGS, JsonConstraint, JsonIndex, Reasoning
 from execrt.kernels._triton import check_kernel_switches
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes
@@ -173,11 +173,9 @@ class Engine:
         """The constraint of ``req``'s ``response_format`` (``json_object`` or ``json_schema``;
         ``text`` has none). The vocabulary's index is built at the first one."""
         params = req.sampling_params
-        if self.tokenizer is None:
-            raise ValueError(
-                f"response_format {params.response_format!r} needs the model's tokenizer.json "
-                "(this model has none)"
-            )
+        problem = self.limits.format_problem(params)
+        if problem is not None:
+            raise ValueError(problem)
         if self._json_index is None:
             self._json_index = JsonIndex(token_bytes(self.tokenizer), self.model_config.vocab_size)
         grammar = JSON_OBJECT if params.response_format == "json_object" else None
@@ -189,16 +187,20 @@ class Engine:
         )
 
     def _reasoning(self, parser: str) -> Reasoning | None:
-        """``reasoning``'s markers as tokens (they must be single tokens of the vocabulary)."""
+        """``reasoning``'s markers as tokens (``limits.format_problem`` checked they are
+        single tokens of the vocabulary)."""
         if not parser:
             return None
-        ids = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
-        if None in ids or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(
-                f"reasoning {parser!r} with a response_format needs <think> and </think> as "
-                "single tokens of the model's vocabulary (this tokenizer has no such tokens)"
-            )
-        return Reasoning(ids[0], ids[1], inside_first=parser == "deepseek_r1")
+        start, end = self._think_ids()
+        assert start is not None and end is not None
+        return Reasoning(start, end, inside_first=parser == "deepseek_r1")
+
+    def _think_ids(self) -> tuple[int | None, int | None]:
+        """``<think>`` and ``</think>`` as single tokens of the vocabulary (None where not)."""
+        vocab = self.model_config.vocab_size
+        ids = [self.tokenizer.token_to_id(t) if self.tokenizer else None for t in THINK_TAGS]
+        start, end = (i if i is not None and i < vocab else None for i in ids)
+        return start, end
 
     def _join_world(self, device: torch.device) -> RuntimeContext:
         """The context over the torchrun world (one process: a world of 1). A process group
@@ -521,11 +523,16 @@ class Engine:
                 f"prompt_logprobs: the model ({type(model).__name__}) does not compute the "
                 "logits of prompt rows (ForwardBatch.logit_rows)"
             )
+        no_format = None
+        if self.tokenizer is None:
+            no_format = "needs the model's tokenizer.json (this model has none)"
         return RequestLimits(
             vocab_size=self.model_config.vocab_size,
             context_len=self.worker.limits.context_len,
             kv_slots_total=kv_slot_counts(self.scheduler)[0],
             no_prompt_logits=no_prompt_logits,
+            no_response_format=no_format,
+            think_tokens=None not in self._think_ids(),
         )
 
     def flush_cache(self) -> int:

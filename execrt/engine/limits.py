@@ -52,6 +52,11 @@ class RequestLimits:
     kv_slots_total: int
     #: None when the model scores prompt rows (prompt log-probabilities), else why not
     no_prompt_logits: str | None = None
+    #: None when a response_format can be followed (a tokenizer), else why not
+    no_response_format: str | None = None
+    #: <think> and </think> are single tokens of the vocabulary (``reasoning`` needs them
+    #: under a response_format)
+    think_tokens: bool = True
 
     def params_problems(self, sp: SamplingParams) -> list[str]:
         """What valid params ask that this model cannot give: a ``logit_bias`` token outside
@@ -62,12 +67,29 @@ class RequestLimits:
             problems.append(
                 f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"
             )
+        if (problem := self.format_problem(sp)) is not None:
+            problems.append(problem)
+        return problems
+
+    def format_problem(self, sp: SamplingParams) -> str | None:
+        """Why this model cannot follow ``sp``'s ``response_format`` (with its ``reasoning``),
+        or None: checked before a request is queued, and again when its constraint is built."""
+        if sp.response_format == "text":
+            return None
+        if self.no_response_format is not None:
+            return f"response_format {sp.response_format!r} {self.no_response_format}"
+        if sp.reasoning and not self.think_tokens:
+            return (
+                f"response_format {sp.response_format!r} with reasoning {sp.reasoning!r} needs "
+                "<think> and </think> as single tokens of the model's vocabulary (this "
+                "tokenizer has no such tokens)"
+            )
         if sp.response_format == "json_schema":
             try:
                 schema_grammar(sp.json_schema)
             except ValueError as exc:
-                problems.append(f"response_format {exc}")
-        return problems
+                return f"response_format {exc}"
+        return None
 
     def logprob_problems(self, top_logprobs: object, prompt_logprobs: object) -> list[str]:
         """What is wrong with a request's ``top_logprobs`` / ``prompt_logprobs`` (None: not

@@ -13,10 +13,11 @@ until it is known whether it does.
 
 from __future__ import annotations
 
+from execrt.engine.structured import THINK_TAGS
 from execrt.serve.text import tag_overlap
 
 PARSERS = ("none", "qwen3", "deepseek_r1")
-START, END = "<think>", "</think>"
+START, END = THINK_TAGS
 
 
 def check_parser(parser: str, accepted: tuple[str, ...] = PARSERS) -> None:

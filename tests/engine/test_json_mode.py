@@ -225,5 +225,8 @@ def test_a_reasoning_answer_writes_its_object_after_its_reasoning(
         objects += ended and isinstance(json.loads(text), dict)
     assert objects >= 2 and reasoned >= 1
     with Engine(device="cpu") as plain:  # the built-in vocabulary has no <think>
+        refused = plain.validate(PROMPTS[0], _params(0, reasoning="qwen3"))
         (r,) = plain.generate([PROMPTS[0]], [_params(0, reasoning="qwen3")])
-    assert "needs <think> and </think> as single tokens" in (r.error or "")
+    # Refused up front, as every request a model cannot serve (it was queued, then aborted)
+    assert refused is not None and "needs <think> and </think> as single tokens" in refused
+    assert (r.finish_reason, r.error) == ("error", refused)

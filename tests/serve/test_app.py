@@ -220,6 +220,20 @@ def test_an_engine_refusal_names_the_request_field_not_the_engine_keyword(endpoi
     assert engine_error("prompt_logprobs: the model (M) does not", endpoint).param == "echo"
 
 
+def test_a_format_the_model_cannot_follow_is_a_400_naming_response_format() -> None:
+    """It was found only once queued: HTTP 500 (the request aborted), not a refusal."""
+    from execrt.core.sampling_params import SamplingParams
+    from execrt.engine.limits import RequestLimits
+
+    fmt = SamplingParams(response_format="json_object", reasoning="qwen3")
+    no_think = RequestLimits(vocab_size=10, context_len=10, kv_slots_total=10, think_tokens=False)
+    no_tokenizer = RequestLimits(10, 10, 10, no_response_format="needs the model's tokenizer")
+    for limits in (no_think, no_tokenizer):
+        (problem,) = limits.params_problems(fmt)
+        assert engine_error(problem, "chat").param == "response_format"
+    assert RequestLimits(10, 10, 10).params_problems(fmt) == []
+
+
 def test_an_error_quoting_a_huge_value_stays_small(fake) -> None:
     # 100,000 stop strings were quoted whole: a 989 KB error body.
     stops = [f"s{i}" for i in range(100_000)]
