@@ -16,8 +16,8 @@ calls once the choice ends.
 A forced call (``tool_choice`` ``required``, or a named function) is one call written under a
 JSON Schema (structured outputs): ``{"name": <one of the names>, "arguments" | "parameters":
 <that function's parameters>}`` (each function's own schema, told apart by the name written
-first; any object for the arguments when a schema is outside the subset
-``engine.json_grammar`` compiles); in the
+first; any object for the arguments of a function whose schema is outside the subset
+``engine.json_grammar`` compiles, while the others keep theirs); in the
 ``hermes`` format the prompt ends with the template's ``<tool_call>`` opening, so the model
 writes the object right away.
 """
@@ -68,16 +68,18 @@ class ToolPlan:
             }
 
         functions = {t["function"]["name"]: t["function"] for t in self.tools}
-        exact = [
-            call([name], functions[name].get("parameters") or {"type": "object"})
-            for name in self.forced
-        ]
-        schema = exact[0] if len(exact) == 1 else {"anyOf": exact}
-        try:
-            compile_schema(schema)
-            return schema
-        except ValueError:  # a function's parameters outside the subset: any object
-            return call(list(self.forced), {"type": "object"})
+        exact: list[dict[str, Any]] = []
+        loose: list[str] = []  # the functions whose parameters are outside the subset
+        for name in self.forced:
+            branch = call([name], functions[name].get("parameters") or {"type": "object"})
+            try:
+                compile_schema(branch)
+                exact.append(branch)
+            except ValueError:  # any object for their arguments
+                loose.append(name)
+        if loose:  # one branch for them all, after the others'
+            exact.append(call(loose, {"type": "object"}))
+        return exact[0] if len(exact) == 1 else {"anyOf": exact}
 
 
 def parse_tools(fields: Mapping[str, Any], template: Callable[[], str | None]) -> ToolPlan | None:

@@ -3,6 +3,7 @@ to the template, earlier calls and results in the conversation, and what is refu
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from typing import Any
@@ -136,6 +137,25 @@ ODD = {  # parameters outside the structured-output subset
     "type": "function",
     "function": {"name": "odd", "parameters": {"type": "object", "minProperties": 1}},
 }
+ODD2 = {  # a keyword outside the subset deeper in
+    "type": "function",
+    "function": {
+        "name": "odd2",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "format": "tz"}}},
+    },
+}
+STRICT = {  # only a city: no other key
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def test_a_forced_call_s_schema() -> None:
@@ -166,9 +186,41 @@ def test_a_forced_call_s_schema() -> None:
     odd = {"tools": [ODD], "tool_choice": {"type": "function", "function": {"name": "odd"}}}
     plan = parse_tools(odd, lambda: tags)
     assert plan is not None and plan.call_schema()["properties"]["arguments"] == {"type": "object"}
-    plan = parse_tools({"tools": [*TOOLS, ODD], "tool_choice": "required"}, lambda: tags)
-    assert plan is not None  # one function outside the subset: the names, any arguments
-    assert plan.call_schema()["properties"]["name"] == {"enum": ["get_weather", "odd"]}
+    plan = parse_tools({"tools": [ODD, ODD2], "tool_choice": "required"}, lambda: tags)
+    assert plan is not None  # every function outside the subset: the names, any arguments
+    assert plan.call_schema() == {
+        "type": "object",
+        "properties": {"name": {"enum": ["odd", "odd2"]}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def test_a_function_outside_the_subset_leaves_the_others_their_schemas() -> None:
+    from execrt.engine.json_grammar import compile_schema
+
+    tags = "{{ tools }} <tool_call>"
+    plan = parse_tools({"tools": [ODD, STRICT, ODD2], "tool_choice": "required"}, lambda: tags)
+    assert plan is not None
+    schema = plan.call_schema()  # the strict function's own branch; one any-object branch
+    branches = schema["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [
+        {"enum": ["get_weather"]}, {"enum": ["odd", "odd2"]}
+    ]  # fmt: skip
+    assert branches[0]["properties"]["arguments"] == STRICT["function"]["parameters"]
+    assert branches[1]["properties"]["arguments"] == {"type": "object"}
+    grammar = compile_schema(schema)
+    walk = functools.partial(grammar.walk, grammar.start)
+    assert grammar.complete(walk(b'{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    assert walk(b'{"name": "get_weather", "arguments": {"city": "Oslo", "') is None
+    assert walk(b'{"name": "get_weather", "arguments": {"type"') is None
+    assert grammar.complete(walk(b'{"name": "odd", "arguments": {"type": "object"}}'))
+    assert grammar.complete(walk(b'{"name": "odd2", "arguments": {}}'))
+    assert walk(b'{"name": "get_time"') is None
+    named = {"type": "function", "function": {"name": "get_weather"}}  # json format
+    plan = parse_tools({"tools": [STRICT, ODD], "tool_choice": named}, lambda: "{{ tools }}")
+    assert plan is not None
+    assert plan.call_schema()["properties"]["parameters"] == STRICT["function"]["parameters"]
 
 
 def test_a_forced_call_is_written_under_its_schema_and_answered_as_a_call(script) -> None:  # type: ignore[no-untyped-def]
@@ -202,6 +254,29 @@ def test_a_forced_call_is_written_under_its_schema_and_answered_as_a_call(script
         script, "POST", "/v1/chat/completions", both | {"response_format": {"type": "json_object"}}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_a_forced_call_keeps_a_function_s_schema_next_to_one_outside_the_subset(script) -> None:  # type: ignore[no-untyped-def]
+    from execrt.engine.json_grammar import schema_grammar
+
+    script.script = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    body = {"messages": USER, "tools": [STRICT, ODD2], "tool_choice": "required"}
+    r = call(script, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (tool_call,) = choice["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo"}
+    sampling = script.submitted[-1].sampling
+    assert sampling["response_format"] == "json_schema"
+    grammar = schema_grammar(sampling["json_schema"])  # what the engine writes the call under
+    walk = functools.partial(grammar.walk, grammar.start)
+    assert grammar.complete(walk(script.script.encode()))
+    # get_weather's additionalProperties false holds; odd2's arguments are any object
+    assert walk(b'{"name": "get_weather", "arguments": {"type": "object"') is None
+    assert walk(b'{"name": "get_weather", "arguments": {"city": "Oslo", "unit"') is None
+    assert grammar.complete(walk(b'{"name": "odd2", "arguments": {"tz": 1, "x": [true]}}'))
 
 
 # -- through the app ------------------------------------------------------------------------------
