@@ -338,7 +338,9 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", list
 
 
 def _rope_dict(r: _Reader) -> dict[str, Any]:
-    rope = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
+    # A legacy rope_scaling wins over rope_parameters, as transformers reads them (its
+    # convert_rope_params_to_dict; before rope_parameters existed it was the only one).
+    rope = r.cfg.get("rope_scaling") or r.cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ModelLoadError(f"{r.source}: field 'rope_scaling' must be an object, got {rope!r}")
     return rope

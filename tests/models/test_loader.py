@@ -279,6 +279,11 @@ def test_unsupported_config_features_are_refused() -> None:
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}
         },
         "rope_type 'dynamic' unsupported": {"rope_parameters": {"rope_type": "dynamic"}},
+        # beside default rope_parameters, a legacy rope_scaling is what transformers reads
+        "rope_type 'dynamic'": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+        },
         "sliding_window 4096, from layer 0 (max_window_layers)": {
             "use_sliding_window": True,
             "sliding_window": 4096,
