@@ -253,6 +253,18 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
 
 
 def _wrong_type(name: str, value: object, accepted: str) -> str:
+    if name == "logit_bias" and isinstance(value, tuple) and value:
+        # Stored as pairs whatever was given: name the first wrong entry, as it was written.
+        bad = next((p for p in value if not (isinstance(p, tuple) and len(p) == 2)), None) or next(
+            p for p in value if not (_is_int(p[0]) and _is_number(p[1]))
+        )
+        if isinstance(bad, tuple) and len(bad) == 2:
+            what = "token id" if not _is_int(bad[0]) else "bias"
+            got = bad[0] if what == "token id" else bad[1]
+            return (
+                f"logit_bias entry {bad[0]!r}: {bad[1]!r} has a {what} of type "
+                f"{type(got).__name__} (accepted: {accepted})"
+            )
     if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
         # An integer past 64 bits, which a JSON reader (orjson) hands over as a float.
         return f"{name} {value:.4g} is out of range (accepted: {accepted} within 64 bits)"

@@ -43,6 +43,9 @@ CPU = torch.device("cpu")
         ({"repetition_penalty": 1e-45}, "repetition_penalty 1e-45 must be a finite number > 0"),
         ({"repetition_penalty": 1e7}, "repetition_penalty 10000000.0 must be a finite number"),
         ({"top_p": 0}, "top_p 0 must be in (0, 1]"),
+        # the entry as written, not the pairs it is stored as
+        ({"logit_bias": {"7": 1.0}}, "logit_bias entry '7': 1.0 has a token id of type str"),
+        ({"logit_bias": {7: "up"}}, "logit_bias entry 7: 'up' has a bias of type str"),
         ({"seed": 2**63}, f"seed {2**63} must be in [0, 2**63)"),
     ],
 )
