@@ -202,6 +202,8 @@ MAX_REPETITION_PENALTY = 1e6
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 #: ``reasoning`` values: none, or how a reasoning model's answer reasons before its format
 REASONING = ("", "qwen3", "deepseek_r1")
+#: the markers around a reasoning model's reasoning (Qwen3's, DeepSeek-R1's)
+THINK_TAGS = ("<think>", "</think>")
 
 
 def _is_int(value: object) -> bool:

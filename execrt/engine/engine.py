@@ -29,6 +29,7 @@ from execrt.core.prompts import (
     split_prompts,
     text_problem,
 )
+from execrt.core.sampling_params import THINK_TAGS
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.selection import ResolutionReport
 from execrt.engine.client import EngineStats, RequestOutput, chat_stop_ids
@@ -39,7 +40,7 @@ from execrt.engine.logprobs import LogprobWorker
 from execrt.engine.requests import RequestTable
 from execrt.engine.scheduler import Scheduler, describe_exception
 from execrt.engine.stats import cached_prompt_tokens, engine_stats, kv_slot_counts
-from execrt.engine.structured import THINK_TAGS, JsonConstraint, JsonIndex, Reasoning
+from execrt.engine.structured import JsonConstraint, JsonIndex, Reasoning
 from execrt.kernels._triton import check_kernel_switches
 from execrt.models import CheckpointLoader
 from execrt.models.tokenizer import token_bytes

@@ -143,10 +143,6 @@ class JsonIndex:
         return out
 
 
-#: A reasoning model's markers around its reasoning (Qwen3's, DeepSeek-R1's)
-THINK_TAGS = ("<think>", "</think>")
-
-
 @dataclass(frozen=True)
 class Reasoning:
     """A reasoning model's answer before its object (``--reasoning-parser``): free text from

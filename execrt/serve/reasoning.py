@@ -13,7 +13,7 @@ until it is known whether it does.
 
 from __future__ import annotations
 
-from execrt.engine.structured import THINK_TAGS
+from execrt.core.sampling_params import THINK_TAGS
 from execrt.serve.text import tag_overlap
 
 PARSERS = ("none", "qwen3", "deepseek_r1")
