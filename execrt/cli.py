@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the model choice and backend resolution (default: off)",
     )
     bench = sub.add_parser("bench", help="run a benchmark on the GPU")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    # Not required: `execrt bench` alone names the benchmarks (argparse would say only that
+    # an argument "bench" is required).
+    bench_sub = bench.add_subparsers(dest="bench", parser_class=_Parser)
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
     attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
@@ -230,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--all", action="store_true", help="clear every entry, not only stale ones (default: off)"
     )
     add_bench_serve_parser(bench_sub)
+    bench.set_defaults(benchmarks=list(bench_sub.choices))
     add_serve_parser(sub)
     conf = sub.add_parser("conformance", help="run the conformance suite of one backend")
     conf.add_argument("kind", choices=KINDS)
@@ -657,10 +660,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     from execrt.core import envs
     from execrt.core.preflight import format_bytes
+    from execrt.models import builtin
     from execrt.models.cache import cache_entries, clear_cache
     from execrt.models.gguf_file import CACHE_PREFIX
 
-    entries = cache_entries([CACHE_PREFIX])
+    if args.all and args.action != "clear":
+        raise ExecrtError(f"cache {args.action}: --all goes with clear (execrt cache clear --all)")
+    entries = cache_entries([CACHE_PREFIX], names=[builtin.NAME])
     if args.action == "clear":
         removed = clear_cache(entries, everything=args.all)
         for e in removed:
@@ -673,7 +679,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{format_bytes(e.bytes):>10}  {e.path}{f'  (stale: {e.stale})' if e.stale else ''}")
     stale = sum(e.bytes for e in entries if e.stale)
     total = format_bytes(sum(e.bytes for e in entries))
-    print(f"{len(entries)} entries, {total}; stale: {format_bytes(stale)} (execrt cache clear)")
+    count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+    print(f"{count}, {total}; stale: {format_bytes(stale)} (execrt cache clear)")
     return 0
 
 
@@ -810,14 +817,20 @@ class _OutputError(Exception):
     """Standard output refused a write (a full device, an I/O error)."""
 
 
+STDOUT_CLOSED = "standard output is closed"
+
+
 class _GuardedOutput:
-    """``sys.stdout`` while a command runs: a failed write becomes ``_OutputError``, reported
-    in one line; a closed pipe (BrokenPipeError) still stops quietly."""
+    """``sys.stdout`` while ``execrt`` runs (its help and version too): a failed write becomes
+    ``_OutputError``, reported in one line; a closed pipe (BrokenPipeError) still stops
+    quietly. ``stream`` None: file descriptor 1 was closed, and any write is an error."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
+        if self._stream is None:
+            raise _OutputError(STDOUT_CLOSED)
         try:
             return int(self._stream.write(text))
         except BrokenPipeError:
@@ -826,6 +839,8 @@ class _GuardedOutput:
             raise _OutputError(exc.strerror or str(exc)) from exc
 
     def flush(self) -> None:
+        if self._stream is None:
+            return
         try:
             self._stream.flush()
         except BrokenPipeError:
@@ -880,34 +895,24 @@ def _show_progress() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command is None:
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        parser.print_help()
-        return 0
-    if extra and args.command != "conformance":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.pytest_args = extra
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        _show_progress()  # imports torch: a Ctrl-C this early is as quiet as a later one
-    except KeyboardInterrupt:
-        return 128 + 2
-    if sys.stdout is None:  # started with file descriptor 1 closed (`execrt backends >&-`)
-        print("execrt: error: cannot write the output: standard output is closed", file=sys.stderr)
-        return 1
+    # Everything written to standard output goes through the guard, argparse's --help and
+    # --version and the bare `execrt` listing included: output that cannot be written is one
+    # line on stderr and status 1 (argparse itself would drop the error and exit 0).
     stdout, sys.stdout = sys.stdout, _GuardedOutput(sys.stdout)
     try:
-        status = COMMANDS[args.command](args)
+        try:
+            status = _run(argv, closed=stdout is None)
+        except SystemExit:  # --help, --version (and usage errors, which write to stderr)
+            sys.stdout.flush()
+            raise
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return status
     except _OutputError as exc:
         # `> /dev/full` and the like: one line, and nothing left to fail at exit.
         print(f"execrt: error: cannot write the output: {exc}", file=sys.stderr)
         sys.stdout = stdout
-        _discard_stdout()
+        if stdout is not None:
+            _discard_stdout()
         return 1
     except KeyboardInterrupt:
         # Ctrl-C: the engine has already aborted and freed the call's requests; stop quietly
@@ -916,6 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`execrt backends | head`): stop quietly like other Unix tools,
         # with the status of a process killed by SIGPIPE.
+        sys.stdout = stdout
         _discard_stdout()
         return 128 + 13
     except (ExecrtError, OSError) as exc:
@@ -932,6 +938,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         sys.stdout = stdout
+
+
+def _run(argv: Sequence[str] | None, *, closed: bool) -> int:
+    """Parse ``argv`` and run its command (``closed``: file descriptor 1 was closed)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help()
+        return 0
+    if args.command == "bench" and args.bench is None:
+        *others, last = args.benchmarks
+        parser.exit(2, f"execrt bench: error: name a benchmark ({', '.join(others)} or {last})\n")
+    if extra and args.command != "conformance":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _show_progress()  # imports torch: a Ctrl-C this early is as quiet as a later one
+    except KeyboardInterrupt:
+        return 128 + 2
+    if closed:  # started with file descriptor 1 closed (`execrt backends >&-`)
+        raise _OutputError(STDOUT_CLOSED)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

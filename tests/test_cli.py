@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,16 @@ def test_user_mistakes_print_one_line_and_exit_2(capsys) -> None:
     assert len(err) == 1 and "attention backend 'nope' unavailable: not registered" in err[0]
     assert main(["generate", "x", "--dtype", "float64"]) == 2
     assert "dtype 'float64' unsupported" in capsys.readouterr().err
+
+
+def test_bench_without_a_benchmark_names_them(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        main(["bench"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "execrt bench: error: name a benchmark (attention, moe, extend, decode, prefix, "
+        "throughput or serve)\n"
+    )
 
 
 def test_python_m_execrt_bad_flag_has_no_traceback() -> None:
@@ -321,12 +332,16 @@ def test_conformance_refuses_an_unwritable_report_path_before_running(
     monkeypatch.setattr(report, "ResultCollector", lambda: ran.append(1))  # the suite would start
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    for path in (not_a_dir / "r.json", tmp_path):
+    paths = [not_a_dir / "r.json", tmp_path, tmp_path / "new" / ("x" * 300 + ".json")]
+    if os.path.isdir("/proc/self"):  # a folder no file can be made in, writable by its mode
+        paths.append(Path("/proc/x.json"))
+    for path in paths:
         code = main(["conformance", "attention", "torch_native", "--json", str(path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and "cannot write the report" in err[0], err
         assert str(path) in err[0]
     assert ran == []
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the folder the check made is gone again
 
 
 def test_conformance_with_an_option_pytest_refuses_runs_nothing_and_exits_2(
@@ -365,9 +380,9 @@ def test_execrt_alone_lists_the_commands_and_version_says_the_version(capsys) ->
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_or_closed_stdout_is_one_line_not_a_traceback() -> None:
-    def run(**how: object) -> subprocess.CompletedProcess[str]:
+    def run(args: list[str] | None = None, **how: object) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "execrt", "backends"],
+            args or [sys.executable, "-m", "execrt", "backends"],
             stderr=subprocess.PIPE,
             text=True,
             cwd=os.getcwd(),
@@ -381,6 +396,36 @@ def test_a_full_or_closed_stdout_is_one_line_not_a_traceback() -> None:
     )
     proc = run(preexec_fn=lambda: os.close(1))  # started with file descriptor 1 closed
     assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: standard output is closed\n"
+    )
+    # argparse writes --version to stderr when sys.stdout is None, and exits 0.
+    proc = run(preexec_fn=lambda: os.close(1), args=[sys.executable, "-m", "execrt", "--version"])
+    assert proc.returncode == 1 and proc.stderr == (
+        "execrt: error: cannot write the output: standard output is closed\n"
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--version"], [], ["generate", "--help"], ["bench", "--help"]])
+def test_help_version_and_the_command_list_into_a_full_or_closed_stdout(
+    argv, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    # argparse drops a failed write of its help or version and exits 0, as `execrt` alone did.
+    def status() -> object:
+        try:
+            return main(argv)
+        except SystemExit as exc:
+            return exc.code
+
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert status() == 1
+    assert capsys.readouterr().err == (
+        "execrt: error: cannot write the output: No space left on device\n"
+    )
+    monkeypatch.setattr(sys, "stdout", None)
+    assert status() == 1
+    assert capsys.readouterr().err == (
         "execrt: error: cannot write the output: standard output is closed\n"
     )
 
@@ -410,8 +455,36 @@ def test_cache_lists_entries_and_clear_removes_the_stale_ones(
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"removed {stale} (2.") and out[0].endswith(f": {source} is gone)")
     assert out[-1].startswith("freed 2.") and not os.path.exists(stale) and os.path.isdir(kept)
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("1 entry, ")
+    assert main(["cache", "list", "--all"]) == 2  # --all clears everything: not a listing flag
+    assert capsys.readouterr().err == (
+        "execrt: error: cache list: --all goes with clear (execrt cache clear --all)\n"
+    )
     assert main(["cache", "clear", "--all"]) == 0
     assert not os.path.exists(kept)
+
+
+def test_cache_leaves_out_the_conformance_reports_and_other_folders(
+    tmp_path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    from execrt.inventory import conformance_report_path, last_conformance
+    from execrt.testing.report import write_report
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(cache))
+    report = {"summary": "3 passed", "passed": 3, "failed": 0}
+    write_report(report, conformance_report_path("attention", "torch_native"))
+    (cache / "mine").mkdir()  # a folder the cache code did not make
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "0 entries, 0 B; stale: 0 B (execrt cache clear)"
+    ]
+    assert main(["cache", "clear", "--all"]) == 0
+    assert capsys.readouterr().out == f"freed 0 B in {cache}\n"
+    assert sorted(os.listdir(cache)) == ["conformance", "mine"]
+    last = last_conformance("attention", "torch_native")
+    assert last is not None and last["summary"] == "3 passed"
 
 
 def test_progress_lines_of_long_operations_reach_stderr(capsys) -> None:

@@ -304,25 +304,56 @@ def build_report(
 
 
 def _check_writable(path: str) -> None:
-    """Raise ConfigError unless a report can be written at ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"conformance: cannot write the report {path!r}: {exc}") from exc
-    if os.path.isdir(path):
+    """Raise ConfigError unless a report can be written at ``path``: its missing folders are
+    made and the file opened for appending (never truncated: an existing report is kept), and
+    what this made is removed again, so the check leaves nothing behind, pass or fail."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
         raise ConfigError(f"conformance: cannot write the report {path!r}: is a directory")
-    if not os.access(folder, os.W_OK):
+    missing = []  # the folders to make, deepest first
+    folder = os.path.dirname(target)
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
         raise ConfigError(
-            f"conformance: cannot write the report {path!r}: {folder!r} is not writable"
+            f"conformance: cannot write the report {path!r}: {folder} is not a directory"
         )
+    existed = os.path.exists(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        why = _why(exc, target)
+        raise ConfigError(f"conformance: cannot write the report {path!r}: {why}") from exc
+    finally:
+        if not existed and os.path.exists(target):
+            os.remove(os.path.realpath(target))  # the file made (a dangling link's target)
+        for made in missing:
+            try:
+                os.rmdir(made)
+            except OSError:
+                pass  # never made, or another process put something in it since
+
+
+def _why(exc: OSError, path: str) -> str:
+    """``exc`` in words, with the file it was about when that is not ``path`` itself."""
+    why = exc.strerror or str(exc)
+    other = exc.filename and os.path.abspath(str(exc.filename)) != path
+    return f"{why} ({exc.filename})" if other else why
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2)
-        fh.write("\n")
+    """Write ``report`` as JSON to ``path``; ConfigError naming the file when that fails."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+    except OSError as exc:
+        why = _why(exc, os.path.abspath(path))
+        raise ConfigError(f"conformance: cannot write the report {path!r}: {why}") from exc
 
 
 def format_table(report: dict[str, Any], width: int = 60) -> str:

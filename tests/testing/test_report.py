@@ -215,3 +215,37 @@ def test_interrupted():
     with pytest.raises(KeyboardInterrupt):
         run_suite_source(source, kind="attention", name="x", json_path=str(out), out=io.StringIO())
     assert not out.exists()
+
+
+def test_the_report_path_check_keeps_a_report_and_leaves_no_folder_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check opens the file to append (it does not truncate) and removes what it made: a
+    # run that writes no report (nothing ran) leaves both paths as they were.
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    kept = tmp_path / "kept.json"
+    kept.write_text("an earlier report")
+    for path in (kept, tmp_path / "new" / "sub" / "r.json"):
+        code = run_conformance(
+            "attention", "torch_native", str(path), extra_pytest_args=("-k", "nomatch")
+        )
+        assert code == 3
+    assert kept.read_text() == "an earlier report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import execrt.testing.report as report
+
+    monkeypatch.setenv("EXECRT_CACHE_DIR", str(tmp_path / "cache"))
+    # Writable when checked, not when written (its folder replaced by a file meanwhile).
+    monkeypatch.setattr(report, "_check_writable", lambda path: None)
+    (tmp_path / "gone").write_text("")
+    path = tmp_path / "gone" / "r.json"
+    message = f"conformance: cannot write the report '{path}': "
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_conformance(
+            "attention", "torch_native", str(path), extra_pytest_args=("-k", "decode-single")
+        )
