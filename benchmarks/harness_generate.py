@@ -9,7 +9,8 @@ what a user of the public API gets, the way the published peers measure themselv
   ``randint(0, 10000)``, then 256 ``max_tokens`` of ``randint(100, 1024)``; ``ignore_eos``),
   one ``generate`` call timed by the wall clock after a short warm-up generate. Output tok/s
   is the output tokens over those seconds. Repeats flush the prefix cache first (the same
-  prompts would otherwise be served from it).
+  prompts would otherwise be served from it). A ``--max-input`` or ``--max-output`` below
+  100 (a smoke run) draws that length alone.
 - ``decode``: the decode step by difference: for each batch size, prompts of ``--ctx``
   random tokens generate 1 and then ``1 + --steps`` tokens (prefix cache flushed before each
   call, so both prefill the same prompts); the step is the difference over ``--steps``.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -91,13 +93,21 @@ def write_checkpoint(shape: str, where: Path, device: str) -> Path:
 def nano_vllm_workload(
     num_seqs: int, max_input: int, max_output: int, seed: int = 0
 ) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py draw: every prompt first, then every output length."""
+    """nano-vllm's bench.py draw: every prompt first, then every output length, each uniform
+    in [100, max] (the published recipe); a max below 100 (a smoke run) draws in [max, max]."""
     rng = random.Random(seed)
     prompts = [
-        [rng.randint(0, 10000) for _ in range(rng.randint(100, max_input))] for _ in range(num_seqs)
+        [rng.randint(0, 10000) for _ in range(rng.randint(min(100, max_input), max_input))]
+        for _ in range(num_seqs)
     ]
-    outputs = [rng.randint(100, max_output) for _ in range(num_seqs)]
+    outputs = [rng.randint(min(100, max_output), max_output) for _ in range(num_seqs)]
     return prompts, outputs
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (``timeout``, a job's end) unwinds as SystemExit, as Ctrl-C unwinds as
+    KeyboardInterrupt: the engine closes and the temporary checkpoint is removed."""
+    raise SystemExit(128 + signum)
 
 
 def sync(device: str) -> None:
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", help="write the records to this JSON file")
     args = ap.parse_args(argv)
+    for flag in ("num_seqs", "max_input", "max_output", "ctx", "steps", "repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     settings: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="execrt-harness-") as tmp:
         path = args.checkpoint or str(write_checkpoint(args.shape, Path(tmp), args.device))
         start = time.perf_counter()
@@ -253,4 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the temporary checkpoint is already removed
+        sys.exit(128 + signal.SIGINT)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from execrt.core.context import RuntimeContext
+from execrt.core.errors import ExecrtError
 from execrt.core.interfaces import (
     AttentionBackend,
     AttentionBackendInit,
@@ -125,6 +126,13 @@ def out_dir_problem(out_dir: str | None) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"--out {out_dir!r} is not writable ({existing})"
     return None
+
+
+def require_cuda_unless_cpu(bench: str, device: torch.device) -> None:
+    """Raise ExecrtError when ``device`` is CUDA and none is visible, pointing at the
+    ``--device cpu`` smoke run the benchmarks that take ``--device`` offer."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExecrtError(f"bench {bench}: needs a CUDA device (none is visible; --device cpu?)")
 
 
 def device_problem(device: str) -> str | None:

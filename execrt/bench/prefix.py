@@ -38,6 +38,7 @@ from execrt.bench.common import (
     failure_note,
     release_memory,
     report,
+    require_cuda_unless_cpu,
     utc_now,
     where_problems,
 )
@@ -183,8 +184,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 def run(opts: Options) -> list[Record]:
     """Run every workload under every cache setting; print a table; save JSON to ``out_dir``."""
     device = torch.device(opts.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ExecrtError("bench prefix: needs a CUDA device (none is visible)")
+    require_cuda_unless_cpu("prefix", device)
     config = model_config(opts.model, opts.layers, opts.config)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     date, layers = utc_now(), int(config["num_hidden_layers"])

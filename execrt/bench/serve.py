@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from execrt.bench.common import save_records, utc_now, where_problems
+from execrt.bench.common import require_cuda_unless_cpu, save_records, utc_now, where_problems
 from execrt.bench.http_load import Request, Run, drive_http
 from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
 from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
@@ -55,6 +55,8 @@ CONTEXT_MARGIN = 8
 STREAMS_PER_CLIENT_PROC = 16
 #: Cores left to the server, its engine and this process when load processes are counted.
 RESERVED_CORES = 4
+#: Why ``--plot`` cannot draw without the ``plot`` extra.
+PLOT_NEEDS = "--plot needs matplotlib (pip install 'execrt[plot]')"
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Options:
             if value is not None and value < 1:
                 problems.append(f"{name} {value} must be >= 1")
         problems += where_problems(self.device, self.out_dir)
+        if self.plot and not plot_available():  # checked before a run, as the --out folder
+            problems.append(PLOT_NEEDS)
         if problems:
             raise ExecrtError("bench serve: " + "; ".join(problems))
 
@@ -342,8 +346,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run(opts: Options) -> list[Record]:
     """Every run of ``opts`` through HTTP, then through the Engine; print, save, plot."""
     device = torch.device(opts.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ExecrtError("bench serve: needs a CUDA device (none is visible; --device cpu?)")
+    require_cuda_unless_cpu("serve", device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     vocab = int(opts.model_shape()["vocab_size"])
     runs = plan_runs(opts, vocab)
@@ -469,6 +472,15 @@ def format_table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def plot_available() -> bool:
+    """Whether matplotlib, which ``--plot`` draws with, can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(records: Sequence[Record], path: str) -> str:
     """TTFT and ITL p50/p99 against request rate; output throughput against concurrency."""
     try:
@@ -477,9 +489,7 @@ def plot(records: Sequence[Record], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ExecrtError(
-            "bench serve: --plot needs matplotlib (pip install 'execrt[plot]')"
-        ) from None
+        raise ExecrtError(f"bench serve: {PLOT_NEEDS}") from None
     rated = sorted((r for r in records if r.request_rate), key=lambda r: r.request_rate or 0)
     closed = sorted((r for r in records if not r.request_rate), key=lambda r: r.concurrency or 0)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

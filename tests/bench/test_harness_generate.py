@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,15 @@ def test_its_draw_is_the_published_workload() -> None:
     assert sum(outputs) == 133_966  # the output tokens nano-vllm and mini-sglang report
     assert sum(map(len, prompts)) == 142_827
     assert all(100 <= len(p) <= 1024 and max(p) <= 10000 for p in prompts)
+
+
+def test_lengths_below_the_published_minimum_are_drawn_as_that_length() -> None:
+    # The docstring's smoke run, --max-input 40 --max-output 8, raised "empty range for
+    # randrange() (100, 41, -59)": lengths are uniform in [min(100, max), max].
+    prompts, outputs = load_harness().nano_vllm_workload(4, 40, 8)
+    assert [len(p) for p in prompts] == [40] * 4 and outputs == [8] * 4
+    prompts, outputs = load_harness().nano_vllm_workload(50, 150, 100)
+    assert all(100 <= len(p) <= 150 for p in prompts) and outputs == [100] * 50
 
 
 def run(tmp_path: Path, *args: str) -> list[dict]:
@@ -65,3 +76,38 @@ def test_decode_by_difference_per_batch_size(tmp_path: Path) -> None:
     assert [(r["bs"], r["ctx"], r["steps"]) for r in rows] == [(1, 12, 3), (3, 12, 3)]
     for r in rows:
         assert r["ms_per_step"] == pytest.approx((r["generate_n_s"] - r["generate_1_s"]) / 3 * 1e3)
+
+
+def test_the_docstrings_smoke_run_runs(tmp_path: Path) -> None:
+    rows = run(tmp_path, "throughput", "--num-seqs", "4", "--max-input", "40", "--max-output", "8")
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(160, 32)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_removes_the_temporary_checkpoint(tmp_path: Path, sig: int) -> None:
+    # `timeout` (SIGTERM) or Ctrl-C mid-run left the written checkpoint in /tmp (1.2 GB for
+    # the real shape).
+    pytest.importorskip("transformers", reason="the harness writes its checkpoint with it")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "throughput", "--shape", "tiny", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=os.environ | {"TMPDIR": str(tmp_path)},
+        # A shell's background job ignores SIGINT, and the child would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the default workload runs long after this line
+            if line.startswith("engine ready"):
+                break
+        assert [p.name for p in tmp_path.glob("execrt-harness-*")], "no checkpoint written"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert list(tmp_path.glob("execrt-harness-*")) == []

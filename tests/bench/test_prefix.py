@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from execrt.bench import prefix
 from execrt.cli import BENCH_PREFIX_FLAGS, main
@@ -84,6 +85,14 @@ def test_the_cli_runs_the_benchmark_with_its_flags(monkeypatch, tmp_path) -> Non
     assert (opts.groups, opts.per_group, opts.layers) == (2, 3, 1)
     assert opts.caches == ("on", "off") and opts.workloads == ("chat",)
     assert opts.model == "qwen3-8b" and opts.output_len == 256 and opts.out_dir == str(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_without_cuda_points_at_the_cpu_smoke_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "prefix"]) == 2
+    assert capsys.readouterr().err == (
+        "execrt: error: bench prefix: needs a CUDA device (none is visible; --device cpu?)\n"
+    )
 
 
 def test_the_defaults_the_cli_help_names_are_the_options_defaults() -> None:

@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import re
+import sys
 
 import pytest
+import torch
 
 from execrt.bench import http_load, load, serve
 from execrt.core.errors import ExecrtError
@@ -122,6 +124,32 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path
     with pytest.raises(ExecrtError, match="--out .* cannot be made: .*a-file is not a directory"):
         serve.Options(config=TINY, out_dir=str(tmp_path / "a-file" / "sub"))
     assert serve.Options(config=TINY, out_dir=str(tmp_path / "new" / "sub")).out_dir
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from execrt.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    monkeypatch.setattr(serve, "run", lambda opts: pytest.fail("the benchmark ran"))
+    with pytest.raises(ExecrtError, match=re.escape(serve.PLOT_NEEDS)):
+        serve.Options(config=TINY, plot=True)
+    assert serve.Options(config=TINY).plot is False  # without --plot it is not needed
+    argv = ["bench", "serve", "--device", "cpu", "--plot", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "execrt: error: bench serve: --plot needs matplotlib (pip install 'execrt[plot]')\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_without_cuda_points_at_the_cpu_smoke_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    from execrt.cli import main
+
+    assert main(["bench", "serve"]) == 2
+    assert capsys.readouterr().err == (
+        "execrt: error: bench serve: needs a CUDA device (none is visible; --device cpu?)\n"
+    )
 
 
 def test_layers_cut_a_named_model_and_a_custom_config_alike() -> None:
