@@ -153,14 +153,31 @@ class CacheEntry:
     stale: str = ""
 
 
-def cache_entries(derived_prefixes: Iterable[str] = ()) -> list[CacheEntry]:
-    """Every directory in the cache, by name. Stale: a build cut short, a damaged directory,
-    one whose source file is gone or changed since, and one named with a ``derived_prefixes``
-    prefix that records no source (made before sources were recorded)."""
-    prefixes = tuple(derived_prefixes)
+def cache_entries(
+    derived_prefixes: Iterable[str] = (), names: Iterable[str] = ()
+) -> list[CacheEntry]:
+    """The directories ``cached_dir`` made in the cache, by name: each with a manifest, and,
+    named with a ``derived_prefixes`` prefix or one of ``names``, one without (a build that
+    predates manifests) and a build's temporary directory. Other directories there (the
+    conformance reports, anything else put there) are not entries: never listed or cleared.
+
+    Stale: a build cut short, an incomplete or damaged directory, one whose source file is
+    gone or changed since, and a derived one that records no source (made before sources were
+    recorded)."""
+    prefixes, known = tuple(derived_prefixes), tuple(names)
     out = []
     for entry in sorted(_scan(envs.cache_dir()), key=lambda e: e.name):
-        out.append(CacheEntry(entry.path, _tree_bytes(entry.path), _staleness(entry, prefixes)))
+        if entry.name.startswith("."):  # a build's temporary directory, `.<name>-<random>`
+            building = entry.name[1:]
+            listed = building.startswith(prefixes + tuple(f"{n}-" for n in known))
+        else:
+            listed = (
+                entry.name.startswith(prefixes)
+                or entry.name in known
+                or os.path.isfile(os.path.join(entry.path, MANIFEST))
+            )
+        if listed:
+            out.append(CacheEntry(entry.path, _tree_bytes(entry.path), _staleness(entry, prefixes)))
     return out
 
 
@@ -180,9 +197,8 @@ def _staleness(entry: os.DirEntry[str], derived_prefixes: tuple[str, ...]) -> st
         age = time.time() - entry.stat(follow_symlinks=False).st_mtime
         return "a build cut short" if age > ABANDONED_BUILD_S else ""
     manifest = _read_manifest(entry.path)
-    if manifest is None:
-        # Not built by cached_dir (e.g. conformance reports) unless it carries a derived name.
-        return "incomplete" if entry.name.startswith(derived_prefixes) else ""
+    if manifest is None:  # listed by its name: cached_dir would build it again
+        return "incomplete"
     if not is_complete(entry.path):
         return "damaged"
     source = manifest.get("source")

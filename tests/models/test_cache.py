@@ -109,36 +109,48 @@ def test_cache_entries_say_what_is_stale_and_clear_removes_only_that(tmp_path, m
         fh.write("a new version")
     dirs["builtin"] = cached_dir("builtin", _builder([]))  # no source: never stale
     dirs["legacy"] = cached_dir("gguf-legacy", _builder([]))  # converted before sources
-    (cache / "conformance").mkdir()  # reports, not a cached_dir
-    old_build = cache / ".gguf-x-abc123"
-    old_build.mkdir()
+    # Not made by cached_dir, so no entries, never cleared: the conformance reports
+    # (`execrt backends` reads them), a folder a user put there, a hidden one.
+    not_ours = ["conformance", "notes", ".git", ".notes-abcdefgh"]
+    for name in not_ours:
+        (cache / name).mkdir()
+    (cache / "conformance" / "attention-x.json").write_text("{}")
     past = time.time() - ABANDONED_BUILD_S - 60
-    os.utime(old_build, (past, past))
+    for old_build in (cache / ".gguf-x-abc123", cache / ".model-v1-abcdefgh"):
+        old_build.mkdir()
+        os.utime(old_build, (past, past))
     (cache / ".gguf-y-def456").mkdir()  # a build in progress right now
+    (cache / "model-v1").mkdir()  # a named cached_dir without its manifest: built again on use
     damaged = cached_dir("gguf-damaged", _builder([]), source=_source(tmp_path, "d.gguf"))
     os.remove(os.path.join(damaged, "model.safetensors"))
 
-    entries = {os.path.basename(e.path): e for e in cache_entries(["gguf-"])}
+    entries = {os.path.basename(e.path): e for e in cache_entries(["gguf-"], names=["model-v1"])}
     assert {n: e.stale for n, e in entries.items()} == {
         ".gguf-x-abc123": "a build cut short",
         ".gguf-y-def456": "",
+        ".model-v1-abcdefgh": "a build cut short",
         "builtin": "",
-        "conformance": "",
         "gguf-changed": f"{os.path.realpath(changed)} changed since",
         "gguf-current": "",
         "gguf-damaged": "damaged",
         "gguf-gone": f"{os.path.realpath(gone)} is gone",
         "gguf-legacy": "no source recorded",
+        "model-v1": "incomplete",
     }
     assert entries["builtin"].bytes > 64  # the files and the manifest
     removed = clear_cache(entries.values())
     assert sorted(os.path.basename(e.path) for e in removed) == [
         ".gguf-x-abc123",
+        ".model-v1-abcdefgh",
         "gguf-changed",
         "gguf-damaged",
         "gguf-gone",
         "gguf-legacy",
+        "model-v1",
     ]
-    assert sorted(os.listdir(cache)) == [".gguf-y-def456", "builtin", "conformance", "gguf-current"]
+    assert sorted(os.listdir(cache)) == sorted(
+        [".gguf-y-def456", "builtin", "gguf-current", *not_ours]
+    )
     clear_cache(cache_entries(["gguf-"]), everything=True)
-    assert os.listdir(cache) == []
+    assert sorted(os.listdir(cache)) == sorted(not_ours)
+    assert (cache / "conformance" / "attention-x.json").read_text() == "{}"
