@@ -746,7 +746,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]
         if len(requests) == 1 and not args.json and engine.tokenizer is not None:
-            return _stream(engine, *requests[0], show=show)
+            return _stream(engine, *requests[0], show=show, shown=args.prompts[0])
         results = engine.generate([r[0] for r in requests], [r[1] for r in requests])
     # Exit status 2 when any request was rejected or aborted, in text and JSON mode alike.
     status = 2 if any(r.error for r in results) else 0
@@ -783,8 +783,9 @@ def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
         raise ExecrtError(str(exc)) from None
 
 
-def _stream(engine: Any, prompt: Any, params: Any, *, show: bool) -> int:
-    """Print one request's text as it is generated (``show``: this rank prints)."""
+def _stream(engine: Any, prompt: Any, params: Any, *, show: bool, shown: Any) -> int:
+    """Print one request's text as it is generated (``show``: this rank prints; ``shown``:
+    the prompt as the user gave it, which a refusal names, not the chat template's ids)."""
     from execrt.core.errors import RequestError
 
     out = sys.stdout if show else open(os.devnull, "w")  # other ranks step along silently
@@ -795,7 +796,7 @@ def _stream(engine: Any, prompt: Any, params: Any, *, show: bool) -> int:
         out.write("\n")
     except RequestError as exc:
         if show:
-            print(f"execrt: request {prompt!r} rejected: {exc}", file=sys.stderr)
+            print(f"execrt: request {shown!r} rejected: {exc}", file=sys.stderr)
         return 2
     finally:
         if out is not sys.stdout:

