@@ -27,6 +27,7 @@ class Driver:
         self._changes: deque[Callable[[], None]] = deque()
         self._cond = threading.Condition()
         self._driver: int | None = None  # the thread ident of the driving thread
+        self._closing = False  # shut(): drivers stop between steps, waiters and callers raise
 
     @property
     def has_work(self) -> bool:
@@ -37,6 +38,7 @@ class Driver:
         """Apply ``change`` to the scheduler: now when no thread drives (exceptions then
         propagate), else by the driver before its next step."""
         with self._cond:
+            self._refuse_closed()
             self._changes.append(change)
             if self._driver is not None:
                 return  # the driver applies it (it re-checks the queue before leaving)
@@ -62,10 +64,11 @@ class Driver:
         me = threading.get_ident()
         self.refuse_reentry("a call that steps or waits for a step")
         with self._cond:
-            while self._driver is not None and not done():
+            while self._driver is not None and not done() and not self._closing:
                 self._cond.wait()
             if done():
                 return 0
+            self._refuse_closed()
             self._driver = me
         steps = 0
         try:
@@ -73,6 +76,8 @@ class Driver:
                 self._apply()
                 if done() or not self.scheduler.has_work:
                     break
+                with self._cond:
+                    self._refuse_closed()  # between two steps: the closing thread goes next
                 try:
                     self.scheduler.step()
                 finally:  # what the step gave, or the aborts of a step that failed
@@ -83,6 +88,29 @@ class Driver:
         finally:
             self._leave()
         return steps
+
+    def shut(self, final: Callable[[], None]) -> None:
+        """Run ``final`` (the engine's release) as the driver once the driving thread, if any,
+        has finished its step; from then on every call raises, and threads waiting for a step
+        or stepping between two raise too, so none runs on what ``final`` released."""
+        me = threading.get_ident()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            while self._driver is not None:
+                self._cond.wait()
+            self._driver = me
+        try:
+            final()
+        finally:
+            with self._cond:
+                self._changes.clear()  # nothing may run on a released engine
+                self._driver = None
+                self._cond.notify_all()
+
+    def _refuse_closed(self) -> None:
+        if self._closing:
+            raise RuntimeError("engine: closed while this call was running or waiting")
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until there are requests to step or changes to apply, or ``timeout``

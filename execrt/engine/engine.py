@@ -608,14 +608,22 @@ class Engine:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def close(self) -> list[str]:
-        """Release the model, KV cache and backends. Returns what was left open (ideally [])."""
+        """Release the model, KV cache and backends. Returns what was left open (ideally []).
+        A step another thread is running ends first; calls still running or waiting in other
+        threads then raise RuntimeError instead of stepping on the released engine."""
         if self._closed:
             return []
         self._driver.refuse_reentry("close()")  # would free the cache under the step
         self._closed = True
-        try:
+        left: list[str] = []
+
+        def release() -> None:
             self.worker.close()
-            return self.context.close()
+            left.extend(self.context.close())
+
+        try:
+            self._driver.shut(release)
+            return left
         finally:
             if self._froze_heap:
                 _HEAP.thaw()

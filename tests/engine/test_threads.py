@@ -308,3 +308,36 @@ def test_logprobs_are_the_model_distribution(engine) -> None:
     assert all(o.logprobs is None for o in outputs[2])
     assert engine.worker._watched == {}  # nothing left watched after the requests finished
     assert_all_free(engine)
+
+
+def test_close_while_other_threads_generate_waits_for_the_step_and_fails_them_clearly() -> None:
+    """close() used to free the model under a running step (the callers then failed with an
+    unrelated radix-cache error; on a GPU the step read freed memory). The step in progress
+    ends first, then every running or waiting call raises 'closed'."""
+    engine = Engine("builtin", device="cpu", max_running_requests=2, kv_cache_tokens=256)
+    long = replace(GREEDY, max_new_tokens=200)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def call() -> None:
+        try:
+            started.set()
+            engine.generate("keep going", long)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while engine.stats().requests_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # a step is under way
+    assert engine.close() == []
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a caller hung after close()"
+    assert len(errors) == 2, errors
+    assert all("closed" in str(e) for e in errors), errors
+    with pytest.raises(RuntimeError, match="after close"):
+        engine.generate("late", GREEDY)
