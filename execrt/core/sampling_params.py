@@ -7,7 +7,7 @@ import numbers
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 
 @dataclass(frozen=True)
@@ -234,13 +234,7 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "bool"),
     "logit_bias": (
-        lambda v: (
-            isinstance(v, tuple)
-            and all(
-                isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and _is_number(p[1])
-                for p in v
-            )
-        ),
+        lambda v: v == () or _is_pairs(v) and all(_is_int(k) and _is_number(b) for k, b in v),
         "a dict of int -> float, or (int, float) pairs",
     ),
     "repetition_penalty": (_is_number, "float or int"),
@@ -254,19 +248,24 @@ _TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 
 
+def _is_pairs(value: object) -> TypeGuard[tuple[tuple[Any, Any], ...]]:
+    """A non-empty tuple of 2-tuples (what ``logit_bias`` is stored as)."""
+    return (
+        isinstance(value, tuple)
+        and bool(value)
+        and all(isinstance(p, tuple) and len(p) == 2 for p in value)
+    )
+
+
 def _wrong_type(name: str, value: object, accepted: str) -> str:
-    if name == "logit_bias" and isinstance(value, tuple) and value:
+    if name == "logit_bias" and _is_pairs(value):
         # Stored as pairs whatever was given: name the first wrong entry, as it was written.
-        bad = next((p for p in value if not (isinstance(p, tuple) and len(p) == 2)), None) or next(
-            p for p in value if not (_is_int(p[0]) and _is_number(p[1]))
+        key, bias = next(p for p in value if not (_is_int(p[0]) and _is_number(p[1])))
+        what, got = ("bias", bias) if _is_int(key) else ("token id", key)
+        return (
+            f"logit_bias entry {key!r}: {bias!r} has a {what} of type {type(got).__name__} "
+            f"(accepted: {accepted})"
         )
-        if isinstance(bad, tuple) and len(bad) == 2:
-            what = "token id" if not _is_int(bad[0]) else "bias"
-            got = bad[0] if what == "token id" else bad[1]
-            return (
-                f"logit_bias entry {bad[0]!r}: {bad[1]!r} has a {what} of type "
-                f"{type(got).__name__} (accepted: {accepted})"
-            )
     if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
         # An integer past 64 bits, which a JSON reader (orjson) hands over as a float.
         return f"{name} {value:.4g} is out of range (accepted: {accepted} within 64 bits)"

@@ -46,6 +46,7 @@ CPU = torch.device("cpu")
         # the entry as written, not the pairs it is stored as
         ({"logit_bias": {"7": 1.0}}, "logit_bias entry '7': 1.0 has a token id of type str"),
         ({"logit_bias": {7: "up"}}, "logit_bias entry 7: 'up' has a bias of type str"),
+        ({"logit_bias": [0, 1]}, "logit_bias (0, 1) has type tuple of int"),  # it raised
         ({"seed": 2**63}, f"seed {2**63} must be in [0, 2**63)"),
     ],
 )
