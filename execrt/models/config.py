@@ -38,22 +38,52 @@ class Family:
     #: ``use_sliding_window`` applies to layers from ``max_window_layers`` on (Qwen2, Qwen3),
     #: unless ``layer_types`` lists them; False: to every layer
     window_layers: bool = False
+    #: the config's ``use_sliding_window`` turns sliding-window attention on (Qwen2, Qwen3,
+    #: Qwen3-MoE); the other families' config classes ignore the field
+    use_sliding_window: bool = False
+    #: ``max_position_embeddings`` when config.json leaves it out (the config class's default,
+    #: which is also the original context of a ``llama3`` or ``yarn`` rope that names none)
+    max_positions: int = 2048
 
 
 #: Hugging Face ``architectures`` value -> how the decoder is configured for it
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=None, o_bias=None, mlp_bias=True),
     "Qwen2ForCausalLM": Family(
-        qk_norm=False, qkv_bias=True, o_bias=False, mlp_bias=False, window_layers=True
+        qk_norm=False,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        window_layers=True,
+        use_sliding_window=True,
+        max_positions=32768,
     ),
     "MistralForCausalLM": Family(
-        qk_norm=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=True
+        qk_norm=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        sliding_window=True,
+        max_positions=131072,
     ),
     "Qwen3ForCausalLM": Family(
-        qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, head_dim=128, window_layers=True
+        qk_norm=True,
+        qkv_bias=None,
+        o_bias=None,
+        mlp_bias=False,
+        head_dim=128,
+        window_layers=True,
+        use_sliding_window=True,
+        max_positions=32768,
     ),
     "Qwen3MoeForCausalLM": Family(
-        qk_norm=True, qkv_bias=None, o_bias=None, mlp_bias=False, moe=True
+        qk_norm=True,
+        qkv_bias=None,
+        o_bias=None,
+        mlp_bias=False,
+        moe=True,
+        use_sliding_window=True,
+        max_positions=32768,
     ),
 }
 #: config.json ``model_type`` -> architecture, for a config without ``architectures`` (which
@@ -179,13 +209,13 @@ class ModelConfig:
             head_dim=r.get_int("head_dim", family.head_dim or (hidden // heads if heads else 0)),
             rms_norm_eps=r.get_float("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(r),
-            max_position_embeddings=r.get_int("max_position_embeddings", 4096),
+            max_position_embeddings=r.get_int("max_position_embeddings", family.max_positions),
             tie_word_embeddings=r.get_bool("tie_word_embeddings", False),
             attention_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
             o_proj_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=family.mlp_bias and r.get_bool("mlp_bias", False),
             qk_norm=family.qk_norm,
-            rope_scaling=_rope_scaling(r),
+            rope_scaling=_rope_scaling(r, family),
             dtype=_DTYPES.get(
                 str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""),
                 torch.bfloat16,
@@ -351,7 +381,7 @@ def _rope_theta(r: _Reader) -> float:
     return rope.get_float("rope_theta", r.get_float("rope_theta", 10000.0))
 
 
-def _rope_scaling(r: _Reader) -> RopeScaling | None:
+def _rope_scaling(r: _Reader, family: Family) -> RopeScaling | None:
     rope = _rope_dict(r)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -362,7 +392,7 @@ def _rope_scaling(r: _Reader) -> RopeScaling | None:
     # The context the model was trained on. Phi-3's and DeepSeek's configs keep it at the
     # top level, and transformers then takes that copy over the one in the rope settings.
     key = "original_max_position_embeddings"
-    context = r.get_int("max_position_embeddings", 8192 if kind == "llama3" else 4096)
+    context = r.get_int("max_position_embeddings", family.max_positions)
     original = r.get_int(key) if key in r.cfg else p.get_int(key, context)
     if original < 1:
         where = r.source if key in r.cfg else p.source
@@ -474,9 +504,9 @@ def _within_window(config: ModelConfig, r: _Reader, family: Family) -> ModelConf
     """``config`` with its context limited to the sliding window of a family whose
     ``sliding_window`` bounds every layer (Mistral), where the window is the shorter: within
     it, sliding-window attention is full attention, which is what execrt computes."""
-    if not family.sliding_window or r.cfg.get("sliding_window") is None:
+    if not family.sliding_window or ("sliding_window" in r.cfg and r.cfg["sliding_window"] is None):
         return config
-    window = r.get_int("sliding_window")
+    window = r.get_int("sliding_window", 4096)  # left out: MistralConfig's default; null: none
     if window < 1:
         raise ModelLoadError(f"{r.source}: sliding_window must be >= 1 or null, got {window}")
     if window >= config.max_position_embeddings:
@@ -499,11 +529,11 @@ def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
             f"{src}: rope_type {kind!r} unsupported (supported: {', '.join(_ROPE_TYPES)})"
         )
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{src}: hidden_act {act!r} unsupported (supported: silu)")
+    if act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
+        raise ModelLoadError(f"{src}: hidden_act {act!r} unsupported (supported: silu, swish)")
     for where in (cfg, rope):
-        partial = where.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:
+        partial = where.get("partial_rotary_factor")  # null: not set, as transformers reads it
+        if partial is not None and partial != 1.0:
             raise ModelLoadError(
                 f"{src}: partial_rotary_factor {partial!r} unsupported (supported: 1.0)"
             )
@@ -514,7 +544,8 @@ def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
             f"{src}: layer type {odd!r} unsupported (sliding-window attention; "
             "supported: full_attention)"
         )
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+    window = cfg.get("sliding_window")
+    if family.use_sliding_window and cfg.get("use_sliding_window") and window is not None:
         # Qwen2 and Qwen3 slide the window in the layers layer_types names (checked above:
         # none) or, without it, from max_window_layers on: none where that is past the last.
         # Qwen3-MoE slides it in every layer whatever layer_types says.
@@ -524,7 +555,7 @@ def _refuse_unsupported_math(r: _Reader, family: Family) -> None:
             layers = f", from layer {first} (max_window_layers)" if family.window_layers else ""
             raise ModelLoadError(
                 f"{src}: sliding-window attention unsupported (use_sliding_window true, "
-                f"sliding_window {cfg.get('sliding_window')!r}{layers})"
+                f"sliding_window {window!r}{layers})"
             )
     if cfg.get("mlp_bias") and not family.mlp_bias:
         raise ModelLoadError(f"{src}: mlp_bias true unsupported for this architecture")

@@ -416,8 +416,10 @@ def test_a_mistral_context_is_limited_to_its_sliding_window(caplog) -> None:
     assert windowed.max_position_embeddings == 4096
     assert "m.json: sliding_window 4096: context limited to 4096 tokens" in caplog.text
     assert not windowed.attention_bias and not windowed.o_proj_bias
-    for unlimited in ({"sliding_window": None}, {}, {"sliding_window": 32768}):
+    for unlimited in ({"sliding_window": None}, {"sliding_window": 32768}):
         assert ModelConfig.from_dict(base | unlimited).max_position_embeddings == 32768
+    # Left out, it is MistralConfig's default window, as transformers reads it.
+    assert ModelConfig.from_dict(base).max_position_embeddings == 4096
     with pytest.raises(ModelLoadError, match="sliding_window must be >= 1 or null, got 0"):
         ModelConfig.from_dict(base | {"sliding_window": 0})
 
