@@ -29,6 +29,12 @@ def kv_slots_needed(prompt_len: int, max_new_tokens: int, context_len: int) -> i
 def kv_refusal(prompt_len: int, max_new_tokens: int, context_len: int, total: int) -> str:
     """Why a request that needs more KV slots than the whole cache holds is refused."""
     needed = kv_slots_needed(prompt_len, max_new_tokens, context_len)
+    if kv_slots_needed(prompt_len, 1, context_len) > total:  # no max_new_tokens makes it fit
+        return (
+            f"prompt of {prompt_len} tokens does not fit the whole KV cache of {total} slots; "
+            "shorten the prompt, or raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) "
+            f"to at least {needed}"
+        )
     return (
         f"request needs up to {needed} KV slots (prompt {prompt_len} + max_new_tokens "
         f"{max_new_tokens} - 1, capped by the context of {context_len}) but the whole cache "
@@ -59,13 +65,19 @@ class RequestLimits:
     think_tokens: bool = True
 
     def params_problems(self, sp: SamplingParams) -> list[str]:
-        """What valid params ask that this model cannot give: a ``logit_bias`` token outside
-        its vocabulary, a ``json_schema`` that is not JSON or uses what JSON mode lacks."""
+        """What valid params ask that this model cannot give: a ``logit_bias`` or
+        ``stop_token_ids`` token outside its vocabulary, a ``json_schema`` that is not JSON or
+        uses what JSON mode lacks."""
         problems = []
         bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             problems.append(
                 f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"
+            )
+        bad = next((t for t in sp.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # it could never be sampled, so the request would never stop on it
+            problems.append(
+                f"stop_token_ids token id {bad} out of range (vocab size {self.vocab_size})"
             )
         if (problem := self.format_problem(sp)) is not None:
             problems.append(problem)

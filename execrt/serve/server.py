@@ -3,12 +3,13 @@ in one line, where it serves when the model is ready."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -86,6 +87,15 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self.jobs.close(SHUTTING_DOWN)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn raises the signals it caught again once it has shut down, so a server that
+        # stopped cleanly on SIGTERM would end killed by it (status 143) and on SIGINT with a
+        # KeyboardInterrupt (130); being told to stop is how a server ends: serve() returns 0.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 class UvicornServer:

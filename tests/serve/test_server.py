@@ -434,6 +434,13 @@ def test_logit_bias_reaches_the_sampler_and_bad_ones_are_400s(served) -> None:
             api.completions.create(model="builtin", prompt="Hello", max_tokens=1, logit_bias=bias)
         body = info.value.body
         assert needle in body["message"] and body["param"] == "logit_bias", body
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(
+            model="builtin", prompt="Hello", max_tokens=1, extra_body={"stop_token_ids": [vocab]}
+        )
+    body = info.value.body
+    assert f"stop_token_ids token id {vocab} out of range" in body["message"], body
+    assert body["param"] == "stop_token_ids", body
 
 
 def test_penalties_min_p_and_min_tokens_reach_the_engine(served) -> None:
