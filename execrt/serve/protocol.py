@@ -299,7 +299,10 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
         param = None
     # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).
     tokens_field = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
-    return APIError(re.sub(r"\bmax_new_tokens\b", tokens_field, message), param=param)
+    message = re.sub(r"\bmax_new_tokens\b", tokens_field, message)
+    if endpoint == "completion" and message.startswith("max_tokens 0 "):
+        message += " (0 is accepted with echo: true, which scores the prompt alone)"
+    return APIError(message, param=param)
 
 
 # -- fields -------------------------------------------------------------------------------------

@@ -390,6 +390,10 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(served) -> None:
         # lm-eval's is_greedy test compares the floats exactly
         assert all(v == max(t.values()) for v, t in zip(scored, scored_tops, strict=True))
         assert choice.text.startswith(served.engine.tokenizer.decode(prompt))
+    with pytest.raises(openai.BadRequestError) as info:  # 0 without echo: what is accepted
+        api.completions.create(model="builtin", prompt=ids, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    assert "(0 is accepted with echo: true" in info.value.body["message"]
     assert served.stats().requests_running == 0
 
 
