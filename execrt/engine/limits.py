@@ -31,8 +31,8 @@ def kv_refusal(prompt_len: int, max_new_tokens: int, context_len: int, total: in
     needed = kv_slots_needed(prompt_len, max_new_tokens, context_len)
     if kv_slots_needed(prompt_len, 1, context_len) > total:  # no max_new_tokens makes it fit
         return (
-            f"prompt of {prompt_len} tokens does not fit the whole KV cache of {total} slots; "
-            "shorten the prompt, or raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) "
+            f"prompt of {prompt_len} tokens needs more KV slots than the whole cache holds "
+            f"({total}); shorten the prompt, or raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) "
             f"to at least {needed}"
         )
     return (
@@ -65,19 +65,13 @@ class RequestLimits:
     think_tokens: bool = True
 
     def params_problems(self, sp: SamplingParams) -> list[str]:
-        """What valid params ask that this model cannot give: a ``logit_bias`` or
-        ``stop_token_ids`` token outside its vocabulary, a ``json_schema`` that is not JSON or
-        uses what JSON mode lacks."""
+        """What valid params ask that this model cannot give: a ``logit_bias`` token outside
+        its vocabulary, a ``json_schema`` that is not JSON or uses what JSON mode lacks."""
         problems = []
         bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             problems.append(
                 f"logit_bias token id {bad} out of range (vocab size {self.vocab_size})"
-            )
-        bad = next((t for t in sp.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # it could never be sampled, so the request would never stop on it
-            problems.append(
-                f"stop_token_ids token id {bad} out of range (vocab size {self.vocab_size})"
             )
         if (problem := self.format_problem(sp)) is not None:
             problems.append(problem)

@@ -265,12 +265,6 @@ def test_logit_bias_steers_generation_and_an_unknown_token_is_refused() -> None:
         assert bad.finish_reason == "error" and f"logit_bias token id {vocab} out of range" in (
             bad.error or ""
         )
-        for stop in (vocab, -1):  # never sampled, so it could never stop the request
-            bad = engine.generate([5], replace(params, stop_token_ids=(3, stop)))
-            assert bad.finish_reason == "error"
-            assert f"stop_token_ids token id {stop} out of range (vocab size {vocab})" in (
-                bad.error or ""
-            )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -4,6 +4,7 @@ against a transformers loop on the same checkpoint that applies them by hand."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -192,12 +193,14 @@ def test_on_the_gpu_penalised_batches_are_drawn_after_the_graph_replay() -> None
 
 
 def test_stop_ids_outside_the_vocabulary_are_no_trouble_for_min_tokens() -> None:
-    """Stop ids are not range-checked (one outside the vocabulary is never sampled); the
-    min_tokens bans skip them instead of indexing the logits with them."""
+    """Stop ids past the vocabulary are accepted (never sampled: a tokenizer's added tokens
+    may lie there); the min_tokens bans skip them instead of indexing the logits with them. A
+    negative id names no token and is refused."""
     with Engine("builtin", device="cpu") as engine:
         vocab = engine.model_config.vocab_size
-        sp = SamplingParams(
-            max_new_tokens=4, temperature=0, stop_token_ids=(vocab + 5, -3), min_tokens=3
-        )
-        out = engine.generate([5, 6, 7], sp)
+        sp = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(vocab + 5,))
+        out = engine.generate([5, 6, 7], replace(sp, min_tokens=3))
         assert out.finish_reason == "length" and len(out.token_ids) == 4
+        bad = engine.generate([5, 6, 7], replace(sp, stop_token_ids=(vocab + 5, -3)))
+        assert bad.finish_reason == "error"
+        assert "stop_token_ids token id -3 unsupported (token ids >= 0)" in (bad.error or "")

@@ -93,8 +93,8 @@ def test_a_prompt_the_whole_kv_cache_cannot_hold_is_named_not_max_tokens(
     error = response.json()["error"]
     assert error["param"] == param
     message = error["message"]
-    assert message.startswith("prompt of 300 tokens does not fit the whole KV cache of 256 "), (
-        message
-    )
+    assert message.startswith(
+        "prompt of 300 tokens needs more KV slots than the whole cache holds (256)"
+    ), message
     assert "shorten the prompt" in message and "max_" not in message
     assert "raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least 300" in message
