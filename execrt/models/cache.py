@@ -47,6 +47,8 @@ def cached_dir(name: str, build: Callable[[str], None], source: str | None = Non
 
 def _build(root: str, name: str, build: Callable[[str], None], source: str | None) -> None:
     if os.path.exists(root):
+        if is_complete(root):  # another process (a torchrun rank) built it since we looked
+            return
         # Without a manifest it predates them (or a build was cut short): rebuild quietly.
         damaged = os.path.isfile(os.path.join(root, MANIFEST))
         log = logger.warning if damaged else logger.info

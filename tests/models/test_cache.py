@@ -37,6 +37,22 @@ def test_a_same_size_corruption_of_a_small_file_is_rebuilt() -> None:
         assert fh.read() == good
 
 
+def test_a_directory_another_process_finished_meanwhile_is_kept(monkeypatch) -> None:
+    """Two processes converting one file at once (torchrun's ranks on a fresh machine): the
+    one that looked before the other's rename must not delete the finished directory, which
+    the other may already be reading."""
+    import execrt.models.cache as cache
+
+    calls: list[str] = []
+    root = cached_dir("raced", _builder(calls))
+    inode = os.stat(root).st_ino
+    looks = [False]  # this process's first look: not there yet
+    real = cache.is_complete
+    monkeypatch.setattr(cache, "is_complete", lambda r: looks.pop() if looks else real(r))
+    assert cached_dir("raced", _builder(calls)) == root
+    assert len(calls) == 1 and os.stat(root).st_ino == inode
+
+
 def test_a_truncated_file_is_rebuilt_and_a_sizes_only_manifest_still_counts() -> None:
     calls: list[str] = []
     root = cached_dir("sizes", _builder(calls))

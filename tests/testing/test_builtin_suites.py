@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import torch
+
 from execrt.testing.attention import AttentionBackendSuite
 from execrt.testing.graph import GraphBackendSuite
 from execrt.testing.moe import MoEDispatcherSuite
 from execrt.testing.prefix_cache import PrefixCacheSuite
 from execrt.testing.suite import Case
+
+
+def _one_fp8_format_on_cpu(case: Case) -> bool:
+    """A decode variant changes how splits are laid out and merged, not how fp8 is loaded:
+    on CPU (the interpreter, ~0.7 s a case) it runs e4m3 alone, the base class both formats."""
+    return case.device != "cpu" or case.get("kv_dtype") != torch.float8_e5m2
 
 
 class TestTorchNativeAttention(AttentionBackendSuite):
@@ -29,7 +37,7 @@ class TestTritonAttentionFusedMerge(AttentionBackendSuite):
 
     @classmethod
     def keep_case(cls, test_name: str, case: Case) -> bool:
-        return case.get("mode") != "extend"
+        return case.get("mode") != "extend" and _one_fp8_format_on_cpu(case)
 
 
 class TestTritonAttentionOneWave(AttentionBackendSuite):
@@ -41,7 +49,7 @@ class TestTritonAttentionOneWave(AttentionBackendSuite):
 
     @classmethod
     def keep_case(cls, test_name: str, case: Case) -> bool:
-        return case.get("mode") != "extend"
+        return case.get("mode") != "extend" and _one_fp8_format_on_cpu(case)
 
 
 class TestTritonAttentionWs(AttentionBackendSuite):
