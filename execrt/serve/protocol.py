@@ -300,8 +300,10 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
     # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).
     tokens_field = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
     message = re.sub(r"\bmax_new_tokens\b", tokens_field, message)
-    if endpoint == "completion" and message.startswith("max_tokens 0 "):
-        message += " (0 is accepted with echo: true, which scores the prompt alone)"
+    if endpoint == "completion":  # the one case 0 is served
+        message = re.sub(
+            r"^max_tokens 0 [^;]*", r"\g<0> (0 with echo: true scores the prompt)", message
+        )
     return APIError(message, param=param)
 
 

@@ -212,9 +212,10 @@ def test_a_bad_chat_request_is_a_400(fake, body, param, needle) -> None:
 )
 def test_an_engine_refusal_names_the_request_field_not_the_engine_keyword(endpoint, field) -> None:
     error = engine_error("max_new_tokens 0 must be an integer >= 1; top_p 2 bad", endpoint)
+    echo = " (0 with echo: true scores the prompt)" if endpoint == "completion" else ""
     assert (error.param, error.message) == (
         field,
-        f"{field} 0 must be an integer >= 1; top_p 2 bad",
+        f"{field} 0 must be an integer >= 1{echo}; top_p 2 bad",
     )
     assert engine_error("top_p 0 must be in (0, 1]", endpoint).param == "top_p"
     assert engine_error("prompt_logprobs: the model (M) does not", endpoint).param == "echo"

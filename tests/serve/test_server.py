@@ -393,7 +393,10 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(served) -> None:
     with pytest.raises(openai.BadRequestError) as info:  # 0 without echo: what is accepted
         api.completions.create(model="builtin", prompt=ids, max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
-    assert "(0 is accepted with echo: true" in info.value.body["message"]
+    assert (
+        "0 must be an integer >= 1 (0 with echo: true scores the prompt)"
+        in (info.value.body["message"])
+    )
     assert served.stats().requests_running == 0
 
 
