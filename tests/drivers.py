@@ -21,6 +21,23 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
+def hf_trace_errors(hf: Any, prompts: list[list[int]], trace: Trace) -> list[float]:
+    """``rel_err`` of every prefill position and decode step of ``trace`` (run with
+    ``full_logits``) against the transformers model ``hf`` fed the same tokens."""
+    assert trace.prefill_full_logits is not None
+    errors, offset = [], 0
+    with torch.no_grad():
+        for prompt in prompts:
+            ref = hf(torch.tensor([prompt])).logits[0]  # [n, V]
+            errors.append(rel_err(trace.prefill_full_logits[offset : offset + len(prompt)], ref))
+            offset += len(prompt)
+        for step, logits in enumerate(trace.logits[1:], start=1):
+            for i, (prompt, tokens) in enumerate(zip(prompts, trace.tokens, strict=True)):
+                ref = hf(torch.tensor([prompt + tokens[:step]])).logits[0, -1]
+                errors.append(rel_err(logits[i], ref))
+    return errors
+
+
 def assert_traces_agree(got: Trace, ref: Trace, tol: float = 2e-2) -> None:
     """Two runs fed the same tokens (``follow``), in bf16 on different paths: every step's
     logits within ``tol`` relative error, and the same greedy token wherever the reference's

@@ -15,7 +15,7 @@ import torch
 from execrt.core.errors import ModelLoadError
 from execrt.models import ModelConfig
 from execrt.models.layers import rope_inv_freq
-from tests.drivers import make_worker, prefill_then_decode, rel_err
+from tests.drivers import hf_trace_errors, make_worker, prefill_then_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -230,16 +230,6 @@ def test_logits_match_transformers_loading_the_same_folder(
     worker = make_worker(path, runtime_context, plugin_host, dtype="float32")
     trace = prefill_then_decode(worker, PROMPTS, steps=3, full_logits=True)
     worker.close()
-    assert trace.prefill_full_logits is not None
-    errors, offset = [], 0
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ref = hf(torch.tensor([prompt])).logits[0]
-            errors.append(rel_err(trace.prefill_full_logits[offset : offset + len(prompt)], ref))
-            offset += len(prompt)
-        for step, logits in enumerate(trace.logits[1:], start=1):
-            for i, (prompt, tokens) in enumerate(zip(PROMPTS, trace.tokens, strict=True)):
-                ref = hf(torch.tensor([prompt + tokens[:step]])).logits[0, -1]
-                errors.append(rel_err(logits[i], ref))
+    errors = hf_trace_errors(hf, PROMPTS, trace)
     assert len(errors) == len(PROMPTS) * 4
     assert max(errors) <= MAX_REL_ERR, f"max relative error {max(errors):.2e}"

@@ -9,7 +9,7 @@ from execrt.core.context import RuntimeContext
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from tests.checkpoints import build_hf_model
-from tests.drivers import make_worker, prefill_then_decode, rel_err
+from tests.drivers import hf_trace_errors, make_worker, prefill_then_decode, rel_err
 
 pytest.importorskip("transformers")
 
@@ -24,19 +24,7 @@ def test_logits_match_transformers(
     worker = make_worker(checkpoint(checkpoint_name), runtime_context, plugin_host)
     trace = prefill_then_decode(worker, PROMPTS, steps=8, full_logits=True)
     worker.close()
-    assert trace.prefill_full_logits is not None
-    errors = []
-    offset = 0
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ref = hf(torch.tensor([prompt])).logits[0]  # [n, V]
-            got = trace.prefill_full_logits[offset : offset + len(prompt)]
-            errors.append(rel_err(got, ref))
-            offset += len(prompt)
-        for step, logits in enumerate(trace.logits[1:], start=1):
-            for i, (prompt, tokens) in enumerate(zip(PROMPTS, trace.tokens, strict=True)):
-                ref = hf(torch.tensor([prompt + tokens[:step]])).logits[0, -1]
-                errors.append(rel_err(logits[i], ref))
+    errors = hf_trace_errors(hf, PROMPTS, trace)
     assert len(errors) == len(PROMPTS) * 9
     assert max(errors) <= MAX_REL_ERR, f"max relative error {max(errors):.2e}"
 
