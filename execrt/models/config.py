@@ -25,10 +25,10 @@ _MISSING = object()
 class Family:
     """What one architecture changes in the shared decoder."""
 
-    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
-    qkv_bias: bool | None  # None: from the config's ``attention_bias``
-    o_bias: bool | None  # None: from the config's ``attention_bias``
-    mlp_bias: bool  # whether the config's ``mlp_bias`` is honoured (else it must be false)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qkv_bias: bool | None = None  # None: from the config's ``attention_bias``
+    o_bias: bool | None = None  # None: from the config's ``attention_bias``
+    mlp_bias: bool = False  # whether the config's ``mlp_bias`` is honoured (else it must be false)
     moe: bool = False
     #: the config's ``sliding_window`` (when not null) bounds every layer's attention span
     #: (Mistral); execrt attends in full, so the context is limited to the window instead
@@ -48,42 +48,22 @@ class Family:
 
 #: Hugging Face ``architectures`` value -> how the decoder is configured for it
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(qk_norm=False, qkv_bias=None, o_bias=None, mlp_bias=True),
+    "LlamaForCausalLM": Family(mlp_bias=True),
     "Qwen2ForCausalLM": Family(
-        qk_norm=False,
         qkv_bias=True,
         o_bias=False,
-        mlp_bias=False,
         window_layers=True,
         use_sliding_window=True,
         max_positions=32768,
     ),
     "MistralForCausalLM": Family(
-        qk_norm=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-        sliding_window=True,
-        max_positions=131072,
+        qkv_bias=False, o_bias=False, sliding_window=True, max_positions=131072
     ),
     "Qwen3ForCausalLM": Family(
-        qk_norm=True,
-        qkv_bias=None,
-        o_bias=None,
-        mlp_bias=False,
-        head_dim=128,
-        window_layers=True,
-        use_sliding_window=True,
-        max_positions=32768,
+        qk_norm=True, head_dim=128, window_layers=True, use_sliding_window=True, max_positions=32768
     ),
     "Qwen3MoeForCausalLM": Family(
-        qk_norm=True,
-        qkv_bias=None,
-        o_bias=None,
-        mlp_bias=False,
-        moe=True,
-        use_sliding_window=True,
-        max_positions=32768,
+        qk_norm=True, moe=True, use_sliding_window=True, max_positions=32768
     ),
 }
 #: config.json ``model_type`` -> architecture, for a config without ``architectures`` (which

@@ -140,10 +140,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # 14 query heads over 2 kv heads (7 per group), head_dim 16 where hidden / heads is 8
     "llama-gqa7-legacy-llama3": (
         "Llama",
-        dict(
+        _DENSE
+        | dict(
             hidden_size=112,
-            intermediate_size=96,
-            num_hidden_layers=2,
             num_attention_heads=14,
             num_key_value_heads=2,
             head_dim=16,
