@@ -204,7 +204,9 @@ def init_parallel(device: torch.device) -> ParallelState:
     """Join the process group ``torchrun`` described in the environment, if any.
 
     Uses NCCL for CUDA devices (each rank on ``cuda:LOCAL_RANK``) and gloo otherwise. A single
-    process needs no group. The returned state is the world; ModelRunner lays TP and EP over it.
+    process needs no group. May be called again once the group is destroyed (the next Engine
+    in the same torchrun processes). The returned state is the world; ModelRunner lays TP and
+    EP over it.
     """
     if dist.is_available() and dist.is_initialized():
         return ParallelState.from_process_group()
@@ -214,7 +216,16 @@ def init_parallel(device: torch.device) -> ParallelState:
     if device.type == "cuda":
         # NCCL binds a communicator to the current device: one GPU per local rank.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl")
-    else:
-        dist.init_process_group(backend="gloo")
+    store, rank, world = next(dist.rendezvous("env://"))
+    # torchrun's store outlives a destroyed group, keys and all, and torch names each new
+    # default group as it named the first: a second group (the next Engine's) would read the
+    # first one's stale addresses and fail to connect. So each join of this rank gets keys of
+    # its own; every rank joins in the same order, so the ranks agree on the prefix.
+    joins = store.add(f"execrt/joins/rank{rank}", 1)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(f"execrt/join{joins}/", store),
+        rank=rank,
+        world_size=world,
+    )
     return ParallelState.from_process_group()
