@@ -14,11 +14,11 @@ import torch
 
 from execrt.core.errors import ModelLoadError
 from execrt.models.cache import cached_dir
-from execrt.models.tokenizer import NO_TOKENIZER_NOTE, tokenizer_from_gguf
+from execrt.models.tokenizer import NO_TOKENIZER_NOTE, gguf_adds_bos, tokenizer_from_gguf
 
 INSTALL_HINT = "pip install execrt[gguf]"
 #: Bump when the conversion changes, so old cache entries are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Name prefix of converted GGUF directories in the cache
 CACHE_PREFIX = "gguf-"
 #: GGUF ``general.architecture`` -> Hugging Face ``architectures`` value
@@ -294,7 +294,7 @@ def _write_tokenizer(meta: dict[str, Any], file: str, out: str) -> None:
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "eot_token": token("eot_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": gguf_adds_bos(meta),
     }
     if "tokenizer.chat_template" in meta:
         tok_config["chat_template"] = meta["tokenizer.chat_template"]

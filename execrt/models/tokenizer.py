@@ -37,6 +37,10 @@ _SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+#: ``tokenizer.ggml.pre`` values of Llama 3's tokenizer: a word that is one vocabulary token is
+#: that token whatever the merges say (tokenizer.json's ``ignore_merges``), and a file without
+#: ``tokenizer.ggml.add_bos_token`` adds the bos token, as llama.cpp reads them.
+_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe"})
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 #: Written instead of tokenizer.json into a converted GGUF directory when its vocabulary
 #: cannot be rebuilt: why, so each load can say so (the conversion runs only once).
@@ -141,12 +145,26 @@ def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
             return token
         return "".join(spelling[b] for b in token.encode("utf-8"))
 
-    vocab = {spell(t): i for i, t in enumerate(tokens)}
+    # Control (<|im_end|>, DeepSeek's <｜User｜>) and user-defined (<think>) tokens are stored as
+    # their text, never byte-spelled: they keep that spelling, so they can match whole.
+    types = [*types, *[1] * (len(tokens) - len(types))]
+    added = (_CONTROL, _USER_DEFINED)
+    vocab = {
+        t if k in added else spell(t): i
+        for i, (t, k) in enumerate(zip(tokens, types, strict=False))
+    }
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    pre = meta.get("tokenizer.ggml.pre", "")
     tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", fuse_unk=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            fuse_unk=False,
+            ignore_merges=pre in _LLAMA3_PRES,
+        )
     )
-    split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    split = _SPLITS.get(pre)
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -157,29 +175,35 @@ def tokenizer_from_gguf(meta: dict[str, Any], file: str) -> Any:
             ]
         )
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_end|>, ...) match whole and are special; user-defined ones
-    # (<think>, ...) match whole but are ordinary text. A control token spelled outside the
-    # byte alphabet is a mislabel and stays out, so the vocabulary keeps the model's size.
+    # Control tokens match whole and are special; user-defined ones match whole but are
+    # ordinary text.
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, kind_ in zip(tokens, types, strict=False)
-        if kind_ == _CONTROL and set(t) <= alphabet
+        if kind_ == _CONTROL
     ]
     user = [
         AddedToken(t, special=False, normalized=False)
         for t, kind_ in zip(tokens, types, strict=False)
-        if kind_ == _USER_DEFINED and t in vocab
+        if kind_ == _USER_DEFINED
     ]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    if gguf_adds_bos(meta) and bos is not None:
         tok.post_processor = TemplateProcessing(
             single=f"{tokens[bos]} $A",
             pair=f"{tokens[bos]} $A $B",
             special_tokens=[(tokens[bos], bos)],
         )
     return tok
+
+
+def gguf_adds_bos(meta: dict[str, Any]) -> bool:
+    """Whether a GGUF vocabulary's encodings start with its bos token: the file's
+    ``tokenizer.ggml.add_bos_token``, else yes for Llama 3's tokenizer only."""
+    value = meta.get("tokenizer.ggml.add_bos_token")
+    return meta.get("tokenizer.ggml.pre") in _LLAMA3_PRES if value is None else bool(value)
 
 
 def token_bytes(tokenizer: Any) -> list[bytes | None]:
