@@ -27,6 +27,7 @@ from execrt.core.registration import (
     built_problem,
     capability_problems,
     check_result_problem,
+    graph_claim_problem,
     interface_problem,
     option_problems,
 )
@@ -156,6 +157,8 @@ class BackendSpec(Generic[C]):
                     [f"plugin {self.plugin!r}: cannot load {self.factory}: {exc!r}{hint}"],
                 ) from exc
         problem = interface_problem(self.kind, loaded)
+        if problem is None and isinstance(loaded, type):
+            problem = graph_claim_problem(loaded, self.capabilities)
         if problem is None and not callable(loaded):
             problem = f"factory {self.factory} is {loaded!r}, not a callable"
         if problem is not None:

@@ -149,18 +149,26 @@ def _attention_contract_problem(backend: AttentionBackend) -> str | None:
             f"{name}.graph_seq_len_fill_value must be an int >= 1 (the context length of a "
             f"padded graph row, which reads slot 0), got {fill!r}"
         )
-    if getattr(getattr(backend, "capabilities", None), "graph", False):
-        missing = [
-            method
-            for method in ("init_graph_state", "plan_graph")
-            if getattr(type(backend), method) is getattr(AttentionBackend, method)
-        ]
-        if missing:
-            return (
-                f"{name} declares capabilities.graph = True but does not implement "
-                f"{' and '.join(missing)} (implement them, or declare graph = False)"
-            )
-    return None
+    return graph_claim_problem(type(backend), getattr(backend, "capabilities", None), name)
+
+
+def graph_claim_problem(cls: type, capabilities: object, name: str | None = None) -> str | None:
+    """An attention backend class whose ``capabilities`` claim ``graph`` without the two graph
+    methods: refused before it is built (its registered capabilities) and when built (its
+    own)."""
+    if not (issubclass(cls, AttentionBackend) and getattr(capabilities, "graph", False)):
+        return None
+    missing = [
+        method
+        for method in ("init_graph_state", "plan_graph")
+        if getattr(cls, method) is getattr(AttentionBackend, method)
+    ]
+    if not missing:
+        return None
+    return (
+        f"{name or _name(cls)} declares capabilities.graph = True but does not implement "
+        f"{' and '.join(missing)} (implement them, or declare graph = False)"
+    )
 
 
 def check_result_problem(result: object) -> str | None:

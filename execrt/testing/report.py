@@ -362,7 +362,9 @@ def format_table(report: dict[str, Any], width: int = 60) -> str:
     for r in report["results"]:
         err = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
         tol = "-" if r["tolerance"] is None else f"{r['tolerance']:.0e}"
-        reason = r["reason"].splitlines()[0][:100] if r["reason"] else ""
+        reason = r["reason"].splitlines()[0] if r["reason"] else ""
+        if r["outcome"] != "failed":
+            reason = reason[:100]  # a failure keeps its whole first line: the cause is at its end
         lines.append(f"{r['id']:<{width}} {r['outcome']:<8} {err:>10} {tol:>8}  {reason}")
     lines.append(f"{report['kind']} {report['name']}: {report['summary']}")
     return "\n".join(lines)
