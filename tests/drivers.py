@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,19 @@ def hf_trace_errors(hf: Any, prompts: list[list[int]], trace: Trace) -> list[flo
                 ref = hf(torch.tensor([prompt + tokens[:step]])).logits[0, -1]
                 errors.append(rel_err(logits[i], ref))
     return errors
+
+
+def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int, out_dir: Path) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; each rank writes its traceback
+    to ``out_dir/rank<r>.err`` on failure, and any such file fails the caller here."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    except mp.ProcessRaisedException:
+        pass  # the per-rank tracebacks below say more
+    errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+    assert not errors, "\n".join(errors)
 
 
 def assert_traces_agree(got: Trace, ref: Trace, tol: float = 2e-2) -> None:

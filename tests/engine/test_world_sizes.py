@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from execrt.core.errors import ConfigError
+from tests.drivers import spawn_ranks
 
 WORLD = 3
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77]]
@@ -85,15 +85,7 @@ def test_engines_rejoin_the_world_one_after_another(tmp_path: Path, monkeypatch)
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
     )
-    try:
-        mp.start_processes(
-            _rank_main, args=(store.port, path, str(tmp_path)), nprocs=WORLD, join=True,
-            start_method="spawn",
-        )  # fmt: skip
-    except mp.ProcessRaisedException:
-        pass  # the per-rank tracebacks below say more
-    errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
-    assert not errors, "\n".join(errors)
+    spawn_ranks(_rank_main, (store.port, path, str(tmp_path)), WORLD, tmp_path)
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == [expected, expected], f"rank {rank}: {got}"

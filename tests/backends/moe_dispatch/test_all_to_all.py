@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from execrt.backends.moe_dispatch.all_to_all import AllToAllDispatcher
 from execrt.backends.moe_dispatch.all_to_all_fixed import FixedCapacityAllToAllDispatcher
@@ -22,6 +21,7 @@ from execrt.core.interfaces import (
 )
 from execrt.core.parallel import ParallelState
 from execrt.plugins.builtin import ALL_TO_ALL_DISPATCH, ALL_TO_ALL_FIXED_DISPATCH
+from tests.drivers import spawn_ranks
 
 E, K, H = 8, 3, 16
 MAX_TOKENS = 16
@@ -334,13 +334,5 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks(tmp_path: Path) -> None:
-    try:
-        mp.start_processes(
-            _rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-            start_method="spawn",
-        )  # fmt: skip
-    except mp.ProcessRaisedException:
-        pass  # the per-rank tracebacks below say more
-    errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
-    assert not errors, "\n".join(errors)
+    spawn_ranks(_rank_main, (str(tmp_path / "store"), str(tmp_path)), 2, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"]
