@@ -203,6 +203,9 @@ def run_suite_source(
             "-p",
             "no:cacheprovider",
             "--import-mode=importlib",
+            # A failure's few lines above the table, not pages of frames per case (every case
+            # of a backend that cannot be built fails the same way); `--tb=long` still wins.
+            "--tb=short",
             *extra_pytest_args,
         ]
         try:

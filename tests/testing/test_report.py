@@ -249,3 +249,23 @@ def test_a_report_that_cannot_be_written_after_the_run_is_named(
         run_conformance(
             "attention", "torch_native", str(path), extra_pytest_args=("-k", "decode-single")
         )
+
+
+def test_a_failure_is_a_short_traceback_unless_asked_for_a_long_one(tmp_path: Path, capfd) -> None:
+    """Every case of a backend that cannot be built fails the same way: pages of frames each
+    buried the table. The short form keeps the failing line and the message."""
+    source = """
+def helper():
+    # A-LINE-ONLY-THE-LONG-FORM-SHOWS
+    assert False, "boom"
+
+def test_fails():
+    helper()
+"""
+    for extra, long_form in (((), False), (("--tb=long",), True)):
+        code = run_suite_source(
+            source, kind="attention", name="tb", extra_pytest_args=extra, out=io.StringIO()
+        )
+        printed = capfd.readouterr().out
+        assert code == 1 and "boom" in printed
+        assert ("A-LINE-ONLY-THE-LONG-FORM-SHOWS" in printed) == long_form, printed
