@@ -169,9 +169,9 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed {self.seed!r} must be in [0, 2**63)")
-        if any(t < 0 for t in self.stop_token_ids):  # ids past the vocabulary are never sampled
-            neg = next(t for t in self.stop_token_ids if t < 0)
-            out.append(f"stop_token_ids token id {neg!r} unsupported (token ids >= 0)")
+        negative = next((t for t in self.stop_token_ids if t < 0), None)
+        if negative is not None:  # ids past the vocabulary are accepted: never sampled
+            out.append(f"stop_token_ids token id {negative!r} unsupported (token ids >= 0)")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             out.append(f"logit_bias {dict(self.logit_bias)!r} names a token id twice")
