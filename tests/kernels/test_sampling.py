@@ -4,9 +4,7 @@ and CUDA-graph capture."""
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -25,53 +23,6 @@ from tests.kernels.helpers import CUDA, DEVICE, needs_cuda, replay_matches_eager
 
 # Draws per distribution test: the interpreter runs one program after another (~50 ms a row).
 DRAWS = 4000 if CUDA else 400
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quick_interpreter() -> Iterator[None]:
-    """Under the interpreter every call of a jit helper (tl.max included) re-patches
-    triton.language, ~5 ms each, though the launch has already patched it: patch once per
-    launch. Only the cost changes; where the internals differ, nothing is changed."""
-    if not interpreter_enabled():
-        yield
-        return
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-
-        patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    except (ImportError, AttributeError):
-        yield
-        return
-    done: set[frozenset[int]] = set()
-
-    class _Unchanged:
-        def restore(self) -> None:
-            pass
-
-    def patch_once(fn: Any) -> Any:
-        langs = frozenset(
-            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
-        )
-        if langs in done:
-            return _Unchanged()
-        done.add(langs)
-        return patch(fn)
-
-    def launch_fresh(self: Any, *args: Any, **kwargs: Any) -> Any:
-        done.clear()  # the previous launch restored triton.language
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            done.clear()
-
-    interpreter._patch_lang = patch_once
-    interpreter.GridExecutor.__call__ = launch_fresh
-    try:
-        yield
-    finally:
-        interpreter._patch_lang = patch
-        interpreter.GridExecutor.__call__ = launch
 
 
 @pytest.fixture
