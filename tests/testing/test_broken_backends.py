@@ -24,17 +24,14 @@ from tests.testing import fake_backends as fakes
 def run_suite(
     tmp_path: Path, body: str, kind: str, select: str, extra: tuple[str, ...] = ()
 ) -> tuple[int, dict[str, Any]]:
-    """Run a generated suite module in-process; (exit code, JSON report). Without pytest's
-    unraisable-exception plugin, whose clean-up at the end of every in-process run collects
-    garbage five times over this worker's whole heap (~0.7 s a run, more than most of these
-    suites take)."""
+    """Run a generated suite module in-process; (exit code, JSON report)."""
     path = tmp_path / "report.json"
     code = run_suite_source(
         HEADER + body,
         kind=kind,
         name="broken",
         json_path=str(path),
-        extra_pytest_args=("-k", select, "-p", "no:unraisableexception", *extra),
+        extra_pytest_args=("-k", select, *extra),
         out=io.StringIO(),
     )
     return code, json.loads(path.read_text())
