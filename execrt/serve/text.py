@@ -13,16 +13,18 @@ from execrt.engine.client import Detokenizer, TextCodec, TokenLogprobs
 class ChoiceText:
     """Text of one choice. ``feed`` returns what may be sent now; ``stopped`` turns True when
     a stop string matched (the text ends before it; later tokens are ignored). ``tokens``
-    counts the tokens fed up to the stop, and ``logprobs`` holds theirs. ``min_tokens``: the
-    stop strings are looked for only in the text of the ``min_tokens``-th token and after
-    (as vLLM checks them only once the output has that many tokens)."""
+    counts the tokens fed up to the stop, and ``logprobs`` holds theirs. ``min_tokens``: a
+    stop string matches only where it ends in the text of the ``min_tokens``-th token or a
+    later one; it may begin earlier (as vLLM looks for stop strings once the output has that
+    many tokens, in a window reaching back a stop's length into the text before). The text of
+    the earlier tokens is held back as any text is while it could begin a stop string."""
 
     def __init__(
         self, detokenizer: Detokenizer, stops: tuple[str, ...] = (), min_tokens: int = 0
     ) -> None:
         self._detok = detokenizer
         self._stops = stops
-        self._free = max(0, min_tokens - 1)  # tokens whose text is sent without a scan
+        self._free = max(0, min_tokens - 1)  # tokens in whose text no stop may end
         self._held = ""  # text that may begin a stop string: not sent yet
         self._sent: list[str] = []  # every piece sent (joined on demand: appending stays O(1))
         self.tokens = 0
@@ -45,7 +47,7 @@ class ChoiceText:
         for token in token_ids:  # one at a time: the stop's token ends the count
             fed += 1
             piece = self._detok.push([token])
-            out.append(self._scan(piece) if self.tokens + fed > self._free else self._send(piece))
+            out.append(self._scan(piece, match=self.tokens + fed > self._free))
             if self.stopped:
                 break
         self.tokens += fed
@@ -61,11 +63,16 @@ class ChoiceText:
         held, self._held = self._held, ""
         return rest + self._send(held)
 
-    def _scan(self, piece: str) -> str:
+    def _scan(self, piece: str, match: bool = True) -> str:
+        """Send what of the held text and ``piece`` cannot begin a stop string; with ``match``,
+        first cut at the earliest stop string that ends in ``piece`` (one lying in the held
+        text alone was there before this token could stop the output)."""
         if not self._stops or not piece:
             return self._send(piece)
+        held = len(self._held)
         buffer = self._held + piece
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        found = (buffer.find(s, max(0, held - len(s) + 1)) for s in self._stops) if match else ()
+        hits = [i for i in found if i >= 0]
         if hits:
             self.stopped = True
             self._held = ""

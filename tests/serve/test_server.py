@@ -472,8 +472,8 @@ def test_penalties_min_p_and_min_tokens_reach_the_engine(served) -> None:
 
 
 def test_stop_strings_wait_for_min_tokens(served) -> None:
-    """A stop string in the text of the first ``min_tokens - 1`` tokens is not a stop; from
-    the ``min_tokens``-th token on it is."""
+    """A stop string that ends in the text of the first ``min_tokens - 1`` tokens is not a
+    stop; one that ends in the ``min_tokens``-th token's or later is, wherever it begins."""
     api = served.openai()
     free = served.engine.generate("Hello", greedy(8, ignore_eos=True))
     pieces = [served.engine.tokenizer.decode([t]) for t in free.token_ids]
@@ -492,11 +492,11 @@ def test_stop_strings_wait_for_min_tokens(served) -> None:
         extra_body={"min_tokens": 3, "ignore_eos": True},
     )
     text = held.choices[0].text
-    # The first two tokens' text is kept whole; the stop is looked for from the third on.
-    assert text.startswith(pieces[0] + pieces[1])
-    rest = "".join(pieces[2:])
-    cut = rest.find(stop)
-    assert text == pieces[0] + pieces[1] + (rest if cut < 0 else rest[:cut])
+    # A stop counts where it ends after the first two tokens' text.
+    full, free = "".join(pieces), len(pieces[0] + pieces[1])
+    cut = full.find(stop, max(0, free - len(stop) + 1))
+    assert cut != 0  # the stop that ends in the first token's text is not one
+    assert text == (full if cut < 0 else full[:cut])
 
 
 def test_tools_for_a_template_without_them_are_refused_and_none_is_fine(served) -> None:

@@ -18,9 +18,11 @@ TOKENIZER = build_tokenizer()
 ALPHABET = "abé✓日🎉 \n"
 
 
-def run(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[list[str], ChoiceText]:
+def run(
+    text: str, stops: tuple[str, ...], cuts: list[int], min_tokens: int = 0
+) -> tuple[list[str], ChoiceText]:
     ids = TOKENIZER.encode(text).ids
-    choice = ChoiceText(_Detokenizer(TOKENIZER), stops)
+    choice = ChoiceText(_Detokenizer(TOKENIZER), stops, min_tokens)
     pieces, start = [], 0
     for cut in sorted({min(c, len(ids)) for c in cuts} | {len(ids)}):
         piece, _ = choice.feed(ids[start:cut])
@@ -30,23 +32,51 @@ def run(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[list[str], 
     return pieces, choice
 
 
-@settings(max_examples=150, deadline=None)
+def first_stop(text: str, stops: list[str], min_tokens: int) -> tuple[int, int] | None:
+    """(end, start) of the first stop to complete as the text arrives (the earlier start on a
+    tie) among those completed by the ``min_tokens``-th token or a later one (one token per
+    byte here): a stop may begin in the text of earlier tokens."""
+    found = []
+    for stop in stops:
+        start = text.find(stop)
+        while start >= 0 and len(text[: start + len(stop)].encode()) < min_tokens:
+            start = text.find(stop, start + 1)
+        if start >= 0:
+            found.append((start + len(stop), start))
+    return min(found, default=None)
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     text=st.text(ALPHABET, min_size=1, max_size=24),
     stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
     cuts=st.lists(st.integers(0, 80), max_size=8),
+    min_tokens=st.sampled_from([0, 0, 1, 2, 3, 5, 9]),
 )
-def test_output_is_the_text_up_to_the_first_stop(text, stops, cuts) -> None:
-    pieces, choice = run(text, tuple(stops), cuts)
-    # The first stop to complete as the text arrives wins (the earlier start on a tie).
-    matches = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
-    expected = text[: matches[0][1]] if matches else text
+def test_output_is_the_text_up_to_the_first_stop(text, stops, cuts, min_tokens) -> None:
+    pieces, choice = run(text, tuple(stops), cuts, min_tokens)
+    match = first_stop(text, stops, min_tokens)
+    expected = text[: match[1]] if match else text
     assert "".join(pieces) == expected == choice.text
-    assert choice.stopped == bool(matches)
-    assert not any(s in choice.text for s in stops)
+    assert choice.stopped == bool(match)
+    if not min_tokens:
+        assert not any(s in choice.text for s in stops)
     assert not any("\ufffd" in p for p in pieces)  # a character is never split
     # Tokens are counted up to the one that completed the match (one per byte here).
-    assert choice.tokens == len(text[: matches[0][0]].encode() if matches else text.encode())
+    assert choice.tokens == len(text[: match[0]].encode() if match else text.encode())
+
+
+def test_a_stop_that_begins_before_the_min_tokens_th_token_and_ends_in_it_stops() -> None:
+    """As vLLM: from the ``min_tokens``-th token on, a stop string matches where it ends in
+    the new text, wherever it begins (here in the text of the first token)."""
+    ids = TOKENIZER.encode("xyz").ids  # one token per letter
+    choice = ChoiceText(_Detokenizer(TOKENIZER), ("xy",), min_tokens=2)
+    assert [choice.feed([t])[0] for t in ids] == ["", "", ""]
+    assert choice.stopped and choice.text == "" and choice.tokens == 2
+    # One that ends before the min_tokens-th token is no stop, and is sent once it cannot be.
+    choice = ChoiceText(_Detokenizer(TOKENIZER), ("xy",), min_tokens=3)
+    assert [choice.feed([t])[0] for t in ids] == ["", "xy", "z"]
+    assert not choice.stopped and choice.finish() == "" and choice.text == "xyz"
 
 
 def test_a_possible_stop_prefix_is_held_back_until_it_cannot_match() -> None:
