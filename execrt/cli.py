@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "experts (default: as --tp)",
     )
     gen.add_argument(
-        "--strict", action="store_true", default=None, help="no silent fallback (default: off)"
+        "--strict",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no silent fallback; --no-strict overrides a file or EXECRT_STRICT (default: off)",
     )
     gen.add_argument(
         "--token-ids",

@@ -538,3 +538,20 @@ def test_a_chat_refusal_names_the_prompt_as_given_not_the_templates_ids(capsys) 
     assert main([*argv, "--device", "cpu", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "execrt: request 'Hi' rejected: response_format" in err and "minProperties" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_no_strict_on_the_command_line_overrides_the_environment(command: str) -> None:
+    """``--strict`` is a switch both ways: ``--no-strict`` beats EXECRT_STRICT=1 (the command
+    line wins over the environment); ``--strict=false`` is refused, not read as on."""
+    from execrt.core.config import RuntimeConfig
+
+    parser = build_parser()
+    args = parser.parse_args([command, "--no-strict"])
+    loaded = RuntimeConfig.load(environ={"EXECRT_STRICT": "1"}, cli={"strict": args.strict})
+    assert loaded.strict is False
+    assert parser.parse_args([command, "--strict"]).strict is True
+    assert parser.parse_args([command]).strict is None  # not given: the file or environment's
+    if command == "generate":
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--strict=false"])

@@ -48,6 +48,7 @@ def check_before_load(
 _LOWER = {
     "kv_cache_tokens": "lower kv_cache_tokens (0 sizes the KV cache to fit)",
     "max_running_requests": "lower max_running_requests (or context_len)",
+    "max_prefill_tokens": "lower max_prefill_tokens (longer prompts are prefilled in chunks)",
 }
 
 
@@ -72,6 +73,11 @@ def pool_bytes(
     rows = config.max_running_requests + 1  # row 0 is the padding row
     table = f"request-to-token table ({rows} rows x {context_len} tokens, int32)"
     out = [("max_running_requests", table, rows * context_len * 4)]
+    # The static step inputs (runners.InputBuffers): three int64 entries per token of the
+    # largest step, two per running request.
+    step = max(config.max_prefill_tokens, config.max_running_requests)
+    buffers = f"step input buffers ({step} tokens x 3, int64)"
+    out.append(("max_prefill_tokens", buffers, step * 24 + config.max_running_requests * 16))
     tokens = config.kv_cache_tokens
     if tokens:
         per_token = KVCache.bytes_per_token_for(

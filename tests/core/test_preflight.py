@@ -38,6 +38,12 @@ def check(monkeypatch: pytest.MonkeyPatch, available: int | None, **config: obje
             "table (100000001 rows x 8192 tokens, int32), before the model's weights, but cpu "
             "has 16.0 GiB available; lower max_running_requests (or context_len)",
         ),
+        (
+            {"max_prefill_tokens": 10_000_000_000, "max_running_requests": 32},
+            "config: max_prefill_tokens=10000000000 needs 223.5 GiB for the step input buffers "
+            "(10000000000 tokens x 3, int64), before the model's weights, but cpu has 16.0 GiB "
+            "available; lower max_prefill_tokens (longer prompts are prefilled in chunks)",
+        ),
     ],
 )
 def test_pools_larger_than_memory_name_key_bytes_and_memory(monkeypatch, setting, error) -> None:
