@@ -100,8 +100,14 @@ class Options:
             problems.append(f"range_ratio {self.range_ratio} must be in (0, 1]")
         if not self.concurrencies and not self.request_rates:
             problems.append("give at least one --max-concurrency or --request-rate")
-        if any(c < 1 for c in self.concurrencies) or any(r <= 0 for r in self.request_rates):
-            problems.append("concurrencies must be >= 1 and request rates > 0")
+        bad_c = [c for c in self.concurrencies if c < 1]
+        if bad_c:
+            problems.append(f"max concurrency {', '.join(map(str, bad_c))} must be >= 1")
+        bad_r = [r for r in self.request_rates if not (0 < r < math.inf)]  # NaN fails it too
+        if bad_r:
+            problems.append(
+                f"request rate {', '.join(map(str, bad_r))} must be a finite number > 0 per s"
+            )
         if self.server not in ("process", "thread"):
             problems.append(f"server {self.server!r} must be 'process' or 'thread'")
         if self.client_procs is not None and self.client_procs < 1:

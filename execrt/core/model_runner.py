@@ -122,12 +122,20 @@ class ModelRunner:
             )
             self._own("graph_backend", graphs, lambda g: g.cleanup())
             built.append(res)
+            max_bs, requested = assembly.graph_max_bs(r), r.config.graph_batch_sizes()
+            if dropped := sorted(b for b in set(requested) if b > max_bs):
+                logger.warning(
+                    "cuda_graph_bs: %s not captured: no decode batch exceeds %d "
+                    "(max_running_requests %d, cuda_graph_max_bs %s)",
+                    ", ".join(map(str, dropped)), max_bs, r.config.max_running_requests,
+                    r.config.cuda_graph_max_bs or "auto",
+                )  # fmt: skip
             self.decode_graph_runner = DecodeCudaGraphRunner(
                 self.model,
                 self.attn_backend,
                 self.input_buffers,
                 graphs,
-                capture_batch_sizes(assembly.graph_max_bs(r), r.config.graph_batch_sizes()),
+                capture_batch_sizes(max_bs, requested),
                 sampler=self.sampler if self._samples_in_graph() else None,
             )
             self.decode_graph_runner.capture()

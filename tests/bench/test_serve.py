@@ -112,6 +112,11 @@ def test_load_processes_follow_the_streams_and_the_cores(monkeypatch) -> None:
         ({"num_prompts": 0}, "num_prompts 0 must be >= 1"),
         ({"layers": 0}, "layers 0 must be >= 1"),
         ({"device": "tpu"}, "device 'tpu' unsupported (supported: cuda, cuda:N, cpu)"),
+        ({"concurrencies": (4, 0)}, "max concurrency 0 must be >= 1"),
+        (  # NaN passed the old `r <= 0` check and was timed and recorded as "rate nan/s"
+            {"request_rates": (float("nan"), 2.0, float("inf"), -1.0)},
+            "request rate nan, inf, -1.0 must be a finite number > 0 per s",
+        ),
     ],
 )
 def test_bad_options_are_refused_before_a_server_starts(bad, message) -> None:  # type: ignore[no-untyped-def]
