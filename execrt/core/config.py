@@ -209,6 +209,11 @@ class RuntimeConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
+    def check_keys(cls, values: Mapping[str, Any], source: str) -> None:
+        """Raise ConfigError naming ``source`` (where the keys came from) for unknown keys."""
+        _check_keys(values, source)
+
+    @classmethod
     def load(
         cls,
         file: str | os.PathLike[str] | None = None,

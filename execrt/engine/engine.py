@@ -105,6 +105,7 @@ class Engine:
         **overrides: Any,
     ) -> None:
         check_kernel_switches()  # EXECRT_* kernel switches: a typo fails here, on any device
+        _check_arguments(model_path, config, loader, overrides)
         # Precedence: EXECRT_* environment (or ``config`` as given) < keyword arguments.
         base = config if config is not None else RuntimeConfig.load(environ=os.environ)
         cfg = base.replace(**overrides) if overrides else base
@@ -666,3 +667,29 @@ class _HeapFreeze:
 
 
 _HEAP = _HeapFreeze()
+
+
+def _check_arguments(
+    model_path: object, config: object, loader: object, overrides: dict[str, Any]
+) -> None:
+    """ConfigError, naming the argument and what it accepts, for arguments of the wrong kind
+    (they used to fail deep inside with an AttributeError or a TypeError)."""
+    if model_path is not None and not isinstance(model_path, (str, os.PathLike)):
+        raise ConfigError(
+            f"engine: model_path {model_path!r} has type {type(model_path).__name__} "
+            "(accepted: a checkpoint directory, a .gguf file, 'builtin', or None for the "
+            "default model)"
+        )
+    if config is not None and not isinstance(config, RuntimeConfig):
+        raise ConfigError(
+            f"engine: config has type {type(config).__name__} (accepted: a RuntimeConfig, "
+            "e.g. RuntimeConfig(seed=1); or pass its keys as keyword arguments, Engine(seed=1))"
+        )
+    if loader is not None and not (
+        hasattr(loader, "spec") and callable(getattr(loader, "load", None))
+    ):
+        raise ConfigError(
+            f"engine: loader has type {type(loader).__name__} (accepted: a ModelLoader, with "
+            "a spec and load(request); a model path is the first argument)"
+        )
+    RuntimeConfig.check_keys(overrides, "Engine keyword arguments")

@@ -205,3 +205,25 @@ def test_a_context_len_beyond_the_models_is_a_config_error_naming_both(dense) ->
         Engine(dense, device="cpu", context_len=257)
     with Engine(dense, device="cpu", context_len=256) as engine:
         assert engine.worker.limits.context_len == 256
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model_path": 123}, "engine: model_path 123 has type int (accepted: a checkpoint"),
+        ({"config": {"seed": 1}}, "engine: config has type dict (accepted: a RuntimeConfig"),
+        ({"loader": "x"}, "engine: loader has type str (accepted: a ModelLoader"),
+        (
+            {"attention": "triton"},
+            "config (Engine keyword arguments): unknown key(s) attention (accepted: ",
+        ),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_config_errors_naming_them(kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    """They failed deep inside, with a TypeError or an AttributeError about a str or a dict,
+    or named a ``replace`` the caller never called."""
+    from execrt.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Engine(**kwargs)
+    assert str(info.value).startswith(message), str(info.value)
