@@ -358,12 +358,17 @@ class BackendRegistry:
         may well be that plugin's."""
         self._skipped.setdefault(plugin, reason)
 
-    def get(self, kind: str, name: str) -> BackendSpec[Capabilities]:
+    def get(
+        self, kind: str, name: str, keywords: tuple[str, ...] = ()
+    ) -> BackendSpec[Capabilities]:
+        """The spec registered as ``name``; else BackendUnavailableError listing the
+        registered names and the ``keywords`` the caller also accepts (e.g. "auto")."""
         try:
             return self._specs[(kind, name)]
         except KeyError:
             known = ", ".join(self.names(kind)) or "none"
-            reasons = [f"not registered (registered: {known})"]
+            also = f"; or {', '.join(keywords)}" if keywords else ""
+            reasons = [f"not registered (registered: {known}{also})"]
             reasons += [f"plugin {p!r} was skipped: {why}" for p, why in self._skipped.items()]
             raise BackendUnavailableError(kind, name, reasons) from None
 

@@ -111,7 +111,8 @@ def _walk(
     if kind in OPTIONAL_KINDS and requested == NO_GRAPH:
         return Resolution(kind, requested, None, note=f"{OPTIONAL_KINDS[kind]} disabled"), None
     if requested != "auto":
-        reasons, backend = attempt(registry.get(kind, requested))
+        words = ("auto", NO_GRAPH) if kind in OPTIONAL_KINDS else ("auto",)
+        reasons, backend = attempt(registry.get(kind, requested, keywords=words))
         if reasons:
             raise BackendUnavailableError(kind, requested, reasons)
         return Resolution(kind, requested, requested), backend

@@ -110,9 +110,14 @@ def test_an_unknown_name_lists_the_registered_ones() -> None:
     reg = registry(("zeta", HD64, 0), ("alpha", HD64, 5))
     with pytest.raises(BackendUnavailableError) as info:
         resolve_backend(reg, "attention", "beta", CPU_REQ)
-    assert info.value.reasons == ["not registered (registered: alpha, zeta)"]
-    with pytest.raises(BackendUnavailableError, match=r"not registered \(registered: none\)"):
+    # The keywords the kind accepts are named too ("None" for none, say, lists "none").
+    assert info.value.reasons == ["not registered (registered: alpha, zeta; or auto)"]
+    with pytest.raises(BackendUnavailableError) as info:
         resolve_backend(reg, "moe_dispatch", "alpha", CPU_REQ)
+    assert info.value.reasons == ["not registered (registered: none; or auto)"]
+    with pytest.raises(BackendUnavailableError) as info:
+        resolve_backend(reg, "prefix_cache", "None", CPU_REQ)
+    assert info.value.reasons == ["not registered (registered: none; or auto, none)"]
 
 
 def test_none_outside_graphs_is_just_an_unknown_name() -> None:
