@@ -129,6 +129,11 @@ class RuntimeConfig:
                 raise ConfigError(
                     f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
                 )
+        if self.context_len == 1:  # a request needs a prompt token and room for one more
+            raise ConfigError(
+                "config: context_len 1 leaves no room for a token after the prompt "
+                "(accepted: 0 = the model's, or at least 2)"
+            )
         if self.seed < 0:  # 0 is a seed like any other
             raise ConfigError(f"config: seed must be >= 0, got {self.seed}")
         if not 0.0 <= self.kv_cache_memory_fraction <= 0.95:

@@ -91,6 +91,10 @@ def test_a_toml_file_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path
         ),
         ({"seed": -1}, r"seed must be >= 0, got -1$"),
         ({"kv_cache_tokens": -1}, r"kv_cache_tokens must be >= 0 \(0 = auto\), got -1$"),
+        (  # it started, then refused every request
+            {"context_len": 1},
+            r"context_len 1 leaves no room .* \(accepted: 0 = the model's, or at least 2\)$",
+        ),
     ],
 )
 def test_invalid_values_name_key_and_value(kwargs, message) -> None:
