@@ -294,8 +294,9 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
     """
     config = resolved.config
     requested = config.graph_backend
-    if requested not in ("auto", NO_GRAPH):
-        registry.get("graph", requested)  # an unknown name fails as "not registered"
+    named = None
+    if requested not in ("auto", NO_GRAPH):  # an unknown name fails as "not registered"
+        named = registry.get("graph", requested, keywords=("auto", NO_GRAPH))
     blockers = []
     for res in (resolved.attention, resolved.moe_dispatch):
         if res.chosen is not None and not getattr(
@@ -304,7 +305,12 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
             blockers.append(f"{res.kind} backend {res.chosen!r} is not graph-capable")
     if blockers and requested != NO_GRAPH:
         if requested != "auto" or config.strict and resolved.device.type == "cuda":
-            raise BackendUnavailableError("graph", requested, blockers)
+            # A named backend's own refusals too (the device, say): every reason at once.
+            own = []
+            if named is not None:
+                requirements = GraphRequirements(resolved.device.type)
+                own = named.refusals(requirements) or named.factory_problems()
+            raise BackendUnavailableError("graph", requested, [*blockers, *own])
         graph = Resolution(
             "graph", requested, None, note="; ".join(blockers) + ": decode runs eagerly"
         )

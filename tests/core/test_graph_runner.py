@@ -218,6 +218,19 @@ def test_auto_and_explicit_graphs_with_a_backend_that_cannot_capture(checkpoint)
             attention_backend="torch_native",
             graph_backend="reexec",
         )
+    # A named backend that the device refuses too says so beside the attention's reason (it
+    # named the attention alone, so the user learned the second reason only after fixing it).
+    with pytest.raises(BackendUnavailableError) as info:
+        make_worker(
+            checkpoint("dense-tied-hd64"),
+            ctx,
+            attention_backend="torch_native",
+            graph_backend="full_cuda_graph",
+        )
+    assert info.value.reasons == [
+        "attention backend 'torch_native' is not graph-capable",
+        "device cpu unsupported (supported: cuda)",
+    ]
     ctx.close()
     # An unknown name is reported as such, not as a capture problem of the attention backend.
     ctx = RuntimeContext()
