@@ -502,6 +502,14 @@ def kv_cache_tokens(resolved: ResolvedRuntime) -> int:
     counted in bytes of the storage dtype (an fp8 cache fits twice the tokens of a bf16 one).
     The same on every rank (the smallest), since every rank runs the same schedule."""
     cfg = resolved.config
+    fraction = cfg.kv_cache_memory_fraction
+    if fraction and (cfg.kv_cache_tokens or resolved.device.type != "cuda"):
+        logger.warning(
+            "kv_cache_memory_fraction %s ignored: it sizes an automatic KV cache on CUDA, and %s",
+            fraction,
+            f"kv_cache_tokens is {cfg.kv_cache_tokens}" if cfg.kv_cache_tokens
+            else f"this one is on {resolved.device} (set kv_cache_tokens to size it)",
+        )  # fmt: skip
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     s = resolved.local_spec

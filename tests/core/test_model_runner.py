@@ -96,6 +96,26 @@ def test_auto_kv_tokens_is_every_request_at_full_context_within_the_budget(runti
     other.close()
 
 
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ({}, "this one is on cpu (set kv_cache_tokens to size it)"),
+        ({"kv_cache_tokens": 64}, "kv_cache_tokens is 64"),
+    ],
+)
+def test_a_memory_fraction_that_sizes_nothing_is_warned_about(config, why, caplog) -> None:  # type: ignore[no-untyped-def]
+    """It sizes an automatic KV cache on CUDA only; elsewhere it did nothing, silently."""
+    with RuntimeContext() as ctx, caplog.at_level("WARNING", logger="execrt.core.assembly"):
+        mr = runner(ctx, kv_cache_memory_fraction=0.5, max_running_requests=2, **config)
+        mr.close()
+    warned = [
+        r.getMessage() for r in caplog.records if "kv_cache_memory_fraction" in r.getMessage()
+    ]
+    assert warned == [
+        f"kv_cache_memory_fraction 0.5 ignored: it sizes an automatic KV cache on CUDA, and {why}"
+    ]
+
+
 def test_forward_runs_extend_and_decode_through_the_eager_runner(runtime_context) -> None:  # type: ignore[no-untyped-def]
     mr = runner(runtime_context)
     reqs = [
