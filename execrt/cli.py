@@ -726,6 +726,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         response_format=_response_format(args.response_format, args.json_schema),
         json_schema=_schema_text(args.json_schema),
     )
+    bad = params.problems()  # before the model loads, not after
+    if bad:
+        raise ExecrtError(f"generate: {'; '.join(bad)}")
     with Engine(config=config) as engine:
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.
         show = engine.parallel.rank == 0

@@ -254,9 +254,13 @@ def test_generate_exit_status_is_the_same_in_json_and_text_mode(capsys) -> None:
     bad = ["generate", "1,2,3", "--token-ids", "--max-new-tokens", "0", "--device", "cpu"]
     assert main(bad) == 2
     assert "max_new_tokens 0 must be an integer >= 1" in capsys.readouterr().err
-    assert main([*bad, "--json"]) == 2
+    assert main([*bad, "--json"]) == 2  # refused before the model loads: no results at all
+    captured = capsys.readouterr()
+    assert captured.out == "" and "max_new_tokens 0 must be an integer >= 1" in captured.err
+    # A request the engine rejects (its text) is a result with its error in JSON mode.
+    assert main(["generate", "abc\udcff", "--max-new-tokens", "2", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
-    assert out[0]["finish_reason"] == "error" and "max_new_tokens 0" in out[0]["error"]
+    assert out[0]["finish_reason"] == "error" and "not valid Unicode" in out[0]["error"]
 
 
 def test_generate_writes_one_prompt_as_it_is_produced(monkeypatch) -> None:
@@ -555,3 +559,18 @@ def test_no_strict_on_the_command_line_overrides_the_environment(command: str) -
     if command == "generate":
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--strict=false"])
+
+
+def test_bad_sampling_flags_are_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import execrt.engine
+
+    def no_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the engine was built for a request that cannot run")
+
+    monkeypatch.setattr(execrt.engine, "Engine", no_engine)
+    assert main(["generate", "x", "--max-new-tokens", "0", "--top-p", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "execrt: error: generate: max_new_tokens 0 must be an integer >= 1; "
+        "top_p 2.0 must be in (0, 1]"
+    ]
