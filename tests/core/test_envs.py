@@ -81,6 +81,8 @@ def test_config_overrides_take_prefixed_fields_only() -> None:
         "EXECRT_ATTENTION_BACKEND": "triton",
         "EXECRT_MAX_BATCH_SIZE": "16",
         "EXECRT_MODEL_PATH": "/Models/Qwen3",  # values keep their case
+        "EXECRT_STRICT": "",  # empty: not given (it was a ConfigError, "'' is not a bool")
+        "EXECRT_SEED": "",
         # Named variables that are not config fields:
         "EXECRT_PLUGINS": "a",
         "EXECRT_DISABLE_PLUGIN_AUTOLOAD": "1",
