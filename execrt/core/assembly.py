@@ -49,6 +49,7 @@ from execrt.core.preflight import (
     check_before_load,
     cpu_kv_budget,
     format_bytes,
+    max_step_tokens,
 )
 from execrt.core.selection import Resolution, ResolutionReport, build_backend, resolve_backend
 
@@ -184,7 +185,7 @@ def resolve_runtime(
         parallel=parallel,
         local_spec=local,
         context_len=context_len,
-        max_num_tokens=max(config.max_prefill_tokens, config.max_running_requests),
+        max_num_tokens=max_step_tokens(config),
         attention=Resolution("attention", config.attention_backend, None),
         moe_dispatch=Resolution("moe_dispatch", config.moe_dispatcher, None),
         graph=Resolution("graph", config.graph_backend, None),
@@ -306,10 +307,7 @@ def _with_graph(resolved: ResolvedRuntime, registry: BackendRegistry) -> Resolve
     if blockers and requested != NO_GRAPH:
         if requested != "auto" or config.strict and resolved.device.type == "cuda":
             # A named backend's own refusals too (the device, say): every reason at once.
-            own = []
-            if named is not None:
-                requirements = GraphRequirements(resolved.device.type)
-                own = named.refusals(requirements) or named.factory_problems()
+            own = [] if named is None else named.problems(GraphRequirements(resolved.device.type))
             raise BackendUnavailableError("graph", requested, [*blockers, *own])
         graph = Resolution(
             "graph", requested, None, note="; ".join(blockers) + ": decode runs eagerly"

@@ -167,6 +167,11 @@ class BackendSpec(Generic[C]):
             )
         return loaded
 
+    def problems(self, requirements: Any) -> list[str]:
+        """Why this backend cannot be picked for ``requirements``: its refusals, else why its
+        factory cannot be loaded (empty: usable, as far as can be told without building it)."""
+        return self.refusals(requirements) or self.factory_problems()
+
     def factory_problems(self) -> list[str]:
         """Why the factory cannot be loaded (imports its module, builds nothing)."""
         try:

@@ -17,6 +17,7 @@ from execrt.core.config import RuntimeConfig
 from execrt.core.errors import ConfigError
 from execrt.core.memory import KVCache
 from execrt.core.model_spec import ModelSpec
+from execrt.core.runners import InputBuffers
 
 
 def check_before_load(
@@ -65,6 +66,12 @@ def cpu_kv_budget(floor: int, per_token: int, context_len: int, available: int |
     return full if floor < full <= room else floor
 
 
+def max_step_tokens(config: RuntimeConfig) -> int:
+    """Tokens of the largest step (a prefill, or a decode of every running request): what the
+    static input buffers hold. ``config``'s sizes resolved (not 0)."""
+    return max(config.max_prefill_tokens, config.max_running_requests)
+
+
 def pool_bytes(
     config: RuntimeConfig, local: ModelSpec, kv_dtype: torch.dtype, context_len: int
 ) -> list[tuple[str, str, int]]:
@@ -73,11 +80,11 @@ def pool_bytes(
     rows = config.max_running_requests + 1  # row 0 is the padding row
     table = f"request-to-token table ({rows} rows x {context_len} tokens, int32)"
     out = [("max_running_requests", table, rows * context_len * 4)]
-    # The static step inputs (runners.InputBuffers): three int64 entries per token of the
-    # largest step, two per running request.
-    step = max(config.max_prefill_tokens, config.max_running_requests)
+    step = max_step_tokens(config)
     buffers = f"step input buffers ({step} tokens x 3, int64)"
-    out.append(("max_prefill_tokens", buffers, step * 24 + config.max_running_requests * 16))
+    out.append(
+        ("max_prefill_tokens", buffers, InputBuffers.bytes_for(config.max_running_requests, step))
+    )
     tokens = config.kv_cache_tokens
     if tokens:
         per_token = KVCache.bytes_per_token_for(

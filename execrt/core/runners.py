@@ -56,6 +56,12 @@ class InputBuffers:
         )
         self.num_token_non_padded = zeros(1)
 
+    @staticmethod
+    def bytes_for(max_bs: int, max_num_tokens: int) -> int:
+        """Bytes the buffers of ``max_bs`` requests and ``max_num_tokens`` tokens take: three
+        int64 per token, two per request and one."""
+        return 8 * (3 * max_num_tokens + 2 * max_bs + 1)
+
     def check_fits(self, fb: StepInputs, rows: int | None = None) -> None:
         t, b = fb.num_tokens, fb.batch_size if rows is None else rows
         if t > self.max_num_tokens or b > self.max_bs:

@@ -100,7 +100,7 @@ def _walk(
     build: Callable[[BackendSpec[Capabilities]], object] | None,
 ) -> tuple[Resolution, Any]:
     def attempt(spec: BackendSpec[Capabilities]) -> tuple[list[str], Any]:
-        reasons = spec.refusals(requirements) or spec.factory_problems()
+        reasons = spec.problems(requirements)
         if reasons or build is None:
             return reasons, None
         try:
