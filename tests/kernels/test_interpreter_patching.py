@@ -81,3 +81,40 @@ def test_a_helper_called_outside_a_launch_still_patches(monkeypatch: pytest.Monk
     scope = interpreter._patch_lang(_twice.fn if hasattr(_twice, "fn") else _twice)
     scope.restore()  # what it patched goes back: nothing runs on a patched language after this
     assert calls == ["_twice"]
+
+
+@triton.jit
+def _types_kernel(x_ptr, i_ptr, out_ptr, acc_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, COLS)[None, :]
+    x = tl.load(x_ptr + rows * COLS + cols)  # fp16 [ROWS, COLS]
+    i = tl.load(i_ptr + cols)  # int32 [1, COLS], broadcast against the rows
+    y = x.to(tl.float32) * 0.5 + i  # casts, a promotion to fp32, a broadcast
+    z = tl.where(y > 1.0, y, -y) + tl.sum(y, axis=1)[:, None]  # a reduction's shape back
+    tl.store(out_ptr + rows * COLS + cols, z.to(tl.float16))
+    tl.store(acc_ptr + tl.arange(0, COLS), tl.max(y, axis=0) + i.reshape(COLS))
+
+
+def test_shared_block_types_leave_the_types_and_the_results_as_they_were() -> None:
+    from triton.runtime import interpreter
+
+    if not install():
+        pytest.skip("this triton's interpreter has other internals: the tests run unpatched")
+    builder = interpreter.InterpreterBuilder()
+    a, b = builder.get_block_ty(tl.float32, [4, 8]), builder.get_block_ty(tl.float32, [4, 8])
+    assert a is b and a == tl.block_type(tl.float32, [4, 8])  # one object per type
+    assert a.with_element_ty(tl.int32) == tl.block_type(tl.int32, [4, 8])
+    assert builder.get_block_ty(tl.float16, [4, 8]) != a  # the element type is in the key
+    t1, t2 = tl.core.tensor(None, a), tl.core.tensor(None, a)
+    assert t1.shape is not t2.shape and list(t1.shape) == list(t2.shape) == [4, 8]
+    assert t1.numel == 32 and t1.dtype == tl.float32 and t1.type is a
+
+    x = torch.randn(4, 8).to(torch.float16)
+    i = torch.arange(8, dtype=torch.int32) - 3
+    out, acc = torch.empty_like(x), torch.empty(8)
+    for cols in (8, 8):  # the second launch runs on the cached types
+        _types_kernel[(1,)](x, i, out, acc, ROWS=4, COLS=cols)
+        y = x.float() * 0.5 + i
+        z = torch.where(y > 1.0, y, -y) + y.sum(dim=1, keepdim=True)
+        torch.testing.assert_close(out, z.half(), rtol=0, atol=0)
+        torch.testing.assert_close(acc, y.amax(dim=0) + i, rtol=0, atol=0)
