@@ -241,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("kind", choices=KINDS)
     conf.add_argument("name", help="registered backend name (see `execrt backends`)")
     conf.add_argument("--json", help="also write the JSON report to this file")
+    conf.add_argument(
+        "--no-shrink",
+        dest="shrink",
+        action="store_false",
+        help="report a failing generated test's example as drawn instead of shrinking it "
+        "first (shrinking can take minutes)",
+    )
     conf.epilog = "Other options (e.g. -k EXPR, -x) are passed on to pytest."
     return parser
 
@@ -550,7 +557,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ExecrtError(f"conformance: {exc}") from None
     try:
-        return run_conformance(args.kind, args.name, args.json, extra_pytest_args=args.pytest_args)
+        return run_conformance(
+            args.kind, args.name, args.json, extra_pytest_args=args.pytest_args, shrink=args.shrink
+        )
     except ImportError as exc:
         raise ExecrtError(f"conformance: {exc}") from None
 

@@ -219,9 +219,11 @@ class KVMemory:
         """Hand the K/V of ``req``'s first ``length`` tokens to the prefix cache; ``req`` keeps
         reading it, locked. Call it once the step that computed them is done (never with K/V
         still being written: a failed step would leave garbage in the cache). A no-op without
-        a cache, under ``force_miss``, or for tokens already cached."""
+        a cache, under ``force_miss`` or with a cache that never matches (``reuses`` False:
+        nothing would read its copy, so the request keeps its own until it finishes, as under
+        ``force_miss``), or for tokens already cached."""
         cache, holding = self.prefix_cache, self._held.get(req)
-        if cache is None or self.force_miss or holding is None or length <= holding.cached:
+        if cache is None or not self.reuses or holding is None or length <= holding.cached:
             return
         if length > holding.tokens:
             raise ValueError(

@@ -73,11 +73,13 @@ class PrefixCacheInit:
     force_miss: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: tensors have no truth value
 class PrefixMatch:
     """The longest cached prefix of a key: its slots and the node to lock while they are used.
 
-    ``slots`` is int64 ``[length]`` on the cache's device, the caller's own copy; ``node`` is
+    ``slots`` is int64 ``[length]`` on the cache's device, which later changes to the cache
+    never alter (a copy of the ids, or a tensor the cache never writes: one empty tensor may
+    serve every empty match) and which the caller never writes into; ``node`` is
     opaque to the caller (pass it to ``lock`` / ``unlock``) and keeps naming the end of this
     match while it is locked, whatever later matches and inserts do to the cache; an empty match
     has ``length == 0`` and a node that locking is a no-op for.
@@ -108,9 +110,10 @@ class PrefixCache(ABC):
       (duplicates of the cached ones unless the caller got them from ``match``), and the
       caller frees the duplicates itself, after pointing its readers at the cached slots
       (a ``match`` of the same key returns them). Insert marks the key used, like match.
-    - ``lock(node)`` protects the path from the root to ``node`` from eviction; ``unlock``
-      undoes one ``lock``. Locks nest (counts). Unlocking more often than locking, or passing
-      a node that is not in the cache (evicted, or from before ``reset``), raises ValueError.
+    - ``lock(node)`` protects the path from the root to ``node`` from eviction; ``unlock(node)``
+      undoes one ``lock`` of the same node. Locks nest (counts). Unlocking a node more often
+      than it was locked (a lock of a longer match through it does not count), or passing a
+      node that is not in the cache (evicted, or from before ``reset``), raises ValueError.
     - ``evict(n)`` frees at least ``n`` slots of unlocked entries, least recently used leaves
       first, through ``init.free_slots``, or as many as are evictable; returns how many (more
       than ``n`` when it frees whole entries). ``evict(n <= 0)`` frees nothing.

@@ -55,9 +55,6 @@ class PrefixCacheSuite(ConformanceSuite):
     kind: ClassVar[str] = "prefix_cache"
     cpu_profile: ClassVar[PrefixCacheProfile] = CPU_PROFILE
     cuda_profile: ClassVar[PrefixCacheProfile] = CUDA_PROFILE
-    #: False: report a failing generated program as drawn, without shrinking it (faster; a
-    #: shrunk program is shorter to read).
-    shrink_failures: ClassVar[bool] = True
 
     # -- cases ----------------------------------------------------------------------------------
     @classmethod
@@ -119,6 +116,11 @@ class PrefixCacheSuite(ConformanceSuite):
         )
         cache = spec.create(init)
         assert isinstance(cache, PrefixCache), f"{spec.name} built a {type(cache).__name__}"
+        unset = [a for a in ("init", "capabilities", "device") if a not in vars(cache)]
+        assert not unset, (
+            f"{spec.name}: the cache has no {', '.join(unset)} (KVMemory reads them): its "
+            "__init__ must call super().__init__(init)"
+        )
         caps = type(self).caps()
         try:
             yield Session(cache, ledger, reuses=caps.reuses, force_miss=force_miss)
@@ -130,9 +132,23 @@ class PrefixCacheSuite(ConformanceSuite):
         """Run one request over ``key`` to completion; the slots it computed itself."""
         req = session.begin(tuple(key))
         assert req is not None, f"no room for {key} in a pool of {session.ledger.total}"
-        own = req.row[req.match.length :]
+        own = req.row[req.cached :]
         session.finish(req)
         return own
+
+    @staticmethod
+    def insert_again(session: Session, key: list[int]) -> None:
+        """Insert ``key``, all cached already, with fresh duplicate slots (a request that
+        computed it again under force_miss): the cache keeps its own and marks them used."""
+        s = session
+        slots = s.ledger.alloc(len(key))
+        assert slots is not None
+        s.log.append(f"insert again {key}")
+        n = s.cache.insert(engine_key(key), s.tensor(slots))
+        assert n == len(key), f"insert of cached {key} returned {n}, not {len(key)}"
+        s.settle_frees("insert")
+        s.ledger.release(slots)
+        s.check(f"insert again {key}")
 
     # -- tests ----------------------------------------------------------------------------------
     @cases("device_cases")
@@ -226,10 +242,17 @@ class PrefixCacheSuite(ConformanceSuite):
             y = self.cached(s, [2, 2])
             z = self.cached(s, [3, 3, 3, 3])
             s.match((1, 1, 1))  # x is now the most recently used
-            for expected, name in ((y, "y"), (z, "z"), (x, "x")):
+            self.insert_again(s, [2, 2])  # then y: insert marks use too
+            order = [(z, "z"), (x, "x"), (y, "y")]
+            for i, (expected, name) in enumerate(order):
                 s.evict(len(expected))
                 left = [t for t in expected if s.ledger.owner[t] == CACHE]
-                assert not left, f"{case.id}: evicting {len(expected)} left {name} cached"
+                gone = [n for slots, n in order[i + 1 :] if s.ledger.owner[slots[0]] != CACHE]
+                assert not left and not gone, (
+                    f"{case.id}: evicting {len(expected)} "
+                    + (f"left {name} cached" if left else f"took {gone[0]} before {name}")
+                    + " (last used: z inserted, then x matched, then y inserted again)"
+                )
             shared = self.cached(s, [4, 4, 5])
             self.cached(s, [4, 4, 6])
             s.evict(1)  # a leaf ([5] or [6]) goes, never the shared [4, 4] before both
@@ -298,6 +321,39 @@ class PrefixCacheSuite(ConformanceSuite):
             s.cache.reset()
             refused(case, "lock of a node from before reset()", lambda: s.cache.lock(old.node))
             refused(case, "unlock of a node from before reset()", lambda: s.cache.unlock(old.node))
+        with self.open_cache(case) as s:
+            self.cached(s, [6, 7, 8])
+            parent, child = s.match((6, 7)), s.match((6, 7, 8))
+            s.cache.lock(child.node)  # locks the path through [6, 7], but not [6, 7]'s node
+            refused(
+                case,
+                "unlock of a node that was not locked itself (its child was)",
+                lambda: s.cache.unlock(parent.node),
+            )
+            s.cache.unlock(child.node)
+            assert s.cache.protected_size() == 0, f"{case.id}: a refused unlock changed a lock"
+
+    @cases("reuse_cases")
+    def test_insert_and_match_hands_a_running_prefix_to_the_cache(self, case: Case) -> None:
+        """As KVMemory after each prefill chunk: ``insert_and_match`` of a running request's
+        first tokens returns the node that ends them, and locking it protects exactly them,
+        whether they were new, cached by another request meanwhile, or partly both."""
+        self.begin(case)
+        with self.open_cache(case) as s:
+            a = s.begin((1, 2, 3, 4, 5, 6))  # nothing cached: computes all 6
+            assert a is not None
+            s.cache_prefix(a, 4)  # protected: [1, 2, 3, 4]
+            assert s.evict(s.ledger.total) == 0, f"{case.id}: evicted a running prefix"
+            b = s.begin((1, 2, 3, 4, 7, 8))  # matches a's 4
+            assert b is not None and b.match.length == 4
+            c = s.begin((1, 2, 3, 4, 5, 9))  # matches 4, computes [5] again
+            assert c is not None
+            s.cache_prefix(a, 6)  # the lock moves to the end of a's 6 tokens
+            s.cache_prefix(c, 6)  # [5] was cached by a meanwhile: c moves to it
+            s.finish(a)
+            s.abort(b)
+            s.finish(c)
+            s.drain()
 
     @cases("device_cases")
     def test_force_miss_reports_no_match(self, case: Case) -> None:
@@ -311,6 +367,14 @@ class PrefixCacheSuite(ConformanceSuite):
             assert req is not None and req.match.length == 0
             s.finish(req)  # insert finds the first copy cached; the duplicates go back
             s.drain()
+            first = self.cached(s, [5, 5])
+            self.cached(s, [6, 6])
+            s.match((5, 5))  # reports nothing, yet marks [5, 5] used: [6, 6] goes first
+            s.evict(2)
+            assert all(s.ledger.owner[t] == CACHE for t in first), (
+                f"{case.id}: under force_miss a match must still mark what it walks used; "
+                "evict(2) took the entry matched last"
+            )
 
     @cases("generated_cases")
     def test_generated(self, case: Case) -> None:
@@ -319,10 +383,10 @@ class PrefixCacheSuite(ConformanceSuite):
         hypothesis = pytest.importorskip("hypothesis")
         st = hypothesis.strategies
         prof = type(self).profile(case.device)
-        shrink = type(self).shrink_failures
         keys = st.lists(st.integers(0, 2), min_size=1, max_size=10).map(tuple)
         op = st.one_of(
             st.tuples(st.just("begin"), keys),
+            st.tuples(st.just("chunk"), st.tuples(st.integers(0, 7), st.integers(1, 10))),
             st.tuples(st.just("finish"), st.integers(0, 7)),
             st.tuples(st.just("abort"), st.integers(0, 7)),
             st.tuples(st.just("match"), keys),
@@ -331,8 +395,8 @@ class PrefixCacheSuite(ConformanceSuite):
 
         @generated_settings(
             type(self).max_examples or prof.max_examples,
+            shrink=type(self).shrink_failures,
             report_multiple_bugs=False,  # one error (the shrunk program's) in the report
-            phases=[p for p in hypothesis.Phase if shrink or p is not hypothesis.Phase.shrink],
         )
         @hypothesis.given(program=st.lists(op, min_size=prof.steps // 2, max_size=prof.steps))
         def run(program: list[tuple[str, Any]]) -> None:
@@ -347,6 +411,9 @@ class PrefixCacheSuite(ConformanceSuite):
                                 s.finish(req)
                             else:
                                 s.abort(req)
+                        elif name == "chunk" and s.running:
+                            req = s.running[arg[0] % len(s.running)]
+                            s.cache_prefix(req, min(arg[1], len(req.key)))
                         elif name == "match":
                             s.match(arg)
                         elif name == "evict":

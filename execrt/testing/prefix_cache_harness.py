@@ -13,6 +13,7 @@ from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -125,13 +126,20 @@ class Reference:
         return prefix
 
 
-@dataclass
+@dataclass(eq=False)  # requests are told apart by identity (a match's tensors never compare)
 class Running:
-    """A request in flight: its key, its match (locked), and the slots it reads."""
+    """A request in flight: its key, its match, and the slots it reads. Its first ``cached``
+    tokens are the cache's (matched, then handed over chunk by chunk) under the lock of
+    ``node``; the rest of ``row`` it owns."""
 
     key: Key
     match: PrefixMatch
-    row: list[int]  # [len(key)]: the matched slots, then the request's own
+    row: list[int]  # [len(key)]: the cache's slots, then the request's own
+    cached: int = 0
+    node: Any = None
+
+    def __post_init__(self) -> None:
+        self.cached, self.node = self.match.length, self.match.node
 
 
 class Session:
@@ -176,12 +184,47 @@ class Session:
         self.check("begin")
         return req
 
+    def cache_prefix(self, req: Running, length: int) -> None:
+        """As KVMemory after a prefill chunk: hand the first ``length`` tokens of a running
+        request to the cache with ``insert_and_match``, point its row at the cached slots,
+        free its duplicates and move its lock to the match's node. A no-op where KVMemory
+        does nothing: tokens already cached, ``force_miss``, a cache that never reuses."""
+        start = req.cached
+        if self.force_miss or not self.reuses or length <= start:
+            return
+        key = req.key[:length]
+        self.log.append(f"cache_prefix {list(req.key)} {length}")
+        expected = self.ref.longest(key)
+        self.ledger.handing = set(req.row[start:length])
+        passed = self.tensor(req.row[:length])
+        try:
+            n, m = self.cache.insert_and_match(engine_key(key), passed)
+        finally:
+            self.ledger.handing = set()
+        passed.fill_(-1)  # the caller reuses its row
+        assert isinstance(n, int) and n == expected, (
+            f"insert_and_match of {list(key)} returned {n!r}; {expected} tokens were cached"
+        )
+        self.ledger.take(req.row[n:length])
+        self.ref.took(key, req.row, n)
+        self.settle_frees("insert_and_match")
+        self.check_match(key, m)  # the whole key, now cached: the node to lock ends it
+        duplicates = req.row[start:n]
+        req.row[start:n] = m.slots.tolist()[start:n]  # readers move to the cache's slots
+        self.cache.unlock(req.node)
+        self.lock_ref(req.key[:start], -1)
+        self.cache.lock(m.node)
+        self.lock_ref(key, +1)
+        req.cached, req.node = length, m.node
+        self.ledger.release(duplicates)
+        self.check(f"insert_and_match {list(key)} (the lock moved to its node)")
+
     def finish(self, req: Running) -> int:
         """Insert the request's KV, free its duplicates, unlock; returns insert's n."""
         self.log.append(f"finish {list(req.key)}")
         self.running.remove(req)
         expected = self.ref.longest(req.key)
-        own = req.row[req.match.length :]
+        own = req.row[req.cached :]
         self.ledger.handing = set(own)
         passed = self.tensor(req.row)
         try:
@@ -190,8 +233,8 @@ class Session:
             self.ledger.handing = set()
         passed.fill_(-1)  # the caller reuses its row: a cache must keep copies, not this tensor
         assert isinstance(n, int) and 0 <= n <= len(req.key), f"insert returned {n!r}"
-        assert n >= req.match.length, (
-            f"insert of {list(req.key)} returned {n}, but its first {req.match.length} tokens "
+        assert n >= req.cached, (
+            f"insert of {list(req.key)} returned {n}, but its first {req.cached} tokens "
             "are cached and locked"
         )
         if self.reuses:
@@ -206,9 +249,9 @@ class Session:
         early = [s for s in dropped if req.row.index(s) < n]
         assert not early, f"insert freed slots {early} of the caller's duplicates (kept: [:n])"
         self.settle_frees("insert")
-        self.ledger.release(req.row[req.match.length : n])  # duplicates of cached slots
-        self.cache.unlock(req.match.node)
-        self.lock_ref(req.key[: req.match.length], -1)
+        self.ledger.release(req.row[req.cached : n])  # duplicates of cached slots
+        self.cache.unlock(req.node)
+        self.lock_ref(req.key[: req.cached], -1)
         self.check("finish")
         return n
 
@@ -216,9 +259,9 @@ class Session:
         """Retraction: free what the request owns, never the cache's slots; unlock."""
         self.log.append(f"abort {list(req.key)}")
         self.running.remove(req)
-        self.ledger.release(req.row[req.match.length :])
-        self.cache.unlock(req.match.node)
-        self.lock_ref(req.key[: req.match.length], -1)
+        self.ledger.release(req.row[req.cached :])
+        self.cache.unlock(req.node)
+        self.lock_ref(req.key[: req.cached], -1)
         self.check("abort")
 
     def evict(self, num_slots: int) -> int:
@@ -306,6 +349,9 @@ class Session:
             "a cache must copy the slot ids it keeps, not keep that tensor or a view of it)"
             if -1 in ids
             else ""
+        )
+        assert listed.device.type == led.device.type, (
+            f"after {where}: cached_slots() is on {listed.device}, not the cache's {led.device}"
         )
         assert listed.dtype == torch.int64 and ids == owned, (
             f"after {where}: cached_slots() lists {ids}, the cache owns {owned}{kept_view}"

@@ -41,6 +41,7 @@ from {module} import {suite}
 
 class TestConformance({suite}):
     backend = {name!r}
+    shrink_failures = {shrink!r}
 '''
 
 
@@ -129,6 +130,7 @@ def run_conformance(
     json_path: str | None = None,
     *,
     extra_pytest_args: Sequence[str] = (),
+    shrink: bool = True,
 ) -> int:
     """Run the ``kind`` suite for the registered backend ``name``; 0 if nothing failed, 1 if
     something did, 2 when pytest refused ``extra_pytest_args``, and ``NOTHING_RAN`` (3) when no
@@ -144,7 +146,7 @@ def run_conformance(
         raise ConfigError(f"conformance: unknown kind {kind!r} (kinds: {', '.join(SUITES)})")
     spec = PluginHost().registry.get(kind, name)
     module, suite = SUITES[kind]
-    source = _TEMPLATE.format(kind=kind, name=name, module=module, suite=suite)
+    source = _TEMPLATE.format(kind=kind, name=name, module=module, suite=suite, shrink=shrink)
     return run_suite_source(
         source,
         kind=kind,

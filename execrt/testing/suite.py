@@ -74,10 +74,15 @@ def not_declared(field_name: str, value: Any, declared: Iterable[Any] | None) ->
     return f"capability {field_name} does not include {shown}"
 
 
-def generated_settings(max_examples: int, **overrides: Any) -> Any:
+def generated_settings(max_examples: int, *, shrink: bool = True, **overrides: Any) -> Any:
     """The Hypothesis settings of a suite's generated test: derandomized (a run is repeatable),
-    no example database, no deadline, no health checks; ``overrides`` add to them."""
+    no example database, no deadline, no health checks; ``shrink`` False reports a failing
+    example as drawn (shrinking one can take minutes); ``overrides`` add to them."""
     hypothesis = pytest.importorskip("hypothesis")
+    if not shrink:
+        overrides.setdefault(
+            "phases", [p for p in hypothesis.Phase if p != hypothesis.Phase.shrink]
+        )
     return hypothesis.settings(
         max_examples=max_examples,
         deadline=None,
@@ -125,6 +130,9 @@ class ConformanceSuite:
     cuda_profile: ClassVar[Any] = None
     #: Hypothesis examples per generated test (None: the device profile's).
     max_examples: ClassVar[int | None] = None
+    #: False: report a failing generated example as drawn, without shrinking it (faster; a
+    #: shrunk example is smaller to read). ``execrt conformance --no-shrink`` sets it.
+    shrink_failures: ClassVar[bool] = True
 
     @classmethod
     def profile(cls, device: str) -> Any:
@@ -138,7 +146,7 @@ class ConformanceSuite:
         hashes the test's source)."""
         hypothesis = pytest.importorskip("hypothesis")
         max_examples = cls.max_examples or cls.profile(case.device).max_examples
-        settings = generated_settings(max_examples, **overrides)
+        settings = generated_settings(max_examples, shrink=cls.shrink_failures, **overrides)
         seed = hypothesis.seed(zlib.crc32(case.id.encode()))
 
         def apply(fn: F) -> F:

@@ -15,7 +15,7 @@ from execrt.backends.prefix_cache.radix import RadixCache
 from execrt.core.errors import KVOwnershipError
 from execrt.core.kv_memory import KVMemory, PrefixCacheFactory, Reclaimed
 from execrt.core.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit
+from execrt.core.prefix_cache import PrefixCacheCapabilities, PrefixCacheInit, PrefixMatch
 from execrt.core.schedule import FinishReason, Req, SamplingParams
 from execrt.core.staging import HostToDevice
 from execrt.core.step import ForwardMode, StepInputs
@@ -532,6 +532,31 @@ def test_force_miss_hands_a_request_to_the_cache_only_when_it_finishes() -> None
     mem.cache_prefix(r, 5)  # nothing would read the cache's copy: r keeps its own
     assert sizes(mem) == (11, 5, 4, 0)
     mem.release(r, keep=5)  # [1..4] were cached: r's four duplicates are freed, [5] is taken
+    assert sizes(mem) == (15, 0, 5, 0)
+    mem.check()
+
+
+def test_a_cache_that_never_reuses_gets_a_request_only_when_it_finishes() -> None:
+    # A cache that declares reuses=False never matches, so the hand-over after a prefill
+    # chunk (insert_and_match, then locking the whole key's match) cannot apply: as under
+    # force_miss, its K/V goes to the cache when it finishes.
+    class NeverMatches(RadixCache):
+        def match(self, key: Any) -> PrefixMatch:
+            super().match(key)
+            return PrefixMatch(self._empty, self._root)
+
+        def insert_and_match(self, key: Any, slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+            return self.insert(key, slots), PrefixMatch(self._empty, self._root)
+
+    caps = PrefixCacheCapabilities(reuses=False)
+    mem = memory(cache=lambda free: NeverMatches(PrefixCacheInit(caps, CPU, free)))
+    assert not mem.reuses
+    r = req(0, [1, 2, 3, 4, 5])
+    assert mem.admit(r) == 0
+    computed(mem, r)
+    mem.cache_prefix(r, 5)
+    assert sizes(mem) == (15, 5, 0, 0)
+    mem.release(r, keep=5)
     assert sizes(mem) == (15, 0, 5, 0)
     mem.check()
 

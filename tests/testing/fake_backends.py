@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -443,3 +444,71 @@ class ListKeyRadix(RadixCache):
 
     def match(self, key: Any) -> PrefixMatch:
         return super().match(key) if isinstance(key, list) else PrefixMatch(self._empty, self._root)
+
+
+class StaleMatchNodeRadix(RadixCache):
+    """Broken: ``insert_and_match`` returns the right slots but the node of what was cached
+    before the insert, so the lock KVMemory moves to it protects too little (or nothing)."""
+
+    def insert_and_match(self, key: Any, slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        before = super().match(key).node
+        n, m = super().insert_and_match(key, slots)
+        return n, PrefixMatch(m.slots, before)
+
+
+class InsertNoTouchRadix(RadixCache):
+    """Broken: insert does not mark the key used (entries keep their last access)."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        nodes, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append((node, node.last_access))
+            stack.extend(node.children.values())
+        n = super().insert(key, slots)
+        for node, access in nodes:
+            if node.last_access != access:
+                node.last_access = access
+                self._queue_if_evictable(node)  # queued again at the old time
+        return n
+
+
+class ForceMissNoWalkRadix(RadixCache):
+    """Broken: under force_miss, match returns at once without walking or marking use."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        if self.init.force_miss:
+            return PrefixMatch(self._empty, self._root)
+        return super().match(key)
+
+
+class NoSuperInitRadix(RadixCache):
+    """Broken: its ``__init__`` skips ``PrefixCache.__init__`` (no ``capabilities``)."""
+
+    def __init__(self, init: PrefixCacheInit) -> None:
+        self.init, self.device = init, init.device
+        self._uids = itertools.count()
+        self._clock = itertools.count(1)
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.reset()
+
+
+class PathCountUnlockRadix(RadixCache):
+    """Broken: ``unlock`` of a node accepts the locks of a longer match through it."""
+
+    def unlock(self, node: Any) -> None:
+        if node is not self._root and node.own_locks == 0 and node.lock_ref > 0:
+            node.own_locks += 1
+        super().unlock(node)
+
+
+class FreshEmptyRadix(RadixCache):
+    """Correct: a new empty tensor for every empty match (the caller's own copy)."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        m = super().match(key)
+        return m if m.length else PrefixMatch(torch.empty(0, dtype=torch.int64), m.node)
+
+    def insert_and_match(self, key: Any, slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        n, m = super().insert_and_match(key, slots)
+        return n, m if m.length else PrefixMatch(torch.empty(0, dtype=torch.int64), m.node)

@@ -269,3 +269,23 @@ def test_fails():
         printed = capfd.readouterr().out
         assert code == 1 and "boom" in printed
         assert ("A-LINE-ONLY-THE-LONG-FORM-SHOWS" in printed) == long_form, printed
+
+
+def test_no_shrink_reaches_the_generated_class_and_its_hypothesis_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hypothesis
+
+    from execrt.cli import main
+    from execrt.testing import report
+    from execrt.testing.suite import generated_settings
+
+    sources: list[str] = []
+    monkeypatch.setattr(
+        report, "run_suite_source", lambda source, **kw: sources.append(source) or 0
+    )
+    assert main(["conformance", "prefix_cache", "radix", "--no-shrink"]) == 0
+    assert main(["conformance", "prefix_cache", "radix"]) == 0
+    assert "shrink_failures = False" in sources[0] and "shrink_failures = True" in sources[1]
+    assert hypothesis.Phase.shrink not in generated_settings(5, shrink=False).phases
+    assert hypothesis.Phase.shrink in generated_settings(5).phases

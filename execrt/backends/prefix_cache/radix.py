@@ -25,7 +25,9 @@ def first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class _Node:
-    """One edge of the tree: a run of tokens, the KV slots of those tokens, a lock count.
+    """One edge of the tree: a run of tokens, the KV slots of those tokens, lock counts:
+    ``lock_ref`` counts the locks of every path through the node (it is protected while > 0),
+    ``own_locks`` those of the node itself, which are all that ``unlock(node)`` may undo.
 
     ``tree`` is the generation the node belongs to (None once evicted), so a stale node handed
     back by a caller is recognised. ``queued`` is the access time of the node's live entry in
@@ -38,6 +40,7 @@ class _Node:
         "key",
         "value",
         "lock_ref",
+        "own_locks",
         "last_access",
         "queued",
         "uid",
@@ -59,6 +62,7 @@ class _Node:
         self.key = key
         self.value = value
         self.lock_ref = lock_ref
+        self.own_locks = 0
         self.last_access = last_access
         self.queued = -1
         self.uid = uid
@@ -110,6 +114,8 @@ class RadixCache(PrefixCache):
 
     def lock(self, node: Any) -> None:
         current = self._own(node, "lock")
+        if current is not self._root:  # the empty match's node: locking it is a no-op
+            current.own_locks += 1
         while current is not self._root:
             if current.lock_ref == 0:
                 self._evictable -= current.key.size
@@ -119,8 +125,14 @@ class RadixCache(PrefixCache):
 
     def unlock(self, node: Any) -> None:
         current = self._own(node, "unlock")
-        if current is not self._root and current.lock_ref == 0:
-            raise ValueError(f"{NAME}: unlock of a node that is not locked (one unlock per lock)")
+        if current is self._root:
+            return
+        if current.own_locks == 0:
+            raise ValueError(
+                f"{NAME}: unlock of a node that is not locked itself (one unlock per lock of "
+                "the same node; a lock of a longer match does not count)"
+            )
+        current.own_locks -= 1
         while current is not self._root:
             current.lock_ref -= 1
             if current.lock_ref == 0:
