@@ -113,7 +113,12 @@ class RuntimeConfig:
         for name in ("attention_backend", "moe_dispatcher", "graph_backend", "prefix_cache"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
-                raise ConfigError(f"config: {name} must be a backend name or 'auto', got {value!r}")
+                keywords = (
+                    "'auto' or 'none'" if name in ("graph_backend", "prefix_cache") else "'auto'"
+                )
+                raise ConfigError(
+                    f"config: {name} must be a backend name, {keywords}, got {value!r}"
+                )
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(
                 f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"

@@ -37,7 +37,7 @@ def test_prefix_cache_defaults_to_radix_and_its_switches_come_from_every_source(
     file.write_text('prefix_cache = "my_lfu"\nprefix_cache_force_miss = true\n')
     cfg = RuntimeConfig.load(file=file, environ={}, cli={"prefix_cache": "radix"})
     assert (cfg.prefix_cache, cfg.prefix_cache_force_miss) == ("radix", True)
-    with pytest.raises(ConfigError, match="prefix_cache must be a backend name"):
+    with pytest.raises(ConfigError, match="prefix_cache must be a backend name, .auto. or .none."):
         RuntimeConfig(prefix_cache=" ")
     with pytest.raises(ConfigError, match="prefix_cache_force_miss=1 has type int"):
         RuntimeConfig(prefix_cache_force_miss=1)  # type: ignore[arg-type]
