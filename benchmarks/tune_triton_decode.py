@@ -468,12 +468,16 @@ def sweep_fp8(
     return rows
 
 
-def main() -> None:
+MODES = ("long", "short", "tiles", "ragged", "fp8")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (for its errors) and the arguments."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", help="JSON file for every row")
     parser.add_argument(
-        "mode", nargs="?", default="long", choices=["long", "short", "tiles", "ragged", "fp8"]
+        "out", nargs="?", help="JSON file for every row (a mode's name alone is the mode)"
     )
+    parser.add_argument("mode", nargs="?", choices=MODES, help="the sweep (default: long)")
     for flag, default, text in (
         (
             "--mma-shapes",
@@ -554,7 +558,14 @@ def main() -> None:
         "--ctx-extra", type=int, default=0,
         help="fp8: tokens added to every shape's context (a step past an 8k prompt: 8k + n)",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.mode is None:  # `tune_triton_decode.py short`: the mode, not a file named "short"
+        args.out, args.mode = (None, args.out) if args.out in MODES else (args.out, "long")
+    return parser, args
+
+
+def main() -> None:
+    parser, args = parse_args()
     kv_names = [k for k in args.kv_dtypes.split(",") if k]
     bad = [k for k in kv_names if k not in KV_CACHE_DTYPES]
     if bad:
