@@ -474,7 +474,9 @@ class MoEDispatcher(ABC):
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchOutput:
         """``hidden [T, H]``, ``topk_ids [T, K]`` int64 global ids (-1 = none), ``topk_weights
-        [T, K]`` fp32 -> the declared format. Collective over the EP group (all ranks call it)."""
+        [T, K]`` fp32 (not necessarily summing to 1: apply them as given) -> the declared
+        format. Collective over the EP group (all ranks call it). The inputs are read-only:
+        the model reads them again. ``T <= init.max_tokens_per_rank``."""
 
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:

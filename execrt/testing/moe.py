@@ -220,7 +220,9 @@ class MoEDispatcherSuite(ConformanceSuite):
             check=spec.check,
             device=case.device,
             dtype=dtype,
-            num_experts=max(prof.num_experts, world),
+            # Enough experts for the case's top-k (a declared max_top_k may pass the profile's),
+            # in whole blocks per rank.
+            num_experts=-(-max(prof.num_experts, world, case["top_k"]) // world) * world,
             top_k=case["top_k"],
             hidden_size=case["hidden"],
             intermediate_size=prof.intermediate_size,

@@ -39,6 +39,9 @@ ROUTINGS = (
     "duplicates_within_rank",
     "zero_tokens",
 )
+#: Scenarios whose routing weights do not sum to 1 per token (a model with norm_topk_prob
+#: false): a dispatcher must apply them as given, never renormalise.
+UNNORMALISED = frozenset({"balanced", "hot_expert", "duplicates_within_rank"})
 #: The scenarios the generated test draws from (at any token count and top-k).
 GENERATED_ROUTINGS = ("random", "some_masked", "hot_expert")
 
@@ -73,7 +76,10 @@ def routing(
             rank = row % world
             pick = torch.randperm(per_rank, generator=gen)[: min(k, per_rank)] + rank * per_rank
             ids[row] = torch.cat([pick, torch.full((k - pick.numel(),), -1)])
-    weights = torch.softmax(torch.randn(t, k, generator=gen), -1).float()
+    if name in UNNORMALISED:  # top-k of a softmax over every expert (norm_topk_prob false)
+        weights = torch.softmax(torch.randn(t, e, generator=gen), -1)[:, :k].float()
+    else:
+        weights = torch.softmax(torch.randn(t, k, generator=gen), -1).float()
     return ids.long(), weights
 
 

@@ -131,7 +131,10 @@ def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
     w13, w2 = expert_weights(
         job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed
     )
-    with open_dispatcher(job, parallel, job.num_tokens + 3 * job.world_size) as (dispatcher, init):
+    # The largest rank brings exactly max_tokens_per_rank tokens (the bound is inclusive; an
+    # engine's is at least 1).
+    most = max(1, *(rank_tokens(job, "random", r, False) for r in range(job.world_size)))
+    with open_dispatcher(job, parallel, most) as (dispatcher, init):
         first, n_local = init.first_local_expert, init.num_local_experts
         local = (
             w13[first : first + n_local].to(init.device),
@@ -179,8 +182,10 @@ def _run_routing(
     result.max_error = cmp.rel_error
     if not cmp.ok(job.tolerance):
         token = cmp.worst_index[0] if cmp.worst_index else -1
+        past = " (rows past expert_counts are NaN before combine: it must not read them)"
+        expert_major = caps.output_format == DispatchFormat.EXPERT_MAJOR
         what = (
-            f"{cmp.num_nonfinite} non-finite values"
+            f"{cmp.num_nonfinite} non-finite values" + (past if expert_major else "")
             if cmp.num_nonfinite
             else f"max relative error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
         )
@@ -200,7 +205,9 @@ def _dispatch_combine(
     result: RankResult,
 ) -> torch.Tensor | None:
     device = x.device
-    d = dispatcher.dispatch(x, ids.to(device), weights.to(device))
+    # The dispatcher gets copies; the originals (the oracle's inputs) show what it wrote.
+    given = (x.clone(), ids.to(device).clone(), weights.to(device).clone())
+    d = dispatcher.dispatch(*given)
     want = FORMAT_TYPES[caps.output_format]
     if not isinstance(d, want):
         result.problems.append(
@@ -208,7 +215,18 @@ def _dispatch_combine(
             f"{caps.output_format.value} ({want.__name__})"
         )
         return None
-    out = dispatcher.combine(run_experts(d, w13, w2), d)
+    experts_out = run_experts(d, w13, w2)
+    if isinstance(d, ExpertMajorDispatchOutput):
+        experts_out = _past_counts_poisoned(experts_out, d.expert_counts)
+    out = dispatcher.combine(experts_out, d)
+    originals = (x, ids.to(device), weights.to(device))
+    names = ("hidden_states", "topk_ids", "topk_weights")
+    written = [n for n, a, b in zip(names, given, originals, strict=True) if not torch.equal(a, b)]
+    if written:
+        result.problems.append(
+            f"dispatch or combine wrote into the caller's {', '.join(written)} (read-only: the "
+            "model reads them again)"
+        )
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         result.problems.append(f"combine returned {shape}, expected {tuple(x.shape)} [T, H]")
@@ -216,6 +234,15 @@ def _dispatch_combine(
     if out.dtype != x.dtype:
         result.problems.append(f"combine returned {out.dtype}, expected {x.dtype}")
     return out
+
+
+def _past_counts_poisoned(experts_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The expert outputs with every row past ``counts[e]`` NaN: the engine's fused expert
+    path leaves those rows unwritten, so a ``combine`` that reads them (or counts that are
+    wrong) must show here, not only on a GPU."""
+    rows = torch.arange(experts_out.shape[1], device=experts_out.device)
+    past = rows[None, :] >= counts.to(experts_out.device).long()[:, None]  # [E_local, rows]
+    return experts_out.masked_fill(past[..., None], float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -277,6 +277,47 @@ EXPERT_MAJOR_CAPS = MoEDispatcherCapabilities(
     output_format=DispatchFormat.EXPERT_MAJOR, world_sizes=frozenset({1}), **SMALL_MOE
 )
 
+
+class RenormalisingDispatcher(AllReduceDispatcher):
+    """Broken: renormalises each token's routing weights to sum to 1 (wrong for a model with
+    norm_topk_prob false)."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        w = topk_weights * (topk_ids >= 0)
+        return super().dispatch(hidden_states, topk_ids, w / w.sum(-1, keepdim=True).clamp(1e-9))
+
+
+class InputWritingDispatcher(AllReduceDispatcher):
+    """Broken: zeroes the caller's hidden states of tokens routed nowhere (its output is right,
+    but the model reads those states again)."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        hidden_states.masked_fill_((topk_ids < 0).all(-1)[:, None], 0)
+        return super().dispatch(hidden_states, topk_ids, topk_weights)
+
+
+class BoundExclusiveDispatcher(AllReduceDispatcher):
+    """Broken: drops the token at index max_tokens_per_rank - 1 (an exclusive bound)."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        last = self.init.max_tokens_per_rank - 1
+        if hidden_states.shape[0] > last:
+            topk_ids = topk_ids.clone()
+            topk_ids[last:] = -1
+        return super().dispatch(hidden_states, topk_ids, topk_weights)
+
+
+class CountsFlippingDispatcher(ExpertMajorDispatcher):
+    """Broken: reports the experts' row counts in reverse order (their sum is right); correct
+    only where every row is computed."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
+        d = super().dispatch(hidden_states, topk_ids, topk_weights)
+        assert isinstance(d, ExpertMajorDispatchOutput)
+        d.expert_counts = d.expert_counts.flip(0)
+        return d
+
+
 # ---------------------------------------------------------------------------------------------
 # Graph
 # ---------------------------------------------------------------------------------------------

@@ -158,6 +158,37 @@ class TestBroken(MoEDispatcherSuite):
     assert first.startswith("AssertionError: max relative error") and "(T=" in first, first
 
 
+@pytest.mark.parametrize(
+    ("broken", "caps", "select", "message"),
+    [
+        ("RenormalisingDispatcher", "ALLREDUCE_LIKE_CAPS", "w1-balanced", "max relative error"),
+        (
+            "InputWritingDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "w1-all_masked",
+            "wrote into the caller's hidden_states",
+        ),
+        ("BoundExclusiveDispatcher", "ALLREDUCE_LIKE_CAPS", "w1-random", "worst at token 8"),
+        ("CountsFlippingDispatcher", "EXPERT_MAJOR_CAPS", "w1-random", "rows past expert_counts"),
+    ],
+)
+def test_dispatchers_broken_in_ways_the_oracle_alone_missed_fail_saying_what(
+    tmp_path: Path, broken: str, caps: str, select: str, message: str
+) -> None:
+    # Each passed before the suite checked unnormalised weights, the inputs after dispatch,
+    # the max_tokens_per_rank bound and rows past expert_counts (a black-box plugin audit).
+    body = f"""
+class TestBroken(MoEDispatcherSuite):
+    factory = "tests.testing.fake_backends:{broken}"
+    capabilities = fakes.{caps}
+    devices = ("cpu",)
+"""
+    code, report = run_suite(tmp_path, body, "moe_dispatch", f"test_routing and {select}")
+    assert code == 1
+    (reason,) = failures(report).values()
+    assert message in reason, reason
+
+
 def test_a_rank_that_raises_fails_the_world_test_without_hanging(tmp_path: Path) -> None:
     body = """
 class TestBroken(MoEDispatcherSuite):
