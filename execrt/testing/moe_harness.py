@@ -184,10 +184,12 @@ def _run_routing(
         token = cmp.worst_index[0] if cmp.worst_index else -1
         past = " (rows past expert_counts are NaN before combine: it must not read them)"
         expert_major = caps.output_format == DispatchFormat.EXPERT_MAJOR
+        # compare() measures a zero reference (every token routed nowhere) in absolute terms.
+        kind = "relative" if bool(ref.any()) else "absolute (the reference is zero)"
         what = (
             f"{cmp.num_nonfinite} non-finite values" + (past if expert_major else "")
             if cmp.num_nonfinite
-            else f"max relative error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
+            else f"max {kind} error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
         )
         result.problems.append(f"{what}; worst at token {token} (routed to {ids[token].tolist()})")
     return result

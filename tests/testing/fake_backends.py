@@ -287,6 +287,13 @@ class RenormalisingDispatcher(AllReduceDispatcher):
         return super().dispatch(hidden_states, topk_ids, w / w.sum(-1, keepdim=True).clamp(1e-9))
 
 
+class MaskedToExpertZeroDispatcher(AllReduceDispatcher):
+    """Broken: routes a masked (-1) pair to expert 0 instead of to no expert."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        return super().dispatch(hidden_states, topk_ids.clamp(min=0), topk_weights)
+
+
 class InputWritingDispatcher(AllReduceDispatcher):
     """Broken: zeroes the caller's hidden states of tokens routed nowhere (its output is right,
     but the model reads those states again)."""

@@ -163,6 +163,12 @@ class TestBroken(MoEDispatcherSuite):
     [
         ("RenormalisingDispatcher", "ALLREDUCE_LIKE_CAPS", "w1-balanced", "max relative error"),
         (
+            "MaskedToExpertZeroDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "w1-all_masked",
+            "max absolute (the reference is zero) error",
+        ),
+        (
             "InputWritingDispatcher",
             "ALLREDUCE_LIKE_CAPS",
             "w1-all_masked",
