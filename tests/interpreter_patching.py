@@ -115,7 +115,10 @@ def _share_block_types(tl: Any, interpreter: Any) -> bool:
     builder = getattr(interpreter, "InterpreterBuilder", None)
     if builder is None or not callable(getattr(builder, "get_block_ty", None)):
         return False
-    make_block = block_type  # the class: constructs as triton would
+    fields = {"handle", "shape", "numel", "type", "dtype"}
+    sample = tensor(None, block_type(tl.float32, [2]))
+    if set(sample.__dict__) != fields or type(sample.shape) is not tl_tuple:
+        return False  # not the layout this was written for: triton's own, uncached
     blocks: dict[tuple[int, tuple[Any, ...]], Any] = {}
 
     def shared_block(element_ty: Any, shape: Any) -> Any:
@@ -124,42 +127,32 @@ def _share_block_types(tl: Any, interpreter: Any) -> bool:
         if found is None or found.element_ty is not element_ty:
             if len(blocks) >= _CACHE_ENTRIES:
                 blocks.clear()
-            found = blocks[key] = make_block(element_ty, shape)
+            found = blocks[key] = block_type(element_ty, shape)
         return found
 
     init = tensor.__init__
-    fields = {"handle", "shape", "numel", "type", "dtype"}
     shapes: dict[int, tuple[Any, list[Any], Any, Any, Any]] = {}
 
     @functools.wraps(init)
-    def tensor_init(self: Any, handle: Any, type: Any) -> None:
+    def tensor_init(self: Any, handle: Any, type: Any) -> None:  # tensor.__init__'s names
         entry = shapes.get(id(type))
         if entry is None or entry[0] is not type:
             init(self, handle, type)
-            shape = self.__dict__.get("shape")
-            if set(self.__dict__) != fields or builtin_type(shape) is not tl_tuple:
-                return  # not the layout this was written for: the original, uncached
             if len(shapes) >= _CACHE_ENTRIES:
                 shapes.clear()
+            shape = self.shape
             shapes[id(type)] = (type, list(shape.values), shape.type, self.numel, self.dtype)
             return
         _, values, shape_type, numel, dtype = entry
         shape = tl_tuple.__new__(tl_tuple)
         shape.values = list(values)
         shape.type = shape_type
-        self.handle, self.shape, self.numel, self.type, self.dtype = (
-            handle,
-            shape,
-            numel,
-            type,
-            dtype,
-        )
+        self.handle = handle
+        self.shape = shape
+        self.numel = numel
+        self.type = type
+        self.dtype = dtype
 
-    builtin_type = type
-    probe = make_block(tl.float32, [2])
-    sample = tensor(None, probe)
-    if set(sample.__dict__) != fields or builtin_type(sample.shape) is not tl_tuple:
-        return False
     block_type.with_element_ty = lambda self, scalar_ty: shared_block(scalar_ty, self.shape)
     builder.get_block_ty = lambda self, dtype, shape: shared_block(dtype, shape)
     tensor.__init__ = tensor_init

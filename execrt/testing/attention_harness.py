@@ -487,7 +487,7 @@ class AttentionHarness:
         problems.append(
             f"{where}: {cmp.num_nonfinite} non-finite output values, first at {at}"
             if cmp.num_nonfinite
-            else f"{where}: max relative error {cmp.rel_error:.3g} exceeds tolerance "
+            else f"{where}: max {cmp.kind} error {cmp.rel_error:.3g} exceeds tolerance "
             f"{tol:.3g} ({dtypes}); worst at {at}"
         )
         return cmp.rel_error

@@ -133,7 +133,8 @@ def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
     )
     # The largest rank brings exactly max_tokens_per_rank tokens (the bound is inclusive; an
     # engine's is at least 1).
-    most = max(1, *(rank_tokens(job, "random", r, False) for r in range(job.world_size)))
+    replicated = job.capabilities.replicated_tokens
+    most = max(1, *(rank_tokens(job, "random", r, replicated) for r in range(job.world_size)))
     with open_dispatcher(job, parallel, most) as (dispatcher, init):
         first, n_local = init.first_local_expert, init.num_local_experts
         local = (
@@ -184,12 +185,10 @@ def _run_routing(
         token = cmp.worst_index[0] if cmp.worst_index else -1
         past = " (rows past expert_counts are NaN before combine: it must not read them)"
         expert_major = caps.output_format == DispatchFormat.EXPERT_MAJOR
-        # compare() measures a zero reference (every token routed nowhere) in absolute terms.
-        kind = "relative" if bool(ref.any()) else "absolute (the reference is zero)"
         what = (
             f"{cmp.num_nonfinite} non-finite values" + (past if expert_major else "")
             if cmp.num_nonfinite
-            else f"max {kind} error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
+            else f"max {cmp.kind} error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
         )
         result.problems.append(f"{what}; worst at token {token} (routed to {ids[token].tolist()})")
     return result
@@ -208,7 +207,8 @@ def _dispatch_combine(
 ) -> torch.Tensor | None:
     device = x.device
     # The dispatcher gets copies; the originals (the oracle's inputs) show what it wrote.
-    given = (x.clone(), ids.to(device).clone(), weights.to(device).clone())
+    originals = (x, ids.to(device), weights.to(device))
+    given = tuple(t.clone() for t in originals)
     d = dispatcher.dispatch(*given)
     want = FORMAT_TYPES[caps.output_format]
     if not isinstance(d, want):
@@ -221,7 +221,6 @@ def _dispatch_combine(
     if isinstance(d, ExpertMajorDispatchOutput):
         experts_out = _past_counts_poisoned(experts_out, d.expert_counts)
     out = dispatcher.combine(experts_out, d)
-    originals = (x, ids.to(device), weights.to(device))
     names = ("hidden_states", "topk_ids", "topk_weights")
     written = [n for n, a, b in zip(names, given, originals, strict=True) if not torch.equal(a, b)]
     if written:

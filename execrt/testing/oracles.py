@@ -120,11 +120,18 @@ def moe_oracle(
 
 @dataclass(frozen=True)
 class Comparison:
-    """How far ``out`` is from the oracle: ``||out - ref|| / ||ref||`` and where it is worst."""
+    """How far ``out`` is from the oracle: ``||out - ref|| / ||ref||`` and where it is worst.
+    Against a zero reference the error is ``||out||``, absolute (``relative`` False)."""
 
     rel_error: float
     worst_index: tuple[int, ...]
     num_nonfinite: int
+    relative: bool = True
+
+    @property
+    def kind(self) -> str:
+        """The error's kind as a message names it."""
+        return "relative" if self.relative else "absolute (the reference is zero)"
 
     def ok(self, tolerance: float) -> bool:
         return self.num_nonfinite == 0 and self.rel_error <= tolerance
@@ -143,7 +150,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
         return Comparison(float("inf"), _unravel(flat, out.shape), nonfinite)
     ref_norm = float(ref.norm())
     err = float(diff.norm()) / ref_norm if ref_norm > 0 else float(diff.norm())
-    return Comparison(err, _unravel(int(diff.abs().flatten().argmax()), out.shape), 0)
+    worst = _unravel(int(diff.abs().flatten().argmax()), out.shape)
+    return Comparison(err, worst, 0, relative=ref_norm > 0)
 
 
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:

@@ -135,8 +135,8 @@ class Running:
     key: Key
     match: PrefixMatch
     row: list[int]  # [len(key)]: the cache's slots, then the request's own
-    cached: int = 0
-    node: Any = None
+    cached: int = field(init=False)
+    node: Any = field(init=False)
 
     def __post_init__(self) -> None:
         self.cached, self.node = self.match.length, self.match.node
@@ -195,13 +195,11 @@ class Session:
         key = req.key[:length]
         self.log.append(f"cache_prefix {list(req.key)} {length}")
         expected = self.ref.longest(key)
-        self.ledger.handing = set(req.row[start:length])
-        passed = self.tensor(req.row[:length])
-        try:
-            n, m = self.cache.insert_and_match(engine_key(key), passed)
-        finally:
-            self.ledger.handing = set()
-        passed.fill_(-1)  # the caller reuses its row
+        n, m = self._handing_over(
+            req.row[start:length],
+            req.row[:length],
+            lambda t: self.cache.insert_and_match(engine_key(key), t),
+        )
         assert isinstance(n, int) and n == expected, (
             f"insert_and_match of {list(key)} returned {n!r}; {expected} tokens were cached"
         )
@@ -211,8 +209,7 @@ class Session:
         self.check_match(key, m)  # the whole key, now cached: the node to lock ends it
         duplicates = req.row[start:n]
         req.row[start:n] = m.slots.tolist()[start:n]  # readers move to the cache's slots
-        self.cache.unlock(req.node)
-        self.lock_ref(req.key[:start], -1)
+        self._unlock(req)
         self.cache.lock(m.node)
         self.lock_ref(key, +1)
         req.cached, req.node = length, m.node
@@ -225,13 +222,7 @@ class Session:
         self.running.remove(req)
         expected = self.ref.longest(req.key)
         own = req.row[req.cached :]
-        self.ledger.handing = set(own)
-        passed = self.tensor(req.row)
-        try:
-            n = self.cache.insert(engine_key(req.key), passed)
-        finally:
-            self.ledger.handing = set()
-        passed.fill_(-1)  # the caller reuses its row: a cache must keep copies, not this tensor
+        n = self._handing_over(own, req.row, lambda t: self.cache.insert(engine_key(req.key), t))
         assert isinstance(n, int) and 0 <= n <= len(req.key), f"insert returned {n!r}"
         assert n >= req.cached, (
             f"insert of {list(req.key)} returned {n}, but its first {req.cached} tokens "
@@ -250,8 +241,7 @@ class Session:
         assert not early, f"insert freed slots {early} of the caller's duplicates (kept: [:n])"
         self.settle_frees("insert")
         self.ledger.release(req.row[req.cached : n])  # duplicates of cached slots
-        self.cache.unlock(req.node)
-        self.lock_ref(req.key[: req.cached], -1)
+        self._unlock(req)
         self.check("finish")
         return n
 
@@ -260,8 +250,7 @@ class Session:
         self.log.append(f"abort {list(req.key)}")
         self.running.remove(req)
         self.ledger.release(req.row[req.cached :])
-        self.cache.unlock(req.node)
-        self.lock_ref(req.key[: req.cached], -1)
+        self._unlock(req)
         self.check("abort")
 
     def evict(self, num_slots: int) -> int:
@@ -358,6 +347,23 @@ class Session:
         )
 
     # -- helpers --------------------------------------------------------------------------------
+    def _handing_over(self, own: Sequence[int], row: Sequence[int], call: Any) -> Any:
+        """``call`` (an insert) on a tensor of ``row``, with ``own`` the slots it hands over
+        (the cache may free those); the tensor is overwritten with -1 after, as a caller
+        reuses its row: a cache must keep copies of the ids, not this tensor."""
+        self.ledger.handing = set(own)
+        passed = self.tensor(row)
+        try:
+            return call(passed)
+        finally:
+            self.ledger.handing = set()
+            passed.fill_(-1)
+
+    def _unlock(self, req: Running) -> None:
+        """Release the lock ``req`` holds on the cache's part of its row."""
+        self.cache.unlock(req.node)
+        self.lock_ref(req.key[: req.cached], -1)
+
     def tensor(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(slots), dtype=torch.int64, device=self.ledger.device)
 
