@@ -542,8 +542,10 @@ class GraphRequirements:
 class GraphCapabilities(Capabilities):
     kind: ClassVar[str] = "graph"
     devices: frozenset[str] = frozenset({"cuda"})
-    real_capture: bool = True  # False: replay re-executes the function (CPU testing)
-    shared_memory_pool: bool = True
+    # True: replay relaunches what capture recorded and calls no Python function. False:
+    # replay runs the key's function again (a CPU backend, e.g. reexec, must declare False).
+    real_capture: bool = True
+    shared_memory_pool: bool = True  # every graph allocates from one pool
     graph_resources: bool = False  # can own a dispatcher's GraphResourceProvider state
 
     def refusals(self, req: GraphRequirements) -> list[str]:
@@ -581,13 +583,15 @@ class GraphBackend(ABC):
     def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
         """Record ``fn`` (no arguments; it reads static tensors) for ``key`` and return its
         static output objects. Runs inside ``capture_session()``; warms ``fn`` up first, as a
-        real capture needs. Raises ValueError for a ``key`` captured already (cleanup first)."""
+        real capture needs. Raises ValueError for a ``key`` captured already (cleanup first).
+        If ``fn`` raises, re-raises (chained) and leaves ``key`` uncaptured."""
 
     @abstractmethod
     def replay(self, key: ShapeKey) -> Any:
         """Re-run ``key``'s recording over the current contents of its static inputs and return
-        the objects ``capture`` returned, overwritten in place. KeyError, naming the captured
-        keys, for a key never captured."""
+        the objects ``capture`` returned, every tensor overwritten in place (a replay of any
+        key may overwrite other keys' outputs: callers copy what they keep). KeyError, naming
+        the captured keys, for a key never captured."""
 
     @abstractmethod
     def has(self, key: ShapeKey) -> bool:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import re
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,14 +35,20 @@ HIDDEN = 32
 
 @dataclass
 class StepOutput:
-    """What the captured function returns: a structure of tensors, as a model forward does."""
+    """What the captured function returns: a structure of tensors, as a model forward does
+    (the engine's holds float logits, integer token ids sampled in the graph and absent fields)."""
 
     hidden: torch.Tensor  # [bs, H]
     logits: torch.Tensor  # [bs, 2H]
+    positive: torch.Tensor  # [bs] int64: how many inputs of the row are > 0
+    absent: torch.Tensor | None = None
 
 
 class Workload:
-    """Per key, a static input buffer and a function reading it; eager calls give the oracle."""
+    """Per key, a static input buffer and a function reading it; eager calls give the oracle.
+
+    ``calls`` counts the runs of each key's function; ``observe`` (when set) is called with the
+    key at every run, so a test can see what a run found around it."""
 
     def __init__(self, device: str, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -47,6 +57,8 @@ class Workload:
         self.w1 = torch.randn(HIDDEN, HIDDEN, generator=gen).to(self.device)
         self.w2 = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen).to(self.device)
         self.inputs = {k: torch.zeros(k.batch_size, HIDDEN, device=self.device) for k in KEYS}
+        self.calls: Counter[ShapeKey] = Counter()
+        self.observe: Callable[[ShapeKey], None] | None = None
         self.refill()
 
     def refill(self) -> None:
@@ -59,10 +71,17 @@ class Workload:
         scale = 0.5 if key.variant else 1.0  # variants must not be confused with each other
 
         def step() -> StepOutput:
+            self.calls[key] += 1
+            if self.observe is not None:
+                self.observe(key)
             h = torch.tanh(x @ self.w1) * scale  # [bs, H]
-            return StepOutput(h, h @ self.w2)
+            return StepOutput(h, h @ self.w2, (x > 0).sum(-1))
 
         return step
+
+
+class CaptureFailed(Exception):
+    """What the suite's failing function raises inside a capture."""
 
 
 class GraphBackendSuite(ConformanceSuite):
@@ -145,29 +164,48 @@ class GraphBackendSuite(ConformanceSuite):
         with backend.capture_session():
             return {key: backend.capture(key, work.fn(key)) for key in keys}
 
-    def check_replays(
-        self, case: Case, backend: GraphBackend, work: Workload, captured: dict[ShapeKey, Any]
-    ) -> float:
-        """Replay every key on new inputs; each must equal a fresh eager call of its function."""
+    def check_replays(self, case: Case, backend: GraphBackend, work: Workload, keys: Any) -> float:
+        """Replay every key on new inputs; each must equal a fresh eager call of its function,
+        every field of it, and run nothing but its own recording."""
         tol = type(self).tolerance(case.device, torch.float32)
+        relaunches = type(self).caps().real_capture
         worst = 0.0
         for round_ in range(2):
             work.refill()
-            for key in captured:
+            for key in keys:
+                before = Counter(work.calls)
                 out = backend.replay(key)
+                ran = dict(work.calls - before)
                 got = (out.hidden.clone(), out.logits.clone())
                 want = work.fn(key)()
+                where = f"{case.id}: replay {round_} of {key}"
                 for name, have, ref in zip(
                     ("hidden", "logits"), got, (want.hidden, want.logits), strict=True
                 ):
                     cmp = compare(have, ref.double())
                     worst = max(worst, cmp.rel_error)
                     assert cmp.ok(tol), (
-                        f"{case.id}: replay {round_} of {key}: {name} differs from eager by "
+                        f"{where}: {name} differs from eager by "
                         f"{cmp.rel_error:.3g} (tolerance {tol:.3g}); a replay must run the "
                         "graph captured for this very key (keys of one batch size differ by "
                         "variant) on the current contents of the static inputs"
                     )
+                assert out.positive.dtype == torch.int64 and torch.equal(
+                    out.positive, want.positive
+                ), (
+                    f"{where}: the int64 output 'positive' is {out.positive.tolist()}, eager "
+                    f"{want.positive.tolist()}: every tensor of the output is overwritten by a "
+                    "replay, integer ones too (the engine samples token ids in the graph)"
+                )
+                assert out.absent is None, f"{where}: the None field 'absent' became {out.absent!r}"
+                expected = {} if relaunches else {key: 1}
+                assert ran == expected, f"{where} ran the captured functions {ran or 'never'}; " + (
+                    "a backend declaring real_capture relaunches what it recorded and calls "
+                    "no Python function (declare real_capture=False if replay re-runs it)"
+                    if relaunches
+                    else "a re-running replay (real_capture=False) runs the function of "
+                    "this key once, and no other"
+                )
         return worst
 
     # -- tests ----------------------------------------------------------------------------------
@@ -177,8 +215,8 @@ class GraphBackendSuite(ConformanceSuite):
         self.begin(case)
         work = Workload(case.device, seed=1)
         with self.open_backend(case) as (backend, _):
-            captured = self.capture_all(backend, work)
-            record_property("max_error", self.check_replays(case, backend, work, captured))
+            self.capture_all(backend, work)
+            record_property("max_error", self.check_replays(case, backend, work, KEYS))
 
     @cases("device_cases")
     def test_replay_returns_captured_objects(self, case: Case) -> None:
@@ -208,17 +246,24 @@ class GraphBackendSuite(ConformanceSuite):
             self.capture_all(backend, work, (key,))
             assert backend.has(key), f"{case.id}: has({key}) False after capture"
             assert not backend.has(other), f"{case.id}: has({other}) True, only {key} captured"
-            try:
-                backend.replay(other)
-            except KeyError:
-                pass  # the contract: the runner tells a missing bucket by it
-            except Exception as exc:
-                pytest.fail(
-                    f"{case.id}: replay({other}) of a key never captured raised "
-                    f"{type(exc).__name__}, not KeyError (naming the captured keys)"
-                )
-            else:
-                pytest.fail(f"{case.id}: replay({other}) of a key never captured did not raise")
+            for missing in (other, KEYS[3]):  # a variant of the captured size, another size
+                try:
+                    backend.replay(missing)
+                except KeyError as exc:  # the contract: a caller tells a missing key by it
+                    message = str(exc)
+                    assert missing is other or re.search(rf"\b{key.batch_size}\b", message), (
+                        f"{case.id}: replay({missing}) raised KeyError({message}), which does "
+                        f"not name the captured key {key}"
+                    )
+                except Exception as exc:
+                    pytest.fail(
+                        f"{case.id}: replay({missing}) of a key never captured raised "
+                        f"{type(exc).__name__}, not KeyError (naming the captured keys)"
+                    )
+                else:
+                    pytest.fail(
+                        f"{case.id}: replay({missing}) of a key never captured did not raise"
+                    )
             try:
                 with backend.capture_session():
                     backend.capture(key, work.fn(key))
@@ -234,16 +279,76 @@ class GraphBackendSuite(ConformanceSuite):
     def test_cleanup_is_idempotent_and_allows_recapture(
         self, case: Case, record_property: Record
     ) -> None:
+        """cleanup() twice leaves no key and nothing of the recordings alive; a recapture
+        replays correctly."""
         self.begin(case)
         work = Workload(case.device, seed=4)
         with self.open_backend(case) as (backend, _):
-            self.capture_all(backend, work)
+            alive = self.capture_weakly(backend, work)
             backend.cleanup()
             backend.cleanup()
             left = [k for k in KEYS if backend.has(k)]
             assert not left, f"{case.id}: keys {left} still captured after cleanup()"
-            captured = self.capture_all(backend, work, KEYS[:2])
-            record_property("max_error", self.check_replays(case, backend, work, captured))
+            gc.collect()
+            kept = [what for what, ref in alive if ref() is not None]
+            assert not kept, (
+                f"{case.id}: after cleanup() the backend still holds {', '.join(kept)}: "
+                "cleanup() drops every recording, or each recapture keeps the last "
+                "generation's static tensors alive"
+            )
+            self.capture_all(backend, work, KEYS[:2])
+            record_property("max_error", self.check_replays(case, backend, work, KEYS[:2]))
+
+    def capture_weakly(self, backend: GraphBackend, work: Workload) -> list[tuple[str, Any]]:
+        """Capture every key, keeping only weak references to the functions and outputs."""
+        fns = {key: work.fn(key) for key in KEYS}
+        with backend.capture_session():
+            outputs = {key: backend.capture(key, fn) for key, fn in fns.items()}
+        return [(f"the function of {k}", weakref.ref(fn)) for k, fn in fns.items()] + [
+            (f"the outputs of {k}", weakref.ref(out.hidden)) for k, out in outputs.items()
+        ]
+
+    @cases("device_cases")
+    def test_a_failed_capture_leaves_the_key_uncaptured(self, case: Case) -> None:
+        """A function raising inside capture: the error reaches the caller (chained when
+        wrapped), the key stays uncaptured and can be captured again, earlier keys replay."""
+        self.begin(case)
+        work = Workload(case.device, seed=8)
+        first, failing = KEYS[0], KEYS[1]
+
+        def broken() -> StepOutput:
+            raise CaptureFailed(f"the conformance suite's function for {failing} failed")
+
+        with self.open_backend(case) as (backend, _):
+            self.capture_all(backend, work, (first,))
+            try:
+                with backend.capture_session():
+                    backend.capture(failing, broken)
+            except Exception as exc:
+                chain: list[BaseException] = []
+                seen: BaseException | None = exc
+                while seen is not None and len(chain) < 20:
+                    chain.append(seen)
+                    seen = seen.__cause__ or seen.__context__
+                assert any(isinstance(e, CaptureFailed) for e in chain), (
+                    f"{case.id}: capture({failing}) of a raising function raised "
+                    f"{type(exc).__name__}({exc}) without the function's own error in its chain"
+                )
+            else:
+                pytest.fail(f"{case.id}: capture({failing}) of a raising function did not raise")
+            assert not backend.has(failing), (
+                f"{case.id}: has({failing}) is True after its capture failed"
+            )
+            with pytest.raises(KeyError):
+                backend.replay(failing)
+            try:
+                self.capture_all(backend, work, (failing,))
+            except Exception as exc:
+                pytest.fail(
+                    f"{case.id}: capturing {failing} again after a failed capture raised "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            self.check_replays(case, backend, work, (first, failing))
 
     @cases("real_capture_cases")
     def test_replay_without_sync_or_allocation(self, case: Case) -> None:
@@ -299,13 +404,18 @@ class GraphBackendSuite(ConformanceSuite):
 
     @cases("resource_cases")
     def test_graph_resources(self, case: Case) -> None:
-        """A dispatcher's graph resources: created once, registered, warmed per key, closed."""
+        """A dispatcher's graph resources: created once per generation, registered, warmed per
+        key (and again before a re-running replay), closed after the graphs are gone."""
         self.begin(case)
         provider = RecordingProvider()
         work = Workload(case.device, seed=7)
         with self.open_backend(case, provider) as (backend, context):
+            provider.backend = backend
             self.capture_all(backend, work, KEYS[:3])
-            assert len(provider.created) == 1, f"{case.id}: created {len(provider.created)}x"
+            assert len(provider.created) == 1, (
+                f"{case.id}: create_graph_resources called {len(provider.created)} times for "
+                "one generation of captures, expected once (by the first, largest key)"
+            )
             resources = provider.created[0]
             assert context.has(provider.resource_name), (
                 f"{case.id}: resources not registered as {provider.resource_name!r}"
@@ -316,13 +426,44 @@ class GraphBackendSuite(ConformanceSuite):
             warmed = {n for _, n in provider.warmed}
             missing = {k.batch_size for k in KEYS[:3]} - warmed
             assert not missing, f"{case.id}: no warm-up for batch sizes {sorted(missing)}"
+            # A re-running replay must find the provider on its own key's bucket, as the
+            # kernels a real graph recorded for that key carry it.
+            seen: list[tuple[ShapeKey, int | None]] = []
+            work.observe = lambda key: seen.append((key, provider.current))
+            for key in (KEYS[2], KEYS[0], KEYS[1], KEYS[0]):
+                backend.replay(key)
+            work.observe = None
+            stale = [(k, n) for k, n in seen if n != k.batch_size]
+            assert not stale, (
+                f"{case.id}: replays ran the function with the resources warmed for another "
+                f"bucket ({', '.join(f'{k} on {n}' for k, n in stale)}): a replay that re-runs "
+                "the function warms the resources up for its key first"
+            )
             backend.cleanup()
             backend.cleanup()
             assert provider.closed == [resources], (
                 f"{case.id}: close_graph_resources calls {provider.closed}, expected one"
             )
+            assert provider.captured_at_close == [[]], (
+                f"{case.id}: the resources were closed while keys {provider.captured_at_close} "
+                "were still captured: cleanup() drops the graphs first, then closes them"
+            )
             assert not context.has(provider.resource_name), (
                 f"{case.id}: {provider.resource_name!r} still registered after cleanup()"
+            )
+            # A new generation creates and registers new resources, and closes them too.
+            self.capture_all(backend, work, KEYS[:1])
+            assert len(provider.created) == 2, (
+                f"{case.id}: a capture after cleanup() created no new graph resources "
+                "(the first generation's were closed)"
+            )
+            assert context.has(provider.resource_name) and (
+                context.get(provider.resource_name) is provider.created[1]
+            ), f"{case.id}: the new generation's resources are not the ones registered"
+            backend.cleanup()
+            assert provider.closed == provider.created, (
+                f"{case.id}: close_graph_resources calls {provider.closed} after two "
+                f"generations, expected {provider.created}"
             )
 
     @cases("refusal_cases")
@@ -342,6 +483,9 @@ class RecordingProvider:
     created: list[Any] = dataclasses.field(default_factory=list)
     warmed: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
     closed: list[Any] = dataclasses.field(default_factory=list)
+    current: int | None = None  # the bucket of the last warm-up
+    backend: GraphBackend | None = None  # set by the test: close records what it still holds
+    captured_at_close: list[list[ShapeKey]] = dataclasses.field(default_factory=list)
 
     def create_graph_resources(self, capacity: int, context: RuntimeContext) -> Any:
         resources = {"capacity": capacity, "id": len(self.created)}
@@ -350,6 +494,10 @@ class RecordingProvider:
 
     def warm_up_graph_resources(self, resources: Any, num_tokens: int) -> None:
         self.warmed.append((resources, num_tokens))
+        self.current = num_tokens
 
     def close_graph_resources(self, resources: Any) -> None:
         self.closed.append(resources)
+        self.current = None
+        if self.backend is not None:
+            self.captured_at_close.append([k for k in KEYS if self.backend.has(k)])

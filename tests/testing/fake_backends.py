@@ -351,6 +351,100 @@ class RecapturingGraph(ReexecGraphBackend):
         return super().capture(key, fn)
 
 
+class FloatOnlyCopyGraph(ReexecGraphBackend):
+    """Broken: replay copies the floating-point outputs only; integer ones (token ids sampled
+    in the graph) keep their captured values."""
+
+    def replay(self, key: ShapeKey) -> Any:
+        out = self._outputs[key]
+        fresh = self._fns[key]()
+        for f in dataclasses.fields(out):
+            kept = getattr(out, f.name)
+            if isinstance(kept, torch.Tensor) and kept.is_floating_point():
+                kept.copy_(getattr(fresh, f.name))
+        return out
+
+
+class HoardingGraph(ReexecGraphBackend):
+    """Broken: keeps every capture's function and outputs past cleanup() (a leak per recapture)."""
+
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        out = super().capture(key, fn)
+        self.__dict__.setdefault("history", []).append((fn, out))
+        return out
+
+
+class ClosedResourcesGraph(ReexecGraphBackend):
+    """Broken: cleanup() closes the graph resources but keeps them, so the next generation's
+    captures reuse closed resources (no new create, nothing registered)."""
+
+    def cleanup(self) -> None:
+        owner = self._resources
+        self._fns.clear()
+        self._outputs.clear()
+        if owner is not None and owner.resources is not None and not getattr(self, "shut", 0):
+            if owner.context.has(owner.name):
+                owner.context.unregister(owner.name, owner=owner.owner)
+            owner.provider.close_graph_resources(owner.resources)
+            self.shut = 1
+
+
+class ResourcesFirstGraph(ReexecGraphBackend):
+    """Broken: cleanup() closes the graph resources while its graphs still hold them."""
+
+    def cleanup(self) -> None:
+        if self._resources is not None:
+            self._resources.close()
+        super().cleanup()
+
+
+class UnboundReplayGraph(ReexecGraphBackend):
+    """Broken: a re-running replay never warms the resources up for its key again, so the
+    forward runs on whichever bucket was warmed last."""
+
+    def replay(self, key: ShapeKey) -> Any:
+        out = self._outputs[key]
+        fresh = self._fns[key]()
+        for f in dataclasses.fields(out):
+            kept = getattr(out, f.name)
+            if isinstance(kept, torch.Tensor):
+                kept.copy_(getattr(fresh, f.name))
+        return out
+
+
+class EagerKeyGraph(ReexecGraphBackend):
+    """Broken: records the key before its function has run, so a failed capture leaves it
+    captured (with no outputs) until cleanup()."""
+
+    def capture(self, key: ShapeKey, fn: Callable[[], Any]) -> Any:
+        if key in self._fns:
+            raise ValueError(f"{key} already captured")
+        self._fns[key] = fn
+        if self._resources is not None:
+            self._resources.ensure(key.batch_size)
+            self._resources.warm_up(key.batch_size)
+        self._outputs[key] = fn()
+        return self._outputs[key]
+
+
+class TwiceRunGraph(ReexecGraphBackend):
+    """Broken: replay runs the function once more "to warm it up" (side effects run twice)."""
+
+    def replay(self, key: ShapeKey) -> Any:
+        self._fns[key]()
+        return super().replay(key)
+
+
+class EveryKeyGraph(ReexecGraphBackend):
+    """Broken: a replay re-runs every captured key ("refresh all graphs")."""
+
+    def replay(self, key: ShapeKey) -> Any:
+        for other in self._fns:
+            if other != key:
+                super().replay(other)
+        return super().replay(key)
+
+
 class ResourceReexecGraph(ReexecGraphBackend):
     """Correct: reexec, which owns a dispatcher's graph resources itself (for the resource test)."""
 
