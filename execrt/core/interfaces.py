@@ -291,7 +291,8 @@ class AttentionBackend(ABC):
         cache at ``step.out_cache_loc`` already, except for a backend that declares
         ``stores_kv``: it receives ``kv = (k [T, Hkv, D], v [T, Hkv, Dv])`` and stores them
         there first. Other backends may receive ``kv`` too (see ``KV``): the same values the
-        cache holds (before an fp8 cache's quantization), in consecutive rows; None is valid."""
+        cache holds (before an fp8 cache's quantization: with one, read this step's K/V from
+        the cache, as later steps will), in consecutive rows; None is valid."""
 
     def fuses_qk_prologue(self, step: AttentionStep) -> bool:
         """Whether this step's ``attend_with_prologue`` normalises and rotates q and k and

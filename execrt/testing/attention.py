@@ -35,6 +35,7 @@ from execrt.testing.attention_scenarios import (
     MULTI_STEPS,
     SCENARIOS,
     Profile,
+    continuing_steps,
 )
 from execrt.testing.suite import (
     STANDARD_DTYPES,
@@ -352,14 +353,22 @@ class AttentionBackendSuite(ConformanceSuite):
 
     @cases("primary_cases")
     def test_multi_layer_multi_step(self, case: Case, record_property: Record) -> None:
-        """One plan serves every layer; a later, different batch is not stale."""
+        """One plan serves every layer; a later, different batch is not stale, nor is a batch
+        of the same requests one token further on (``continuing_steps``)."""
         self.begin(case)
         caps = type(self).caps()
         steps = [s for s in MULTI_STEPS if getattr(caps, s.mode)]
         if not steps:
             pytest.skip("capabilities decode and extend are both False")
-        if case.device.startswith("cuda"):
+        cuda = case.device.startswith("cuda")
+        if cuda:
             steps = [_scaled(s, 20) for s in steps]
+        chain = list(continuing_steps(20 if cuda else 1))
+        if not caps.extend:  # from the first decode step on, that one laid out afresh
+            chain = [dataclasses.replace(chain[1], continues=False), *chain[2:4]]
+        elif not caps.decode:
+            chain = []
+        steps += chain
         outcome = self.run_steps(case, self.geometry(case, num_layers=3), steps, _seed(case))
         self.finish(case, outcome, record_property)
 

@@ -41,6 +41,12 @@ class Step:
     extend_lens: tuple[int, ...]
     padded_rows: int = 0  # decode rows appended as graph padding does (row 0 / slot 0)
     permuted: bool = False  # slots scattered at random over the cache
+    # Continues the previous step's requests in its rows, as an engine's next step does: each
+    # request's prefix is what it held (its K/V stay in place) and only its new tokens take
+    # slots, written after its last one in its row. ``fresh``: batch positions where a new
+    # request has taken over the finished one's row (new slots for all of its tokens).
+    continues: bool = False
+    fresh: tuple[int, ...] = ()
 
     @staticmethod
     def decode(context_lens: Sequence[int], **options: Any) -> Step:
@@ -162,6 +168,7 @@ class AttentionHarness:
             self.exact_k = [b.to(dtype) for b in self.mirror_k]
             self.exact_v = [b.to(dtype) for b in self.mirror_v]
         self.free = list(range(1, cache_slots + 1))
+        self.last: tuple[list[int], list[int]] | None = None  # the last step's rows, lengths
         # Not head_dim ** -0.5: a backend must use the layer's scaling, not its own guess.
         scaling = 0.9 * g.head_dim**-0.5
         self.layers = [
@@ -256,18 +263,42 @@ class AttentionHarness:
             raise ValueError(f"harness: step needs {step.num_slots} slots, {len(self.free)} free")
         if step.padded_rows and step.mode != "decode":
             raise ValueError("harness: padded rows are decode-only")
-        rows = (torch.randperm(self.pool.size, generator=self.gen)[: step.batch_size] + 1).tolist()
-        locs = self._lay_out_requests(step, rows)
+        if step.continues:
+            rows = self._continued_rows(step)
+            kept = set(range(step.batch_size)) - set(step.fresh)
+        else:
+            drawn = torch.randperm(self.pool.size, generator=self.gen)[: step.batch_size] + 1
+            rows, kept = drawn.tolist(), set()
+        locs = self._lay_out_requests(step, rows, kept)
+        self.last = (rows, [p + n for p, n in zip(step.prefix_lens, step.extend_lens, strict=True)])
         fb = self._batch(step, rows, locs, graph)
         return rows, fb, torch.tensor(locs, dtype=torch.int64, device=self.device)
 
-    def _lay_out_requests(self, step: Step, rows: list[int]) -> list[int]:
+    def _continued_rows(self, step: Step) -> list[int]:
+        """The previous step's rows, checked to hold what ``step`` continues."""
+        if self.last is None or len(self.last[0]) != step.batch_size or step.padded_rows:
+            raise ValueError("harness: a continuing step follows one of its batch size, unpadded")
+        rows, lengths = self.last
+        for i, (prefix, held) in enumerate(zip(step.prefix_lens, lengths, strict=True)):
+            if i not in step.fresh and prefix != held:
+                raise ValueError(f"harness: request {i} continues at {prefix}, held {held}")
+        return list(rows)
+
+    def _lay_out_requests(self, step: Step, rows: list[int], kept: set[int]) -> list[int]:
         """Give each request its slots in ``req_to_token`` (stale ids past its length, as a
-        reused row has) and its cached prefix's K/V; returns the new tokens' slots."""
+        reused row has) and its cached prefix's K/V; returns the new tokens' slots. A ``kept``
+        request already holds its prefix: its new tokens' slots follow it in its row."""
         g, table = self.geo, self.pool.req_to_token
         locs: list[int] = []
-        for row, prefix, n in zip(rows, step.prefix_lens, step.extend_lens, strict=True):
+        for i, (row, prefix, n) in enumerate(
+            zip(rows, step.prefix_lens, step.extend_lens, strict=True)
+        ):
             length = prefix + n
+            if i in kept:
+                slots = self._take_slots(n, step.permuted)
+                table[row, prefix:length] = torch.tensor(slots, dtype=torch.int32)
+                locs += slots
+                continue
             slots = self._take_slots(length, step.permuted)
             table[row, :length] = torch.tensor(slots, dtype=torch.int32)
             tail = min(TAIL, self.pool.max_context_len - length, len(self.free))

@@ -90,4 +90,8 @@ def run_kv_dtype_case(
     record_property("max_error_vs_unquantized", total.max_exact_error)
     record_property("budget_vs_unquantized", budget)
     if total.problems:
-        pytest.fail("\n".join(total.problems), pytrace=False)
+        hint = (
+            "(an fp8 cache is read as it holds K/V, this step's too: the stored values times "
+            "the layer's scales, not the unquantized kv handed to attend)"
+        )
+        pytest.fail("\n".join([*total.problems, hint]), pytrace=False)

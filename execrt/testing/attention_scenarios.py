@@ -100,3 +100,21 @@ MULTI_STEPS = (
     Step.decode([70]),
     Step.extend([40], [2]),
 )
+
+
+def continuing_steps(factor: int = 1) -> tuple[Step, ...]:
+    """Requests that go on from step to step in their rows, as in a running engine: a prefill,
+    two decode steps (each request's next token in the slot after its last), a third in which
+    a new request has taken over the second request's row, then a chunk of prefill for every
+    request. The batch's rows are the same every step: a plan kept per set of requests (their
+    ``req_to_token`` rows read once) misses every new slot. ``factor`` scales the lengths."""
+    first = Step.extend([0, 5 * factor, 0], [6 * factor, 3 * factor, 9 * factor])
+    held = [6 * factor, 8 * factor, 9 * factor]
+    steps = [first]
+    for _ in range(2):
+        held = [n + 1 for n in held]
+        steps.append(Step.decode(held, continues=True))
+    held = [held[0] + 1, 3 * factor + 1, held[2] + 1]
+    steps.append(Step.decode(held, continues=True, fresh=(1,)))
+    steps.append(Step.extend(held, [3, 2, 1], continues=True))
+    return tuple(steps)

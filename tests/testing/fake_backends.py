@@ -130,6 +130,22 @@ class StaleSeqLensGraphAttention(StaticGraphAttention):
         return PaddedContext(self.slots[:b], self.valid[:b], [], [])
 
 
+class RowsKeptAttention(TorchNativeAttnBackend):
+    """Broken: reads a batch's ``req_to_token`` rows once per set of requests and keeps
+    them, so a request's next token (in a slot written to its row after that read) is never
+    seen: every scenario passes, a running engine's greedy tokens change."""
+
+    def plan(self, fb: ForwardBatch) -> PaddedContext:
+        kept: dict[tuple[int, ...], torch.Tensor] = self.__dict__.setdefault("_kept", {})
+        requests = tuple(fb.req_pool_indices.tolist())
+        if requests not in kept:
+            kept[requests] = self.req_to_token_pool.req_to_token[fb.req_pool_indices].clone()
+        rows = kept[requests][:, : fb.max_seq_len]
+        valid = torch.arange(fb.max_seq_len, device=rows.device)[None, :] < fb.seq_lens[:, None]
+        slots = torch.where(valid, rows.long(), 0)
+        return PaddedContext(slots, valid, list(fb.prefix_lens_cpu), list(fb.extend_lens_cpu))
+
+
 class NaNPaddingGraphAttention(StaticGraphAttention):
     """Broken: padded graph rows come out NaN (as a softmax over no key does); every real
     row is exact. In a model that NaN reaches slot 0 through the padded row's K/V, and every

@@ -420,6 +420,16 @@ def test_a_backend_without_decode_or_extend_is_refused_where_both_run() -> None:
     assert AttentionCapabilities(extend=False).refusals(decode_only) == []
 
 
+def test_a_plan_kept_per_set_of_requests_fails_the_continuing_steps(tmp_path: Path) -> None:
+    """A black-box audit's backend that passed every check before the continuing steps (an
+    engine run of it gave other greedy tokens for every prompt)."""
+    body = cpu_attention_suite("RowsKeptAttention")
+    code, report = run_suite(tmp_path, body, "attention", "not generated")
+    failed = failures(report)
+    assert code == 1 and list(failed) == ["test_multi_layer_multi_step[cpu-float32]"], failed
+    assert "step 6 (decode)" in failed["test_multi_layer_multi_step[cpu-float32]"]
+
+
 def test_nan_in_padded_graph_rows_fails_naming_the_padding(tmp_path: Path) -> None:
     # Every real row is exact; the padded rows' NaN would reach slot 0 in a model.
     body = cpu_attention_suite("NaNPaddingGraphAttention", "GRAPH_CAPS")
