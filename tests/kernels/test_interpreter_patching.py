@@ -3,6 +3,7 @@ of ``triton.language`` per launch and per language module, the same results."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -118,3 +119,32 @@ def test_shared_block_types_leave_the_types_and_the_results_as_they_were() -> No
         z = torch.where(y > 1.0, y, -y) + y.sum(dim=1, keepdim=True)
         torch.testing.assert_close(out, z.half(), rtol=0, atol=0)
         torch.testing.assert_close(acc, y.amax(dim=0) + i, rtol=0, atol=0)
+
+
+@triton.jit
+def _int32_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, (x + 7) * 3 - x)
+
+
+def test_overflow_checks_are_dropped_only_where_their_assertion_never_fires() -> None:
+    from triton.runtime import interpreter
+
+    if not install():
+        pytest.skip("this triton's interpreter has other internals: the tests run unpatched")
+    builder = interpreter.interpreter_builder
+    assert builder.options.debug is False and builder.options.sanitize_overflow is False
+    x = torch.tensor([2**31 - 1, -(2**31), 5, -9], dtype=torch.int32)  # two overflow
+    outs = []
+    patched = builder.options
+    try:
+        for sanitize in (False, True):  # True: the interpreter's own options
+            builder.options = dataclasses.replace(patched, sanitize_overflow=sanitize)
+            out = torch.empty_like(x)
+            _int32_kernel[(1,)](x, out, BLOCK=4)
+            outs.append(out)
+    finally:
+        builder.options = patched
+    assert torch.equal(outs[0], outs[1])  # unchecked, both wrap the same way
+    assert outs[0][2:].tolist() == [31, 3]
