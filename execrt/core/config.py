@@ -238,8 +238,9 @@ class RuntimeConfig:
         merged: dict[str, Any] = {}
         if file is not None:
             merged.update(_read_toml(file))
-        env = _coerce_all(envs.config_overrides(environ), source="environment")
-        merged.update(_validated(env, "environment"))
+        env = _coerce_environment(envs.config_overrides(environ))
+        for key, value in env.items():  # each value named by its variable
+            merged.update(_validated({key: value}, _env_source(key)))
         if cli:
             given = {k: v for k, v in cli.items() if v is not None}
             _check_keys(given, "command line")
@@ -289,10 +290,17 @@ def _validated(values: dict[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
-def _coerce_all(raw: Mapping[str, str], source: str) -> dict[str, Any]:
-    _check_keys(raw, source)
+def _env_source(key: str) -> str:
+    return f"environment {envs.CONFIG_PREFIX}{key.upper()}"
+
+
+def _coerce_environment(raw: Mapping[str, str]) -> dict[str, Any]:
+    """``EXECRT_*`` strings as typed values; an error names the variable."""
+    _check_keys(raw, "environment")
     types = {f.name: f.type for f in fields(RuntimeConfig)}
-    return {key: _coerce(key, value, str(types[key]), source) for key, value in raw.items()}
+    return {
+        key: _coerce(key, value, str(types[key]), _env_source(key)) for key, value in raw.items()
+    }
 
 
 def _coerce(key: str, value: str, type_name: str, source: str) -> Any:
