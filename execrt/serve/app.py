@@ -52,7 +52,6 @@ from execrt.serve.text import (
     completion_logprobs,
     echo_logprobs,
     join_logprobs,
-    logprob_text_len,
 )
 from execrt.serve.tools import ToolCallText
 
@@ -295,7 +294,7 @@ async def _generate(
     job.submit()
     jobs.jobs.add(job)
     if plan.stream:
-        return EventSourceResponse(job.events())
+        return EventSourceResponse(job.events(), headers=STREAM_HEADERS)
     return await job.respond(request)
 
 
@@ -426,7 +425,8 @@ class Job:
             choice.finish_reason = "stop"  # a stop string: the engine need not go on
             self.client.abort(choice.request.request_id, "stop string matched")
         elif out.finished:
-            text += choice.text.finish()
+            rest, last = choice.text.finish()
+            text, logprobs = text + rest, logprobs + last
             if out.finish_reason in ("abort", "error"):
                 choice.finish_reason, choice.error = "error", out.error or "request aborted"
             else:
@@ -507,10 +507,11 @@ class Job:
     def _final_choice(self, choice: _Choice) -> dict[str, Any]:
         echo, echo_lp = self._echo(choice)
         text = echo + "".join(choice.parts)
+        starts = choice.text.offsets
         if echo_lp is None:
-            logprobs = self._logprobs(choice.text.logprobs)
+            logprobs = self._logprobs(choice.text.logprobs, starts=starts)
         else:  # the completion's offsets count on from the echoed prompt's text
-            later = self._logprobs(choice.text.logprobs, logprob_text_len(echo_lp))
+            later = self._logprobs(choice.text.logprobs, len(echo), starts)
             logprobs = join_logprobs(echo_lp, later)
         if self.plan.endpoint == "completion":
             body: dict[str, Any] = {"index": choice.index, "text": text}
@@ -534,12 +535,14 @@ class Job:
         prompt = choice.request.prompt_ids
         return choice.echo, echo_logprobs(prompt, choice.prompt_logprobs, self.codec, top)
 
-    def _logprobs(self, logprobs: list[TokenLogprobs], offset: int = 0) -> Any:
+    def _logprobs(
+        self, logprobs: list[TokenLogprobs], offset: int = 0, starts: list[int] | None = None
+    ) -> Any:
         top = self.plan.top_logprobs
         if top is None:
             return None
         if self.plan.endpoint == "completion":
-            return completion_logprobs(logprobs, self.codec, top, offset)
+            return completion_logprobs(logprobs, self.codec, top, offset, starts)
         return chat_logprobs(logprobs, self.codec, top)
 
     # -- server-sent events --------------------------------------------------------------------
@@ -552,7 +555,7 @@ class Job:
                 for choice in self.choices:
                     delta = {"role": "assistant", "content": ""}
                     yield self._chunk(choice.index, {"delta": delta})
-            offsets = [0] * len(self.choices)  # text_offset of each choice's next token
+            offsets = [0] * len(self.choices)  # where each choice's completion text begins
             async for u in self.updates():
                 c = u.choice
                 if u.reasoning:  # before the content of the same update
@@ -561,14 +564,15 @@ class Job:
                 if u.first and c.echo is not None:  # the prompt first (completions' echo)
                     echo, echo_lp = self._echo(c)
                     text = echo + text
-                    if echo_lp is not None:
-                        offsets[c.index] = logprob_text_len(echo_lp)
+                    offsets[c.index] = len(echo)
                 if not u.logprobs and echo_lp is None and not c.done:  # text only
                     if text:
                         yield self._text_chunk(c.index, text)
                     continue
-                lp = self._logprobs(u.logprobs, offsets[c.index]) if u.logprobs else None
-                offsets[c.index] += sum(len(self.codec.token_text(x.token_id)) for x in u.logprobs)
+                lp = None
+                if u.logprobs:
+                    starts = c.text.offsets[len(c.text.offsets) - len(u.logprobs) :]
+                    lp = self._logprobs(u.logprobs, offsets[c.index], starts)
                 if echo_lp is not None:
                     lp = echo_lp if lp is None else join_logprobs(echo_lp, lp)
                 content = bool(text or u.logprobs or echo_lp)
@@ -631,6 +635,11 @@ class Job:
         if self.plan.include_usage:
             chunk["usage"] = None
         return _sse(chunk)
+
+
+#: A stream is never cached or buffered on its way (nginx holds an event stream back unless
+#: told not to by ``X-Accel-Buffering``).
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _sse(body: Any) -> bytes:

@@ -279,6 +279,11 @@ def _template_variables(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {"reasoning_effort": effort} | variables
 
 
+#: OpenAI's error code for a prompt and completion beyond the context (LiteLLM, LangChain and
+#: other clients recognise an overflow by it).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def engine_error(message: str, endpoint: Endpoint) -> APIError:
     """The engine's refusal as a 400, ``param`` the request field it is about."""
     first = message.split(" ", 1)[0]
@@ -304,6 +309,14 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
         message = re.sub(
             r"^max_tokens 0 [^;]*", r"\g<0> (0 with echo: true scores the prompt)", message
         )
+    full = re.match(r"prompt of (\d+) tokens leaves no room in the context of (\d+)", message)
+    if full is not None:  # in OpenAI's words, which clients look for, and its code
+        message = (
+            f"This model's maximum context length is {full[2]} tokens. However, your "
+            f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {full[1]} "
+            f"tokens, which leaves no room for a completion ({message})"
+        )
+        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
     return APIError(message, param=param)
 
 
@@ -367,16 +380,19 @@ def _check_room(prompts: list[list[int]], fields: Mapping[str, Any], context_len
     OpenAI and vLLM answer it (the engine would cut it to the context). A prompt that fills
     the context alone is left for the engine to name."""
     max_tokens = fields.get("max_tokens")
-    if not _is_token(max_tokens) or not prompts:
+    if not isinstance(max_tokens, int) or not _is_token(max_tokens) or not prompts:
         return
     longest = max(len(p) for p in prompts)
     room = context_len - longest
-    if room > 0 and max_tokens > room:  # type: ignore[operator]
+    if room > 0 and max_tokens > room:
         name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
         raise APIError(
-            f"{name} {max_tokens} is too large: the model's context holds {context_len} tokens "
-            f"and the prompt has {longest}, so at most {room} can be generated",
+            f"This model's maximum context length is {context_len} tokens. However, you "
+            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} "
+            f"in the completion): {name} {max_tokens} is too large, at most {room} can be "
+            "generated",
             param=name,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 
@@ -492,6 +508,7 @@ def _chat_prompt(
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list of messages", param="messages")
     plain = [_message(m, i) for i, m in enumerate(messages)]
+    _check_tool_answers(plain)
     continued = _bool(fields, "continue_final_message", False)
     opening = _bool(fields, "add_generation_prompt", not continued)
     try:
@@ -504,6 +521,35 @@ def _chat_prompt(
         if "continue_final_message" in message:
             param = "continue_final_message"
         raise APIError(message, param=param) from None
+
+
+#: The roles a message may have. ``developer`` (OpenAI's newer name for instructions) is
+#: rendered as ``system``: chat templates know the one, not the other.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_tool_answers(messages: list[dict[str, Any]]) -> None:
+    """Each ``tool`` message answers a call of an earlier assistant message: its
+    ``tool_call_id`` is required and, where those calls carry ids, one of them."""
+    calls: set[str] | None = None  # ids of the calls made so far (None: none made yet)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = (calls or set()) | {c["id"] for c in message["tool_calls"] if c.get("id")}
+        if message["role"] != "tool":
+            continue
+        call_id = message.get("tool_call_id")
+        if call_id is None:
+            raise APIError(
+                f"messages[{i}] has role 'tool' but no 'tool_call_id' (the call it answers)",
+                param=f"messages[{i}].tool_call_id",
+            )
+        if calls is None or (calls and call_id not in calls):
+            raise APIError(
+                f"messages[{i}].tool_call_id {call_id!r} answers no earlier assistant "
+                f"tool call (made: {', '.join(sorted(calls)) if calls else 'none'}); a 'tool' "
+                "message follows the assistant message whose tool_calls it answers",
+                param=f"messages[{i}].tool_call_id",
+            )
 
 
 #: Message fields an answer carries that are neutral when empty (``annotations: []``).
@@ -531,7 +577,13 @@ def _message(message: object, index: int) -> dict[str, Any]:
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise APIError(f"{where}.role {role!r} must be a string", param=f"{where}.role")
-    out: dict[str, Any] = {"role": role}
+    if role not in ROLES:
+        hint = " (send tool results with role 'tool')" if role == "function" else ""
+        raise APIError(
+            f"{where}.role {role!r} is unsupported (supported: {', '.join(ROLES)}){hint}",
+            param=f"{where}.role",
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
     calls = message.get("tool_calls")
     if calls is not None:
         out["tool_calls"] = template_tool_calls(calls, where)

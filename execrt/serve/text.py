@@ -13,11 +13,14 @@ from execrt.engine.client import Detokenizer, TextCodec, TokenLogprobs
 class ChoiceText:
     """Text of one choice. ``feed`` returns what may be sent now; ``stopped`` turns True when
     a stop string matched (the text ends before it; later tokens are ignored). ``tokens``
-    counts the tokens fed up to the stop, and ``logprobs`` holds theirs. ``min_tokens``: a
-    stop string matches only where it ends in the text of the ``min_tokens``-th token or a
-    later one; it may begin earlier (as vLLM looks for stop strings once the output has that
-    many tokens, in a window reaching back a stop's length into the text before). The text of
-    the earlier tokens is held back as any text is while it could begin a stop string."""
+    counts the tokens fed up to the stop. ``logprobs`` holds the log-probabilities of the
+    tokens whose text is sent (``offsets``: where each token's text begins in it): a token's
+    goes out with the first of its text, and those of tokens a stop string cut off never do.
+    ``min_tokens``: a stop string matches only where it ends in the text of the
+    ``min_tokens``-th token or a later one; it may begin earlier (as vLLM looks for stop
+    strings once the output has that many tokens, in a window reaching back a stop's length
+    into the text before). The text of the earlier tokens is held back as any text is while it
+    could begin a stop string."""
 
     def __init__(
         self, detokenizer: Detokenizer, stops: tuple[str, ...] = (), min_tokens: int = 0
@@ -27,41 +30,57 @@ class ChoiceText:
         self._free = max(0, min_tokens - 1)  # tokens in whose text no stop may end
         self._held = ""  # text that may begin a stop string: not sent yet
         self._sent: list[str] = []  # every piece sent (joined on demand: appending stays O(1))
+        self._sent_len = 0
+        self._fed_len = 0  # the text of every token fed: sent, held, cut
+        self._pending: list[tuple[int, TokenLogprobs]] = []  # (offset, lp) of text not sent
         self.tokens = 0
         self.stopped = False
         self.logprobs: list[TokenLogprobs] = []
+        self.offsets: list[int] = []
 
     def feed(
         self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None = None
     ) -> tuple[str, list[TokenLogprobs]]:
-        """The new text to send and the log-probabilities of the tokens it accounts for."""
+        """The new text to send and the log-probabilities of the tokens it begins."""
         if self.stopped:
             return "", []
-        if not self._stops:  # nothing to hold back: the whole delta at once
+        if not self._stops and logprobs is None:  # nothing to hold back: the delta at once
             self.tokens += len(token_ids)
-            new_lp = list(logprobs or ())
-            self.logprobs += new_lp
-            return self._send(self._detok.push(token_ids)), new_lp
+            return self._send(self._detok.push(token_ids)), []
         out: list[str] = []
         fed = 0
-        for token in token_ids:  # one at a time: the stop's token ends the count
+        for i, token in enumerate(token_ids):  # one at a time: the stop's token ends the count
             fed += 1
             piece = self._detok.push([token])
+            if logprobs is not None and i < len(logprobs):
+                self._pending.append((self._fed_len, logprobs[i]))
+            self._fed_len += len(piece)
             out.append(self._scan(piece, match=self.tokens + fed > self._free))
             if self.stopped:
                 break
         self.tokens += fed
-        new_lp = list(logprobs or ())[:fed]
-        self.logprobs += new_lp
-        return "".join(out), new_lp
+        return "".join(out), self._release(every=False)
 
-    def finish(self) -> str:
-        """The text still held back, once the request ended on its own."""
+    def finish(self) -> tuple[str, list[TokenLogprobs]]:
+        """The text still held back, once the request ended on its own, and the
+        log-probabilities of the tokens it begins."""
         if self.stopped:
-            return ""
+            return "", []
         rest = self._scan(self._detok.flush())
         held, self._held = self._held, ""
-        return rest + self._send(held)
+        return rest + self._send(held), self._release(every=True)
+
+    def _release(self, every: bool) -> list[TokenLogprobs]:
+        """The pending log-probabilities of tokens whose text began in what was sent (``every``:
+        all of them); after a stop string, the others are dropped."""
+        n = 0
+        while n < len(self._pending) and (every or self._pending[n][0] < self._sent_len):
+            n += 1
+        out, self._pending = self._pending[:n], [] if self.stopped else self._pending[n:]
+        self.offsets += [offset for offset, _ in out]
+        released = [lp for _, lp in out]
+        self.logprobs += released
+        return released
 
     def _scan(self, piece: str, match: bool = True) -> str:
         """Send what of the held text and ``piece`` cannot begin a stop string; with ``match``,
@@ -89,6 +108,7 @@ class ChoiceText:
     def _send(self, text: str) -> str:
         if text:
             self._sent.append(text)
+            self._sent_len += len(text)
         return text
 
 
@@ -103,16 +123,25 @@ def tag_overlap(text: str, stop: str) -> int:
 
 # -- log-probabilities in the OpenAI shapes -----------------------------------------------------
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int, offset: int = 0
+    logprobs: Sequence[TokenLogprobs],
+    codec: TextCodec,
+    top: int,
+    offset: int = 0,
+    starts: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists; ``text_offset`` counts from ``offset``.
+    """The legacy completions shape: parallel lists; ``text_offset`` counts from ``offset``,
+    by ``starts`` (where each token's text begins in the text, from the detokenizer: a token
+    of part of a character spells U+FFFD but adds nothing) or else by the tokens' texts.
     Each ``top_logprobs`` entry holds the ``top`` most likely tokens and the chosen one, so up
     to ``top + 1`` (OpenAI's and vLLM's rule: ``logprobs: 0`` lists the chosen token alone)."""
     tokens = [codec.token_text(lp.token_id) for lp in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    if starts is not None:
+        offsets = [offset + start for start in starts]
+    else:
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
     tops = []
     for token, lp in zip(tokens, logprobs, strict=True):
         alternatives = {codec.token_text(t): v for t, v in lp.top[:top]}
@@ -145,12 +174,6 @@ def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     """Two completions-shape listings, one after the other (``then``'s offsets already
     counted past ``first``'s text)."""
     return {key: first[key] + then[key] for key in first}
-
-
-def logprob_text_len(listing: dict[str, Any]) -> int:
-    """The length of the text a completions-shape listing spells (its offsets' end)."""
-    tokens = listing["tokens"]
-    return listing["text_offset"][-1] + len(tokens[-1]) if tokens else 0
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprobs], codec: TextCodec, top: int) -> dict[str, Any]:

@@ -143,13 +143,14 @@ def test_unknown_route_and_wrong_method_answer_in_openai_error_shape(fake) -> No
         (
             {"max_tokens": 64},
             "max_tokens",
-            "max_tokens 64 is too large: the model's context "
-            "holds 64 tokens and the prompt has 1, so at most 63 can be generated",
+            "This model's maximum context length is 64 tokens. However, you requested 65 "
+            "tokens (1 in the prompt, 64 in the completion): max_tokens 64 is too large, at "
+            "most 63 can be generated",
         ),
         (
             {"prompt": ["a", "bcd"], "max_tokens": 62},
             "max_tokens",
-            "the prompt has 3, so at most 61",
+            "(3 in the prompt, 62 in the completion): max_tokens 62 is too large, at most 61",
         ),
         ({"prompt": "a" * 70}, "prompt", "prompt of 70 tokens leaves no room in the context"),
         ({"prompt": []}, "prompt", "prompt must be a string"),
@@ -162,6 +163,8 @@ def test_a_bad_completion_is_a_400_naming_the_field(fake, extra, param, needle) 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and needle in error["message"], error
+    overflow = "too large" in needle or "leaves no room" in needle
+    assert error["code"] == ("context_length_exceeded" if overflow else None), error
     assert error["type"] == "invalid_request_error" and set(error) == {
         "message",
         "type",
@@ -171,11 +174,45 @@ def test_a_bad_completion_is_a_400_naming_the_field(fake, extra, param, needle) 
     assert fake.submitted == []  # nothing reached the engine
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [
         ({"messages": []}, "messages", "non-empty list"),
-        ({"messages": [{"role": "tool", "content": "a"}]}, "messages", "bad role"),
+        (
+            {"messages": [{"role": "tool", "content": "a"}]},
+            "messages[0].tool_call_id",
+            "has role 'tool' but no 'tool_call_id'",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "a", "tool_call_id": "c1"}]},
+            "messages[0].tool_call_id",
+            "'c1' answers no earlier assistant tool call (made: none)",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                    {"role": "tool", "content": "4", "tool_call_id": "c2"},
+                ]
+            },
+            "messages[2].tool_call_id",
+            "'c2' answers no earlier assistant tool call (made: c1)",
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "a"}]},
+            "messages[0].role",
+            "'robot' is unsupported (supported: system, developer, user, assistant, tool)",
+        ),
+        ({"messages": [{"role": "User", "content": "a"}]}, "messages[0].role", "'User'"),
+        (
+            {"messages": [{"role": "function", "content": "a", "name": "f"}]},
+            "messages[0].role",
+            "send tool results with role 'tool'",
+        ),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string"),
         (
             {"messages": [{"role": "user", "content": "a", "audio": {}}]},
@@ -208,6 +245,20 @@ def test_a_bad_chat_request_is_a_400(fake, body, param, needle) -> None:
     assert needle in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_developer_messages_are_system_messages_and_tool_answers_follow_their_call(fake) -> None:
+    """The fake's template knows system, user and assistant only (any other role raises)."""
+    body = {"messages": [{"role": "developer", "content": "be"}, {"role": "user", "content": "a"}]}
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    history = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"},
+    ]
+    r = call(fake, "POST", "/v1/chat/completions", {"messages": history})
+    assert r.status_code == 400 and "bad role" in r.json()["error"]["message"]  # the template's
 
 
 @pytest.mark.parametrize(
@@ -540,7 +591,9 @@ def test_chat_stream_framing(fake) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    chunks = events(call(fake, "POST", "/v1/chat/completions", body))
+    r = call(fake, "POST", "/v1/chat/completions", body)
+    assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+    chunks = events(r)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
     for index in (0, 1):
@@ -612,6 +665,28 @@ def test_logprobs_in_both_shapes(fake) -> None:
     (entry,) = r.json()["choices"][0]["logprobs"]["content"]
     assert entry["token"] == "b" and entry["logprob"] == -0.5 and entry["bytes"] == [98]
     assert [t["token"] for t in entry["top_logprobs"]] == ["b", "a"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_stop_with_the_text_a_stop_string_ends(fake, stream) -> None:
+    """Generated b c d e f: the stop "de" ends the text after "bc", and the tokens it cut off
+    (d and e, and whatever came after) have no log-probabilities; usage still counts them."""
+    body = {"prompt": "a", "max_tokens": 6, "logprobs": 0, "stop": "de", "stream": stream}
+    r = call(fake, "POST", "/v1/completions", body | {"stream_options": {"include_usage": True}}
+             if stream else body)  # fmt: skip
+    if stream:
+        chunks = [c for c in events(r) if c != "[DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+        tokens = [t for lp in listed if lp for t in lp["tokens"]]
+        offsets = [o for lp in listed if lp for o in lp["text_offset"]]
+        usage = chunks[-1]["usage"]
+    else:
+        choice = r.json()["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        offsets, usage = choice["logprobs"]["text_offset"], r.json()["usage"]
+    assert (text, tokens, offsets) == ("bc", ["b", "c"], [0, 1])
+    assert usage["completion_tokens"] == 4  # b c d e were generated
 
 
 def test_flush_cache_is_501_without_a_prefix_cache(fake) -> None:

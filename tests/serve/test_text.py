@@ -28,7 +28,7 @@ def run(
         piece, _ = choice.feed(ids[start:cut])
         pieces.append(piece)
         start = cut
-    pieces.append(choice.finish())
+    pieces.append(choice.finish()[0])
     return pieces, choice
 
 
@@ -66,6 +66,38 @@ def test_output_is_the_text_up_to_the_first_stop(text, stops, cuts, min_tokens) 
     assert choice.tokens == len(text[: match[0]].encode() if match else text.encode())
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(ALPHABET, min_size=1, max_size=24),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+    cuts=st.lists(st.integers(0, 80), max_size=8),
+)
+def test_logprobs_are_those_of_the_tokens_the_text_begins_with_their_offsets(
+    text, stops, cuts
+) -> None:
+    """A token's log-probability goes out with the first of its text, at its offset; the
+    tokens a stop string cut off have none (one token per byte: a character's later bytes
+    add no text and share its offset)."""
+    ids = TOKENIZER.encode(text).ids
+    logprobs = [TokenLogprobs(t, -float(i)) for i, t in enumerate(ids)]
+    choice = ChoiceText(_Detokenizer(TOKENIZER), tuple(stops))
+    sent, start, released = "", 0, []
+    for cut in sorted({min(c, len(ids)) for c in cuts} | {len(ids)}):
+        piece, lps = choice.feed(ids[start:cut], logprobs[start:cut])
+        sent, start, released = sent + piece, cut, released + lps
+        assert len(choice.offsets) == len(choice.logprobs) == len(released)
+        assert all(offset < len(sent) for offset in choice.offsets)  # their text is out
+    piece, lps = choice.finish()
+    sent, released = sent + piece, released + lps
+    assert released == choice.logprobs
+    begins = [len(text.encode()[:i].decode(errors="ignore")) for i in range(len(ids))]
+    kept = [i for i in range(len(ids)) if begins[i] < len(sent)]
+    if not choice.stopped:
+        kept = list(range(len(ids)))
+    assert [lp.logprob for lp in released] == [-float(i) for i in kept]
+    assert choice.offsets == [begins[i] for i in kept]
+
+
 def test_a_stop_that_begins_before_the_min_tokens_th_token_and_ends_in_it_stops() -> None:
     """As vLLM: from the ``min_tokens``-th token on, a stop string matches where it ends in
     the new text, wherever it begins (here in the text of the first token)."""
@@ -76,21 +108,21 @@ def test_a_stop_that_begins_before_the_min_tokens_th_token_and_ends_in_it_stops(
     # One that ends before the min_tokens-th token is no stop, and is sent once it cannot be.
     choice = ChoiceText(_Detokenizer(TOKENIZER), ("xy",), min_tokens=3)
     assert [choice.feed([t])[0] for t in ids] == ["", "xy", "z"]
-    assert not choice.stopped and choice.finish() == "" and choice.text == "xyz"
+    assert not choice.stopped and choice.finish()[0] == "" and choice.text == "xyz"
 
 
 def test_a_possible_stop_prefix_is_held_back_until_it_cannot_match() -> None:
     ids = TOKENIZER.encode("abcab").ids
     choice = ChoiceText(_Detokenizer(TOKENIZER), ("abd",))
     assert [choice.feed([t])[0] for t in ids] == ["", "", "abc", "", ""]
-    assert choice.finish() == "ab" and choice.text == "abcab"
+    assert choice.finish()[0] == "ab" and choice.text == "abcab"
 
 
 def test_later_tokens_after_a_stop_are_ignored() -> None:
     choice = ChoiceText(_Detokenizer(TOKENIZER), ("c",))
     assert choice.feed(TOKENIZER.encode("abcd").ids)[0] == "ab"
     assert choice.stopped and choice.tokens == 3
-    assert choice.feed(TOKENIZER.encode("xyz").ids) == ("", []) and choice.finish() == ""
+    assert choice.feed(TOKENIZER.encode("xyz").ids) == ("", []) and choice.finish()[0] == ""
 
 
 class _Letters:
