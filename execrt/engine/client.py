@@ -66,8 +66,8 @@ class EngineStats:
     kv_slots_total: int
     kv_slots_free: int
     kv_slots_cached: int
-    requests_running: int
-    requests_waiting: int
+    requests_running: int  # decoding, or part way through a prefill chunked over steps
+    requests_waiting: int  # queued, holding no KV yet
     prefix_hit_tokens: int
     prefix_query_tokens: int
     retractions: int

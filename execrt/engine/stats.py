@@ -34,15 +34,28 @@ def engine_stats(scheduler: Scheduler) -> EngineStats:
     once, so figures taken during a step may be a step apart)."""
     total, free, cached = kv_slot_counts(scheduler)
     hits, queries = prefix_cache_counters(scheduler)
+    running, waiting = len(scheduler.running), len(scheduler.waiting)
+    if waiting and _prefilling(scheduler):  # a chunked prefill under way runs, as in vLLM
+        running, waiting = running + 1, waiting - 1
     return EngineStats(
         kv_slots_total=total,
         kv_slots_free=free,
         kv_slots_cached=cached,
-        requests_running=len(scheduler.running),
-        requests_waiting=len(scheduler.waiting),
+        requests_running=running,
+        requests_waiting=waiting,
         prefix_hit_tokens=hits,
         prefix_query_tokens=queries,
         retractions=scheduler.stats.retractions,
         steps=scheduler.stats.steps,
         extend_steps=scheduler.stats.extend_steps,
     )
+
+
+def _prefilling(scheduler: Scheduler) -> bool:
+    """Whether the head of ``waiting`` holds KV: a prefill chunked over steps, part done (the
+    only waiting request that can; read from another thread, the queue may empty meanwhile)."""
+    try:
+        head = scheduler.waiting[0]
+    except IndexError:
+        return False
+    return scheduler.memory.holds(head)

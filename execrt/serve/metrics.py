@@ -40,7 +40,9 @@ class _EngineCollector(Collector):
         if s is None:  # still loading
             return
         yield GaugeMetricFamily(
-            P + "num_requests_running", "Requests in the running batch.", value=s.requests_running
+            P + "num_requests_running",
+            "Requests being served (decoding, or part way through a chunked prefill).",
+            value=s.requests_running,
         )
         yield GaugeMetricFamily(
             P + "num_requests_waiting", "Requests queued for admission.", value=s.requests_waiting

@@ -286,6 +286,20 @@ def test_stats_count_running_and_waiting_requests(engine) -> None:
     assert_all_free(engine)
 
 
+def test_a_prefill_chunked_over_steps_counts_as_running_from_its_first_chunk() -> None:
+    with Engine("builtin", device="cpu", max_prefill_tokens=16, kv_cache_tokens=256) as e:
+        e.submit("x" * 40, GREEDY)  # 40+ tokens: three chunks of at most 16
+        assert (e.stats().requests_running, e.stats().requests_waiting) == (0, 1)
+        e.step()  # the first chunk: the request holds KV and is served
+        s = e.stats()
+        assert e.scheduler.waiting and e.scheduler.memory.holds(e.scheduler.waiting[0])
+        assert (s.requests_running, s.requests_waiting) == (1, 0)
+        while e.step():
+            pass
+        s = e.stats()
+        assert (s.requests_running, s.requests_waiting) == (0, 0)
+
+
 def test_logprobs_are_the_model_distribution(engine) -> None:
     outputs: dict[int, list[RequestOutput]] = {}
     sink = collect(engine, outputs)

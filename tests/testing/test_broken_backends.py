@@ -37,14 +37,22 @@ def run_suite(
     return code, json.loads(path.read_text())
 
 
-def cpu_attention_suite(fake: str, capabilities: str = "NATIVE_CAPS") -> str:
-    """A suite module body holding ``fake_backends.<fake>`` to the attention suite on CPU."""
+def cpu_suite(fake: str, capabilities: str, suite: str) -> str:
+    """A suite module body holding ``fake_backends.<fake>`` to ``suite`` on CPU."""
     return f"""
-class TestBroken(AttentionBackendSuite):
+class TestBroken({suite}):
     factory = "tests.testing.fake_backends:{fake}"
     capabilities = fakes.{capabilities}
     devices = ("cpu",)
 """
+
+
+def cpu_attention_suite(fake: str, capabilities: str = "NATIVE_CAPS") -> str:
+    return cpu_suite(fake, capabilities, "AttentionBackendSuite")
+
+
+def cpu_graph_suite(fake: str) -> str:
+    return cpu_suite(fake, "REEXEC_CAPS", "GraphBackendSuite")
 
 
 def failures(report: dict[str, Any]) -> dict[str, str]:
@@ -115,12 +123,7 @@ class TestBroken(AttentionBackendSuite):
 def test_broken_graph_metadata_fails_the_graph_test(
     tmp_path: Path, backend: str, expect: str
 ) -> None:
-    body = f"""
-class TestBroken(AttentionBackendSuite):
-    factory = "tests.testing.fake_backends:{backend}"
-    capabilities = fakes.GRAPH_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_attention_suite(backend, "GRAPH_CAPS")
     code, report = run_suite(tmp_path, body, "attention", "test_graph_metadata or decode-single")
     assert code == 1
     failed = failures(report)
@@ -213,12 +216,7 @@ class TestBroken(MoEDispatcherSuite):
 
 
 def test_graph_backend_replaying_stale_outputs_fails(tmp_path: Path) -> None:
-    body = """
-class TestBroken(GraphBackendSuite):
-    factory = "tests.testing.fake_backends:StaleReplayGraph"
-    capabilities = fakes.REEXEC_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_graph_suite("StaleReplayGraph")
     code, report = run_suite(tmp_path, body, "graph", "cpu")
     assert code == 1
     failed = failures(report)
@@ -254,12 +252,7 @@ def test_graph_backends_the_audit_wrote_fail_saying_what(
     """Each a graph backend written from the docs that passed the suite before its check
     (integer outputs left stale give wrong sampled tokens in the engine; the rest leak,
     use closed resources, replay on the wrong bucket or run a step twice)."""
-    body = f"""
-class TestBroken(GraphBackendSuite):
-    factory = "tests.testing.fake_backends:{broken}"
-    capabilities = fakes.REEXEC_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_graph_suite(broken)
     code, report = run_suite(tmp_path, body, "graph", "cpu")
     failed = failures(report)
     assert code == 1 and f"{failing}[cpu]" in failed, failed
@@ -267,12 +260,7 @@ class TestBroken(GraphBackendSuite):
 
 
 def test_graph_backend_accepting_a_duplicate_capture_fails_saying_so(tmp_path: Path) -> None:
-    body = """
-class TestBroken(GraphBackendSuite):
-    factory = "tests.testing.fake_backends:RecapturingGraph"
-    capabilities = fakes.REEXEC_CAPS
-    devices = ("cpu",)
-"""
+    body = cpu_graph_suite("RecapturingGraph")
     code, report = run_suite(tmp_path, body, "graph", "test_has_and_duplicate_capture")
     assert code == 1
     assert failures(report) == {
