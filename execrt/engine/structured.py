@@ -156,9 +156,12 @@ class Reasoning:
 class JsonConstraint:
     """One request's JSON mode or schema: the tokens allowed now, and the state after each.
 
-    ``ends``: the token ids that end the request (EOS, stop tokens): allowed once the object is
-    complete, and only they then; also the way out when a token left the grammar (which the
-    masks prevent) or the vocabulary cannot go on."""
+    ``ends``: the token ids that end the request (EOS, stop tokens): never drawn inside the
+    object (a stop token the grammar would take there, a quote or a newline, would end it half
+    written); once it is complete, those whose text is nothing or JSON whitespace end it (a
+    stop token of other text would follow the object in the answer: allowed only where no
+    end is clean); also the way out when a token left the grammar (which the masks prevent) or
+    the vocabulary cannot go on."""
 
     def __init__(
         self,
@@ -182,6 +185,11 @@ class JsonConstraint:
                 "end the object (the model declares none)"
             )
         self._ends = torch.tensor(self.ends, dtype=torch.int64)
+        self._end_mask = torch.zeros(index.vocab_size, dtype=torch.bool)
+        self._end_mask[self._ends] = True
+        spelt = index.token_bytes
+        clean = [i for i in self.ends if i >= len(spelt) or _adds_no_text(spelt[i])]
+        self._closing = torch.tensor(clean or self.ends, dtype=torch.int64)
         self.state: JsonState | None = grammar.start
 
     def allowed(self, device: torch.device | None = None) -> torch.Tensor:
@@ -204,14 +212,21 @@ class JsonConstraint:
             return out if device is None else out.to(device, non_blocking=True)
         state = self.state
         host = self.index.mask(state, self.grammar)  # cached: checking it moves nothing
-        if state is not None and state[0] != DONE and bool(host.any()):
-            return self.index.mask(state, self.grammar, device)
-        if state is not None and state[0] != DONE:  # off the grammar, or a vocabulary that
+        if state is not None and state[0] != DONE:
+            if bool(host[self._ends].any()):  # a stop token the grammar takes: not here
+                host = host & ~self._end_mask
+                if bool(host.any()):
+                    return host if device is None else host.to(device, non_blocking=True)
+            elif bool(host.any()):
+                return self.index.mask(state, self.grammar, device)
+            # off the grammar, or a vocabulary that cannot go on
             logger.warning("JSON mode: no token continues state %r; only the end now", state)
-        out = torch.zeros(self.index.vocab_size, dtype=torch.bool)  # cannot go on
-        out[self._ends] = True
+        out = torch.zeros(self.index.vocab_size, dtype=torch.bool)
         if state is not None and state[0] == DONE:
             out |= host
+            out[self._closing] = True
+        else:
+            out[self._ends] = True
         return out if device is None else out.to(device, non_blocking=True)
 
     def advance(self, token: int) -> None:
@@ -242,3 +257,8 @@ class JsonConstraint:
     @property
     def complete(self) -> bool:
         return Grammar.complete(self.state)
+
+
+def _adds_no_text(data: bytes | None) -> bool:
+    """Whether a token ends a JSON answer cleanly: no text (a special token) or whitespace."""
+    return not data or not data.strip(b" \t\n\r")

@@ -126,6 +126,41 @@ SCHEMA = {
 }
 
 
+SCHEMA_AY = json.dumps(
+    {
+        "type": "object",
+        "properties": {"a": {"enum": ["x", "y"]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+)
+NO_SPACE = {ID[w]: -100.0 for w in (b" ", b"\n", b"\t", b"\r")}
+
+
+@pytest.mark.parametrize("stop", [b'"', b"Q", b"\n"])
+def test_stop_tokens_neither_cut_the_object_nor_follow_it(engine, stop: bytes) -> None:  # type: ignore[no-untyped-def]
+    """A stop token the grammar takes inside the object (a quote) is not drawn there; after
+    the object only a stop token of no text or whitespace ends it (one of other text would
+    follow the object in the answer): a "stop" answer parses. A mixed-workload audit had
+    ``{"`` and ``{"a":"y"}Q`` end with "stop"."""
+    bias = {ID[stop]: 10.0} | (NO_SPACE if stop != b"\n" else {})
+    for fmt, schema in (("json_object", ""), ("json_schema", SCHEMA_AY)):
+        r = engine.generate(
+            [1, 2, 3],
+            SamplingParams(
+                max_new_tokens=24, temperature=0, response_format=fmt, json_schema=schema,
+                stop_token_ids=(ID[stop],), logit_bias=bias,
+            ),
+        )  # fmt: skip
+        assert r.finish_reason in ("stop", "length"), r
+        if r.finish_reason == "stop":
+            assert isinstance(json.loads(r.text), dict), r.text
+            if stop == b"\n":  # a clean end: it may close the object
+                assert r.token_ids[-1] in (ID[stop], *engine.model_config.eos_token_ids)
+            else:
+                assert ID[stop] not in r.token_ids, r.token_ids
+
+
 def test_json_schema_answers_follow_the_schema(engine) -> None:  # type: ignore[no-untyped-def]
     from tests.engine.test_json_schema import valid
 
