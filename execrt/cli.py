@@ -950,10 +950,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         # other error is reported by each rank that hit it.
         if isinstance(exc, ConfigError) and rank:
             return 2
-        print(f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
+        print(
+            f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}{_set_by_env(exc)}",
+            file=sys.stderr,
+        )
         return 2
     finally:
         sys.stdout = stdout
+
+
+#: The config key that names each kind's backend.
+_BACKEND_KEYS = {
+    "attention": "attention_backend",
+    "moe_dispatch": "moe_dispatcher",
+    "graph": "graph_backend",
+    "prefix_cache": "prefix_cache",
+}
+
+
+def _set_by_env(exc: BaseException) -> str:
+    """`` (the environment sets EXECRT_X=name)`` for a backend refused by a name that the
+    environment gave (the error itself cannot tell where the name came from)."""
+    from execrt.core import envs
+    from execrt.core.errors import BackendUnavailableError
+
+    if not isinstance(exc, BackendUnavailableError) or exc.kind not in _BACKEND_KEYS:
+        return ""
+    var = envs.CONFIG_PREFIX + _BACKEND_KEYS[exc.kind].upper()
+    if os.environ.get(var, "").strip() != exc.name:
+        return ""
+    return f" (the environment sets {var}={exc.name})"
 
 
 def _run(argv: Sequence[str] | None, *, closed: bool) -> int:

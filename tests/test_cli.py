@@ -118,6 +118,17 @@ def test_user_mistakes_print_one_line_and_exit_2(capsys) -> None:
     assert "dtype 'float64' unsupported" in capsys.readouterr().err
 
 
+def test_a_backend_named_by_the_environment_says_so(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("EXECRT_PREFIX_CACHE", "bogus")
+    assert main(["generate", "--model", "builtin", "--device", "cpu", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prefix_cache backend 'bogus' unavailable" in err, err
+    assert err.rstrip().endswith("(the environment sets EXECRT_PREFIX_CACHE=bogus)"), err
+    argv = ["generate", "--model", "builtin", "--device", "cpu", "x"]
+    assert main([*argv, "--attention", "no"]) == 2
+    assert "the environment sets" not in capsys.readouterr().err  # the flag named it
+
+
 def test_bench_without_a_benchmark_names_them(capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as info:
         main(["bench"])
