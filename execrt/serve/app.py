@@ -555,7 +555,6 @@ class Job:
                 for choice in self.choices:
                     delta = {"role": "assistant", "content": ""}
                     yield self._chunk(choice.index, {"delta": delta})
-            offsets = [0] * len(self.choices)  # where each choice's completion text begins
             async for u in self.updates():
                 c = u.choice
                 if u.reasoning:  # before the content of the same update
@@ -564,7 +563,6 @@ class Job:
                 if u.first and c.echo is not None:  # the prompt first (completions' echo)
                     echo, echo_lp = self._echo(c)
                     text = echo + text
-                    offsets[c.index] = len(echo)
                 if not u.logprobs and echo_lp is None and not c.done:  # text only
                     if text:
                         yield self._text_chunk(c.index, text)
@@ -572,7 +570,8 @@ class Job:
                 lp = None
                 if u.logprobs:
                     starts = c.text.offsets[len(c.text.offsets) - len(u.logprobs) :]
-                    lp = self._logprobs(u.logprobs, offsets[c.index], starts)
+                    # the completion's text begins after the echoed prompt's
+                    lp = self._logprobs(u.logprobs, len(c.echo or ""), starts)
                 if echo_lp is not None:
                     lp = echo_lp if lp is None else join_logprobs(echo_lp, lp)
                 content = bool(text or u.logprobs or echo_lp)

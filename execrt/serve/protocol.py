@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import orjson
 
@@ -380,7 +380,7 @@ def _check_room(prompts: list[list[int]], fields: Mapping[str, Any], context_len
     OpenAI and vLLM answer it (the engine would cut it to the context). A prompt that fills
     the context alone is left for the engine to name."""
     max_tokens = fields.get("max_tokens")
-    if not isinstance(max_tokens, int) or not _is_token(max_tokens) or not prompts:
+    if not _is_token(max_tokens) or not prompts:
         return
     longest = max(len(p) for p in prompts)
     room = context_len - longest
@@ -495,7 +495,7 @@ def _completion_prompts(
     return out, tuple(item if isinstance(item, str) else None for item in items)
 
 
-def _is_token(value: object) -> bool:
+def _is_token(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
