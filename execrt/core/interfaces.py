@@ -361,8 +361,10 @@ class DispatchFormat(str, Enum):
     STANDARD: all T tokens stay in place; ``topk_ids`` hold *local* expert ids, -1 where the
     expert lives on another rank. Expert compute returns ``[T, H]`` with the routing weights
     applied, summed over local experts.
-    EXPERT_MAJOR: ``[E_local, P*C, H]`` rows per local expert, the first ``expert_counts[e]``
-    valid. Expert compute returns the same shape, unweighted; combine applies the weights.
+    EXPERT_MAJOR: ``[E_local, R, H]`` rows per local expert, the first ``expert_counts[e]``
+    valid (from every source rank), ``R`` at least the largest count: ``P * C`` always is
+    (``P`` the EP size, ``C`` = ``max_tokens_per_rank``). Expert compute returns the same shape,
+    unweighted; combine applies the weights.
     """
 
     STANDARD = "standard"
@@ -379,7 +381,7 @@ class StandardDispatchOutput:
 
 @dataclass
 class ExpertMajorDispatchOutput:
-    hidden_states: torch.Tensor  # [E_local, P*C, H]
+    hidden_states: torch.Tensor  # [E_local, R, H], R >= max(expert_counts), e.g. P * C
     expert_counts: torch.Tensor  # [E_local] int32
     num_tokens: int  # T on this rank, before dispatch
     state: Any = None  # dispatcher-private routing state combine needs
@@ -481,7 +483,11 @@ class MoEDispatcher(ABC):
 
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        """Expert outputs in the dispatch format -> ``[T, H]`` in token order. Collective."""
+        """Expert outputs in the dispatch format -> ``[T, H]`` in token order. Collective.
+
+        The result is the caller's: a contiguous tensor in the tokens' dtype that no later call
+        overwrites (copy out of a reused buffer). ``expert_output`` may be written in place.
+        Nothing of a call (its inputs, its output) may be kept past the next call."""
 
     def graph_resource_provider(self) -> GraphResourceProvider | None:
         """The provider of graph-lifetime state, for dispatchers that need one under graphs."""

@@ -49,7 +49,7 @@ from execrt.testing.suite import (
 Record = Callable[[str, object], None]
 
 TOP_KS = (1, 2, 4, 8)
-WORLD_SIZES = (1, 2)
+WORLD_SIZES = (1, 2, 3)  # 3: no power of two, no 'the other rank'
 
 
 class MoEDispatcherSuite(ConformanceSuite):
@@ -63,7 +63,7 @@ class MoEDispatcherSuite(ConformanceSuite):
     cpu_profile: ClassVar[MoEProfile] = CPU_PROFILE
     cuda_profile: ClassVar[MoEProfile] = CUDA_PROFILE
     #: Largest world size run as gloo processes on CPU; larger declared sizes skip.
-    max_cpu_world_size: ClassVar[int] = 2
+    max_cpu_world_size: ClassVar[int] = 3
     multiprocess_timeout_s: ClassVar[float] = 120.0
 
     # -- cases ----------------------------------------------------------------------------------
@@ -111,11 +111,18 @@ class MoEDispatcherSuite(ConformanceSuite):
         )
         if not declared and device_available(device) and world > cls.max_world(device)[0]:
             declared = f"world size {world} needs {world} processes; {cls.max_world(device)[1]}"
-        num_experts = max(prof.num_experts, world)
+        num_experts = cls.num_experts(prof, world, top_k, options.get("experts"))
         req = MoERequirements(device, dtype, world, group, num_experts, top_k, hidden, graph)
         skip, error = cls.runnable(spec, device, req, declared)
         opts = {"world": world, "top_k": top_k, "hidden": hidden} | options
         return Case(case_id, device, dtype, opts, skip, error)
+
+    @staticmethod
+    def num_experts(prof: MoEProfile, world: int, top_k: int, experts: int | None) -> int:
+        """A case's expert count: ``experts`` (the expert-count axis) or the profile's, raised
+        to the top-k and the world size, in whole blocks per rank."""
+        wanted = max(experts or prof.num_experts, world, top_k)
+        return -(-wanted // world) * world
 
     @classmethod
     def primary(cls, device: str) -> tuple[torch.dtype, int, int]:
@@ -186,6 +193,16 @@ class MoEDispatcherSuite(ConformanceSuite):
         return out
 
     @classmethod
+    def expert_cases(cls) -> list[Case]:
+        out = []
+        for dev in cls.devices_here():
+            dtype = cls.primary(dev)[0]
+            for e in cls.profile(dev).expert_counts:
+                case_id = f"{dev}-{dtype_name(dtype)}-w1-e{e}"
+                out.append(cls.make_case(case_id, dev, dtype, experts=e))
+        return out
+
+    @classmethod
     def primary_cases(cls, *, graph: bool = False, suffix: str = "") -> list[Case]:
         out = []
         for dev in cls.devices_here():
@@ -222,7 +239,7 @@ class MoEDispatcherSuite(ConformanceSuite):
             dtype=dtype,
             # Enough experts for the case's top-k (a declared max_top_k may pass the profile's),
             # in whole blocks per rank.
-            num_experts=-(-max(prof.num_experts, world, case["top_k"]) // world) * world,
+            num_experts=cls.num_experts(prof, world, case["top_k"], case.get("experts")),
             top_k=case["top_k"],
             hidden_size=case["hidden"],
             intermediate_size=prof.intermediate_size,
@@ -232,6 +249,7 @@ class MoEDispatcherSuite(ConformanceSuite):
             tolerance=cls.tolerance(case.device, dtype),
             world_size=world,
             process_group_backend=self.group_backend(case.device, world),
+            many_tokens=prof.many_tokens,
         )
 
     def record(self, case: Case, results: list[RankResult], record: Record) -> None:
@@ -291,6 +309,14 @@ class MoEDispatcherSuite(ConformanceSuite):
         self.begin(case)
         results = run_rank(self.job(case, ("random",)), ParallelState.single())
         self.finish(case, results, record_property)
+
+    @cases("expert_cases")
+    def test_expert_count(self, case: Case, record_property: Record) -> None:
+        """Expert counts other than the profile's: not powers of two, and as many as real
+        models have (nothing may assume the profile's 8)."""
+        self.begin(case)
+        job = self.job(case, ("random", "hot_expert", "some_masked"))
+        self.finish(case, run_rank(job, ParallelState.single()), record_property)
 
     @cases("format_cases")
     def test_output_format(self, case: Case) -> None:

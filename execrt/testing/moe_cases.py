@@ -21,11 +21,26 @@ class MoEProfile:
     top_k: int
     dtypes: tuple[torch.dtype, ...]  # preference order for the primary dtype
     max_examples: int
+    #: The expert-count axis (world size 1): not powers of two, and as many as real models have.
+    expert_counts: tuple[int, ...] = (12, 60)
+    #: Tokens per rank of the ``many_tokens`` scenario: one expert gets more rows than an int8
+    #: or uint8 count holds.
+    many_tokens: int = 300
 
 
-CPU_PROFILE = MoEProfile(8, 64, (64, 96), 32, 9, 2, STANDARD_DTYPES, 10)
+# The odd hidden size 72 (not a multiple of 32 or of a power-of-two block): a dispatcher that
+# declares no hidden_sizes takes every one.
+CPU_PROFILE = MoEProfile(8, 64, (64, 72, 96), 32, 9, 2, STANDARD_DTYPES, 10)
 CUDA_PROFILE = MoEProfile(
-    16, 1024, (1024, 2048), 512, 64, 4, (torch.bfloat16, torch.float16, torch.float32), 25
+    16,
+    1024,
+    (1024, 2048),
+    512,
+    64,
+    4,
+    (torch.bfloat16, torch.float16, torch.float32),
+    25,
+    expert_counts=(60, 128),
 )
 
 #: Routing scenarios every world size runs (see ``routing``).
@@ -38,6 +53,7 @@ ROUTINGS = (
     "all_masked",
     "duplicates_within_rank",
     "zero_tokens",
+    "many_tokens",
 )
 #: Scenarios whose routing weights do not sum to 1 per token (a model with norm_topk_prob
 #: false): a dispatcher must apply them as given, never renormalise.
@@ -60,7 +76,7 @@ def routing(
         ids = perm[torch.arange(t * k).view(t, k) % e]
     elif name == "some_masked":
         ids[torch.rand(t, k, generator=gen) < 0.4] = -1
-    elif name == "hot_expert":  # every token picks the last expert (on the last rank)
+    elif name in ("hot_expert", "many_tokens"):  # every token picks the last expert (last rank)
         for row in range(t):
             others = torch.randperm(e - 1, generator=gen)[: k - 1]
             ids[row] = torch.cat([torch.tensor([e - 1]), others])

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import queue as queue_module
 import tempfile
 import time
 import traceback
+import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,6 +61,7 @@ class MoEJob:
     tolerance: float
     world_size: int = 1
     process_group_backend: str = "none"
+    many_tokens: int = 300  # tokens per rank of the many_tokens scenario
 
     def spec(self) -> BackendSpec:
         if self.backend is not None:
@@ -91,7 +94,16 @@ def rank_tokens(job: MoEJob, name: str, rank: int, replicated: bool) -> int:
     """Tokens rank ``rank`` brings: replicated ranks agree; otherwise uneven, one rank empty."""
     if name == "zero_tokens":
         return 0 if replicated or rank == 0 else job.num_tokens
-    return job.num_tokens if replicated else job.num_tokens + 3 * rank
+    base = job.many_tokens if name == "many_tokens" else job.num_tokens
+    return base if replicated else base + 3 * rank
+
+
+def token_bound(job: MoEJob, name: str, replicated: bool) -> int:
+    """``max_tokens_per_rank`` of the dispatcher running scenario ``name``: what the largest
+    rank brings in ``random`` (or in ``many_tokens``, which gets a dispatcher of its own), so
+    that the bound is reached exactly (it is inclusive; an engine's is at least 1)."""
+    probe = "many_tokens" if name == "many_tokens" else "random"
+    return max(1, *(rank_tokens(job, probe, r, replicated) for r in range(job.world_size)))
 
 
 @contextmanager
@@ -125,26 +137,85 @@ def open_dispatcher(
         context.close()
 
 
-def run_rank(job: MoEJob, parallel: ParallelState) -> list[RankResult]:
+OnRouting = Callable[[str, int], None]
+
+
+def run_rank(
+    job: MoEJob, parallel: ParallelState, on_routing: OnRouting | None = None
+) -> list[RankResult]:
     """Build the dispatcher on this rank and run every routing scenario of ``job`` through
-    ``combine(run_experts(dispatch(x)))``, comparing with the naive MoE on global weights."""
+    ``combine(run_experts(dispatch(x)))``, comparing with the naive MoE on global weights.
+    ``on_routing(name, tokens)`` is told of each scenario as it begins.
+
+    Scenarios run in order on one dispatcher per token bound (``token_bound``). Across the
+    calls of one dispatcher it also checks that an earlier call's output is not overwritten by
+    a later call, and that the dispatcher keeps no tensor of a call (inputs, output) once the
+    next one has run and the caller dropped them."""
     w13, w2 = expert_weights(
         job.num_experts, job.hidden_size, job.intermediate_size, job.dtype, job.seed
     )
-    # The largest rank brings exactly max_tokens_per_rank tokens (the bound is inclusive; an
-    # engine's is at least 1).
     replicated = job.capabilities.replicated_tokens
-    most = max(1, *(rank_tokens(job, "random", r, replicated) for r in range(job.world_size)))
-    with open_dispatcher(job, parallel, most) as (dispatcher, init):
-        first, n_local = init.first_local_expert, init.num_local_experts
-        local = (
-            w13[first : first + n_local].to(init.device),
-            w2[first : first + n_local].to(init.device),
+    groups: dict[int, list[str]] = {}
+    for name in job.routings:
+        groups.setdefault(token_bound(job, name, replicated), []).append(name)
+    results: list[RankResult] = []
+    for bound, names in groups.items():
+        with open_dispatcher(job, parallel, bound) as (dispatcher, init):
+            first, n_local = init.first_local_expert, init.num_local_experts
+            local = (
+                w13[first : first + n_local].to(init.device),
+                w2[first : first + n_local].to(init.device),
+            )
+            results += _run_calls(
+                job, names, parallel.rank, dispatcher, init, (w13, w2), local, on_routing
+            )
+    return results
+
+
+def _run_calls(
+    job: MoEJob,
+    names: list[str],
+    rank: int,
+    dispatcher: Any,
+    init: MoEDispatcherInit,
+    weights_global: tuple[torch.Tensor, torch.Tensor],
+    weights_local: tuple[torch.Tensor, torch.Tensor],
+    on_routing: OnRouting | None,
+) -> list[RankResult]:
+    """The scenarios ``names`` one after the other on ``dispatcher``."""
+    results: list[RankResult] = []
+    kept: list[list[weakref.ref[torch.Tensor]]] = []  # each call's inputs and output
+    previous: tuple[str, torch.Tensor, torch.Tensor] | None = None  # name, output, its copy
+    for name in names:
+        if on_routing is not None:
+            on_routing(name, rank_tokens(job, name, rank, init.capabilities.replicated_tokens))
+        result, tensors = _run_routing(
+            job, name, rank, dispatcher, init.capabilities, weights_global, weights_local
         )
-        return [
-            _run_routing(job, name, parallel.rank, dispatcher, init.capabilities, (w13, w2), local)
-            for name in job.routings
-        ]
+        results.append(result)
+        if previous is not None and not torch.equal(previous[1], previous[2]):
+            result.problems.append(
+                f"combine's output for routing {previous[0]} changed when the dispatcher ran "
+                f"this routing: combine must hand out a tensor the caller owns (a view of a "
+                "buffer the dispatcher reuses is overwritten by its next call)"
+            )
+        out = tensors[-1]
+        previous = None if out is None else (name, out, out.clone())
+        kept.append([weakref.ref(t) for t in tensors if t is not None])
+        del tensors, out
+    previous = None
+    if len(names) > 1:
+        gc.collect()
+        for result, refs in zip(results[:-1], kept[:-1], strict=True):
+            alive = sum(r() is not None for r in refs)
+            if alive:
+                result.problems.append(
+                    f"the dispatcher still holds {alive} tensor(s) of this call (its inputs or "
+                    "output) after later calls, although the caller dropped them: memory that "
+                    "grows with every call"
+                )
+                break
+    return results
 
 
 def _run_routing(
@@ -155,8 +226,9 @@ def _run_routing(
     caps: MoEDispatcherCapabilities,
     weights_global: tuple[torch.Tensor, torch.Tensor],
     weights_local: tuple[torch.Tensor, torch.Tensor],
-) -> RankResult:
-    """One routing scenario on this rank against the naive MoE over the global weights."""
+) -> tuple[RankResult, tuple[torch.Tensor | None, ...]]:
+    """One routing scenario on this rank against the naive MoE over the global weights; the
+    result, and the tensors the dispatcher was given and combine returned (None if it failed)."""
     from execrt.core.experts import run_experts
 
     # Every rank draws every rank's tokens from one seed, so the oracle needs no traffic.
@@ -173,11 +245,11 @@ def _run_routing(
     x, ids, weights = per_rank[rank]
     result = RankResult(rank, name, x.shape[0])
     device = torch.device(job.device)
-    out = _dispatch_combine(
+    given, out = _dispatch_combine(
         dispatcher, run_experts, caps, x.to(device), ids, weights, *weights_local, result
     )
     if out is None:
-        return result
+        return result, (*given, None)
     ref = moe_oracle(x, ids, weights, *weights_global)
     cmp = compare(out, ref.to(device))
     result.max_error = cmp.rel_error
@@ -191,7 +263,7 @@ def _run_routing(
             else f"max {cmp.kind} error {cmp.rel_error:.3g} exceeds tolerance {job.tolerance:.3g}"
         )
         result.problems.append(f"{what}; worst at token {token} (routed to {ids[token].tolist()})")
-    return result
+    return result, (*given, out)
 
 
 def _dispatch_combine(
@@ -204,7 +276,8 @@ def _dispatch_combine(
     w13: torch.Tensor,
     w2: torch.Tensor,
     result: RankResult,
-) -> torch.Tensor | None:
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The tensors given to dispatch, and combine's output (None where it is unusable)."""
     device = x.device
     # The dispatcher gets copies; the originals (the oracle's inputs) show what it wrote.
     originals = (x, ids.to(device), weights.to(device))
@@ -216,7 +289,7 @@ def _dispatch_combine(
             f"dispatch returned {type(d).__name__}, but capabilities declare output_format "
             f"{caps.output_format.value} ({want.__name__})"
         )
-        return None
+        return given, None
     experts_out = run_experts(d, w13, w2)
     if isinstance(d, ExpertMajorDispatchOutput):
         experts_out = _past_counts_poisoned(experts_out, d.expert_counts)
@@ -231,10 +304,15 @@ def _dispatch_combine(
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         result.problems.append(f"combine returned {shape}, expected {tuple(x.shape)} [T, H]")
-        return None
+        return given, None
     if out.dtype != x.dtype:
         result.problems.append(f"combine returned {out.dtype}, expected {x.dtype}")
-    return out
+    if not out.is_contiguous():
+        result.problems.append(
+            f"combine returned a non-contiguous tensor (strides {tuple(out.stride())}): the "
+            "model's fused norm and projections read contiguous rows"
+        )
+    return given, out
 
 
 def _past_counts_poisoned(experts_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -269,12 +347,27 @@ def _worker(rank: int, job: MoEJob, store: str, results: Any) -> None:
         )
         parallel = ParallelState(job.world_size, rank, job.process_group_backend)
         local = dataclasses.replace(job, device=device)
-        results.put((rank, run_rank(local, parallel), None))
+
+        def began(name: str, tokens: int) -> None:
+            results.put((rank, "routing", f"routing {name} ({tokens} tokens)"))
+
+        results.put((rank, "done", run_rank(local, parallel, began)))
     except BaseException:
-        results.put((rank, [], traceback.format_exc(limit=8)))
+        results.put((rank, "error", traceback.format_exc(limit=8)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _mp_context(device: str) -> Any:
+    """Spawn for CUDA ranks (a forked CUDA context is unusable); on CPU a fork server that has
+    imported torch and this module once, so each rank starts without importing them again
+    (seconds per rank on a loaded machine). Both pickle the job, as a launcher would."""
+    if device.startswith("cuda") or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    return ctx
 
 
 def run_multiprocess(job: MoEJob, timeout_s: float = 120.0) -> tuple[list[RankResult], list[str]]:
@@ -282,9 +375,11 @@ def run_multiprocess(job: MoEJob, timeout_s: float = 120.0) -> tuple[list[RankRe
 
     A rank that raises reports its traceback; one that dies or hangs is reported after it
     exits or after ``timeout_s`` (15 s once another rank has failed: it may wait forever in a
-    collective the failed rank never joins). Every process is gone when this returns.
+    collective the failed rank never joins). Each report says where every rank was (the
+    scenario it last began, or that it had finished): a rank that skips a collective the others
+    run fails in another rank. Every process is gone when this returns.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _mp_context(job.device)
     results: Any = ctx.Queue()
     errors: list[str] = []
     collected: list[RankResult] = []
@@ -297,23 +392,36 @@ def run_multiprocess(job: MoEJob, timeout_s: float = 120.0) -> tuple[list[RankRe
         for p in procs:
             p.start()
         pending = set(range(job.world_size))
+        where = dict.fromkeys(range(job.world_size), "starting")  # what each rank last began
+
+        def ranks() -> str:
+            return "; ".join(f"rank {r}: {w}" for r, w in where.items())
+
         deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
             try:
-                rank, rank_results, error = results.get(timeout=1.0)
+                rank, what, payload = results.get(timeout=1.0)
             except queue_module.Empty:
                 dead = [r for r in pending if procs[r].exitcode is not None]
                 for r in dead:
-                    errors.append(f"rank {r} exited with code {procs[r].exitcode}, no result")
+                    errors.append(
+                        f"rank {r} exited with code {procs[r].exitcode}, no result ({ranks()})"
+                    )
                     pending.discard(r)
                 continue
+            if what == "routing":
+                where[rank] = payload
+                continue
             pending.discard(rank)
-            collected += rank_results
-            if error:
-                errors.append(f"rank {rank} raised:\n{error}")
+            if what == "done":
+                collected += payload
+                where[rank] = "finished every routing"
+            else:
+                errors.append(f"rank {rank} raised in {where[rank]} ({ranks()}):\n{payload}")
+                where[rank] = f"raised in {where[rank]}"
                 deadline = min(deadline, time.monotonic() + 15.0)
         if pending:
-            errors.append(f"rank(s) {sorted(pending)} gave no result in time (hung?)")
+            errors.append(f"rank(s) {sorted(pending)} gave no result in time (hung?) ({ranks()})")
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

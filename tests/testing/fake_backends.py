@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from execrt.backends.attention.torch_native import TorchNativeAttnBackend
 from execrt.backends.graph.reexec import ReexecGraphBackend
+from execrt.backends.moe_dispatch.all_to_all import AllToAllDispatcher
 from execrt.backends.moe_dispatch.allreduce import AllReduceDispatcher
 from execrt.backends.prefix_cache.radix import RadixCache, _as_key
 from execrt.core.batch import ForwardBatch, PaddedContext
@@ -339,6 +340,90 @@ class CountsFlippingDispatcher(ExpertMajorDispatcher):
         assert isinstance(d, ExpertMajorDispatchOutput)
         d.expert_counts = d.expert_counts.flip(0)
         return d
+
+
+# The dispatchers below escaped the suite in a black-box plugin audit (session 38), each a
+# plausible bug of a real dispatcher; the suite now fails each, saying what.
+PER_RANK_CAPS = MoEDispatcherCapabilities(
+    output_format=DispatchFormat.EXPERT_MAJOR, replicated_tokens=False, **SMALL_MOE
+)
+
+
+class Int8CountsDispatcher(AllToAllDispatcher):
+    """Broken: keeps its per-expert row counts in int8 ('to save bandwidth'): an expert that
+    gets more than 127 rows wraps."""
+
+    def _exchange_counts(self, bucket):  # type: ignore[no-untyped-def]
+        counts = super()._exchange_counts(bucket)
+        per_source = counts.per_source.to(torch.int8).long()
+        capacity = max(int(per_source.sum(0).max()), 1)
+        return dataclasses.replace(counts, per_source=per_source, capacity=capacity)
+
+
+class EightExpertsDispatcher(AllReduceDispatcher):
+    """Broken: written against an 8-expert model, drops every pair routed past expert 7."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        return super().dispatch(
+            hidden_states, topk_ids.masked_fill(topk_ids >= 8, -1), topk_weights
+        )
+
+
+class TwoRanksDispatcher(AllReduceDispatcher):
+    """Broken: written for two ranks, combine sums the shares of ranks 0 and 1 only."""
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        par = self.init.parallel
+        if par.ep_size == 1:
+            return expert_output
+        shares = [torch.empty_like(expert_output) for _ in range(par.ep_size)]
+        dist.all_gather(shares, expert_output.contiguous())
+        return shares[0] + shares[1]
+
+
+class BlockScaledDispatcher(AllReduceDispatcher):
+    """Broken: rounds the tokens through a per-32-column block scale (as an fp8 payload would),
+    assuming the hidden size is a multiple of 32."""
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        blocks = hidden_states.reshape(hidden_states.shape[0], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        scaled = ((blocks / scale) * scale).reshape(hidden_states.shape)
+        return super().dispatch(scaled, topk_ids, topk_weights)
+
+
+class HoardingDispatcher(AllReduceDispatcher):
+    """Broken: keeps every call's dispatch output 'for debugging': memory grows per call."""
+
+    def __init__(self, init: MoEDispatcherInit) -> None:
+        super().__init__(init)
+        self.history: list[DispatchOutput] = []
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+        d = super().dispatch(hidden_states, topk_ids, topk_weights)
+        self.history.append(d)
+        return d
+
+
+class TransposedOutputDispatcher(AllReduceDispatcher):
+    """Broken: combine hands out a transposed view (a kernel that writes ``[H, T]``)."""
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        return super().combine(expert_output, dispatch_output).t().contiguous().t()
+
+
+class ReusedOutputDispatcher(AllReduceDispatcher):
+    """Broken: combine writes into one persistent buffer and returns a view of it, which the
+    next call overwrites."""
+
+    def __init__(self, init: MoEDispatcherInit) -> None:
+        super().__init__(init)
+        self.out = torch.empty(init.max_tokens_per_rank, init.hidden_size, dtype=init.dtype)
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        out = self.out[: expert_output.shape[0]]
+        out.copy_(super().combine(expert_output, dispatch_output))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -198,6 +198,63 @@ class TestBroken(MoEDispatcherSuite):
     assert message in reason, reason
 
 
+@pytest.mark.parametrize(
+    ("broken", "caps", "failing", "message"),
+    [
+        ("Int8CountsDispatcher", "PER_RANK_CAPS", "test_routing[cpu-float32-w1-many_tokens]", ""),
+        (
+            "EightExpertsDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "test_expert_count[cpu-float32-w1-e12]",
+            "max relative error",
+        ),
+        (
+            "BlockScaledDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "test_hidden_size[cpu-float32-w1-h72]",
+            "shape '[9, -1, 32]' is invalid",
+        ),
+        (
+            "HoardingDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "test_reused_dispatcher[cpu-float32-w1]",
+            "still holds 3 tensor(s) of this call",
+        ),
+        (
+            "TransposedOutputDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "test_routing[cpu-float32-w1-random]",
+            "combine returned a non-contiguous tensor (strides (1, 9))",
+        ),
+        (
+            "ReusedOutputDispatcher",
+            "ALLREDUCE_LIKE_CAPS",
+            "test_reused_dispatcher[cpu-float32-w1]",
+            "combine's output for routing random changed when the dispatcher ran",
+        ),
+    ],
+)
+def test_dispatchers_a_plugin_audit_wrote_fail_saying_what(
+    tmp_path: Path, broken: str, caps: str, failing: str, message: str
+) -> None:
+    # Each passed the suite before it ran 300 tokens, other expert counts, hidden size 72,
+    # and checked outputs across calls (a black-box plugin audit, session 38).
+    body = cpu_suite(broken, caps, "MoEDispatcherSuite")
+    code, report = run_suite(tmp_path, body, "moe_dispatch", failing.split("[")[0])
+    assert code == 1
+    failed = failures(report)
+    assert failing in failed, sorted(failed)
+    assert message in failed[failing], failed[failing]
+
+
+def test_a_dispatcher_written_for_two_ranks_fails_at_three(tmp_path: Path) -> None:
+    body = cpu_suite("TwoRanksDispatcher", "ALLREDUCE_LIKE_CAPS", "MoEDispatcherSuite")
+    code, report = run_suite(tmp_path, body, "moe_dispatch", "test_world_size and w3")
+    assert code == 1
+    reason = failures(report)["test_world_size[cpu-float32-w3-replicated]"]
+    assert "rank 2 routing random (9 tokens): max relative error" in reason, reason
+
+
 def test_a_rank_that_raises_fails_the_world_test_without_hanging(tmp_path: Path) -> None:
     body = """
 class TestBroken(MoEDispatcherSuite):
@@ -212,7 +269,9 @@ class TestBroken(MoEDispatcherSuite):
     code, report = run_suite(tmp_path, body, "moe_dispatch", "w2")
     assert code == 1 and time.monotonic() - started < 110
     reason = failures(report)["test_world_size[cpu-float32-w2-replicated]"]
-    assert "rank 1 raised" in reason and "rank 1 dispatch exploded" in reason
+    # Where every rank was: the one that raised, and the one left waiting for it.
+    assert "rank 1 raised in routing random (9 tokens) (rank 0: " in reason, reason
+    assert "rank 1 dispatch exploded" in reason
 
 
 def test_graph_backend_replaying_stale_outputs_fails(tmp_path: Path) -> None:

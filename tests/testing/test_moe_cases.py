@@ -45,6 +45,7 @@ def test_each_scenario_has_its_shape() -> None:
     assert counts.max() - counts.min() <= 1  # 24 picks over 8 experts: 3 each
     assert (draw("some_masked")[0] == -1).any() and (draw("random")[0] >= 0).all()
     assert (draw("hot_expert")[0] == E - 1).any(1).all()
+    assert (draw("many_tokens", tokens=300)[0] == E - 1).any(1).all()  # 300 rows for one expert
     assert (draw("empty_rank")[0] < per_rank).all()  # nothing for rank 1's experts
     assert (draw("all_masked")[0] == -1).all()
     for row in draw("duplicates_within_rank")[0].tolist():
