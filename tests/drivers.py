@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,33 @@ def hf_trace_errors(hf: Any, prompts: list[list[int]], trace: Trace) -> list[flo
     return errors
 
 
+def in_environment(rank: int, environ: dict[str, str], fn: Any, *args: Any) -> None:
+    """``fn(rank, *args)`` in a rank whose environment is made ``environ`` first (a fork
+    server's child starts with the server's)."""
+    from execrt.testing import moe_harness
+
+    moe_harness.in_environment(environ)
+    fn(rank, *args)
+
+
 def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int, out_dir: Path) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; each rank writes its traceback
     to ``out_dir/rank<r>.err`` on failure, and any such file fails the caller here."""
     import torch.multiprocessing as mp
 
+    from execrt.testing.moe_harness import rank_context
+
+    # CPU ranks fork from a server that has imported torch once (a spawned rank imports it
+    # again: seconds each on 2 cores); each gets this process's environment, as if spawned.
+    method = rank_context("cpu").get_start_method()
     try:
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        mp.start_processes(
+            in_environment,
+            args=(dict(os.environ), fn, *args),
+            nprocs=nprocs,
+            join=True,
+            start_method=method,
+        )
     except mp.ProcessRaisedException:
         pass  # the per-rank tracebacks below say more
     errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]

@@ -327,9 +327,10 @@ def _past_counts_poisoned(experts_out: torch.Tensor, counts: torch.Tensor) -> to
 # ---------------------------------------------------------------------------------------------
 # Several processes
 # ---------------------------------------------------------------------------------------------
-def _worker(rank: int, job: MoEJob, store: str, results: Any) -> None:
+def _worker(rank: int, job: MoEJob, store: str, results: Any, environ: dict[str, str]) -> None:
     import torch.distributed as dist
 
+    in_environment(environ)
     try:
         # Ranks share the machine's cores: one thread each avoids OpenMP oversubscription,
         # which slows small CPU ops by orders of magnitude.
@@ -359,15 +360,24 @@ def _worker(rank: int, job: MoEJob, store: str, results: Any) -> None:
             dist.destroy_process_group()
 
 
-def _mp_context(device: str) -> Any:
+def rank_context(device: str) -> Any:
     """Spawn for CUDA ranks (a forked CUDA context is unusable); on CPU a fork server that has
     imported torch and this module once, so each rank starts without importing them again
-    (seconds per rank on a loaded machine). Both pickle the job, as a launcher would."""
+    (seconds per rank on a loaded machine). Both pickle the job, as a launcher would. A fork
+    server's children have the environment the server started with: pass ``os.environ`` to
+    the rank and apply it there (``in_environment``), as a spawned rank would inherit it."""
     if device.startswith("cuda") or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", __name__])
     return ctx
+
+
+def in_environment(environ: dict[str, str]) -> None:
+    """Make this rank's environment ``environ`` (its parent's when it started the rank)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def run_multiprocess(job: MoEJob, timeout_s: float = 120.0) -> tuple[list[RankResult], list[str]]:
@@ -379,14 +389,16 @@ def run_multiprocess(job: MoEJob, timeout_s: float = 120.0) -> tuple[list[RankRe
     scenario it last began, or that it had finished): a rank that skips a collective the others
     run fails in another rank. Every process is gone when this returns.
     """
-    ctx = _mp_context(job.device)
+    ctx = rank_context(job.device)
     results: Any = ctx.Queue()
     errors: list[str] = []
     collected: list[RankResult] = []
     with tempfile.TemporaryDirectory(prefix="execrt-moe-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, job, store, results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, job, store, results, dict(os.environ)), daemon=True
+            )
             for r in range(job.world_size)
         ]
         for p in procs:

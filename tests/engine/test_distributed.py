@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from execrt.core.context import RuntimeContext
 from execrt.core.parallel import ParallelState
-from tests.drivers import make_worker, prefill_then_decode, rel_err
+from execrt.testing.moe_harness import rank_context
+from tests.drivers import in_environment, make_worker, prefill_then_decode, rel_err
 
 PROMPTS = [[5, 17, 33, 2, 90, 44, 12], [250, 3, 77], [9] * 13]
 STEPS = 4
@@ -51,11 +52,11 @@ def test_two_gloo_ranks_match_one_process(checkpoint, name, tmp_path) -> None:
     path = checkpoint(name)
     ref_logits, ref_tokens, all_experts = run_steps(path, RuntimeContext())
     mp.start_processes(
-        _rank_main,
-        args=(2, path, str(tmp_path / "init"), str(tmp_path)),
+        in_environment,
+        args=(dict(os.environ), _rank_main, 2, path, str(tmp_path / "init"), str(tmp_path)),
         nprocs=2,
         join=True,
-        start_method="spawn",
+        start_method=rank_context("cpu").get_start_method(),  # a preloaded fork server
     )
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
