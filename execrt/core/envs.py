@@ -131,11 +131,11 @@ def default_model(environ: Mapping[str, str] | None = None) -> str:
 
 def config_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``EXECRT_<FIELD>`` variables as ``{field: raw string}`` (field lower-cased). An empty
-    value is no value (``EXECRT_STRICT= execrt ...`` leaves strict to the other sources), as
-    for the kernel switches."""
+    (or all-blank) value is no value (``EXECRT_STRICT= execrt ...`` leaves strict to the other
+    sources), as for the kernel switches."""
     env = environ if environ is not None else os.environ
     return {
         key[len(CONFIG_PREFIX) :].lower(): value
         for key, value in env.items()
-        if key.startswith(CONFIG_PREFIX) and key not in NON_CONFIG and value != ""
+        if key.startswith(CONFIG_PREFIX) and key not in NON_CONFIG and value.strip()
     }

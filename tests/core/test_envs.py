@@ -83,6 +83,7 @@ def test_config_overrides_take_prefixed_fields_only() -> None:
         "EXECRT_MODEL_PATH": "/Models/Qwen3",  # values keep their case
         "EXECRT_STRICT": "",  # empty: not given (it was a ConfigError, "'' is not a bool")
         "EXECRT_SEED": "",
+        "EXECRT_DEVICE": " ",  # blank too (it was "device '' unsupported")
         # Named variables that are not config fields:
         "EXECRT_PLUGINS": "a",
         "EXECRT_DISABLE_PLUGIN_AUTOLOAD": "1",
