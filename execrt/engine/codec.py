@@ -216,8 +216,8 @@ def text_codec(engine: Engine) -> TextCodec:
 def no_chat_reason(engine: Engine) -> str:
     return (
         f"engine: {engine.model_note} has no chat template "
-        "(neither chat_template.jinja nor tokenizer_config.json's 'chat_template'); give it "
-        "plain text (generate() in Python, without --chat on the command line)"
+        "(neither chat_template.jinja nor tokenizer_config.json's 'chat_template'); send it "
+        "plain text instead (/v1/completions, Engine.generate(), execrt generate without --chat)"
     )
 
 

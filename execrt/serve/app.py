@@ -367,7 +367,7 @@ class Job:
                 if c == 0:  # the others differ by their derived seed only
                     problem = client.check(req)
                     if problem is not None:
-                        raise engine_error(problem, plan.endpoint)
+                        raise engine_error(problem, plan.endpoint, plan.tokens_field)
                 text = ChoiceText(
                     self.codec.detokenizer(), plan.stops, plan.sampling.get("min_tokens", 0)
                 )

@@ -89,6 +89,9 @@ class Plan:
     prompt_texts: tuple[str | None, ...] = ()
     #: chat's ``tools`` (None: none given, or ``tool_choice: "none"``)
     tools: ToolPlan | None = None
+    #: the request's name for the token budget, which an error about it names: chat takes
+    #: ``max_completion_tokens`` and the older ``max_tokens``
+    tokens_field: str = "max_tokens"
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -195,9 +198,11 @@ def parse(
     for key, value in (defaults or {}).items():
         sampling.setdefault(key, value)
     seed = sampling.pop("seed", None)
+    chat_name = "max_completion_tokens" in fields or "max_tokens" not in fields
     return Plan(
         endpoint, model, prompts, n, stream, include_usage, stops, sampling, seed, top,
         echo, prompt_only, texts, tools,
+        "max_completion_tokens" if endpoint == "chat" and chat_name else "max_tokens",
     )  # fmt: skip
 
 
@@ -284,14 +289,17 @@ def _template_variables(fields: Mapping[str, Any]) -> dict[str, Any]:
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
-def engine_error(message: str, endpoint: Endpoint) -> APIError:
-    """The engine's refusal as a 400, ``param`` the request field it is about."""
+def engine_error(message: str, endpoint: Endpoint, tokens_field: str | None = None) -> APIError:
+    """The engine's refusal as a 400, ``param`` the request field it is about; ``tokens_field``
+    the request's name for the token budget (``Plan.tokens_field``; default the endpoint's)."""
+    if tokens_field is None:
+        tokens_field = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
     first = message.split(" ", 1)[0]
     names = {v: k for k, v in SAMPLING_FIELDS.items()}
     if first in names:
         param: str | None = names[first]
-        if endpoint == "chat" and param == "max_tokens":
-            param = "max_completion_tokens"
+        if param == "max_tokens":
+            param = tokens_field
     elif first in ("prompt", "empty", "token", "text"):
         param = "prompt" if endpoint == "completion" else "messages"
     elif first == "top_logprobs":
@@ -299,11 +307,10 @@ def engine_error(message: str, endpoint: Endpoint) -> APIError:
     elif first.startswith("prompt_logprobs"):  # asked for through completions' echo
         param = "echo"
     elif message.startswith("request needs up to"):  # more KV slots than the cache has
-        param = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
+        param = tokens_field
     else:
         param = None
     # Name the request's own field, not the engine's keyword (max_tokens for max_new_tokens).
-    tokens_field = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
     message = re.sub(r"\bmax_new_tokens\b", tokens_field, message)
     if endpoint == "completion":  # the one case 0 is served
         message = re.sub(

@@ -207,6 +207,12 @@ def test_engine_validation_is_a_400_with_the_field(served) -> None:
     error = info.value.body
     assert error["param"] == "max_completion_tokens"
     assert error["message"] == "max_completion_tokens 0 must be an integer >= 1"
+    with pytest.raises(openai.BadRequestError) as info:  # chat's older name, named as sent
+        api.chat.completions.create(
+            model="builtin", messages=[{"role": "user", "content": "x"}], max_tokens=0
+        )
+    assert info.value.body["param"] == "max_tokens"
+    assert info.value.body["message"] == "max_tokens 0 must be an integer >= 1"
     with pytest.raises(openai.BadRequestError) as info:
         api.completions.create(model="builtin", prompt=[7] * 2048, max_tokens=1)
     assert "leaves no room in the context of 2048" in info.value.body["message"]
