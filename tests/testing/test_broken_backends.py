@@ -162,89 +162,70 @@ class TestBroken(MoEDispatcherSuite):
 
 
 @pytest.mark.parametrize(
-    ("broken", "caps", "select", "message"),
+    ("broken", "caps", "failing", "message"),
     [
-        ("RenormalisingDispatcher", "ALLREDUCE_LIKE_CAPS", "w1-balanced", "max relative error"),
+        # Each passed before the suite checked unnormalised weights, the inputs after dispatch,
+        # the max_tokens_per_rank bound and rows past expert_counts (a black-box plugin audit).
+        ("RenormalisingDispatcher", "ALLREDUCE_LIKE_CAPS", "routing-w1-balanced", "max relative"),
         (
             "MaskedToExpertZeroDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "w1-all_masked",
+            "routing-w1-all_masked",
             "max absolute (the reference is zero) error",
         ),
         (
             "InputWritingDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "w1-all_masked",
+            "routing-w1-all_masked",
             "wrote into the caller's hidden_states",
         ),
-        ("BoundExclusiveDispatcher", "ALLREDUCE_LIKE_CAPS", "w1-random", "worst at token 8"),
-        ("CountsFlippingDispatcher", "EXPERT_MAJOR_CAPS", "w1-random", "rows past expert_counts"),
-    ],
-)
-def test_dispatchers_broken_in_ways_the_oracle_alone_missed_fail_saying_what(
-    tmp_path: Path, broken: str, caps: str, select: str, message: str
-) -> None:
-    # Each passed before the suite checked unnormalised weights, the inputs after dispatch,
-    # the max_tokens_per_rank bound and rows past expert_counts (a black-box plugin audit).
-    body = f"""
-class TestBroken(MoEDispatcherSuite):
-    factory = "tests.testing.fake_backends:{broken}"
-    capabilities = fakes.{caps}
-    devices = ("cpu",)
-"""
-    code, report = run_suite(tmp_path, body, "moe_dispatch", f"test_routing and {select}")
-    assert code == 1
-    (reason,) = failures(report).values()
-    assert message in reason, reason
-
-
-@pytest.mark.parametrize(
-    ("broken", "caps", "failing", "message"),
-    [
-        ("Int8CountsDispatcher", "PER_RANK_CAPS", "test_routing[cpu-float32-w1-many_tokens]", ""),
         (
-            "EightExpertsDispatcher",
+            "BoundExclusiveDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "test_expert_count[cpu-float32-w1-e12]",
-            "max relative error",
+            "routing-w1-random",
+            "worst at token 8",
         ),
+        ("CountsFlippingDispatcher", "EXPERT_MAJOR_CAPS", "routing-w1-random", "rows past expert_"),
+        # Each passed before the suite ran 300 tokens, other expert counts, hidden size 72, and
+        # checked outputs across calls (a second audit, session 38).
+        ("Int8CountsDispatcher", "PER_RANK_CAPS", "routing-w1-many_tokens", ""),
+        ("EightExpertsDispatcher", "ALLREDUCE_LIKE_CAPS", "expert_count-w1-e12", "max relative"),
         (
             "BlockScaledDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "test_hidden_size[cpu-float32-w1-h72]",
+            "hidden_size-w1-h72",
             "shape '[9, -1, 32]' is invalid",
         ),
         (
             "HoardingDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "test_reused_dispatcher[cpu-float32-w1]",
+            "reused_dispatcher-w1",
             "still holds 3 tensor(s) of this call",
         ),
         (
             "TransposedOutputDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "test_routing[cpu-float32-w1-random]",
+            "routing-w1-random",
             "combine returned a non-contiguous tensor (strides (1, 9))",
         ),
         (
             "ReusedOutputDispatcher",
             "ALLREDUCE_LIKE_CAPS",
-            "test_reused_dispatcher[cpu-float32-w1]",
+            "reused_dispatcher-w1",
             "combine's output for routing random changed when the dispatcher ran",
         ),
     ],
 )
-def test_dispatchers_a_plugin_audit_wrote_fail_saying_what(
+def test_dispatchers_broken_in_ways_the_oracle_alone_missed_fail_saying_what(
     tmp_path: Path, broken: str, caps: str, failing: str, message: str
 ) -> None:
-    # Each passed the suite before it ran 300 tokens, other expert counts, hidden size 72,
-    # and checked outputs across calls (a black-box plugin audit, session 38).
+    test, case = failing.split("-", 1)  # "routing-w1-random": test_routing[cpu-float32-w1-random]
     body = cpu_suite(broken, caps, "MoEDispatcherSuite")
-    code, report = run_suite(tmp_path, body, "moe_dispatch", failing.split("[")[0])
+    code, report = run_suite(tmp_path, body, "moe_dispatch", f"test_{test} and {case}")
     assert code == 1
     failed = failures(report)
-    assert failing in failed, sorted(failed)
-    assert message in failed[failing], failed[failing]
+    assert list(failed) == [f"test_{test}[cpu-float32-{case}]"], failed
+    assert message in failed[f"test_{test}[cpu-float32-{case}]"], failed
 
 
 def test_a_dispatcher_written_for_two_ranks_fails_at_three(tmp_path: Path) -> None:
