@@ -207,3 +207,19 @@ def prefill_then_decode(
         sampled = result.next_token_ids.tolist()
         _advance(reqs, batch, sampled if follow is None else [t[step] for t in follow])
     return trace
+
+
+def live_children(pid: int) -> list[tuple[int, str]]:
+    """The (pid, command line) of ``pid``'s live children."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as fh:
+                cmdline = fh.read().replace("\0", " ")
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        if stat[1] == str(pid) and stat[0] != "Z":
+            found.append((int(entry), cmdline))
+    return found

@@ -18,6 +18,7 @@ from execrt.bench.common import (
     build_attention_backend,
     copy_bandwidth_gbps,
     median_us,
+    prepare_out_dir,
     rank,
     report,
     utc_now,
@@ -192,6 +193,7 @@ def run(
     ``auto``); print a table; save JSON."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench attention: needs a CUDA device")
+    prepare_out_dir("attention", out_dir)
     host = PluginHost()
     names = list(backends or host.registry.names("attention"))
     gpu = torch.cuda.get_device_name()

@@ -3,16 +3,18 @@ saving results."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
 import json
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -28,9 +30,13 @@ from execrt.core.memory import KVCache, ReqToTokenPool
 from execrt.core.selection import ResolutionReport
 from execrt.plugins.host import PluginHost
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
 
 R = TypeVar("R")
+OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -94,18 +100,56 @@ def utc_now() -> str:
 
 def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
     """Write dataclass records as a JSON list to ``out_dir/<stem>-<UTC stamp>.json`` (``-2``,
-    ``-3``, ... after the stamp when a file of that second exists: never overwritten)."""
-    os.makedirs(out_dir, exist_ok=True)
+    ``-3``, ... after the stamp when a file of that second exists: never overwritten).
+    ExecrtError naming ``--out`` when it cannot be written."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    for n in range(1, 1000):
-        path = os.path.join(out_dir, f"{stem}-{stamp}{'' if n == 1 else f'-{n}'}.json")
-        try:
-            with open(path, "x") as fh:
-                json.dump([asdict(r) for r in records], fh, indent=2)
-            return path
-        except FileExistsError:
-            continue
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for n in range(1, 1000):
+            path = os.path.join(out_dir, f"{stem}-{stamp}{'' if n == 1 else f'-{n}'}.json")
+            try:
+                with open(path, "x") as fh:
+                    json.dump([asdict(r) for r in records], fh, indent=2)
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        # Said as the flag the user gave, not as a bare OSError (which the CLI would print
+        # without saying which option it is about); the table printed before has the numbers.
+        raise ExecrtError(
+            f"--out {out_dir!r}: the {stem} records were not saved: {_why(exc, out_dir)}"
+        ) from None
     raise FileExistsError(f"{out_dir}: 999 {stem} records of {stamp} already")
+
+
+def prepare_out_dir(bench: str, out_dir: str | None) -> None:
+    """Make ``out_dir`` and write (then remove) a file in it, before a run measures anything:
+    a long run must not end without its records. ``out_dir_problem`` only looks at the path
+    (root may write to /proc by its mode bits, yet /proc refuses a new entry); this tries it.
+    ExecrtError naming ``--out`` and why; None saves nothing."""
+    if out_dir is None:
+        return
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ExecrtError(
+            f"bench {bench}: --out {out_dir!r}: cannot make it ({_why(exc, out_dir)})"
+        ) from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".execrt-probe-", dir=out_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ExecrtError(
+            f"bench {bench}: --out {out_dir!r}: cannot write a file in it ({_why(exc, out_dir)})"
+        ) from None
+
+
+def _why(exc: OSError, out_dir: str) -> str:
+    """Why ``out_dir`` could not be made or written in, in words (no errno, no class name)."""
+    if isinstance(exc, FileExistsError) and exc.filename == out_dir:
+        return "it exists and is not a directory"  # makedirs(exist_ok=True) of a file
+    return (exc.strerror or str(exc)).lower()
 
 
 def where_problems(device: str, out_dir: str | None) -> list[str]:
@@ -114,18 +158,49 @@ def where_problems(device: str, out_dir: str | None) -> list[str]:
 
 
 def out_dir_problem(out_dir: str | None) -> str | None:
-    """Why the results folder cannot be written, checked before a run measures anything (a
-    long run would otherwise end without its records), or None (None: nothing is saved)."""
+    """Why the results folder cannot be written, as far as its path tells (checked as the
+    options are built, with no side effect; ``prepare_out_dir`` tries it before a run
+    measures), or None (None: nothing is saved)."""
     if out_dir is None:
         return None
     existing = os.path.abspath(out_dir)
-    while not os.path.exists(existing):  # the folder is made at the end: its nearest ancestor
+    while not os.path.exists(existing):  # not made yet (prepare_out_dir does): its ancestor
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"--out {out_dir!r} cannot be made: {existing} is not a directory"
+        return f"--out {out_dir!r}: cannot make it ({existing} is not a directory)"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--out {out_dir!r} is not writable ({existing})"
+        what = "write a file in it" if existing == os.path.abspath(out_dir) else "make it"
+        return f"--out {out_dir!r}: cannot {what} ({existing} is not writable)"
     return None
+
+
+def smoke_defaults(opts: OptionsT, smoke: Mapping[str, Any]) -> OptionsT:
+    """``opts`` (a bench's frozen Options) for its ``--device cpu`` smoke run: every field of
+    ``smoke`` that ``opts`` leaves at its default (the GPU run's) takes ``smoke``'s value; the
+    fields set otherwise win. ``model`` and ``config`` are one choice, the shape: the smoke
+    shape only where neither was set. Off CPU, ``opts`` itself. (A field set to exactly its
+    default cannot be told from one left out: the CLI passes both alike.)"""
+    if getattr(opts, "device", None) != "cpu":
+        return opts
+    defaults = {f.name: f.default for f in dataclasses.fields(opts)}
+    unset = {k: v for k, v in smoke.items() if getattr(opts, k) == defaults[k]}
+    if not {"model", "config"} <= unset.keys():  # a shape was chosen: keep it whole
+        unset = {k: v for k, v in unset.items() if k not in ("model", "config")}
+    return dataclasses.replace(opts, **unset)
+
+
+def smoke_note(given: DataclassInstance, resolved: DataclassInstance) -> str:
+    """The header line that says a run took smoke values (``smoke_defaults``), "" if none."""
+    names = [f.name for f in dataclasses.fields(given)]
+    changed = {n for n in names if getattr(given, n) != getattr(resolved, n)}
+    if not changed:
+        return ""
+    shape = "config" in changed
+    what = "shape" if changed == {"model", "config"} else "shape and sizes" if shape else "sizes"
+    return (
+        f"# the CPU smoke {what} where no flag set them: a check that the method runs, "
+        "not a measurement"
+    )
 
 
 def require_cuda_unless_cpu(bench: str, device: torch.device) -> None:

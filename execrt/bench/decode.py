@@ -34,6 +34,7 @@ from execrt.bench.common import (
     chosen_backend,
     failure_note,
     measure_copy_rate,
+    prepare_out_dir,
     release_memory,
     report,
     utc_now,
@@ -316,6 +317,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench decode: needs a CUDA device (none is visible)")
+    prepare_out_dir("decode", opts.out_dir)
     config = model_config(opts.model, opts.layers, opts.config)
     mc = ModelConfig.from_dict(config)
     limit = mc.max_position_embeddings

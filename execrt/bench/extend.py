@@ -35,6 +35,7 @@ from execrt.bench.common import (
     cell,
     failure_note,
     median_us,
+    prepare_out_dir,
     rank,
     report,
     utc_now,
@@ -268,6 +269,7 @@ def run(
     with the reason and the run goes on."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench extend: needs a CUDA device")
+    prepare_out_dir("extend", out_dir)
     host = PluginHost()
     names = list(backends or DEFAULT_BACKENDS)
     each = {

@@ -81,6 +81,22 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The shape of the ``--device cpu`` smoke runs (``bench prefix``, ``bench serve``): the whole
+#: method in seconds, a check that it runs rather than a measurement. Labelled SMOKE_MODEL.
+SMOKE_MODEL = "tiny"
+SMOKE_SHAPE: dict[str, Any] = MODELS["qwen3-0.6b"] | {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
 def model_config(
     name: str, layers: int | None = None, config: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:

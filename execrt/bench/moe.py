@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from execrt.bench.common import copy_bandwidth_gbps, median_us, report, utc_now
+from execrt.bench.common import (
+    copy_bandwidth_gbps,
+    median_us,
+    prepare_out_dir,
+    report,
+    utc_now,
+)
 from execrt.core.experts import grouped_mm_usable, standard_experts
 from execrt.core.interfaces import StandardDispatchOutput
 from execrt.testing.oracles import compare, moe_oracle
@@ -148,6 +154,7 @@ def run(
     """Benchmark each implementation at each token count; print a table; save JSON."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench moe: needs a CUDA device")
+    prepare_out_dir("moe", out_dir)
     fns = {name: implementation(name) for name in impls}
     gpu, date = torch.cuda.get_device_name(), utc_now()
     copy_bw = copy_bandwidth_gbps()

@@ -36,15 +36,24 @@ import torch
 from execrt.bench.common import (
     cell,
     failure_note,
+    prepare_out_dir,
     release_memory,
     report,
     require_cuda_unless_cpu,
+    smoke_defaults,
+    smoke_note,
     utc_now,
     where_problems,
 )
 from execrt.bench.http_load import Request, Run
 from execrt.bench.load import percentile, replay
-from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
+from execrt.bench.models import (
+    MODELS,
+    SMOKE_MODEL,
+    SMOKE_SHAPE,
+    RandomWeightsLoader,
+    model_config,
+)
 from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
@@ -56,6 +65,23 @@ CACHES: dict[str, dict[str, Any]] = {
     "on": {"prefix_cache": "radix"},
     "off": {"prefix_cache": "none"},
     "force_miss": {"prefix_cache": "radix", "prefix_cache_force_miss": True},
+}
+#: ``--device cpu``: what a field left at its default (the GPU run's) becomes, see
+#: ``smoke_defaults``. The GPU defaults there (qwen3-8b, 32 x 16 prompts of 2,176 tokens)
+#: took over 20 GB of host memory before the kernel killed the run.
+CPU_SMOKE: dict[str, Any] = {
+    "model": SMOKE_MODEL,
+    "config": SMOKE_SHAPE,
+    "groups": 3,
+    "per_group": 4,
+    "prefix_len": 48,
+    "question_len": 8,
+    "output_len": 4,
+    "random_prompts": 4,
+    "turns": 3,
+    "turn_len": 24,
+    "answer_len": 4,
+    "conversations": 2,
 }
 
 
@@ -84,7 +110,7 @@ class Options:
     max_prefill_tokens: int = 0
     kv_cache_memory_fraction: float = 0.0
     kv_cache_tokens: int = 0  # 0: the memory fraction decides
-    device: str = "cuda"  # "cpu": the whole method on a tiny shape (tests)
+    device: str = "cuda"  # "cpu": the whole method, on CPU_SMOKE where nothing else was set
     seed: int = 0
     out_dir: str | None = "benchmarks/results"
 
@@ -182,14 +208,19 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def run(opts: Options) -> list[Record]:
-    """Run every workload under every cache setting; print a table; save JSON to ``out_dir``."""
+    """Run every workload under every cache setting; print a table; save JSON to ``out_dir``.
+    On CPU the fields ``opts`` leaves at their defaults take CPU_SMOKE's values."""
     device = torch.device(opts.device)
     require_cuda_unless_cpu("prefix", device)
+    given, opts = opts, smoke_defaults(opts, CPU_SMOKE)
+    prepare_out_dir("prefix", opts.out_dir)
     config = model_config(opts.model, opts.layers, opts.config)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     date, layers = utc_now(), int(config["num_hidden_layers"])
     vocab = int(config["vocab_size"])
     print(f"# {gpu}: {opts.model}, {layers} layers; workloads {', '.join(opts.workloads)}")
+    if note := smoke_note(given, opts):
+        print(note)
     records: list[Record] = []
     for cache in opts.caches:
         print(f"# prefix cache {cache}", flush=True)

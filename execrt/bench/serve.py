@@ -24,27 +24,44 @@ Method:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
-import multiprocessing
 import os
 import random
 import signal
 import statistics
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 
-from execrt.bench.common import require_cuda_unless_cpu, save_records, utc_now, where_problems
+from execrt.bench.common import (
+    prepare_out_dir,
+    require_cuda_unless_cpu,
+    save_records,
+    smoke_defaults,
+    smoke_note,
+    utc_now,
+    where_problems,
+)
 from execrt.bench.http_load import Request, Run, drive_http
 from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
-from execrt.bench.models import MODELS, RandomWeightsLoader, model_config
+from execrt.bench.models import (
+    MODELS,
+    SMOKE_MODEL,
+    SMOKE_SHAPE,
+    RandomWeightsLoader,
+    model_config,
+)
 from execrt.core.errors import ExecrtError
 from execrt.engine import Engine
+from execrt.engine.process import QUIET_SPAWN
 
 WORKLOADS = ("random", "shared-prefix")
 DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
@@ -57,6 +74,21 @@ STREAMS_PER_CLIENT_PROC = 16
 RESERVED_CORES = 4
 #: Why ``--plot`` cannot draw without the ``plot`` extra.
 PLOT_NEEDS = "--plot needs matplotlib (pip install 'execrt[plot]')"
+#: ``--device cpu``: what a field left at its default (the GPU run's) becomes, see
+#: ``smoke_defaults``. The GPU defaults there (qwen3-0.6b, up to 256 streams of 512-token
+#: prompts) would run for hours on a few cores.
+CPU_SMOKE: dict[str, Any] = {
+    "model": SMOKE_MODEL,
+    "config": SMOKE_SHAPE,
+    "input_len": 12,
+    "output_len": 6,
+    "prefix_len": 16,
+    "num_groups": 2,
+    "concurrencies": (3,),
+    "request_rates": (40.0,),
+    "num_prompts": 6,
+    "max_running_requests": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +110,7 @@ class Options:
     max_running_requests: int = 256
     attention: str = "auto"
     graph: str = "auto"
-    device: str = "cuda"
+    device: str = "cuda"  # "cpu": the whole method, on CPU_SMOKE where nothing else was set
     seed: int = 0
     engine: bool = True  # also replay through the Engine in-process
     server: str = "process"  # "process" (measurements) or "thread" (tests: no second start)
@@ -237,12 +269,17 @@ def plan_runs(opts: Options, vocab: int) -> list[Run]:
 
 # -- the load generator -------------------------------------------------------------------------
 def _serve_child(opts: Options, pipe: Any) -> None:
-    """The server process: build, serve on a free loopback port, send its URL, run."""
-    from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
-
-    tune_interpreter()  # as execrt serve does
-    client = _client(opts)
+    """The server process: build, serve on a free loopback port, send its URL, run. It
+    starts with SIGINT ignored (QUIET_SPAWN: a Ctrl-C reaches the whole process group, and
+    the parent decides); the parent stops it with SIGTERM, which ends a load here and, once
+    uvicorn serves, is uvicorn's graceful shutdown."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a load stops as on Ctrl-C
+    client: Any = None
     try:
+        from execrt.serve.server import UvicornServer, bind, settle_heap, tune_interpreter
+
+        tune_interpreter()  # as execrt serve does
+        client = _client(opts)
         server = UvicornServer(client, bind("127.0.0.1", 0))
         if not client.wait_ready():
             pipe.send(("error", client.load_error()))
@@ -251,13 +288,16 @@ def _serve_child(opts: Options, pipe: Any) -> None:
         settle_heap()  # as execrt serve does once ready
         pipe.send(("ready", server.url))
         server.run()
-    except KeyboardInterrupt:  # the parent's SIGINT: while loading, or re-raised by uvicorn
-        client.close()  # after shutting down; the parent reports the interruption, not this
+    except KeyboardInterrupt:  # the parent's SIGTERM while loading
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: no second traceback
+        if client is not None:
+            client.close()  # the parent reports the interruption, not this
 
 
 def _quiet_sigint() -> None:
     """A load process ends on Ctrl-C (the terminal signals the whole group) without printing a
-    KeyboardInterrupt traceback of its own: the parent reports the interruption."""
+    KeyboardInterrupt traceback of its own: the parent reports the interruption. (Until this
+    runs, QUIET_SPAWN has it ignore SIGINT: its bootstrap cannot print one either.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -292,10 +332,9 @@ class _ServerHandle:
                 raise ExecrtError(f"bench serve: the server failed: {client.load_error()}")
             self.thread_server = UvicornServer(client, bind("127.0.0.1", 0)).start()
             return str(self.thread_server.url)
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
+        parent, child = QUIET_SPAWN.Pipe()
         # Not a daemon: a daemonic process may not start the engine's process.
-        self.process = ctx.Process(target=_serve_child, args=(self.opts, child))
+        self.process = QUIET_SPAWN.Process(target=_serve_child, args=(self.opts, child))
         self.process.start()
         child.close()
         try:
@@ -310,7 +349,7 @@ class _ServerHandle:
         if self.thread_server is not None:
             self.thread_server.stop()
         if self.process is not None and self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGINT)  # graceful: closes the engine
+            self.process.terminate()  # graceful (SIGTERM, see _serve_child): closes the engine
             self.process.join(120)
             if self.process.is_alive():
                 self.process.kill()
@@ -349,27 +388,65 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 # -- the benchmark ------------------------------------------------------------------------------
+class _CtrlC:
+    """SIGINT's handler during a run: KeyboardInterrupt, as by default, and remembered. One
+    that lands in a ``__del__`` (asyncio closes its transports there) is printed and dropped
+    by the interpreter: the run went on, saved its records and exited 0. ``check`` raises it
+    again between the steps of a run."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_CtrlC]:
+        """This handler while the block runs (only the main thread may set one)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
 def run(opts: Options) -> list[Record]:
-    """Every run of ``opts`` through HTTP, then through the Engine; print, save, plot."""
+    """Every run of ``opts`` through HTTP, then through the Engine; print, save, plot. On CPU
+    the fields ``opts`` leaves at their defaults take CPU_SMOKE's values."""
+    with _CtrlC().installed() as ctrl_c:
+        return _run(opts, ctrl_c)
+
+
+def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
     device = torch.device(opts.device)
     require_cuda_unless_cpu("serve", device)
+    given, opts = opts, smoke_defaults(opts, CPU_SMOKE)
+    prepare_out_dir("serve", opts.out_dir)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     vocab = int(opts.model_shape()["vocab_size"])
     runs = plan_runs(opts, vocab)
     date = utc_now()
     records = []
     print(f"# {gpu}: {opts.model} served over HTTP, workload {opts.workload}", flush=True)
+    if note := smoke_note(given, opts):
+        print(note, flush=True)
     server = _ServerHandle(opts)
     most = max(opts.processes_for(r) for r in runs)
     pool: Executor | None = None
-    url = server.start()
-    try:
+    try:  # a Ctrl-C while the server starts must stop it too
+        url = server.start()
         warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
         drive_http(url, opts.model, warm)
         if most > 1:  # started once, warmed up (imports, first connection) before the runs
-            pool = ProcessPoolExecutor(
-                most, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_sigint
-            )
+            pool = ProcessPoolExecutor(most, mp_context=QUIET_SPAWN, initializer=_quiet_sigint)
             drive_http(
                 url,
                 opts.model,
@@ -391,11 +468,15 @@ def run(opts: Options) -> list[Record]:
             print(f"  http   {_label(r)}: {_describe(s)}", flush=True)
             for why in records[-1].error_samples:
                 print(f"    error: {why}", flush=True)
+            ctrl_c.check()
     finally:
-        if pool is not None:
-            pool.shutdown()
+        # The server first: a load process still running a run (it ignored a Ctrl-C in its
+        # bootstrap) then fails its requests at once instead of driving the whole run.
         server.stop()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     gc.collect()
+    ctrl_c.check()
     if opts.engine:
         with _build_engine(opts) as engine:
             replay(engine, warm)
@@ -416,6 +497,7 @@ def run(opts: Options) -> list[Record]:
                 if rec.ttft_ms_p50 is not None and s.ttft_ms_p50 is not None:
                     rec.ttft_overhead_ms = rec.ttft_ms_p50 - s.ttft_ms_p50
                 print(f"  engine {_label(r)}: {_describe(s)}", flush=True)
+                ctrl_c.check()
     print(format_table(records))
     if opts.out_dir:
         path = save_records(records, opts.out_dir, "serve")

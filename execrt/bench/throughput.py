@@ -33,6 +33,7 @@ from execrt.bench.common import (
     chosen_backend,
     failure_note,
     measure_copy_rate,
+    prepare_out_dir,
     release_memory,
     report,
     utc_now,
@@ -247,6 +248,7 @@ def run(opts: Options) -> list[Record]:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExecrtError("bench throughput: needs a CUDA device (none is visible)")
+    prepare_out_dir("throughput", opts.out_dir)
     shape = model_config(opts.model, config=opts.config)
     mc = ModelConfig.from_dict(shape)
     if opts.max_token_id >= mc.vocab_size:

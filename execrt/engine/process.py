@@ -5,7 +5,8 @@ engine's step loop (scheduling, kernel launches) never waits for the front end's
 and detokenizing, nor the front end for a step.
 
 - The engine process is spawned (``multiprocessing``'s spawn context: the front end never
-  initialises CUDA), builds the Engine with ``build`` (a picklable callable), then sends once
+  initialises CUDA), with SIGINT ignored from its first moment (QUIET_SPAWN: Ctrl-C is the
+  front end's), builds the Engine with ``build`` (a picklable callable), then sends once
   what the front end needs to serve without it: the ``ModelInfo``, the ``TextCodec``
   (tokenizer and chat template), the ``RequestLimits`` that ``check`` validates against, and
   whether there is a prefix cache. Then it runs ``run_commands``, the loop the engine thread
@@ -27,13 +28,15 @@ and detokenizing, nor the front end for a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import queue
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as mp_wait
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +117,47 @@ def _widen(conn: Connection) -> None:
             continue
 
 
+# -- spawning without Ctrl-C in the bootstrap ----------------------------------------------------
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the block runs, restored after. Only the main
+    thread may set a handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python; the default is the closest to restore.
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+class QuietStartProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process that starts with SIGINT ignored. Ctrl-C in a terminal reaches the
+    whole process group: a child still in its bootstrap (a new interpreter importing torch,
+    unpickling its target) would die of it with a traceback of its own, before its target
+    could set a handler. CPython installs its KeyboardInterrupt handler at startup only
+    where SIGINT is at its default, and an ignored signal stays ignored across exec, so the
+    parent ignores SIGINT for the moment of the start (about 15 ms; a Ctrl-C then is lost:
+    blocking it instead would not hold it back, since torch's own threads take it). The
+    parent then decides how its children stop; a target that wants Ctrl-C sets a handler."""
+
+    def start(self) -> None:
+        with sigint_ignored():
+            super().start()
+
+
+class QuietSpawnContext(multiprocessing.context.SpawnContext):
+    """The spawn context whose processes start as QuietStartProcess (also as an executor's
+    ``mp_context``: its workers, started from the main thread, start the same way)."""
+
+    Process = QuietStartProcess
+
+
+QUIET_SPAWN = QuietSpawnContext()
+
+
 # -- the engine process ---------------------------------------------------------------------------
 def engine_main(
     build: Callable[[], Engine], commands: Connection, outputs: Connection, name: str | None
@@ -125,6 +169,7 @@ def engine_main(
 
     # Ctrl-C in a terminal reaches the whole process group: the front end decides (it sends
     # "stop" once its HTTP side drained), so the engine does not die under running requests.
+    # Already ignored since the start (QuietStartProcess) unless started off the main thread.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = build()
@@ -217,7 +262,7 @@ class ProcessEngineClient(BackgroundEngineClient):
 
     def __init__(self, build: Callable[[], Engine], *, name: str | None = None) -> None:
         super().__init__()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = QUIET_SPAWN  # Ctrl-C is the front end's to handle, from the engine's first moment
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
         for conn in (self._commands, self._outputs):

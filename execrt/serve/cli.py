@@ -153,6 +153,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ExecrtError(
             f"serve: cannot listen on {args.host}:{args.port} ({exc.strerror})"
         ) from None
+    except KeyboardInterrupt:  # before uvicorn took the signals: the engine must stop too
+        client.close()
+        raise
     return sock_status
 
 
@@ -232,7 +235,12 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     b.add_argument("--attention", default="auto", help="attention backend (default: auto)")
     b.add_argument("--graph", default="auto", help="graph backend (default: auto)")
-    b.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    b.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda, or cpu for a smoke run: what no flag sets takes tiny values, a check that "
+        "the method runs (default: cuda)",
+    )
     b.add_argument(
         "--engine",
         dest="engine_runner",

@@ -83,8 +83,11 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, jobs: LiveJobs) -> None:
         super().__init__(config)
         self.jobs = jobs
+        self.stopped_by: int | None = None  # the first signal that told it to stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
         super().handle_exit(sig, frame)
         self.jobs.close(SHUTTING_DOWN)
 
@@ -155,14 +158,18 @@ def serve(
     generation_config: str = "auto",
 ) -> int:
     """Serve until interrupted; ``announce`` gets one line with the URL once the model is
-    ready (and the sampling defaults it applies, if any). Returns 0, or 2 when the model
-    failed to load (one line on stderr says why)."""
+    ready (and the sampling defaults it applies, if any). Returns 0 (stopped after it was
+    ready), 2 when the model failed to load (one line on stderr says why), or 128 + the
+    signal's number when SIGINT or SIGTERM stopped it before it was ready (130 for Ctrl-C, as
+    any command interrupted before it did its work; the same as a Ctrl-C during the imports
+    before the server starts)."""
     server = UvicornServer(
         client, bind(host, port), log_level=log_level, reasoning_parser=reasoning_parser,
         generation_config=generation_config,
     )  # fmt: skip
     tune_interpreter()
     status = 0
+    announced = threading.Event()
 
     def watch() -> None:
         nonlocal status
@@ -170,6 +177,7 @@ def serve(
         while not server.server.started and not server.server.should_exit:
             time.sleep(0.01)
         if ready:
+            announced.set()
             settle_heap()
             info = client.model_info()
             line = f"execrt serve: {info.name} ready at {server.url} (OpenAI API under /v1)"
@@ -187,6 +195,9 @@ def serve(
 
     threading.Thread(target=watch, name="execrt-ready", daemon=True).start()
     server.run()
+    stopped_by = server.server.stopped_by
+    if status == 0 and stopped_by is not None and not announced.is_set():
+        return 128 + stopped_by
     return status
 
 

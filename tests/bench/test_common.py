@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from execrt.bench import common
 from execrt.bench.common import CopyRate, chosen_backend, measure_copy_rate, rank, report
+from execrt.core.errors import ExecrtError
 from execrt.core.selection import Resolution, ResolutionReport
 
 
@@ -99,3 +101,66 @@ def test_records_saved_in_the_same_second_never_overwrite_each_other(tmp_path: P
     paths = [common.save_records([Row(i)], str(tmp_path), "x") for i in range(3)]
     assert len(set(paths)) == 3
     assert [json.loads(Path(p).read_text())[0]["n"] for p in paths] == [0, 1, 2]
+
+
+def test_a_records_folder_that_cannot_be_written_names_out(tmp_path: Path) -> None:
+    @dataclass
+    class Row:
+        n: int
+
+    (tmp_path / "a-file").write_text("")
+    # Before: `execrt: error: [Errno 20] Not a directory: ...`, after the whole run.
+    with pytest.raises(ExecrtError, match=r"--out '.*a-file/sub': the x records were not saved"):
+        common.save_records([Row(1)], str(tmp_path / "a-file" / "sub"), "x")
+
+
+def test_the_out_folder_is_made_and_written_to_before_a_run(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "results"
+    common.prepare_out_dir("prefix", str(out))
+    assert out.is_dir() and list(out.iterdir()) == []  # the probe file removed again
+    common.prepare_out_dir("prefix", None)  # nothing saved: nothing to check
+
+
+def test_an_out_folder_under_a_regular_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ExecrtError, match=r"bench prefix: --out '.*a-file': cannot make it \(it"):
+        common.prepare_out_dir("prefix", str(tmp_path / "a-file"))
+    with pytest.raises(ExecrtError, match=r"--out '.*a-file/sub': cannot make it \(not a direc"):
+        common.prepare_out_dir("prefix", str(tmp_path / "a-file" / "sub"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_out_folder_that_cannot_be_made_in_proc_is_refused() -> None:
+    # For root, /proc is writable by its mode bits (out_dir_problem's os.access check passed),
+    # yet it refuses a new entry: the run measured everything, then died on saving, status 2,
+    # with "[Errno 2] No such file or directory: '/proc/xx'" not naming --out.
+    with pytest.raises(ExecrtError, match=r"--out '/proc/execrt-x': cannot make it \(no such"):
+        common.prepare_out_dir("serve", "/proc/execrt-x")
+    with pytest.raises(ExecrtError, match=r"--out '/proc/self': cannot write a file in it"):
+        common.prepare_out_dir("serve", "/proc/self")
+
+
+def test_smoke_defaults_fill_what_was_left_at_its_default_on_cpu_only() -> None:
+    @dataclass(frozen=True)
+    class Opts:
+        model: str = "big"
+        config: dict[str, int] | None = None
+        size: int = 100
+        steps: int = 10
+        device: str = "cuda"
+
+    smoke = {"model": "tiny", "config": {"layers": 1}, "size": 2, "steps": 1}
+    gpu = Opts()
+    assert common.smoke_defaults(gpu, smoke) is gpu
+    assert common.smoke_defaults(Opts(device="cpu"), smoke) == Opts(
+        "tiny", {"layers": 1}, 2, 1, "cpu"
+    )
+    given = common.smoke_defaults(Opts(size=7, device="cpu"), smoke)
+    assert (given.size, given.steps, given.model) == (7, 1, "tiny")
+    # A model given keeps its own shape (the smoke config would have replaced it).
+    named = common.smoke_defaults(Opts(model="other", device="cpu"), smoke)
+    assert (named.model, named.config, named.size) == ("other", None, 2)
+    assert "smoke shape and sizes" in common.smoke_note(
+        Opts(device="cpu"), Opts("tiny", {"layers": 1}, 2, 1, "cpu")
+    )
+    assert common.smoke_note(gpu, gpu) == ""

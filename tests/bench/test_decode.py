@@ -17,6 +17,7 @@ from torch import nn
 from execrt.bench import decode
 from execrt.bench.models import (
     MODELS,
+    SMOKE_SHAPE,
     RandomWeightsLoader,
     build_hf_model,
     fill_hf_model,
@@ -36,18 +37,8 @@ from tests.drivers import prefill_then_decode
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# Two layers, hidden 64: 4 q / 2 kv heads of 16, MLP 128, vocab 1000.
-TINY = dict(MODELS["qwen3-0.6b"]) | {
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+# Two layers, hidden 64: 4 q / 2 kv heads of 16, MLP 128, vocab 1000 (the CPU smoke shape).
+TINY = SMOKE_SHAPE | {"max_position_embeddings": 256}
 TINY_MOE = (
     dict(MODELS["qwen3-30b-a3b"])
     | {k: v for k, v in TINY.items() if k not in ("architectures", "model_type")}

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from execrt.bench import prefix
+from execrt.bench.common import smoke_defaults
+from execrt.bench.models import SMOKE_MODEL, model_config
 from execrt.cli import BENCH_PREFIX_FLAGS, main
 from execrt.core.errors import ExecrtError
 from tests.bench.test_decode import TINY
@@ -101,3 +103,47 @@ def test_the_defaults_the_cli_help_names_are_the_options_defaults() -> None:
         shown = what.rsplit("(default: ", 1)[1].rstrip(")")
         value = getattr(defaults, field)
         assert shown == str(value) or (value is None and shown == "the model's"), flag
+
+
+def test_on_cpu_what_no_flag_set_is_the_tiny_smoke_run_and_flags_win() -> None:
+    # `bench prefix --device cpu` kept the GPU defaults (qwen3-8b, 36 layers, 512 prompts of
+    # 2,176 tokens) and was killed for memory at about 20 GB.
+    cpu = smoke_defaults(prefix.Options(device="cpu", out_dir=None), prefix.CPU_SMOKE)
+    config = model_config(cpu.model, cpu.layers, cpu.config)
+    assert cpu.model == SMOKE_MODEL and config["num_hidden_layers"] == 2
+    assert config["hidden_size"] <= 64 and config["vocab_size"] <= 1000
+    assert cpu.groups * cpu.per_group <= 16 and cpu.context_len <= 512
+    given = prefix.Options(device="cpu", groups=5, layers=1, output_len=9, out_dir=None)
+    flags = smoke_defaults(given, prefix.CPU_SMOKE)
+    assert (flags.groups, flags.layers, flags.output_len) == (5, 1, 9)  # given: kept
+    assert (flags.model, flags.prefix_len) == (SMOKE_MODEL, cpu.prefix_len)  # the rest: smoke
+    named = smoke_defaults(prefix.Options(model="qwen3-0.6b", device="cpu"), prefix.CPU_SMOKE)
+    assert (named.model, named.config, named.groups) == ("qwen3-0.6b", None, cpu.groups)
+    gpu = prefix.Options(out_dir=None)
+    assert smoke_defaults(gpu, prefix.CPU_SMOKE) is gpu
+
+
+def test_the_cli_on_cpu_runs_the_smoke_shape_and_says_so(monkeypatch, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    built: list[prefix.Options] = []
+
+    def no_engine(opts: prefix.Options, config: dict, cache: str) -> None:  # type: ignore[type-arg]
+        built.append(opts)
+        raise RuntimeError("not built in this test")  # recorded as a failure, the run goes on
+
+    monkeypatch.setattr(prefix, "_engine", no_engine)
+    argv = ["bench", "prefix", "--device", "cpu", "--groups", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    opts = built[0]
+    assert (opts.model, opts.groups, opts.prefix_len) == (SMOKE_MODEL, 2, 48)
+    header = capsys.readouterr().out.splitlines()[:2]
+    assert header[0].startswith("# cpu: tiny, 2 layers;") and "CPU smoke" in header[1]
+
+
+def test_an_out_folder_that_cannot_be_made_stops_the_run_before_it_measures(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # It measured everything, then died saving: "[Errno 2] No such file or directory".
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.setattr(prefix, "_engine", lambda *a: pytest.fail("the benchmark measured"))
+    with pytest.raises(ExecrtError, match=r"bench prefix: --out '/proc/execrt-x': cannot make"):
+        # (not root: refused as the options are built, /proc being read-only by its modes)
+        prefix.run(prefix.Options(**SMALL, out_dir="/proc/execrt-x"))  # type: ignore[arg-type]

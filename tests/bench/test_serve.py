@@ -7,14 +7,20 @@ import importlib.util
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from execrt.bench import http_load, load, serve
+from execrt.bench.common import smoke_defaults
+from execrt.bench.models import SMOKE_MODEL, SMOKE_SHAPE
 from execrt.core.errors import ExecrtError
 from tests.bench.test_decode import TINY
+from tests.drivers import live_children
 
 
 @pytest.mark.parametrize(
@@ -126,7 +132,7 @@ def test_bad_options_are_refused_before_a_server_starts(bad, message) -> None:  
 
 def test_an_output_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ExecrtError, match="--out .* cannot be made: .*a-file is not a directory"):
+    with pytest.raises(ExecrtError, match="--out .*: cannot make it (.*a-file is not a directory)"):
         serve.Options(config=TINY, out_dir=str(tmp_path / "a-file" / "sub"))
     assert serve.Options(config=TINY, out_dir=str(tmp_path / "new" / "sub")).out_dir
 
@@ -162,3 +168,45 @@ def test_layers_cut_a_named_model_and_a_custom_config_alike() -> None:
     custom = serve.Options(config=TINY, layers=1).model_shape()
     assert custom["num_hidden_layers"] == 1 and custom["hidden_size"] == TINY["hidden_size"]
     assert serve.Options(config=TINY).model_shape() == dict(TINY)  # a copy, not cut
+
+
+def test_on_cpu_what_no_flag_set_is_the_tiny_smoke_run_and_flags_win(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The GPU defaults on CPU: qwen3-0.6b, 28 layers, up to 256 streams of 512-token prompts.
+    from execrt.cli import main
+
+    seen: list[serve.Options] = []
+    monkeypatch.setattr(serve, "run", lambda opts: seen.append(opts) or [])
+    assert main(["bench", "serve", "--device", "cpu", "--input-len", "20", "--out", ""]) == 0
+    cpu = smoke_defaults(seen[0], serve.CPU_SMOKE)  # what run() measures
+    assert (cpu.input_len, cpu.model, cpu.config) == (20, SMOKE_MODEL, SMOKE_SHAPE)
+    assert cpu.model_shape()["num_hidden_layers"] == 2
+    assert max(cpu.concurrencies) <= 4 and cpu.num_prompts and cpu.num_prompts <= 8
+    assert cpu.output_len <= 8 and cpu.max_running_requests <= 8
+    gpu = serve.Options(out_dir=None)
+    assert smoke_defaults(gpu, serve.CPU_SMOKE) is gpu
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the child in Linux's /proc")
+def test_ctrl_c_while_the_server_starts_is_quiet_and_130(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The terminal's SIGINT reaches the whole group: the server process, still importing torch
+    # in its spawn bootstrap, printed a 29-line KeyboardInterrupt traceback of its own.
+    cmd = [sys.executable, "-m", "execrt", "bench", "serve", "--device", "cpu"]
+    cmd += ["--no-engine", "--out", str(tmp_path)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    bench = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p, c in live_children(bench.pid) if "spawn_main" in c]:
+            assert bench.poll() is None and time.monotonic() < deadline, "no server process"
+            time.sleep(0.02)
+        time.sleep(0.3)  # the parent past the start, the child in its bootstrap or loading
+        os.killpg(bench.pid, signal.SIGINT)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+    assert "Traceback" not in err and "Error" not in err, err
+    assert bench.returncode == 130
+    assert os.listdir(tmp_path) == []  # nothing measured, nothing saved

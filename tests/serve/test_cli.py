@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from execrt.cli import build_parser, main
 from execrt.serve.cli import ENGINE_FLAGS, ENGINE_RUNNERS, engine_runner
+from tests.drivers import live_children
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -88,3 +93,78 @@ def test_stopped_while_loading_says_nothing(monkeypatch, capsys) -> None:
     assert server.serve(client, "127.0.0.1", 0) == 0
     assert capsys.readouterr().err == ""
     client.close()
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_the_model_is_ready_is_a_quiet_interrupted_status(
+    monkeypatch, capsys, sig, status
+) -> None:  # type: ignore[no-untyped-def]
+    # Before the server starts, a Ctrl-C is 130 (the CLI's KeyboardInterrupt); while the
+    # model loads it was 0, or 2 when the engine process died of it first.
+    import execrt.serve.server as server
+    from tests.serve.fakes import FakeClient
+
+    class Loading(FakeClient):
+        def wait_ready(self, timeout: float | None = None) -> bool:
+            time.sleep(0.2)  # closed by the shutdown meanwhile
+            return False
+
+    def interrupted(self: server.UvicornServer) -> None:  # what uvicorn's handler runs
+        self.server.handle_exit(sig, None)
+        time.sleep(0.3)
+
+    client = Loading(is_ready=False)
+    monkeypatch.setattr(server.UvicornServer, "run", interrupted)
+    assert server.serve(client, "127.0.0.1", 0) == status
+    assert capsys.readouterr().err == ""
+    client.close()
+
+
+def test_a_signal_once_ready_is_how_a_server_ends_status_0(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import execrt.serve.server as server
+    from tests.serve.fakes import FakeClient
+
+    def serving_then_interrupted(self: server.UvicornServer) -> None:
+        self.server.started = True
+        deadline = time.monotonic() + 10
+        while "ready at" not in capsys.readouterr().out:  # announced
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        self.server.handle_exit(signal.SIGINT, None)
+
+    client = FakeClient()
+    monkeypatch.setattr(server.UvicornServer, "run", serving_then_interrupted)
+    monkeypatch.setattr(server, "settle_heap", lambda: None)  # gc.freeze: not in this process
+    assert server.serve(client, "127.0.0.1", 0) == 0
+    client.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the child in Linux's /proc")
+def test_ctrl_c_while_the_engine_process_starts_is_quiet_and_130() -> None:
+    # The terminal's SIGINT reaches the whole group: the engine process, importing torch in
+    # its spawn bootstrap, printed a 37-44 line KeyboardInterrupt traceback (or "Fatal Python
+    # error: init_import_site"), and the status was 2 ("the engine process exited
+    # unexpectedly") or 0, by the race.
+    cmd = [sys.executable, "-m", "execrt", "serve", "--model", "builtin", "--device", "cpu"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    serve = subprocess.Popen(
+        [*cmd, "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (engine := [p for p, c in live_children(serve.pid) if "spawn_main" in c]):
+            assert serve.poll() is None and time.monotonic() < deadline, "no engine process"
+            time.sleep(0.02)
+        time.sleep(0.3)  # the front end past the start, the engine in its bootstrap or loading
+        os.killpg(serve.pid, signal.SIGINT)
+        out, err = serve.communicate(timeout=60)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert "Traceback" not in err and "Fatal" not in err and "error" not in err, err
+    assert (serve.returncode, out) == (130, "")  # interrupted before it was ready
+    deadline = time.monotonic() + 10  # the engine process stopped with it (init reaps it)
+    while os.path.exists(f"/proc/{engine[0]}"):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.05)
