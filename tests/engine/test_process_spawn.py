@@ -7,7 +7,18 @@ import signal
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+import pytest
+
 from execrt.engine.process import QUIET_SPAWN, sigint_ignored
+
+
+@pytest.fixture(autouse=True)
+def interruptible() -> Any:
+    """This process with Python's own SIGINT handler, as a command has it (a pytest-xdist
+    worker ignores SIGINT: the tests would pass without QUIET_SPAWN, and fail on the parent)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _sigint_ignored(conn: Any = None) -> bool:
