@@ -132,6 +132,7 @@ def _max_resident(kernel, num_warps: int) -> int:
     shared memory."""
     props = torch.cuda.get_device_properties(0)
     threads = 32 * num_warps
+    kernel._init_handles()  # loads the module: n_regs is known from then on
     regs = max(kernel.n_regs, 1) * threads
     by_regs = 65536 // regs
     by_threads = 2048 // threads
