@@ -28,6 +28,9 @@ PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
 #: The most rows a launch may have and still prefetch under EXECRT_PDL_PREFETCH (the skinny
 #: GEMM's M, the decode batch), e.g. "1" for the bs-1 graph only; unset: any.
 PDL_PREFETCH_ROWS = "EXECRT_PDL_PREFETCH_ROWS"
+#: "0" or "1": whether the skinny GEMM loads its first weight tile into registers before its
+#: PDL wait (no kernel writes a weight). Unset: the default of docs/kernels.md.
+PDL_PRELOAD = "EXECRT_PDL_PRELOAD"
 #: "1" hides the fp8-words decode loop's joined K/V tiles from Triton's operand-width search
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower
 #: on the H200 despite fewer instructions).
@@ -58,6 +61,7 @@ NON_CONFIG = frozenset(
         DISABLE_PDL,
         PDL_PREFETCH,
         PDL_PREFETCH_ROWS,
+        PDL_PRELOAD,
         FP8_WORDS_OPAQUE,
         FP8_DECODE_KERNEL,
         DECODE_MERGE_CHUNK,
@@ -90,6 +94,7 @@ KERNEL_SWITCHES = (
     DISABLE_PDL,
     PDL_PREFETCH,
     PDL_PREFETCH_ROWS,
+    PDL_PRELOAD,
     FP8_WORDS_OPAQUE,
     FP8_DECODE_KERNEL,
     DECODE_MERGE_CHUNK,

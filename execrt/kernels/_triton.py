@@ -246,6 +246,23 @@ def pdl_prefetch(device: torch.device, kernel: str, rows: int | None = None) -> 
     return limit is None or rows is None or rows <= limit
 
 
+#: Whether the skinny GEMM preloads its first weight tile ahead of its PDL wait where
+#: ``EXECRT_PDL_PRELOAD`` is unset (``pdl_preload``).
+PDL_PRELOAD_DEFAULT = False
+
+
+def pdl_preload(device: torch.device) -> bool:
+    """Whether the skinny GEMM loads its first weight tile into registers before it waits for
+    the grid ahead (with PDL only; ``EXECRT_PDL_PRELOAD``, else ``PDL_PRELOAD_DEFAULT``). No
+    kernel writes a weight, so the load may overlap the grid ahead; the first K step then runs
+    from those registers, the arithmetic unchanged."""
+    if not use_pdl(device):
+        return False
+    if not os.environ.get(envs.PDL_PRELOAD, "").strip():
+        return PDL_PRELOAD_DEFAULT
+    return envs.flag(envs.PDL_PRELOAD)
+
+
 def _prefetch_names() -> set[str]:
     """``EXECRT_PDL_PREFETCH`` as a set of lower-case words, checked."""
     value = os.environ.get(envs.PDL_PREFETCH, "")
@@ -266,6 +283,7 @@ def check_kernel_switches() -> None:
     envs.flag(envs.DISABLE_PDL)
     _prefetch_names()
     prefetch_rows_limit()
+    envs.flag(envs.PDL_PRELOAD)
     fp8_words_opaque()
     fp8_decode_kernel()
     merge_chunk(1)

@@ -34,6 +34,7 @@ from execrt.kernels._triton import (
     next_power_of_2,
     pdl_kwargs,
     pdl_prefetch,
+    pdl_preload,
     pow2_at_least,
     stream_scratch,
     tuned_table_name,
@@ -142,6 +143,65 @@ def _acc_out(acc, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptrs, wu_ptrs, k0, K, EVEN_K: tl.constexpr, SWIGLU_OUT: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
+    """One K step's weight tile (and its up rows' tile with ``SWIGLU_OUT``; else ``w`` again)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        wu = tl.load(wu_ptrs) if SWIGLU_OUT else w
+    else:
+        kmask = (k0 + tl.arange(0, BLOCK_K))[None, :] < K
+        w = tl.load(w_ptrs, mask=kmask, other=0.0)
+        wu = tl.load(wu_ptrs, mask=kmask, other=0.0) if SWIGLU_OUT else w
+    return w, wu
+
+
+@triton.jit
+def _k_step(acc, acc_u, sq, rstd, w, wu, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs, rm_ok, k0, K,
+            EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, SWIGLU_OUT: tl.constexpr,
+            NORM: tl.constexpr, ADD: tl.constexpr, LATE_NORM: tl.constexpr,
+            USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One K step of the main loop with its weight tiles loaded: the activations (SwiGLU'd,
+    normalised), then the accumulation. Returns ``acc``, ``acc_u`` and ``sq`` (the late
+    norm's sums of squares; passed through otherwise)."""
+    rk = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        xa = tl.load(x_ptrs)
+        xb = tl.load(x_ptrs + K) if SWIGLU else xa
+        if NORM:
+            nw = tl.load(nw_ptrs)
+            r = tl.load(r_ptrs) if ADD else xa
+    else:
+        kmask = (k0 + rk)[None, :] < K
+        xa = tl.load(x_ptrs, mask=kmask, other=0.0)
+        xb = tl.load(x_ptrs + K, mask=kmask, other=0.0) if SWIGLU else xa
+        if NORM:
+            nw = tl.load(nw_ptrs, mask=(k0 + rk) < K, other=0.0)
+            r = tl.load(r_ptrs, mask=kmask, other=0.0) if ADD else xa
+    if SWIGLU:  # silu(gate) * up in fp32, rounded once to the dtype (as silu_and_mul)
+        gate = xa.to(tl.float32)
+        xa = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(w.dtype)
+    if NORM:  # the rmsnorm kernel's roundings: x + r, then x / rms, then times the weight
+        if ADD:
+            xa = (xa.to(tl.float32) + r.to(tl.float32)).to(w.dtype)
+        if LATE_NORM:  # x + r, then times the weight; 1 / rms scales the product below
+            if ADD:
+                if tl.program_id(0) == 0:  # the new residual stream, once
+                    kin = (k0 + rk)[None, :] < K
+                    tl.store(nr_ptrs + k0, xa, mask=rm_ok[:, None] & kin)
+            hf = xa.to(tl.float32)
+            sq += tl.sum(hf * hf, axis=1)
+            xa = (hf * nw.to(tl.float32)[None, :]).to(w.dtype)
+        else:
+            xa = (xa.to(tl.float32) * rstd[:, None]).to(w.dtype)
+            xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
+    acc = _acc_step(acc, xa, w, USE_DOT, BLOCK_M)
+    if SWIGLU_OUT:
+        acc_u = _acc_step(acc_u, xa, wu, USE_DOT, BLOCK_M)
+    return acc, acc_u, sq
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
@@ -175,6 +235,7 @@ def _skinny_linear_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """``N`` is the output width: with ``SWIGLU_OUT`` the weight has ``2N`` rows (gate rows,
     then up rows) and each program accumulates its gate rows and the matching up rows.
@@ -183,7 +244,8 @@ def _skinny_linear_kernel(
     ``count_ptr[n]`` (zero on entry and on return); the last of a tile's slices to arrive sums
     them all in slice order and runs the epilogue. ``PREFETCH``: the first ``pf_cols``
     columns of the program's weight slice are asked of L2 before the wait for the grid ahead
-    (``PF_LINES`` lines per row at a time)."""
+    (``PF_LINES`` lines per row at a time). ``PRELOAD``: the program's first weight tile is
+    loaded into registers before that wait (its first K step then runs from them)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ok = rn < N
     # Rows past N (or M) load row N - 1 (M - 1): in bounds and never stored, so the loads
@@ -194,33 +256,34 @@ def _skinny_linear_kernel(
     if SPLIT:
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn_ld[:, None] * K + (k_lo + rk)[None, :]  # [BN, BK]
+    wu_ptrs = w_ptr + (rn_ld + N)[:, None] * K + (k_lo + rk)[None, :]  # the up rows (SWIGLU_OUT)
     if PREFETCH:  # no kernel writes a weight: its first loads need not wait for the grid ahead
         pf_hi = tl.minimum(k_hi, k_lo + pf_cols)
         prefetch_rows_l2(w_ptr, rn_ld * K, k_lo, pf_hi, PF_LINES)
         if SWIGLU_OUT:
             prefetch_rows_l2(w_ptr, (rn_ld + N) * K, k_lo, pf_hi, PF_LINES)
+    if PRELOAD:  # nor need they wait to reach registers: the first K step's tiles
+        w0, wu0 = _load_w(w_ptrs, wu_ptrs, k_lo, K, EVEN_K, SWIGLU_OUT, BLOCK_K)
     pdl_prologue(PDL)
     rm = tl.arange(0, BLOCK_M)
     rm_ok = rm < M
     rm_ld = tl.minimum(rm, M - 1).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn_ld[:, None] * K + rk[None, :]  # [BN, BK]
-    wu_ptrs = w_ptr + (rn_ld + N)[:, None] * K + rk[None, :]  # the up rows (SWIGLU_OUT)
     x_off = rm_ld[:, None] * stride_xm + rk[None, :]  # [BM, BK]
     x_ptrs = x_ptr + x_off
-    r_ptrs = r_ptr + x_off
+    r_ptrs = r_ptr + x_off + k_lo
     nr_ptrs = nr_ptr + rm[:, None] * K + rk[None, :]
+    nw_ptrs = nw_ptr + rk + k_lo
+    sq = 0.0  # the late norm's sums of squares
+    rstd = 1.0  # the norm's 1 / rms per row
     if NORM:
         if LATE_NORM:  # the squares summed in the main loop; program 0 stores x + r there
             sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         else:  # every program normalises the (few) rows itself: one extra pass, from L2
-            rstd = _norm_rows(x_ptrs, r_ptrs, nr_ptrs, rm_ok, rk, K, eps, ADD, BLOCK_M, BLOCK_K)
-        nw_ptrs = nw_ptr + rk + k_lo
-        r_ptrs += k_lo
-    if SPLIT:
-        w_ptrs += k_lo
-        wu_ptrs += k_lo
-        x_ptrs += k_lo
+            rstd = _norm_rows(x_ptrs, r_ptr + x_off, nr_ptrs, rm_ok, rk, K, eps, ADD, BLOCK_M,
+                              BLOCK_K)  # fmt: skip
+    x_ptrs += k_lo
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -228,51 +291,27 @@ def _skinny_linear_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = acc  # SWIGLU_OUT: the up rows' accumulator
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            if SWIGLU_OUT:
-                wu = tl.load(wu_ptrs)
-            xa = tl.load(x_ptrs)
-            xb = tl.load(x_ptrs + K) if SWIGLU else xa
-            if NORM:
-                nw = tl.load(nw_ptrs)
-                r = tl.load(r_ptrs) if ADD else xa
-        else:
-            kmask = (k0 + rk)[None, :] < K
-            w = tl.load(w_ptrs, mask=kmask, other=0.0)
-            if SWIGLU_OUT:
-                wu = tl.load(wu_ptrs, mask=kmask, other=0.0)
-            xa = tl.load(x_ptrs, mask=kmask, other=0.0)
-            xb = tl.load(x_ptrs + K, mask=kmask, other=0.0) if SWIGLU else xa
-            if NORM:
-                nw = tl.load(nw_ptrs, mask=(k0 + rk) < K, other=0.0)
-                r = tl.load(r_ptrs, mask=kmask, other=0.0) if ADD else xa
-        if SWIGLU:  # silu(gate) * up in fp32, rounded once to the dtype (as silu_and_mul)
-            gate = xa.to(tl.float32)
-            xa = (gate / (1.0 + tl.exp(-gate)) * xb.to(tl.float32)).to(w.dtype)
-        if NORM:  # the rmsnorm kernel's roundings: x + r, then x / rms, then times the weight
-            if ADD:
-                xa = (xa.to(tl.float32) + r.to(tl.float32)).to(w.dtype)
-            if LATE_NORM:  # x + r, then times the weight; 1 / rms scales the product below
-                if ADD:
-                    if tl.program_id(0) == 0:  # the new residual stream, once
-                        kin = (k0 + rk)[None, :] < K
-                        tl.store(nr_ptrs + k0, xa, mask=rm_ok[:, None] & kin)
-                hf = xa.to(tl.float32)
-                sq += tl.sum(hf * hf, axis=1)
-                xa = (hf * nw.to(tl.float32)[None, :]).to(w.dtype)
-            else:
-                xa = (xa.to(tl.float32) * rstd[:, None]).to(w.dtype)
-                xa = (xa.to(tl.float32) * nw.to(tl.float32)[None, :]).to(w.dtype)
-            nw_ptrs += BLOCK_K
-            r_ptrs += BLOCK_K
-        acc = _acc_step(acc, xa, w, USE_DOT, BLOCK_M)
-        if SWIGLU_OUT:
-            acc_u = _acc_step(acc_u, xa, wu, USE_DOT, BLOCK_M)
-            wu_ptrs += BLOCK_K
+    k_first = k_lo
+    if PRELOAD:  # every program has at least one K step
+        acc, acc_u, sq = _k_step(acc, acc_u, sq, rstd, w0, wu0, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs,
+                                 rm_ok, k_lo, K, EVEN_K, SWIGLU, SWIGLU_OUT, NORM, ADD,
+                                 LATE_NORM, USE_DOT, BLOCK_M, BLOCK_K)  # fmt: skip
         w_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
+        k_first += BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        w, wu = _load_w(w_ptrs, wu_ptrs, k0, K, EVEN_K, SWIGLU_OUT, BLOCK_K)
+        acc, acc_u, sq = _k_step(acc, acc_u, sq, rstd, w, wu, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs,
+                                 rm_ok, k0, K, EVEN_K, SWIGLU, SWIGLU_OUT, NORM, ADD,
+                                 LATE_NORM, USE_DOT, BLOCK_M, BLOCK_K)  # fmt: skip
+        w_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
     out = _acc_out(acc, USE_DOT, BLOCK_M)  # [BM, BN]
     up = _acc_out(acc_u, USE_DOT, BLOCK_M) if SWIGLU_OUT else out
     if NORM and LATE_NORM:  # (rms-free x) @ W^T, times each row's 1 / rms
@@ -354,8 +393,10 @@ def launch(
     swiglu_out: bool = False,
     norm: NormIn | None = None,
     out: torch.Tensor | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """Run the kernel with ``tile`` (the tuner calls this directly); see ``skinny_linear``.
+    ``preload``: the first weight tile loaded ahead of the PDL wait (None: ``pdl_preload``).
     ``swiglu_out``: ``weight`` is a gate/up matrix ``[2N, K]`` (gate rows first, ``bias``
     ``[2N]``) and the result is ``silu(gate) * up`` ``[M, N]``, rounded as ``silu_and_mul``
     rounds the product's output."""
@@ -429,6 +470,7 @@ def launch(
             max(1, 32 * tile.num_warps // tile.block_n),
             next_power_of_2(cdiv(min(k_per_split, pf_cols) * weight.element_size(), 128)),
         ),
+        PRELOAD=pdl_preload(x.device) if preload is None else preload,
         **pdl_kwargs(x.device),
     )
     return y

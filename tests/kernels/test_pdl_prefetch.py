@@ -1,10 +1,12 @@
-"""The skinny GEMM asks L2 for its weight slice, and the decode kernel for its first K/V rows,
-before they wait for the grid ahead (PDL); nothing is written before the wait. Compiled for
+"""The skinny GEMM asks L2 for its weight slice (or loads its first weight tile), and the
+decode kernel for its first K/V rows, before they wait for the grid ahead (PDL); nothing is
+written before the wait. Compiled for
 sm90 with Triton's bundled ptxas, no GPU needed: the interpreter has neither PDL nor the
 prefetch, so it cannot tell."""
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from pathlib import Path
 
@@ -24,7 +26,7 @@ PROBE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from execrt.kernels import triton_linear as L
 
-    def ptx(prefetch, swiglu_out, split):
+    def ptx(prefetch, swiglu_out, split, preload=False):
         ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "nr_ptr")
         sig = {n: "*bf16" for n in ptrs}
         sig.update(part_ptr="*fp32", count_ptr="*i32")
@@ -34,7 +36,7 @@ PROBE = textwrap.dedent(
         const = dict(HAS_BIAS=False, SWIGLU=False, SWIGLU_OUT=swiglu_out, NORM=False, ADD=False,
                      LATE_NORM=False, USE_DOT=False, EVEN_K=True, BLOCK_M=1,
                      BLOCK_N=4, BLOCK_K=512, SPLIT=split, PDL=True, PREFETCH=prefetch,
-                     PF_LINES=16)
+                     PF_LINES=16, PRELOAD=preload)
         sig.update({k: "constexpr" for k in const})
         src = triton.compiler.ASTSource(fn=L._skinny_linear_kernel, signature=sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -75,6 +77,7 @@ PROBE = textwrap.dedent(
 
     for prefetch, swiglu_out, split in ((False, False, False), (True, True, True)):
         report(f"linear-{prefetch}", ptx(prefetch, swiglu_out, split))
+    report("linear-preload", ptx(False, True, True, preload=True))
     from benchmarks.kernel_sass import compile_split_kernel
     for kv in ("bf16", "fp8w"):
         for prefetch in (False, True):
@@ -105,6 +108,11 @@ def test_the_prefetches_come_before_the_wait_and_nothing_else_does(tmp_path: Pat
         assert got[name] == "- 0", got
     # with it: the prefetch, once for the gate rows and once for the up rows (SWIGLU_OUT)
     assert got["linear-True"] == "['prefetch.global.L2'] 2", got
+    # the preload: the first weight tiles' loads (gate and up rows), no store, no prefetch
+    before, count = got["linear-preload"].rsplit(" ", 1)
+    loads = ast.literal_eval(before)  # the probe prints a sorted list of opcodes
+    assert loads and all(op.startswith("ld.global") for op in loads), got
+    assert count == "0", got
     # the decode kernel reads its work item and slot ids first, and stores nothing
     names = ["decode-bf16-True", "decode-fp8w-True"]
     if "mma-False" in got:  # a triton with Gluon: the fp8 mma kernel alike
