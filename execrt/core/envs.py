@@ -29,7 +29,8 @@ PDL_PREFETCH = "EXECRT_PDL_PREFETCH"
 #: GEMM's M, the decode batch), e.g. "1" for the bs-1 graph only; unset: any.
 PDL_PREFETCH_ROWS = "EXECRT_PDL_PREFETCH_ROWS"
 #: "0" or "1": whether the skinny GEMM loads its first weight tile into registers before its
-#: PDL wait (no kernel writes a weight). Unset: the default of docs/kernels.md.
+#: PDL wait (no kernel writes a weight) at any batch size. Unset: at one row only (the A/B of
+#: docs/kernels.md).
 PDL_PRELOAD = "EXECRT_PDL_PRELOAD"
 #: "1" hides the fp8-words decode loop's joined K/V tiles from Triton's operand-width search
 #: (2-value fragments under triton 3.6): the A/B of docs/kernels.md. Off by default (slower

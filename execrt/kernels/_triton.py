@@ -246,20 +246,22 @@ def pdl_prefetch(device: torch.device, kernel: str, rows: int | None = None) -> 
     return limit is None or rows is None or rows <= limit
 
 
-#: Whether the skinny GEMM preloads its first weight tile ahead of its PDL wait where
-#: ``EXECRT_PDL_PRELOAD`` is unset (``pdl_preload``).
-PDL_PRELOAD_DEFAULT = False
+#: Where ``EXECRT_PDL_PRELOAD`` is unset, the skinny GEMM preloads its first weight tile
+#: ahead of its PDL wait in launches of at most this many rows (``pdl_preload``). One H100,
+#: 0.6B step, two A/B pairs: -1% at bs 1, +1.5% at bs 8 (docs/kernels.md).
+PDL_PRELOAD_DEFAULT_ROWS = 1
 
 
-def pdl_preload(device: torch.device) -> bool:
-    """Whether the skinny GEMM loads its first weight tile into registers before it waits for
-    the grid ahead (with PDL only; ``EXECRT_PDL_PRELOAD``, else ``PDL_PRELOAD_DEFAULT``). No
-    kernel writes a weight, so the load may overlap the grid ahead; the first K step then runs
-    from those registers, the arithmetic unchanged."""
+def pdl_preload(device: torch.device, rows: int) -> bool:
+    """Whether the skinny GEMM of ``rows`` rows loads its first weight tile into registers
+    before it waits for the grid ahead (with PDL only): ``EXECRT_PDL_PRELOAD`` 1 or 0 for
+    every launch, else up to ``PDL_PRELOAD_DEFAULT_ROWS`` rows. No kernel writes a weight, so
+    the load may overlap the grid ahead; the first K step then runs from those registers, the
+    arithmetic unchanged."""
     if not use_pdl(device):
         return False
     if not os.environ.get(envs.PDL_PRELOAD, "").strip():
-        return PDL_PRELOAD_DEFAULT
+        return rows <= PDL_PRELOAD_DEFAULT_ROWS
     return envs.flag(envs.PDL_PRELOAD)
 
 

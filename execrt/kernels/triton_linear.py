@@ -470,7 +470,7 @@ def launch(
             max(1, 32 * tile.num_warps // tile.block_n),
             next_power_of_2(cdiv(min(k_per_split, pf_cols) * weight.element_size(), 128)),
         ),
-        PRELOAD=pdl_preload(x.device) if preload is None else preload,
+        PRELOAD=pdl_preload(x.device, m) if preload is None else preload,
         **pdl_kwargs(x.device),
     )
     return y

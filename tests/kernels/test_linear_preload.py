@@ -105,12 +105,13 @@ def test_the_switch_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
     monkeypatch.setattr(_triton, "use_pdl", lambda device: device.type == "cuda")
     monkeypatch.delenv(envs.PDL_PRELOAD, raising=False)
-    assert _triton.pdl_preload(cuda) is _triton.PDL_PRELOAD_DEFAULT
-    assert _triton.pdl_preload(torch.device("cpu")) is False  # no PDL, nothing to overlap
+    assert _triton.pdl_preload(cuda, 1) is True  # unset: one-row launches only
+    assert _triton.pdl_preload(cuda, 2) is False
+    assert _triton.pdl_preload(torch.device("cpu"), 1) is False  # no PDL, nothing to overlap
     monkeypatch.setenv(envs.PDL_PRELOAD, "1")
-    assert _triton.pdl_preload(cuda) is True
+    assert _triton.pdl_preload(cuda, 8) is True
     monkeypatch.setenv(envs.PDL_PRELOAD, "off")
-    assert _triton.pdl_preload(cuda) is False
+    assert _triton.pdl_preload(cuda, 1) is False
     monkeypatch.setenv(envs.PDL_PRELOAD, "sometimes")
     with pytest.raises(ConfigError, match="EXECRT_PDL_PRELOAD='sometimes'"):
         _triton.check_kernel_switches()
