@@ -395,6 +395,10 @@ def _tp_slice(name: str, tensor: torch.Tensor, shard: _TpShard) -> torch.Tensor:
     return tensor
 
 
+#: The tensors of one expert in the Hub's per-expert layout (``experts.N.<proj>.weight``).
+_EXPERT_WEIGHTS = [[proj, "weight"] for proj in ("gate_proj", "up_proj", "down_proj")]
+
+
 def _map_weight(
     name: str,
     tensor: torch.Tensor,
@@ -440,7 +444,10 @@ def _map_weight(
     if rest in ("gate_proj", "up_proj"):  # stacked halves (GGUF): [E, I, H] each
         part = slice(0, inter) if rest == "gate_proj" else slice(inter, 2 * inter)
         return [(f"{block}.w13", (slice(None), part), tensor[first : first + count])]
-    expert_str, proj, _ = rest.split(".", 2)
+    parts = rest.split(".", 2)  # the Hub's per-expert name: N.<proj>.weight
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1:] not in _EXPERT_WEIGHTS:
+        return [(name, None, tensor)]  # no parameter of ours: reported as unexpected
+    expert_str, proj, _ = parts
     expert = int(expert_str) - first
     if not 0 <= expert < count:
         return []  # another rank's expert

@@ -10,6 +10,9 @@ receives, in fp32, before its own dtype's rounding: the runtime computes in that
 checkpoint serves at the cost (and accuracy) of its dequantized weights. Activation scales
 (``input_scale``, static activation schemes) are dropped: activations stay in the model dtype.
 
+Fused expert tensors (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj``,
+transformers 5's layout) carry no ``.weight`` suffix: their factors are ``<name>_scale_inv``.
+
 Every other ``quant_method`` or scheme (AWQ, GPTQ, compressed-tensors' integer or packed
 formats, bitsandbytes, MXFP4, ...) is refused by name, as is an fp8 tensor without its factor:
 a cast of the stored bytes alone would run and be silently wrong.
@@ -30,6 +33,24 @@ from execrt.core.kv_quant import FP8_DTYPES
 logger = logging.getLogger(__name__)
 
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+#: a factor of a tensor named without ``.weight`` (fused experts): ``<name>_scale_inv``
+_BARE_SCALE_SUFFIX = "_scale_inv"
+
+
+def _weight_key(name: str) -> str:
+    """What pairs an fp8 tensor with its factors: its module for ``<module>.weight``, else
+    its own name (a fused expert tensor)."""
+    return name.removesuffix(".weight")
+
+
+def _factor_key(name: str) -> str | None:
+    """The key of the fp8 tensor that the factor ``name`` scales, or None if it is no factor."""
+    suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is not None:
+        return name.removesuffix(suffix)
+    if name.endswith(_BARE_SCALE_SUFFIX):
+        return name.removesuffix(_BARE_SCALE_SUFFIX)
+    return None
 _DROPPED_SUFFIXES = (".input_scale",)
 #: compressed-tensors' weight strategies: one factor per tensor, output channel or block
 _STRATEGIES = ("tensor", "channel", "block")
@@ -127,41 +148,49 @@ def dequantized(
     given, a GPU doing the arithmetic) and the factors and activation scales consumed. A
     weight waits for its factors (and factors for their weight) whichever comes first, across
     files; one left without the other at the end raises ModelLoadError naming it."""
-    waiting: dict[str, torch.Tensor] = {}  # fp8 weights by module name
+    waiting: dict[str, tuple[str, torch.Tensor]] = {}  # fp8 tensors (name, value) by key
     factors: dict[str, torch.Tensor] = {}
     dropped = 0
     for name, tensor in weights:
-        if tensor.dtype in FP8_DTYPES and name.endswith(".weight"):
+        if tensor.dtype in FP8_DTYPES:  # a weight, whatever its name: never cast unscaled
             if quant is None:
                 raise ModelLoadError(
                     f"model: tensor {name!r} is {tensor.dtype} but config.json has no "
                     "quantization_config to say how to scale it"
                 )
-            module = name.removesuffix(".weight")
-            if module in factors:
-                yield name, _scaled(name, tensor, factors.pop(module), quant, device)
+            key = _weight_key(name)
+            if key in factors:
+                yield name, _scaled(name, tensor, factors.pop(key), quant, device)
             else:
-                waiting[module] = tensor
+                waiting[key] = (name, tensor)
             continue
-        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
-        if quant is not None and suffix is not None:
-            module = name.removesuffix(suffix)
-            if module in waiting:
-                weight = module + ".weight"
-                yield weight, _scaled(weight, waiting.pop(module), tensor, quant, device)
+        key = _factor_key(name) if quant is not None else None
+        if key is not None:
+            if key in waiting:
+                weight, value = waiting.pop(key)
+                yield weight, _scaled(weight, value, tensor, quant, device)
             else:
-                factors[module] = tensor
+                factors[key] = tensor
             continue
         if quant is not None and name.endswith(_DROPPED_SUFFIXES):
             dropped += 1
             continue
         yield name, tensor
     if waiting or factors:
-        lonely = [f"{m}.weight (no weight_scale_inv / weight_scale)" for m in waiting]
-        lonely += [f"{m} scale (no fp8 weight)" for m in factors]
+        lonely = [
+            f"{weight} (no {_expected_factors(weight)})" for weight, _ in waiting.values()
+        ]
+        lonely += [f"{k} scale (no fp8 weight)" for k in factors]
         raise ModelLoadError(f"model: unpaired fp8 tensor(s): {', '.join(sorted(lonely)[:5])}")
     if dropped:
         logger.info("model: %d activation scale(s) unused: activations stay unquantized", dropped)
+
+
+def _expected_factors(weight: str) -> str:
+    """The names a factor of the fp8 tensor ``weight`` may have, for an error message."""
+    if weight.endswith(".weight"):
+        return "weight_scale_inv / weight_scale"
+    return weight.rsplit(".", 1)[-1] + _BARE_SCALE_SUFFIX
 
 
 def _scaled(

@@ -180,8 +180,26 @@ def test_factors_before_weights_stacked_experts_and_other_tensors_pass() -> None
             "scales of shape (3,) for a weight of shape (4, 6) (expected one per tensor, per "
             "expert or per row)",
         ),
+        (  # a fused expert tensor has no ".weight": it is an fp8 weight all the same
+            [("m.mlp.experts.gate_up_proj", torch.zeros(2, 4, 4, dtype=FP8))],
+            None,
+            "tensor 'm.mlp.experts.gate_up_proj' is torch.float8_e4m3fn but config.json has no",
+        ),
+        (
+            [("m.mlp.experts.down_proj", torch.zeros(2, 4, 4, dtype=FP8))],
+            WeightQuant("fp8", (2, 2)),
+            "unpaired fp8 tensor(s): m.mlp.experts.down_proj (no down_proj_scale_inv)",
+        ),
     ],
-    ids=["no-config", "no-factor", "no-weight", "block-shape", "tensor-shape"],
+    ids=[
+        "no-config",
+        "no-factor",
+        "no-weight",
+        "block-shape",
+        "tensor-shape",
+        "fused-no-config",
+        "fused-no-factor",
+    ],
 )
 def test_what_cannot_be_dequantized_is_named(stream, quant, message) -> None:
     with pytest.raises(ModelLoadError, match=re.escape(message)):
@@ -218,3 +236,63 @@ def test_unsupported_quantization_configs_are_refused_by_name(quant, message) ->
         ModelConfig.from_dict(TINY_QWEN3 | {"quantization_config": quant}, source="cfg.json")
     plain = ModelConfig.from_dict(TINY_QWEN3, source="cfg.json")
     assert plain.quantization is None
+
+
+def fused_fp8_moe_checkpoint(path: str, scales: bool) -> dict[str, torch.Tensor]:
+    """The MoE checkpoint with its experts in transformers 5's fused layout
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``), in fp8
+    blocks of 32 x 32 with ``<name>_scale_inv`` factors (left out unless ``scales``). Returns
+    the dequantized fused tensors the oracle runs."""
+    build_checkpoint("moe-8x2", path)
+    file = next(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    hf_state = build_hf_model("moe-8x2").state_dict()
+    out = {k: v for k, v in load_file(file).items() if ".mlp.experts." not in k}
+    oracle = {}
+    for key, w in hf_state.items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            qf = [quantize(w[e].float(), (32, 32)) for e in range(w.shape[0])]
+            q, f = torch.stack([a for a, _ in qf]), torch.stack([b for _, b in qf])
+            out[key] = q
+            if scales:
+                out[key + "_scale_inv"] = f
+            oracle[key] = torch.stack([real(a, b, (32, 32)) for a, b in qf])
+    out["model.layers.0.mlp.experts.e_score_correction_bias"] = torch.zeros(8)  # not ours
+    save_file(out, file, metadata={"format": "pt"})
+    config = os.path.join(path, "config.json")
+    cfg = json.load(open(config))
+    block = {"fmt": "e4m3", "weight_block_size": [32, 32]}
+    cfg["quantization_config"] = {"quant_method": "fp8"} | block
+    json.dump(cfg, open(config, "w"))
+    return oracle
+
+
+def test_fused_fp8_experts_load_with_their_factors(
+    tmp_path, plugin_host, runtime_context, caplog
+) -> None:
+    """Found by an audit: fused fp8 experts were cast without their factors (relative logit
+    error 1.5), and their ``_scale_inv`` factors (or any other name under ``mlp.experts.``)
+    crashed the loader with an unpacking error."""
+    oracle = fused_fp8_moe_checkpoint(str(tmp_path), scales=True)
+    hf = build_hf_model("moe-8x2")
+    state = hf.state_dict()
+    for key, w in oracle.items():
+        assert not torch.equal(state[key], w)  # the rounding is real, so the test can fail
+        state[key] = w
+    hf.load_state_dict(state)
+    worker = make_worker(str(tmp_path), runtime_context, plugin_host)
+    trace = prefill_then_decode(worker, PROMPTS, steps=1, full_logits=True)
+    worker.close()
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert trace.prefill_full_logits is not None
+    assert rel_err(trace.prefill_full_logits, ref) <= 1e-5
+    assert "e_score_correction_bias" in caplog.text  # ignored with the other unexpected names
+
+
+def test_fused_fp8_experts_without_factors_are_refused(
+    tmp_path, plugin_host, runtime_context
+) -> None:
+    fused_fp8_moe_checkpoint(str(tmp_path), scales=False)
+    named = r"experts\.(gate_up|down)_proj \(no (gate_up|down)_proj_scale_inv\)"
+    with pytest.raises(ModelLoadError, match=named):
+        make_worker(str(tmp_path), runtime_context, plugin_host)
