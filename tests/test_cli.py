@@ -322,6 +322,29 @@ def test_ctrl_c_stops_quietly_with_the_sigint_status(monkeypatch, capsys) -> Non
     assert capsys.readouterr().err == ""
 
 
+def test_ctrl_c_while_the_cli_imports_is_as_quiet(monkeypatch, capsys) -> None:
+    """The ``execrt`` command and ``python -m execrt`` start in ``__main__.entry``: a Ctrl-C
+    before ``execrt.cli`` has imported exits 130 without a traceback."""
+    import builtins
+
+    import execrt.__main__ as entry_point
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "execrt.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+    try:
+        status = entry_point.entry()
+    except KeyboardInterrupt:  # would stop the whole pytest run
+        pytest.fail("KeyboardInterrupt escaped entry(): a traceback for the user's Ctrl-C")
+    assert status == 130
+    assert capsys.readouterr().err == ""
+
+
 def test_a_path_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
