@@ -164,13 +164,13 @@ def dequantized(
             else:
                 waiting[key] = (name, tensor)
             continue
-        key = _factor_key(name) if quant is not None else None
-        if key is not None:
-            if key in waiting:
-                weight, value = waiting.pop(key)
+        scaled = _factor_key(name) if quant is not None else None
+        if quant is not None and scaled is not None:
+            if scaled in waiting:
+                weight, value = waiting.pop(scaled)
                 yield weight, _scaled(weight, value, tensor, quant, device)
             else:
-                factors[key] = tensor
+                factors[scaled] = tensor
             continue
         if quant is not None and name.endswith(_DROPPED_SUFFIXES):
             dropped += 1
