@@ -1,0 +1,162 @@
+"""The skinny GEMM's tiles in a dependent chain at one row: what a decode step's projection costs
+past the kernel ahead, which the tuner (one projection timed alone, its calls independent)
+does not see.
+
+For each projection shape of a model (0.6B: q/k/v 4096 x 1024, o 1024 x 2048, gate/up
+6144 x 1024, down 1024 x 3072), a CUDA graph of ``--calls`` launches of that shape, each reading
+the output of the one before (its first ``N`` inputs; every call its own weight, so the weights
+stream from DRAM as a step's do), under PDL. Per tile (``block_n, block_k, warps, stages``, the
+preload on or off) it reports µs per call and the share of the copy bandwidth measured in the
+same run. The tuned table's tile for M = 1 comes first. Each chain's last output is checked
+against the table tile's (the same arithmetic per row, so equal up to the K order of the
+tile: relative 1e-2 in bf16).
+
+Usage (GPU): ``python benchmarks/gemv_chain.py [--model qwen3-0.6b] [--calls 112] [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+
+import torch
+
+from execrt.kernels import triton_linear as tl_mod
+from execrt.kernels.triton_linear import SkinnyTile, launch
+
+SHAPES = {  # projection -> (N, K)
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
+                   "down": (1024, 3072)},
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+                 "down": (4096, 12288)},
+}  # fmt: skip
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def candidates(n: int, k: int) -> list[tuple[SkinnyTile, bool]]:
+    """Tiles to time at one row: thin and fat rows, whole-K and split K steps, preload off/on."""
+    out = []
+    for block_n in (4, 8, 16):
+        for block_k in sorted({min(_pow2(k), 4096), 1024, 512}):
+            if block_n * block_k > 16384:  # > 128 bf16 values a thread at 4 warps
+                continue
+            for warps in (4, 8):
+                for preload in (False, True):
+                    out.append(
+                        (SkinnyTile(block_n, block_k, num_warps=warps, num_stages=2), preload)
+                    )
+    return out
+
+
+def _time_graph(fn, replays: int = 10, repeats: int = 5) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays)
+    return statistics.median(times)
+
+
+def _chain(bufs, weights, n, tile, preload) -> None:
+    for i, w in enumerate(weights):
+        launch(bufs[i], w, None, tile, out=bufs[i + 1][:, :n], preload=preload)
+
+
+def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
+    dev = torch.device("cuda")
+    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    copy_us = _time_graph(functools.partial(copy_dst.copy_, copy_src), replays=5)
+    copy_gbps = 2 * copy_src.numel() / copy_us / 1e3
+    del copy_src, copy_dst
+    records = []
+    for name, (n, k) in SHAPES[model].items():
+        if only and name not in only:
+            continue
+        gen = torch.Generator(device=dev).manual_seed(0)
+        weights = [
+            (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+            for _ in range(calls)
+        ]
+        bufs = [torch.randn(1, max(n, k), device=dev, generator=gen).to(torch.bfloat16)[:, :k]
+                for _ in range(calls + 1)]  # fmt: skip
+        bufs = [b.clone() for b in bufs]
+        first = bufs[0].clone()
+        tuned = tl_mod.pick_tile(1, n, k, torch.bfloat16, dev)
+        arms = [(tuned, None, "table")] if tuned is not None else []
+        arms += [(t, p, "candidate") for t, p in candidates(n, k)]
+        ref = None
+        floor_us = n * k * 2 / copy_gbps / 1e3
+        for tile, preload, kind in arms:
+            bufs[0].copy_(first)
+            fn = functools.partial(_chain, bufs, weights, n, tile, preload)
+            try:
+                us = _time_graph(fn) / calls
+            except Exception as exc:  # a tile this triton cannot compile: skip it, say why
+                records.append({"shape": name, "tile": str(tile), "error": str(exc)[:200]})
+                continue
+            got = bufs[calls][:, :n].float()
+            ref = got if ref is None else ref
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            records.append({
+                "model": model, "shape": name, "n": n, "k": k, "kind": kind,
+                "block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
+                "stages": tile.num_stages, "late_norm": tile.late_norm, "use_dot": tile.use_dot,
+                "preload": preload, "us_per_call": round(us, 3),
+                "floor_us": round(floor_us, 3), "pct_copy": round(100 * floor_us / us, 1),
+                "max_rel_err_vs_first": err, "copy_gbps": round(copy_gbps, 1),
+            })  # fmt: skip
+        del weights, bufs
+        torch.cuda.empty_cache()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--calls", type=int, default=112)
+    ap.add_argument("--shapes", help="comma-separated subset of the model's shapes")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemv_chain: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = args.shapes.split(",") if args.shapes else None
+    records = run(args.model, args.calls, only)
+    print(f"GPU {torch.cuda.get_device_name(0)}")
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        rows = [r for r in records if r["shape"] == shape and "us_per_call" in r]
+        rows.sort(key=lambda r: r["us_per_call"])
+        table = [r for r in rows if r["kind"] == "table"]
+        print(f"## {shape}: table {table[0]['us_per_call'] if table else '-'} us; best 6:")
+        for r in rows[:6]:
+            keys = ("block_n", "block_k", "warps", "preload", "us_per_call", "pct_copy")
+            print(json.dumps({key: r[key] for key in keys}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
