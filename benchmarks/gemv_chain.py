@@ -79,7 +79,8 @@ def _time_graph(fn, replays: int = 10, repeats: int = 5) -> float:
 
 def _chain(bufs, weights, n, tile, preload) -> None:
     for i, w in enumerate(weights):
-        launch(bufs[i], w, None, tile, out=bufs[i + 1][:, :n], preload=preload)
+        k = w.shape[1]
+        launch(bufs[i][:, :k], w, None, tile, out=bufs[i + 1][:, :n], preload=preload)
 
 
 def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
@@ -98,9 +99,9 @@ def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
             (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
             for _ in range(calls)
         ]
-        bufs = [torch.randn(1, max(n, k), device=dev, generator=gen).to(torch.bfloat16)[:, :k]
+        width = max(n, k)  # each call reads columns :k of its buffer and writes :n of the next
+        bufs = [torch.randn(1, width, device=dev, generator=gen).to(torch.bfloat16)
                 for _ in range(calls + 1)]  # fmt: skip
-        bufs = [b.clone() for b in bufs]
         first = bufs[0].clone()
         tuned = tl_mod.pick_tile(1, n, k, torch.bfloat16, dev)
         arms = [(tuned, None, "table")] if tuned is not None else []
