@@ -7,7 +7,9 @@ For each projection shape of a model (0.6B: q/k/v 4096 x 1024, o 1024 x 2048, ga
 the output of the one before (its first ``N`` inputs; every call its own weight, so the weights
 stream from DRAM as a step's do), under PDL. Per tile (``block_n, block_k, warps, stages``, the
 preload on or off) it reports µs per call and the share of the copy bandwidth measured in the
-same run. The tuned table's tile for M = 1 comes first. Each chain's last output is checked
+same run. Each runs the variant the step runs at one row (``STEP_VARIANTS``: the norm in front
+of q/k/v and gate/up, SwiGLU on down's input; ``--plain`` for none). The tuned table's tile
+for M = 1 comes first. Each chain's last output is checked
 against the table tile's (the same arithmetic per row, so equal up to the K order of the
 tile: relative 1e-2 in bf16).
 
@@ -25,7 +27,7 @@ import sys
 import torch
 
 from execrt.kernels import triton_linear as tl_mod
-from execrt.kernels.triton_linear import SkinnyTile, launch
+from execrt.kernels.triton_linear import NORM, PLAIN, SWIGLU_IN, NormIn, SkinnyTile, launch
 
 SHAPES = {  # projection -> (N, K)
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
@@ -33,14 +35,18 @@ SHAPES = {  # projection -> (N, K)
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                  "down": (4096, 12288)},
 }  # fmt: skip
+#: The variant each projection runs at one row in a decode step: q/k/v and gate/up take the
+#: residual add + RMSNorm in front, down the SwiGLU of gate/up's output on its input.
+STEP_VARIANTS = {"qkv": NORM, "o": PLAIN, "gate_up": NORM, "down": SWIGLU_IN}
 
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def candidates(n: int, k: int) -> list[tuple[SkinnyTile, bool]]:
-    """Tiles to time at one row: thin and fat rows, whole-K and split K steps, preload off/on."""
+def candidates(n: int, k: int, variant: str) -> list[tuple[SkinnyTile, bool]]:
+    """Tiles to time at one row: thin and fat rows, whole-K and split K steps, preload off/on
+    (a norm in front: inside the main loop, ``late_norm``)."""
     out = []
     for block_n in (4, 8, 16):
         for block_k in sorted({min(_pow2(k), 4096), 1024, 512}):
@@ -48,9 +54,9 @@ def candidates(n: int, k: int) -> list[tuple[SkinnyTile, bool]]:
                 continue
             for warps in (4, 8):
                 for preload in (False, True):
-                    out.append(
-                        (SkinnyTile(block_n, block_k, num_warps=warps, num_stages=2), preload)
-                    )
+                    tile = SkinnyTile(block_n, block_k, num_warps=warps, num_stages=2,
+                                      late_norm=variant == NORM)  # fmt: skip
+                    out.append((tile, preload))
     return out
 
 
@@ -77,13 +83,14 @@ def _time_graph(fn, replays: int = 10, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _chain(bufs, weights, n, tile, preload) -> None:
+def _chain(bufs, weights, n, tile, preload, variant, norm) -> None:
     for i, w in enumerate(weights):
-        k = w.shape[1]
-        launch(bufs[i][:, :k], w, None, tile, out=bufs[i + 1][:, :n], preload=preload)
+        k = w.shape[1] * (2 if variant == SWIGLU_IN else 1)
+        launch(bufs[i][:, :k], w, None, tile, out=bufs[i + 1][:, :n], preload=preload,
+               swiglu=variant == SWIGLU_IN, norm=norm)  # fmt: skip
 
 
-def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
+def run(model: str, calls: int, only: list[str] | None, step_variants: bool) -> list[dict]:
     dev = torch.device("cuda")
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     copy_dst = torch.empty_like(copy_src)
@@ -99,18 +106,24 @@ def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
             (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
             for _ in range(calls)
         ]
-        width = max(n, k)  # each call reads columns :k of its buffer and writes :n of the next
+        variant = STEP_VARIANTS[name] if step_variants else PLAIN
+        width = max(n, 2 * k)  # each call reads columns :k (:2k) of its buffer, writes :n
         bufs = [torch.randn(1, width, device=dev, generator=gen).to(torch.bfloat16)
                 for _ in range(calls + 1)]  # fmt: skip
         first = bufs[0].clone()
-        tuned = tl_mod.pick_tile(1, n, k, torch.bfloat16, dev)
+        norm = None
+        if variant == NORM:  # the residual stream and the norm weight; x + r lands in scratch
+            residual = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
+            norm_w = (torch.rand(k, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
+            norm = NormIn(norm_w, 1e-6, residual, torch.empty_like(residual))
+        tuned = tl_mod.pick_tile(1, n, k, torch.bfloat16, dev, variant)
         arms = [(tuned, None, "table")] if tuned is not None else []
-        arms += [(t, p, "candidate") for t, p in candidates(n, k)]
+        arms += [(t, p, "candidate") for t, p in candidates(n, k, variant)]
         ref = None
         floor_us = n * k * 2 / copy_gbps / 1e3
         for tile, preload, kind in arms:
             bufs[0].copy_(first)
-            fn = functools.partial(_chain, bufs, weights, n, tile, preload)
+            fn = functools.partial(_chain, bufs, weights, n, tile, preload, variant, norm)
             try:
                 us = _time_graph(fn) / calls
             except Exception as exc:  # a tile this triton cannot compile: skip it, say why
@@ -120,7 +133,7 @@ def run(model: str, calls: int, only: list[str] | None) -> list[dict]:
             ref = got if ref is None else ref
             err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             records.append({
-                "model": model, "shape": name, "n": n, "k": k, "kind": kind,
+                "model": model, "shape": name, "n": n, "k": k, "kind": kind, "variant": variant,
                 "block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
                 "stages": tile.num_stages, "late_norm": tile.late_norm, "use_dot": tile.use_dot,
                 "preload": preload, "us_per_call": round(us, 3),
@@ -137,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--calls", type=int, default=112)
     ap.add_argument("--shapes", help="comma-separated subset of the model's shapes")
+    ap.add_argument("--plain", action="store_true", help="every shape plain (no norm, no SwiGLU)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemv_chain: needs a CUDA GPU", file=sys.stderr)
         return 2
     only = args.shapes.split(",") if args.shapes else None
-    records = run(args.model, args.calls, only)
+    records = run(args.model, args.calls, only, not args.plain)
     print(f"GPU {torch.cuda.get_device_name(0)}")
     for shape in dict.fromkeys(r["shape"] for r in records):
         rows = [r for r in records if r["shape"] == shape and "us_per_call" in r]
