@@ -27,7 +27,15 @@ import sys
 import torch
 
 from execrt.kernels import triton_linear as tl_mod
-from execrt.kernels.triton_linear import NORM, PLAIN, SWIGLU_IN, NormIn, SkinnyTile, launch
+from execrt.kernels.triton_linear import (
+    NORM,
+    PLAIN,
+    SWIGLU_IN,
+    SWIGLU_OUT,
+    NormIn,
+    SkinnyTile,
+    launch,
+)
 
 SHAPES = {  # projection -> (N, K)
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
@@ -35,28 +43,49 @@ SHAPES = {  # projection -> (N, K)
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                  "down": (4096, 12288)},
 }  # fmt: skip
-#: The variant each projection runs at one row in a decode step: q/k/v and gate/up take the
-#: residual add + RMSNorm in front, down the SwiGLU of gate/up's output on its input.
-STEP_VARIANTS = {"qkv": NORM, "o": PLAIN, "gate_up": NORM, "down": SWIGLU_IN}
+#: The variant each projection runs in a decode step (the H100 table's choices): at one row
+#: q/k/v and gate/up take the residual add + RMSNorm in front and down the SwiGLU of gate/up's
+#: output on its input; at more rows gate/up writes the SwiGLU itself (its norm apart).
+STEP_VARIANTS = {
+    1: {"qkv": NORM, "o": PLAIN, "gate_up": NORM, "down": SWIGLU_IN},
+    2: {"qkv": NORM, "o": PLAIN, "gate_up": SWIGLU_OUT, "down": PLAIN},
+}
 
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def candidates(n: int, k: int, variant: str) -> list[tuple[SkinnyTile, bool]]:
-    """Tiles to time at one row: thin and fat rows, whole-K and split K steps, preload off/on
-    (a norm in front: inside the main loop, ``late_norm``)."""
+def candidates(n: int, k: int, variant: str, m: int) -> list[tuple[SkinnyTile, bool]]:
+    """Tiles to time, preload off and on. One row: CUDA-core tiles, thin and fat rows, whole-K
+    and split K steps (a norm in front: inside the main loop, ``late_norm``). More rows: the
+    tensor-core tiles (split-K too where the output is narrow) and a few CUDA-core ones."""
     out = []
-    for block_n in (4, 8, 16):
-        for block_k in sorted({min(_pow2(k), 4096), 1024, 512}):
-            if block_n * block_k > 16384:  # > 128 bf16 values a thread at 4 warps
-                continue
-            for warps in (4, 8):
+    if m == 1:
+        for block_n in (4, 8, 16):
+            for block_k in sorted({min(_pow2(k), 4096), 1024, 512}):
+                if block_n * block_k > 16384:  # > 128 bf16 values a thread at 4 warps
+                    continue
+                for warps in (4, 8):
+                    for preload in (False, True):
+                        tile = SkinnyTile(block_n, block_k, num_warps=warps, num_stages=2,
+                                          late_norm=variant == NORM)  # fmt: skip
+                        out.append((tile, preload))
+        return out
+    width = n // 2 if variant == SWIGLU_OUT else n
+    for block_n in (16, 32, 64):
+        for block_k in (128, 256):
+            for stages in (3, 4):
+                for split in (1, 2, 4) if width <= 2048 else (1,):
+                    for preload in (False, True):
+                        tile = SkinnyTile(block_n, block_k, use_dot=True, num_warps=4,
+                                          num_stages=stages, split_k=split)  # fmt: skip
+                        out.append((tile, preload))
+    if m <= 16:
+        for block_n in (4, 8):
+            for block_k in (256, 512):
                 for preload in (False, True):
-                    tile = SkinnyTile(block_n, block_k, num_warps=warps, num_stages=2,
-                                      late_norm=variant == NORM)  # fmt: skip
-                    out.append((tile, preload))
+                    out.append((SkinnyTile(block_n, block_k, num_stages=2), preload))
     return out
 
 
@@ -87,10 +116,13 @@ def _chain(bufs, weights, n, tile, preload, variant, norm) -> None:
     for i, w in enumerate(weights):
         k = w.shape[1] * (2 if variant == SWIGLU_IN else 1)
         launch(bufs[i][:, :k], w, None, tile, out=bufs[i + 1][:, :n], preload=preload,
-               swiglu=variant == SWIGLU_IN, norm=norm)  # fmt: skip
+               swiglu=variant == SWIGLU_IN, swiglu_out=variant == SWIGLU_OUT,
+               norm=norm)  # fmt: skip
 
 
-def run(model: str, calls: int, only: list[str] | None, step_variants: bool) -> list[dict]:
+def run(
+    model: str, calls: int, only: list[str] | None, step_variants: bool, m: int = 1
+) -> list[dict]:
     dev = torch.device("cuda")
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     copy_dst = torch.empty_like(copy_src)
@@ -98,29 +130,33 @@ def run(model: str, calls: int, only: list[str] | None, step_variants: bool) -> 
     copy_gbps = 2 * copy_src.numel() / copy_us / 1e3
     del copy_src, copy_dst
     records = []
-    for name, (n, k) in SHAPES[model].items():
+    for name, (w_rows, k) in SHAPES[model].items():
         if only and name not in only:
             continue
+        variant = STEP_VARIANTS[min(m, 2)][name] if step_variants else PLAIN
+        n = w_rows // 2 if variant == SWIGLU_OUT else w_rows  # the output's width
         gen = torch.Generator(device=dev).manual_seed(0)
         weights = [
-            (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+            (torch.randn(w_rows, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
             for _ in range(calls)
         ]
-        variant = STEP_VARIANTS[name] if step_variants else PLAIN
         width = max(n, 2 * k)  # each call reads columns :k (:2k) of its buffer, writes :n
-        bufs = [torch.randn(1, width, device=dev, generator=gen).to(torch.bfloat16)
+        bufs = [torch.randn(m, width, device=dev, generator=gen).to(torch.bfloat16)
                 for _ in range(calls + 1)]  # fmt: skip
         first = bufs[0].clone()
         norm = None
         if variant == NORM:  # the residual stream and the norm weight; x + r lands in scratch
-            residual = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
+            # the residual has x's strides (a view of a buffer as wide as the chain's)
+            residual = torch.randn(m, width, device=dev, generator=gen).to(torch.bfloat16)[:, :k]
             norm_w = (torch.rand(k, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
-            norm = NormIn(norm_w, 1e-6, residual, torch.empty_like(residual))
-        tuned = tl_mod.pick_tile(1, n, k, torch.bfloat16, dev, variant)
+            norm = NormIn(
+                norm_w, 1e-6, residual, torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+            )
+        tuned = tl_mod.pick_tile(m, w_rows, k, torch.bfloat16, dev, variant)
         arms = [(tuned, None, "table")] if tuned is not None else []
-        arms += [(t, p, "candidate") for t, p in candidates(n, k, variant)]
+        arms += [(t, p, "candidate") for t, p in candidates(w_rows, k, variant, m)]
         ref = None
-        floor_us = n * k * 2 / copy_gbps / 1e3
+        floor_us = w_rows * k * 2 / copy_gbps / 1e3
         for tile, preload, kind in arms:
             bufs[0].copy_(first)
             fn = functools.partial(_chain, bufs, weights, n, tile, preload, variant, norm)
@@ -133,7 +169,8 @@ def run(model: str, calls: int, only: list[str] | None, step_variants: bool) -> 
             ref = got if ref is None else ref
             err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             records.append({
-                "model": model, "shape": name, "n": n, "k": k, "kind": kind, "variant": variant,
+                "model": model, "shape": name, "rows": m, "n": w_rows, "k": k, "kind": kind,
+                "variant": variant, "split_k": tile.split_k,
                 "block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
                 "stages": tile.num_stages, "late_norm": tile.late_norm, "use_dot": tile.use_dot,
                 "preload": preload, "us_per_call": round(us, 3),
@@ -150,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--calls", type=int, default=112)
     ap.add_argument("--shapes", help="comma-separated subset of the model's shapes")
+    ap.add_argument("--rows", type=int, default=1, help="M: the decode batch (default: 1)")
     ap.add_argument("--plain", action="store_true", help="every shape plain (no norm, no SwiGLU)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -157,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gemv_chain: needs a CUDA GPU", file=sys.stderr)
         return 2
     only = args.shapes.split(",") if args.shapes else None
-    records = run(args.model, args.calls, only, not args.plain)
+    records = run(args.model, args.calls, only, not args.plain, args.rows)
     print(f"GPU {torch.cuda.get_device_name(0)}")
     for shape in dict.fromkeys(r["shape"] for r in records):
         rows = [r for r in records if r["shape"] == shape and "us_per_call" in r]
@@ -165,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         table = [r for r in rows if r["kind"] == "table"]
         print(f"## {shape}: table {table[0]['us_per_call'] if table else '-'} us; best 6:")
         for r in rows[:6]:
-            keys = ("block_n", "block_k", "warps", "preload", "us_per_call", "pct_copy")
+            keys = ("block_n", "block_k", "warps", "stages", "split_k", "use_dot", "preload",
+                    "us_per_call", "pct_copy")  # fmt: skip
             print(json.dumps({key: r[key] for key in keys}))
     if args.json:
         with open(args.json, "w") as f:
