@@ -110,6 +110,7 @@ def test_non_config_names_every_special_variable() -> None:
         "EXECRT_DISABLE_PDL",
         "EXECRT_PDL_PREFETCH",
         "EXECRT_PDL_PREFETCH_ROWS",
+        "EXECRT_PDL_PRELOAD",
         "EXECRT_FP8_WORDS_OPAQUE",
         "EXECRT_FP8_DECODE_KERNEL",
         "EXECRT_DECODE_MERGE_CHUNK",
