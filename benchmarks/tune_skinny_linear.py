@@ -113,10 +113,12 @@ def model_shapes(names: list[str]) -> list[Shape]:
     return list(seen.values())
 
 
-def candidates(m: int, variant: str = PLAIN) -> list[SkinnyTile]:
+def candidates(m: int, variant: str = PLAIN, k: int = 0) -> list[SkinnyTile]:
     """CUDA-core tiles up to 8 rows (their fp32 accumulators, two sets with SwiGLU on the
     output, within 128 per lane), tensor-core tiles from 2 rows; past ``CUDA_CORE_ROWS`` (a
-    large decode batch, every row in one program) ``wide_candidates``."""
+    large decode batch, every row in one program) ``wide_candidates``. At one row also the
+    tile of the whole K (``k`` up to 4096 columns, padded to a power of two): the o and down
+    projections' winners in a dependent chain (``gemv_chain.py``, docs/kernels.md)."""
     out: list[SkinnyTile] = []
     sets = 2 if variant == SWIGLU_OUT else 1
     if m > CUDA_CORE_ROWS:
@@ -124,7 +126,9 @@ def candidates(m: int, variant: str = PLAIN) -> list[SkinnyTile]:
     if m <= 8:
         bm = 1 << (m - 1).bit_length()
         stages = (2, 3, 4) if m == 1 else (3,)
-        for bn, bk, st in itertools.product((4, 8, 16), (256, 512, 1024), stages):
+        whole = 1 << max(0, k - 1).bit_length()
+        widths = (256, 512, 1024) + ((whole,) if m == 1 and 1024 < whole <= 4096 else ())
+        for bn, bk, st in itertools.product((4, 8, 16), widths, stages):
             for warps in (4, 8):
                 if sets * bm * bn * bk // (32 * warps) <= 128:
                     out.append(SkinnyTile(bn, bk, False, warps, st))
@@ -153,11 +157,11 @@ def wide_candidates(m: int, sets: int) -> list[SkinnyTile]:
     return out
 
 
-def variant_tiles(m: int, variant: str) -> list[SkinnyTile]:
+def variant_tiles(m: int, variant: str, k: int = 0) -> list[SkinnyTile]:
     """Every tile ``best_tile`` times for ``variant`` (before split-K): the candidates, with a
     norm in front also as ``late_norm`` (the norm's 1 / rms on the product, no prologue
     pass), and SwiGLU on the output also with the norm apart."""
-    base = candidates(m, variant)
+    base = candidates(m, variant, k)
     tiles = list(base)
     if variant in (NORM, SWIGLU_OUT):
         tiles += [replace(t, late_norm=True) for t in base]
@@ -262,7 +266,7 @@ def best_tile(
     """The fastest checked candidate of ``variant`` (SwiGLU out: with the norm inside and
     apart): (µs, tile, every timing)."""
     ref = p.ref(variant)
-    tiles = variant_tiles(p.m, variant)
+    tiles = variant_tiles(p.m, variant, p.k)
     timed: list[tuple[float, SkinnyTile]] = []
 
     def check_and_time(tile: SkinnyTile) -> None:
@@ -429,7 +433,7 @@ def compile_jobs(
     jobs = []
     for s, m in itertools.product(shapes, rows):
         for v in s.variants:
-            tiles = variant_tiles(m, v)
+            tiles = variant_tiles(m, v, s.k)
             # split-K compiles once per tile (the slice count is a launch argument)
             tiles += [replace(t, split_k=2) for t in tiles if t.use_dot and not t.late_norm]
             jobs += [(m, s.n, s.k, v, t) for t in tiles]
