@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -39,6 +40,10 @@ TRITON_DECODE_FP8_KERNELS = ("auto", "words", "mma")
 #: the triton backend's decode splits past one wave of the fp8 mma kernel's programs: cut to
 #: fit one wave where that is faster, or left to the split policy
 TRITON_DECODE_WAVE = ("auto", "off")
+#: The bound on one serving step where ``step_timeout_s`` is 0 (auto), by device type. A GPU
+#: step takes milliseconds; five minutes leave room for a first step that compiles and tunes
+#: kernels. No bound on CPU: one prefill chunk of a large model there may take minutes.
+AUTO_STEP_TIMEOUT_S = {"cuda": 300.0}
 # Field type (as written in the annotation) -> (accepted Python types, how errors name them).
 # bool is an int subclass: it is accepted only where listed explicitly.
 _ACCEPTED_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -107,6 +112,7 @@ class RuntimeConfig:
     fused_kernels: str = "auto"
     tp_size: int = 1  # tensor-parallel ranks: 1, or the world size under torchrun
     ep_size: int = 0  # expert-parallel ranks of a MoE model: 0 = tp_size, 1 = replicated
+    step_timeout_s: float = 0.0  # a serving step past it fails /health; 0 = auto, inf = none
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -138,6 +144,11 @@ class RuntimeConfig:
             raise ConfigError(
                 "config: context_len 1 leaves no room for a token after the prompt "
                 "(accepted: 0 = the model's, or at least 2)"
+            )
+        if not self.step_timeout_s >= 0:  # NaN too
+            raise ConfigError(
+                f"config: step_timeout_s must be >= 0 (seconds; 0 = auto: "
+                f"{_auto_step_timeouts()}; inf = no bound), got {self.step_timeout_s}"
             )
         if self.seed < 0:  # 0 is a seed like any other
             raise ConfigError(f"config: seed must be >= 0, got {self.seed}")
@@ -180,6 +191,13 @@ class RuntimeConfig:
                 "integers >= 1, e.g. '1,2,4,8'"
             )
         return sizes
+
+    def step_timeout(self, device_type: str) -> float | None:
+        """The bound in seconds on one serving step on a ``device_type`` device (``cuda``,
+        ``cpu``), or None for none: ``step_timeout_s``, or where that is 0 (auto)
+        ``AUTO_STEP_TIMEOUT_S``'s for the device (none on CPU); ``inf`` is none."""
+        bound = self.step_timeout_s or AUTO_STEP_TIMEOUT_S.get(device_type, math.inf)
+        return None if math.isinf(bound) else bound
 
     def _check_types(self) -> None:
         # Values from TOML, replace() and Engine(**kw) arrive as Python objects, unlike the
@@ -246,6 +264,11 @@ class RuntimeConfig:
             _check_keys(given, "command line")
             merged.update(given)
         return cls(**merged)
+
+
+def _auto_step_timeouts() -> str:
+    shown = [f"{seconds:g} s on {kind.upper()}" for kind, seconds in AUTO_STEP_TIMEOUT_S.items()]
+    return ", ".join([*shown, "none elsewhere"])
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

@@ -4,13 +4,14 @@ and expert-parallel groups, and the one place where heads and rows are split acr
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from execrt.core.errors import ConfigError
+from execrt.core.errors import ConfigError, ExecrtError
 
 
 @dataclass(frozen=True)
@@ -229,3 +230,59 @@ def init_parallel(device: torch.device) -> ParallelState:
         world_size=world,
     )
     return ParallelState.from_process_group()
+
+
+class RankLostError(ExecrtError):
+    """A collective failed because another rank went away (killed, crashed) or stopped
+    answering: this rank cannot go on. Its message is one line for the user; the collective's
+    own error is its ``__cause__`` (for a debug log)."""
+
+    def __init__(self, rank: int, world_size: int, reason: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.reason = reason
+        # In a world of two the other rank is the one gone; a larger world's error names an
+        # address, not a rank.
+        peer = f"rank {1 - rank} of 2" if world_size == 2 else f"another rank (of {world_size})"
+        what = "stopped answering" if _TIMED_OUT.search(reason) else "is gone"
+        super().__init__(f"{peer} {what} (a collective failed: {reason}); stopping")
+
+
+#: What gloo and NCCL say when a collective fails for want of a peer.
+_COLLECTIVE = re.compile(
+    r"gloo|nccl|connection (closed|reset) by peer|broken pipe|timed out", re.IGNORECASE
+)
+_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+#: Where gloo's messages begin: ``[/path/to/gloo/transport/tcp/pair.cc:553] ``.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*")
+#: The longest reason quoted from a collective's error.
+REASON_CHARS = 200
+
+
+def rank_lost(exc: BaseException, world: ParallelState) -> RankLostError | None:
+    """``exc`` as a RankLostError when it, or an exception it was raised from, is a failed
+    collective of a multi-rank ``world`` (a ``torch.distributed.DistError``, or gloo's plain
+    RuntimeError); else None. The reason is the error's first sentence, without gloo's source
+    location."""
+    if world.world_size < 2:
+        return None
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, RankLostError):
+            return cause
+        text = str(cause)
+        distributed = isinstance(cause, getattr(dist, "DistError", ()))
+        if distributed or (isinstance(cause, RuntimeError) and _COLLECTIVE.search(text)):
+            return RankLostError(world.rank, world.world_size, _reason(text))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _reason(text: str) -> str:
+    line = _SOURCE_PREFIX.sub("", (text.strip().splitlines() or [""])[0])
+    first = line.split(". ", 1)[0].rstrip(".")  # gloo goes on with advice of its own
+    if len(first) > REASON_CHARS:
+        first = first[: REASON_CHARS - 3] + "..."
+    return first or "no message"

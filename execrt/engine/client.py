@@ -204,6 +204,12 @@ class EngineClient(ABC):
     def load_error(self) -> str | None:
         """Why loading failed (None while loading or once ready)."""
 
+    def stalled(self) -> str | None:
+        """Why the engine, though ready, should take no new request now: its step in flight
+        has run past ``step_timeout_s`` (a hung TP rank, a stuck kernel). None: it has not,
+        or this client keeps no step watchdog (``engine.watchdog``)."""
+        return None
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the engine is ready or failed to load, up to ``timeout`` seconds;
         returns ``ready()``."""

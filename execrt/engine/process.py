@@ -19,6 +19,9 @@ and detokenizing, nor the front end for a step.
 - After each round of commands and step, ONE message comes back over a second pipe with that
   step's outputs of every request and the engine's stats; a reader thread in the front end
   hands them to their holders with ``deliver`` (one wake-up of the event loop per step).
+- The engine marks when each round begins and ends in a double of shared memory, which the
+  front end's step watchdog reads (``stalled()``): a step stuck past ``step_timeout_s`` sends
+  no message, so only memory the front end reads itself can tell.
 - The engine process exiting for any reason (a crash, a kill, a failed loop) ends the reader's
   pipe: every live request then gets an error output, and ``load_error()`` says what happened.
   ``close()`` stops the engine (it closes the Engine), joins the process and the reader, and
@@ -48,6 +51,7 @@ from execrt.engine.client import (
     RequestOutput,
     deliver,
 )
+from execrt.engine.watchdog import StepClock, StepWatchdog, StepWatched
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -160,12 +164,17 @@ QUIET_SPAWN = QuietSpawnContext()
 
 # -- the engine process ---------------------------------------------------------------------------
 def engine_main(
-    build: Callable[[], Engine], commands: Connection, outputs: Connection, name: str | None
+    build: Callable[[], Engine],
+    commands: Connection,
+    outputs: Connection,
+    name: str | None,
+    step_started: Any = None,
 ) -> None:
-    """The engine process: build, say what the front end needs, run the command loop."""
+    """The engine process: build, say what the front end needs, run the command loop (timing
+    its rounds in ``step_started``, shared with the front end, where a bound is set)."""
     from execrt.engine.codec import model_info, text_codec
     from execrt.engine.scheduler import describe_exception, describe_load_failure
-    from execrt.engine.threaded import run_commands
+    from execrt.engine.threaded import run_commands, step_bound
 
     # Ctrl-C in a terminal reaches the whole process group: the front end decides (it sends
     # "stop" once its HTTP side drained), so the engine does not die under running requests.
@@ -177,12 +186,14 @@ def engine_main(
         _send_quietly(outputs, ("error", describe_load_failure(exc)))
         return
     try:
+        bound = step_bound(engine)
         ready = (
             "ready",
             model_info(engine, name),
             text_codec(engine),
             engine.limits,
             engine.worker.memory.prefix_cache is not None,
+            bound,
             engine.stats(),
         )
     except BaseException as exc:
@@ -232,9 +243,10 @@ def engine_main(
     def flushed(key: int, ok: bool) -> None:
         send(("flushed", key, ok))
 
+    clock = StepClock(step_started) if bound is not None and step_started is not None else None
     try:
         outputs.send(ready)
-        summary = run_commands(engine, take, None, sinks, after_step, flushed)
+        summary = run_commands(engine, take, None, sinks, after_step, flushed, clock)
         _send_quietly(outputs, ("stopped", summary))
     except BaseException as exc:
         logger.exception("engine process: the engine failed; requests are no longer served")
@@ -251,9 +263,10 @@ def _send_quietly(conn: Connection, message: Any) -> None:
 
 
 # -- the front end's handle -----------------------------------------------------------------------
-class ProcessEngineClient(BackgroundEngineClient):
+class ProcessEngineClient(StepWatched, BackgroundEngineClient):
     """Starts the engine process at once; ``ready()`` turns True when it has built the Engine,
-    ``load_error()`` says why it could not (or why it stopped serving later).
+    ``load_error()`` says why it could not (or why it stopped serving later), ``stalled()``
+    when a step has run past the engine's ``step_timeout_s``.
 
     ``build`` runs in the engine process, so it must pickle: a module-level function or a
     ``functools.partial`` of one (``functools.partial(Engine, config=config)``). ``name`` is
@@ -277,9 +290,10 @@ class ProcessEngineClient(BackgroundEngineClient):
         self._stats: EngineStats | None = None
         self._prefix_cache = False  # the engine has one (it says so when ready)
         self.summary: Any = None  # the engine loop's LoopSummary, once it stopped
+        self._step_started = ctx.RawValue("d", 0.0)  # the engine's StepClock
         self.process = ctx.Process(
             target=engine_main,
-            args=(build, child_commands, child_outputs, name),
+            args=(build, child_commands, child_outputs, name, self._step_started),
             name="execrt-engine",
             daemon=True,  # never outlives the front end's interpreter
         )
@@ -356,7 +370,9 @@ class ProcessEngineClient(BackgroundEngineClient):
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "ready":
-            _, info, text, limits, self._prefix_cache, self._stats = message
+            _, info, text, limits, self._prefix_cache, bound, self._stats = message
+            if bound is not None:
+                self._watchdog = StepWatchdog(StepClock(self._step_started), bound)
             self._loaded_with(info, text, limits)
             self._loaded.set()
         elif kind == "flushed":
@@ -394,6 +410,7 @@ class ProcessEngineClient(BackgroundEngineClient):
             how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
             self._error = f"the engine process exited unexpectedly ({how})"
         why = self._error or "the engine was closed"
+        self._step_started.value = 0.0  # a step it died in is no step in flight
         with self._lock:
             self._gone = True
             live, self._live = list(self._live.values()), {}
@@ -501,6 +518,7 @@ class ProcessEngineClient(BackgroundEngineClient):
             self._ended()
         if self._loop is None:
             self._reader.join(timeout)
+        self._close_watchdog()
         self._pending.put(None)
         self._writer.join(timeout)  # the process is gone: a blocked send has failed
         self._commands.close()

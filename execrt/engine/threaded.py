@@ -5,10 +5,14 @@ The engine thread builds the Engine, then loops: take the commands queued since 
 torchrun the loop runs on every rank: rank 0 takes the commands from its queue and broadcasts
 them over a gloo group before applying them, the other ranks (``follow``) apply what they
 receive, so every rank runs the same schedule; a ``stop`` command ends every rank's loop.
+A rank that goes away fails the others' next collective: their loops end with one
+``RankLostError`` line. Rank 0's rounds (commands shared, step run) are timed for the step
+watchdog (``step_timeout_s``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -17,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from execrt.core.config import RuntimeConfig
 from execrt.core.errors import RequestError
+from execrt.core.parallel import ParallelState, RankLostError, rank_lost
 from execrt.core.schedule import SamplingParams
 from execrt.engine.client import (
     BackgroundEngineClient,
@@ -30,6 +36,7 @@ from execrt.engine.client import (
 from execrt.engine.codec import model_info, text_codec
 from execrt.engine.engine import Engine
 from execrt.engine.scheduler import describe_exception, describe_load_failure
+from execrt.engine.watchdog import StepClock, StepWatchdog, StepWatched
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +57,19 @@ class CommandChannel:
 
         self._dist = dist
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self.rank = dist.get_rank()
+        self.world = ParallelState.from_process_group()
+        self.rank = self.world.rank
 
     def share(self, commands: list[Command]) -> list[Command]:
+        """Rank 0's ``commands`` on every rank. Raises RankLostError when a rank is gone."""
         box: list[Any] = [commands if self.rank == 0 else None]
-        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        try:
+            self._dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as exc:
+            lost = rank_lost(exc, self.world)
+            if lost is None:
+                raise
+            raise lost from exc
         return list(box[0])
 
 
@@ -75,12 +90,17 @@ def run_commands(
     sinks: dict[str, Sink] | None = None,
     after_step: Callable[[], None] | None = None,
     flushed: Callable[[int, bool], None] | None = None,
+    clock: StepClock | None = None,
 ) -> LoopSummary:
     """Apply commands and step until a ``stop`` command. ``take(block)`` gives the commands
     queued since the last call (rank 0; ``block``: wait for one); without it, the commands
     come from rank 0 through ``channel``. ``sinks`` (rank 0) receive each request's outputs;
     ``after_step`` runs after each round of commands and step; ``flushed(key, ok)`` gets the
-    result of each ``("flush", key)`` command (the prefix cache emptied between steps)."""
+    result of each ``("flush", key)`` command (the prefix cache emptied between steps);
+    ``clock`` times each round from its commands taken to its step's end, for the step
+    watchdog. A step that fails aborts its requests and the loop goes on, unless a rank is
+    gone (a collective failed): then RankLostError ends the loop, as it does from the
+    channel."""
     rids: dict[str, int] = {}
     summary = LoopSummary()
 
@@ -119,47 +139,62 @@ def run_commands(
 
     while True:
         commands = take(not engine.has_work) if take is not None else []
-        if channel is not None:
-            commands = channel.share(commands)
-        for command in commands:
-            if command[0] == "stop":
-                return summary
-            if command[0] == "submit":
-                submit(command[1])
-            elif command[0] == "abort":
-                rid = rids.get(command[1])
-                if rid is not None:
-                    aborts.setdefault(command[2], []).append(rid)
-            elif command[0] == "flush":
-                abort_all()  # what was aborted before the flush is freed before it
-                engine.flush_cache()
-                ok = engine.worker.memory.cached_slots == 0  # else running requests read some
-                if flushed is not None:
-                    flushed(command[1], ok)
-        abort_all()
-        try:
-            if engine.step():
-                summary.steps += 1
-        except Exception:
-            # The step's requests were aborted with the error (their last outputs say so);
-            # the others are consistent and go on.
-            logger.exception("engine thread: a step failed; the requests in it were aborted")
-            summary.failed_steps += 1
+        with clock if clock is not None else contextlib.nullcontext():
+            if channel is not None:
+                commands = channel.share(commands)
+            for command in commands:
+                if command[0] == "stop":
+                    return summary
+                if command[0] == "submit":
+                    submit(command[1])
+                elif command[0] == "abort":
+                    rid = rids.get(command[1])
+                    if rid is not None:
+                        aborts.setdefault(command[2], []).append(rid)
+                elif command[0] == "flush":
+                    abort_all()  # what was aborted before the flush is freed before it
+                    engine.flush_cache()
+                    ok = engine.worker.memory.cached_slots == 0  # else requests read some
+                    if flushed is not None:
+                        flushed(command[1], ok)
+            abort_all()
+            try:
+                if engine.step():
+                    summary.steps += 1
+            except Exception as exc:
+                # The step's requests were aborted with the error (their last outputs say
+                # so); the others are consistent and go on, unless a rank is gone.
+                lost = rank_lost(exc, engine.parallel)
+                if lost is not None:
+                    raise lost from exc
+                logger.exception("engine thread: a step failed; the requests in it were aborted")
+                summary.failed_steps += 1
         if after_step is not None:
             after_step()
 
 
 def follow(engine: Engine) -> LoopSummary:
-    """A rank other than 0: run rank 0's commands until it stops (serving nothing)."""
+    """A rank other than 0: run rank 0's commands until it stops (serving nothing). Raises
+    RankLostError (one line for the user) when another rank is gone."""
     return run_commands(engine, None, CommandChannel())
 
 
+def step_bound(engine: Engine) -> float | None:
+    """``engine``'s ``step_timeout_s`` on its device, in seconds (None: no bound, as for a
+    stand-in without a config, such as the bench's ``PacedEngine``)."""
+    config: RuntimeConfig | None = getattr(engine, "config", None)
+    if config is None:
+        return None
+    return config.step_timeout(engine.worker.limits.device.type)
+
+
 # -- the client --------------------------------------------------------------------------------
-class ThreadedEngineClient(BackgroundEngineClient):
+class ThreadedEngineClient(StepWatched, BackgroundEngineClient):
     """Builds an Engine with ``build()`` on its own thread and serves it from there.
 
     ``ready()`` turns True once built; ``load_error()`` says why building failed. ``name`` is
     the model name front ends report (default: the checkpoint's directory or file name).
+    ``stalled()`` says when a step has run past the engine's ``step_timeout_s``.
     """
 
     def __init__(self, build: Callable[[], Engine], *, name: str | None = None) -> None:
@@ -193,6 +228,10 @@ class ThreadedEngineClient(BackgroundEngineClient):
             self._loaded.set()
             return
         self._engine = engine
+        clock, bound = None, step_bound(engine)
+        if bound is not None:
+            clock = StepClock()
+            self._watchdog = StepWatchdog(clock, bound)
         self._loaded_with(info, text, engine.limits)  # ready from here on
         self._loaded.set()
         try:
@@ -203,15 +242,24 @@ class ThreadedEngineClient(BackgroundEngineClient):
                 self._sinks,
                 after_step=self._deliver,
                 flushed=self.flushed,
+                clock=clock,
             )
         except BaseException as exc:
-            logger.exception("engine thread: the engine failed; requests are no longer served")
-            self._error = f"the engine failed: {describe_exception(exc)}"
+            lost = isinstance(exc, RankLostError)
+            if lost:  # one line: the collective's own stack says nothing more
+                logger.error("engine thread: %s", exc)
+                logger.debug("the failed collective:", exc_info=exc.__cause__)
+                self._error = f"the engine failed: {exc}"
+            else:
+                logger.exception("engine thread: the engine failed; requests are no longer served")
+                self._error = f"the engine failed: {describe_exception(exc)}"
             self._deliver()
             for holder in list(self._live.values()):  # nobody waits for an answer forever
                 holder.put(RequestOutput([], finish_reason="error", error=self._error))
-            raise
+            if not lost:
+                raise
         finally:
+            self._close_watchdog()
             engine.close()
 
     def _deliver(self) -> None:

@@ -51,6 +51,8 @@ def _factor_key(name: str) -> str | None:
     if name.endswith(_BARE_SCALE_SUFFIX):
         return name.removesuffix(_BARE_SCALE_SUFFIX)
     return None
+
+
 _DROPPED_SUFFIXES = (".input_scale",)
 #: compressed-tensors' weight strategies: one factor per tensor, output channel or block
 _STRATEGIES = ("tensor", "channel", "block")
@@ -177,9 +179,7 @@ def dequantized(
             continue
         yield name, tensor
     if waiting or factors:
-        lonely = [
-            f"{weight} (no {_expected_factors(weight)})" for weight, _ in waiting.values()
-        ]
+        lonely = [f"{weight} (no {_expected_factors(weight)})" for weight, _ in waiting.values()]
         lonely += [f"{k} scale (no fp8 weight)" for k in factors]
         raise ModelLoadError(f"model: unpaired fp8 tensor(s): {', '.join(sorted(lonely)[:5])}")
     if dropped:

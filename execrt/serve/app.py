@@ -107,9 +107,12 @@ def create_app(
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> Response:
-        if client.ready():
-            return json_response({"status": "ok"})
-        return json_response(_unavailable(client).body(), 503)
+        if not client.ready():
+            return json_response(_unavailable(client).body(), 503)
+        stall = _stalled(client)
+        if stall is not None:  # a probe that fails here gets a hung rank restarted
+            return json_response(stall.body(), stall.status)
+        return json_response({"status": "ok"})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -151,6 +154,7 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
+        _serving(client)
         try:  # between two engine steps: wait off the event loop
             flushed = await asyncio.to_thread(_ready(client).flush_cache)
         except NotImplementedError as exc:
@@ -233,6 +237,23 @@ def _ready(client: EngineClient) -> EngineClient:
     return client
 
 
+def _stalled(client: EngineClient) -> APIError | None:
+    """The 503 of an engine whose step has run past its ``step_timeout_s`` (hung), or None."""
+    why = client.stalled()
+    if why is None:
+        return None
+    return APIError(why, status=503, type="service_unavailable", code="engine_stalled")
+
+
+def _serving(client: EngineClient) -> EngineClient:
+    """``client``, ready and taking new requests: a request that would wait behind a hung
+    step is refused instead (those already in the engine wait for it)."""
+    stall = _stalled(_ready(client))
+    if stall is not None:
+        raise stall
+    return client
+
+
 class LiveJobs:
     """The jobs the app is serving, so that a shutdown can end them at once (``close``)
     instead of waiting for every answer to run its course."""
@@ -273,7 +294,7 @@ async def _generate(
     model_defaults: bool,
     reasoning_parser: str = "none",
 ) -> Response:
-    _ready(client)
+    _serving(client)
     jobs.check_open()
     body = await _json_body(request)
     info = client.model_info()
@@ -290,6 +311,7 @@ async def _generate(
         plan = parse(*args)
     _check_model(plan.model, info.name)
     jobs.check_open()
+    _serving(client)  # parsing a large body took a while
     job = Job(client, metrics, plan, info.name, reasoning_parser)
     job.submit()
     jobs.jobs.add(job)

@@ -101,6 +101,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "'thread' under torchrun, where rank 0 steps the engine in lockstep with the other "
         "ranks (default: auto)",
     )
+    serve.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=None,
+        help="an engine step running longer fails /health with 503 and refuses new requests "
+        "until it ends (a hung TP rank or device); 0 = auto: 300 on CUDA, none elsewhere; inf "
+        "= none (default: the config's, else auto)",
+    )
     generate = sub.choices["generate"]
     for action in generate._actions:  # the same flags, help and defaults as generate's
         if action.dest in ENGINE_FLAGS:
@@ -116,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli: dict[str, Any] = {
         k: getattr(args, k) for k in ENGINE_FLAGS if k not in ("model", "config")
     }
+    cli["step_timeout_s"] = args.step_timeout_s
     config = RuntimeConfig.load(file=args.config, cli=cli | {"model": args.model})
     if not 0 <= args.port <= 65535:
         raise ExecrtError(f"serve: --port {args.port} must be in 0..65535")

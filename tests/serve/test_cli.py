@@ -55,12 +55,27 @@ def test_a_model_that_fails_to_load_is_one_line_and_status_2(tmp_path, capsys) -
         (["serve", "--served-model-name", " "], "--served-model-name ' ' must be a non-empty"),
         (["bench", "serve", "--max-concurrency", "a,b"], "--max-concurrency 'a,b' must be"),
         (["bench", "serve", "--max-concurrency", "", "--request-rate", ""], "at least one"),
+        (["serve", "--step-timeout-s", "-1"], "step_timeout_s must be >= 0"),
+        (["serve", "--step-timeout-s", "nan"], "step_timeout_s must be >= 0"),
     ],
 )
 def test_bad_arguments_are_one_line(argv, needle, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_the_step_timeout_flag() -> None:
+    """``--step-timeout-s`` is a config value like the engine flags (a bad one is refused by
+    the config, ``test_bad_arguments_are_one_line``); left out, the config's own holds."""
+    args = build_parser().parse_args(["serve", "--step-timeout-s", "2.5"])
+    assert args.step_timeout_s == 2.5
+    assert build_parser().parse_args(["serve"]).step_timeout_s is None  # the config's own
+    from execrt.core.config import RuntimeConfig
+
+    config = RuntimeConfig.load(cli={"step_timeout_s": args.step_timeout_s})
+    assert config.step_timeout("cpu") == 2.5 and config.step_timeout("cuda") == 2.5
+    assert RuntimeConfig.load(cli={"step_timeout_s": float("inf")}).step_timeout("cuda") is None
 
 
 def test_the_engine_runs_in_its_own_process_unless_under_torchrun(monkeypatch, capsys) -> None:
