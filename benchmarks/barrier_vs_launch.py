@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from execrt.bench.common import copy_bandwidth_gbps, graph_us
 from execrt.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -101,32 +101,6 @@ def _persist_kernel(x_buf, w_ptr, count_ptr, n_phases, K: tl.constexpr, BN: tl.c
         tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-def _time_graph(fn, replays: int = 20, repeats: int = 5) -> float:
-    """Median µs per replay of a CUDA graph of ``fn``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(times)
-
-
 def _max_resident(kernel, num_warps: int) -> int:
     """Programs of ``kernel`` (compiled) that fit on the GPU at once, from its registers and
     shared memory."""
@@ -190,10 +164,7 @@ def run(k: int, phases: int, bn_list: list[int], warps: int) -> list[dict]:
     torch.manual_seed(0)
     w = (torch.randn(phases, k, k, device=dev) / k**0.5).to(torch.bfloat16)
     x0 = torch.randn(k, device=dev).to(torch.bfloat16)
-    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_dst = torch.empty_like(copy_src)
-    copy_us = _time_graph(functools.partial(copy_dst.copy_, copy_src), replays=5)
-    copy_gbps = 2 * copy_src.numel() / copy_us / 1e3
+    copy_gbps = copy_bandwidth_gbps()
     records: list[dict] = []
     for bn in bn_list:
         for load_w in (True, False):
@@ -201,7 +172,7 @@ def run(k: int, phases: int, bn_list: list[int], warps: int) -> list[dict]:
             records += skipped
             ref = None
             for name, (fn, buf) in arms.items():
-                us = _time_graph(fn)
+                us = graph_us(fn, 20, 5)
                 got = buf[phases].float()
                 ref = got if ref is None else ref
                 err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()

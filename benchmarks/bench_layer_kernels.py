@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from execrt.bench.attention import copy_bandwidth_gbps
+from execrt.bench.common import graph_us
 from execrt.kernels._triton import next_power_of_2
 from execrt.kernels.activation import silu_and_mul
 from execrt.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -146,29 +146,13 @@ def max_rel_err(fused: Call, ref: Call) -> float:
 
 
 def time_graph(calls: list[Call], replays: int, repeats: int) -> float:
-    """µs per call: all ``calls`` captured in one CUDA graph, median over ``repeats``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+    """µs per call of ``calls``, one CUDA graph of all of them replayed (``graph_us``)."""
+
+    def run_all() -> None:
         for c in calls:
             c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    return statistics.median(times)
+
+    return graph_us(run_all, replays, repeats) / len(calls)
 
 
 #: ``--sweep``: qk_norm_rope's heads per program and warps, the norms' warps.

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 
 import torch
 
+from execrt.bench.common import copy_bandwidth_gbps, graph_us
+from execrt.bench.models import MODELS
 from execrt.kernels import triton_linear as tl_mod
 from execrt.kernels.triton_linear import (
     NORM,
@@ -37,12 +38,24 @@ from execrt.kernels.triton_linear import (
     launch,
 )
 
-SHAPES = {  # projection -> (N, K)
-    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
-                   "down": (1024, 3072), "lm_head": (151936, 1024)},
-    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-                 "down": (4096, 12288), "lm_head": (151936, 4096)},
-}  # fmt: skip
+#: The dense benchmark models (an MoE model's experts are no skinny GEMM).
+DENSE = sorted(name for name, c in MODELS.items() if not c.get("num_experts"))
+
+
+def model_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """A dense benchmark model's projections (``execrt.bench.models.MODELS``): name -> (N, K)."""
+    c = MODELS[model]
+    h, d = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    hq, hkv, inter = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    return {
+        "qkv": ((hq + 2 * hkv) * d, h),
+        "o": (h, hq * d),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (c["vocab_size"], h),
+    }
+
+
 #: The variant each projection runs in a decode step (the H100 table's choices): at one row
 #: q/k/v and gate/up take the residual add + RMSNorm in front and down the SwiGLU of gate/up's
 #: output on its input; at more rows gate/up writes the SwiGLU itself (its norm apart).
@@ -91,29 +104,6 @@ def candidates(n: int, k: int, variant: str, m: int) -> list[tuple[SkinnyTile, b
     return out
 
 
-def _time_graph(fn, replays: int = 10, repeats: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(times)
-
-
 def _chain(bufs, weights, n, tile, preload, variant, norm) -> None:
     for i, w in enumerate(weights):
         k = w.shape[1] * (2 if variant == SWIGLU_IN else 1)
@@ -126,13 +116,9 @@ def run(
     model: str, calls: int, only: list[str] | None, step_variants: bool, m: int = 1
 ) -> list[dict]:
     dev = torch.device("cuda")
-    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_dst = torch.empty_like(copy_src)
-    copy_us = _time_graph(functools.partial(copy_dst.copy_, copy_src), replays=5)
-    copy_gbps = 2 * copy_src.numel() / copy_us / 1e3
-    del copy_src, copy_dst
+    copy_gbps = copy_bandwidth_gbps()
     records = []
-    for name, (w_rows, k) in SHAPES[model].items():
+    for name, (w_rows, k) in model_shapes(model).items():
         if only and name not in only:
             continue
         variant = STEP_VARIANTS[min(m, 2)][name] if step_variants else PLAIN
@@ -164,7 +150,7 @@ def run(
             bufs[0].copy_(first)
             fn = functools.partial(_chain, bufs, weights, n, tile, preload, variant, norm)
             try:
-                us = _time_graph(fn) / copies
+                us = graph_us(fn, 10, 5) / copies
             except Exception as exc:  # a tile this triton cannot compile: skip it, say why
                 records.append({"shape": name, "tile": str(tile), "error": str(exc)[:200]})
                 continue
@@ -187,7 +173,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--model", default="qwen3-0.6b", choices=DENSE)
     ap.add_argument("--calls", type=int, default=112)
     ap.add_argument("--shapes", help="comma-separated subset of the model's shapes")
     ap.add_argument("--rows", type=int, default=1, help="M: the decode batch (default: 1)")
