@@ -236,13 +236,14 @@ class KVMemory:
         holding.cached, holding.owned = length, holding.owned - (length - start)
         # The cache takes [n, length); [start, n) are duplicates. One walk of the key.
         n, match = cache.insert_and_match(key, slots)
-        assert match.length == length >= n >= start, (
-            f"prefix cache {type(cache).__module__}.{type(cache).__qualname__} broke its "
-            f"contract: insert_and_match of a {length}-token key returned {n} cached (at least "
-            f"{start}, the request's locked match) and a match of {match.length} tokens (the "
-            "whole key); its conformance suite (execrt conformance prefix_cache NAME) runs it "
-            "on the keys KVMemory passes"
-        )
+        if not match.length == length >= n >= start:  # an error, also under python -O
+            raise KVOwnershipError(
+                f"prefix cache {type(cache).__module__}.{type(cache).__qualname__} broke its "
+                f"contract: insert_and_match of a {length}-token key returned {n} cached (at "
+                f"least {start}, the request's locked match) and a match of {match.length} "
+                "tokens (the whole key): it must keep every token it is handed until evicted; "
+                "its conformance suite (execrt conformance prefix_cache NAME) checks that"
+            )
         if n > start:  # readers move to the cache's slots before the duplicates are freed
             self.req_to_token_pool.write(row, start, match.slots[start:n])
         if holding.node is not None:

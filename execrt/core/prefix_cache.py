@@ -121,6 +121,14 @@ class PrefixCache(ABC):
       counts the slots of every locked path once. ``cached_slots()`` lists exactly those
       slots (KVMemory's reconciliation needs to know which slots are the cache's).
     - ``reset()`` forgets everything without freeing (the caller reclaims the whole pool).
+
+    At an engine's scale: what ``insert`` takes stays cached until ``evict`` frees it (no
+    capacity of the cache's own: the engine evicts when its pool runs short); keys run to the
+    context length (a path that deep: nothing recursive per token); slot ids run to the pool's
+    size, past any narrow integer type (keep int64). The engine calls every method from the
+    thread that steps it, never two at once, except ``evictable_size`` and
+    ``protected_size``, which ``Engine.stats()`` may read from any thread (keep them plain
+    counters). ``close()`` comes once the engine is done with the cache, and may come again.
     """
 
     def __init__(self, init: PrefixCacheInit) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ from execrt.core.prefix_cache import (
     PrefixCacheRequirements,
     PrefixMatch,
 )
-from execrt.testing.prefix_cache_harness import CACHE, REQUEST, Session, SlotLedger, engine_key
+from execrt.testing.prefix_cache_harness import (
+    CACHE,
+    REQUEST,
+    Session,
+    SlotLedger,
+    engine_key,
+    shown,
+)
 from execrt.testing.suite import Case, ConformanceSuite, cases, generated_settings, not_declared
 
 #: The page size the suite tests (the interface's contract is written for it).
@@ -103,11 +111,11 @@ class PrefixCacheSuite(ConformanceSuite):
     # -- helpers --------------------------------------------------------------------------------
     @contextmanager
     def open_cache(
-        self, case: Case, slots: int = 64, force_miss: bool = False
+        self, case: Case, slots: int = 64, force_miss: bool = False, first_slot: int = 1
     ) -> Iterator[Session]:
         spec = type(self).backend_spec()  # a fresh PluginHost for every test
         device = torch.device(case.device)
-        ledger = SlotLedger(slots, device)
+        ledger = SlotLedger(slots, device, first_slot)
         init = PrefixCacheInit(
             capabilities=spec.capabilities,
             device=device,
@@ -126,12 +134,13 @@ class PrefixCacheSuite(ConformanceSuite):
             yield Session(cache, ledger, reuses=caps.reuses, force_miss=force_miss)
         finally:
             cache.close()
+            cache.close()  # idempotent, as the contract says
 
     @staticmethod
     def cached(session: Session, key: list[int]) -> list[int]:
         """Run one request over ``key`` to completion; the slots it computed itself."""
         req = session.begin(tuple(key))
-        assert req is not None, f"no room for {key} in a pool of {session.ledger.total}"
+        assert req is not None, f"no room for {shown(key)} in a pool of {session.ledger.total}"
         own = req.row[req.cached :]
         session.finish(req)
         return own
@@ -210,6 +219,44 @@ class PrefixCacheSuite(ConformanceSuite):
                 lost = [t for t in first if s.ledger.owner[t] != CACHE]
                 assert not lost, f"{case.id}: insert of {key} dropped cached slots {lost}"
             s.match((1, 2, 3, 4, 5, 6, 7))
+
+    @cases("reuse_cases")
+    def test_long_keys_many_slots_and_wide_slot_ids(self, case: Case) -> None:
+        """At an engine's scale, which the small tests never reach: keys of 1,500 tokens
+        (a path that deep: nothing recursive per token), a pool of 4,096 slots whose ids lie
+        past 65,535 (no narrow integer type holds them), and hundreds of entries (no fixed
+        capacity: what insert took stays cached until evicted). A match's slots never change
+        afterwards. Found by an audit: three plugins that passed every other test crashed
+        the engine or served other requests' KV."""
+        self.begin(case)
+        rng = random.Random(0)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(100_000) for _ in range(n)]
+
+        with self.open_cache(case, slots=4_096, first_slot=100_000) as s:
+            long_key = tokens(1_500)
+            self.cached(s, long_key)
+            branch = long_key[:1_000] + tokens(400)
+            self.cached(s, branch)
+            shorts = [tokens(3) for _ in range(300)]
+            for key in shorts:
+                self.cached(s, key)
+            first = s.match(tuple(long_key))
+            kept = first.slots.clone()
+            for probe in (branch, long_key[:1_200], branch[:1_001], *shorts[::37]):
+                s.match(tuple(probe))  # length and slots against the reference
+            assert torch.equal(first.slots, kept), (
+                f"{case.id}: the slots of an earlier match changed (a cache must hand out "
+                "slot ids that stay as they were, not a view of a buffer it reuses)"
+            )
+            holder = s.begin(tuple(long_key) + (7,))  # locks the 1,500-token path
+            assert holder is not None and holder.match.length == 1_500
+            freed = s.evict(s.ledger.total)
+            assert freed == 400 + 900, f"{case.id}: evicted {freed}, not the 1,300 unlocked"
+            s.match(tuple(long_key))
+            s.finish(holder)
+            s.drain()
 
     @cases("reuse_cases")
     def test_lock_moves_the_path_between_evictable_and_protected(self, case: Case) -> None:

@@ -1,6 +1,7 @@
 """The prefix-cache suite's harness: a slot ledger (fake allocator), a naive reference, a driver.
 
-The ledger hands out slots 1..total (0 is the padding slot) and knows who owns each one: free,
+The ledger hands out slots first..first + total - 1 (0 is the padding slot; ``first`` is 1 but
+where a test wants ids no narrow integer type holds) and knows who owns each one: free,
 a request, or the cache. The reference is a dict of every cached prefix (a token tuple) to the
 slot of its last token, kept from what the cache did (what insert took, what it freed). The
 session drives a cache like KVMemory does (match + lock, allocate the rest, insert on finish,
@@ -23,6 +24,15 @@ FREE, REQUEST, CACHE = "free", "request", "cache"
 Key = tuple[int, ...]
 
 
+def shown(items: Sequence[int], limit: int = 12) -> str:
+    """``items`` for a message: whole when short, else the first few and the count (a
+    1,500-token key would bury the message)."""
+    items = list(items)
+    if len(items) <= limit:
+        return str(items)
+    return f"[{', '.join(map(str, items[: limit // 2]))}, ... ({len(items):,} in all)]"
+
+
 def engine_key(key: Sequence[int]) -> memoryview:
     """``key`` as KVMemory hands keys to a cache (``cache_key``: a read-only memoryview over
     int64, which never compares equal to a list or a tuple)."""
@@ -36,12 +46,16 @@ class SlotLedger:
     (or one being handed over by the insert that is running), never slot 0, never free.
     """
 
-    def __init__(self, total: int, device: torch.device) -> None:
+    def __init__(self, total: int, device: torch.device, first: int = 1) -> None:
+        if first < 1:
+            raise ValueError(
+                f"harness: slot 0 is the padding slot; first must be >= 1, got {first}"
+            )
         self.total = total
         self.device = device
-        self.owner = dict.fromkeys(range(1, total + 1), FREE)
+        self.owner = dict.fromkeys(range(first, first + total), FREE)
         self.counts = Counter({FREE: total, REQUEST: 0, CACHE: 0})
-        self._free = list(range(total, 0, -1))  # pop() hands out ascending ids
+        self._free = list(range(first + total - 1, first - 1, -1))  # pop(): ascending ids
         self.freed: list[int] = []  # slots the cache freed, since the session last read them
         self.handing: set[int] = set()  # slots passed to the insert in progress
 
@@ -156,7 +170,7 @@ class Session:
 
     # -- operations -----------------------------------------------------------------------------
     def match(self, key: Key) -> PrefixMatch:
-        self.log.append(f"match {list(key)}")
+        self.log.append(f"match {shown(key)}")
         m = self.cache.match(engine_key(key))
         self.check_match(key, m)
         self.settle_frees("match")
@@ -166,7 +180,7 @@ class Session:
         """Match and lock, then allocate the rest (evicting first if short); None if it
         does not fit even then."""
         m = self.match(key)
-        self.log.append(f"begin {list(key)} (matched {m.length})")
+        self.log.append(f"begin {shown(key)} (matched {m.length})")
         self.cache.lock(m.node)
         self.lock_ref(key[: m.length], +1)
         need = len(key) - m.length
@@ -193,7 +207,7 @@ class Session:
         if self.force_miss or not self.reuses or length <= start:
             return
         key = req.key[:length]
-        self.log.append(f"cache_prefix {list(req.key)} {length}")
+        self.log.append(f"cache_prefix {shown(req.key)} {length}")
         expected = self.ref.longest(key)
         n, m = self._handing_over(
             req.row[start:length],
@@ -201,7 +215,7 @@ class Session:
             lambda t: self.cache.insert_and_match(engine_key(key), t),
         )
         assert isinstance(n, int) and n == expected, (
-            f"insert_and_match of {list(key)} returned {n!r}; {expected} tokens were cached"
+            f"insert_and_match of {shown(key)} returned {n!r}; {expected} tokens were cached"
         )
         self.ledger.take(req.row[n:length])
         self.ref.took(key, req.row, n)
@@ -214,23 +228,23 @@ class Session:
         self.lock_ref(key, +1)
         req.cached, req.node = length, m.node
         self.ledger.release(duplicates)
-        self.check(f"insert_and_match {list(key)} (the lock moved to its node)")
+        self.check(f"insert_and_match {shown(key)} (the lock moved to its node)")
 
     def finish(self, req: Running) -> int:
         """Insert the request's KV, free its duplicates, unlock; returns insert's n."""
-        self.log.append(f"finish {list(req.key)}")
+        self.log.append(f"finish {shown(req.key)}")
         self.running.remove(req)
         expected = self.ref.longest(req.key)
         own = req.row[req.cached :]
         n = self._handing_over(own, req.row, lambda t: self.cache.insert(engine_key(req.key), t))
         assert isinstance(n, int) and 0 <= n <= len(req.key), f"insert returned {n!r}"
         assert n >= req.cached, (
-            f"insert of {list(req.key)} returned {n}, but its first {req.cached} tokens "
+            f"insert of {shown(req.key)} returned {n}, but its first {req.cached} tokens "
             "are cached and locked"
         )
         if self.reuses:
             assert n == expected, (
-                f"insert of {list(req.key)} returned {n}; {expected} tokens were cached"
+                f"insert of {shown(req.key)} returned {n}; {expected} tokens were cached"
             )
         else:
             assert n <= expected, f"insert returned {n}; only {expected} tokens were cached"
@@ -247,7 +261,7 @@ class Session:
 
     def abort(self, req: Running) -> None:
         """Retraction: free what the request owns, never the cache's slots; unlock."""
-        self.log.append(f"abort {list(req.key)}")
+        self.log.append(f"abort {shown(req.key)}")
         self.running.remove(req)
         self.ledger.release(req.row[req.cached :])
         self._unlock(req)
@@ -291,15 +305,15 @@ class Session:
         assert m.length <= len(key), f"match of {len(key)} tokens returned {m.length}"
         if self.force_miss or not self.reuses:
             why = "force_miss" if self.force_miss else "reuses=False"
-            assert m.length == 0, f"match of {list(key)} found {m.length} tokens under {why}"
+            assert m.length == 0, f"match of {shown(key)} found {m.length} tokens under {why}"
             return
         want = self.ref.longest(key)
         assert m.length == want, (
-            f"match of {list(key)} found {m.length} tokens; the longest cached prefix has {want}"
+            f"match of {shown(key)} found {m.length} tokens; the longest cached prefix has {want}"
         )
         assert s.tolist() == self.ref.slots(key, want), (
-            f"match of {list(key)} returned slots {s.tolist()}, inserted first: "
-            f"{self.ref.slots(key, want)}"
+            f"match of {shown(key)} returned slots {shown(s.tolist())}, inserted first: "
+            f"{shown(self.ref.slots(key, want))}"
         )
 
     def settle_frees(self, where: str) -> None:
@@ -308,11 +322,11 @@ class Session:
         for slot in self.ledger.freed:
             assert slot in self.ref.prefix_of, f"{where} freed slot {slot}, not a cached one"
             prefix = self.ref.forget(slot)
-            assert prefix not in protected, f"{where} freed slot {slot} of locked {list(prefix)}"
+            assert prefix not in protected, f"{where} freed slot {slot} of locked {shown(prefix)}"
         self.ledger.freed.clear()
         orphans = [p for p in self.ref.cached if len(p) > 1 and p[:-1] not in self.ref.cached]
         assert not orphans, (
-            f"{where} freed a prefix but kept a longer one ({list(orphans[0])}): "
+            f"{where} freed a prefix but kept a longer one ({shown(orphans[0])}): "
             "eviction must take leaves first"
         )
 
@@ -343,7 +357,8 @@ class Session:
             f"after {where}: cached_slots() is on {listed.device}, not the cache's {led.device}"
         )
         assert listed.dtype == torch.int64 and ids == owned, (
-            f"after {where}: cached_slots() lists {ids}, the cache owns {owned}{kept_view}"
+            f"after {where}: cached_slots() lists {shown(ids)}, the cache owns {shown(owned)}"
+            f"{_difference(ids, owned)}{kept_view}"
         )
 
     # -- helpers --------------------------------------------------------------------------------
@@ -372,3 +387,11 @@ class Session:
             self.ref.locks[prefix] += delta
             if self.ref.locks[prefix] == 0:
                 del self.ref.locks[prefix]
+
+
+def _difference(listed: Sequence[int], owned: Sequence[int]) -> str:
+    """What tells two long slot lists apart, for a message ("" when both are short)."""
+    if len(listed) <= 12 and len(owned) <= 12:
+        return ""
+    extra, missing = sorted(set(listed) - set(owned)), sorted(set(owned) - set(listed))
+    return f" (listed, not owned: {shown(extra)}; owned, not listed: {shown(missing)})"

@@ -512,6 +512,27 @@ def test_a_chunk_handed_over_points_the_row_at_the_cached_slots_before_freeing_i
     mem.check()
 
 
+def test_a_cache_that_drops_what_it_is_handed_is_a_kv_ownership_error() -> None:
+    """A plugin that returns a short match from insert_and_match (it kept fewer tokens than
+    it was handed: a capacity of its own) is an error that names it, under ``python -O``
+    too (it was an assert: a silent slot leak there)."""
+
+    class Dropping(RadixCache):
+        def insert_and_match(self, key: Any, slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+            n, m = super().insert_and_match(key, slots)
+            return n, PrefixMatch(m.slots[:-1], m.node)
+
+    def build(free: Callable[[torch.Tensor], None]) -> RadixCache:
+        return Dropping(PrefixCacheInit(PrefixCacheCapabilities(), CPU, free, False))
+
+    mem = memory(cache=build)
+    a = req(0, [1, 2, 3, 4, 5, 6])
+    assert mem.reserve_extend([a], [4]) is not None
+    launched([a], [4])
+    with pytest.raises(KVOwnershipError, match=r"Dropping broke its contract.*returned 0 cached"):
+        mem.cache_prefix(a, 4)
+
+
 def test_release_without_keep_frees_only_what_the_request_owns() -> None:
     mem = memory(cache=radix())
     cached = cached_alone(mem, [1, 2, 3, 4])

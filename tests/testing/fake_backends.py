@@ -745,6 +745,65 @@ class PathCountUnlockRadix(RadixCache):
         super().unlock(node)
 
 
+class CappedRadix(RadixCache):
+    """Broken (an audit's plugin): holds at most 256 tokens; past that, insert stores nothing
+    yet returns the cached length as if it had taken the rest."""
+
+    CAP = 256
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        if self.evictable_size() + self.protected_size() >= self.CAP:
+            return self._descend(_as_key(key, "insert"), next(self._clock))[1]
+        return super().insert(key, slots)
+
+
+class RecursiveLockRadix(RadixCache):
+    """Broken (an audit's plugin): walks a locked path one token per recursive call, so a
+    long prompt's lock overflows Python's stack."""
+
+    def lock(self, node: Any) -> None:
+        tokens = len(self._path_slots(node)) if node is not self._root else 0
+
+        def walk(i: int) -> int:
+            return 0 if i >= tokens else 1 + walk(i + 1)
+
+        walk(0)
+        super().lock(node)
+
+
+class NarrowSlotsRadix(RadixCache):
+    """Broken (an audit's plugin): keeps slot ids as int16 (fine for a test pool of 40, wrong
+    past 32,767: a GPU's pool)."""
+
+    def insert(self, key: Any, slots: torch.Tensor) -> int:
+        return super().insert(key, slots.to(torch.int16).to(torch.int64))
+
+    def insert_and_match(self, key: Any, slots: torch.Tensor) -> tuple[int, PrefixMatch]:
+        return super().insert_and_match(key, slots.to(torch.int16).to(torch.int64))
+
+
+class SharedBufferRadix(RadixCache):
+    """Broken: every match's slots are a view of one buffer the next match overwrites."""
+
+    def match(self, key: Any) -> PrefixMatch:
+        m = super().match(key)
+        if not hasattr(self, "_buffer") or self._buffer.numel() < m.length:
+            self._buffer = torch.empty(max(m.length, 4096), dtype=torch.int64)
+        view = self._buffer[: m.length]
+        view.copy_(m.slots)
+        return PrefixMatch(view, m.node)
+
+
+class CloseOnceRadix(RadixCache):
+    """Broken: a second close() raises (the contract says close is idempotent)."""
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("closed twice")
+        self._closed = True
+        super().close()
+
+
 class FreshEmptyRadix(RadixCache):
     """Correct: a new empty tensor for every empty match (the caller's own copy)."""
 

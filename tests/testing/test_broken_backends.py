@@ -377,6 +377,28 @@ def test_graph_backend_accepting_a_duplicate_capture_fails_saying_so(tmp_path: P
             {"test_lock_moves_the_path_between_evictable_and_protected[cpu]"},
             "after lock: cached_slots() lists",
         ),
+        # a prefix-cache plugin audit's escapes (each crashed the engine or served wrong KV)
+        (
+            "CappedRadix",
+            {"test_long_keys_many_slots_and_wide_slot_ids[cpu]"},
+            "after finish: free 2196 + evictable 1500",
+        ),
+        (
+            "RecursiveLockRadix",
+            {"test_long_keys_many_slots_and_wide_slot_ids[cpu]"},
+            "RecursionError",
+        ),
+        (
+            "NarrowSlotsRadix",
+            {"test_long_keys_many_slots_and_wide_slot_ids[cpu]"},
+            "(listed, not owned: [-31072",
+        ),
+        (
+            "SharedBufferRadix",
+            {"test_long_keys_many_slots_and_wide_slot_ids[cpu]"},
+            "the slots of an earlier match changed",
+        ),
+        ("CloseOnceRadix", {"test_empty_cache[cpu]"}, "RuntimeError: closed twice"),
     ],
 )
 def test_broken_prefix_caches_fail_saying_what(
