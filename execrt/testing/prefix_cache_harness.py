@@ -116,6 +116,7 @@ class Reference:
     cached: dict[Key, int] = field(default_factory=dict)
     prefix_of: dict[int, Key] = field(default_factory=dict)  # slot -> its prefix
     locks: Counter[Key] = field(default_factory=Counter)  # locked (matched) prefixes
+    children: Counter[Key] = field(default_factory=Counter)  # prefix -> its cached extensions
 
     def longest(self, key: Key) -> int:
         n = 0
@@ -130,6 +131,7 @@ class Reference:
         for i in range(n, len(key)):
             self.cached[key[: i + 1]] = slots[i]
             self.prefix_of[slots[i]] = key[: i + 1]
+            self.children[key[:i]] += 1
 
     def protected(self) -> set[Key]:
         return {key[:i] for key in self.locks for i in range(1, len(key) + 1)}
@@ -137,6 +139,7 @@ class Reference:
     def forget(self, slot: int) -> Key:
         prefix = self.prefix_of.pop(slot)
         del self.cached[prefix]
+        self.children[prefix[:-1]] -= 1
         return prefix
 
 
@@ -318,13 +321,21 @@ class Session:
 
     def settle_frees(self, where: str) -> None:
         """Apply what the cache freed to the reference: only unlocked, leaf-first prefixes."""
+        if not self.ledger.freed:
+            return
         protected = self.ref.protected()
+        gone = []
         for slot in self.ledger.freed:
             assert slot in self.ref.prefix_of, f"{where} freed slot {slot}, not a cached one"
             prefix = self.ref.forget(slot)
             assert prefix not in protected, f"{where} freed slot {slot} of locked {shown(prefix)}"
+            gone.append(prefix)
         self.ledger.freed.clear()
-        orphans = [p for p in self.ref.cached if len(p) > 1 and p[:-1] not in self.ref.cached]
+        # Only a free can leave a cached prefix without its parent: look at what was freed.
+        parents = [p for p in gone if self.ref.children[p] > 0]
+        orphans = [
+            q for p in parents for q in self.ref.cached if len(q) == len(p) + 1 and q[:-1] == p
+        ]
         assert not orphans, (
             f"{where} freed a prefix but kept a longer one ({shown(orphans[0])}): "
             "eviction must take leaves first"
