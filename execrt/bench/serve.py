@@ -219,6 +219,10 @@ class Record(Summary):
     decode_steps: int | None = None
     engine_extend_steps: int | None = None  # the in-process replay
     engine_decode_steps: int | None = None
+    # Prompt tokens the prefix cache served in the run (each run starts with it flushed: a
+    # random workload finds nothing, a shared-prefix one its groups' prefixes).
+    prefix_hit_tokens: int | None = None  # the server's engine, from its /metrics
+    engine_prefix_hit_tokens: int | None = None
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -249,6 +253,35 @@ def prompts_for(opts: Options, concurrency: int | None, rate: float | None) -> i
         return int(min(256, max(32, rate * 8)))
     assert concurrency is not None
     return min(512, max(16, 4 * concurrency))
+
+
+#: The warm-up's seed offset: no run draws from it (they use ``seed + i``, ``+ 100 + j`` and
+#: ``+ 200 + j``), so its prompts share no prefix with a timed run's.
+WARM_UP_SEED = 10_000
+
+
+def warm_up_run(opts: Options, vocab: int) -> Run:
+    """Four requests that start the server, the load processes and the engine (imports, first
+    connections, kernel compilation) before the timed runs, drawn apart from every run's: a
+    warm-up with a run's own prompts would leave them in the prefix cache, and that run's
+    first requests would skip their prefill."""
+    reqs = make_requests(opts, 4, vocab, opts.seed + WARM_UP_SEED)
+    return Run(4, None, tuple(reqs), (0.0,) * len(reqs))
+
+
+def flush_server_cache(url: str) -> None:
+    """Empty the server's prefix cache (``POST /flush_cache``; a server without one answers
+    501, which is fine): every timed run starts cold, as its first requests would for a user."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code != 501:
+            raise
 
 
 def plan_runs(opts: Options, vocab: int) -> list[Run]:
@@ -355,8 +388,9 @@ class _ServerHandle:
                 self.process.kill()
 
 
-def server_steps(url: str) -> tuple[int, int]:
-    """The server's engine steps so far, (extend, decode), from its /metrics."""
+def server_steps(url: str) -> tuple[int, int, int]:
+    """The server's engine steps so far, (extend, decode), and its prefix-cache hit tokens,
+    from its /metrics."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -366,21 +400,27 @@ def server_steps(url: str) -> tuple[int, int]:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
         text = response.read().decode()
     steps = {"extend": 0, "decode": 0}
+    hits = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == P + "engine_steps_total":
                 steps[sample.labels["kind"]] = int(sample.value)
-    return steps["extend"], steps["decode"]
+            elif sample.name == P + "prefix_cache_hits_total":
+                hits = int(sample.value)
+    return steps["extend"], steps["decode"], hits
 
 
-def engine_steps(engine: Engine) -> tuple[int, int]:
-    """The in-process engine's steps so far, (extend, decode), as ``server_steps`` counts."""
+def engine_steps(engine: Engine) -> tuple[int, int, int]:
+    """The in-process engine's steps so far, (extend, decode), and prefix-cache hit tokens,
+    as ``server_steps`` counts them."""
     stats = engine.stats()
-    return stats.extend_steps, stats.steps - stats.extend_steps
+    return stats.extend_steps, stats.steps - stats.extend_steps, stats.prefix_hit_tokens
 
 
-def _steps_between(before: tuple[int, int], after: tuple[int, int]) -> tuple[int, int]:
-    return after[0] - before[0], after[1] - before[1]
+def _steps_between(
+    before: tuple[int, int, int], after: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -443,7 +483,7 @@ def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
     pool: Executor | None = None
     try:  # a Ctrl-C while the server starts must stop it too
         url = server.start()
-        warm = Run(4, None, runs[0].requests[:4], (0.0,) * min(4, len(runs[0].requests)))
+        warm = warm_up_run(opts, vocab)
         drive_http(url, opts.model, warm)
         if most > 1:  # started once, warmed up (imports, first connection) before the runs
             pool = ProcessPoolExecutor(most, mp_context=QUIET_SPAWN, initializer=_quiet_sigint)
@@ -456,12 +496,15 @@ def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
             )
         for r in runs:
             procs = opts.processes_for(r)
+            flush_server_cache(url)  # no run finds another's (or the warm-up's) prompts cached
             before = server_steps(url)
             timings, duration = drive_http(url, opts.model, r, pool, procs)
             steps = _steps_between(before, server_steps(url))
             s = summarize(timings, duration)
             records.append(_record(opts, gpu, date, r, s))
-            records[-1].extend_steps, records[-1].decode_steps = steps
+            records[-1].extend_steps, records[-1].decode_steps, records[-1].prefix_hit_tokens = (
+                steps
+            )
             records[-1].error_samples = error_samples(timings)
             records[-1].server_engine = opts.engine_runner
             records[-1].client_procs = procs if pool is not None else 1
@@ -481,15 +524,19 @@ def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
         with _build_engine(opts) as engine:
             replay(engine, warm)
             for r, rec in zip(runs, records, strict=True):
+                engine.flush_cache()  # cold, as the HTTP run was
                 before = engine_steps(engine)
                 timings, duration = replay(engine, r)
                 steps = _steps_between(before, engine_steps(engine))
-                rec.engine_extend_steps, rec.engine_decode_steps = steps
+                rec.engine_extend_steps, rec.engine_decode_steps, rec.engine_prefix_hit_tokens = (
+                    steps
+                )
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50
                 rec.engine_itl_ms_p50 = s.itl_ms_p50
                 rec.engine_tpot_ms_p50 = s.tpot_ms_p50
+                engine.flush_cache()  # the replay just cached these very prompts
                 rec.engine_generate_output_tok_s = generate_tok_s(engine, r)
                 rec.throughput_ratio = _ratio(rec.output_tok_s, s.output_tok_s)
                 rec.generate_ratio = _ratio(rec.output_tok_s, rec.engine_generate_output_tok_s)

@@ -531,3 +531,24 @@ def test_a_run_that_measured_nothing_exits_2_naming_the_first_reason(monkeypatch
     assert main(["bench", "decode", "--attention", "bogus"]) == 2
     err = capsys.readouterr().err
     assert "bench decode: nothing was measured: skipped: BackendUnavailableError" in err
+
+
+def test_the_peer_ratios_compare_generate_with_generate() -> None:
+    """transformers is timed through a whole generate: the forward path (no scheduling, no
+    sampling, no token copied back) gets no ratio, and a compile peer that did not compile
+    is no peer."""
+    from execrt.bench.decode import Record, _compare_to_peers
+
+    def rec(mode: str, path: str, ms: float, note: str = "") -> Record:
+        return Record("m", 2, mode, path, 1, 512, 8, ms, None, None, 1.0, None, 1.0, 1.0,
+                      0.1, "cpu", "today", "triton", note=note)  # fmt: skip
+
+    ours = [rec("graph", "generate", 1.0), rec("graph", "forward", 0.9)]
+    _compare_to_peers(
+        [*ours, rec("hf-eager", "generate", 20.0), rec("hf-compile", "generate", 3.0)]
+    )
+    assert (ours[0].vs_hf_eager, ours[0].vs_hf_compile) == (20.0, 3.0)
+    assert (ours[1].vs_hf_eager, ours[1].vs_hf_compile) == (None, None)
+    ours = [rec("graph", "generate", 1.0)]
+    _compare_to_peers([*ours, rec("hf-compile", "generate", 3.0, "compile 9 s; NOT compiled")])
+    assert ours[0].vs_hf_compile is None

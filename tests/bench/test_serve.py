@@ -68,6 +68,13 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
         assert r.extend_steps and r.decode_steps and r.engine_extend_steps
         assert 1 <= r.extend_steps <= r.num_requests and r.engine_extend_steps <= r.num_requests
         assert r.decode_steps >= r.output_len_mean - 1
+        # Every run starts with the prefix cache flushed and the warm-up's prompts are none
+        # of a run's: random prompts find nothing cached (the warm-up used to be run 0's
+        # first requests, and generate re-ran the replay's prompts warm).
+        if workload == "random":
+            assert r.prefix_hit_tokens == 0 and r.engine_prefix_hit_tokens == 0, r
+        else:  # the groups' shared prefixes, once each group's first request cached them
+            assert r.prefix_hit_tokens and r.engine_prefix_hit_tokens, r
     (saved,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert saved.startswith("serve-")
     fields = json.load(open(tmp_path / saved))[0]
@@ -76,6 +83,19 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
     assert set(required.split()) <= set(fields)
     if opts.plot:
         assert os.path.getsize(tmp_path / saved.replace(".json", ".png")) > 10_000
+
+
+def test_the_warm_up_shares_no_prefix_with_any_run() -> None:
+    for workload in ("random", "shared-prefix"):
+        opts = serve.Options(model="tiny", config=TINY, workload=workload, input_len=32,
+                             prefix_len=16, num_groups=2, concurrencies=(1, 4),
+                             request_rates=(8.0,))  # fmt: skip
+        runs = serve.plan_runs(opts, 1000)
+        warm = serve.warm_up_run(opts, 1000)
+        for w in warm.requests:
+            for r in runs:
+                for q in r.requests:
+                    assert w.prompt[:4] != q.prompt[:4], (workload, w.prompt[:4])
 
 
 def test_workloads_have_the_asked_lengths() -> None:
