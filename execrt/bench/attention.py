@@ -2,27 +2,37 @@
 
 Each backend's decode over a randomly permuted slot cache is captured in a CUDA graph (one
 launch per layer, layers rotated so the K/V being read is never resident in L2) and the
-replays are timed with CUDA events. Backends without graph support are timed eagerly.
+replays are timed with CUDA events. Backends without graph support are timed eagerly. Each
+result is checked against an fp32 reference first: one past the dtype's tolerance is recorded
+as failed and not ranked, and a backend that cannot build or run is recorded with the reason.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from execrt.bench.common import (
     L2_BYTES,
+    PASSED,
+    Checkpoint,
     build_attention_backend,
+    cell,
+    check_cell,
+    check_error,
     copy_bandwidth_gbps,
     median_us,
+    note_error,
+    passing,
     prepare_out_dir,
     rank,
-    report,
     utc_now,
 )
+from execrt.bench.environment import run_environment
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -42,12 +52,13 @@ class Record:
     backend: str
     bs: int
     ctx: int
-    us: float
-    gbps: float
-    pct_copy_bw: float
-    vs_best_peer: float
-    max_rel_err: float
-    graph: bool
+    us: float | None  # None: it did not run (``note`` says why)
+    gbps: float | None
+    pct_copy_bw: float | None  # gbps / copy_gbps x 100
+    copy_gbps: float  # the run's device-to-device copy rate (read + write)
+    vs_best_peer: float  # over the best that passed the check; 0: not ranked
+    max_rel_err: float | None
+    graph: bool | None
     gpu: str
     date: str
     num_q_heads: int
@@ -56,6 +67,9 @@ class Record:
     dtype: str
     kv_dtype: str = "auto"  # kv_cache_dtype: auto (the model dtype) or fp8_e4m3 / fp8_e5m2
     vs_kv_auto: float | None = None  # us / the same backend's us with kv auto (< 1: faster)
+    check: str = ""  # passed, failed (past the tolerance) or error (see common.Checked)
+    note: str = ""  # why it failed or did not run
+    env: dict[str, str | None] = field(default_factory=dict)  # environment.run_environment
 
 
 class DecodeProblem:
@@ -190,14 +204,15 @@ def run(
 ) -> list[Record]:
     """Benchmark every usable attention backend on every shape and KV cache dtype
     (``kv_cache_dtype`` names; each record also gets its time over the same backend's with
-    ``auto``); print a table; save JSON."""
+    ``auto``); print a table; save JSON, the records so far after each one."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench attention: needs a CUDA device")
     prepare_out_dir("attention", out_dir)
+    saved = Checkpoint(out_dir, "attention-decode")
     host = PluginHost()
     names = list(backends or host.registry.names("attention"))
     gpu = torch.cuda.get_device_name()
-    date = utc_now()
+    date, env = utc_now(), run_environment()
     copy_bw = copy_bandwidth_gbps()
     print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     records: list[Record] = []
@@ -206,60 +221,84 @@ def run(
         problem = DecodeProblem(
             bs, ctx, num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype
         )
-        shape_records = []
         for name in names:
-            context = RuntimeContext()
-            try:
-                backend = build_backend(host, name, problem, context)
-                us, err, graphed = time_backend(backend, problem, iters, reps)
-                backend.close()
-            except Exception as exc:
-                print(f"  {name:<14} bs={bs:<4} ctx={ctx:<6} kv={kv_name} skipped: {exc}")
-                continue
-            finally:
-                context.close()
-            gbps = problem.kv_bytes / (us * 1e-6) / 1e9
-            shape_records.append(
-                Record(
-                    name,
-                    bs,
-                    ctx,
-                    us,
-                    gbps,
-                    100 * gbps / copy_bw,
-                    0.0,
-                    err,
-                    graphed,
-                    gpu,
-                    date,
-                    num_q_heads,
-                    num_kv_heads,
-                    head_dim,
-                    str(dtype).replace("torch.", ""),
-                    kv_name,
-                )
+            record = Record(
+                backend=name,
+                bs=bs,
+                ctx=ctx,
+                us=None,
+                gbps=None,
+                pct_copy_bw=None,
+                copy_gbps=copy_bw,
+                vs_best_peer=0.0,
+                max_rel_err=None,
+                graph=None,
+                gpu=gpu,
+                date=date,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=str(dtype).replace("torch.", ""),
+                kv_dtype=kv_name,
+                env=env,
             )
-        rank(shape_records, "gbps")
-        records += shape_records
+            time_into(record, host, problem, iters, reps)
+            records.append(record)
+            compare(records)
+            saved.save(records)
         del problem
         torch.cuda.empty_cache()
-    auto = {(r.backend, r.bs, r.ctx): r.us for r in records if r.kv_dtype == "auto"}
-    for r in records:
-        if (base := auto.get((r.backend, r.bs, r.ctx))) is not None:
+    return saved.report(records, format_table)
+
+
+def time_into(record: Record, host: PluginHost, p: DecodeProblem, iters: int, reps: int) -> None:
+    """Time ``record``'s backend on ``p`` into it and check its result (``check_error``); a
+    backend that cannot build or run here gets the reason as its note."""
+    context = RuntimeContext()
+    label = f"{record.backend:<14} bs={p.bs:<4} ctx={p.ctx:<6} kv={record.kv_dtype}"
+    try:
+        backend = build_backend(host, record.backend, p, context)
+        us, err, graphed = time_backend(backend, p, iters, reps)
+        backend.close()
+    except Exception as exc:  # recorded, and the run goes on
+        note_error(record, exc, label)
+        return
+    finally:
+        context.close()
+    record.us, record.max_rel_err, record.graph = us, err, graphed
+    record.gbps = p.kv_bytes / (us * 1e-6) / 1e9
+    record.pct_copy_bw = 100 * record.gbps / record.copy_gbps
+    check_error(record, err, p.dtype, label)
+
+
+def compare(records: Sequence[Record]) -> None:
+    """Set ``vs_best_peer`` (GB/s over the best of the same shape and KV dtype) and
+    ``vs_kv_auto`` (µs over the same backend's with kv auto) from the records that passed the
+    check; the others keep 0 and None."""
+    rows: defaultdict[tuple[int, int, str], list[Record]] = defaultdict(list)
+    for r in passing(records):
+        rows[(r.bs, r.ctx, r.kv_dtype)].append(r)
+    for row in rows.values():
+        rank(row, "gbps")
+    auto = {(r.backend, r.bs, r.ctx): r.us for r in passing(records) if r.kv_dtype == "auto"}
+    for r in passing(records):
+        base = auto.get((r.backend, r.bs, r.ctx))
+        if base is not None and r.us is not None:
             r.vs_kv_auto = r.us / base
-    return report(records, format_table, out_dir, "attention-decode")
 
 
 def format_table(records: Sequence[Record]) -> str:
     lines = [
         f"{'backend':<14} {'kv':<8} {'bs':>4} {'ctx':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'vs best':>7} {'vs kv':>6} {'rel err':>8} graph"
+        f"{'vs best':>7} {'vs kv':>6} {'rel err':>8} {'graph':<5} {'check':<7} note"
     ]
     for r in records:
-        vs_kv = "-" if r.vs_kv_auto is None else f"{r.vs_kv_auto:.2f}"
+        vs_best = r.vs_best_peer if r.check == PASSED else None
+        pct = None if r.pct_copy_bw is None else r.pct_copy_bw / 100
         lines.append(
-            f"{r.backend:<14} {r.kv_dtype:<8} {r.bs:>4} {r.ctx:>6} {r.us:>9.1f} {r.gbps:>7.0f} "
-            f"{r.pct_copy_bw:>5.1f}% {r.vs_best_peer:>7.2f} {vs_kv:>6} {r.max_rel_err:>8.1e} "
-            f"{r.graph}"
+            f"{r.backend:<14} {r.kv_dtype:<8} {r.bs:>4} {r.ctx:>6} {cell(r.us, 9, '.1f')} "
+            f"{cell(r.gbps, 7, '.0f')} {cell(pct, 6, '.1%')} {cell(vs_best, 7, '.2f')} "
+            f"{cell(r.vs_kv_auto, 6, '.2f')} {cell(r.max_rel_err, 8, '.1e')} "
+            f"{'-' if r.graph is None else str(r.graph):<5} {check_cell(r):<7} {r.note}"
         )
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""Measuring helpers the benchmarks share: copy bandwidth, CUDA-event timing, ranking and
-saving results."""
+"""Measuring helpers the benchmarks share: copy bandwidth, CUDA-event timing, the accuracy
+check, ranking, the run's environment and saving results."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -34,6 +34,18 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 L2_BYTES = 60 << 20  # at least the L2 of the GPUs we measure (H100/H200: 50 MB)
+
+#: ``||out - ref|| / ||ref||`` a benchmarked result may be off its fp32 (fp64) reference, per
+#: dtype: the bar the conformance suites hold backends to on CUDA
+#: (``ConformanceSuite.cuda_tolerances``). A result past it is wrong, not imprecise (bf16
+#: kernels land near 2e-3; a wrong mask, scale or slot lands near 1).
+TOLERANCES: Mapping[torch.dtype, float] = {
+    torch.float32: 5e-3,  # TF32 dots where a kernel uses them
+    torch.float16: 1e-2,
+    torch.bfloat16: 3e-2,
+}
+#: ``Checked.check``'s values
+PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 
 R = TypeVar("R")
 OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
@@ -119,15 +131,27 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
     """Write dataclass records as a JSON list to ``out_dir/<stem>-<UTC stamp>.json`` (``-2``,
     ``-3``, ... after the stamp when a file of that second exists: never overwritten).
     ExecrtError naming ``--out`` when it cannot be written."""
+    path = _claim(out_dir, stem)
+    try:
+        with open(path, "w") as fh:
+            json.dump([asdict(r) for r in records], fh, indent=2)
+    except OSError as exc:
+        raise ExecrtError(
+            f"--out {out_dir!r}: the {stem} records were not saved: {_why(exc, out_dir)}"
+        ) from None
+    return path
+
+
+def _claim(out_dir: str, stem: str) -> str:
+    """A new, empty ``out_dir/<stem>-<UTC stamp>[-n].json``, made here (never one that exists)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     try:
         os.makedirs(out_dir, exist_ok=True)
         for n in range(1, 1000):
             path = os.path.join(out_dir, f"{stem}-{stamp}{'' if n == 1 else f'-{n}'}.json")
             try:
-                with open(path, "x") as fh:
-                    json.dump([asdict(r) for r in records], fh, indent=2)
-                return path
+                with open(path, "x"):
+                    return path
             except FileExistsError:
                 continue
     except OSError as exc:
@@ -137,6 +161,41 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
             f"--out {out_dir!r}: the {stem} records were not saved: {_why(exc, out_dir)}"
         ) from None
     raise FileExistsError(f"{out_dir}: 999 {stem} records of {stamp} already")
+
+
+class Checkpoint:
+    """Where a run keeps its records so far: ``out_dir/<stem>-partial-<UTC stamp>.json``,
+    rewritten whole (then renamed over the last copy) after each finished record, so that a
+    run cut short (a time limit, a crash) keeps what it finished. ``report`` saves the final
+    ``<stem>-<stamp>.json`` and removes it. Without ``out_dir`` nothing is written."""
+
+    def __init__(self, out_dir: str | None, stem: str) -> None:
+        self.out_dir, self.stem = out_dir, stem
+        self.path: str | None = None  # made by the first save
+
+    def save(self, records: Sequence[Any]) -> None:
+        """Rewrite the partial file with ``records`` (every record so far, compared as the
+        final file compares them); ExecrtError naming ``--out`` when it cannot be written."""
+        if self.out_dir is None:
+            return
+        self.path = self.path or _claim(self.out_dir, f"{self.stem}-partial")
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump([asdict(r) for r in records], fh, indent=2)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise ExecrtError(
+                f"--out {self.out_dir!r}: the {self.stem} records so far were not saved: "
+                f"{_why(exc, self.out_dir)}"
+            ) from None
+
+    def report(self, records: list[R], format_table: Callable[[Sequence[R]], str]) -> list[R]:
+        """:func:`report` (print, save the final file), then the partial file removed."""
+        report(records, format_table, self.out_dir, self.stem)
+        if self.path is not None and os.path.exists(self.path):
+            os.remove(self.path)  # the final file has every record
+        return records
 
 
 def prepare_out_dir(bench: str, out_dir: str | None) -> None:
@@ -233,6 +292,51 @@ def device_problem(device: str) -> str | None:
     if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
         return f"device {device!r} unsupported (supported: cuda, cuda:N, cpu)"
     return None
+
+
+class Checked(Protocol):
+    """A record the accuracy check gates. ``check``: ``passed`` (within tolerance), ``failed``
+    (a result past it: the note gives its error), ``error`` (the backend raised: the note gives
+    the reason, the timing fields stay empty) or ``skipped`` (not run here: the note says why).
+    Only ``passed`` records are ranked."""
+
+    check: str
+    note: str
+
+
+CheckedT = TypeVar("CheckedT", bound=Checked)
+
+
+def check_error(record: Checked, err: float, dtype: torch.dtype, label: str) -> bool:
+    """Set ``record.check`` from ``err`` (norm-relative, against the reference) and ``dtype``'s
+    tolerance (``TOLERANCES``; NaN and inf fail); a failure is added to the record's note with
+    its error, and printed after ``label`` (the backend and shape). True when it passed."""
+    tol = TOLERANCES[dtype]
+    if err <= tol:  # False for NaN
+        record.check = PASSED
+        return True
+    record.check = FAILED
+    why = f"failed the check: rel err {err:.1e} > {tol:.0e} ({str(dtype).replace('torch.', '')})"
+    record.note = f"{record.note}; {why}" if record.note else why
+    print(f"  {label} {why}", flush=True)
+    return False
+
+
+def note_error(record: Checked, exc: BaseException, label: str) -> None:
+    """A record whose backend raised: ``check`` error, the one-line reason as its note (its
+    timing fields stay empty), and a line printed after ``label`` (the backend and shape)."""
+    record.check, record.note = ERROR, failure_note(exc)
+    print(f"  {label} error: {record.note}", flush=True)
+
+
+def passing(row: Iterable[CheckedT]) -> list[CheckedT]:
+    """The records of ``row`` that passed the check: the only ones ranked."""
+    return [r for r in row if r.check == PASSED]
+
+
+def check_cell(record: Checked) -> str:
+    """A table's check column: failures in capitals, so a wrong or broken peer stands out."""
+    return record.check if record.check in (PASSED, SKIPPED) else record.check.upper()
 
 
 def rank(

@@ -17,6 +17,10 @@ The ``sdpa`` peer is torch's ``scaled_dot_product_attention`` on contiguous ``[b
 copies of the same K/V (kv heads expanded to Hq, copies made outside the timing) with a
 bottom-right-aligned causal mask (``causal_lower_right``), which torch runs with its flash
 kernel.
+
+Each result is checked against an fp32 reference first: one past the dtype's tolerance is
+recorded as failed and not ranked; a backend that cannot build or run is recorded with the
+reason. The records so far are saved after each one.
 """
 
 from __future__ import annotations
@@ -25,21 +29,26 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from execrt.bench.common import (
+    PASSED,
+    Checkpoint,
     build_attention_backend,
     cell,
-    failure_note,
+    check_cell,
+    check_error,
     median_us,
+    note_error,
+    passing,
     prepare_out_dir,
     rank,
-    report,
     utc_now,
 )
+from execrt.bench.environment import run_environment
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.config import TRITON_EXTEND_KERNELS
 from execrt.core.context import RuntimeContext
@@ -70,7 +79,9 @@ class Record:
     prefix: int
     ms: float | None  # None: it could not run here (``note`` says why)
     tflops: float | None
-    vs_best_peer: float  # over the row's best TFLOP/s, itself included (as in bench attention)
+    # over the row's best TFLOP/s, itself included (as in bench attention); 0: not ranked
+    # (it did not run or failed the check)
+    vs_best_peer: float
     vs_flashinfer: float  # over the best flashinfer variant's TFLOP/s; 0 without flashinfer
     max_rel_err: float | None
     timed_on: str  # "paged cache" or "contiguous K/V"
@@ -84,7 +95,9 @@ class Record:
     # named (gather, fresh, ws), empty for its tuned choice
     variant: str = ""
     build_s: float | None = None  # building the backend (a first FlashInfer start: its JIT)
-    note: str = ""  # what ran ("auto runs fa3") or why nothing did
+    note: str = ""  # what ran ("auto runs fa3"), why nothing did, or the check it failed
+    check: str = ""  # passed, failed (past the tolerance) or error (see common.Checked)
+    env: dict[str, str | None] = field(default_factory=dict)  # environment.run_environment
 
 
 def causal_flops(bs: int, new: int, prefix: int, num_q_heads: int, head_dim: int) -> float:
@@ -265,11 +278,12 @@ def run(
     out_dir: str | None = "benchmarks/results",
 ) -> list[Record]:
     """Benchmark every requested backend (flashinfer in each of ``variants``) on every shape;
-    print a table; save JSON. A backend or variant that cannot build or run here is recorded
-    with the reason and the run goes on."""
+    print a table; save JSON, the records so far after each one. A backend or variant that
+    cannot build or run here is recorded with the reason and the run goes on."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench extend: needs a CUDA device")
     prepare_out_dir("extend", out_dir)
+    saved = Checkpoint(out_dir, "extend")
     host = PluginHost()
     names = list(backends or DEFAULT_BACKENDS)
     each = {
@@ -277,12 +291,12 @@ def run(
         TRITON: tuple("" if k == "auto" else k for k in triton_kernels),
     }
     gpu = torch.cuda.get_device_name()
-    date = utc_now()
+    date, env = utc_now(), run_environment()
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
     records: list[Record] = []
     for bs, new, prefix in shapes:
         p = ExtendProblem(bs, new, prefix, num_q_heads, num_kv_heads, head_dim, dtype)
-        row = []
+        row: list[Record] = []
         for name in names:
             for variant in each.get(name, ("",)):
                 record = Record(
@@ -303,29 +317,33 @@ def run(
                     head_dim=head_dim,
                     dtype=str(dtype).replace("torch.", ""),
                     variant=variant,
+                    env=env,
                 )
                 time_into(record, host, p, iters, reps)
                 row.append(record)
-        rank_row(row)
+                rank_row(row)
+                saved.save([*records, *row])
         records += row
         del p
         torch.cuda.empty_cache()
-    return report(records, format_table, out_dir, "extend")
+    return saved.report(records, format_table)
 
 
 def rank_row(row: Sequence[Record]) -> None:
     """Set ``vs_best_peer`` and ``vs_flashinfer`` (over the best flashinfer variant) of one
-    shape's records; those that did not run keep 0."""
-    timed = [r for r in row if r.tflops is not None]
-    rank(timed, "tflops")
-    best_fi = max((r.tflops or 0.0 for r in timed if r.backend == FLASHINFER), default=0.0)
-    rank(timed, "tflops", "vs_flashinfer", against=best_fi)
+    shape's records from those that passed the check; the others keep 0."""
+    ranked = passing(row)
+    rank(ranked, "tflops")
+    best_fi = max((r.tflops or 0.0 for r in ranked if r.backend == FLASHINFER), default=0.0)
+    rank(ranked, "tflops", "vs_flashinfer", against=best_fi)
 
 
 def time_into(record: Record, host: PluginHost, p: ExtendProblem, iters: int, reps: int) -> None:
-    """Time ``record``'s backend (or variant) on ``p`` into it; a failure goes to its note."""
+    """Time ``record``'s backend (or variant) on ``p`` into it and check its result
+    (``check_error``); a failure to build or run goes to its note."""
     name, context = record.backend, RuntimeContext()
     label = f"{name}[{record.variant}]" if record.variant else name
+    label = f"{label:<16} {p.bs}x{p.new}+{p.prefix}"
     try:
         if name == SDPA:
             ms, err = measure(sdpa_calls(p), p, iters, reps)
@@ -341,28 +359,31 @@ def time_into(record: Record, host: PluginHost, p: ExtendProblem, iters: int, re
             ms, err = measure(calls, p, iters, reps)
             backend.close()
     except Exception as exc:  # report it and keep benchmarking the rest
-        record.note = failure_note(exc)
-        print(f"  {label:<16} {p.bs}x{p.new}+{p.prefix} skipped: {record.note}", flush=True)
+        note_error(record, exc, label)
         return
     finally:
         context.close()
     record.ms, record.max_rel_err = ms, err
     record.tflops = p.flops / (ms * 1e-3) / 1e12
+    check_error(record, err, p.dtype, label)
 
 
 def format_table(records: Sequence[Record]) -> str:
     """One line per (shape, backend, variant): TFLOP/s over the row's best backend and over
-    the best flashinfer variant."""
+    the best flashinfer variant ("-" where not ranked)."""
 
     lines = [
         f"{'backend':<12} {'variant':<7} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} "
-        f"{'TFLOP/s':>8} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7}  note"
+        f"{'TFLOP/s':>8} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7} "
+        f"{'check':<7} note"
     ]
     for r in records:
+        ranked = r.check == PASSED
+        vs_best, vs_fi = (r.vs_best_peer, r.vs_flashinfer) if ranked else (None, None)
         lines.append(
             f"{r.backend:<12} {r.variant:<7} {r.bs:>4} {r.new:>6} {r.prefix:>6} "
-            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {r.vs_best_peer:>7.2f} "
-            f"{r.vs_flashinfer:>6.2f} {cell(r.max_rel_err, 8, '.1e')} {cell(r.build_s, 7, '.1f')}"
-            f"  {r.note}"
+            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {cell(vs_best, 7, '.2f')} "
+            f"{cell(vs_fi, 6, '.2f')} {cell(r.max_rel_err, 8, '.1e')} {cell(r.build_s, 7, '.1f')}"
+            f" {check_cell(r):<7} {r.note}"
         )
     return "\n".join(lines)

@@ -7,23 +7,32 @@ weights in turn, so consecutive calls never find their experts in L2: bs 1 alone
 75 MB of experts (more than the L2), and between two uses of one copy at least two other
 calls stream as much again. Bytes counted per call: the distinct experts the routing hits
 (each 3·H·I weights) plus the hidden states read and the output written; the intermediates
-each implementation writes and reads back are its own cost and are not counted.
+each implementation writes and reads back are its own cost and are not counted. Each output
+is checked against the float64 oracle: one past the dtype's tolerance is recorded as failed,
+and an implementation that cannot run here is recorded with the reason. The records so far are
+saved after each one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from execrt.bench.common import (
+    SKIPPED,
+    Checkpoint,
+    cell,
+    check_cell,
+    check_error,
     copy_bandwidth_gbps,
     median_us,
+    note_error,
     prepare_out_dir,
-    report,
     utc_now,
 )
+from execrt.bench.environment import run_environment
 from execrt.core.experts import grouped_mm_usable, standard_experts
 from execrt.core.interfaces import StandardDispatchOutput
 from execrt.testing.oracles import compare, moe_oracle
@@ -39,12 +48,13 @@ ROUNDS = 2
 class Record:
     impl: str
     tokens: int
-    us: float
-    pct_copy_bw: float
-    gbps: float
+    us: float | None  # None: it did not run (``note`` says why)
+    pct_copy_bw: float | None  # gbps / copy_gbps x 100
+    copy_gbps: float  # the run's device-to-device copy rate (read + write)
+    gbps: float | None
     experts_hit: int
     mbytes: float
-    rel_err: float
+    rel_err: float | None
     gpu: str
     date: str
     num_experts: int
@@ -52,6 +62,9 @@ class Record:
     hidden_size: int
     intermediate_size: int
     dtype: str
+    check: str = ""  # passed, failed (past the tolerance), error or skipped (common.Checked)
+    note: str = ""  # why it failed or did not run
+    env: dict[str, str | None] = field(default_factory=dict)  # environment.run_environment
 
 
 class MoELayerProblem:
@@ -151,12 +164,14 @@ def run(
     reps: int = 5,
     out_dir: str | None = "benchmarks/results",
 ) -> list[Record]:
-    """Benchmark each implementation at each token count; print a table; save JSON."""
+    """Benchmark each implementation at each token count; print a table; save JSON, the
+    records so far after each one."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench moe: needs a CUDA device")
     prepare_out_dir("moe", out_dir)
+    saved = Checkpoint(out_dir, "moe")
     fns = {name: implementation(name) for name in impls}
-    gpu, date = torch.cuda.get_device_name(), utc_now()
+    gpu, date, env = torch.cuda.get_device_name(), utc_now(), run_environment()
     copy_bw = copy_bandwidth_gbps()
     print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     e, h, i = num_experts, hidden_size, intermediate_size
@@ -166,49 +181,66 @@ def run(
         problem = MoELayerProblem(t, weight_sets, top_k)
         ref = problem.reference()
         for name, fn in fns.items():
+            record = Record(
+                impl=name,
+                tokens=t,
+                us=None,
+                pct_copy_bw=None,
+                copy_gbps=copy_bw,
+                gbps=None,
+                experts_hit=problem.experts_hit,
+                mbytes=problem.bytes / 1e6,
+                rel_err=None,
+                gpu=gpu,
+                date=date,
+                num_experts=e,
+                top_k=top_k,
+                hidden_size=h,
+                intermediate_size=i,
+                dtype=str(dtype).replace("torch.", ""),
+                env=env,
+            )
             if name == "grouped_mm" and not grouped_mm_usable(
                 problem.dispatch.hidden_states, *weight_sets[0]
             ):
-                print(f"  {name:<11} T={t:<4} skipped: no native grouped GEMM on this device/dtype")
-                continue
-            try:
-                us, out = time_impl(fn, problem, iters, reps)
-            except Exception as exc:
-                print(f"  {name:<11} T={t:<4} skipped: {exc}")
-                continue
-            gbps = problem.bytes / (us * 1e-6) / 1e9
-            records.append(
-                Record(
-                    name,
-                    t,
-                    us,
-                    100 * gbps / copy_bw,
-                    gbps,
-                    problem.experts_hit,
-                    problem.bytes / 1e6,
-                    compare(out, ref).rel_error,
-                    gpu,
-                    date,
-                    e,
-                    top_k,
-                    h,
-                    i,
-                    str(dtype).replace("torch.", ""),
-                )  # fmt: skip
-            )
+                record.check, record.note = SKIPPED, "no native grouped GEMM on this device/dtype"
+                print(f"  {name:<11} T={t:<4} skipped: {record.note}")
+            else:
+                time_into(record, fn, problem, ref, iters, reps)
+            records.append(record)
+            saved.save(records)
         del problem
         torch.cuda.empty_cache()
-    return report(records, format_table, out_dir, "moe")
+    return saved.report(records, format_table)
+
+
+def time_into(
+    record: Record, fn: ExpertsFn, p: MoELayerProblem, ref: torch.Tensor, iters: int, reps: int
+) -> None:
+    """Time ``fn`` on ``p`` into ``record`` and check its output against ``ref`` (the oracle's,
+    ``check_error``); one that cannot run here gets the reason as its note."""
+    label = f"{record.impl:<11} T={record.tokens:<4}"
+    try:
+        us, out = time_impl(fn, p, iters, reps)
+    except Exception as exc:  # recorded, and the run goes on
+        note_error(record, exc, label)
+        return
+    record.us, record.rel_err = us, compare(out, ref).rel_error
+    record.gbps = p.bytes / (us * 1e-6) / 1e9
+    record.pct_copy_bw = 100 * record.gbps / record.copy_gbps
+    check_error(record, record.rel_err, p.dispatch.hidden_states.dtype, label)
 
 
 def format_table(records: Sequence[Record]) -> str:
     lines = [
         f"{'impl':<11} {'T':>4} {'experts':>7} {'MB':>7} {'us':>9} {'GB/s':>7} {'%copy':>6} "
-        f"{'rel err':>8}"
+        f"{'rel err':>8} {'check':<7} note"
     ]
     for r in records:
+        pct = None if r.pct_copy_bw is None else r.pct_copy_bw / 100
         lines.append(
-            f"{r.impl:<11} {r.tokens:>4} {r.experts_hit:>7} {r.mbytes:>7.1f} {r.us:>9.1f} "
-            f"{r.gbps:>7.0f} {r.pct_copy_bw:>5.1f}% {r.rel_err:>8.1e}"
+            f"{r.impl:<11} {r.tokens:>4} {r.experts_hit:>7} {r.mbytes:>7.1f} "
+            f"{cell(r.us, 9, '.1f')} {cell(r.gbps, 7, '.0f')} {cell(pct, 6, '.1%')} "
+            f"{cell(r.rel_err, 8, '.1e')} {check_cell(r):<7} {r.note}"
         )
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from execrt.bench.common import (
     report,
     utc_now,
 )
+from execrt.bench.environment import run_environment
 from execrt.bench.models import (
     MODELS,
     RandomWeightsLoader,
@@ -225,6 +226,9 @@ class Record:
     #: has none: each is a specialisation the warm-up did not meet, and stalls the GPU)
     jit_compiles: int | None = None
     jit_compile_ms: float | None = None
+    #: What produced the record: execrt's version and commit, the libraries', CUDA's and the
+    #: driver's (``environment.run_environment``)
+    env: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,6 +244,7 @@ class _Run:
     date: str
     weight_bytes: float
     kv_bytes: float
+    env: dict[str, str | None]
     records: list[Record] = field(default_factory=list)
 
 
@@ -260,7 +265,7 @@ def run(opts: Options) -> list[Record]:
     )
     gpu, gbps = measure_copy_rate(device)
     weights, kv = workload_bytes(mc, workload)
-    r = _Run(opts, shape, mc, workload, gbps, gpu, utc_now(), weights, kv)
+    r = _Run(opts, shape, mc, workload, gbps, gpu, utc_now(), weights, kv, run_environment())
     print(
         f"# {gpu}: copy {gbps:.0f} GB/s; {opts.model}, {opts.num_seqs} sequences, "
         f"{workload.input_tokens} prompt + {workload.output_tokens} output tokens; roofline "
@@ -443,6 +448,7 @@ def _add(
         gc_ms=None if "gc_s" not in stats else stats["gc_s"] * 1e3,
         jit_compiles=None if "jit_compiles" not in stats else int(stats["jit_compiles"]),
         jit_compile_ms=None if "jit_compile_s" not in stats else stats["jit_compile_s"] * 1e3,
+        env=r.env,
     )
     r.records.append(rec)
     shown = f"{rec.out_tok_s:,.0f} output tok/s" if rec.out_tok_s else f"skipped: {note}"

@@ -164,3 +164,62 @@ def test_smoke_defaults_fill_what_was_left_at_its_default_on_cpu_only() -> None:
         Opts(device="cpu"), Opts("tiny", {"layers": 1}, 2, 1, "cpu")
     )
     assert common.smoke_note(gpu, gpu) == ""
+
+
+@dataclass
+class Gated:
+    backend: str
+    check: str = ""
+    note: str = ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_result_past_its_dtypes_tolerance_fails_the_check_and_says_by_how_much(
+    dtype: torch.dtype, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tol = common.TOLERANCES[dtype]
+    within, past = Gated("a"), Gated("b", note="auto runs fa3")
+    assert common.check_error(within, tol / 2, dtype, "a bs=1")
+    assert (within.check, within.note) == ("passed", "")
+    assert not common.check_error(past, 2 * tol, dtype, "b bs=1")
+    name = str(dtype).removeprefix("torch.")
+    why = f"failed the check: rel err {2 * tol:.1e} > {tol:.0e} ({name})"
+    assert past.check == "failed" and past.note == f"auto runs fa3; {why}"  # what ran is kept
+    assert capsys.readouterr().out == f"  b bs=1 {why}\n"  # said as it happens
+    for err in (float("nan"), float("inf")):  # a kernel that wrote garbage
+        assert not common.check_error(Gated("c"), err, dtype, "c")
+    assert [r.backend for r in common.passing([within, past])] == ["a"]
+
+
+def test_a_backend_that_raised_is_an_error_with_its_one_line_reason(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    record = Gated("flashinfer")
+    common.note_error(record, RuntimeError("flashinfer: not installed\nTraceback ..."), "fi T=1")
+    assert (record.check, record.note) == ("error", "RuntimeError: flashinfer: not installed")
+    assert capsys.readouterr().out == "  fi T=1 error: RuntimeError: flashinfer: not installed\n"
+    assert common.passing([record]) == []
+    cells = [common.check_cell(Gated("x", c)) for c in ("passed", "failed", "error", "skipped")]
+    assert cells == ["passed", "FAILED", "ERROR", "skipped"]
+
+
+def test_a_checkpoint_keeps_the_records_so_far_until_the_final_file_replaces_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved, other = common.Checkpoint(str(tmp_path), "moe"), common.Checkpoint(str(tmp_path), "moe")
+    assert list(tmp_path.iterdir()) == []  # nothing finished: nothing written
+    saved.save([Row("a", 1.0)])
+    saved.save([Row("a", 1.0), Row("b", 2.0)])
+    other.save([Row("c", 3.0)])  # a run beside it, started in the same second
+    partial = Path(str(saved.path))
+    assert partial.name.startswith("moe-partial-") and partial != Path(str(other.path))
+    assert [r["backend"] for r in json.loads(partial.read_text())] == ["a", "b"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    rows = [Row("a", 1.0), Row("b", 2.0)]
+    assert saved.report(rows, table) is rows
+    assert not partial.exists()  # the final file has every record
+    final = capsys.readouterr().out.splitlines()[-1].removeprefix("# saved ")
+    assert Path(final).name.startswith("moe-2") and len(json.loads(Path(final).read_text())) == 2
+    nowhere = common.Checkpoint(None, "moe")
+    nowhere.save(rows)
+    assert nowhere.report(rows, table) is rows and nowhere.path is None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import execrt
 from execrt.bench import throughput
 from execrt.bench.models import kv_bytes_per_step, weight_bytes_per_step
 from execrt.cli import main
@@ -159,7 +160,10 @@ def test_profile_runs_the_workload_again_and_records_the_kernels(tmp_path, capsy
     assert "GPU busy 0.000 of" in out and "of GPU idle (an estimate)" in out
     assert "0 JIT compiles" in out
     (saved,) = os.listdir(tmp_path)
-    assert json.loads((tmp_path / saved).read_text())[0]["profile"]["wall_s"] > 0
+    (row,) = json.loads((tmp_path / saved).read_text())
+    assert row["profile"]["wall_s"] > 0
+    # what produced it: this execrt and torch (the rest: tests/bench/test_bench_env.py)
+    assert (row["env"]["execrt"], row["env"]["torch"]) == (execrt.__version__, torch.__version__)
 
 
 def test_every_named_config_is_in_the_cli_help(capsys) -> None:  # type: ignore[no-untyped-def]
