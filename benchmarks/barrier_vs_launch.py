@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from execrt.bench.common import copy_bandwidth_gbps, graph_us
+from execrt.bench.environment import write_run
 from execrt.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for rec in records:
         print(json.dumps(rec))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "records": records}, f, indent=1)
+        write_run(args.json, records)
     return 0
 
 

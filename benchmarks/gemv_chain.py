@@ -26,6 +26,7 @@ import sys
 import torch
 
 from execrt.bench.common import copy_bandwidth_gbps, graph_us
+from execrt.bench.environment import write_run
 from execrt.bench.models import MODELS
 from execrt.kernels import triton_linear as tl_mod
 from execrt.kernels.triton_linear import (
@@ -196,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     "us_per_call", "pct_copy")  # fmt: skip
             print(json.dumps({key: r[key] for key in keys}))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "records": records}, f, indent=1)
+        write_run(args.json, records)
     return 0
 
 

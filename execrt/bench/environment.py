@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
+from typing import Any
 
 import torch
 
@@ -79,3 +81,11 @@ def _nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
         return None
     found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
     return found.group(1) if found else None
+
+
+def write_run(path: str, records: list[dict[str, Any]]) -> None:
+    """A script's records as ``{"gpu", "env", "records"}`` JSON at ``path`` (the benchmarks in
+    ``benchmarks/`` that are no ``execrt bench`` command)."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    with open(path, "w") as f:
+        json.dump({"gpu": gpu, "env": run_environment(), "records": records}, f, indent=1)

@@ -202,6 +202,13 @@ def _k_step(acc, acc_u, sq, rstd, w, wu, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs, rm_ok
 
 
 @triton.jit
+def _next_k(w_ptrs, wu_ptrs, x_ptrs, nw_ptrs, r_ptrs, BLOCK_K: tl.constexpr):
+    """The main loop's pointers one K step on."""
+    return (w_ptrs + BLOCK_K, wu_ptrs + BLOCK_K, x_ptrs + BLOCK_K, nw_ptrs + BLOCK_K,
+            r_ptrs + BLOCK_K)  # fmt: skip
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
@@ -296,22 +303,16 @@ def _skinny_linear_kernel(
         acc, acc_u, sq = _k_step(acc, acc_u, sq, rstd, w0, wu0, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs,
                                  rm_ok, k_lo, K, EVEN_K, SWIGLU, SWIGLU_OUT, NORM, ADD,
                                  LATE_NORM, USE_DOT, BLOCK_M, BLOCK_K)  # fmt: skip
-        w_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        nw_ptrs += BLOCK_K
-        r_ptrs += BLOCK_K
+        w_ptrs, wu_ptrs, x_ptrs, nw_ptrs, r_ptrs = _next_k(w_ptrs, wu_ptrs, x_ptrs, nw_ptrs,
+                                                          r_ptrs, BLOCK_K)  # fmt: skip
         k_first += BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
         w, wu = _load_w(w_ptrs, wu_ptrs, k0, K, EVEN_K, SWIGLU_OUT, BLOCK_K)
         acc, acc_u, sq = _k_step(acc, acc_u, sq, rstd, w, wu, x_ptrs, nw_ptrs, r_ptrs, nr_ptrs,
                                  rm_ok, k0, K, EVEN_K, SWIGLU, SWIGLU_OUT, NORM, ADD,
                                  LATE_NORM, USE_DOT, BLOCK_M, BLOCK_K)  # fmt: skip
-        w_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        nw_ptrs += BLOCK_K
-        r_ptrs += BLOCK_K
+        w_ptrs, wu_ptrs, x_ptrs, nw_ptrs, r_ptrs = _next_k(w_ptrs, wu_ptrs, x_ptrs, nw_ptrs,
+                                                          r_ptrs, BLOCK_K)  # fmt: skip
     out = _acc_out(acc, USE_DOT, BLOCK_M)  # [BM, BN]
     up = _acc_out(acc_u, USE_DOT, BLOCK_M) if SWIGLU_OUT else out
     if NORM and LATE_NORM:  # (rms-free x) @ W^T, times each row's 1 / rms

@@ -99,6 +99,26 @@ def fp8_checkpoint(name: str, path: str, block: tuple[int, int] | None) -> dict[
     return oracle
 
 
+def assert_runs_like_transformers(
+    name: str, oracle: dict[str, torch.Tensor], path: str, runtime_context, plugin_host
+) -> None:
+    """Our engine on the fp8 checkpoint at ``path`` gives the prompts' logits of transformers
+    running ``name`` with the ``oracle``'s dequantized tensors."""
+    hf = build_hf_model(name)
+    state = hf.state_dict()
+    for key, w in oracle.items():
+        assert not torch.equal(state[key], w)  # the rounding is real, so the test can fail
+        state[key] = w
+    hf.load_state_dict(state)
+    worker = make_worker(path, runtime_context, plugin_host)
+    trace = prefill_then_decode(worker, PROMPTS, steps=1, full_logits=True)
+    worker.close()
+    assert trace.prefill_full_logits is not None
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert rel_err(trace.prefill_full_logits, ref) <= 1e-5
+
+
 @pytest.mark.parametrize(
     "name,block",
     [
@@ -114,19 +134,7 @@ def test_an_fp8_checkpoint_runs_its_dequantized_weights(
     oracle = fp8_checkpoint(name, str(tmp_path), block)
     want = WeightQuant("compressed-tensors", None) if block == ROWS else WeightQuant("fp8", block)
     assert ModelConfig.from_pretrained(str(tmp_path)).quantization == want
-    hf = build_hf_model(name)
-    state = hf.state_dict()
-    for key, w in oracle.items():
-        assert not torch.equal(state[key], w)  # the rounding is real, so the test can fail
-        state[key] = w
-    hf.load_state_dict(state)
-    worker = make_worker(str(tmp_path), runtime_context, plugin_host)
-    trace = prefill_then_decode(worker, PROMPTS, steps=2, full_logits=True)
-    worker.close()
-    assert trace.prefill_full_logits is not None
-    with torch.no_grad():
-        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
-    assert rel_err(trace.prefill_full_logits, ref) <= 1e-5
+    assert_runs_like_transformers(name, oracle, str(tmp_path), runtime_context, plugin_host)
 
 
 def test_factors_before_weights_stacked_experts_and_other_tensors_pass() -> None:
@@ -273,19 +281,7 @@ def test_fused_fp8_experts_load_with_their_factors(
     error 1.5), and their ``_scale_inv`` factors (or any other name under ``mlp.experts.``)
     crashed the loader with an unpacking error."""
     oracle = fused_fp8_moe_checkpoint(str(tmp_path), scales=True)
-    hf = build_hf_model("moe-8x2")
-    state = hf.state_dict()
-    for key, w in oracle.items():
-        assert not torch.equal(state[key], w)  # the rounding is real, so the test can fail
-        state[key] = w
-    hf.load_state_dict(state)
-    worker = make_worker(str(tmp_path), runtime_context, plugin_host)
-    trace = prefill_then_decode(worker, PROMPTS, steps=1, full_logits=True)
-    worker.close()
-    with torch.no_grad():
-        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
-    assert trace.prefill_full_logits is not None
-    assert rel_err(trace.prefill_full_logits, ref) <= 1e-5
+    assert_runs_like_transformers("moe-8x2", oracle, str(tmp_path), runtime_context, plugin_host)
     assert "e_score_correction_bias" in caplog.text  # ignored with the other unexpected names
 
 
