@@ -322,11 +322,18 @@ def check_error(record: Checked, err: float, dtype: torch.dtype, label: str) -> 
     return False
 
 
+class Refused(RuntimeError):
+    """A backend that refuses what a benchmark asks of it (a KV dtype it does not declare, a
+    package that is not installed): its reasons. Its record is skipped, not an error."""
+
+
 def note_error(record: Checked, exc: BaseException, label: str) -> None:
-    """A record whose backend raised: ``check`` error, the one-line reason as its note (its
-    timing fields stay empty), and a line printed after ``label`` (the backend and shape)."""
-    record.check, record.note = ERROR, failure_note(exc)
-    print(f"  {label} error: {record.note}", flush=True)
+    """A record whose backend raised: ``check`` error (skipped where it refused the problem,
+    ``Refused``), the one-line reason as its note (its timing fields stay empty), and a line
+    printed after ``label`` (the backend and shape)."""
+    record.check = SKIPPED if isinstance(exc, Refused) else ERROR
+    record.note = failure_note(exc)
+    print(f"  {label} {record.check}: {record.note}", flush=True)
 
 
 def passing(row: Iterable[CheckedT]) -> list[CheckedT]:
@@ -409,7 +416,7 @@ def build_attention_backend(
     )
     reasons = spec.refusals(requirements)
     if reasons:
-        raise RuntimeError("; ".join(reasons))
+        raise Refused("; ".join(reasons))
     init = AttentionBackendInit.over_cache(
         spec.narrowed(AttentionCapabilities).capabilities,
         kv_cache,

@@ -201,6 +201,16 @@ def test_a_backend_that_raised_is_an_error_with_its_one_line_reason(
     assert common.passing([record]) == []
     cells = [common.check_cell(Gated("x", c)) for c in ("passed", "failed", "error", "skipped")]
     assert cells == ["passed", "FAILED", "ERROR", "skipped"]
+    # A backend that refuses the problem (an fp8 cache it does not declare, a package not
+    # installed) is skipped with its reasons, not an error (seen on an H100: every backend
+    # without fp8 KV was listed as ERROR in the fp8 rows).
+    refused = Gated("sdpa_example")
+    common.note_error(refused, common.Refused("KV cache dtype float8_e4m3fn unsupported"), "s")
+    assert (refused.check, refused.note) == (
+        "skipped",
+        "Refused: KV cache dtype float8_e4m3fn unsupported",
+    )
+    assert common.passing([refused]) == []
 
 
 def test_a_checkpoint_keeps_the_records_so_far_until_the_final_file_replaces_it(

@@ -73,7 +73,9 @@ def test_a_variant_that_cannot_build_is_recorded_with_its_reason(capsys) -> None
         record = _record("flashinfer", None, variant)
         bench.time_into(record, PluginHost(autoload=False), p, iters=1, reps=1)
         assert record.ms is None and record.tflops is None
-        assert record.note.startswith("RuntimeError: ") and "cuda" in record.note
+        # refused (the device is not declared): skipped with the reasons, not an error
+        assert record.note.startswith("Refused: ") and "cuda" in record.note
+        assert record.check == "skipped"
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["flashinfer[auto]", "flashinfer[fa2]",
                                                    "flashinfer[fa3]"]  # fmt: skip
