@@ -30,9 +30,8 @@ from execrt.bench.common import (
     passing,
     prepare_out_dir,
     rank,
-    utc_now,
+    run_fields,
 )
-from execrt.bench.environment import run_environment
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.context import RuntimeContext
 from execrt.core.interfaces import (
@@ -212,7 +211,7 @@ def run(
     host = PluginHost()
     names = list(backends or host.registry.names("attention"))
     gpu = torch.cuda.get_device_name()
-    date, env = utc_now(), run_environment()
+    shared = run_fields(gpu, num_q_heads, num_kv_heads, head_dim, dtype)
     copy_bw = copy_bandwidth_gbps()
     print(f"# {gpu}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     records: list[Record] = []
@@ -233,14 +232,8 @@ def run(
                 vs_best_peer=0.0,
                 max_rel_err=None,
                 graph=None,
-                gpu=gpu,
-                date=date,
-                num_q_heads=num_q_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=str(dtype).replace("torch.", ""),
                 kv_dtype=kv_name,
-                env=env,
+                **shared,
             )
             time_into(record, host, problem, iters, reps)
             records.append(record)

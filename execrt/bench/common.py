@@ -327,6 +327,24 @@ class Refused(RuntimeError):
     package that is not installed): its reasons. Its record is skipped, not an error."""
 
 
+def run_fields(
+    gpu: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The fields every record of an attention benchmark's run shares: the GPU, the date,
+    the heads and dtype, and the run's environment (``environment.run_environment``)."""
+    from execrt.bench.environment import run_environment
+
+    return {
+        "gpu": gpu,
+        "date": utc_now(),
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": str(dtype).replace("torch.", ""),
+        "env": run_environment(),
+    }
+
+
 def note_error(record: Checked, exc: BaseException, label: str) -> None:
     """A record whose backend raised: ``check`` error (skipped where it refused the problem,
     ``Refused``), the one-line reason as its note (its timing fields stay empty), and a line

@@ -46,9 +46,8 @@ from execrt.bench.common import (
     passing,
     prepare_out_dir,
     rank,
-    utc_now,
+    run_fields,
 )
-from execrt.bench.environment import run_environment
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.config import TRITON_EXTEND_KERNELS
 from execrt.core.context import RuntimeContext
@@ -291,7 +290,7 @@ def run(
         TRITON: tuple("" if k == "auto" else k for k in triton_kernels),
     }
     gpu = torch.cuda.get_device_name()
-    date, env = utc_now(), run_environment()
+    shared = run_fields(gpu, num_q_heads, num_kv_heads, head_dim, dtype)
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
     records: list[Record] = []
     for bs, new, prefix in shapes:
@@ -310,14 +309,8 @@ def run(
                     vs_flashinfer=0.0,
                     max_rel_err=None,
                     timed_on="contiguous K/V" if name == SDPA else "paged cache",
-                    gpu=gpu,
-                    date=date,
-                    num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    dtype=str(dtype).replace("torch.", ""),
                     variant=variant,
-                    env=env,
+                    **shared,
                 )
                 time_into(record, host, p, iters, reps)
                 row.append(record)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from execrt.bench import attention, extend, moe
+from execrt.bench import attention, environment, extend, moe
 
 ENV = {"execrt": "0.0-test", "git_commit": "abc1234", "driver": None}
 
@@ -24,8 +24,9 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(environment, "run_environment", lambda: dict(ENV))  # run_fields'
+    monkeypatch.setattr(moe, "run_environment", lambda: dict(ENV))
     for bench in (attention, extend, moe):
-        monkeypatch.setattr(bench, "run_environment", lambda: dict(ENV))
         monkeypatch.setattr(bench, "PluginHost", lambda: None, raising=False)
     for bench in (attention, moe):
         monkeypatch.setattr(bench, "copy_bandwidth_gbps", lambda: 1000.0)
