@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from execrt.core.errors import ExecrtError
+from execrt.core.errors import ConfigError, ExecrtError
 from execrt.serve import GENERATION_CONFIGS
 from execrt.serve.reasoning import PARSERS
 
@@ -42,8 +42,8 @@ def engine_runner(choice: str, world_size: int) -> str:
     ``world_size`` processes (1 without torchrun)."""
     if choice == "auto":
         return "process" if world_size == 1 else "thread"
-    if choice == "process" and world_size > 1:
-        raise ExecrtError(
+    if choice == "process" and world_size > 1:  # the same on every rank: rank 0 says it
+        raise ConfigError(
             f"serve: --engine process needs a single process, not a torchrun world of "
             f"{world_size} (rank 0 steps its engine on a thread, in lockstep with the other "
             "ranks); use --engine thread or auto"
@@ -127,9 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli["step_timeout_s"] = args.step_timeout_s
     config = RuntimeConfig.load(file=args.config, cli=cli | {"model": args.model})
     if not 0 <= args.port <= 65535:
-        raise ExecrtError(f"serve: --port {args.port} must be in 0..65535")
+        raise ConfigError(f"serve: --port {args.port} must be in 0..65535")
     if args.served_model_name is not None and not args.served_model_name.strip():
-        raise ExecrtError(
+        raise ConfigError(
             f"serve: --served-model-name {args.served_model_name!r} must be a non-empty name "
             "(leave it out for the checkpoint's name)"
         )

@@ -86,6 +86,11 @@ def test_the_engine_runs_in_its_own_process_unless_under_torchrun(monkeypatch, c
     assert main(["serve", "--engine", "process", "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--engine process needs a single process" in err, err
+    # Every torchrun rank refuses alike: rank 0 says it, the others only exit 2 (it was
+    # printed once per rank).
+    monkeypatch.setenv("RANK", "1")
+    assert main(["serve", "--engine", "process", "--device", "cpu", "--port", "0"]) == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_stopped_while_loading_says_nothing(monkeypatch, capsys) -> None:
