@@ -27,7 +27,7 @@ import torch
 
 from execrt.bench.common import copy_bandwidth_gbps, graph_us
 from execrt.bench.environment import write_run
-from execrt.bench.models import MODELS
+from execrt.bench.models import MODELS, projection_shapes
 from execrt.kernels import triton_linear as tl_mod
 from execrt.kernels.triton_linear import (
     NORM,
@@ -41,20 +41,6 @@ from execrt.kernels.triton_linear import (
 
 #: The dense benchmark models (an MoE model's experts are no skinny GEMM).
 DENSE = sorted(name for name, c in MODELS.items() if not c.get("num_experts"))
-
-
-def model_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """A dense benchmark model's projections (``execrt.bench.models.MODELS``): name -> (N, K)."""
-    c = MODELS[model]
-    h, d = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    hq, hkv, inter = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
-    return {
-        "qkv": ((hq + 2 * hkv) * d, h),
-        "o": (h, hq * d),
-        "gate_up": (2 * inter, h),
-        "down": (h, inter),
-        "lm_head": (c["vocab_size"], h),
-    }
 
 
 #: The variant each projection runs in a decode step (the H100 table's choices): at one row
@@ -119,7 +105,7 @@ def run(
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps()
     records = []
-    for name, (w_rows, k) in model_shapes(model).items():
+    for name, (w_rows, k) in projection_shapes(model).items():
         if only and name not in only:
             continue
         variant = STEP_VARIANTS[min(m, 2)][name] if step_variants else PLAIN

@@ -49,7 +49,7 @@ if "--dry-run" in sys.argv:  # triton.jit reads the switch when the kernel modul
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from execrt.bench.common import copy_bandwidth_gbps, median_us, utc_now
-from execrt.bench.models import MODELS
+from execrt.bench.models import MODELS, projection_shapes
 from execrt.kernels._triton import tuned_table_name
 from execrt.kernels.activation import silu_and_mul, silu_and_mul_torch
 from execrt.kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_torch
@@ -85,25 +85,31 @@ class Shape:
     down: tuple[int, int] | None = None  # gate/up: down's (N, K), for the MLP chain
 
 
+#: The call variants each projection is tuned for (``projection_shapes``' names).
+PROJECTION_VARIANTS = {
+    "qkv": (PLAIN, NORM),
+    "o": (PLAIN,),
+    "lm_head": (PLAIN, NORM),
+    "router": (PLAIN,),
+    "down": (PLAIN, SWIGLU_IN),
+    "gate_up": (PLAIN, NORM, SWIGLU_OUT),
+}
+
+
 def model_shapes(names: list[str]) -> list[Shape]:
     seen: dict[tuple[int, int], Shape] = {}
     for model in names:
-        c = MODELS[model]
-        h, d = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-        hq, hkv = c["num_attention_heads"], c["num_key_value_heads"]
+        projections = projection_shapes(model)  # down before gate/up: its chain needs down's
         shapes = [
-            Shape(f"{model}.qkv", (hq + 2 * hkv) * d, h, (PLAIN, NORM)),
-            Shape(f"{model}.o", h, hq * d),
-            Shape(f"{model}.lm_head", c["vocab_size"], h, (PLAIN, NORM)),
+            Shape(
+                f"{model}.{name}",
+                n,
+                k,
+                PROJECTION_VARIANTS[name],
+                down=projections["down"] if name == "gate_up" else None,
+            )  # fmt: skip
+            for name, (n, k) in projections.items()
         ]
-        if c.get("num_experts"):
-            shapes.append(Shape(f"{model}.router", c["num_experts"], h))
-        else:
-            i = c["intermediate_size"]
-            shapes += [  # down first: gate/up's chain needs down's choices
-                Shape(f"{model}.down", h, i, (PLAIN, SWIGLU_IN)),
-                Shape(f"{model}.gate_up", 2 * i, h, (PLAIN, NORM, SWIGLU_OUT), down=(h, i)),
-            ]
         for s in shapes:
             old = seen.get((s.n, s.k))
             variants = tuple(dict.fromkeys((old.variants if old else ()) + s.variants))

@@ -279,6 +279,20 @@ def fill_hf_model(model: nn.Module, config: ModelConfig, seed: int) -> None:
 
 
 # -- the bytes one decode step must read -----------------------------------------------------------
+def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """The decode-size projections of a benchmark model (``MODELS``), name -> (N, K) of its
+    weight: ``qkv``, ``o``, ``lm_head``, then ``router`` (a MoE model, whose experts are no
+    such projection) or ``down`` and ``gate_up`` (N = 2I)."""
+    c = MODELS[model]
+    h, d = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    hq, hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    shapes = {"qkv": ((hq + 2 * hkv) * d, h), "o": (h, hq * d), "lm_head": (c["vocab_size"], h)}
+    if c.get("num_experts"):
+        return shapes | {"router": (c["num_experts"], h)}
+    inter = c["intermediate_size"]
+    return shapes | {"down": (h, inter), "gate_up": (2 * inter, h)}
+
+
 def expected_experts_touched(num_experts: int, top_k: int, batch_size: int) -> float:
     """Distinct experts a layer reads for ``batch_size`` tokens under uniform routing:
     E·(1 − (1 − K/E)^bs)."""

@@ -27,3 +27,18 @@ def test_unknown_names_and_bad_layer_counts_are_refused() -> None:
         model_config("tiny")
     with pytest.raises(ValueError, match="layers 0 must be >= 1"):
         model_config("qwen3-0.6b", 0)
+
+
+def test_projection_shapes_are_the_weights_a_decode_step_streams() -> None:
+    from execrt.bench.models import projection_shapes
+
+    dense = projection_shapes("qwen3-0.6b")  # 16 / 8 heads of 128, hidden 1024, I 3072
+    assert dense == {
+        "qkv": (4096, 1024),
+        "o": (1024, 2048),
+        "lm_head": (151936, 1024),
+        "down": (1024, 3072),
+        "gate_up": (6144, 1024),
+    }
+    moe = projection_shapes("qwen3-30b-a3b")  # the experts are no skinny GEMM: the router is
+    assert set(moe) == {"qkv", "o", "lm_head", "router"} and moe["router"] == (128, 2048)
