@@ -268,13 +268,14 @@ def compare(records: Sequence[Record]) -> None:
     """Set ``vs_best_peer`` (GB/s over the best of the same shape and KV dtype) and
     ``vs_kv_auto`` (µs over the same backend's with kv auto) from the records that passed the
     check; the others keep 0 and None."""
+    ranked = passing(records)
     rows: defaultdict[tuple[int, int, str], list[Record]] = defaultdict(list)
-    for r in passing(records):
+    for r in ranked:
         rows[(r.bs, r.ctx, r.kv_dtype)].append(r)
     for row in rows.values():
         rank(row, "gbps")
-    auto = {(r.backend, r.bs, r.ctx): r.us for r in passing(records) if r.kv_dtype == "auto"}
-    for r in passing(records):
+    auto = {(r.backend, r.bs, r.ctx): r.us for r in ranked if r.kv_dtype == "auto"}
+    for r in ranked:
         base = auto.get((r.backend, r.bs, r.ctx))
         if base is not None and r.us is not None:
             r.vs_kv_auto = r.us / base

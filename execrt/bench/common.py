@@ -136,9 +136,7 @@ def save_records(records: Sequence[Any], out_dir: str, stem: str) -> str:
         with open(path, "w") as fh:
             json.dump([asdict(r) for r in records], fh, indent=2)
     except OSError as exc:
-        raise ExecrtError(
-            f"--out {out_dir!r}: the {stem} records were not saved: {_why(exc, out_dir)}"
-        ) from None
+        raise _not_saved(out_dir, f"the {stem} records", exc) from None
     return path
 
 
@@ -155,11 +153,7 @@ def _claim(out_dir: str, stem: str) -> str:
             except FileExistsError:
                 continue
     except OSError as exc:
-        # Said as the flag the user gave, not as a bare OSError (which the CLI would print
-        # without saying which option it is about); the table printed before has the numbers.
-        raise ExecrtError(
-            f"--out {out_dir!r}: the {stem} records were not saved: {_why(exc, out_dir)}"
-        ) from None
+        raise _not_saved(out_dir, f"the {stem} records", exc) from None
     raise FileExistsError(f"{out_dir}: 999 {stem} records of {stamp} already")
 
 
@@ -185,10 +179,7 @@ class Checkpoint:
                 json.dump([asdict(r) for r in records], fh, indent=2)
             os.replace(tmp, self.path)
         except OSError as exc:
-            raise ExecrtError(
-                f"--out {self.out_dir!r}: the {self.stem} records so far were not saved: "
-                f"{_why(exc, self.out_dir)}"
-            ) from None
+            raise _not_saved(self.out_dir, f"the {self.stem} records so far", exc) from None
 
     def report(self, records: list[R], format_table: Callable[[Sequence[R]], str]) -> list[R]:
         """:func:`report` (print, save the final file), then the partial file removed."""
@@ -219,6 +210,12 @@ def prepare_out_dir(bench: str, out_dir: str | None) -> None:
         raise ExecrtError(
             f"bench {bench}: --out {out_dir!r}: cannot write a file in it ({_why(exc, out_dir)})"
         ) from None
+
+
+def _not_saved(out_dir: str, what: str, exc: OSError) -> ExecrtError:
+    """A failed save said as the flag the user gave, not as a bare OSError (which the CLI would
+    print without saying which option it is about); the table printed before has the numbers."""
+    return ExecrtError(f"--out {out_dir!r}: {what} were not saved: {_why(exc, out_dir)}")
 
 
 def _why(exc: OSError, out_dir: str) -> str:
