@@ -297,7 +297,7 @@ def _add_bench_prefix(bench_sub: Any) -> None:
         "model, each with the prefix cache on, off and force-missed. Defaults (in parentheses "
         "below): the GPU workloads on qwen3-8b.",
     )
-    pre.add_argument("--model", default="qwen3-8b", help="model shape (default: qwen3-8b)")
+    pre.add_argument("--model", help="model shape (default: qwen3-8b)")
     pre.add_argument(
         "--workloads",
         default="shared-prefix,random,chat",
@@ -325,13 +325,15 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         field: getattr(args, flag[2:].replace("-", "_"))
         for flag, (field, _) in BENCH_PREFIX_FLAGS.items()
     }
+    given["model"] = args.model
+    typed = {field: value for field, value in given.items() if value is not None}
     opts = prefix.Options(
-        model=args.model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         caches=tuple(c.strip() for c in args.caches.split(",") if c.strip()),
         device=args.device,
         out_dir=args.out,
-        **{field: value for field, value in given.items() if value is not None},
+        typed=frozenset(typed),
+        **typed,
     )
     prefix.run(opts)
     return 0

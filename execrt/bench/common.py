@@ -251,12 +251,14 @@ def smoke_defaults(opts: OptionsT, smoke: Mapping[str, Any]) -> OptionsT:
     """``opts`` (a bench's frozen Options) for its ``--device cpu`` smoke run: every field of
     ``smoke`` that ``opts`` leaves at its default (the GPU run's) takes ``smoke``'s value; the
     fields set otherwise win. ``model`` and ``config`` are one choice, the shape: the smoke
-    shape only where neither was set. Off CPU, ``opts`` itself. (A field set to exactly its
-    default cannot be told from one left out: the CLI passes both alike.)"""
+    shape only where neither was set. Off CPU, ``opts`` itself. A field named in
+    ``opts.typed`` (the CLI's flags that were typed) is kept even at its default: a value set
+    to exactly its default cannot be told from one left out otherwise."""
     if getattr(opts, "device", None) != "cpu":
         return opts
     defaults = {f.name: f.default for f in dataclasses.fields(opts)}
-    unset = {k: v for k, v in smoke.items() if getattr(opts, k) == defaults[k]}
+    typed = getattr(opts, "typed", frozenset())
+    unset = {k: v for k, v in smoke.items() if k not in typed and getattr(opts, k) == defaults[k]}
     if not {"model", "config"} <= unset.keys():  # a shape was chosen: keep it whole
         unset = {k: v for k, v in unset.items() if k not in ("model", "config")}
     return dataclasses.replace(opts, **unset)

@@ -113,6 +113,9 @@ class Options:
     device: str = "cuda"  # "cpu": the whole method, on CPU_SMOKE where nothing else was set
     seed: int = 0
     out_dir: str | None = "benchmarks/results"
+    #: Fields the caller set on purpose (the CLI's typed flags): a ``--device cpu`` smoke run
+    #: keeps them even where they equal the GPU default (``smoke_defaults``).
+    typed: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         problems = []

@@ -119,6 +119,9 @@ class Options:
     plot: bool = False
     out_dir: str | None = "benchmarks/results"
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
+    #: Fields the caller set on purpose (the CLI's typed flags): a ``--device cpu`` smoke run
+    #: keeps them even where they equal the GPU default (``smoke_defaults``).
+    typed: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         problems = []

@@ -195,9 +195,7 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "serve",
         help="HTTP serving: TTFT, ITL, throughput under load vs the Engine in-process",
     )
-    b.add_argument(
-        "--model", default="qwen3-0.6b", help="random-weight shape (default: %(default)s)"
-    )
+    b.add_argument("--model", help="random-weight shape (default: qwen3-0.6b)")
     b.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
     b.add_argument(
         "--workload",
@@ -205,32 +203,22 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         choices=["random", "shared-prefix"],
         help="random prompts, or groups of prompts sharing a prefix (default: random)",
     )
-    b.add_argument(
-        "--input-len", type=int, default=512, help="prompt tokens, at most (default: 512)"
-    )
-    b.add_argument(
-        "--output-len", type=int, default=128, help="output tokens, at most (default: 128)"
-    )
+    b.add_argument("--input-len", type=int, help="prompt tokens, at most (default: 512)")
+    b.add_argument("--output-len", type=int, help="output tokens, at most (default: 128)")
     b.add_argument(
         "--range-ratio",
         type=float,
         default=0.5,
         help="lengths are uniform in [ratio * len, len]; 1 fixes them (default: 0.5)",
     )
-    b.add_argument(
-        "--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens (default: 1024)"
-    )
-    b.add_argument(
-        "--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes (default: 8)"
-    )
+    b.add_argument("--prefix-len", type=int, help="shared-prefix: prefix tokens (default: 1024)")
+    b.add_argument("--num-groups", type=int, help="shared-prefix: distinct prefixes (default: 8)")
     b.add_argument(
         "--max-concurrency",
-        default="1,32,256",
         help="closed-loop runs, comma-separated client counts; '' for none (default: 1,32,256)",
     )
     b.add_argument(
         "--request-rate",
-        default="8,32",
         help="Poisson runs, comma-separated requests/s; '' for none (default: 8,32)",
     )
     b.add_argument(
@@ -239,9 +227,7 @@ def add_bench_serve_parser(bench_sub: Any) -> argparse.ArgumentParser:
         help="cap on in-flight requests of rate runs (default: none)",
     )
     b.add_argument("--num-prompts", type=int, help="requests per run (default: by the load)")
-    b.add_argument(
-        "--max-running-requests", type=int, default=256, help="engine batch limit (default: 256)"
-    )
+    b.add_argument("--max-running-requests", type=int, help="engine batch limit (default: 256)")
     b.add_argument("--attention", default="auto", help="attention backend (default: auto)")
     b.add_argument("--graph", default="auto", help="graph backend (default: auto)")
     b.add_argument(
@@ -289,20 +275,26 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 f"bench serve: {flag} {text!r} must be comma-separated numbers"
             ) from None
 
+    # The flags a --device cpu smoke run keeps at any value (None: not typed, the default).
+    typed: dict[str, Any] = {
+        "model": args.model,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prefix_len": args.prefix_len,
+        "num_groups": args.num_groups,
+        "num_prompts": args.num_prompts,
+        "max_running_requests": args.max_running_requests,
+    }
+    if args.max_concurrency is not None:
+        typed["concurrencies"] = numbers(args.max_concurrency, int, "--max-concurrency")
+    if args.request_rate is not None:
+        typed["request_rates"] = numbers(args.request_rate, float, "--request-rate")
+    typed = {name: value for name, value in typed.items() if value is not None}
     opts = serve.Options(
-        model=args.model,
         layers=args.layers,
         workload=args.workload,
-        input_len=args.input_len,
-        output_len=args.output_len,
         range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_groups=args.num_groups,
-        concurrencies=numbers(args.max_concurrency, int, "--max-concurrency"),
-        request_rates=numbers(args.request_rate, float, "--request-rate"),
         rate_concurrency=args.rate_concurrency,
-        num_prompts=args.num_prompts,
-        max_running_requests=args.max_running_requests,
         attention=args.attention,
         graph=args.graph,
         device=args.device,
@@ -311,6 +303,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         engine=not args.no_engine,
         plot=args.plot,
         out_dir=args.out,
+        typed=frozenset(typed),
+        **typed,
     )
     serve.run(opts)
     return 0

@@ -89,6 +89,18 @@ def test_the_cli_runs_the_benchmark_with_its_flags(monkeypatch, tmp_path) -> Non
     assert opts.model == "qwen3-8b" and opts.output_len == 256 and opts.out_dir == str(tmp_path)
 
 
+def test_a_flag_typed_at_its_gpu_default_is_kept_on_the_cpu_smoke_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # `--groups 32` equals the GPU default: the smoke run made it 3 as if it was not typed.
+    seen: list[prefix.Options] = []
+    monkeypatch.setattr(prefix, "run", lambda opts: seen.append(opts) or [])
+    assert main(["bench", "prefix", "--groups", "32", "--device", "cpu", "--out", ""]) == 0
+    cpu = smoke_defaults(seen[0], prefix.CPU_SMOKE)
+    assert (cpu.groups, cpu.per_group) == (32, prefix.CPU_SMOKE["per_group"])
+    assert main(["bench", "prefix", "--model", "qwen3-8b", "--device", "cpu", "--out", ""]) == 0
+    named = smoke_defaults(seen[1], prefix.CPU_SMOKE)
+    assert (named.model, named.config, named.groups) == ("qwen3-8b", None, 3)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_cli_without_cuda_points_at_the_cpu_smoke_run(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "prefix"]) == 2

@@ -206,6 +206,20 @@ def test_on_cpu_what_no_flag_set_is_the_tiny_smoke_run_and_flags_win(monkeypatch
     assert smoke_defaults(gpu, serve.CPU_SMOKE) is gpu
 
 
+def test_a_flag_typed_at_its_gpu_default_is_kept_on_the_cpu_smoke_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # `--input-len 512 --max-concurrency 1,32,256` equal the GPU defaults: the smoke run
+    # replaced them with 12 and (3,) as if they had not been typed.
+    from execrt.cli import main
+
+    seen: list[serve.Options] = []
+    monkeypatch.setattr(serve, "run", lambda opts: seen.append(opts) or [])
+    argv = ["bench", "serve", "--device", "cpu", "--input-len", "512", "--out", ""]
+    assert main([*argv, "--max-concurrency", "1,32,256", "--model", "qwen3-0.6b"]) == 0
+    cpu = smoke_defaults(seen[0], serve.CPU_SMOKE)
+    assert (cpu.input_len, cpu.concurrencies, cpu.model) == (512, (1, 32, 256), "qwen3-0.6b")
+    assert cpu.config is None and cpu.output_len == serve.CPU_SMOKE["output_len"]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the child in Linux's /proc")
 def test_ctrl_c_while_the_server_starts_is_quiet_and_130(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # The terminal's SIGINT reaches the whole group: the server process, still importing torch
