@@ -257,7 +257,7 @@ def smoke_defaults(opts: OptionsT, smoke: Mapping[str, Any]) -> OptionsT:
     if getattr(opts, "device", None) != "cpu":
         return opts
     defaults = {f.name: f.default for f in dataclasses.fields(opts)}
-    typed = getattr(opts, "typed", frozenset())
+    typed: frozenset[str] = getattr(opts, "typed", frozenset())
     unset = {k: v for k, v in smoke.items() if k not in typed and getattr(opts, k) == defaults[k]}
     if not {"model", "config"} <= unset.keys():  # a shape was chosen: keep it whole
         unset = {k: v for k, v in unset.items() if k not in ("model", "config")}
