@@ -362,10 +362,10 @@ def _add_bench_decode(bench_sub: Any) -> None:
     )
     dec.add_argument(
         "--context-len",
-        default="run",
-        help="the engine's context limit: run (ctx + steps + a margin), model (the model's own "
-        "limit, a user's default; sizes a graph bucket's decode launch) or a number "
-        "(default: run)",
+        default="model",
+        help="the engine's context limit: model (the model's own limit, what a user's engine "
+        "gets; sizes a graph bucket's decode launch), run (ctx + steps + a margin) or a "
+        "number (default: model)",
     )
     dec.add_argument(
         "--attention", default="auto", help="attention backend or auto (default: auto)"

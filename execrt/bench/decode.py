@@ -106,10 +106,11 @@ class Options:
     device: str = "cuda"  # "cpu" runs the whole method on tiny shapes (tests)
     config: dict[str, Any] | None = None  # a custom shape, labelled ``model``, instead of MODELS
     ttft: tuple[int, ...] = ()  # prompt lengths of the time-to-first-token rows (bs 1)
-    #: The engine's context limit: "run" (ctx + steps + a margin, the least the run needs),
-    #: "model" (the model's own limit: what a user's engine gets by default) or a number.
-    #: A graph bucket's decode launch is sized by it; the KV pool holds what the run needs.
-    context_len: str = "run"
+    #: The engine's context limit: "model" (the model's own limit: what a user's engine gets
+    #: by default, so the default), "run" (ctx + steps + a margin, the least the run needs)
+    #: or a number. A graph bucket's decode launch is sized by it; the KV pool holds what
+    #: the run needs.
+    context_len: str = "model"
     #: The generate path's step is ``(t(base + steps) - t(base)) / steps``, ``t(n)`` a generate
     #: of ``n`` new tokens. 1 (the default): the difference also holds what a call pays once
     #: per request after its prefill (the first decode steps, and the whole batch finishing

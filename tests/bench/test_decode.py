@@ -310,7 +310,7 @@ def test_a_generate_base_times_steady_steps_in_a_run_sized_context(tmp_path, mon
     monkeypatch.setattr(decode, "_generate_s", generate_s)
     opts = decode.Options(
         model="tiny", config=TINY, device="cpu", batch_sizes=(2,), ctx=6, steps=2, reps=1,
-        hf=False, modes=("eager",), out_dir=str(tmp_path), generate_base=3,
+        hf=False, modes=("eager",), out_dir=str(tmp_path), generate_base=3, context_len="run",
     )  # fmt: skip
     records = decode.run(opts)
     generate = [r for r in records if r.path == "generate"]
@@ -462,7 +462,8 @@ def test_cli_parses_options_into_the_run(monkeypatch) -> None:  # type: ignore[n
         False,
     )
     assert quick.overlap
-    assert (full.context_len, quick.context_len, full.reps) == ("model", "run", 3)
+    # A user's engine keeps the model's context limit: so does the default run.
+    assert (full.context_len, quick.context_len, full.reps) == ("model", "model", 3)
     assert (full.generate_base, quick.generate_base) == (33, 1)
     assert (quick.model, quick.batch_sizes, quick.steps, quick.reps, quick.hf) == (
         "qwen3-0.6b",
