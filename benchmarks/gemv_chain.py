@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from execrt.bench.common import copy_bandwidth_gbps, graph_us
 from execrt.bench.environment import write_run
 from execrt.bench.models import MODELS, projection_shapes
 from execrt.kernels import triton_linear as tl_mod
+from execrt.kernels.norm import fused_add_rmsnorm
 from execrt.kernels.triton_linear import (
     NORM,
     PLAIN,
@@ -58,10 +60,13 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def candidates(n: int, k: int, variant: str, m: int) -> list[tuple[SkinnyTile, bool]]:
+def candidates(
+    n: int, k: int, variant: str, m: int, norm: bool = False
+) -> list[tuple[SkinnyTile, bool]]:
     """Tiles to time, preload off and on. One row: CUDA-core tiles, thin and fat rows, whole-K
     and split K steps (a norm in front: inside the main loop, ``late_norm``). More rows: the
-    tensor-core tiles (split-K too where the output is narrow) and a few CUDA-core ones."""
+    tensor-core tiles (split-K too where the output is narrow) and a few CUDA-core ones; a
+    norm in front (``norm``) also inside the main loop (``late_norm``, whole rows only)."""
     out = []
     if m == 1:
         for block_n in (4, 8, 16):
@@ -83,24 +88,37 @@ def candidates(n: int, k: int, variant: str, m: int) -> list[tuple[SkinnyTile, b
                         tile = SkinnyTile(block_n, block_k, use_dot=True, num_warps=4,
                                           num_stages=stages, split_k=split)  # fmt: skip
                         out.append((tile, preload))
+                        if norm and split == 1:
+                            out.append((replace(tile, late_norm=True), preload))
     if m <= 16:
         for block_n in (4, 8):
             for block_k in (256, 512):
                 for preload in (False, True):
                     out.append((SkinnyTile(block_n, block_k, num_stages=2), preload))
+                    if norm:
+                        tile = SkinnyTile(block_n, block_k, num_stages=2, late_norm=True)
+                        out.append((tile, preload))
     return out
 
 
-def _chain(bufs, weights, n, tile, preload, variant, norm) -> None:
+def _chain(bufs, weights, n, tile, preload, variant, norm, apart=False) -> None:
     for i, w in enumerate(weights):
         k = w.shape[1] * (2 if variant == SWIGLU_IN else 1)
-        launch(bufs[i][:, :k], w, None, tile, out=bufs[i + 1][:, :n], preload=preload,
+        x = bufs[i][:, :k]
+        if apart:  # the norm kernel of its own, then the product without it (the step's "apart")
+            x, _ = fused_add_rmsnorm(x, norm.residual, norm.weight, norm.eps, use_triton=True)
+        launch(x, w, None, tile, out=bufs[i + 1][:, :n], preload=preload,
                swiglu=variant == SWIGLU_IN, swiglu_out=variant == SWIGLU_OUT,
-               norm=norm)  # fmt: skip
+               norm=None if apart else norm)  # fmt: skip
 
 
 def run(
-    model: str, calls: int, only: list[str] | None, step_variants: bool, m: int = 1
+    model: str,
+    calls: int,
+    only: list[str] | None,
+    step_variants: bool,
+    m: int = 1,
+    gate_up_norm: bool = False,
 ) -> list[dict]:
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps()
@@ -121,7 +139,8 @@ def run(
                 for _ in range(copies + 1)]  # fmt: skip
         first = bufs[0].clone()
         norm = None
-        if variant == NORM:  # the residual stream and the norm weight; x + r lands in scratch
+        with_norm = variant == NORM or (gate_up_norm and name == "gate_up" and m > 1)
+        if with_norm:  # the residual stream and the norm weight; x + r lands in scratch
             # the residual has x's strides (a view of a buffer as wide as the chain's)
             residual = torch.randn(m, width, device=dev, generator=gen).to(torch.bfloat16)[:, :k]
             norm_w = (torch.rand(k, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
@@ -129,13 +148,17 @@ def run(
                 norm_w, 1e-6, residual, torch.empty(m, k, dtype=torch.bfloat16, device=dev)
             )
         tuned = tl_mod.pick_tile(m, w_rows, k, torch.bfloat16, dev, variant)
-        arms = [(tuned, None, "table")] if tuned is not None else []
-        arms += [(t, p, "candidate") for t, p in candidates(w_rows, k, variant, m)]
+        # The table's tile; one that leaves a norm in front to the norm kernel runs behind it.
+        apart = norm is not None and tuned is not None and not tuned.fuse_norm
+        arms = [(tuned, None, "apart" if apart else "table")] if tuned is not None else []
+        arms += [(t, p, "candidate") for t, p in candidates(w_rows, k, variant, m, with_norm)]
         ref = None
         floor_us = w_rows * k * 2 / copy_gbps / 1e3
         for tile, preload, kind in arms:
             bufs[0].copy_(first)
-            fn = functools.partial(_chain, bufs, weights, n, tile, preload, variant, norm)
+            fn = functools.partial(
+                _chain, bufs, weights, n, tile, preload, variant, norm, kind == "apart"
+            )
             try:
                 us = graph_us(fn, 10, 5) / copies
             except Exception as exc:  # a tile this triton cannot compile: skip it, say why
@@ -146,7 +169,8 @@ def run(
             err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             records.append({
                 "model": model, "shape": name, "rows": m, "n": w_rows, "k": k, "kind": kind,
-                "variant": variant, "split_k": tile.split_k,
+                "variant": variant + ("+norm" if norm is not None and variant != NORM else ""),
+                "split_k": tile.split_k,
                 "block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
                 "stages": tile.num_stages, "late_norm": tile.late_norm, "use_dot": tile.use_dot,
                 "preload": preload, "us_per_call": round(us, 3),
@@ -165,13 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", help="comma-separated subset of the model's shapes")
     ap.add_argument("--rows", type=int, default=1, help="M: the decode batch (default: 1)")
     ap.add_argument("--plain", action="store_true", help="every shape plain (no norm, no SwiGLU)")
+    ap.add_argument(
+        "--gate-up-norm",
+        action="store_true",
+        help="more rows: gate/up (SwiGLU out) takes the norm in front, each tile against the "
+        "norm kernel + the table's tile ('apart')",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemv_chain: needs a CUDA GPU", file=sys.stderr)
         return 2
     only = args.shapes.split(",") if args.shapes else None
-    records = run(args.model, args.calls, only, not args.plain, args.rows)
+    records = run(args.model, args.calls, only, not args.plain, args.rows, args.gate_up_norm)
     print(f"GPU {torch.cuda.get_device_name(0)}")
     for shape in dict.fromkeys(r["shape"] for r in records):
         rows = [r for r in records if r["shape"] == shape and "us_per_call" in r]
