@@ -19,7 +19,14 @@ Method:
   (``submit`` / ``step``, bench/load.py ``replay``), so TTFT is what a user sees: from
   submission to the first token handed to the caller, queueing included (wall clock);
 - throughput counts prompt and output tokens per second of the whole run; the hit rate is the
-  prefix cache's (prompt tokens found cached at admission / prompt tokens admitted).
+  prefix cache's (prompt tokens found cached at admission / prompt tokens admitted);
+- the floor (``workload_floor``): the run's ideal time, from the workload's token lists alone
+  (not the engine's hits), at a dense matmul rate and a copy rate measured in the same run
+  (``measure_roof``): the prefill FLOPs of the prompt tokens that must be computed (cache off
+  or force-missed: all; on: those no earlier prompt or answer of the run computed, and at
+  least each prompt's last) at the matmul rate, plus the bytes the decode steps must read
+  (the weights once a step, every request the K/V of its context, all requests of a wave
+  decoding together) at the copy rate. ``pct_floor`` = floor / measured seconds x 100.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from execrt.bench.common import (
     utc_now,
     where_problems,
 )
+from execrt.bench.floor import Roof, Served, measure_roof, workload_floor
 from execrt.bench.http_load import Request, Run
 from execrt.bench.load import percentile, replay
 from execrt.bench.models import (
@@ -58,6 +66,7 @@ from execrt.core.errors import ExecrtError
 from execrt.core.schedule import SamplingParams
 from execrt.engine import Engine
 from execrt.engine.client import EngineStats, RequestOutput
+from execrt.models.config import ModelConfig
 
 WORKLOADS = ("shared-prefix", "random", "chat")
 #: cache setting -> Engine keywords
@@ -174,6 +183,16 @@ class Record:
     ttft_ms_per_turn: list[float] | None = None  # chat: mean over conversations, per turn
     ttft_vs_off: float | None = None  # off's mean TTFT / this one's (> 1: faster first token)
     throughput_vs_off: float | None = None  # this throughput / off's
+    # The floor (``workload_floor``) and the rates it divides by, both measured in the run.
+    computed_tokens: int = 0  # prompt tokens the floor computes (all, or the cache's misses)
+    prefill_floor_s: float | None = None  # their FLOPs at the matmul rate
+    decode_floor_s: float | None = None  # the decode steps' bytes at the copy rate
+    floor_s: float | None = None  # prefill_floor_s + decode_floor_s
+    pct_floor: float | None = None  # floor_s / duration_s x 100
+    ttft_floor_ms: float | None = None  # mean over requests: its own prefill at the rates
+    pct_ttft_floor: float | None = None  # ttft_floor_ms / ttft_ms_mean x 100
+    peak_tflops: float = 0.0  # dense matmul, the engine's dtype (bf16 on CUDA, fp32 on CPU)
+    copy_gbps: float = 0.0  # read + write
     note: str = ""
 
 
@@ -185,6 +204,7 @@ class _Measured:
     duration_s: float
     before: EngineStats
     after: EngineStats
+    waves: list[list[Served]]  # what the floor counts: the requests, as they were submitted
     per_turn: list[float] | None = field(default=None)
 
 
@@ -221,7 +241,12 @@ def run(opts: Options) -> list[Record]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     date, layers = utc_now(), int(config["num_hidden_layers"])
     vocab = int(config["vocab_size"])
-    print(f"# {gpu}: {opts.model}, {layers} layers; workloads {', '.join(opts.workloads)}")
+    mc = ModelConfig.from_dict(config)
+    roof = measure_roof(device, mc)  # before any engine holds the device
+    print(
+        f"# {gpu}: {opts.model}, {layers} layers; workloads {', '.join(opts.workloads)}; "
+        f"matmul {roof.tflops:.3g} TFLOP/s, copy {roof.gbps:.0f} GB/s (the floor's rates)"
+    )
     if note := smoke_note(given, opts):
         print(note)
     records: list[Record] = []
@@ -234,6 +259,7 @@ def run(opts: Options) -> list[Record]:
                     engine.flush_cache()
                     m = _measure(engine, opts, workload, vocab)
                     records.append(_record(opts, workload, cache, m, gpu, date, layers))
+                    _add_floor(records[-1], m, mc, roof)
                     print(f"  {_describe(records[-1])}", flush=True)
         except Exception as exc:  # e.g. out of memory: say so in the records, go on
             done = {r.workload for r in records if r.cache == cache}
@@ -241,6 +267,7 @@ def run(opts: Options) -> list[Record]:
             for workload in (w for w in opts.workloads if w not in done):
                 records.append(Record(workload, cache, 0.0, None, None, 0.0, opts.model, gpu, date))
                 records[-1].note, records[-1].layers = note, layers
+                records[-1].peak_tflops, records[-1].copy_gbps = roof.tflops, roof.gbps
                 print(f"  {workload:<13} {cache:<10} failed: {note}", flush=True)
         release_memory()
     _compare_to_off(records)
@@ -295,6 +322,7 @@ def _measure(engine: Engine, opts: Options, workload: str, vocab: int) -> _Measu
         duration_s=seconds,
         before=before,
         after=engine.stats(),
+        waves=[[Served(r.prompt, r.output_len) for r in reqs]],  # all submitted at once
     )
 
 
@@ -302,6 +330,7 @@ def _chat(engine: Engine, opts: Options, vocab: int, before: EngineStats) -> _Me
     rng = random.Random(opts.seed + 3)
     per_turn: list[list[float]] = [[] for _ in range(opts.turns)]
     prompt_tokens = output_tokens = 0
+    waves: list[list[Served]] = []  # one request at a time
     start = time.perf_counter()
     for _ in range(opts.conversations):
         prompt = _tokens(rng, opts.turn_len, vocab)
@@ -309,6 +338,7 @@ def _chat(engine: Engine, opts: Options, vocab: int, before: EngineStats) -> _Me
             ttft, answer = _one_request(engine, prompt, opts.answer_len)
             per_turn[turn].append(ttft)
             prompt_tokens, output_tokens = prompt_tokens + len(prompt), output_tokens + len(answer)
+            waves.append([Served(prompt, opts.answer_len, answer)])
             prompt = prompt + answer + _tokens(rng, opts.turn_len, vocab)
     return _Measured(
         ttft_ms=[t for turn in per_turn for t in turn],
@@ -317,6 +347,7 @@ def _chat(engine: Engine, opts: Options, vocab: int, before: EngineStats) -> _Me
         duration_s=time.perf_counter() - start,
         before=before,
         after=engine.stats(),
+        waves=waves,
         per_turn=[statistics.fmean(t) for t in per_turn],
     )
 
@@ -376,6 +407,17 @@ def _record(
     )
 
 
+def _add_floor(r: Record, m: _Measured, config: ModelConfig, roof: Roof) -> None:
+    """``r``'s floor: its requests' ideal time, reusing computed K/V with the cache on only."""
+    floor = workload_floor(config, m.waves, roof, reuse=r.cache == "on")
+    r.computed_tokens = floor.computed_tokens
+    r.prefill_floor_s, r.decode_floor_s, r.floor_s = floor.prefill_s, floor.decode_s, floor.seconds
+    r.pct_floor = 100 * floor.seconds / m.duration_s if m.duration_s else None
+    r.ttft_floor_ms = statistics.fmean(floor.first_token_s) * 1e3
+    r.pct_ttft_floor = 100 * r.ttft_floor_ms / r.ttft_ms_mean if r.ttft_ms_mean else None
+    r.peak_tflops, r.copy_gbps = roof.tflops, roof.gbps
+
+
 def _compare_to_off(records: list[Record]) -> None:
     off = {r.workload: r for r in records if r.cache == "off"}
     for r in records:
@@ -392,9 +434,11 @@ def _describe(r: Record) -> str:
     turns = ""
     if r.ttft_ms_per_turn:
         turns = "  turns " + " ".join(f"{t:.1f}" for t in r.ttft_ms_per_turn) + " ms"
+    floor = "-" if r.pct_floor is None else f"{r.pct_floor:.1f}%"
     return (
         f"{r.workload:<13} {r.cache:<10} hit {100 * r.hit_rate:5.1f}%  TTFT mean "
-        f"{_ms(r.ttft_ms_mean)} p50 {_ms(r.ttft_ms_p50)}  {r.throughput_tok_s:,.0f} tok/s{turns}"
+        f"{_ms(r.ttft_ms_mean)} p50 {_ms(r.ttft_ms_p50)}  {r.throughput_tok_s:,.0f} tok/s  "
+        f"floor {floor}{turns}"
     )
 
 
@@ -405,16 +449,20 @@ def _ms(v: float | None) -> str:
 def format_table(records: Sequence[Record]) -> str:
     lines = [
         f"{'workload':<14}{'cache':<11}{'hit rate':>9}{'TTFT mean':>11}{'TTFT p50':>11}"
-        f"{'tok/s':>11}{'TTFT off/x':>11}{'tok/s x/off':>12}{'retract':>8}  note"
+        f"{'tok/s':>11}{'TTFT off/x':>11}{'tok/s x/off':>12}{'retract':>8}{'%floor':>7}  note"
     ]
     for r in records:
         lines.append(
             f"{r.workload:<14}{r.cache:<11}{cell(100 * r.hit_rate, 8, '.1f')}%"
             f"{cell(r.ttft_ms_mean, 11, '.1f')}{cell(r.ttft_ms_p50, 11, '.1f')}"
             f"{cell(r.throughput_tok_s, 11, ',.0f')}{cell(r.ttft_vs_off, 11, '.2f')}"
-            f"{cell(r.throughput_vs_off, 12, '.2f')}{r.retractions:>8}  {r.note}"
+            f"{cell(r.throughput_vs_off, 12, '.2f')}{r.retractions:>8}"
+            f"{cell(r.pct_floor, 7, '.1f')}  {r.note}"
         )
-    lines.append("(TTFT in ms; tok/s counts prompt and output tokens)")
+    lines.append(
+        "(TTFT in ms; tok/s counts prompt and output tokens; %floor: the ideal time of the "
+        "run's requests / its measured time)"
+    )
     for r in records:
         if r.ttft_ms_per_turn:
             turns = ", ".join(f"{t:.1f}" for t in r.ttft_ms_per_turn)

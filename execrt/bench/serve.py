@@ -19,7 +19,15 @@ Method:
   request and output-token throughput;
 - then, in this process, one Engine with the same configuration replays every run with the
   same arrivals through its request API (``submit`` / ``step``, no HTTP): ``engine_*`` fields,
-  and ``Engine.generate`` of all requests at once for the saturation throughput.
+  and ``Engine.generate`` of all requests at once for the saturation throughput;
+- the limit: each run's output tokens over its floor, at a matmul rate and a copy rate
+  measured in the same run once the server has stopped (bench/prefix.py ``measure_roof``).
+  The floor is the larger of the ideal schedule of its requests (``workload_floor``: the
+  prompt tokens no earlier prompt of the run computed, at the matmul rate; the decode steps,
+  at most ``concurrency`` requests at a time, reading the weights once a step and each
+  request its K/V, at the copy rate) and the arrivals (no request done before its arrival
+  plus its own ideal time alone). ``pct_output_limit`` = ``output_tok_s`` /
+  ``output_tok_s_limit`` x 100.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from execrt.bench.common import (
     utc_now,
     where_problems,
 )
+from execrt.bench.floor import Roof, Served, measure_roof, workload_floor
 from execrt.bench.http_load import Request, Run, drive_http
 from execrt.bench.load import Summary, error_samples, generate_tok_s, replay, summarize
 from execrt.bench.models import (
@@ -62,6 +71,7 @@ from execrt.bench.models import (
 from execrt.core.errors import ExecrtError
 from execrt.engine import Engine
 from execrt.engine.process import QUIET_SPAWN
+from execrt.models.config import ModelConfig
 
 WORKLOADS = ("random", "shared-prefix")
 DEFAULT_CONCURRENCY = (1, 32, 256)  # 256 = max_running_requests: saturation
@@ -226,6 +236,14 @@ class Record(Summary):
     # random workload finds nothing, a shared-prefix one its groups' prefixes).
     prefix_hit_tokens: int | None = None  # the server's engine, from its /metrics
     engine_prefix_hit_tokens: int | None = None
+    # The run's physical limit (``run_floor_s``) and the rates it divides by, both measured in
+    # the run (dense matmul in the engine's dtype: bf16 on CUDA, fp32 on CPU; copy read + write)
+    floor_s: float | None = None
+    output_tok_s_limit: float | None = None  # the run's output tokens / floor_s
+    pct_output_limit: float | None = None  # output_tok_s / output_tok_s_limit x 100
+    engine_pct_output_limit: float | None = None  # engine_output_tok_s / the same limit x 100
+    peak_tflops: float | None = None
+    copy_gbps: float | None = None
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -430,6 +448,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def run_floor_s(config: ModelConfig, run: Run, roof: Roof) -> float:
+    """The shortest time ``run`` could take at ``roof``'s rates: its requests' ideal schedule
+    (``workload_floor``; at most ``run.concurrency`` at a time, reusing what an earlier prompt
+    computed, as the server's prefix cache may), and no request done before its arrival and
+    its own ideal time alone."""
+    requests = [Served(q.prompt, q.output_len) for q in run.requests]
+    floor = workload_floor(config, [requests], roof, reuse=True, slots=run.concurrency)
+    arrived = max(at + alone for at, alone in zip(run.arrivals, floor.alone_s, strict=True))
+    return max(floor.seconds, arrived)
+
+
+def _add_limit(rec: Record, config: ModelConfig, run: Run, roof: Roof) -> None:
+    rec.floor_s = run_floor_s(config, run, roof)
+    rec.output_tok_s_limit = sum(q.output_len for q in run.requests) / rec.floor_s
+    rec.pct_output_limit = 100 * rec.output_tok_s / rec.output_tok_s_limit
+    rec.peak_tflops, rec.copy_gbps = roof.tflops, roof.gbps
+
+
 # -- the benchmark ------------------------------------------------------------------------------
 class _CtrlC:
     """SIGINT's handler during a run: KeyboardInterrupt, as by default, and remembered. One
@@ -523,6 +559,15 @@ def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
             pool.shutdown(cancel_futures=True)
     gc.collect()
     ctrl_c.check()
+    config = ModelConfig.from_dict(opts.model_shape())
+    roof = measure_roof(device, config)  # the server gone: the device is this process's
+    for r, rec in zip(runs, records, strict=True):
+        _add_limit(rec, config, r, roof)
+    print(
+        f"# the limits' rates: matmul {roof.tflops:.3g} TFLOP/s, copy {roof.gbps:.0f} GB/s",
+        flush=True,
+    )
+    ctrl_c.check()
     if opts.engine:
         with _build_engine(opts) as engine:
             replay(engine, warm)
@@ -536,6 +581,8 @@ def _run(opts: Options, ctrl_c: _CtrlC) -> list[Record]:
                 )
                 s = summarize(timings, duration)
                 rec.engine_output_tok_s = s.output_tok_s
+                if rec.output_tok_s_limit:
+                    rec.engine_pct_output_limit = 100 * s.output_tok_s / rec.output_tok_s_limit
                 rec.engine_ttft_ms_p50 = s.ttft_ms_p50
                 rec.engine_itl_ms_p50 = s.itl_ms_p50
                 rec.engine_tpot_ms_p50 = s.tpot_ms_p50
@@ -595,15 +642,16 @@ def format_table(records: Sequence[Record]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    head = "conc  rate   ttft50  ttft99  itl50   tpot50  tok/s    engine   ratio  ttft+  errors"
-    head += "  prefills(http/engine)"
+    head = "conc  rate   ttft50  ttft99  itl50   tpot50  tok/s    %limit engine   ratio  ttft+  "
+    head += "errors  prefills(http/engine)"
     lines = [head]
     for r in records:
         lines.append(
             f"{num(r.concurrency, '<5')} {num(r.request_rate, '<6g')} "
             f"{num(r.ttft_ms_p50, '7.2f')} {num(r.ttft_ms_p99, '7.2f')} "
             f"{num(r.itl_ms_p50, '7.2f')} {num(r.tpot_ms_p50, '7.2f')} "
-            f"{num(r.output_tok_s, '8.0f')} {num(r.engine_output_tok_s, '8.0f')} "
+            f"{num(r.output_tok_s, '8.0f')} {num(r.pct_output_limit, '6.1f')} "
+            f"{num(r.engine_output_tok_s, '8.0f')} "
             f"{num(r.throughput_ratio, '6.3f')} {num(r.ttft_overhead_ms, '6.2f')} {r.errors:<7} "
             f"{num(r.extend_steps, 'd')}/{num(r.engine_extend_steps, 'd')}"
         )

@@ -17,8 +17,10 @@ import torch
 
 from execrt.bench import http_load, load, serve
 from execrt.bench.common import smoke_defaults
-from execrt.bench.models import SMOKE_MODEL, SMOKE_SHAPE
+from execrt.bench.floor import Roof
+from execrt.bench.models import SMOKE_MODEL, SMOKE_SHAPE, weight_bytes_per_step
 from execrt.core.errors import ExecrtError
+from execrt.models.config import ModelConfig
 from tests.bench.test_decode import TINY
 from tests.drivers import live_children
 
@@ -75,14 +77,53 @@ def test_a_small_run_measures_http_and_the_engine(tmp_path, monkeypatch, workloa
             assert r.prefix_hit_tokens == 0 and r.engine_prefix_hit_tokens == 0, r
         else:  # the groups' shared prefixes, once each group's first request cached them
             assert r.prefix_hit_tokens and r.engine_prefix_hit_tokens, r
+        # The limit: the run's output tokens over its floor, at rates measured in the run;
+        # neither side beats it (on CPU the host bounds a step: far below it closed-loop).
+        assert r.peak_tflops and r.copy_gbps and r.floor_s and r.output_tok_s_limit
+        assert r.output_tok_s_limit * r.floor_s == pytest.approx(6 * r.output_len_mean)
+        assert r.pct_output_limit and 0 < r.pct_output_limit <= 100, r
+        assert r.engine_pct_output_limit and 0 < r.engine_pct_output_limit <= 100, r
+        if r.request_rate is not None:  # arrivals bound a rate run's floor: 6 at 40/s
+            assert r.floor_s > max(serve.plan_runs(opts, 1000)[1].arrivals)
     (saved,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert saved.startswith("serve-")
     fields = json.load(open(tmp_path / saved))[0]
     required = "concurrency request_rate ttft_ms_p50 ttft_ms_p99 itl_ms_p50 tpot_ms_p50"
     required += " output_tok_s engine_output_tok_s model gpu date"
+    required += " floor_s output_tok_s_limit pct_output_limit engine_pct_output_limit"
+    required += " peak_tflops copy_gbps"
     assert set(required.split()) <= set(fields)
     if opts.plot:
         assert os.path.getsize(tmp_path / saved.replace(".json", ".png")) > 10_000
+
+
+def test_the_limit_follows_the_concurrency_the_arrivals_and_shared_prefixes() -> None:
+    mc = ModelConfig.from_dict(TINY)
+    w = weight_bytes_per_step(mc, 1, 4)  # dense: one read a step at any batch
+    roof = Roof(tflops=1e3, gbps=1e-9, dtype_bytes=4)  # 1 byte/s; FLOPs cost nothing
+    reqs = (http_load.Request([1, 2, 3], 3), http_load.Request([4, 5, 6], 3))
+
+    def floor(concurrency: int | None, arrivals: tuple[float, ...] = (0.0, 0.0)) -> float:
+        return serve.run_floor_s(mc, http_load.Run(concurrency, None, reqs, arrivals), roof)
+
+    # Two decode steps each: together 2 steps; one at a time 4, two more weight reads.
+    assert floor(1) - floor(2) == pytest.approx(2 * w)
+    assert floor(None) == floor(2) == floor(8)
+    # The second arrives late: it cannot finish before its arrival and its time alone.
+    late = floor(None, (0.0, 1e9))
+    alone = w + 2 * w + (3 + 1 + 3 + 2) * 4 * 2 * 2 * 2 * 16  # prefill read, 2 steps, K/V
+    assert late == pytest.approx(1e9 + alone)
+    # A shared prefix is computed once (the server's prefix cache is on).
+    shared = (http_load.Request([1, 2, 3, 4], 1), http_load.Request([1, 2, 3, 5], 1))
+    distinct = (http_load.Request([1, 2, 3, 4], 1), http_load.Request([6, 7, 8, 5], 1))
+    compute = Roof(tflops=1e-6, gbps=1e3, dtype_bytes=4)  # 1 FLOP/us; bytes cost nothing
+
+    def compute_s(requests: tuple[http_load.Request, ...]) -> float:
+        return serve.run_floor_s(mc, http_load.Run(None, None, requests, (0.0, 0.0)), compute)
+
+    linear = 2 * 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64)  # FLOPs a token, 2 layers
+    saved = 3 * linear + (3 * 4 // 2) * 2 * 4 * 16 * 4  # 3 tokens and their 6 (q, k) pairs
+    assert compute_s(distinct) - compute_s(shared) == pytest.approx(saved / 1e6)
 
 
 def test_the_warm_up_shares_no_prefix_with_any_run() -> None:
