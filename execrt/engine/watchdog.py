@@ -89,6 +89,7 @@ class StepWatchdog:
     def overdue(self) -> str | None:
         """Why no new request should wait behind the engine now (its step has run past the
         bound), or None."""
+        self._say_if_ended()
         started, now = self.clock.started, self.clock.now()
         if not started or now - started <= self.bound_s:
             return None
@@ -103,20 +104,25 @@ class StepWatchdog:
         self._closed.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        self._say_if_ended()  # a stop within a poll of the step's end still says it
+
+    def _say_if_ended(self) -> None:
+        """The line for a step logged as overdue that has ended since, once (whoever looks
+        first: the thread, a caller of ``overdue()``, ``close()``)."""
+        started, now = self.clock.started, self.clock.now()
+        with self._lock:
+            reported = self._reported
+            if not reported or started == reported:
+                return
+            self._reported = 0.0
+        logger.warning(
+            "engine: the step that ran past step_timeout_s ended after about %.1f s; "
+            "new requests are taken again",
+            now - reported,
+        )
 
     def _watch(self) -> None:
         while not self._closed.wait(self.poll_s):
-            started, now = self.clock.started, self.clock.now()
-            with self._lock:
-                reported = self._reported
-                if reported and started != reported:
-                    self._reported = 0.0
-            if reported and started != reported:
-                logger.warning(
-                    "engine: the step that ran past step_timeout_s ended after about %.1f s; "
-                    "new requests are taken again",
-                    now - reported,
-                )
             self.overdue()
 
 

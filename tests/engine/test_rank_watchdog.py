@@ -91,6 +91,31 @@ def test_the_watchdog_logs_a_stalled_step_once_and_its_end(caplog) -> None:
     assert "ended after about 7.0 s; new requests are taken again" in ended
 
 
+def test_the_end_of_a_stalled_step_is_said_before_the_next_poll_or_at_close(caplog) -> None:
+    # The end was said by the thread's next poll only: a server stopped (or asked for its
+    # health) within a poll of the step's end never said it (a flaky torchrun serve test).
+    caplog.set_level(logging.WARNING, logger=WATCHDOG_LOG)
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == WATCHDOG_LOG]
+
+    for ask_first in (True, False):
+        caplog.clear()
+        now = FakeTime()
+        clock = StepClock(now=now)
+        watchdog = StepWatchdog(clock, 2.0, poll_s=3600)  # the thread never looks
+        try:
+            with clock:
+                now.now += 3.0
+                assert watchdog.overdue() is not None
+            if ask_first:  # a /health: told at once that it ended, and says so
+                assert watchdog.overdue() is None
+                assert len(lines()) == 2
+        finally:
+            watchdog.close()
+        assert len(lines()) == 2 and "new requests are taken again" in lines()[1]
+
+
 def test_a_watchdog_needs_a_positive_bound() -> None:
     with pytest.raises(ValueError, match="bound_s must be > 0, got 0"):
         StepWatchdog(StepClock(), 0.0)
