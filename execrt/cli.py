@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NoReturn
 
 from execrt._version import __version__
@@ -753,7 +755,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             schema_grammar(params.json_schema)
         except ValueError as exc:
             raise ExecrtError(f"generate: --json-schema: {exc}") from None
-    with Engine(config=config) as engine:
+    with Engine(config=config) as engine, _rank_lost_ends(engine):
         # Under torchrun every rank runs the requests in lockstep; rank 0 alone prints.
         show = engine.parallel.rank == 0
         if args.verbose and show:
@@ -831,10 +833,48 @@ def _chat_request(engine: Any, prompt: Any, params: Any) -> tuple[Any, Any]:
         raise ExecrtError(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _rank_lost_ends(engine: Any) -> Iterator[None]:
+    """Under torchrun, a collective that failed because another rank went away (killed,
+    crashed) ends this rank with RankLostError: one line naming the lost rank, as ``execrt
+    serve`` says it, instead of a traceback or a request refused with gloo's message.
+
+    torchrun sends SIGTERM to the other ranks as soon as it sees one die, often before they
+    have said why they stop. So meanwhile SIGTERM raises SystemExit (status 143), behind which
+    the failed collective is still found when it came first, and once a rank is known lost
+    SIGTERM is ignored: this rank says so and exits by itself (torchrun kills it past 30 s).
+    (A SIGTERM that stops a healthy run may thus end a rank whose collective failed as its
+    peer exited with that line too: the peer is gone.) Ctrl-C, which reaches every rank, stays
+    quiet."""
+    from execrt.core.parallel import rank_lost
+
+    torchrun = engine.parallel.world_size > 1
+    previous = signal.signal(signal.SIGTERM, _sigterm_exits) if torchrun else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        lost = rank_lost(exc, engine.parallel)  # None in a single process
+        if lost is None:
+            raise
+        torchrun = False  # SIGTERM stays ignored: torchrun's waits for the line
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise lost from exc
+    finally:
+        if torchrun:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_exits(signum: int, frame: Any) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
 def _stream(engine: Any, prompt: Any, params: Any, *, show: bool, shown: Any) -> int:
     """Print one request's text as it is generated (``show``: this rank prints; ``shown``:
     the prompt as the user gave it, which a refusal names, not the chat template's ids)."""
     from execrt.core.errors import RequestError
+    from execrt.core.parallel import rank_lost
 
     out = sys.stdout if show else open(os.devnull, "w")  # other ranks step along silently
     try:
@@ -843,6 +883,9 @@ def _stream(engine: Any, prompt: Any, params: Any, *, show: bool, shown: Any) ->
             out.flush()
         out.write("\n")
     except RequestError as exc:
+        if rank_lost(exc, engine.parallel) is not None:  # not this request's fault
+            out.write("\n")  # the error line starts a line of its own
+            raise
         if show:
             print(f"execrt: request {_shown(shown)!r} rejected: {exc}", file=sys.stderr)
         return 2
@@ -973,23 +1016,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = stdout
         _discard_stdout()
         return 128 + 13
-    except (ExecrtError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.filename is None:
-            raise  # not about a path the user gave (cache dir, report file): keep the trace
-        from execrt.core.parallel import launch_rank
-
-        rank = launch_rank()
-        # A configuration error is the same on every torchrun rank: rank 0 reports it. Any
-        # other error is reported by each rank that hit it.
-        if isinstance(exc, ConfigError) and rank:
-            return 2
-        print(
-            f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}{_set_by_env(exc)}",
-            file=sys.stderr,
-        )
-        return 2
     finally:
         sys.stdout = stdout
+
+
+def _report(exc: BaseException, flags: Collection[str]) -> int:
+    """Say ``exc`` in one line on stderr (with ``set_by_env``'s note, ``flags`` being the
+    config keys the command line set); returns the exit status, 2."""
+    from execrt.core.parallel import launch_rank
+
+    rank = launch_rank()
+    # A configuration error is the same on every torchrun rank: rank 0 reports it. Any
+    # other error is reported by each rank that hit it.
+    if isinstance(exc, ConfigError) and rank:
+        return 2
+    # One write, the newline with it: torchrun runs its ranks unbuffered (python -u), and a
+    # line printed in two writes may be cut by another process's on the stderr they share.
+    line = f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}{set_by_env(exc, flags)}\n"
+    sys.stderr.write(line)
+    return 2
 
 
 #: The config key that names each kind's backend.
@@ -1001,18 +1046,37 @@ _BACKEND_KEYS = {
 }
 
 
-def _set_by_env(exc: BaseException) -> str:
-    """`` (the environment sets EXECRT_X=name)`` for a backend refused by a name that the
-    environment gave (the error itself cannot tell where the name came from)."""
+def set_by_env(exc: BaseException, flags: Collection[str]) -> str:
+    """`` (the environment sets EXECRT_X=value)`` for each config key ``exc`` is about (a
+    ConfigError's ``keys``, a refused backend's key) that an ``EXECRT_*`` variable set and
+    no flag overrode (``flags``: the keys the command line set, ``config_flags``); "" for
+    none. The error cannot say where its value came from: the command that loaded the config
+    can."""
     from execrt.core import envs
     from execrt.core.errors import BackendUnavailableError
 
-    if not isinstance(exc, BackendUnavailableError) or exc.kind not in _BACKEND_KEYS:
-        return ""
-    var = envs.CONFIG_PREFIX + _BACKEND_KEYS[exc.kind].upper()
-    if os.environ.get(var, "").strip() != exc.name:
-        return ""
-    return f" (the environment sets {var}={exc.name})"
+    keys: Sequence[str] = ()
+    if isinstance(exc, ConfigError):
+        keys = exc.keys
+    elif isinstance(exc, BackendUnavailableError) and exc.kind in _BACKEND_KEYS:
+        keys = [_BACKEND_KEYS[exc.kind]]
+    environment = envs.config_overrides()
+    said = []
+    for key in dict.fromkeys(keys):
+        var, value = envs.CONFIG_PREFIX + key.upper(), environment.get(key, "").strip()
+        if not value or key in flags:
+            continue
+        if isinstance(exc, BackendUnavailableError) and value != exc.name:
+            continue  # refused under another name (an automatic choice's fallback)
+        said.append(f"{var}={value}")
+    return f" (the environment sets {', '.join(said)})" if said else ""
+
+
+def config_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The RuntimeConfig keys that flags of the command line set (flags left out are None)."""
+    from execrt.core.config import RuntimeConfig
+
+    return frozenset(k for k in RuntimeConfig.keys() if getattr(args, k, None) is not None)
 
 
 def _run(argv: Sequence[str] | None, *, closed: bool) -> int:
@@ -1037,7 +1101,12 @@ def _run(argv: Sequence[str] | None, *, closed: bool) -> int:
         return 128 + 2
     if closed:  # started with file descriptor 1 closed (`execrt backends >&-`)
         raise _OutputError(STDOUT_CLOSED)
-    return COMMANDS[args.command](args)
+    try:
+        return COMMANDS[args.command](args)
+    except (ExecrtError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise  # not about a path the user gave (cache dir, report file): keep the trace
+        return _report(exc, config_flags(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

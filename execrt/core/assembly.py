@@ -133,7 +133,9 @@ def resolve_device(name: str, world: ParallelState | None = None) -> torch.devic
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"config: device {name!r} requested but no CUDA device is visible")
+        raise ConfigError(
+            f"config: device {name!r} requested but no CUDA device is visible", keys=["device"]
+        )
     if device.type == "cuda" and device.index is None and world is not None:
         if world.world_size > 1:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -169,7 +171,8 @@ def resolve_runtime(
         raise ConfigError(
             f"context_len {config.context_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings} (accepted: 0 = the model's, or at most "
-            f"{spec.max_position_embeddings})"
+            f"{spec.max_position_embeddings})",
+            keys=["context_len"],
         )
     context_len = config.context_len or spec.max_position_embeddings
     auto_running = config.max_running_requests == 0
@@ -282,7 +285,8 @@ def resolve_kv_rotation(name: str, kv_dtype: torch.dtype, head_dim: int) -> bool
     if name == "hadamard" and not power_of_two:
         raise ConfigError(
             f"config: kv_cache_rotation 'hadamard' needs a power-of-two head_dim, the model's "
-            f"is {head_dim} (use 'none' or 'auto')"
+            f"is {head_dim} (use 'none' or 'auto')",
+            keys=["kv_cache_rotation"],
         )
     return name == "hadamard" or (name == "auto" and is_fp8(kv_dtype) and power_of_two)
 
@@ -490,7 +494,8 @@ def check_gpu_kv_budget(
         f"config: the automatic KV pool on {device} gets {format_bytes(budget)} of the "
         f"{format_bytes(free)} free after the weights: {tokens} tokens at {per_token} bytes "
         f"each, fewer than one request at context_len {context_len}; free the GPU memory held "
-        "elsewhere, lower context_len, or set kv_cache_tokens"
+        "elsewhere, lower context_len, or set kv_cache_tokens",
+        keys=["context_len", "kv_cache_memory_fraction"],
     )
 
 

@@ -123,14 +123,16 @@ class RuntimeConfig:
                     "'auto' or 'none'" if name in ("graph_backend", "prefix_cache") else "'auto'"
                 )
                 raise ConfigError(
-                    f"config: {name} must be a backend name, {keywords}, got {value!r}"
+                    f"config: {name} must be a backend name, {keywords}, got {value!r}",
+                    keys=[name],
                 )
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(
-                f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)"
+                f"config: device {self.device!r} unsupported (supported: auto, cpu, cuda, cuda:N)",
+                keys=["device"],
             )
         if self.tp_size < 1:
-            raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}")
+            raise ConfigError(f"config: tp_size must be >= 1, got {self.tp_size}", keys=["tp_size"])
         auto_sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_tokens")
         for name in (
             *auto_sizes, "context_len", "cuda_graph_max_bs", "ep_size",
@@ -138,24 +140,28 @@ class RuntimeConfig:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(
-                    f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}"
+                    f"config: {name} must be >= 0 (0 = auto), got {getattr(self, name)}",
+                    keys=[name],
                 )
         if self.context_len == 1:  # a request needs a prompt token and room for one more
             raise ConfigError(
                 "config: context_len 1 leaves no room for a token after the prompt "
-                "(accepted: 0 = the model's, or at least 2)"
+                "(accepted: 0 = the model's, or at least 2)",
+                keys=["context_len"],
             )
         if not self.step_timeout_s >= 0:  # NaN too
             raise ConfigError(
                 f"config: step_timeout_s must be >= 0 (seconds; 0 = auto: "
-                f"{_auto_step_timeouts()}; inf = no bound), got {self.step_timeout_s}"
+                f"{_auto_step_timeouts()}; inf = no bound), got {self.step_timeout_s}",
+                keys=["step_timeout_s"],
             )
         if self.seed < 0:  # 0 is a seed like any other
-            raise ConfigError(f"config: seed must be >= 0, got {self.seed}")
+            raise ConfigError(f"config: seed must be >= 0, got {self.seed}", keys=["seed"])
         if not 0.0 <= self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError(
                 "config: kv_cache_memory_fraction must be in [0, 0.95] (0 = auto), "
-                f"got {self.kv_cache_memory_fraction}"
+                f"got {self.kv_cache_memory_fraction}",
+                keys=["kv_cache_memory_fraction"],
             )
         choices = {
             "dtype": DTYPES,
@@ -175,7 +181,8 @@ class RuntimeConfig:
             if getattr(self, name) not in accepted:
                 raise ConfigError(
                     f"config: {name} {getattr(self, name)!r} unsupported "
-                    f"(supported: {', '.join(accepted)})"
+                    f"(supported: {', '.join(accepted)})",
+                    keys=[name],
                 )
         self.graph_batch_sizes()  # validates cuda_graph_bs
 
@@ -188,7 +195,8 @@ class RuntimeConfig:
         if any(b < 1 for b in sizes):
             raise ConfigError(
                 f"config: cuda_graph_bs {self.cuda_graph_bs!r} must be comma-separated "
-                "integers >= 1, e.g. '1,2,4,8'"
+                "integers >= 1, e.g. '1,2,4,8'",
+                keys=["cuda_graph_bs"],
             )
         return sizes
 
@@ -213,7 +221,8 @@ class RuntimeConfig:
             ):
                 raise ConfigError(
                     f"config: {f.name}={value!r} has type {type(value).__name__} "
-                    f"(accepted: {accepted[1]})"
+                    f"(accepted: {accepted[1]})",
+                    keys=[f.name],
                 )
             if str(f.type) == "float":
                 object.__setattr__(self, f.name, float(getattr(self, f.name)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class ExecrtError(Exception):
@@ -10,7 +10,24 @@ class ExecrtError(Exception):
 
 
 class ConfigError(ExecrtError, ValueError):
-    """A configuration value is invalid; the message names key, value and what is accepted."""
+    """A configuration value is invalid; the message names key, value and what is accepted.
+
+    ``ConfigError(message)`` is the whole constructor a plugin needs; ``keys`` is optional.
+
+    Attributes:
+        keys: the RuntimeConfig keys whose values the error is about, e.g.
+            ``("context_len",)``, when the message does not say which source gave them (TOML
+            file, ``EXECRT_*`` variable, flag, keyword argument): most often a value that the
+            model or this machine cannot run, found after the config loaded. Empty when the
+            message names the source (``RuntimeConfig.load``'s errors) or the error is about
+            no key. The CLI reads them to add ``(the environment sets
+            EXECRT_CONTEXT_LEN=100000000)`` for a key that a variable set and no flag
+            overrode.
+    """
+
+    def __init__(self, *args: object, keys: Iterable[str] = ()) -> None:
+        super().__init__(*args)
+        self.keys = tuple(keys)
 
 
 class BackendUnavailableError(ExecrtError):

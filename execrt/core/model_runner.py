@@ -187,7 +187,8 @@ class ModelRunner:
         if r.config.kv_cache_rotation == "hadamard":
             raise ConfigError(
                 f"config: kv_cache_rotation 'hadamard' needs a model that rotates q and k "
-                f"(set_kv_rotation); {type(self.model).__name__} has none (use 'none')"
+                f"(set_kv_rotation); {type(self.model).__name__} has none (use 'none')",
+                keys=["kv_cache_rotation"],
             )
         return dataclasses.replace(r, kv_rotation=False)
 

@@ -50,7 +50,8 @@ class ModelSpec:
         if self.is_moe and self.num_experts % parallel.ep_size:
             raise ConfigError(
                 f"expert parallel: num_experts {self.num_experts} not divisible by ep_size "
-                f"{parallel.ep_size} (supported: an ep_size dividing the experts)"
+                f"{parallel.ep_size} (supported: an ep_size dividing the experts)",
+                keys=["ep_size"],
             )
         heads = shard_heads(self.num_q_heads, self.num_kv_heads, parallel.tp_size, parallel.tp_rank)
         return replace(self, num_q_heads=heads.num_q, num_kv_heads=heads.num_kv)

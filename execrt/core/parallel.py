@@ -50,7 +50,8 @@ class ParallelState:
             if size not in (1, self.world_size):
                 raise ConfigError(
                     f"parallel: {name} {size} unsupported in a world of {self.world_size} "
-                    f"(supported: 1 or {self.world_size})"
+                    f"(supported: 1 or {self.world_size})",
+                    keys=[name],
                 )
 
     @property
@@ -87,20 +88,23 @@ class ParallelState:
         if size > world:
             raise ConfigError(
                 f"parallel: {name} {size} needs {size} processes, this world has {world} "
-                f"(launch {size} processes with torchrun --nproc-per-node {size})"
+                f"(launch {size} processes with torchrun --nproc-per-node {size})",
+                keys=[name],
             )
         if tp_size not in (1, world) or ep not in (1, world):
             raise ConfigError(
                 f"parallel: tp_size {tp_size} / ep_size {ep} unsupported in a world of {world} "
                 f"(supported: tp_size {world} with ep_size 1 or {world}, or tp_size 1 with "
-                f"ep_size {world} for a MoE model)"
+                f"ep_size {world} for a MoE model)",
+                keys=["tp_size", "ep_size"],
             )
         if world > 1 and tp_size == 1 and (ep == 1 or not is_moe):
             wanted = f"tp_size {world}" + (f" or ep_size {world}" if is_moe else "")
             raise ConfigError(
                 f"parallel: a world of {world} processes but tp_size 1"
                 + (f" and ep_size {ep}" if is_moe else "")
-                + f": every rank would repeat the same work (supported: {wanted})"
+                + f": every rank would repeat the same work (supported: {wanted})",
+                keys=["tp_size", "ep_size"] if is_moe else ["tp_size"],
             )
         return replace(self, tp_size=tp_size, ep_size=ep if is_moe else 1)
 
@@ -162,21 +166,24 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int)
     if num_q_heads % tp_size:
         raise ConfigError(
             f"tensor parallel: num_q_heads {num_q_heads} not divisible by tp_size {tp_size} "
-            "(supported: a tp_size dividing the query heads)"
+            "(supported: a tp_size dividing the query heads)",
+            keys=["tp_size"],
         )
     num_q = num_q_heads // tp_size
     if num_kv_heads >= tp_size:
         if num_kv_heads % tp_size:
             raise ConfigError(
                 f"tensor parallel: num_kv_heads {num_kv_heads} not divisible by tp_size "
-                f"{tp_size} (supported: a tp_size dividing, or a multiple of, the kv heads)"
+                f"{tp_size} (supported: a tp_size dividing, or a multiple of, the kv heads)",
+                keys=["tp_size"],
             )
         num_kv = num_kv_heads // tp_size
         return HeadShard(tp_rank * num_q, num_q, tp_rank * num_kv, num_kv)
     if tp_size % num_kv_heads:
         raise ConfigError(
             f"tensor parallel: tp_size {tp_size} not a multiple of num_kv_heads {num_kv_heads} "
-            "(supported: a tp_size dividing, or a multiple of, the kv heads)"
+            "(supported: a tp_size dividing, or a multiple of, the kv heads)",
+            keys=["tp_size"],
         )
     # Each kv head is replicated on tp / Hkv ranks; rank r's query heads all read kv head
     # r * Hkv // tp because the query groups are contiguous.
@@ -188,7 +195,8 @@ def shard_rows(size: int, tp_size: int, tp_rank: int, what: str) -> slice:
     if size % tp_size:
         raise ConfigError(
             f"tensor parallel: {what} {size} not divisible by tp_size {tp_size} "
-            f"(supported: a tp_size dividing the {what})"
+            f"(supported: a tp_size dividing the {what})",
+            keys=["tp_size"],
         )
     block = size // tp_size
     return slice(tp_rank * block, (tp_rank + 1) * block)
@@ -235,7 +243,9 @@ def init_parallel(device: torch.device) -> ParallelState:
 class RankLostError(ExecrtError):
     """A collective failed because another rank went away (killed, crashed) or stopped
     answering: this rank cannot go on. Its message is one line for the user; the collective's
-    own error is its ``__cause__`` (for a debug log)."""
+    own error is its ``__cause__`` (for a debug log). ``lost`` says which rank and what
+    happened without the collective's words (``rank 1 of 2 is gone``), for a client of the
+    server, which gets no detail of its host (addresses, source paths)."""
 
     def __init__(self, rank: int, world_size: int, reason: str) -> None:
         self.rank = rank
@@ -245,7 +255,8 @@ class RankLostError(ExecrtError):
         # address, not a rank.
         peer = f"rank {1 - rank} of 2" if world_size == 2 else f"another rank (of {world_size})"
         what = "stopped answering" if _TIMED_OUT.search(reason) else "is gone"
-        super().__init__(f"{peer} {what} (a collective failed: {reason}); stopping")
+        self.lost = f"{peer} {what}"
+        super().__init__(f"{self.lost} (a collective failed: {reason}); stopping")
 
 
 #: What gloo and NCCL say when a collective fails for want of a peer.

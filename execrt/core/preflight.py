@@ -42,7 +42,8 @@ def check_before_load(
     )
     raise ConfigError(
         f"config: {said}, before the model's weights, but {device} has "
-        f"{format_bytes(available)} available; {_LOWER[named[0][0]]}"
+        f"{format_bytes(available)} available; {_LOWER[named[0][0]]}",
+        keys=[k for k, _, _ in named],
     )
 
 

@@ -210,6 +210,12 @@ class EngineClient(ABC):
         or this client keeps no step watchdog (``engine.watchdog``)."""
         return None
 
+    def rank_lost(self) -> str | None:
+        """Which tensor-parallel rank went away, once one has (``rank 1 of 2 is gone``): the
+        engine has stopped for good (``load_error()`` says so with the collective's error),
+        and every request it ran ended with an error output. None: no rank was lost."""
+        return None
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the engine is ready or failed to load, up to ``timeout`` seconds;
         returns ``ready()``."""
@@ -272,6 +278,7 @@ class BackgroundEngineClient(EngineClient):
         self._text: TextCodec | None = None
         self._limits: RequestLimits | None = None
         self._error: str | None = None
+        self._lost: str | None = None  # rank_lost(), set with _error
         self._loaded = threading.Event()  # built, or failed to
         self._flushes: dict[int, Future[bool]] = {}
         self._flush_keys = itertools.count()
@@ -306,6 +313,9 @@ class BackgroundEngineClient(EngineClient):
 
     def load_error(self) -> str | None:
         return self._error
+
+    def rank_lost(self) -> str | None:
+        return self._lost
 
     def model_info(self) -> ModelInfo:
         assert self._info is not None, "model_info() before ready()"

@@ -126,7 +126,10 @@ class Engine:
                 path, self.random_weights = choice.path, choice.random_weights
                 self.model_note = f"model {choice.name} ({choice.reason})"
             elif not os.path.isdir(path) and not (os.path.isfile(path) and path.endswith(".gguf")):
-                raise ConfigError(f"engine: model path {path!r} is not a directory or a .gguf file")
+                raise ConfigError(
+                    f"engine: model path {path!r} is not a directory or a .gguf file",
+                    keys=["model"],
+                )
             loader = checkpoint = CheckpointLoader(path)
         self.model_path = path
         registry = (plugin_host or get_plugin_host()).registry

@@ -245,18 +245,18 @@ class ThreadedEngineClient(StepWatched, BackgroundEngineClient):
                 clock=clock,
             )
         except BaseException as exc:
-            lost = isinstance(exc, RankLostError)
-            if lost:  # one line: the collective's own stack says nothing more
+            if isinstance(exc, RankLostError):  # one line: the collective's stack says no more
                 logger.error("engine thread: %s", exc)
                 logger.debug("the failed collective:", exc_info=exc.__cause__)
                 self._error = f"the engine failed: {exc}"
+                self._lost = exc.lost  # before the outputs: a front end reads it with them
             else:
                 logger.exception("engine thread: the engine failed; requests are no longer served")
                 self._error = f"the engine failed: {describe_exception(exc)}"
             self._deliver()
             for holder in list(self._live.values()):  # nobody waits for an answer forever
                 holder.put(RequestOutput([], finish_reason="error", error=self._error))
-            if not lost:
+            if not isinstance(exc, RankLostError):
                 raise
         finally:
             self._close_watchdog()

@@ -103,9 +103,12 @@ def use_triton(device: torch.device | str, mode: KernelMode | str) -> bool:
     # A setting this machine cannot run (fused_kernels = "on"): a ConfigError, raised before
     # the model's weights load (the loader asks this first).
     if dev.type == "cpu":
-        raise ConfigError(f"kernels: mode 'on' on a CPU device needs {INTERPRETER_HINT}")
+        raise ConfigError(
+            f"kernels: mode 'on' on a CPU device needs {INTERPRETER_HINT}", keys=["fused_kernels"]
+        )
     raise ConfigError(
-        f"kernels: mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)"
+        f"kernels: mode 'on' unsupported on device {dev} (supported: cuda, cpu with interpreter)",
+        keys=["fused_kernels"],
     )
 
 

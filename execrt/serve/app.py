@@ -226,9 +226,25 @@ def _check_model(model: object, served: str) -> None:
 
 
 def _unavailable(client: EngineClient) -> APIError:
+    lost = _rank_lost(client)
+    if lost is not None:
+        return lost
     error = client.load_error()
     message = f"the engine is not serving: {error}" if error else "the model is loading"
     return APIError(message, status=503, type="service_unavailable", code="model_not_ready")
+
+
+def _rank_lost(client: EngineClient) -> APIError | None:
+    """The 503 of an engine that lost a tensor-parallel rank, for good, or None. It names the
+    rank but not the collective's error (addresses, source paths), which the log has."""
+    lost = client.rank_lost()
+    if lost is None:
+        return None
+    message = (
+        f"a tensor-parallel rank was lost ({lost}): this server cannot serve any more "
+        "requests and must be restarted"
+    )
+    return APIError(message, status=503, type="service_unavailable", code="rank_lost")
 
 
 def _ready(client: EngineClient) -> EngineClient:
@@ -470,6 +486,15 @@ class Job:
             self._count(choice)
         return _Update(choice, text, logprobs, first, reasoning)
 
+    def _failure(self, choice: _Choice) -> APIError:
+        """The error of a choice that the engine failed while running it: ``rank_lost``'s
+        503 when a TP rank went away (the step's own error quotes the collective's), else
+        a 500 with the engine's message."""
+        lost = _rank_lost(self.client)
+        if lost is not None:
+            return lost
+        return APIError(choice.error or "request failed", status=500, type="server_error")
+
     def _count(self, choice: _Choice) -> None:
         t = choice.holder.timing
         end = t.finished or time.perf_counter()
@@ -509,7 +534,7 @@ class Job:
         run.result()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:  # check() let it in: the engine failed while running it
-            raise APIError(failed.error or "request failed", status=500, type="server_error")
+            raise self._failure(failed)
         return json_response(
             {
                 "id": self.id,
@@ -600,8 +625,7 @@ class Job:
                 if c.finish_reason == "error":
                     if content:
                         yield self._chunk(c.index, self._piece(text, lp))
-                    error = APIError(c.error or "request failed", status=500, type="server_error")
-                    yield _sse(error.body())
+                    yield _sse(self._failure(c).body())
                 elif chat:
                     if content:
                         yield self._chunk(c.index, self._piece(text, lp))

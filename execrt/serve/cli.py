@@ -8,11 +8,15 @@ import functools
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from execrt.core.errors import ConfigError, ExecrtError
 from execrt.serve import GENERATION_CONFIGS
 from execrt.serve.reasoning import PARSERS
+
+if TYPE_CHECKING:
+    from execrt.core.config import RuntimeConfig
+    from execrt.engine import Engine
 
 #: ``generate``'s flags that configure the engine (RuntimeConfig keys, the model, the file)
 ENGINE_FLAGS = (
@@ -117,6 +121,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from execrt.cli import config_flags
     from execrt.core.config import RuntimeConfig
     from execrt.core.parallel import launch_rank
     from execrt.engine import Engine
@@ -134,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "(leave it out for the checkpoint's name)"
         )
     runner = engine_runner(args.engine_runner, int(os.environ.get("WORLD_SIZE", "1")))
-    if launch_rank():
+    if launch_rank():  # a load failure propagates: main says it, with set_by_env's note
         return _follow(Engine(config=config))
     try:
         import execrt.serve.server as server
@@ -142,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from execrt.engine.threaded import ThreadedEngineClient
     except ImportError as exc:
         raise ExecrtError(f"serve: {exc.name} is missing (pip install 'execrt[serve]')") from None
-    build = functools.partial(Engine, config=config)
+    build = functools.partial(build_engine, config, config_flags(args))
     client: Any
     if runner == "process":
         client = ProcessEngineClient(build, name=args.served_model_name)
@@ -166,6 +171,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client.close()
         raise
     return sock_status
+
+
+def build_engine(config: RuntimeConfig, flags: frozenset[str]) -> Engine:
+    """``Engine(config=config)``, built in the engine's process or thread: the front end
+    prints only the message of a failure, so an error about a key that an ``EXECRT_*``
+    variable set and no flag (``flags``) overrode names the variable there, as ``execrt
+    generate`` says it (``execrt.cli.set_by_env``)."""
+    from execrt.cli import set_by_env
+    from execrt.engine import Engine
+
+    try:
+        return Engine(config=config)
+    except ExecrtError as exc:
+        note = set_by_env(exc, flags)
+        if note:
+            exc.args = (f"{exc}{note}",)
+        raise
 
 
 def _follow(engine: Any) -> int:

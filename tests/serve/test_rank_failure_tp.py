@@ -13,12 +13,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.drivers import live_children
@@ -61,10 +62,12 @@ def _gone(pid: int) -> bool:
 
 
 @contextmanager
-def torchrun_serve(env: dict[str, str] | None = None) -> Iterator[Served]:
-    """torchrun's two ranks serving the built-in model; at the end, torchrun is waited for
-    (killed past a minute) and ``err`` holds its stderr."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+def torchrun_serve(
+    env: dict[str, str] | None = None, torchrun: Sequence[str] = ()
+) -> Iterator[Served]:
+    """torchrun's two ranks serving the built-in model (``torchrun``: more of its options); at
+    the end, torchrun is waited for (killed past a minute) and ``err`` holds its stderr."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun]
     launcher += ["--nproc-per-node", "2", "-m", "execrt", "serve", "--tp", "2", "--port", "0"]
     proc = subprocess.Popen(
         [*launcher, "--model", "builtin", "--served-model-name", "builtin", "--device", "cpu"],
@@ -189,3 +192,57 @@ def test_a_killed_rank_0_leaves_one_line_on_rank_1_and_every_process_ends() -> N
     assert len(gone) == 1, err[-5000:]
     assert re.match(r"execrt: error: rank 1: rank 0 of 2 is gone \(a collective", gone[0])
     assert not EXECRT_FRAME.search(err), err[-5000:]
+
+
+def _running(http: httpx.Client) -> int:
+    found = re.search(r"^execrt:num_requests_running\S* (\S+)$", http.get("/metrics").text, re.M)
+    assert found is not None
+    return int(float(found.group(1)))
+
+
+def _rank_lost(response: httpx.Response | str) -> None:
+    """``response`` (or an SSE event's JSON) is the documented 503 of a lost rank."""
+    error = orjson.loads(response if isinstance(response, str) else response.content)["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "rank_lost"), error
+    assert error["message"] == (
+        "a tensor-parallel rank was lost (rank 1 of 2 is gone): this server cannot serve any "
+        "more requests and must be restarted"
+    )
+
+
+def test_a_lost_rank_is_one_documented_503_in_flight_later_and_on_health() -> None:
+    # torchrun looks at its ranks once in ten minutes here: rank 0 serves on once rank 1 is
+    # gone, as it does where the lost rank ran on another host, under another torchrun.
+    with torchrun_serve(torchrun=["--monitor-interval", "600"]) as served:
+        try:
+            http = httpx.Client(base_url=served.url, timeout=60)
+            long = {"prompt": "dead", "max_tokens": 1000, "ignore_eos": True}
+            plain: list[httpx.Response] = []
+
+            def post() -> None:
+                plain.append(http.post("/v1/completions", json=long))
+
+            sender = threading.Thread(target=post)
+            sender.start()
+            deadline = time.monotonic() + 60
+            while _running(http) < 1:  # the plain request is in the engine
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            events = _stream_then_kill(served, 1)
+            sender.join(60)
+            assert plain[0].status_code == 503, plain[0].text
+            _rank_lost(plain[0])
+            assert len(events) > 3 and events[-1] == "data: [DONE]", events[-3:]
+            _rank_lost(events[-2].removeprefix("data: "))
+            later = http.post("/v1/completions", json=BODY)
+            assert later.status_code == 503
+            _rank_lost(later)
+            health = http.get("/health")
+            assert health.status_code == 503
+            _rank_lost(health)
+            said = plain[0].text + "".join(events) + later.text + health.text
+            assert "gloo" not in said and "127.0.0.1" not in said, said
+        finally:
+            served.proc.terminate()  # torchrun stops rank 0 (it has not seen rank 1 end)
+    gone = [x for x in served.err[0].splitlines() if "is gone (a collective failed:" in x]
+    assert len(gone) == 1, served.err[0][-5000:]  # the collective's words: in the log only

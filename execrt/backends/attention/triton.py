@@ -157,7 +157,9 @@ class TritonAttnBackend(AttentionBackend):
             )  # fmt: skip
             if why is not None:
                 raise ConfigError(
-                    f"triton attention: extend_kernel {self.extend_kernel!r} cannot run here: {why}"
+                    f"triton attention: extend_kernel {self.extend_kernel!r} cannot run here: "
+                    f"{why}",
+                    keys=[_key("extend_kernel")],
                 )
         self.decode_fp8_kernel = _choice(
             init.options, "decode_fp8_kernel", "auto", DECODE_FP8_KERNELS
@@ -170,7 +172,8 @@ class TritonAttnBackend(AttentionBackend):
             why = mma_unsupported(probe, init.kv_cache.k_buffers[0], init.kv_cache.v_buffers[0])
             if why is not None:
                 raise ConfigError(
-                    f"triton attention: decode_fp8_kernel 'mma' cannot run here: {why}"
+                    f"triton attention: decode_fp8_kernel 'mma' cannot run here: {why}",
+                    keys=[_key("decode_fp8_kernel")],
                 )
             self.decode_prologue = False
         self.decode_wave = _choice(init.options, "decode_wave", "auto", DECODE_WAVE)
@@ -446,9 +449,15 @@ def _choice(options: Mapping[str, object], name: str, default: str, accepted: Se
     value = str(options.get(name, default))
     if value not in accepted:
         raise ConfigError(
-            f"triton attention: {name} {value!r} unsupported (supported: {', '.join(accepted)})"
+            f"triton attention: {name} {value!r} unsupported (supported: {', '.join(accepted)})",
+            keys=[_key(name)],
         )
     return value
+
+
+def _key(option: str) -> str:
+    """The RuntimeConfig key of this backend's ``option`` (``RuntimeConfig.backend_options``)."""
+    return f"triton_{option}"
 
 
 def _split_policy(kernels: ModuleType, target: object, min_split: object = 0) -> SplitPolicy:
@@ -458,7 +467,8 @@ def _split_policy(kernels: ModuleType, target: object, min_split: object = 0) ->
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(
                 f"triton attention: {name} {value!r} unsupported "
-                "(a token count >= 1, or 0 for the default)"
+                "(a token count >= 1, or 0 for the default)",
+                keys=[_key(name)],
             )
     policy = kernels.SplitPolicy.with_target(target) if target else kernels.SplitPolicy()
     if not min_split:
@@ -466,6 +476,7 @@ def _split_policy(kernels: ModuleType, target: object, min_split: object = 0) ->
     if min_split > policy.target_split_len:
         raise ConfigError(
             f"triton attention: decode_min_split {min_split} unsupported (at most the split "
-            f"target, {policy.target_split_len} tokens)"
+            f"target, {policy.target_split_len} tokens)",
+            keys=[_key("decode_min_split")],
         )
     return replace(policy, min_split_len=min_split)
