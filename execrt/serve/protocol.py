@@ -189,8 +189,8 @@ def parse(
     schema = ""
     if "response_format" in fields:
         fields["response_format"], schema = _response_format(fields["response_format"])
-    if not prompt_only:
-        _check_room(prompts, fields, context_len)
+    if not prompt_only:  # the longest request served: what /v1/models says (max_model_len)
+        _check_room(prompts, fields, context_len if max_len is None else max_len)
     sampling = {SAMPLING_FIELDS[k]: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if schema:
         sampling["json_schema"] = schema
@@ -322,6 +322,27 @@ def engine_error(message: str, endpoint: Endpoint, tokens_field: str | None = No
             f"This model's maximum context length is {full[2]} tokens. However, your "
             f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {full[1]} "
             f"tokens, which leaves no room for a completion ({message})"
+        )
+        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
+    # A KV cache smaller than the context: the longest request served is one token more than
+    # it holds (max_model_len), said in OpenAI's words too; the engine's sizing hint after.
+    holds = re.search(r"whole cache holds \(?(\d+)\)?", message)
+    prompt = re.match(r"prompt of (\d+) tokens needs more KV slots", message)
+    asked = re.match(r"request needs up to \d+ KV slots \(prompt (\d+) \+ \w+ (\d+)", message)
+    if holds is not None and prompt is not None:
+        message = (
+            f"This model's maximum context length is {int(holds[1]) + 1} tokens. However, your "
+            f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {prompt[1]} "
+            f"tokens, which leaves no room for a completion ({message})"
+        )
+        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
+    if holds is not None and asked is not None:
+        limit, used, wanted = int(holds[1]) + 1, int(asked[1]), int(asked[2])
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{used + wanted} tokens ({used} in the prompt, {wanted} in the completion): "
+            f"{tokens_field} {wanted} is too large, at most {limit - used} can be generated "
+            f"({message})"
         )
         return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
     return APIError(message, param=param)

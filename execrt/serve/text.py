@@ -144,8 +144,13 @@ def completion_logprobs(
             offset += len(token)
     tops = []
     for token, lp in zip(tokens, logprobs, strict=True):
-        alternatives = {codec.token_text(t): v for t, v in lp.top[:top]}
-        alternatives.setdefault(token, lp.logprob)
+        # Tokens of one text (bytes of a character each spell U+FFFD) share a key: the most
+        # likely keeps it, and the chosen token's is its own log-probability, as
+        # token_logprobs says it.
+        alternatives: dict[str, float] = {}
+        for t, v in lp.top[:top]:
+            alternatives.setdefault(codec.token_text(t), v)
+        alternatives[token] = lp.logprob
         tops.append(alternatives)
     return {
         "tokens": tokens,
@@ -159,9 +164,16 @@ def echo_logprobs(
     prompt_ids: Sequence[int], scored: Sequence[TokenLogprobs], codec: TextCodec, top: int
 ) -> dict[str, Any]:
     """An echoed prompt in the completions shape: its first token has no log-probability
-    (None, as its alternatives), the others ``scored``'s."""
+    (None, as its alternatives), the others ``scored``'s. Offsets are where each token's
+    text begins in the detokenized prompt, as the completion's are: a token of part of a
+    character begins where the character does (its own text, U+FFFD, is not in the text)."""
+    detokenizer = codec.detokenizer()
+    starts, length = [], 0
+    for token_id in prompt_ids:
+        starts.append(length)
+        length += len(detokenizer.push([token_id]))
     first = codec.token_text(prompt_ids[0])
-    rest = completion_logprobs(scored, codec, top, offset=len(first))
+    rest = completion_logprobs(scored, codec, top, starts=starts[1 : 1 + len(scored)])
     return {
         "tokens": [first, *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],

@@ -450,12 +450,30 @@ def test_a_chat_answer_without_max_tokens_stays_within_a_kv_cache_smaller_than_t
     assert parse(body, "chat", text, 4096).sampling["max_new_tokens"] == 4096 - len(ids)
     small = parse(body, "chat", text, 4096, max_len=257)  # a cache of 256 slots
     assert small.sampling["max_new_tokens"] == 257 - len(ids)  # needs exactly the 256 slots
-    given = parse(body | {"max_tokens": 300}, "chat", text, 4096, max_len=257)
-    assert given.sampling["max_new_tokens"] == 300  # the client's own choice is refused later
+    fits = parse(body | {"max_tokens": 257 - len(ids)}, "chat", text, 4096, max_len=257)
+    assert fits.sampling["max_new_tokens"] == 257 - len(ids)
+    # A client's max_tokens past the longest request served (max_model_len, not the context)
+    # is refused at once in OpenAI's words and code: it read "at most 4094 can be generated"
+    # from the context, then a max_tokens within that was refused by the engine with code null.
+    with pytest.raises(APIError) as info:
+        parse(body | {"max_tokens": 300}, "chat", text, 4096, max_len=257)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert f"maximum context length is 257 tokens. However, you requested {len(ids) + 300}" in (
+        str(info.value)
+    ) and f"at most {257 - len(ids)} can be generated" in str(info.value)
     for endpoint, field in (("chat", "max_completion_tokens"), ("completion", "max_tokens")):
         error = engine_error(kv_refusal(2, 300, 4096, 256), endpoint)
-        assert error.param == field, endpoint
-        assert f"lower {field}, or raise kv_cache_tokens" in error.message
+        assert error.param == field and error.code == "context_length_exceeded", endpoint
+        assert (
+            "maximum context length is 257 tokens. However, you requested 302 tokens (2 in "
+            in (error.message)
+            and f"{field} 300 is too large, at most 255 can be generated" in error.message
+        )
+        assert f"lower {field}, or raise kv_cache_tokens" in error.message  # the operator's hint
+        whole = engine_error(kv_refusal(300, 1, 4096, 256), endpoint)
+        assert whole.code == "context_length_exceeded", endpoint
+        assert "maximum context length is 257 tokens. However, your " in whole.message
+        assert "resulted in 300 tokens, which leaves no room" in whole.message
 
 
 def test_a_reserved_template_variable_is_a_400_on_chat_template_kwargs() -> None:

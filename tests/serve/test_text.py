@@ -131,6 +131,19 @@ class _Letters:
     def token_text(self, token_id: int) -> str:
         return chr(ord("a") + token_id)
 
+    def detokenizer(self) -> _Spelled:
+        return _Spelled(self)
+
+
+class _Spelled:
+    """Each token's text as it comes (a codec of whole characters)."""
+
+    def __init__(self, codec: _Letters) -> None:
+        self.codec = codec
+
+    def push(self, token_ids: list[int]) -> str:
+        return "".join(self.codec.token_text(t) for t in token_ids)
+
 
 def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
     # OpenAI: "up to logprobs+1 elements"; vLLM lists the chosen token beside the top ones, so
@@ -147,6 +160,39 @@ def test_completion_top_logprobs_hold_the_chosen_token_too() -> None:
     echoed = echo_logprobs([2, 3], [chosen_outside], _Letters(), top=1)
     assert echoed["top_logprobs"] == [None, {"a": -0.1, "d": -4.0}]
     assert echoed["tokens"] == ["c", "d"] and echoed["text_offset"] == [0, 1]
+
+
+class _Bytes(_Letters):
+    """Tokens 4-6 are bytes of one character: each spells U+FFFD alone."""
+
+    def token_text(self, token_id: int) -> str:
+        return "\ufffd" if token_id >= 4 else super().token_text(token_id)
+
+
+def test_the_chosen_tokens_top_logprobs_entry_is_its_own_where_texts_collide() -> None:
+    # Byte tokens that all read U+FFFD share one key: the last (least likely) overwrote the
+    # others, so top_logprobs[i][tokens[i]] differed from token_logprobs[i] (15 of 16 steps).
+    sampled = TokenLogprobs(5, -1.2, ((0, -0.5), (4, -0.9), (5, -1.2), (6, -3.0)))
+    greedy = TokenLogprobs(4, -0.9, ((4, -0.9), (6, -1.0), (0, -2.0)))
+    listing = completion_logprobs([sampled, greedy], _Bytes(), top=4)
+    assert listing["top_logprobs"] == [{"a": -0.5, "\ufffd": -1.2}, {"\ufffd": -0.9, "a": -2.0}]
+    columns = (listing[k] for k in ("tokens", "token_logprobs", "top_logprobs"))
+    for token, value, tops in zip(*columns, strict=True):
+        assert tops[token] == value
+
+
+def test_echoed_prompt_offsets_begin_where_each_tokens_character_does() -> None:
+    # The prompt's offsets counted each byte token's U+FFFD as a character: "é👋x" gave
+    # [0, 1, 2, 3, 4, 5, 6] for its 7 byte tokens, x at 6 although it sits at 2.
+    from execrt.engine.codec import TokenizerCodec
+
+    codec = TokenizerCodec(TOKENIZER, None)
+    text = "é👋x"
+    ids = codec.encode(text, add_special_tokens=False)
+    scored = [TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in ids[1:]]
+    offsets = echo_logprobs(ids, scored, codec, top=1)["text_offset"]
+    assert offsets == [0, 0, 1, 1, 1, 1, 2]  # é is 2 bytes, 👋 4, x 1
+    assert codec.decode(ids) == text
 
 
 def test_chat_logprob_bytes_join_into_the_text_where_characters_span_tokens() -> None:
