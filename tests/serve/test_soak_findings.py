@@ -93,8 +93,13 @@ def test_a_prompt_the_whole_kv_cache_cannot_hold_is_named_not_max_tokens(
     error = response.json()["error"]
     assert error["param"] == param
     message = error["message"]
+    # In OpenAI's words and code (clients tell an overflow by them), the limit being
+    # max_model_len (256 slots + 1); the engine's sizing hint after it.
+    assert error["code"] == "context_length_exceeded", error
     assert message.startswith(
-        "prompt of 300 tokens needs more KV slots than the whole cache holds (256)"
+        f"This model's maximum context length is 257 tokens. However, your {param} resulted "
+        "in 300 tokens, which leaves no room for a completion (prompt of 300 tokens needs more "
+        "KV slots than the whole cache holds (256)"
     ), message
     assert "shorten the prompt" in message and "max_" not in message
     assert "raise kv_cache_tokens (EXECRT_KV_CACHE_TOKENS) to at least 300" in message
