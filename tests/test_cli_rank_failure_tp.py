@@ -9,8 +9,6 @@ import os
 import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +22,8 @@ from execrt.core.parallel import ParallelState, RankLostError
 from tests.drivers import live_children
 from tests.engine.test_rank_failure import GLOO_GONE, RANK0_OF_2
 from tests.serve.test_rank_failure_tp import EXECRT_FRAME, _gone, _rank_of
+from tests.torchrun import torchrun_execrt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Long enough to be cut short: the built-in model decodes about a hundred tokens a second.
 GENERATE = ["generate", "--model", "builtin", "--device", "cpu", "--tp", "2", "--ignore-eos"]
 GENERATE += ["--max-new-tokens", "1500"]
@@ -94,15 +92,7 @@ def test_sigterm_otherwise_exits_143_and_other_errors_pass_unchanged(sigterm) ->
 def _generate_then_kill(prompts: list[str], victim: int) -> tuple[int, str, str]:
     """torchrun's two ranks generating ``prompts``; once rank 0 has started them, SIGKILL
     rank ``victim``. Returns torchrun's status, stdout and stderr."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.Popen(
-        [*launcher, "--nproc-per-node", "2", "-m", "execrt", *GENERATE, *prompts],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun_execrt([*GENERATE, *prompts])
     out: queue.Queue[str] = queue.Queue()
     err: queue.Queue[str] = queue.Queue()
     readers = [

@@ -216,3 +216,13 @@ class ScriptClient(FakeClient):
 
     def text(self) -> seam.TextCodec:
         return ScriptCodec()
+
+
+def asgi_client(client: FakeClient) -> Any:
+    """An ``httpx.AsyncClient`` on the app over ``client``, in process (no socket)."""
+    import httpx
+
+    from execrt.serve.app import create_app
+
+    transport = httpx.ASGITransport(app=create_app(client))
+    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)

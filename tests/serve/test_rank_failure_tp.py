@@ -10,7 +10,6 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,8 +22,8 @@ import orjson
 import pytest
 
 from tests.drivers import live_children
+from tests.torchrun import torchrun_execrt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BODY = {"prompt": "hung", "max_tokens": 6, "temperature": 0}
 #: A traceback frame of execrt's own code (torchrun's own report shows frames of torch only).
 EXECRT_FRAME = re.compile(r'File "[^"]*/execrt/')
@@ -67,16 +66,9 @@ def torchrun_serve(
 ) -> Iterator[Served]:
     """torchrun's two ranks serving the built-in model (``torchrun``: more of its options); at
     the end, torchrun is waited for (killed past a minute) and ``err`` holds its stderr."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun]
-    launcher += ["--nproc-per-node", "2", "-m", "execrt", "serve", "--tp", "2", "--port", "0"]
-    proc = subprocess.Popen(
-        [*launcher, "--model", "builtin", "--served-model-name", "builtin", "--device", "cpu"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"} | (env or {}),
-    )
+    serve = ["serve", "--tp", "2", "--port", "0", "--model", "builtin"]
+    serve += ["--served-model-name", "builtin", "--device", "cpu"]
+    proc = torchrun_execrt(serve, options=torchrun, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     served = Served(proc, "", {})

@@ -9,13 +9,11 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import orjson
 import pytest
 
 from execrt.engine.client import RequestOutput
-from execrt.serve.app import create_app
-from tests.serve.fakes import FakeClient
+from tests.serve.fakes import FakeClient, asgi_client
 
 #: What a step's requests end with when gloo's collective failed (the scheduler's abort).
 GLOO = (
@@ -54,11 +52,6 @@ def client() -> Iterator[LosingClient]:
     fake.close()
 
 
-def _asgi(client: FakeClient) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=create_app(client))
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
-
-
 def _rank_lost(error: dict[str, object]) -> None:
     assert (error["type"], error["code"]) == ("service_unavailable", "rank_lost"), error
     assert error["message"] == (
@@ -69,7 +62,7 @@ def _rank_lost(error: dict[str, object]) -> None:
 
 def test_requests_in_flight_later_ones_and_health_get_the_rank_lost_503(client) -> None:
     async def go() -> None:
-        async with _asgi(client) as http:
+        async with asgi_client(client) as http:
             plain = asyncio.ensure_future(http.post("/v1/completions", json=BODY))
             stream_body = BODY | {"stream": True}
             events: list[str] = []
@@ -106,7 +99,7 @@ def test_requests_in_flight_later_ones_and_health_get_the_rank_lost_503(client) 
 
 def test_any_other_failure_of_a_request_is_still_a_500_with_its_message(client) -> None:
     async def go() -> None:
-        async with _asgi(client) as http:
+        async with asgi_client(client) as http:
             failed = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 4})
             assert failed.status_code == 500
             error = failed.json()["error"]

@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from execrt.engine.watchdog import StepClock, StepWatchdog, StepWatched
-from execrt.serve.app import create_app
-from tests.serve.fakes import FakeClient
+from tests.serve.fakes import FakeClient, asgi_client
 
 BOUND_S = 2.0
 
@@ -52,11 +51,6 @@ def watched():  # type: ignore[no-untyped-def]
     client.close()
 
 
-def _asgi(client: FakeClient) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=create_app(client))
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
-
-
 BODY = {"prompt": "a", "max_tokens": 4}
 
 
@@ -70,7 +64,7 @@ def _stall_message(response: httpx.Response, running: str) -> str:
 
 def test_health_fails_past_the_bound_and_recovers_when_the_step_ends(watched) -> None:
     async def go() -> None:
-        async with _asgi(watched) as http:
+        async with asgi_client(watched) as http:
             assert (await http.get("/health")).json() == {"status": "ok"}
             watched.hang(1.5)  # a slow step, within the bound
             assert (await http.get("/health")).status_code == 200
@@ -93,7 +87,7 @@ def test_health_fails_past_the_bound_and_recovers_when_the_step_ends(watched) ->
 )
 def test_a_new_request_gets_the_503_instead_of_waiting(watched, path: str, body: object) -> None:
     async def go() -> None:
-        async with _asgi(watched) as http:
+        async with asgi_client(watched) as http:
             watched.hang(10.0)
             _stall_message(await http.post(path, json=body), "10.0")
             assert watched.submitted == []  # never queued behind the hung step
@@ -106,7 +100,7 @@ def test_a_new_request_gets_the_503_instead_of_waiting(watched, path: str, body:
 
 def test_requests_already_in_the_engine_are_kept_and_finish(watched) -> None:
     async def go() -> None:
-        async with _asgi(watched) as http:
+        async with asgi_client(watched) as http:
             waiting = asyncio.ensure_future(
                 http.post("/v1/completions", json={"prompt": "a", "max_tokens": 60})
             )
@@ -130,7 +124,7 @@ def test_a_client_without_a_watchdog_is_never_stalled() -> None:
     client = FakeClient()
 
     async def go() -> None:
-        async with _asgi(client) as http:
+        async with asgi_client(client) as http:
             assert (await http.get("/health")).status_code == 200
 
     try:

@@ -4,12 +4,10 @@ and rank 1 stops when rank 0 does."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 from dataclasses import replace
 
@@ -18,8 +16,8 @@ import openai
 from execrt import Engine, SamplingParams
 from execrt.engine.client import RequestOutput
 from tests.serve.http import abandon_stream
+from tests.torchrun import torchrun_execrt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["tensor", "parallel ✓"]
 
 
@@ -34,17 +32,8 @@ def test_tp2_serves_the_single_process_text_and_aborts_on_both_ranks() -> None:
             pass
         scored = [lp.logprob for lp in outputs[0].prompt_logprobs or []]
     assert scored
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launcher += ["--nproc-per-node", "2", "-m", "execrt", "serve", "--tp", "2"]
-    proc = subprocess.Popen(
-        [*launcher, "--model", "builtin", "--served-model-name", "builtin", "--device", "cpu"]
-        + ["--port", "0"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
+    serve = ["serve", "--tp", "2", "--model", "builtin", "--served-model-name", "builtin"]
+    proc = torchrun_execrt([*serve, "--device", "cpu", "--port", "0"])
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     try:
