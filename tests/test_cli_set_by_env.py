@@ -92,6 +92,8 @@ def test_a_variable_refused_while_loading_the_config_is_said_once(monkeypatch, c
 
 @pytest.mark.parametrize("engine", ["process", "thread"])
 def test_serve_says_it_too_when_the_model_fails_to_load(engine, monkeypatch, capsys) -> None:
+    for package in ("fastapi", "uvicorn"):  # execrt[serve]; execrt serve refuses without them
+        pytest.importorskip(package, reason=f"execrt serve needs {package}")
     monkeypatch.setenv("EXECRT_CONTEXT_LEN", "100000000")
     assert main([*SERVE, "--engine", engine]) == 2
     err = capsys.readouterr().err
