@@ -388,6 +388,7 @@ class Job:
         self.id = ID_PREFIX[plan.endpoint] + uuid.uuid4().hex
         self.created = int(time.time())
         self.waker = Waker()
+        self.stopped: str | None = None  # why the server aborted what this job runs
         self._template: tuple[bytes, bytes, bytes] | None = None  # of _text_chunk
         self.choices: list[_Choice] = []
         shared = dict(plan.sampling)
@@ -427,6 +428,7 @@ class Job:
         """Ask the engine to abort every unfinished choice: each then ends through its
         output, as an error naming ``reason`` (``abort_unfinished`` ends them here, for a
         client that went away and reads nothing more)."""
+        self.stopped = reason
         for choice in self.choices:
             if not choice.done:
                 self.client.abort(choice.request.request_id, reason)
@@ -488,11 +490,15 @@ class Job:
 
     def _failure(self, choice: _Choice) -> APIError:
         """The error of a choice that the engine failed while running it: ``rank_lost``'s
-        503 when a TP rank went away (the step's own error quotes the collective's), else
+        503 when a TP rank went away (the step's own error quotes the collective's), a 503
+        naming the shutdown where the server aborted it (a client may retry elsewhere), else
         a 500 with the engine's message."""
         lost = _rank_lost(self.client)
         if lost is not None:
             return lost
+        if self.stopped is not None:
+            message = choice.error or self.stopped
+            return APIError(message, status=503, type="service_unavailable")
         return APIError(choice.error or "request failed", status=500, type="server_error")
 
     def _count(self, choice: _Choice) -> None:

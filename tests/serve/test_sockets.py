@@ -145,6 +145,33 @@ def test_a_shutdown_ends_running_streams_at_once_with_an_error_and_done(how: str
     assert client.closed  # the app's shutdown closed the client
 
 
+def test_a_plain_answer_the_shutdown_aborts_is_a_503_naming_it() -> None:
+    # It was a 500 server_error: a load balancer or client retries a 503 elsewhere.
+    client = FakeClient(tick=0.01, context_len=1_000_000)
+    server = UvicornServer(client, bind("127.0.0.1", 0)).start()
+    body = {"prompt": "ab", "max_tokens": 100_000, "ignore_eos": True}
+    got: list[httpx.Response] = []
+
+    def ask() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            got.append(http.post("/v1/completions", json=body))
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not client.submitted:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
+    finally:
+        server.stop()
+        asker.join(30)
+    (response,) = got
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+
+
 def test_a_request_after_the_shutdown_began_is_a_503() -> None:
     from fastapi.testclient import TestClient
 
