@@ -2,7 +2,7 @@
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
-#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8]
+#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8] [gemv-chain]
 #        [harness] [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
 #        [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
@@ -128,6 +128,17 @@ for step in "$@"; do
       timeout "$(cap ${FRONTEND_S:-90})" python3 benchmarks/serve_frontend.py ${FRONTEND_ARGS:-} 2>&1 | tee "$OUT/serve-frontend.log" | tail -8 ;;
     bench-sampling)  # SAMPLING_ARGS, e.g. "--batches 1,256 --logits flat": the fused draw vs torch
       timeout "$(cap ${SAMPLING_S:-240})" python3 benchmarks/bench_sampling.py --out "$OUT/sampling-$(date -u +%Y%m%d-%H%M%S).json" ${SAMPLING_ARGS:-} 2>&1 | tee "$OUT/bench-sampling.log" | tail -40 ;;
+    gemv-chain)  # GEMV_CHAIN_ARGS: benchmarks/gemv_chain.py argument sets, ';'-separated (e.g.
+      # "--model qwen3-0.6b; --rows 8 --shapes qkv,down"); GEMV_CHAIN_S: seconds per set (its
+      # tiles compile first: ~200 s for a one-row set of the 0.6B). JSON per set under $OUT.
+      IFS=';' read -ra sets <<< "${GEMV_CHAIN_ARGS:---model qwen3-0.6b}"
+      n=0
+      for args in "${sets[@]}"; do
+        n=$((n + 1))
+        timeout "$(cap ${GEMV_CHAIN_S:-240})" python3 benchmarks/gemv_chain.py $args \
+          --json "$OUT/gemv-chain-$n.json" 2>&1 | tee -a "$OUT/gemv-chain.log" | tail -40
+      done
+      note "gemv-chain: ${#sets[@]} set(s), JSON in $OUT/gemv-chain-N.json" ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
     bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
