@@ -21,6 +21,10 @@ kernel.
 Each result is checked against an fp32 reference first: one past the dtype's tolerance is
 recorded as failed and not ranked; a backend that cannot build or run is recorded with the
 reason. The records so far are saved after each one.
+
+The physical limit: a dense bf16 matmul (an 8192-cube, ``timing.matmul_tflops``) timed once at
+the start of the run, on the same GPU; ``pct_peak`` is a record's causal TFLOP/s over it (a
+prefill's attention is compute-bound at these shapes; fp16 runs at the same tensor-core rate).
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ from execrt.bench.common import (
     passing,
     prepare_out_dir,
     rank,
+    release_memory,
     run_fields,
 )
+from execrt.bench.decode import MATMUL_N
+from execrt.bench.timing import matmul_tflops
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.config import TRITON_EXTEND_KERNELS
 from execrt.core.context import RuntimeContext
@@ -97,6 +104,8 @@ class Record:
     note: str = ""  # what ran ("auto runs fa3"), why nothing did, or the check it failed
     check: str = ""  # passed, failed (past the tolerance) or error (see common.Checked)
     env: dict[str, str | None] = field(default_factory=dict)  # environment.run_environment
+    peak_tflops: float | None = None  # the dense bf16 matmul rate, measured in the run
+    pct_peak: float | None = None  # tflops / peak_tflops x 100
 
 
 def causal_flops(bs: int, new: int, prefix: int, num_q_heads: int, head_dim: int) -> float:
@@ -291,7 +300,10 @@ def run(
     }
     gpu = torch.cuda.get_device_name()
     shared = run_fields(gpu, num_q_heads, num_kv_heads, head_dim, dtype)
+    peak = matmul_tflops(torch.device("cuda"), n=MATMUL_N)
+    release_memory()
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
+    print(f"# the physical limit: a dense bf16 matmul at {peak:.0f} TFLOP/s, measured now")
     records: list[Record] = []
     for bs, new, prefix in shapes:
         p = ExtendProblem(bs, new, prefix, num_q_heads, num_kv_heads, head_dim, dtype)
@@ -313,6 +325,7 @@ def run(
                     **shared,
                 )
                 time_into(record, host, p, iters, reps)
+                add_peak(record, peak)
                 row.append(record)
                 rank_row(row)
                 saved.save([*records, *row])
@@ -320,6 +333,14 @@ def run(
         del p
         torch.cuda.empty_cache()
     return saved.report(records, format_table)
+
+
+def add_peak(record: Record, peak_tflops: float) -> None:
+    """``record``'s share of the matmul peak measured in the run (None where it did not
+    run)."""
+    record.peak_tflops = round(peak_tflops, 1)
+    if record.tflops is not None:
+        record.pct_peak = round(100 * record.tflops / peak_tflops, 1)
 
 
 def rank_row(row: Sequence[Record]) -> None:
@@ -367,7 +388,7 @@ def format_table(records: Sequence[Record]) -> str:
 
     lines = [
         f"{'backend':<12} {'variant':<7} {'bs':>4} {'new':>6} {'prefix':>6} {'ms':>8} "
-        f"{'TFLOP/s':>8} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7} "
+        f"{'TFLOP/s':>8} {'%peak':>6} {'vs best':>7} {'vs fi':>6} {'rel err':>8} {'build s':>7} "
         f"{'check':<7} note"
     ]
     for r in records:
@@ -375,7 +396,8 @@ def format_table(records: Sequence[Record]) -> str:
         vs_best, vs_fi = (r.vs_best_peer, r.vs_flashinfer) if ranked else (None, None)
         lines.append(
             f"{r.backend:<12} {r.variant:<7} {r.bs:>4} {r.new:>6} {r.prefix:>6} "
-            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {cell(vs_best, 7, '.2f')} "
+            f"{cell(r.ms, 8, '.3f')} {cell(r.tflops, 8, '.1f')} {cell(r.pct_peak, 6, '.1f')} "
+            f"{cell(vs_best, 7, '.2f')} "
             f"{cell(vs_fi, 6, '.2f')} {cell(r.max_rel_err, 8, '.1e')} {cell(r.build_s, 7, '.1f')}"
             f" {check_cell(r):<7} {r.note}"
         )

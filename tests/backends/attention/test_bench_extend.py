@@ -66,6 +66,17 @@ def test_vs_flashinfer_is_over_its_best_variant_and_failures_stay_unranked() -> 
     assert (alone[0].vs_best_peer, alone[0].vs_flashinfer) == (1.0, 0.0)
 
 
+def test_each_record_is_held_against_the_matmul_peak_of_its_run() -> None:
+    ran, failed = _record("triton", 300.0), _record("flashinfer", None, "fa3")
+    for record in (ran, failed):
+        bench.add_peak(record, 750.0)
+    assert (ran.peak_tflops, ran.pct_peak) == (750.0, 40.0)
+    assert (failed.peak_tflops, failed.pct_peak) == (750.0, None)  # it did not run
+    header, line, _ = bench.format_table([ran, failed]).splitlines()
+    assert header.split()[6:8] == ["TFLOP/s", "%peak"]  # triton's variant is blank below
+    assert line.split()[5:7] == ["300.0", "40.0"]
+
+
 def test_a_variant_that_cannot_build_is_recorded_with_its_reason(capsys) -> None:  # type: ignore[no-untyped-def]
     # No GPU (or no flashinfer) here: every variant fails to build and says why, no raise.
     p = bench.ExtendProblem(1, 4, 0, 4, 2, 64, torch.float32, device="cpu")
