@@ -47,6 +47,10 @@ class Step:
     # request has taken over the finished one's row (new slots for all of its tokens).
     continues: bool = False
     fresh: tuple[int, ...] = ()
+    # Multiplies this step's new queries: at 50 the largest logits pass 100, where exp
+    # overflows in fp32 (past 88.7) and fp16 (past 11.1), so a softmax without its row
+    # maximum gives inf or NaN (random q and k alone keep logits within a few units).
+    q_scale: float = 1.0
 
     @staticmethod
     def decode(context_lens: Sequence[int], **options: Any) -> Step:
@@ -197,8 +201,9 @@ class AttentionHarness:
         self.context.close()
 
     # -- building a step ------------------------------------------------------------------------
-    def _randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen).to(self.dtype).to(self.device)
+    def _randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        values = torch.randn(shape, generator=self.gen)
+        return (values * scale if scale != 1.0 else values).to(self.dtype).to(self.device)
 
     def _take_slots(self, n: int, permuted: bool) -> list[int]:
         if permuted:
@@ -219,7 +224,7 @@ class AttentionHarness:
         ``reuse``: write this step's q/k/v into that step's tensors (same shapes; for replay).
         """
         rows, fb, real_locs = self._lay_out(step, graph)
-        qkv = self._new_qkv(fb.num_tokens, reuse)
+        qkv = self._new_qkv(fb.num_tokens, reuse, q_scale=step.q_scale)
         self._store_new_kv(qkv, real_locs)
         table = self.pool.req_to_token.clone()
         return Prepared(
@@ -340,7 +345,9 @@ class AttentionHarness:
             return self.static.load_padded(fb, step.batch_size + step.padded_rows, fill)
         return padded_decode_batch(fb, step.batch_size + step.padded_rows, fill)
 
-    def _new_qkv(self, tokens: int, reuse: Prepared | None, projected: bool = False) -> list[QKV]:
+    def _new_qkv(
+        self, tokens: int, reuse: Prepared | None, projected: bool = False, q_scale: float = 1.0
+    ) -> list[QKV]:
         """Fresh q/k/v per layer for ``tokens`` rows (padding last); written into ``reuse``'s
         tensors when given, so a captured graph reads them.
 
@@ -353,7 +360,7 @@ class AttentionHarness:
         hq, hkv = g.num_q_heads, g.num_kv_heads
         for layer in range(g.num_layers):
             q, k, v = (
-                self._randn(tokens, g.num_q_heads, g.head_dim),
+                self._randn(tokens, g.num_q_heads, g.head_dim, scale=q_scale),
                 self._randn(tokens, g.num_kv_heads, g.head_dim),
                 self._randn(tokens, g.num_kv_heads, g.head_dim),
             )
@@ -527,7 +534,8 @@ class AttentionHarness:
         self, prepared: Prepared, label: str, stored_tolerance: float | None = None
     ) -> list[str]:
         """K/V must sit exactly at out_cache_loc (within ``stored_tolerance`` when given) and
-        nowhere else (slot 0 is padding's)."""
+        nowhere else (slot 0 is padding's: a padded row may write it, but only finite values,
+        since a gathering backend reads it under a mask and 0 x NaN is NaN)."""
         problems = []
         locs = set(prepared.real_locs.tolist())
         for layer in range(self.geo.num_layers):
@@ -550,6 +558,13 @@ class AttentionHarness:
                 differ = (have != want).flatten(1).any(1)  # [S+1]
                 if prepared.step.padded_rows:
                     differ[0] = False
+                    slot0 = self.kv.k_buffers[layer] if name == "K" else self.kv.v_buffers[layer]
+                    if not bool(torch.isfinite(slot0[0].float()).all()):
+                        problems.append(
+                            f"{label}, layer {layer}: {name} cache slot 0 (padding's) holds "
+                            "inf or NaN after a padded step: a backend that gathers it under "
+                            "a mask reads 0 x NaN = NaN"
+                        )
                 bad = differ.nonzero().flatten().tolist()
                 if not bad:
                     continue

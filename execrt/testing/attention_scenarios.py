@@ -89,6 +89,15 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
         Step.extend([11, 0, 30], [6, 3, 10], permuted=True),
         Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),
     ),
+    # Logits past 100: a softmax without its row maximum overflows (Step.q_scale).
+    "decode-large-logits": (
+        Step.decode([5, 40, 23, 90], q_scale=50.0),
+        Step.decode([129, 1700, 3001], q_scale=50.0),
+    ),
+    "extend-large-logits": (
+        Step.extend([0, 20], [9, 30], q_scale=50.0),
+        Step.extend([0, 2000], [700, 160], q_scale=50.0),
+    ),
 }
 #: The steps of the multi-layer, multi-step test (CPU; CUDA scales lengths by 20). The two
 #: decode steps of four requests share every shape (as an engine's steady decode steps do)

@@ -92,6 +92,49 @@ class ForgetfulStoringAttention(TorchNativeAttnBackend):
         return super().attend(q, layer, step)
 
 
+def _attend_without_max(q, k, v, scale, mask):  # type: ignore[no-untyped-def]
+    """torch_native's ``attend`` with the softmax's row maximum left out (exp of the raw
+    logits): right while logits stay within a few units, inf / NaN past ~88 in fp32."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, n, hkv, hq // hkv, d)
+    scores = torch.einsum("bnhgd,blhd->bnhgl", qg, k.float()) * scale
+    scores = scores.reshape(b, n, hq, -1).masked_fill(~mask, float("-inf"))
+    e = scores.exp()
+    probs = (e / e.sum(-1, keepdim=True)).nan_to_num_(0.0, posinf=float("inf"))
+    probs = probs.view(b, n, hkv, hq // hkv, -1)
+    out = torch.einsum("bnhgl,blhd->bnhgd", probs, v.float())
+    return out.reshape(b, n, hq, -1).to(q.dtype)
+
+
+class NoMaxSoftmaxAttention(TorchNativeAttnBackend):
+    """Broken: a softmax without its row maximum (``_attend_without_max``)."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        from unittest import mock
+
+        from execrt.backends.attention import torch_native
+
+        with mock.patch.object(torch_native, "attend", _attend_without_max):
+            return super().attend(q, layer, step, kv)
+
+
+class Slot0NaNStoringAttention(StoringAttention):
+    """Broken: its padded rows leave NaN at slot 0 (padding's). Its own reads skip slot 0, so
+    its outputs are right; a gathering backend's masked read of slot 0 would give NaN."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        out = super().attend(q, layer, step, kv)
+        if bool((step.out_cache_loc == 0).any()):
+            self.kv_cache.k_buffers[layer.layer_id][0] = float("nan")
+        return out
+
+    def _gather(self, layer_id, slots):  # type: ignore[no-untyped-def]
+        k, v = super()._gather(layer_id, slots)
+        at_zero = (slots == 0)[..., None, None]
+        return k.masked_fill(at_zero, 0.0), v.masked_fill(at_zero, 0.0)
+
+
 class StaticGraphAttention(TorchNativeAttnBackend):
     """Correct: torch_native with graph metadata written into buffers of fixed address."""
 
