@@ -89,6 +89,16 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
         Step.extend([11, 0, 30], [6, 3, 10], permuted=True),
         Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),
     ),
+    # A batch past a 16-request grid or tile (CPU), and past 128 new tokens in one request
+    # (a second q tile): real decode batches run 64-256 requests.
+    "decode-wide": (
+        Step.decode([(7 * i) % 29 + 1 for i in range(40)]),
+        Step.decode([(37 * i) % 1500 + 1 for i in range(256)]),
+    ),
+    "extend-wide": (
+        Step.extend([0, 5, 0], [70, 130, 3]),
+        Step.extend([0, 300, 0] * 3, [700, 1300, 3] * 3),
+    ),
     # Logits past 100: a softmax without its row maximum overflows (Step.q_scale).
     "decode-large-logits": (
         Step.decode([5, 40, 23, 90], q_scale=50.0),

@@ -119,6 +119,16 @@ class NoMaxSoftmaxAttention(TorchNativeAttnBackend):
             return super().attend(q, layer, step, kv)
 
 
+class SixteenRowsAttention(TorchNativeAttnBackend):
+    """Broken: its decode grid covers 16 requests; later rows get row 0's output."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        out = super().attend(q, layer, step, kv)
+        if step.mode.is_decode():
+            out[16:] = out[:1]
+        return out
+
+
 class Slot0NaNStoringAttention(StoringAttention):
     """Broken: its padded rows leave NaN at slot 0 (padding's). Its own reads skip slot 0, so
     its outputs are right; a gathering backend's masked read of slot 0 would give NaN."""
