@@ -194,13 +194,21 @@ class AttentionBackendSuite(ConformanceSuite):
 
     @classmethod
     def gqa_cases(cls) -> list[Case]:
+        """Every ratio in the primary dtype; the groups that are no power of two (3, 7) in the
+        other dtypes too, whose kernels may be paths of their own (a 16-bit path that mapped
+        q heads to kv heads by ``h % Hkv`` passed when only the primary dtype ran them)."""
         out = []
         for device in cls.device_axis(cls.caps().devices):
-            dtype, head_dim, _ = cls.primary(device)
-            for mode in MODES:
-                for ratio in cls.value_axis(GQA_RATIOS, cls.caps().gqa_ratios):
-                    case_id = f"{device}-{dtype_name(dtype)}-{mode}-gqa{ratio}"
-                    out.append(cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode))
+            primary, head_dim, _ = cls.primary(device)
+            for dtype in (primary, *(d for d in cls.dtype_axis() if d != primary)):
+                for mode in MODES:
+                    for ratio in cls.value_axis(GQA_RATIOS, cls.caps().gqa_ratios):
+                        if dtype != primary and ratio not in (3, 7):
+                            continue
+                        case_id = f"{device}-{dtype_name(dtype)}-{mode}-gqa{ratio}"
+                        out.append(
+                            cls.make_case(case_id, device, dtype, head_dim, ratio, mode=mode)
+                        )
         return out
 
     @classmethod

@@ -41,6 +41,7 @@ CPU = frozenset({"cpu"})
 NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
 GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
 STORES_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, stores_kv=True)
+HALF_CAPS = AttentionCapabilities(devices=CPU, dtypes=frozenset({torch.float32, torch.float16}))
 
 
 class WrongScaleAttention(TorchNativeAttnBackend):
@@ -65,6 +66,20 @@ class PowerOfTwoGroupsAttention(TorchNativeAttnBackend):
         shift = (self._num_q_heads // hkv).bit_length() - 1
         heads = (torch.arange(self._num_q_heads, device=k.device) >> shift).clamp(max=hkv - 1)
         return k.index_select(-2, heads), v.index_select(-2, heads)  # one kv head per q head
+
+
+class HalfModuloGroupsAttention(PowerOfTwoGroupsAttention):
+    """Broken: its 16-bit path maps query head h to kv head ``h % Hkv`` (right at a group
+    of 1 only; its fp32 path, the primary dtype on CPU, is right)."""
+
+    def _gather(self, layer_id, slots):  # type: ignore[no-untyped-def]
+        cache = self.kv_cache
+        if cache.k_buffers[layer_id].dtype == torch.float32:
+            return TorchNativeAttnBackend._gather(self, layer_id, slots)
+        k, v = TorchNativeAttnBackend._gather(self, layer_id, slots)
+        hkv = k.shape[-2]
+        heads = torch.arange(self._num_q_heads, device=k.device) % hkv
+        return k.index_select(-2, heads), v.index_select(-2, heads)
 
 
 class BatchWritingAttention(TorchNativeAttnBackend):

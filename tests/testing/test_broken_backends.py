@@ -103,6 +103,19 @@ def test_a_softmax_without_its_row_maximum_fails_the_large_logit_scenarios(
         assert "non-finite output values" in reason or "max relative error" in reason, reason
 
 
+def test_a_16_bit_path_with_the_wrong_groups_fails_at_gqa_3_and_7(tmp_path: Path) -> None:
+    # GQA ratios ran in the primary dtype only (fp32 on CPU): its fp16 path was never held.
+    body = cpu_attention_suite("HalfModuloGroupsAttention", "HALF_CAPS")
+    code, report = run_suite(tmp_path, body, "attention", "test_gqa_ratio")
+    assert code == 1
+    failed = failures(report)
+    assert set(failed) == {
+        f"test_gqa_ratio[cpu-float16-{mode}-gqa{ratio}]"
+        for mode in ("decode", "extend")
+        for ratio in (3, 7)
+    }, failed
+
+
 def test_a_decode_grid_of_16_requests_fails_the_wide_batch(tmp_path: Path) -> None:
     # The largest batches were 5 (CPU) and 16 (CUDA); engines decode 64-256 at once.
     (reason,) = failed_scenarios(tmp_path, "SixteenRowsAttention", "NATIVE_CAPS", "decode-wide")
