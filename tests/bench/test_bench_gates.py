@@ -144,6 +144,7 @@ def fake_extend(monkeypatch: pytest.MonkeyPatch, fake_gpu: None) -> None:
     monkeypatch.setattr(extend, "backend_calls", calls)
     monkeypatch.setattr(extend, "sdpa_calls", lambda p: [("sdpa", "")])
     monkeypatch.setattr(extend, "measure", measure)
+    monkeypatch.setattr(extend, "matmul_tflops", lambda device, n: 800.0)  # the run's peak
 
 
 def test_extend_ranks_only_the_correct_and_keeps_what_it_finished_when_killed(
@@ -167,6 +168,9 @@ def test_extend_ranks_only_the_correct_and_keeps_what_it_finished_when_killed(
     ]  # fmt: skip
     # no flashinfer variant passed: nothing to compare with, rather than a wrong baseline
     assert all(r["vs_flashinfer"] == 0.0 and r["env"] == ENV for r in rows)
+    # the physical limit, measured once: triton's 1e12 FLOP in 2 ms is 500 TFLOP/s, 62.5%
+    assert all(r["peak_tflops"] == 800.0 for r in rows)
+    assert (got[("triton", "")]["pct_peak"], broken["pct_peak"]) == (62.5, None)
     table = extend.format_table([extend.Record(**{**r, "env": {}}) for r in rows]).splitlines()
     assert "FAILED" in table[2] and "ERROR" in table[3] and " - " in table[2]  # not ranked
 
