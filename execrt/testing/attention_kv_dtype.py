@@ -26,7 +26,8 @@ MODES = ("decode", "extend", "graph")  # graph: decode planned through plan_grap
 def kv_dtype_cases(suite: type[AttentionBackendSuite]) -> list[Case]:
     """Every KV cache dtype of ``suite.kv_dtype_axis()`` on every device: decode and extend
     over the head dims (at the primary GQA ratio) and the GQA ratios (at the primary head
-    dim), and the graph path at the primary shape."""
+    dim), and the graph path at the primary shape; decode and extend at the primary shape in
+    every other model dtype too (an fp8 read of a 16-bit path of its own is held as well)."""
     from execrt.testing.attention import GQA_RATIOS, HEAD_DIMS
 
     out = []
@@ -52,6 +53,15 @@ def kv_dtype_cases(suite: type[AttentionBackendSuite]) -> list[Case]:
                             mode="decode" if graph else mode,
                             graph=graph,
                         )  # fmt: skip
+                    )
+            for other in (d for d in suite.dtype_axis() if d != dtype):
+                for mode in ("decode", "extend"):
+                    case_id = f"{device}-{dtype_name(other)}-kv_{dtype_name(kv)}-{mode}"
+                    case_id += f"-d{head_dim}-gqa{ratio}"
+                    out.append(
+                        suite.make_case(
+                            case_id, device, other, head_dim, ratio, kv_dtype=kv, mode=mode
+                        )
                     )
     return out
 

@@ -42,6 +42,10 @@ NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
 GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
 STORES_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, stores_kv=True)
 HALF_CAPS = AttentionCapabilities(devices=CPU, dtypes=frozenset({torch.float32, torch.float16}))
+HALF_FP8_CAPS = dataclasses.replace(
+    HALF_CAPS,
+    kv_dtypes=frozenset({torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2}),
+)
 
 
 class WrongScaleAttention(TorchNativeAttnBackend):
@@ -80,6 +84,22 @@ class HalfModuloGroupsAttention(PowerOfTwoGroupsAttention):
         hkv = k.shape[-2]
         heads = torch.arange(self._num_q_heads, device=k.device) % hkv
         return k.index_select(-2, heads), v.index_select(-2, heads)
+
+
+class HalfNoVScaleAttention(TorchNativeAttnBackend):
+    """Broken: under a 16-bit model its fp8 read leaves out ``v_scale`` (its fp32 path, the
+    primary dtype on CPU, is right)."""
+
+    def attend(self, q, layer: AttentionLayer, step, kv=None):  # type: ignore[no-untyped-def]
+        self._half = q.dtype != torch.float32
+        return super().attend(q, layer, step, kv)
+
+    def _gather(self, layer_id, slots):  # type: ignore[no-untyped-def]
+        k, v = super()._gather(layer_id, slots)
+        cache = self.kv_cache
+        if cache.is_fp8 and self._half:  # V as stored: without its scale
+            v = cache.v_buffers[layer_id][slots].float()
+        return k, v
 
 
 class BatchWritingAttention(TorchNativeAttnBackend):

@@ -116,6 +116,15 @@ def test_a_16_bit_path_with_the_wrong_groups_fails_at_gqa_3_and_7(tmp_path: Path
     }, failed
 
 
+def test_a_16_bit_fp8_read_without_v_scale_fails_its_dtypes_kv_cases(tmp_path: Path) -> None:
+    # The fp8 cases ran in the primary dtype only (fp32 on CPU): V 4x off passed.
+    body = cpu_attention_suite("HalfNoVScaleAttention", "HALF_FP8_CAPS")
+    code, report = run_suite(tmp_path, body, "attention", "test_kv_dtype and float16-kv")
+    assert code == 1
+    failed = failures(report)
+    assert failed and all("-float16-kv_float8" in case for case in failed), failed
+
+
 def test_a_decode_grid_of_16_requests_fails_the_wide_batch(tmp_path: Path) -> None:
     # The largest batches were 5 (CPU) and 16 (CUDA); engines decode 64-256 at once.
     (reason,) = failed_scenarios(tmp_path, "SixteenRowsAttention", "NATIVE_CAPS", "decode-wide")
