@@ -54,10 +54,10 @@ from execrt.bench.timing import (
     dense_bf16_peak_tflops,
     difference_timing,
     host_hotspots,
-    matmul_tflops,
     profile_difference,
     profile_kernels,
     profile_steps,
+    run_peak_tflops,
     step_seconds,
     time_limit,
     timed_call,
@@ -80,7 +80,6 @@ KERNEL_ROWS = 14  # the forward profile's kernel table (GPU kernels by time per 
 HF_MOE_BS = (1, 32)  # transformers' MoE is slow in eager: only these batch sizes ...
 HF_MOE_STEPS = 8  # ... and at most this many steps
 DEFAULT_TTFT = (8192, 32768)  # the CLI's time-to-first-token prompt lengths
-MATMUL_N = 8192  # the peak's matmul: 8192^3 (1.1 TFLOP, about 1.5 ms on an H200)
 
 
 @dataclass(frozen=True)
@@ -536,8 +535,7 @@ def _run_ttft(ctx: _Context) -> None:
     opts, mc = ctx.opts, ctx.model_config
     longest = max(opts.ttft)
     print(f"# time to first token, prompts of {', '.join(map(str, opts.ttft))}", flush=True)
-    peak = matmul_tflops(ctx.device, n=MATMUL_N if ctx.device.type == "cuda" else 128)
-    release_memory()
+    peak = run_peak_tflops(ctx.device)
     fits = longest + 1 + KV_MARGIN <= mc.max_position_embeddings
     try:
         if not fits:

@@ -22,7 +22,7 @@ Each result is checked against an fp32 reference first: one past the dtype's tol
 recorded as failed and not ranked; a backend that cannot build or run is recorded with the
 reason. The records so far are saved after each one.
 
-The physical limit: a dense bf16 matmul (an 8192-cube, ``timing.matmul_tflops``) timed once at
+The physical limit: a dense bf16 matmul (an 8192-cube, ``timing.run_peak_tflops``) timed once at
 the start of the run, on the same GPU; ``pct_peak`` is a record's causal TFLOP/s over it (a
 prefill's attention is compute-bound at these shapes; fp16 runs at the same tensor-core rate).
 """
@@ -50,11 +50,9 @@ from execrt.bench.common import (
     passing,
     prepare_out_dir,
     rank,
-    release_memory,
     run_fields,
 )
-from execrt.bench.decode import MATMUL_N
-from execrt.bench.timing import matmul_tflops
+from execrt.bench.timing import run_peak_tflops
 from execrt.core.batch import ForwardBatch, ForwardMode
 from execrt.core.config import TRITON_EXTEND_KERNELS
 from execrt.core.context import RuntimeContext
@@ -300,8 +298,7 @@ def run(
     }
     gpu = torch.cuda.get_device_name()
     shared = run_fields(gpu, num_q_heads, num_kv_heads, head_dim, dtype)
-    peak = matmul_tflops(torch.device("cuda"), n=MATMUL_N)
-    release_memory()
+    peak = run_peak_tflops(torch.device("cuda"))
     print(f"# {gpu}: extend attention, {num_q_heads}/{num_kv_heads} heads, D={head_dim}, {dtype}")
     print(f"# the physical limit: a dense bf16 matmul at {peak:.0f} TFLOP/s, measured now")
     records: list[Record] = []

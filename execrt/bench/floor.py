@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from execrt.bench.common import measure_copy_rate, release_memory
-from execrt.bench.decode import MATMUL_N
+from execrt.bench.common import measure_copy_rate
 from execrt.bench.models import kv_bytes_per_step, prefill_flops, weight_bytes_per_step
-from execrt.bench.timing import matmul_tflops
+from execrt.bench.timing import run_peak_tflops
 from execrt.core.assembly import resolve_dtype
 from execrt.models.config import ModelConfig
 
@@ -31,11 +30,10 @@ class Roof(NamedTuple):
 
 
 def measure_roof(device: torch.device, config: ModelConfig) -> Roof:
-    """``device``'s matmul rate now, in the dtype its engine runs (as ``bench decode``'s TTFT:
-    bf16 at ``MATMUL_N`` on CUDA; fp32 at 128 on CPU, a smoke run's size), and its copy rate."""
+    """``device``'s matmul rate now, in the dtype its engine runs (``run_peak_tflops``, as
+    ``bench decode``'s TTFT), and its copy rate."""
     dtype = resolve_dtype("auto", config.dtype, device)
-    tflops = matmul_tflops(device, n=MATMUL_N if device.type == "cuda" else 128)
-    release_memory()  # the matmul's buffers, before an engine sizes its KV pool
+    tflops = run_peak_tflops(device)
     return Roof(tflops, measure_copy_rate(device).gbps, dtype.itemsize)
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from execrt.bench.common import median_us
+from execrt.bench.common import median_us, release_memory
 
 
 @dataclass(frozen=True)
@@ -615,7 +615,20 @@ def dense_bf16_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10, reps: int = 5) -> float:
+#: The run's peak matmul: 8192^3 (1.1 TFLOP, about 1.5 ms on an H200).
+MATMUL_N = 8192
+
+
+def run_peak_tflops(device: torch.device) -> float:
+    """The dense matmul rate a benchmark holds its FLOPs against, timed now: an
+    ``MATMUL_N``-cube in bf16 on CUDA, a 128-cube in fp32 on CPU (a smoke run's size); its
+    buffers are freed before an engine sizes its KV pool."""
+    tflops = matmul_tflops(device, n=MATMUL_N if device.type == "cuda" else 128)
+    release_memory()
+    return tflops
+
+
+def matmul_tflops(device: torch.device, n: int = MATMUL_N, iters: int = 10, reps: int = 5) -> float:
     """The dense matmul rate of ``device`` now, TFLOP/s: an ``n``-cube product (2·n³ FLOP) in
     bf16 on CUDA (fp32 on CPU, whose bf16 matmul is emulated), median of ``reps``."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -144,7 +144,7 @@ def fake_extend(monkeypatch: pytest.MonkeyPatch, fake_gpu: None) -> None:
     monkeypatch.setattr(extend, "backend_calls", calls)
     monkeypatch.setattr(extend, "sdpa_calls", lambda p: [("sdpa", "")])
     monkeypatch.setattr(extend, "measure", measure)
-    monkeypatch.setattr(extend, "matmul_tflops", lambda device, n: 800.0)  # the run's peak
+    monkeypatch.setattr(extend, "run_peak_tflops", lambda device: 800.0)  # the run's peak
 
 
 def test_extend_ranks_only_the_correct_and_keeps_what_it_finished_when_killed(
