@@ -316,36 +316,41 @@ def engine_error(message: str, endpoint: Endpoint, tokens_field: str | None = No
         message = re.sub(
             r"^max_tokens 0 [^;]*", r"\g<0> (0 with echo: true scores the prompt)", message
         )
-    full = re.match(r"prompt of (\d+) tokens leaves no room in the context of (\d+)", message)
-    if full is not None:  # in OpenAI's words, which clients look for, and its code
-        message = (
-            f"This model's maximum context length is {full[2]} tokens. However, your "
-            f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {full[1]} "
-            f"tokens, which leaves no room for a completion ({message})"
-        )
-        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
+    # In OpenAI's words, which clients look for, and its code; the engine's own after them.
     # A KV cache smaller than the context: the longest request served is one token more than
-    # it holds (max_model_len), said in OpenAI's words too; the engine's sizing hint after.
+    # it holds (max_model_len).
+    full = re.match(r"prompt of (\d+) tokens leaves no room in the context of (\d+)", message)
     holds = re.search(r"whole cache holds \(?(\d+)\)?", message)
     prompt = re.match(r"prompt of (\d+) tokens needs more KV slots", message)
     asked = re.match(r"request needs up to \d+ KV slots \(prompt (\d+) \+ \w+ (\d+)", message)
-    if holds is not None and prompt is not None:
-        message = (
-            f"This model's maximum context length is {int(holds[1]) + 1} tokens. However, your "
-            f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {prompt[1]} "
-            f"tokens, which leaves no room for a completion ({message})"
-        )
-        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
-    if holds is not None and asked is not None:
-        limit, used, wanted = int(holds[1]) + 1, int(asked[1]), int(asked[2])
-        message = (
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{used + wanted} tokens ({used} in the prompt, {wanted} in the completion): "
-            f"{tokens_field} {wanted} is too large, at most {limit - used} can be generated "
-            f"({message})"
-        )
-        return APIError(message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
-    return APIError(message, param=param)
+    if full is not None:
+        said = _no_room(int(full[2]), int(full[1]), endpoint)
+    elif holds is not None and prompt is not None:
+        said = _no_room(int(holds[1]) + 1, int(prompt[1]), endpoint)
+    elif holds is not None and asked is not None:
+        said = _too_many(int(holds[1]) + 1, int(asked[1]), int(asked[2]), tokens_field)
+    else:
+        return APIError(message, param=param)
+    return APIError(f"{said} ({message})", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def _no_room(limit: int, prompt: int, endpoint: Endpoint) -> str:
+    """OpenAI's words for a prompt that fills the longest request served."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your "
+        f"{'prompt' if endpoint == 'completion' else 'messages'} resulted in {prompt} "
+        "tokens, which leaves no room for a completion"
+    )
+
+
+def _too_many(limit: int, prompt: int, wanted: int, name: str) -> str:
+    """OpenAI's words for a token budget (``name``) past what the longest request served
+    leaves after the prompt."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the completion): "
+        f"{name} {wanted} is too large, at most {limit - prompt} can be generated"
+    )
 
 
 # -- fields -------------------------------------------------------------------------------------
@@ -414,14 +419,8 @@ def _check_room(prompts: list[list[int]], fields: Mapping[str, Any], context_len
     room = context_len - longest
     if room > 0 and max_tokens > room:
         name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-        raise APIError(
-            f"This model's maximum context length is {context_len} tokens. However, you "
-            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} "
-            f"in the completion): {name} {max_tokens} is too large, at most {room} can be "
-            "generated",
-            param=name,
-            code=CONTEXT_LENGTH_EXCEEDED,
-        )
+        message = _too_many(context_len, longest, max_tokens, name)
+        raise APIError(message, param=name, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _same(a: Any, b: Any) -> bool:
