@@ -256,7 +256,7 @@ class ThreadedEngineClient(StepWatched, BackgroundEngineClient):
             self._deliver()
             for holder in list(self._live.values()):  # nobody waits for an answer forever
                 holder.put(RequestOutput([], finish_reason="error", error=self._error))
-            if not isinstance(exc, RankLostError):
+            if self._lost is None:  # a lost rank was said in one line: no traceback
                 raise
         finally:
             self._close_watchdog()

@@ -298,7 +298,13 @@ class LiveJobs:
 
     def check_open(self) -> None:
         if self.closing is not None:
-            raise APIError(self.closing, status=503, type="service_unavailable")
+            raise _stopping(self.closing)
+
+
+def _stopping(message: str) -> APIError:
+    """The 503 of a request the server's shutdown refused or aborted (a client may retry
+    elsewhere)."""
+    return APIError(message, status=503, type="service_unavailable")
 
 
 async def _generate(
@@ -497,8 +503,7 @@ class Job:
         if lost is not None:
             return lost
         if self.stopped is not None:
-            message = choice.error or self.stopped
-            return APIError(message, status=503, type="service_unavailable")
+            return _stopping(choice.error or self.stopped)
         return APIError(choice.error or "request failed", status=500, type="server_error")
 
     def _count(self, choice: _Choice) -> None:
