@@ -202,8 +202,8 @@ class AttentionHarness:
 
     # -- building a step ------------------------------------------------------------------------
     def _randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        values = torch.randn(shape, generator=self.gen)
-        return (values * scale if scale != 1.0 else values).to(self.dtype).to(self.device)
+        values = torch.randn(shape, generator=self.gen) * scale  # x 1.0 is exact
+        return values.to(self.dtype).to(self.device)
 
     def _take_slots(self, n: int, permuted: bool) -> list[int]:
         if permuted:
@@ -553,18 +553,18 @@ class AttentionHarness:
                         )
                     want[where] = have[where]  # the mirror keeps what was stored; the rest
                     # must be exact (now and in later steps)
+                padded = bool(prepared.step.padded_rows)
+                if padded and not bool(torch.isfinite(have[0].float()).all()):
+                    problems.append(
+                        f"{label}, layer {layer}: {name} cache slot 0 (padding's) holds inf or "
+                        "NaN after a padded step: a backend that gathers it under a mask reads "
+                        "0 x NaN = NaN"
+                    )
                 if self.kv.is_fp8:  # compare the stored bytes
                     have, want = have.view(torch.uint8), want.view(torch.uint8)
                 differ = (have != want).flatten(1).any(1)  # [S+1]
-                if prepared.step.padded_rows:
+                if padded:
                     differ[0] = False
-                    slot0 = self.kv.k_buffers[layer] if name == "K" else self.kv.v_buffers[layer]
-                    if not bool(torch.isfinite(slot0[0].float()).all()):
-                        problems.append(
-                            f"{label}, layer {layer}: {name} cache slot 0 (padding's) holds "
-                            "inf or NaN after a padded step: a backend that gathers it under "
-                            "a mask reads 0 x NaN = NaN"
-                        )
                 bad = differ.nonzero().flatten().tolist()
                 if not bad:
                     continue
