@@ -36,6 +36,8 @@ MIXES: dict[str, tuple[float, int, float]] = {
     "top-p 0.5": (0.8, -1, 0.5),
     "top-k 50": (0.6, 50, 1.0),
     "top-k 20 + top-p 0.8": (0.7, 20, 0.8),
+    "top-k 20 + top-p 0.95 T 0.6": (0.6, 20, 0.95),  # Qwen3's recommended sampling
+    "top-k 50 + top-p 0.9 T 1.0": (1.0, 50, 0.9),
 }
 
 

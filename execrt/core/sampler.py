@@ -344,8 +344,10 @@ class Sampler:
     The draw: a row is greedy (``argmax``, the lowest id among equal maxima) when its
     temperature is 0 or its top_k is 1. Otherwise the tokens are ranked by probability after
     temperature, the lowest id first among equal probabilities; top_k keeps the first
-    ``top_k`` of them (``<= 0`` or beyond the vocabulary: all), top_p the longest prefix whose
-    mass before each token is below ``top_p`` (the first token always; ``>= 1``: all); the
+    ``top_k`` of them (``<= 0`` or beyond the vocabulary: all), top_p the longest prefix of
+    those whose mass before each token is below ``top_p`` times the top-k set's mass (top-p
+    over the top-k set renormalised, as vLLM, SGLang and transformers apply both; the first
+    token always; ``>= 1``: all); the
     token is the kept one with the largest ``p / E``, ``E`` an Exp(1) draw from the hash (the
     exponential race, a sample from the kept probabilities renormalised).
 
@@ -398,12 +400,18 @@ class Sampler:
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, V]
         k = torch.where(info.top_ks > 0, info.top_ks, torch.full_like(info.top_ks, probs.shape[-1]))
         keep = rank < k[:, None]
-        # Keep a token while the mass before it is below top_p: the first token always stays,
-        # even for a top_p that fp32 rounds to 0 (below ~1.4e-45); top_p >= 1 keeps every
-        # token, also those after an fp32 cumsum that has already reached 1.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Top-p applies to the top-k set renormalised (as vLLM, SGLang and transformers do):
+        # keep a token while the mass before it is below top_p times the set's mass (the whole
+        # row's, 1, when top_k keeps every token). The first token always stays, even for a
+        # top_p that fp32 rounds to 0 (below ~1.4e-45); top_p >= 1 keeps every token, also
+        # those after an fp32 cumsum that has already reached 1.
+        cumsum = torch.cumsum(sorted_probs, dim=-1)
+        mass_before = cumsum - sorted_probs
+        cut = (info.top_ks > 0) & (info.top_ks < probs.shape[-1])
+        top_k_mass = cumsum.gather(-1, (k.clamp(max=probs.shape[-1]) - 1)[:, None])
         top_ps = info.top_ps[:, None]
-        keep &= (mass_before < top_ps) | (rank == 0) | (top_ps >= 1)
+        p_lim = torch.where(cut[:, None], top_ps * top_k_mass, top_ps)
+        keep &= (mass_before < p_lim) | (rank == 0) | (top_ps >= 1)
         kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         return torch.zeros_like(probs).scatter_(-1, order, kept)
 

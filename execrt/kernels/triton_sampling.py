@@ -22,6 +22,10 @@ CUDA graph.
      logit (and the total mass Z). If the winner is inside the kept set it wins among the kept
      tokens too, and the row is done (usually: a top-p 0.9 race lands inside with
      probability ~0.9);
+   - with both filters, top_p applies to the top-k set renormalised: ``Z`` below is then
+     that set's mass ``M_k``. The tokens up to a kept-rank winner bound it below, which
+     usually settles the first check; else ``_top_k_mass`` searches for the top-k threshold
+     first (count-only search passes);
    - else the set's threshold ``t*`` (the smallest logit ``t`` with ``count(s > t) < top_k``
      and ``mass(s > t) < top_p * Z``) lies in a bracket ``(lo, hi]``: ``lo`` a threshold that
      fails (at first the winner's logit), ``hi`` one that passes. The kept set lies above
@@ -360,7 +364,7 @@ def _rank_check(
     """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
     data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
     its logit (``at_own``: every token above it stays), and the pass's data. ``zlim`` is top_p
-    times Z, or < 0 on the first pass, which sums Z."""
+    times Z (or times the top-k set's mass), or < 0 on the first pass, which sums Z."""
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     s_w = tl.load(base + winner).to(tl.float32)
     thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
@@ -375,7 +379,52 @@ def _rank_check(
     mass_before = m0 + eq_w.to(tl.float32) * tl.exp2((s_w - m) * inv_t2)
     inside = (rank < k_lim) & ((rank == 0) | p_off | (mass_before < zlim))
     at_own = (c0 < k_lim) & (p_off | (m0 < zlim))
-    return inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite
+    return (
+        inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite, rank,
+        mass_before,
+    )  # fmt: skip
+
+
+@triton.jit
+def _top_k_mass(
+    base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK: tl.constexpr
+):
+    """The mass of the top-k set (the first ``k_lim`` tokens of the ranking), from a first
+    pass's data (thresholds ``thr`` with their counts and masses, Z, the finite logits' range
+    and count): search passes as the finish's, with the count alone deciding, until the
+    bracket holds one distinct value ``t_k``; then the mass above it and that of the first of
+    its equals that fit. Every finite token when fewer than ``k_lim`` are; Z for a row that
+    does not converge (NaNs only)."""
+    jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
+    lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
+        cnt < k_lim, thr, cnt, mass, float("-inf"), m, finite, 0, z, 0.0
+    )
+    t_k = m
+    c_gt = c_hi
+    m_gt = m_hi
+    c_eq = c_lo - c_hi
+    done = (finite < k_lim).to(tl.int32)
+    passes = 0
+    while (done == 0) & (passes < MAX_PASSES):
+        a = tl.maximum(lo, dmin)
+        b = tl.minimum(hi, dmax)
+        thr = a + (b - a) * jf
+        cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
+            base, vocab, m, inv_t2, lo, hi, thr, m, 0, BLOCK
+        )
+        single = dmin == dmax  # one distinct value in (lo, hi]: it is t_k
+        t_k = tl.where(single, dmin, t_k)
+        c_gt = tl.where(single, c_hi, c_gt)
+        m_gt = tl.where(single, m_hi, m_gt)
+        c_eq = tl.where(single, c_lo - c_hi, c_eq)
+        lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
+            cnt < k_lim, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi
+        )
+        done = single.to(tl.int32)
+        passes += 1
+    p_t = tl.exp2((t_k - m) * inv_t2)
+    m_k = m_gt + tl.minimum(c_eq, k_lim - c_gt).to(tl.float32) * p_t
+    return tl.where((finite < k_lim) | (done == 0), z, m_k)
 
 
 @triton.jit
@@ -401,9 +450,24 @@ def _filtered_token(
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     p_off = use_p == 0
     # Pass 1: the winner's rank and the mass before it, and Z.
-    inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite = _rank_check(
-        base, vocab, m, inv_t2, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
+    inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite, rank, m_w = (
+        _rank_check(
+            base, vocab, m, inv_t2, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
+        )
     )
+    if (k_lim <= vocab) & (use_p != 0):
+        # Both filters: top_p applies to the top-k set renormalised, zlim = top_p times its
+        # mass M_k. The tokens up to the winner are in that set when its rank is below top_k,
+        # so their mass bounds M_k below: a winner kept by that bound is kept (usually, and
+        # the row is done); else M_k is searched for, and the winner checked against it.
+        p_w = tl.exp2((s_w - m) * inv_t2)
+        sure = (rank < k_lim) & ((rank == 0) | (m_w < top_p * (m_w + p_w)))
+        if sure == 0:
+            zlim = top_p * _top_k_mass(
+                base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK
+            )
+            inside = (rank < k_lim) & ((rank == 0) | (m_w < zlim))
+            at_own = (c0 < k_lim) & (m0 < zlim)
     ok = (cnt < k_lim) & (p_off | (mass < zlim))
     lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
         ok, thr, cnt, mass, float("-inf"), m, finite, 0, z, 0.0
@@ -422,7 +486,7 @@ def _filtered_token(
             _k, _g, winner, _t = _race(
                 base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, FAST_LOG
             )
-            inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f = (
+            inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f, _r, _m = (
                 _rank_check(
                     base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK
                 )

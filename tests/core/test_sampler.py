@@ -226,6 +226,19 @@ def test_top_k_and_top_p_combine_as_the_smaller_set() -> None:
     assert filtered(top_k=3, top_p=0.5) == [0.0, 0.4, 0.0, 0.3]
 
 
+def test_top_p_applies_to_the_top_k_set_renormalised() -> None:
+    # As vLLM, SGLang and transformers: top_k 2 keeps 0.4 and 0.3 (mass 0.7); renormalised
+    # they are 0.571 and 0.429, so top_p 0.55 keeps only the first (mass before the second:
+    # 0.571). Measured against the whole row, 0.4 < 0.55 would have kept both.
+    assert filtered(top_k=2, top_p=0.55) == [0.0, 0.4, 0.0, 0.0]
+    assert filtered(top_k=2, top_p=0.58) == [0.0, 0.4, 0.0, 0.3]
+    # top_k 3 (mass 0.9): the third's mass before, 0.7, is 0.778 of the set.
+    assert filtered(top_k=3, top_p=0.77) == [0.0, 0.4, 0.0, 0.3]
+    assert filtered(top_k=3, top_p=0.79) == [0.2, 0.4, 0.0, 0.3]
+    # top_k beyond the vocabulary or off: the row's own mass, as top_p alone.
+    assert filtered(top_k=4, top_p=0.65) == filtered(top_k=-1, top_p=0.65) == [0.0, 0.4, 0.0, 0.3]
+
+
 def test_temperature_scales_the_logits_before_filtering() -> None:
     # T = 0.5 squares the probabilities: [0.04, 0.16, 0.01, 0.09] / 0.30.
     assert filtered(temperature=0.5) == [round(x / 0.3, 5) for x in (0.04, 0.16, 0.01, 0.09)]

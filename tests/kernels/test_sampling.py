@@ -347,6 +347,45 @@ def test_top_p_draws_follow_the_renormalised_nucleus() -> None:
     assert_follows(frequencies(PROBS.log().float(), top_p=0.6), expected / expected.sum())
 
 
+def test_top_k_with_top_p_draws_follow_the_renormalised_top_k_nucleus() -> None:
+    # top_k 3 keeps 0.3, 0.25, 0.15 (mass 0.7); top_p 0.7 of that is 0.49, which the mass
+    # before 0.15 (0.55) exceeds: two tokens stay. Against the whole row (0.55 < 0.7) the
+    # third would stay too.
+    expected = torch.where(PROBS >= 0.25, PROBS, 0)
+    freq = frequencies(PROBS.log().float(), top_k=3, top_p=0.7)
+    assert_follows(freq, expected / expected.sum())
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("shape", ["llm", "flat", "ties"])
+def test_top_k_with_top_p_draws_the_samplers_tokens(shape: str) -> None:
+    """Both filters, where the top-k set's mass must be searched for: flat rows (the race's
+    winner is rarely kept, and top_p cuts inside the top-k set), LLM rows, and sets that end
+    inside a run of equal logits. On flat rows and ties the two rules' sets differ in many
+    rows, so a kernel measuring top_p against the whole row fails (LLM rows, peaked, rarely
+    tell them apart)."""
+    gen = torch.Generator().manual_seed(31 + len(shape))
+    b, vocab = 16, 1200
+    if shape == "llm":
+        logits = llm_like(b, vocab, gen)
+    else:
+        logits = torch.randn(b, vocab, generator=gen) * (0.05 if shape == "flat" else 1.0)
+        if shape == "ties":
+            logits = (logits * 3).round() / 3
+    temps = [0.6, 1.0, 1.3, 0.8] * 4
+    top_ks = [20, 200, 7, 600, 50, 3, 900, 120] * 2
+    top_ps = [0.95, 0.9, 0.5, 0.8, 0.99, 0.6, 0.3, 0.97] * 2
+    seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
+    info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
+    whole_row = Sampler.filtered_probs(logits, replace(info, top_ks=torch.full((b,), -1)))
+    renormalised = Sampler.filtered_probs(logits, info)
+    top_k_only = Sampler.filtered_probs(logits, replace(info, top_ps=torch.ones(b)))
+    old_rule = (whole_row > 0) & (top_k_only > 0)
+    if shape != "llm":
+        assert ((renormalised > 0) != old_rule).any(dim=-1).sum() >= 4  # the rules differ
+    assert torch.equal(draw(logits, info), reference(logits, info))
+
+
 # -- parameters and capture -----------------------------------------------------------------------
 def test_parameters_of_the_wrong_dtype_or_shape_are_refused() -> None:
     logits = torch.randn(3, 50, device=DEVICE)
