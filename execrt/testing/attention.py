@@ -438,7 +438,8 @@ class AttentionBackendSuite(ConformanceSuite):
             for i, step in enumerate(steps):
                 label = f"{case.id} graph step {i} (bucket {step.batch_size + step.padded_rows})"
                 prepared = harness.prepare(step, graph=True)
-                plan = harness.plan(prepared)
+                plan, problems = harness.plan_graph_checked(prepared, label)
+                total.problems += problems
                 outs = harness.attend_layers(prepared, plan)
                 leaves = tensor_fields(plan.meta)
                 size = prepared.fb.batch_size
@@ -476,7 +477,8 @@ class AttentionBackendSuite(ConformanceSuite):
             for prepared, label in ((a, "replay of the captured batch"), (None, "new batch")):
                 if prepared is None:
                     prepared = harness.prepare(second, graph=True, reuse=a)
-                    harness.plan(prepared)  # re-planned into the captured buffers
+                    # re-planned into the captured buffers, as before each replay
+                    total.problems += harness.plan_graph_checked(prepared, f"{case.id} {label}")[1]
                 graph.replay()
                 torch.cuda.synchronize()
                 total.add(harness.check(prepared, outs, tol, f"{case.id} {label}"))

@@ -410,6 +410,40 @@ class AttentionHarness:
         meta = self.backend.plan_graph(fb) if prepared.graph else self.backend.plan(fb)
         return AttentionStep(self.backend, meta, fb.out_cache_loc, fb.mode)
 
+    def plan_graph_checked(self, prepared: Prepared, label: str) -> tuple[AttentionStep, list[str]]:
+        """``plan`` through ``plan_graph``, and what it must not do (on CUDA): wait for the
+        device (torch's sync debug mode, set to error around the call: a host sync there
+        stalls every replayed step and defeats overlap) or keep new device memory (it must
+        write into what ``init_graph_state`` allocated; a temporary freed before it returns
+        is allowed)."""
+        if not prepared.graph or self.device.type != "cuda":
+            return self.plan(prepared), []
+        problems = []
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = self.plan(prepared)
+        except RuntimeError as exc:
+            if "synchroniz" not in str(exc):
+                raise
+            problems.append(
+                f"{label}: plan_graph waited for the device ({str(exc).splitlines()[0]}); it "
+                "must plan from the batch's host mirrors and device tensors without a sync"
+            )
+            torch.cuda.set_sync_debug_mode(mode)
+            step = self.plan(prepared)  # the plan for the rest of the checks
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+        kept = torch.cuda.memory_allocated(self.device) - before
+        if kept > 0:
+            problems.append(
+                f"{label}: plan_graph kept {kept} bytes of new device memory; it must write "
+                "into the buffers init_graph_state allocated"
+            )
+        return step, problems
+
     def attend_with_prologue(self, p: PrologueStep, step: AttentionStep) -> list[Any]:
         """Every layer's ``attend_with_prologue`` on the raw q/k/v."""
         return [

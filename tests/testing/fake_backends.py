@@ -40,6 +40,9 @@ CPU = frozenset({"cpu"})
 # ---------------------------------------------------------------------------------------------
 NATIVE_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32)
 GRAPH_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, graph=True)
+CUDA_GRAPH_CAPS = AttentionCapabilities(
+    devices=frozenset({"cuda"}), dtypes=frozenset({torch.float32}), graph=True
+)
 STORES_CAPS = AttentionCapabilities(devices=CPU, dtypes=F32, stores_kv=True)
 HALF_CAPS = AttentionCapabilities(devices=CPU, dtypes=frozenset({torch.float32, torch.float16}))
 HALF_FP8_CAPS = dataclasses.replace(
@@ -203,6 +206,24 @@ class FreshBuffersGraphAttention(StaticGraphAttention):
 
     def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
         return self.plan(fb)
+
+
+class SyncingGraphAttention(StaticGraphAttention):
+    """Broken on CUDA: its graph plan reads the batch's longest context from the device (a
+    host sync before every replayed step) instead of the host mirror; its outputs are right."""
+
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        self.longest = int(fb.seq_lens.max())
+        return super().plan_graph(fb)
+
+
+class HoardingGraphAttention(StaticGraphAttention):
+    """Broken on CUDA: its graph plan keeps a device copy of every batch's lengths (memory
+    that grows with every replayed step); its outputs are right."""
+
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        self.__dict__.setdefault("history", []).append(fb.seq_lens.clone())
+        return super().plan_graph(fb)
 
 
 class StaleSeqLensGraphAttention(StaticGraphAttention):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from execrt.testing.report import run_suite_source
 
@@ -178,6 +179,49 @@ def test_broken_graph_metadata_fails_the_graph_test(
     assert list(failed) == ["test_graph_metadata[cpu-float32]"], failed  # eager path is fine
     assert "cpu-float32 graph step 1 (bucket 4)" in failed["test_graph_metadata[cpu-float32]"]
     assert expect in failed["test_graph_metadata[cpu-float32]"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (sync, memory)")
+@pytest.mark.parametrize(
+    ("backend", "expect"),
+    [
+        ("SyncingGraphAttention", "plan_graph waited for the device"),
+        ("HoardingGraphAttention", "plan_graph kept"),
+    ],
+)
+def test_a_graph_plan_that_syncs_or_keeps_memory_fails_on_cuda(
+    tmp_path: Path, backend: str, expect: str
+) -> None:
+    body = f"""
+class TestBroken(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:{backend}"
+    capabilities = fakes.CUDA_GRAPH_CAPS
+    devices = ("cuda",)
+"""
+    select = "test_graph_metadata or test_cuda_graph_replay or decode-single"
+    code, report = run_suite(tmp_path, body, "attention", select)
+    assert code == 1
+    failed = failures(report)
+    assert set(failed) == {
+        "test_graph_metadata[cuda-float32]",
+        "test_cuda_graph_replay[cuda-float32]",
+    }, failed  # the eager path is fine, and so are the outputs
+    for reason in failed.values():
+        assert expect in reason and "max relative error" not in reason, reason
+    assert "cuda-float32 graph step 0 (bucket 8)" in failed["test_graph_metadata[cuda-float32]"]
+
+
+def test_the_graph_plan_checks_pass_a_well_behaved_backend_on_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (sync, memory)")
+    body = """
+class TestGood(AttentionBackendSuite):
+    factory = "tests.testing.fake_backends:StaticGraphAttention"
+    capabilities = fakes.CUDA_GRAPH_CAPS
+    devices = ("cuda",)
+"""
+    code, report = run_suite(tmp_path, body, "attention", "test_graph_metadata or test_cuda_graph")
+    assert code == 0, failures(report)
 
 
 def test_dispatcher_dropping_a_token_fails_at_world_1_and_2_and_in_generated_cases(
