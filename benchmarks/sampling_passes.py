@@ -94,13 +94,17 @@ class PassCounter:
             setattr(triton_sampling, name, fn)
 
 
-def run(vocab: int, rows: int, shares: list[float], shapes: list[str]) -> list[dict[str, Any]]:
+def run(
+    vocab: int, rows: int, shares: list[float], shapes: list[str], mixes: list[str] | None = None
+) -> list[dict[str, Any]]:
     records = []
     for shape in shapes:
         gen = torch.Generator().manual_seed(len(shape))
         logits = logits_of(shape, rows, vocab, gen)
         seeds = torch.randint(0, 2**62, (rows,), generator=gen)
         for mix, (temp, top_k, top_p) in MIXES.items():
+            if mixes and not any(m in mix for m in mixes):
+                continue
             info = SamplingBatchInfo(
                 temperatures=torch.full((rows,), temp),
                 top_ks=torch.full((rows,), top_k, dtype=torch.int64),
@@ -137,12 +141,14 @@ def main() -> None:
     parser.add_argument("--shares", default="2.0,0.5", help="ROUND_SHARE values, comma-separated")
     parser.add_argument("--shapes", default="llm,zipf,flat")
     parser.add_argument("--out", help="write the records here as JSON")
+    parser.add_argument("--mixes", help="only the mixes whose names contain one of these (',')")
     args = parser.parse_args()
     records = run(
         args.vocab,
         args.rows,
         [float(r) for r in args.shares.split(",")],
         args.shapes.split(","),
+        args.mixes.split(",") if args.mixes else None,
     )
     if args.out:
         with open(args.out, "w") as f:

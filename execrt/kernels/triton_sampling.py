@@ -86,6 +86,9 @@ ROUND_SHARE = 0.5
 #: Thresholds one search pass tests (NT in shape comments): each costs ~4 instructions per
 #: token, and a pass is memory-bound up to about this many.
 SEARCH_THRESHOLDS = tl.constexpr(4)
+#: The top-k threshold search tests thresholds this share of the bracket either side of its
+#: guess (see ``_top_k_mass``).
+KSEARCH_NEAR = tl.constexpr(0.04)
 #: Passes after which a search stops: finite logits converge long before (each pass removes at
 #: least one distinct value and typically narrows the bracket SEARCH_THRESHOLDS-fold); only a
 #: row with NaNs can get here, and it then takes its top token.
@@ -389,12 +392,13 @@ def _rank_check(
 def _top_k_mass(
     base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK: tl.constexpr
 ):
-    """The mass of the top-k set (the first ``k_lim`` tokens of the ranking), from a first
-    pass's data (thresholds ``thr`` with their counts and masses, Z, the finite logits' range
-    and count): search passes as the finish's, with the count alone deciding, until the
+    """The mass ``M_k`` of the top-k set (the first ``k_lim`` tokens of the ranking), from a
+    first pass's data (thresholds ``thr`` with their counts and masses, Z, the finite logits'
+    range and count): search passes as the finish's, with the count alone deciding, until the
     bracket holds one distinct value ``t_k``; then the mass above it and that of the first of
-    its equals that fit. Every finite token when fewer than ``k_lim`` are; Z for a row that
-    does not converge (NaNs only)."""
+    its equals that fit. Returns ``(M_k, t_k, count(s > t_k), mass(s > t_k), count(s ==
+    t_k), found)``; not found (M_k = Z) when fewer than ``k_lim`` tokens are finite (all stay)
+    or the search does not converge (NaNs only)."""
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
         cnt < k_lim, thr, cnt, mass, float("-inf"), m, finite, 0, z, 0.0
@@ -405,10 +409,25 @@ def _top_k_mass(
     c_eq = c_lo - c_hi
     done = (finite < k_lim).to(tl.int32)
     passes = 0
+    # Where count(s > t) reaches k_lim, if log count falls linearly across the bracket (the
+    # tail of a row's logits is near that; k_lim is usually far nearer the top's count than
+    # the bulk's): thresholds close around that guess, and halfway to each end, so a pass
+    # narrows the bracket at least 2-fold and, guessed well, far more.
+    lk = tl.log2(k_lim.to(tl.float32) - 0.5)
     while (done == 0) & (passes < MAX_PASSES):
         a = tl.maximum(lo, dmin)
         b = tl.minimum(hi, dmax)
-        thr = a + (b - a) * jf
+        la = tl.log2(tl.maximum(c_lo.to(tl.float32), 1.0))
+        lb = tl.log2(tl.maximum(c_hi.to(tl.float32), 0.5))
+        f = tl.minimum(tl.maximum((la - lk) / tl.maximum(la - lb, 1e-6), 0.0), 1.0)
+        guess = a + (b - a) * f
+        near = (b - a) * KSEARCH_NEAR
+        thr = tl.where(
+            jf == 0,
+            (a + guess) * 0.5,
+            tl.where(jf < 0.5, guess - near, tl.where(jf < 0.75, guess + near, (guess + b) * 0.5)),
+        )
+        thr = tl.minimum(tl.maximum(thr, a), b)
         cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
             base, vocab, m, inv_t2, lo, hi, thr, m, 0, BLOCK
         )
@@ -423,8 +442,9 @@ def _top_k_mass(
         done = single.to(tl.int32)
         passes += 1
     p_t = tl.exp2((t_k - m) * inv_t2)
+    found = (finite >= k_lim) & (done != 0)
     m_k = m_gt + tl.minimum(c_eq, k_lim - c_gt).to(tl.float32) * p_t
-    return tl.where((finite < k_lim) | (done == 0), z, m_k)
+    return tl.where(found, m_k, z), t_k, c_gt, m_gt, c_eq, found.to(tl.int32)
 
 
 @triton.jit
@@ -455,6 +475,11 @@ def _filtered_token(
             base, vocab, m, inv_t2, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
         )
     )
+    k_found = tl.zeros([], tl.int32)  # whether _top_k_mass found t_k (with its data)
+    t_k = m
+    c_gt_k = tl.zeros([], tl.int32)
+    m_gt_k = tl.zeros([], tl.float32)
+    c_eq_k = tl.zeros([], tl.int32)
     if (k_lim <= vocab) & (use_p != 0):
         # Both filters: top_p applies to the top-k set renormalised, zlim = top_p times its
         # mass M_k. The tokens up to the winner are in that set when its rank is below top_k,
@@ -463,21 +488,31 @@ def _filtered_token(
         p_w = tl.exp2((s_w - m) * inv_t2)
         sure = (rank < k_lim) & ((rank == 0) | (m_w < top_p * (m_w + p_w)))
         if sure == 0:
-            zlim = top_p * _top_k_mass(
+            m_k, t_k, c_gt_k, m_gt_k, c_eq_k, k_found = _top_k_mass(
                 base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK
             )
+            zlim = top_p * m_k
             inside = (rank < k_lim) & ((rank == 0) | (m_w < zlim))
             at_own = (c0 < k_lim) & (m0 < zlim)
     ok = (cnt < k_lim) & (p_off | (mass < zlim))
     lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
         ok, thr, cnt, mass, float("-inf"), m, finite, 0, z, 0.0
     )
+    # The top-k threshold t_k (when searched): no lower threshold passes (the count fails).
+    # If t_k passes (the mass above it is below zlim) the kept set ends there: t* = t_k, no
+    # top-p search; else it fails, and the bracket starts above it.
+    ends_k = (k_found != 0) & (m_gt_k < zlim)
+    lift = (k_found != 0) & (t_k > lo) & (m_gt_k >= zlim)
+    lo = tl.where(lift, t_k, lo)
+    c_lo = tl.where(lift, c_gt_k, c_lo)
+    m_lo = tl.where(lift, m_gt_k, m_lo)
     token = winner
-    t_star = s_w  # when at_own: t* is the winner's logit, and its equals after it are cut
-    c_gt = c0
-    m_gt = m0
-    c_eq = eq0
-    done = (inside | at_own).to(tl.int32)
+    # When at_own: t* is the winner's logit, and its equals after it are cut.
+    t_star = tl.where(ends_k, t_k, s_w)
+    c_gt = tl.where(ends_k, c_gt_k, c0)
+    m_gt = tl.where(ends_k, m_gt_k, m0)
+    c_eq = tl.where(ends_k, c_eq_k, eq0)
+    done = (inside | at_own | ends_k).to(tl.int32)
     passes = 1
     while (done == 0) & (passes < MAX_PASSES):
         # The kept set lies in s > lo and holds s > hi: a race above lo lands in it with
