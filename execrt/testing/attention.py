@@ -67,6 +67,9 @@ def _scaled(step: Step, factor: int) -> Step:
     )
 
 
+_SIXTEEN_BIT_TOLERANCES = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
 class AttentionBackendSuite(ConformanceSuite):
     """Conformance of an attention backend. Set ``backend`` (or ``factory`` + ``capabilities``).
 
@@ -83,15 +86,14 @@ class AttentionBackendSuite(ConformanceSuite):
     #: stay within 3.8e-4 (fp16) and 3.0e-3 (bf16) on an H200 and 2.2e-4 / 1.9e-3 on CPU, so
     #: these leave 5-8x room for another kernel's accumulation order, and no more: an error
     #: of a few percent is a bug, not rounding.
+    #: (fp32 as every suite's.)
     tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 1e-4,
-        torch.float16: 3e-3,
-        torch.bfloat16: 1.5e-2,
+        **ConformanceSuite.tolerances,
+        **_SIXTEEN_BIT_TOLERANCES,
     }
     cuda_tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 5e-3,  # TF32 dots
-        torch.float16: 3e-3,
-        torch.bfloat16: 1.5e-2,
+        **ConformanceSuite.cuda_tolerances,
+        **_SIXTEEN_BIT_TOLERANCES,
     }
     #: The backend's own settings (``AttentionBackendInit.options``), e.g. a kernel variant.
     options: ClassVar[Mapping[str, Any]] = {}
