@@ -65,7 +65,8 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
     "decode-context1": (Step.decode([1, 1, 1]), Step.decode([1] * 8)),
     # Long enough that Triton splits the context several ways on either device (4 splits for
     # one 2100-token request under the CPU interpreter's 4 "SMs", 17 for 12000 on an H200).
-    "decode-long": (Step.decode([2100]), Step.decode([12000, 100])),
+    # The second CPU request passes 4096 tokens (a 4k buffer or index width would cut it).
+    "decode-long": (Step.decode([2100, 4200]), Step.decode([12000, 100])),
     "decode-permuted": (
         Step.decode([5, 17, 40, 2, 23], permuted=True),
         Step.decode([129, 1700, 3001, 2, 513], permuted=True),
@@ -84,7 +85,7 @@ SCENARIOS: dict[str, tuple[Step, Step]] = {
         Step.extend([0, 20, 7, 64], [9, 4, 1, 16]),
         Step.extend([0, 2000, 7, 640], [90, 400, 1, 160]),
     ),
-    "extend-long": (Step.extend([2100, 0], [7, 3]), Step.extend([8000, 0], [64, 900])),
+    "extend-long": (Step.extend([2100, 0, 4100], [7, 3, 5]), Step.extend([8000, 0], [64, 900])),
     "extend-permuted": (
         Step.extend([11, 0, 30], [6, 3, 10], permuted=True),
         Step.extend([1100, 0, 300], [60, 300, 10], permuted=True),

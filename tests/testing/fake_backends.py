@@ -256,6 +256,16 @@ class RowsKeptAttention(TorchNativeAttnBackend):
         return PaddedContext(slots, valid, list(fb.prefix_lens_cpu), list(fb.extend_lens_cpu))
 
 
+class FourKContextAttention(TorchNativeAttnBackend):
+    """Broken: reads at most the first 4096 positions of a request's context (as a backend
+    with a 4k context buffer would); every shorter context is exact."""
+
+    def plan(self, fb: ForwardBatch) -> PaddedContext:
+        context = super().plan(fb)
+        context.valid[:, 4096:] = False
+        return context
+
+
 class NaNPaddingGraphAttention(StaticGraphAttention):
     """Broken: padded graph rows come out NaN (as a softmax over no key does); every real
     row is exact. In a model that NaN reaches slot 0 through the padded row's K/V, and every

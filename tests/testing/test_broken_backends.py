@@ -162,6 +162,11 @@ class TestBroken(AttentionBackendSuite):
         assert row["max_error"] > row["tolerance"], row
 
 
+def test_a_context_cut_at_4096_tokens_fails_the_long_decode_on_cpu(tmp_path: Path) -> None:
+    (reason,) = failed_scenarios(tmp_path, "FourKContextAttention", "NATIVE_CAPS", "decode-long")
+    assert "max relative error" in reason and "worst at request 1" in reason, reason
+
+
 @pytest.mark.parametrize(
     ("backend", "expect"),
     [
