@@ -1,13 +1,13 @@
 """Sampling at decode batch sizes: today's torch Sampler vs the fused Triton draw (GPU only).
 
-For each batch size, parameter mix (greedy, temperature 0.6, top-k 50, top-p 0.9, both, and a
-batch mixing all of them) and logit shape (``llm``: a broad bulk and a dozen strong candidates
-per row; ``flat``: nearly uniform, the worst case of the top-k/top-p search), it reports µs
-per call of the core Sampler's torch draw and of the fused kernels (eager, and replayed in a
-CUDA graph where launch overhead is the GPU's), and the memory-bound floor: the logit bytes one
-pass reads over the device-to-device copy rate measured in the same run. Each timed call reads
-its own copy of the logits (round robin) so small batches stream from HBM, not from L2. The
-tokens of both draws are compared (``mismatches``: rows that differ; expected 0).
+For each batch size, parameter mix (greedy, temperature 0.6, top-k 50, top-p 0.9, both at 50 / 0.9
+and at 20 / 0.95, and a batch mixing all of them) and logit shape (``llm``: a broad bulk and a
+dozen strong candidates per row; ``flat``: nearly uniform, the worst case of the top-k/top-p
+search), it reports µs per call of the core Sampler's torch draw and of the fused kernels (eager,
+and replayed in a CUDA graph where launch overhead is the GPU's), and the memory-bound floor: the
+logit bytes one pass reads over the device-to-device copy rate measured in the same run. Each timed
+call reads its own copy of the logits (round robin) so small batches stream from HBM, not from L2.
+The tokens of both draws are compared (``mismatches``: rows that differ; expected 0).
 
     python benchmarks/bench_sampling.py --out sampling.json [--batches 1,32,256] [--vocab 151936]
 """
@@ -44,6 +44,7 @@ MIXES: dict[str, tuple[float, int, float]] = {
     "top-k 50": (0.6, 50, 1.0),
     "top-p 0.9": (0.6, -1, 0.9),
     "top-k 50 + top-p 0.9": (0.6, 50, 0.9),
+    "top-k 20 + top-p 0.95": (0.6, 20, 0.95),  # Qwen3's recommended sampling
 }
 MAX_SETS = 64
 
@@ -79,7 +80,8 @@ def make_logits(
 
 
 def make_info(mix: str, b: int) -> SamplingBatchInfo:
-    rows = [MIXES[mix]] * b if mix != "mixed" else [list(MIXES.values())[i % 5] for i in range(b)]
+    mixes = list(MIXES.values())
+    rows = [MIXES[mix]] * b if mix != "mixed" else [mixes[i % len(mixes)] for i in range(b)]
 
     def column(i: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([r[i] for r in rows], dtype=dtype, device="cuda")
