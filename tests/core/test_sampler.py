@@ -239,6 +239,28 @@ def test_top_p_applies_to_the_top_k_set_renormalised() -> None:
     assert filtered(top_k=4, top_p=0.65) == filtered(top_k=-1, top_p=0.65) == [0.0, 0.4, 0.0, 0.3]
 
 
+def test_the_kept_set_is_transformers_temperature_top_k_top_p_warpers() -> None:
+    """An independent oracle: transformers' warpers (temperature, then top-k, then top-p over
+    what top-k left, renormalised) keep the same tokens with the same probabilities, over
+    random rows, vocabularies and parameters."""
+    logits_process = pytest.importorskip("transformers.generation.logits_process")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        vocab = int(torch.randint(50, 3000, (1,), generator=gen))
+        logits = torch.randn(1, vocab, generator=gen) * float(
+            torch.rand(1, generator=gen) * 5 + 0.1
+        )
+        k = int(torch.randint(2, vocab, (1,), generator=gen))
+        p = float(torch.rand(1, generator=gen) * 0.98 + 0.01)
+        t = float(torch.rand(1, generator=gen) * 1.5 + 0.2)
+        warped = logits_process.TemperatureLogitsWarper(t)(None, logits.clone())
+        warped = logits_process.TopKLogitsWarper(k)(None, warped)
+        want = torch.softmax(logits_process.TopPLogitsWarper(p)(None, warped), dim=-1)
+        got = Sampler.filtered_probs(logits, info(1, temperature=t, top_k=k, top_p=p))
+        assert torch.equal(got > 0, want > 0), (vocab, k, p, t)
+        assert torch.allclose(got / got.sum(), want, atol=1e-6), (vocab, k, p, t)
+
+
 def test_temperature_scales_the_logits_before_filtering() -> None:
     # T = 0.5 squares the probabilities: [0.04, 0.16, 0.01, 0.09] / 0.30.
     assert filtered(temperature=0.5) == [round(x / 0.3, 5) for x in (0.04, 0.16, 0.01, 0.09)]
