@@ -386,6 +386,25 @@ def test_top_k_with_top_p_draws_the_samplers_tokens(shape: str) -> None:
     assert torch.equal(draw(logits, info), reference(logits, info))
 
 
+@pytest.mark.usefixtures("small_blocks")
+def test_top_k_with_top_p_over_rows_with_fewer_finite_tokens_than_top_k() -> None:
+    """min_p leaves fewer finite tokens than top_k: the top-k set is every finite token, its
+    mass the row's (the search for its threshold has nothing to cut)."""
+    gen = torch.Generator().manual_seed(37)
+    b, vocab = 12, 1000
+    logits = torch.randn(b, vocab, generator=gen) * 0.05
+    keep = torch.rand(b, vocab, generator=gen) < 0.04  # ~40 finite tokens a row
+    keep[:, 0] = True
+    logits = torch.where(keep, logits, torch.full_like(logits, -math.inf))
+    top_ks = [100, 500, 41, 30] * 3  # beyond, far beyond, about and below the finite count
+    top_ps = [0.9, 0.5, 0.95, 0.7] * 3
+    seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
+    info = params(b, 1.0, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
+    got = draw(logits, info)
+    assert torch.equal(got, reference(logits, info))
+    assert torch.isfinite(logits[torch.arange(b), got]).all()
+
+
 # -- parameters and capture -----------------------------------------------------------------------
 def test_parameters_of_the_wrong_dtype_or_shape_are_refused() -> None:
     logits = torch.randn(3, 50, device=DEVICE)
