@@ -377,9 +377,11 @@ def test_top_k_with_top_p_draws_the_samplers_tokens(shape: str) -> None:
     top_ps = [0.95, 0.9, 0.5, 0.8, 0.99, 0.6, 0.3, 0.97] * 2
     seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
     info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
-    whole_row = Sampler.filtered_probs(logits, replace(info, top_ks=torch.full((b,), -1)))
-    renormalised = Sampler.filtered_probs(logits, info)
-    top_k_only = Sampler.filtered_probs(logits, replace(info, top_ps=torch.ones(b)))
+    on = logits.to(DEVICE)
+    off = torch.full((b,), -1, device=DEVICE)
+    whole_row = Sampler.filtered_probs(on, replace(info, top_ks=off))
+    renormalised = Sampler.filtered_probs(on, info)
+    top_k_only = Sampler.filtered_probs(on, replace(info, top_ps=torch.ones(b, device=DEVICE)))
     old_rule = (whole_row > 0) & (top_k_only > 0)
     if shape != "llm":
         assert ((renormalised > 0) != old_rule).any(dim=-1).sum() >= 4  # the rules differ
