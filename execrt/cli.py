@@ -850,6 +850,7 @@ def _rank_lost_ends(engine: Any) -> Iterator[None]:
 
     torchrun = engine.parallel.world_size > 1
     previous = signal.signal(signal.SIGTERM, _sigterm_exits) if torchrun else None
+    stuck = _StuckCollective(engine.parallel) if torchrun else None
     try:
         yield
     except KeyboardInterrupt:
@@ -862,8 +863,73 @@ def _rank_lost_ends(engine: Any) -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise lost from exc
     finally:
+        if stuck is not None:
+            stuck.close()
         if torchrun:
             signal.signal(signal.SIGTERM, previous)
+
+
+class _StuckCollective:
+    """torchrun's SIGTERM for a rank whose main thread waits in a collective that will never
+    end: gloo does not always see a killed peer (a wait on it then lasts the group's timeout,
+    30 minutes), and a Python signal handler runs only once the main thread is back in
+    Python. So a thread of its own learns of the SIGTERM (``signal.set_wakeup_fd``) and, if
+    the main thread is still inside ``torch.distributed`` ``GRACE_S`` later, says the line
+    ``_rank_lost_ends`` would have said and ends the process with status 2 before torchrun's
+    30 s run out (nothing is left to release that the process's exit does not)."""
+
+    GRACE_S = 3.0
+    REASON = "no answer from it before torchrun stopped this rank"
+
+    def __init__(self, parallel: Any) -> None:
+        import threading
+
+        self._parallel = parallel
+        self._main = threading.main_thread().ident
+        self._done = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous: int | None = None
+        try:
+            self._previous = signal.set_wakeup_fd(self._write)
+        except ValueError:  # not the main thread (a test driving the CLI from a thread)
+            self._done.set()
+        self._thread = threading.Thread(target=self._watch, name="execrt-sigterm", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            try:
+                got = os.read(self._read, 64)
+            except OSError:
+                return
+            if not got or self._done.is_set():
+                return
+            if signal.SIGTERM in got and not self._done.wait(self.GRACE_S) and self._waiting():
+                from execrt.core.parallel import RankLostError, launch_rank
+
+                lost = RankLostError(self._parallel.rank, self._parallel.world_size, self.REASON)
+                rank = launch_rank()
+                line = f"execrt: error: {f'rank {rank}: ' if rank else ''}{lost}\n"
+                os.write(2, line.encode())
+                os._exit(2)
+
+    def _waiting(self) -> bool:
+        """Whether the main thread is inside ``torch.distributed`` (a collective's wait)."""
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        while frame is not None:
+            if f"{os.sep}distributed{os.sep}" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    def close(self) -> None:
+        self._done.set()
+        if self._previous is not None:
+            signal.set_wakeup_fd(self._previous)
+        os.close(self._write)  # the watching thread's read returns
+        self._thread.join(5)
+        os.close(self._read)
 
 
 def _sigterm_exits(signum: int, frame: Any) -> NoReturn:

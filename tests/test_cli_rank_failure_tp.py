@@ -89,6 +89,61 @@ def test_sigterm_otherwise_exits_143_and_other_errors_pass_unchanged(sigterm) ->
     assert signal.getsignal(signal.SIGTERM) == sigterm
 
 
+STUCK = """
+import os, signal, sys, threading, time
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+os.environ["RANK"] = "1"
+from distributed.block import wait  # a module under a 'distributed' directory, as torch's
+from execrt import cli
+
+cli._StuckCollective.GRACE_S = 0.5
+signal.signal(signal.SIGTERM, lambda *_: None)  # the main thread's handler waits its turn
+stuck = cli._StuckCollective(SimpleNamespace(rank=1, world_size=2))
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+if sys.argv[2] == "collective":
+    wait(20)  # as gloo's wait on a killed peer: the handler runs, the wait goes on
+else:
+    time.sleep(2)  # elsewhere: the SIGTERM is the main thread's to handle
+stuck.close()
+print("closed", signal.set_wakeup_fd(-1))
+"""
+
+
+@pytest.mark.parametrize("where", ["collective", "elsewhere"])
+def test_sigterm_ends_a_rank_stuck_in_a_collective_with_the_line(tmp_path, where: str) -> None:
+    """torchrun's SIGTERM reaches a rank whose main thread waits in a collective that never
+    ends (gloo did not see the peer die): a thread of its own says the lost-rank line and
+    exits 2 before torchrun's 30 s; a rank doing anything else is left to its handler, and
+    closing restores the previous wakeup fd."""
+    import subprocess
+    import sys
+
+    package = tmp_path / "distributed"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "block.py").write_text("import time\n\ndef wait(s):\n    time.sleep(s)\n")
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK, str(tmp_path), where],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if where == "collective":
+        assert done.returncode == 2, done.stderr
+        assert time.monotonic() - start < 15
+        line = (
+            "execrt: error: rank 1: rank 0 of 2 is gone (a collective failed: no answer from "
+            "it before torchrun stopped this rank); stopping"
+        )
+        assert done.stderr.strip().splitlines()[-1] == line, done.stderr
+        assert re.search(LOST, line)
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "closed -1", done.stdout  # no wakeup fd left behind
+
+
 def _generate_then_kill(prompts: list[str], victim: int) -> tuple[int, str, str]:
     """torchrun's two ranks generating ``prompts``; once rank 0 has started them, SIGKILL
     rank ``victim``. Returns torchrun's status, stdout and stderr."""
