@@ -253,7 +253,8 @@ class AttentionBackend(ABC):
 
     Graph support (``capabilities.graph``): ``init_graph_state`` allocates every plan buffer
     once; ``plan_graph`` then writes a decode batch's plan into those buffers only (fixed
-    addresses, no allocation, no host sync), before capture and before each replay.
+    addresses, no host sync, no device memory kept past a bucket's first plan), before
+    capture and before each replay.
     """
 
     #: ``seq_lens`` value for padded graph rows; they read request row 0 / slot 0.
@@ -323,8 +324,10 @@ class AttentionBackend(ABC):
         raise NotImplementedError(self._no_graph("init_graph_state"))
 
     def plan_graph(self, fb: ForwardBatch) -> Any:
-        """A decode batch's plan written into the static buffers: no allocation, no host sync.
-        The object returned for one bucket must view the same buffers at every call."""
+        """A decode batch's plan written into the static buffers: no host sync, and no new
+        device memory kept once a batch size has been planned (a first plan of a size may
+        allocate that bucket's own state). The object returned for one bucket must view the
+        same buffers at every call."""
         raise NotImplementedError(self._no_graph("plan_graph"))
 
     def _no_graph(self, method: str) -> str:

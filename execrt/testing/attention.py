@@ -455,11 +455,13 @@ class AttentionBackendSuite(ConformanceSuite):
             for i, step in enumerate(steps):
                 label = f"{case.id} graph step {i} (bucket {step.batch_size + step.padded_rows})"
                 prepared = harness.prepare(step, graph=True)
-                plan, problems = harness.plan_graph_checked(prepared, label)
+                size = prepared.fb.batch_size
+                plan, problems = harness.plan_graph_checked(
+                    prepared, label, seen_bucket=size in seen
+                )
                 total.problems += problems
                 outs = harness.attend_layers(prepared, plan)
                 leaves = tensor_fields(plan.meta)
-                size = prepared.fb.batch_size
                 if size in seen:
                     total.problems += moved_buffers(label, seen[size][1], leaves)
                 else:
@@ -495,7 +497,9 @@ class AttentionBackendSuite(ConformanceSuite):
                 if prepared is None:
                     prepared = harness.prepare(second, graph=True, reuse=a)
                     # re-planned into the captured buffers, as before each replay
-                    total.problems += harness.plan_graph_checked(prepared, f"{case.id} {label}")[1]
+                    total.problems += harness.plan_graph_checked(
+                        prepared, f"{case.id} {label}", seen_bucket=True
+                    )[1]
                 graph.replay()
                 torch.cuda.synchronize()
                 total.add(harness.check(prepared, outs, tol, f"{case.id} {label}"))

@@ -226,6 +226,18 @@ class HoardingGraphAttention(StaticGraphAttention):
         return super().plan_graph(fb)
 
 
+class LazyBucketGraphAttention(StaticGraphAttention):
+    """Correct: allocates a buffer per batch size at its first graph plan of that size and
+    reuses it after (as the flashinfer backend creates a wrapper, with its own workspace, per
+    bucket): memory kept by a first plan is allowed, by a repeated one not."""
+
+    def plan_graph(self, fb: ForwardBatch) -> PaddedContext:
+        per_bucket: dict[int, torch.Tensor] = self.__dict__.setdefault("per_bucket", {})
+        if fb.batch_size not in per_bucket:
+            per_bucket[fb.batch_size] = torch.zeros(1 << 20, device=fb.seq_lens.device)
+        return super().plan_graph(fb)
+
+
 class StaleSeqLensGraphAttention(StaticGraphAttention):
     """Broken: computes the context mask once per bucket and ignores later seq_lens."""
 
