@@ -906,12 +906,10 @@ class _StuckCollective:
             if not got or self._done.is_set():
                 return
             if signal.SIGTERM in got and not self._done.wait(self.GRACE_S) and self._waiting():
-                from execrt.core.parallel import RankLostError, launch_rank
+                from execrt.core.parallel import RankLostError
 
                 lost = RankLostError(self._parallel.rank, self._parallel.world_size, self.REASON)
-                rank = launch_rank()
-                line = f"execrt: error: {f'rank {rank}: ' if rank else ''}{lost}\n"
-                os.write(2, line.encode())
+                os.write(2, _error_line(lost, ()).encode())
                 os._exit(2)
 
     def _waiting(self) -> bool:
@@ -1091,16 +1089,23 @@ def _report(exc: BaseException, flags: Collection[str]) -> int:
     config keys the command line set); returns the exit status, 2."""
     from execrt.core.parallel import launch_rank
 
-    rank = launch_rank()
     # A configuration error is the same on every torchrun rank: rank 0 reports it. Any
     # other error is reported by each rank that hit it.
-    if isinstance(exc, ConfigError) and rank:
+    if isinstance(exc, ConfigError) and launch_rank():
         return 2
     # One write, the newline with it: torchrun runs its ranks unbuffered (python -u), and a
     # line printed in two writes may be cut by another process's on the stderr they share.
-    line = f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}{set_by_env(exc, flags)}\n"
-    sys.stderr.write(line)
+    sys.stderr.write(_error_line(exc, flags))
     return 2
+
+
+def _error_line(exc: BaseException, flags: Collection[str]) -> str:
+    """``execrt: error: ...`` for ``exc``, with the torchrun rank after 0 and ``set_by_env``'s
+    note, newline included."""
+    from execrt.core.parallel import launch_rank
+
+    rank = launch_rank()
+    return f"execrt: error: {f'rank {rank}: ' if rank else ''}{exc}{set_by_env(exc, flags)}\n"
 
 
 #: The config key that names each kind's backend.

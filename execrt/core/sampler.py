@@ -407,7 +407,7 @@ class Sampler:
         # those after an fp32 cumsum that has already reached 1.
         cumsum = torch.cumsum(sorted_probs, dim=-1)
         mass_before = cumsum - sorted_probs
-        cut = (info.top_ks > 0) & (info.top_ks < probs.shape[-1])
+        cut = k < probs.shape[-1]  # top_k keeps fewer than every token
         top_k_mass = cumsum.gather(-1, (k.clamp(max=probs.shape[-1]) - 1)[:, None])
         top_ps = info.top_ps[:, None]
         p_lim = torch.where(cut[:, None], top_ps * top_k_mass, top_ps)

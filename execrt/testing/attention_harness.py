@@ -427,24 +427,27 @@ class AttentionHarness:
         before = torch.cuda.memory_allocated(self.device)
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
+        synced: RuntimeError | None = None
         try:
             step = self.plan(prepared)
         except RuntimeError as exc:
             if "synchroniz" not in str(exc):
                 raise
-            problems.append(
-                f"{label}: plan_graph waited for the device ({str(exc).splitlines()[0]}); it "
-                "must plan from the batch's host mirrors and device tensors without a sync"
-            )
-            torch.cuda.set_sync_debug_mode(mode)
-            step = self.plan(prepared)  # the plan for the rest of the checks
+            synced = exc
         finally:
             torch.cuda.set_sync_debug_mode(mode)
+        if synced is not None:
+            problems.append(
+                f"{label}: plan_graph waited for the device ({str(synced).splitlines()[0]}); "
+                "it must plan from the batch's host mirrors and device tensors without a sync"
+            )
+            step = self.plan(prepared)  # the plan for the rest of the checks
         kept = torch.cuda.memory_allocated(self.device) - before
         if kept > 0 and seen_bucket:
             problems.append(
                 f"{label}: plan_graph kept {kept} bytes of new device memory; it must write "
-                "into the buffers init_graph_state allocated"
+                "into the buffers init_graph_state or its first plan of this batch size "
+                "allocated"
             )
         return step, problems
 
