@@ -14,7 +14,7 @@
 #   TESTS_ORDER=reverse (collection back to front), TESTS_K (a -k expression for the tests step),
 #   TUNE_DECODE_ARGS ("short": the split policy on short contexts; "tiles": the stage-1 tiles per
 #   KV dtype at bs 1/32/128 x ctx 512/8192, tables for execrt/kernels/attention/decode_configs/),
-#   TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS
+#   TUNE_LINEAR_ARGS, TUNE_EXTEND_ARGS, CONF_S (s per conformance run, default 560: the call's rest)
 #   (e.g. "--head-dim 64; --head-dim 256 --dtype float16": one sweep per ';'-separated set; each
 #   merges its entry into the tuned table, which comes back as extend-table-<GPU>.json), TESTS_FAILLOG.
 set -u -o pipefail
@@ -70,7 +70,10 @@ for step in "$@"; do
     conformance)
       for kb in ${CONF:-attention:triton attention:flashinfer attention:torch_native moe_dispatch:allreduce moe_dispatch:all_to_all moe_dispatch:all_to_all_fixed graph:full_cuda_graph}; do
         k=${kb%%:*}; b=${kb#*:}
-        python3 -m execrt conformance "$k" "$b" --json "$OUT/conformance-$k-$b.json" -p no:cacheprovider \
+        # cut to the call's budget (a cold FlashInfer JIT cache compiles for minutes), so the
+        # steps after it and the cache archive at the end still run
+        timeout -s INT -k 20 "$(cap ${CONF_S:-560})" \
+          python3 -m execrt conformance "$k" "$b" --json "$OUT/conformance-$k-$b.json" -p no:cacheprovider \
           > "$OUT/conformance-$k-$b.log" 2>&1
         note "conformance $k $b: $(tail -1 "$OUT/conformance-$k-$b.log")"
       done ;;
