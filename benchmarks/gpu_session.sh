@@ -3,6 +3,7 @@
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
 #        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8] [gemv-chain]
+#        [gemv-apply] [table-old] [table-new]
 #        [harness] [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
 #        [tune-decode] [probe-nccl-ep]
 # Environment: TESTS (pytest selection, default tests/ and the example plugin), TESTS2, WORKERS
@@ -142,6 +143,18 @@ for step in "$@"; do
           --json "$OUT/gemv-chain-$n.json" 2>&1 | tee -a "$OUT/gemv-chain.log" | tail -40
       done
       note "gemv-chain: ${#sets[@]} set(s), JSON in $OUT/gemv-chain-N.json" ;;
+    gemv-apply)  # the one-row winners of this call's gemv-chain step into this GPU's table (in the
+      # tree: the steps after it run with it); it comes back as linear-table-<GPU>.json, and
+      # table-old / table-new steps switch between the two for an A/B in the same call
+      table=$(python3 -c "import torch; from execrt.kernels._triton import tuned_table_name as t; print(t(torch.cuda.get_device_name(0), torch.bfloat16))")
+      cp "execrt/kernels/linear_configs/$table" /tmp/linear-table-old.json
+      python3 benchmarks/apply_gemv_chain.py "$OUT"/gemv-chain-*.json --table "execrt/kernels/linear_configs/$table" \
+        2>&1 | tee "$OUT/gemv-apply.log"
+      cp "execrt/kernels/linear_configs/$table" /tmp/linear-table-new.json
+      cp /tmp/linear-table-new.json "$OUT/linear-table-$(echo "$table" | tr -c 'A-Za-z0-9_.\n-' _)" ;;
+    table-old|table-new)
+      table=$(python3 -c "import torch; from execrt.kernels._triton import tuned_table_name as t; print(t(torch.cuda.get_device_name(0), torch.bfloat16))")
+      cp "/tmp/linear-${step}.json" "execrt/kernels/linear_configs/$table" ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
     bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
