@@ -389,6 +389,29 @@ def _rank_check(
 
 
 @triton.jit
+def _search_pass(
+    base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t, c_gt, m_gt, c_eq, k_lim,
+    zlim, p_off, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One search pass of the bracket ``(lo, hi]`` at thresholds ``thr``: a threshold passes
+    while fewer than ``k_lim`` tokens lie above it and (unless ``p_off``) their mass is below
+    ``zlim``. When the bracket holds one distinct value, that value is ``t`` with the count and
+    mass above it and its count (``c_gt``, ``m_gt``, ``c_eq``); else those are kept. Returns the
+    narrowed bracket, those four, the data range of the pass and whether it was one value."""
+    cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
+        base, vocab, m, inv_t2, lo, hi, thr, m, 0, BLOCK
+    )
+    single = dmin == dmax  # one distinct value in (lo, hi]
+    t = tl.where(single, dmin, t)
+    c_gt = tl.where(single, c_hi, c_gt)
+    m_gt = tl.where(single, m_hi, m_gt)
+    c_eq = tl.where(single, c_lo - c_hi, c_eq)
+    ok = (cnt < k_lim) & (p_off | (mass < zlim))
+    lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi)
+    return lo, hi, c_lo, c_hi, m_lo, m_hi, t, c_gt, m_gt, c_eq, dmin, dmax, single
+
+
+@triton.jit
 def _top_k_mass(
     base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK: tl.constexpr
 ):
@@ -428,17 +451,11 @@ def _top_k_mass(
             tl.where(jf < 0.5, guess - near, tl.where(jf < 0.75, guess + near, (guess + b) * 0.5)),
         )
         thr = tl.minimum(tl.maximum(thr, a), b)
-        cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-            base, vocab, m, inv_t2, lo, hi, thr, m, 0, BLOCK
-        )
-        single = dmin == dmax  # one distinct value in (lo, hi]: it is t_k
-        t_k = tl.where(single, dmin, t_k)
-        c_gt = tl.where(single, c_hi, c_gt)
-        m_gt = tl.where(single, m_hi, m_gt)
-        c_eq = tl.where(single, c_lo - c_hi, c_eq)
-        lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
-            cnt < k_lim, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi
-        )
+        # The count alone decides (p_off): the value found is t_k.
+        lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq, dmin, dmax, single = _search_pass(
+            base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq,
+            k_lim, 0.0, finite >= 0, BLOCK,
+        )  # fmt: skip
         done = single.to(tl.int32)
         passes += 1
     p_t = tl.exp2((t_k - m) * inv_t2)
@@ -542,18 +559,13 @@ def _filtered_token(
             a = tl.maximum(lo, dmin)
             b = tl.minimum(hi, dmax)
             thr = a + (b - a) * jf
-            cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-                base, vocab, m, inv_t2, lo, hi, thr, m, winner, BLOCK
-            )
-            single = dmin == dmax  # one distinct value in (lo, hi]: it is t*
-            t_star = tl.where(single, dmin, t_star)
-            c_gt = tl.where(single, c_hi, c_gt)
-            m_gt = tl.where(single, m_hi, m_gt)
-            c_eq = tl.where(single, c_lo - c_hi, c_eq)
-            ok = (cnt < k_lim) & (p_off | (mass < zlim))
-            lo, hi, c_lo, c_hi, m_lo, m_hi = _narrow(
-                ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi
-            )
+            # The value found is t*.
+            lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt, m_gt, c_eq, dmin, dmax, single = (
+                _search_pass(
+                    base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt,
+                    m_gt, c_eq, k_lim, zlim, p_off, BLOCK,
+                )
+            )  # fmt: skip
             done = single.to(tl.int32)
             passes += 1
     if inside == 0:  # else the winner is the token (no last race)
