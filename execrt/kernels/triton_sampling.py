@@ -106,6 +106,11 @@ FAST_G_MARGIN = tl.constexpr(1e-3)
 SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
+#: What ``_race`` does with the row's block maxima: write them (the parts' race: every block
+#: of a sampled row; greedy rows race without them and are never filtered), or skip the
+#: blocks whose maximum keeps no token (the finish's races).
+STORE_MAXES = tl.constexpr(1)
+SKIP_BY_MAXES = tl.constexpr(2)
 
 
 @triton.jit
@@ -194,9 +199,12 @@ def _race(
     t_star,
     r_ties,
     best_ptr,
+    maxes,
     FILTER: tl.constexpr,
     TIES: tl.constexpr,
     SHARE: tl.constexpr,
+    MAXES: tl.constexpr,
+    MAX_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
@@ -209,7 +217,10 @@ def _race(
     skip by the row's best, not only their own (a hint: any key some token has is a lower
     bound on the winner's, so the skipped blocks never hold it). A block that cannot be skipped
     is first raced with cheap keys (``_fast_gumbel``) and computed exactly only if one of them
-    comes within the margin of the best: after the first blocks few do."""
+    comes within the margin of the best: after the first blocks few do. ``maxes``: the row's
+    largest logit per ``MAX_BLOCK`` tokens, which MAXES ``STORE_MAXES`` writes (the parts'
+    race) and ``SKIP_BY_MAXES`` reads to pass over blocks with no kept token (FILTER: every
+    logit below ``t_star``) without loading them."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -219,46 +230,52 @@ def _race(
     ties = tl.zeros([], tl.int32)
     off = start
     while off < end:
-        ids = off + lanes
-        s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
-        if FILTER:
-            if TIES:
-                eq = (s == t_star).to(tl.int32)
-                before = ties + tl.cumsum(eq, axis=0) - eq  # equal tokens at lower ids
-                kept = (s > t_star) | ((eq > 0) & (before < r_ties))
-                ties += tl.sum(eq, axis=0)
-            else:
-                kept = (s > t_star) | ((s == t_star) & (r_ties > 0))
-            s = tl.where(kept, s, float("-inf"))
-        block_top = tl.max(s, axis=0)
-        top = tl.maximum(top, block_top)
-        # Every key in the block is at most block_top + T * G_BOUND: skip the block when that
-        # stays below the best so far, with a margin for rounding (a block of -inf logits
-        # reaches -inf: skipped once there is a best).
-        reach = block_top + temp * G_BOUND
-        margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
-        take = reach + margin >= best
-        if take:  # T > 0: greedy rows race in _race_greedy
-            # Cheap keys first; the exact ones only if one comes within the margin of the best.
-            h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
-            k = s + temp * _fast_gumbel(h, FAST_LOG)
-            take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
-            if take:
-                # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
-                # (h + 0.5) / 2**23, exact.
-                g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
-                k = s + temp * g
-                g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose ties
-                # ids grow: ties keep the first
-                better = (k > best_k) | ((k == best_k) & (g > best_g))
-                best_k = tl.where(better, k, best_k)
-                best_g = tl.where(better, g, best_g)
-                best_i = tl.where(better, ids, best_i)
-                best = tl.maximum(best, tl.max(k, axis=0))
-        if SHARE:
-            # Every SHARE_EVERY blocks: the atomic's round trip stalls the loop.
-            if (off - start) % (SHARE_EVERY * BLOCK) == 0:
-                best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
+        live = True
+        if MAXES == SKIP_BY_MAXES:  # a block of logits below t_star keeps no token
+            live = (tl.load(maxes + off // MAX_BLOCK) < t_star) == 0  # NaN: live
+        if live:
+            ids = off + lanes
+            s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
+            if FILTER:
+                if TIES:
+                    eq = (s == t_star).to(tl.int32)
+                    before = ties + tl.cumsum(eq, axis=0) - eq  # equal tokens at lower ids
+                    kept = (s > t_star) | ((eq > 0) & (before < r_ties))
+                    ties += tl.sum(eq, axis=0)
+                else:
+                    kept = (s > t_star) | ((s == t_star) & (r_ties > 0))
+                s = tl.where(kept, s, float("-inf"))
+            block_top = tl.max(s, axis=0)
+            top = tl.maximum(top, block_top)
+            if MAXES == STORE_MAXES:  # the parts' blocks start at multiples of MAX_BLOCK
+                tl.store(maxes + off // MAX_BLOCK, block_top)
+            # Every key in the block is at most block_top + T * G_BOUND: skip the block when that
+            # stays below the best so far, with a margin for rounding (a block of -inf logits
+            # reaches -inf: skipped once there is a best).
+            reach = block_top + temp * G_BOUND
+            margin = (tl.minimum(tl.abs(block_top), 3.0e38) + temp * G_BOUND) * 1e-6
+            take = reach + margin >= best
+            if take:  # T > 0: greedy rows race in _race_greedy
+                # Cheap keys first; the exact ones only if one comes within the margin of the best.
+                h = _hash3(ids.to(tl.uint32) ^ 0x85EBCA6B, key, key, ADD_B=True)
+                k = s + temp * _fast_gumbel(h, FAST_LOG)
+                take = tl.max(k, axis=0) + margin + temp * FAST_G_MARGIN >= best
+                if take:
+                    # G = -log(E), E = -log(u), u the core's uniform noise at (row key, ids):
+                    # (h + 0.5) / 2**23, exact.
+                    g = -tl.log(-tl.log(((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+                    k = s + temp * g
+                    g = tl.where(s > float("-inf"), g, float("-inf"))  # masked lanes lose ties
+                    # ids grow: ties keep the first
+                    better = (k > best_k) | ((k == best_k) & (g > best_g))
+                    best_k = tl.where(better, k, best_k)
+                    best_g = tl.where(better, g, best_g)
+                    best_i = tl.where(better, ids, best_i)
+                    best = tl.maximum(best, tl.max(k, axis=0))
+            if SHARE:
+                # Every SHARE_EVERY blocks: the atomic's round trip stalls the loop.
+                if (off - start) % (SHARE_EVERY * BLOCK) == 0:
+                    best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
         off += BLOCK
     win_k, win_g, win_i = _first(best_k, best_g, best_i)
     return win_k, win_g, win_i, top
@@ -298,6 +315,8 @@ def _count(
     thr,
     t0,
     winner,
+    maxes,
+    MAX_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One pass over a row: count and mass ``exp((s - m) / T)`` (``inv_t2``: 1 / T times
@@ -305,7 +324,11 @@ def _count(
     threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
     ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
     ``winner`` (what a caller leaves unused, the compiler drops). Masses are summed for top-k
-    rows too: they choose between round and search."""
+    rows too: they choose between round and search. With a finite ``lo`` the blocks whose
+    largest logit (``maxes``, per ``MAX_BLOCK`` tokens) is at most ``lo`` are not loaded:
+    every caller's thresholds and ``t0`` lie above ``lo``, so such a block adds nothing to
+    what it reads then (Z and the finite count are read from the first pass, whose ``lo`` is
+    -inf)."""
     lanes = tl.arange(0, BLOCK)
     # Counts in fp32 (a compare that yields 1.0 and an add; an int count costs a move more):
     # exact, a lane counts at most vocab / BLOCK < 2**21 tokens.
@@ -317,22 +340,25 @@ def _count(
     finite = tl.zeros([BLOCK], tl.float32)
     eq0 = tl.zeros([BLOCK], tl.float32)
     eq_w = tl.zeros([BLOCK], tl.float32)
+    skips = lo > float("-inf")
     off = 0
     while off < vocab:
-        ids = off + lanes
-        s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
-        e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
-        above = s[None, :] > thr[:, None]  # [NT, BLOCK]
-        cnt += tl.where(above, 1.0, 0.0)
-        mass += tl.where(above, e[None, :], 0.0)
-        z += e
-        inside = (s > lo) & (s <= hi)
-        dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
-        dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
-        finite += tl.where(s > float("-inf"), 1.0, 0.0)
-        eq = s == t0
-        eq0 += tl.where(eq, 1.0, 0.0)
-        eq_w += tl.where(eq & (ids < winner), 1.0, 0.0)
+        # (a NaN maximum compares false: its block is read)
+        if (skips & (tl.load(maxes + off // MAX_BLOCK) <= lo)) == 0:
+            ids = off + lanes
+            s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+            e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
+            above = s[None, :] > thr[:, None]  # [NT, BLOCK]
+            cnt += tl.where(above, 1.0, 0.0)
+            mass += tl.where(above, e[None, :], 0.0)
+            z += e
+            inside = (s > lo) & (s <= hi)
+            dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
+            dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
+            finite += tl.where(s > float("-inf"), 1.0, 0.0)
+            eq = s == t0
+            eq0 += tl.where(eq, 1.0, 0.0)
+            eq_w += tl.where(eq & (ids < winner), 1.0, 0.0)
         off += BLOCK
     return (
         tl.sum(cnt.to(tl.int32), axis=1),
@@ -362,8 +388,9 @@ def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi):
 
 @triton.jit
 def _rank_check(
-    base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK: tl.constexpr
-):
+    base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, maxes,
+    MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
     data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
     its logit (``at_own``: every token above it stays), and the pass's data. ``zlim`` is top_p
@@ -372,7 +399,7 @@ def _rank_check(
     s_w = tl.load(base + winner).to(tl.float32)
     thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
     cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, BLOCK
+        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, maxes, MAX_BLOCK, BLOCK
     )
     zlim = tl.where(zlim < 0, top_p * z, zlim)
     first = jf == 0
@@ -391,7 +418,7 @@ def _rank_check(
 @triton.jit
 def _search_pass(
     base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t, c_gt, m_gt, c_eq, k_lim,
-    zlim, p_off, BLOCK: tl.constexpr,
+    zlim, p_off, maxes, MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One search pass of the bracket ``(lo, hi]`` at thresholds ``thr``: a threshold passes
     while fewer than ``k_lim`` tokens lie above it and (unless ``p_off``) their mass is below
@@ -399,7 +426,7 @@ def _search_pass(
     mass above it and its count (``c_gt``, ``m_gt``, ``c_eq``); else those are kept. Returns the
     narrowed bracket, those four, the data range of the pass and whether it was one value."""
     cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, m, 0, BLOCK
+        base, vocab, m, inv_t2, lo, hi, thr, m, 0, maxes, MAX_BLOCK, BLOCK
     )
     single = dmin == dmax  # one distinct value in (lo, hi]
     t = tl.where(single, dmin, t)
@@ -413,8 +440,9 @@ def _search_pass(
 
 @triton.jit
 def _top_k_mass(
-    base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK: tl.constexpr
-):
+    base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, maxes,
+    MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """The mass ``M_k`` of the top-k set (the first ``k_lim`` tokens of the ranking), from a
     first pass's data (thresholds ``thr`` with their counts and masses, Z, the finite logits'
     range and count): search passes as the finish's, with the count alone deciding, until the
@@ -454,7 +482,7 @@ def _top_k_mass(
         # The count alone decides (p_off): the value found is t_k.
         lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq, dmin, dmax, single = _search_pass(
             base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq,
-            k_lim, 0.0, finite >= 0, BLOCK,
+            k_lim, 0.0, finite >= 0, maxes, MAX_BLOCK, BLOCK,
         )  # fmt: skip
         done = single.to(tl.int32)
         passes += 1
@@ -475,7 +503,9 @@ def _filtered_token(
     k_lim,
     top_p,
     use_p,
+    maxes,
     ROUND_SHARE: tl.constexpr,
+    MAX_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
@@ -489,8 +519,21 @@ def _filtered_token(
     # Pass 1: the winner's rank and the mass before it, and Z.
     inside, at_own, s_w, thr, cnt, mass, z, zlim, c0, m0, eq0, dmin, dmax, finite, rank, m_w = (
         _rank_check(
-            base, vocab, m, inv_t2, winner, float("-inf"), m, k_lim, top_p, -1.0, p_off, BLOCK
-        )
+            base,
+            vocab,
+            m,
+            inv_t2,
+            winner,
+            float("-inf"),
+            m,
+            k_lim,
+            top_p,
+            -1.0,
+            p_off,
+            maxes,
+            MAX_BLOCK,
+            BLOCK,
+        )  # fmt: skip
     )
     k_found = tl.zeros([], tl.int32)  # whether _top_k_mass found t_k (with its data)
     t_k = m
@@ -506,8 +549,9 @@ def _filtered_token(
         sure = (rank < k_lim) & ((rank == 0) | (m_w < top_p * (m_w + p_w)))
         if sure == 0:
             m_k, t_k, c_gt_k, m_gt_k, c_eq_k, k_found = _top_k_mass(
-                base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, BLOCK
-            )
+                base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, maxes,
+                MAX_BLOCK, BLOCK,
+            )  # fmt: skip
             zlim = top_p * m_k
             inside = (rank < k_lim) & ((rank == 0) | (m_w < zlim))
             at_own = (c0 < k_lim) & (m0 < zlim)
@@ -536,12 +580,26 @@ def _filtered_token(
         # probability >= m_hi / m_lo.
         if m_hi >= ROUND_SHARE * m_lo:
             _k, _g, winner, _t = _race(
-                base, 0, vocab, temp, key, lo, 0, base, True, False, False, BLOCK, FAST_LOG
-            )
+                base, 0, vocab, temp, key, lo, 0, base, maxes, True, False, False, SKIP_BY_MAXES,
+                MAX_BLOCK, BLOCK, FAST_LOG,
+            )  # fmt: skip
             inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f, _r, _m = (
                 _rank_check(
-                    base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, BLOCK
-                )
+                    base,
+                    vocab,
+                    m,
+                    inv_t2,
+                    winner,
+                    lo,
+                    hi,
+                    k_lim,
+                    top_p,
+                    zlim,
+                    p_off,
+                    maxes,
+                    MAX_BLOCK,
+                    BLOCK,
+                )  # fmt: skip
             )
             token = tl.where(inside, winner, token)
             t_star = tl.where(at_own, s_w, t_star)
@@ -563,7 +621,7 @@ def _filtered_token(
             lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt, m_gt, c_eq, dmin, dmax, single = (
                 _search_pass(
                     base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt,
-                    m_gt, c_eq, k_lim, zlim, p_off, BLOCK,
+                    m_gt, c_eq, k_lim, zlim, p_off, maxes, MAX_BLOCK, BLOCK,
                 )
             )  # fmt: skip
             done = single.to(tl.int32)
@@ -578,16 +636,18 @@ def _filtered_token(
         r_ties = tl.maximum(r, 1.0).to(tl.int32)
         if (done > 0) & (r_ties >= c_eq):  # every token equal to t* stays: no scan
             _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, 1, base, True, False, False, BLOCK, FAST_LOG
-            )
+                base, 0, vocab, temp, key, t_star, 1, base, maxes, True, False, False,
+                SKIP_BY_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
+            )  # fmt: skip
         else:
             # Some equal tokens are cut: the first r_ties by id stay. A row that did not
             # converge (NaNs only) takes its top token.
             t_star = tl.where(done > 0, t_star, m)
             r_ties = tl.where(done > 0, r_ties, 1)
             _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, r_ties, base, True, True, False, BLOCK, FAST_LOG
-            )
+                base, 0, vocab, temp, key, t_star, r_ties, base, maxes, True, True, False,
+                SKIP_BY_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
+            )  # fmt: skip
     return token
 
 
@@ -605,10 +665,12 @@ def _sample_kernel(
     part_ptr,
     part_id_ptr,
     best_ptr,
+    maxes_ptr,
     out_ptr,
     FINISH: tl.constexpr,
     ROUND_SHARE: tl.constexpr,
     SHARE: tl.constexpr,
+    MAX_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
@@ -616,13 +678,16 @@ def _sample_kernel(
 ):
     """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
     largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``), the parts of a row
-    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE; then, with FINISH, grid
-    (row,) merges a row's parts and applies its filters (see the module doc)."""
+    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE and writing the largest
+    logit of each ``MAX_BLOCK`` tokens of a sampled row to ``maxes_ptr [B, cdiv(V, MAX_BLOCK)]``;
+    then, with FINISH, grid (row,) merges a row's parts and applies its filters (see the module
+    doc), its passes over the row skipping the blocks those maxima rule out."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
     temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
     key = _row_key(seeds_ptr, steps_ptr, row)
     base = logits_ptr + row.to(tl.int64) * stride_row
+    maxes = maxes_ptr + row * tl.cdiv(vocab, MAX_BLOCK)
     num_parts = tl.cdiv(vocab, chunk)
     plane = tl.num_programs(0) * num_parts
     if FINISH:
@@ -642,8 +707,9 @@ def _sample_kernel(
             k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
             m = tl.max(top, axis=0)
             token = _filtered_token(
-                base, vocab, temp, key, m, token, k_lim, top_p, use_p, ROUND_SHARE, BLOCK, FAST_LOG
-            )
+                base, vocab, temp, key, m, token, k_lim, top_p, use_p, maxes, ROUND_SHARE,
+                MAX_BLOCK, BLOCK, FAST_LOG,
+            )  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
         part = tl.program_id(1)
@@ -653,8 +719,8 @@ def _sample_kernel(
             win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
         else:
             win_k, win_g, win_i, top = _race(
-                base, start, end, temp, key, 0.0, 0, best_ptr + row, False, False, SHARE,
-                BLOCK, FAST_LOG,
+                base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, False, False, SHARE,
+                STORE_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
             )  # fmt: skip
         at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
@@ -724,7 +790,11 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
     share = parts > 1
     best = torch.full((rows,), float("-inf"), device=device) if share else part
-    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, out)
+    # The race's block maxima, read by the finish's blocks (which must not straddle them).
+    if race_block % row_block:
+        fail("sample", f"finish block {row_block} must divide the race block {race_block}")
+    maxes = torch.empty((rows, cdiv(vocab, race_block)), dtype=torch.float32, device=device)
+    args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, maxes, out)
     # The most parts this vocabulary can be split into, not this batch's count: one compiled
     # variant per vocabulary instead of one per batch-size range (a run whose batch shrinks
     # from 256 to 1 otherwise compiles about ten finish kernels while it is timed).
@@ -740,6 +810,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             FINISH=finish,
             ROUND_SHARE=ROUND_SHARE,
             SHARE=share and not finish,
+            MAX_BLOCK=race_block,
             BLOCK=block,
             BLOCK_P=block_p,
             FAST_LOG=not interpreter_enabled(),
