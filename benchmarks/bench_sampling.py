@@ -36,6 +36,7 @@ KNOBS = (
     ("--programs-per-sm", "PROGRAMS_PER_SM", "programs_per_sm", "race programs wanted per SM"),
     ("--race-blocks", "RACE_BLOCK", "race_blocks", "tokens per loop step"),
     ("--race-warps", "RACE_WARPS", "race_warps", "warps per race program"),
+    ("--count-blocks", "COUNT_BLOCKS", "count_blocks", "blocks a finish count loads per trip"),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
@@ -66,6 +67,7 @@ class Row:
     programs_per_sm: int = 0
     race_block: int = 0
     race_warps: int = 0
+    count_blocks: int = 0
 
 
 def make_logits(
@@ -159,7 +161,7 @@ def main() -> None:
         parser.add_argument(
             flag,
             default=str(getattr(triton_sampling, name)),
-            help=f"comma-separated values of the race's {name} ({what}) to compare",
+            help=f"comma-separated values of the sampler's {name} ({what}) to compare",
         )
     parser.add_argument(
         "--no-today",
@@ -174,7 +176,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
     header = (
-        f"{'pps':>4} {'block':>5} {'warps':>5} {'batch':>5} {'mix':<21} {'logits':<6} "
+        f"{'pps':>4} {'block':>5} {'warps':>5} {'cnt':>3} {'batch':>5} {'mix':<21} {'logits':<6} "
         f"{'today us':>10} {'fused us':>9} "
         f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
     )
@@ -185,14 +187,16 @@ def main() -> None:
     for *knobs, b in itertools.product(*sweep, [int(x) for x in args.batches.split(",")]):
         for (_, name, _, _), value in zip(KNOBS, knobs, strict=True):
             setattr(triton_sampling, name, value)
-        pps, block, warps = knobs
+        pps, block, warps, count_blocks = knobs
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
                 r = measure(b, args.vocab, dtype, mix, shape, copy_gbps, not args.no_today)
                 r.programs_per_sm, r.race_block, r.race_warps = pps, block, warps
+                r.count_blocks = count_blocks
                 rows.append(r)
                 print(
-                    f"{pps:>4} {block:>5} {warps:>5} {r.batch:>5} {r.mix:<21} {r.logits:<6} "
+                    f"{pps:>4} {block:>5} {warps:>5} {count_blocks:>3} {r.batch:>5} "
+                    f"{r.mix:<21} {r.logits:<6} "
                     f"{r.today_us:>10.1f} "
                     f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "
                     f"{r.pct_floor:>7.0f}% {r.speedup:>7.0f}x {r.mismatches:>5}",

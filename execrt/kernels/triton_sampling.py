@@ -106,6 +106,10 @@ FAST_G_MARGIN = tl.constexpr(1e-3)
 SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
+#: Blocks a count pass of the finish loads before it sums them (1 or 2): one finish program
+#: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 1
+#: until 2 is timed on a GPU (``bench_sampling.py --count-blocks 1,2``); the same tokens.
+COUNT_BLOCKS = 1
 #: What ``_race`` does with the row's block maxima: write them (the parts' race: every block
 #: of a sampled row; greedy rows race without them and are never filtered), or skip the
 #: blocks whose maximum keeps no token (the finish's races).
@@ -305,6 +309,34 @@ def _race_greedy(base, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _block_live(maxes, off, vocab, lo, skips, MAX_BLOCK: tl.constexpr):
+    """Whether the block at ``off`` may hold a logit above ``lo`` (with ``skips``: else every
+    block in the row is live). A NaN maximum compares false: its block is read."""
+    in_row = off < vocab
+    top = tl.load(maxes + off // MAX_BLOCK, mask=in_row, other=float("-inf"))
+    return in_row & ((skips & (top <= lo)) == 0)
+
+
+@triton.jit
+def _count_block(s, ids, m, inv_t2, lo, hi, thr, t0, winner, cnt, mass, z, dmin, dmax, finite,
+                 eq0, eq_w):  # fmt: skip
+    """``_count``'s sums with one block of logits ``s`` (fp32) at token ids ``ids`` added."""
+    e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
+    above = s[None, :] > thr[:, None]  # [NT, BLOCK]
+    cnt += tl.where(above, 1.0, 0.0)
+    mass += tl.where(above, e[None, :], 0.0)
+    z += e
+    inside = (s > lo) & (s <= hi)
+    dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
+    dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
+    finite += tl.where(s > float("-inf"), 1.0, 0.0)
+    eq = s == t0
+    eq0 += tl.where(eq, 1.0, 0.0)
+    eq_w += tl.where(eq & (ids < winner), 1.0, 0.0)
+    return cnt, mass, z, dmin, dmax, finite, eq0, eq_w
+
+
+@triton.jit
 def _count(
     base,
     vocab,
@@ -317,6 +349,7 @@ def _count(
     winner,
     maxes,
     MAX_BLOCK: tl.constexpr,
+    COUNT_BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One pass over a row: count and mass ``exp((s - m) / T)`` (``inv_t2``: 1 / T times
@@ -328,7 +361,8 @@ def _count(
     largest logit (``maxes``, per ``MAX_BLOCK`` tokens) is at most ``lo`` are not loaded:
     every caller's thresholds and ``t0`` lie above ``lo``, so such a block adds nothing to
     what it reads then (Z and the finite count are read from the first pass, whose ``lo`` is
-    -inf)."""
+    -inf). ``COUNT_BLOCKS`` (1 or 2): blocks loaded per trip of the loop; each lane sums its
+    values in the same order either way."""
     lanes = tl.arange(0, BLOCK)
     # Counts in fp32 (a compare that yields 1.0 and an add; an int count costs a move more):
     # exact, a lane counts at most vocab / BLOCK < 2**21 tokens.
@@ -343,23 +377,34 @@ def _count(
     skips = lo > float("-inf")
     off = 0
     while off < vocab:
-        # (a NaN maximum compares false: its block is read)
-        if (skips & (tl.load(maxes + off // MAX_BLOCK) <= lo)) == 0:
+        live = _block_live(maxes, off, vocab, lo, skips, MAX_BLOCK)
+        if COUNT_BLOCKS == 2:  # both blocks' loads in flight before either is summed
+            off1 = off + BLOCK
+            live1 = _block_live(maxes, off1, vocab, lo, skips, MAX_BLOCK)
+            if live | live1:
+                ids = off + lanes
+                ids1 = off1 + lanes
+                # A dead block of a live pair reads as -inf: it adds only zeros (thr, t0 > lo).
+                s = tl.load(base + ids, mask=ids < tl.where(live, vocab, 0), other=float("-inf"))
+                s1 = tl.load(
+                    base + ids1, mask=ids1 < tl.where(live1, vocab, 0), other=float("-inf")
+                )
+                cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count_block(
+                    s.to(tl.float32), ids, m, inv_t2, lo, hi, thr, t0, winner,
+                    cnt, mass, z, dmin, dmax, finite, eq0, eq_w,
+                )  # fmt: skip
+                cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count_block(
+                    s1.to(tl.float32), ids1, m, inv_t2, lo, hi, thr, t0, winner,
+                    cnt, mass, z, dmin, dmax, finite, eq0, eq_w,
+                )  # fmt: skip
+        elif live:
             ids = off + lanes
-            s = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
-            e = tl.exp2((s - m) * inv_t2)  # [BLOCK]; 0 for -inf
-            above = s[None, :] > thr[:, None]  # [NT, BLOCK]
-            cnt += tl.where(above, 1.0, 0.0)
-            mass += tl.where(above, e[None, :], 0.0)
-            z += e
-            inside = (s > lo) & (s <= hi)
-            dmin = tl.minimum(dmin, tl.where(inside, s, float("inf")))
-            dmax = tl.maximum(dmax, tl.where(inside, s, float("-inf")))
-            finite += tl.where(s > float("-inf"), 1.0, 0.0)
-            eq = s == t0
-            eq0 += tl.where(eq, 1.0, 0.0)
-            eq_w += tl.where(eq & (ids < winner), 1.0, 0.0)
-        off += BLOCK
+            s = tl.load(base + ids, mask=ids < vocab, other=float("-inf"))
+            cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count_block(
+                s.to(tl.float32), ids, m, inv_t2, lo, hi, thr, t0, winner,
+                cnt, mass, z, dmin, dmax, finite, eq0, eq_w,
+            )  # fmt: skip
+        off += COUNT_BLOCKS * BLOCK
     return (
         tl.sum(cnt.to(tl.int32), axis=1),
         tl.sum(mass, axis=1),
@@ -389,7 +434,7 @@ def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi):
 @triton.jit
 def _rank_check(
     base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, maxes,
-    MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr, COUNT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
     data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
@@ -399,7 +444,7 @@ def _rank_check(
     s_w = tl.load(base + winner).to(tl.float32)
     thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
     cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, maxes, MAX_BLOCK, BLOCK
+        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK
     )
     zlim = tl.where(zlim < 0, top_p * z, zlim)
     first = jf == 0
@@ -418,7 +463,7 @@ def _rank_check(
 @triton.jit
 def _search_pass(
     base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t, c_gt, m_gt, c_eq, k_lim,
-    zlim, p_off, maxes, MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    zlim, p_off, maxes, MAX_BLOCK: tl.constexpr, COUNT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One search pass of the bracket ``(lo, hi]`` at thresholds ``thr``: a threshold passes
     while fewer than ``k_lim`` tokens lie above it and (unless ``p_off``) their mass is below
@@ -426,7 +471,7 @@ def _search_pass(
     mass above it and its count (``c_gt``, ``m_gt``, ``c_eq``); else those are kept. Returns the
     narrowed bracket, those four, the data range of the pass and whether it was one value."""
     cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, m, 0, maxes, MAX_BLOCK, BLOCK
+        base, vocab, m, inv_t2, lo, hi, thr, m, 0, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK
     )
     single = dmin == dmax  # one distinct value in (lo, hi]
     t = tl.where(single, dmin, t)
@@ -441,7 +486,7 @@ def _search_pass(
 @triton.jit
 def _top_k_mass(
     base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, maxes,
-    MAX_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr, COUNT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The mass ``M_k`` of the top-k set (the first ``k_lim`` tokens of the ranking), from a
     first pass's data (thresholds ``thr`` with their counts and masses, Z, the finite logits'
@@ -482,7 +527,7 @@ def _top_k_mass(
         # The count alone decides (p_off): the value found is t_k.
         lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq, dmin, dmax, single = _search_pass(
             base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_k, c_gt, m_gt, c_eq,
-            k_lim, 0.0, finite >= 0, maxes, MAX_BLOCK, BLOCK,
+            k_lim, 0.0, finite >= 0, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK,
         )  # fmt: skip
         done = single.to(tl.int32)
         passes += 1
@@ -506,6 +551,7 @@ def _filtered_token(
     maxes,
     ROUND_SHARE: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
+    COUNT_BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
@@ -532,6 +578,7 @@ def _filtered_token(
             p_off,
             maxes,
             MAX_BLOCK,
+            COUNT_BLOCKS,
             BLOCK,
         )  # fmt: skip
     )
@@ -550,7 +597,7 @@ def _filtered_token(
         if sure == 0:
             m_k, t_k, c_gt_k, m_gt_k, c_eq_k, k_found = _top_k_mass(
                 base, vocab, m, inv_t2, k_lim, thr, cnt, mass, z, dmin, dmax, finite, maxes,
-                MAX_BLOCK, BLOCK,
+                MAX_BLOCK, COUNT_BLOCKS, BLOCK,
             )  # fmt: skip
             zlim = top_p * m_k
             inside = (rank < k_lim) & ((rank == 0) | (m_w < zlim))
@@ -598,6 +645,7 @@ def _filtered_token(
                     p_off,
                     maxes,
                     MAX_BLOCK,
+                    COUNT_BLOCKS,
                     BLOCK,
                 )  # fmt: skip
             )
@@ -621,7 +669,7 @@ def _filtered_token(
             lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt, m_gt, c_eq, dmin, dmax, single = (
                 _search_pass(
                     base, vocab, m, inv_t2, thr, lo, hi, c_lo, c_hi, m_lo, m_hi, t_star, c_gt,
-                    m_gt, c_eq, k_lim, zlim, p_off, maxes, MAX_BLOCK, BLOCK,
+                    m_gt, c_eq, k_lim, zlim, p_off, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK,
                 )
             )  # fmt: skip
             done = single.to(tl.int32)
@@ -671,6 +719,7 @@ def _sample_kernel(
     ROUND_SHARE: tl.constexpr,
     SHARE: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
+    COUNT_BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
@@ -708,7 +757,7 @@ def _sample_kernel(
             m = tl.max(top, axis=0)
             token = _filtered_token(
                 base, vocab, temp, key, m, token, k_lim, top_p, use_p, maxes, ROUND_SHARE,
-                MAX_BLOCK, BLOCK, FAST_LOG,
+                MAX_BLOCK, COUNT_BLOCKS, BLOCK, FAST_LOG,
             )  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
@@ -811,6 +860,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             ROUND_SHARE=ROUND_SHARE,
             SHARE=share and not finish,
             MAX_BLOCK=race_block,
+            COUNT_BLOCKS=COUNT_BLOCKS,
             BLOCK=block,
             BLOCK_P=block_p,
             FAST_LOG=not interpreter_enabled(),
