@@ -106,6 +106,10 @@ FAST_G_MARGIN = tl.constexpr(1e-3)
 SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
+#: Whether the parts' race sums each filtered row's Z and finite count, so that the finish's
+#: first pass reads only the blocks at or above the winner's logit (False until timed on a GPU,
+#: ``bench_sampling.py --race-sums 0,1``; Z then sums in another order, docs/kernels.md).
+RACE_SUMS = False
 #: Blocks a count pass of the finish loads before it sums them (1 or 2): one finish program
 #: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 1
 #: until 2 is timed on a GPU (``bench_sampling.py --count-blocks 1,2``); the same tokens.
@@ -183,6 +187,22 @@ def _row_temperature(temps_ptr, top_ks_ptr, row):
 
 
 @triton.jit
+def _inv_t2(temp):
+    """1 / T in log2 units: every mass is ``exp2((s - m) * inv_t2)``, computed alike
+    everywhere (clamped: a tiny T gives the top logits mass 1 and the rest 0, never NaN)."""
+    return tl.minimum((1.0 / temp) * 1.4426950408889634, MAX_INV_T)
+
+
+@triton.jit
+def _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab):
+    """Whether the finish filters this row: sampled (T > 0) with top-k (1 < k < V) or
+    top-p (< 1)."""
+    top_k = tl.load(top_ks_ptr + row)
+    use_k = (top_k > 1) & (top_k < vocab)
+    return (temp > 0) & (use_k | (tl.load(top_ps_ptr + row) < 1.0))
+
+
+@triton.jit
 def _first(keys, gs, ids):
     """(key, G, id) of the race winner among candidates: the largest key, then the largest G
     (equal logits whose ``T * G`` rounds away), then the lowest id (greedy rows, where G is 0).
@@ -204,11 +224,14 @@ def _race(
     r_ties,
     best_ptr,
     maxes,
+    inv_t2,
+    sums,
     FILTER: tl.constexpr,
     TIES: tl.constexpr,
     SHARE: tl.constexpr,
     MAXES: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
+    SUMS: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
@@ -224,7 +247,11 @@ def _race(
     comes within the margin of the best: after the first blocks few do. ``maxes``: the row's
     largest logit per ``MAX_BLOCK`` tokens, which MAXES ``STORE_MAXES`` writes (the parts'
     race) and ``SKIP_BY_MAXES`` reads to pass over blocks with no kept token (FILTER: every
-    logit below ``t_star``) without loading them."""
+    logit below ``t_star``) without loading them. With SUMS, a row whose ``sums`` is set also
+    sums its mass ``exp2((s - top) * inv_t2)`` relative to the returned largest logit ``top``
+    (rescaled as ``top`` grows) and counts its finite logits: the finish's Z and finite count,
+    so that its first pass need not read every block. Returns (key, G, id, top, mass,
+    finite)."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -232,6 +259,8 @@ def _race(
     best = tl.full([], float("-inf"), tl.float32)  # the best key so far, to skip blocks
     top = tl.full([], float("-inf"), tl.float32)
     ties = tl.zeros([], tl.int32)
+    z = tl.zeros([BLOCK], tl.float32)  # SUMS: each lane's mass relative to top
+    finite = tl.zeros([BLOCK], tl.float32)
     off = start
     while off < end:
         live = True
@@ -250,6 +279,13 @@ def _race(
                     kept = (s > t_star) | ((s == t_star) & (r_ties > 0))
                 s = tl.where(kept, s, float("-inf"))
             block_top = tl.max(s, axis=0)
+            if SUMS:
+                if sums:  # as the finish's first pass sums them, relative to the top so far
+                    new_top = tl.maximum(top, block_top)
+                    scale = tl.where(new_top == top, 1.0, tl.exp2((top - new_top) * inv_t2))
+                    e = tl.where(s == float("-inf"), 0.0, tl.exp2((s - new_top) * inv_t2))
+                    z = z * scale + e
+                    finite += tl.where(s > float("-inf"), 1.0, 0.0)
             top = tl.maximum(top, block_top)
             if MAXES == STORE_MAXES:  # the parts' blocks start at multiples of MAX_BLOCK
                 tl.store(maxes + off // MAX_BLOCK, block_top)
@@ -282,7 +318,7 @@ def _race(
                     best = tl.maximum(best, tl.atomic_max(best_ptr, best, sem="relaxed"))
         off += BLOCK
     win_k, win_g, win_i = _first(best_k, best_g, best_i)
-    return win_k, win_g, win_i, top
+    return win_k, win_g, win_i, top, tl.sum(z, axis=0), tl.sum(finite.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -309,12 +345,13 @@ def _race_greedy(base, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_live(maxes, off, vocab, lo, skips, MAX_BLOCK: tl.constexpr):
-    """Whether the block at ``off`` may hold a logit above ``lo`` (with ``skips``: else every
-    block in the row is live). A NaN maximum compares false: its block is read."""
+def _block_live(maxes, off, vocab, lo, floor, MAX_BLOCK: tl.constexpr):
+    """Whether the block at ``off`` may hold a logit above a finite ``lo`` and at or above
+    ``floor``. A NaN maximum compares false: its block is read."""
     in_row = off < vocab
     top = tl.load(maxes + off // MAX_BLOCK, mask=in_row, other=float("-inf"))
-    return in_row & ((skips & (top <= lo)) == 0)
+    dead = (top < floor) | ((top <= lo) & (lo > float("-inf")))
+    return in_row & (dead == 0)
 
 
 @triton.jit
@@ -348,6 +385,7 @@ def _count(
     t0,
     winner,
     maxes,
+    floor,
     MAX_BLOCK: tl.constexpr,
     COUNT_BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -361,8 +399,11 @@ def _count(
     largest logit (``maxes``, per ``MAX_BLOCK`` tokens) is at most ``lo`` are not loaded:
     every caller's thresholds and ``t0`` lie above ``lo``, so such a block adds nothing to
     what it reads then (Z and the finite count are read from the first pass, whose ``lo`` is
-    -inf). ``COUNT_BLOCKS`` (1 or 2): blocks loaded per trip of the loop; each lane sums its
-    values in the same order either way."""
+    -inf). Nor are the blocks whose largest logit is below ``floor`` (the first pass's when the
+    race summed Z and the finite count: the winner's logit; else -inf): Z, the finite count
+    and the smallest logit it returns then cover only the blocks read.
+    ``COUNT_BLOCKS`` (1 or 2): blocks loaded per trip of the loop; each lane sums its values in
+    the same order either way."""
     lanes = tl.arange(0, BLOCK)
     # Counts in fp32 (a compare that yields 1.0 and an add; an int count costs a move more):
     # exact, a lane counts at most vocab / BLOCK < 2**21 tokens.
@@ -374,13 +415,12 @@ def _count(
     finite = tl.zeros([BLOCK], tl.float32)
     eq0 = tl.zeros([BLOCK], tl.float32)
     eq_w = tl.zeros([BLOCK], tl.float32)
-    skips = lo > float("-inf")
     off = 0
     while off < vocab:
-        live = _block_live(maxes, off, vocab, lo, skips, MAX_BLOCK)
+        live = _block_live(maxes, off, vocab, lo, floor, MAX_BLOCK)
         if COUNT_BLOCKS == 2:  # both blocks' loads in flight before either is summed
             off1 = off + BLOCK
-            live1 = _block_live(maxes, off1, vocab, lo, skips, MAX_BLOCK)
+            live1 = _block_live(maxes, off1, vocab, lo, floor, MAX_BLOCK)
             if live | live1:
                 ids = off + lanes
                 ids1 = off1 + lanes
@@ -434,18 +474,25 @@ def _narrow(ok, thr, cnt, mass, lo, hi, c_lo, c_hi, m_lo, m_hi):
 @triton.jit
 def _rank_check(
     base, vocab, m, inv_t2, winner, lo, hi, k_lim, top_p, zlim, p_off, maxes,
-    MAX_BLOCK: tl.constexpr, COUNT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr, COUNT_BLOCKS: tl.constexpr, FROM_WINNER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One ``_count`` pass with the thresholds from ``winner``'s logit towards ``hi``, and the
     data range ``(lo, hi]``: whether the winner is inside the kept set, whether the set ends at
     its logit (``at_own``: every token above it stays), and the pass's data. ``zlim`` is top_p
-    times Z (or times the top-k set's mass), or < 0 on the first pass, which sums Z."""
+    times Z (or times the top-k set's mass), or < 0 on the first pass, which sums Z.
+    FROM_WINNER: the pass reads only the blocks at or above the winner's logit (the race summed
+    Z: ``zlim`` is given), all its counts need."""
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     s_w = tl.load(base + winner).to(tl.float32)
     thr = s_w + (hi - s_w) * jf  # thr[0] is the winner's logit
+    floor = float("-inf")
+    if FROM_WINNER:
+        floor = s_w
     cnt, mass, z, dmin, dmax, finite, eq0, eq_w = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK
-    )
+        base, vocab, m, inv_t2, lo, hi, thr, s_w, winner, maxes, floor, MAX_BLOCK, COUNT_BLOCKS,
+        BLOCK,
+    )  # fmt: skip
     zlim = tl.where(zlim < 0, top_p * z, zlim)
     first = jf == 0
     c0 = tl.sum(tl.where(first, cnt, 0), axis=0)
@@ -471,8 +518,9 @@ def _search_pass(
     mass above it and its count (``c_gt``, ``m_gt``, ``c_eq``); else those are kept. Returns the
     narrowed bracket, those four, the data range of the pass and whether it was one value."""
     cnt, mass, _z, dmin, dmax, _f, _e0, _ew = _count(
-        base, vocab, m, inv_t2, lo, hi, thr, m, 0, maxes, MAX_BLOCK, COUNT_BLOCKS, BLOCK
-    )
+        base, vocab, m, inv_t2, lo, hi, thr, m, 0, maxes, float("-inf"), MAX_BLOCK, COUNT_BLOCKS,
+        BLOCK,
+    )  # fmt: skip
     single = dmin == dmax  # one distinct value in (lo, hi]
     t = tl.where(single, dmin, t)
     c_gt = tl.where(single, c_hi, c_gt)
@@ -549,17 +597,20 @@ def _filtered_token(
     top_p,
     use_p,
     maxes,
+    z_race,
+    finite_race,
     ROUND_SHARE: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
     COUNT_BLOCKS: tl.constexpr,
+    RACE_SUMS: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
     """The race winner among the top-k / top-p kept tokens of a row (see the module doc): a
     race round when the bracket says it keeps its winner with probability >= ``ROUND_SHARE``,
-    else a search pass."""
-    # 1 / T in log2 units: every mass is exp2((s - m) * inv_t2), computed alike everywhere.
-    inv_t2 = tl.minimum((1.0 / temp) * 1.4426950408889634, MAX_INV_T)
+    else a search pass. RACE_SUMS: the parts' race summed Z and the finite count
+    (``z_race``, ``finite_race``), and the first pass reads only the blocks it counts in."""
+    inv_t2 = _inv_t2(temp)
     jf = tl.arange(0, SEARCH_THRESHOLDS).to(tl.float32) / SEARCH_THRESHOLDS
     p_off = use_p == 0
     # Pass 1: the winner's rank and the mass before it, and Z.
@@ -574,14 +625,18 @@ def _filtered_token(
             m,
             k_lim,
             top_p,
-            -1.0,
+            top_p * z_race if RACE_SUMS else -1.0,
             p_off,
             maxes,
             MAX_BLOCK,
             COUNT_BLOCKS,
+            RACE_SUMS,
             BLOCK,
         )  # fmt: skip
     )
+    if RACE_SUMS:  # the pass read only some blocks: the race's sums over all of them
+        z = z_race
+        finite = finite_race
     k_found = tl.zeros([], tl.int32)  # whether _top_k_mass found t_k (with its data)
     t_k = m
     c_gt_k = tl.zeros([], tl.int32)
@@ -626,9 +681,9 @@ def _filtered_token(
         # The kept set lies in s > lo and holds s > hi: a race above lo lands in it with
         # probability >= m_hi / m_lo.
         if m_hi >= ROUND_SHARE * m_lo:
-            _k, _g, winner, _t = _race(
-                base, 0, vocab, temp, key, lo, 0, base, maxes, True, False, False, SKIP_BY_MAXES,
-                MAX_BLOCK, BLOCK, FAST_LOG,
+            _k, _g, winner, _t, _zr, _fr = _race(
+                base, 0, vocab, temp, key, lo, 0, base, maxes, inv_t2, 0, True, False, False,
+                SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
             )  # fmt: skip
             inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f, _r, _m = (
                 _rank_check(
@@ -646,6 +701,7 @@ def _filtered_token(
                     maxes,
                     MAX_BLOCK,
                     COUNT_BLOCKS,
+                    False,
                     BLOCK,
                 )  # fmt: skip
             )
@@ -683,18 +739,18 @@ def _filtered_token(
         r = tl.where(p_off, r, tl.minimum(r, tl.ceil(room)))
         r_ties = tl.maximum(r, 1.0).to(tl.int32)
         if (done > 0) & (r_ties >= c_eq):  # every token equal to t* stays: no scan
-            _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, 1, base, maxes, True, False, False,
-                SKIP_BY_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
+            _k, _g, token, _t, _zr, _fr = _race(
+                base, 0, vocab, temp, key, t_star, 1, base, maxes, inv_t2, 0, True, False, False,
+                SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
             )  # fmt: skip
         else:
             # Some equal tokens are cut: the first r_ties by id stay. A row that did not
             # converge (NaNs only) takes its top token.
             t_star = tl.where(done > 0, t_star, m)
             r_ties = tl.where(done > 0, r_ties, 1)
-            _k, _g, token, _t = _race(
-                base, 0, vocab, temp, key, t_star, r_ties, base, maxes, True, True, False,
-                SKIP_BY_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
+            _k, _g, token, _t, _zr, _fr = _race(
+                base, 0, vocab, temp, key, t_star, r_ties, base, maxes, inv_t2, 0, True, True,
+                False, SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
             )  # fmt: skip
     return token
 
@@ -720,6 +776,7 @@ def _sample_kernel(
     SHARE: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
     COUNT_BLOCKS: tl.constexpr,
+    RACE_SUMS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
@@ -751,13 +808,22 @@ def _sample_kernel(
         top_p = tl.load(top_ps_ptr + row)
         use_k = (top_k > 1) & (top_k < vocab)  # <= 0 or beyond the vocabulary: off; 1: greedy
         use_p = top_p < 1.0
-        if (temp > 0) & (use_k | use_p):
+        if _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab):
             top = tl.load(part_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
             k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
             m = tl.max(top, axis=0)
+            z = -1.0  # not summed by the race: the first pass sums it
+            finite = tl.zeros([], tl.int32)
+            if RACE_SUMS:  # the parts' masses, each relative to its own largest logit
+                inv_t2 = _inv_t2(temp)
+                z_p = tl.load(part_ptr + 3 * plane + at, mask=valid, other=0.0)
+                f_p = tl.load(part_ptr + 4 * plane + at, mask=valid, other=0.0)
+                z_p = tl.where(top > float("-inf"), z_p * tl.exp2((top - m) * inv_t2), 0.0)
+                z = tl.sum(z_p, axis=0)
+                finite = tl.sum(f_p.to(tl.int32), axis=0)
             token = _filtered_token(
-                base, vocab, temp, key, m, token, k_lim, top_p, use_p, maxes, ROUND_SHARE,
-                MAX_BLOCK, COUNT_BLOCKS, BLOCK, FAST_LOG,
+                base, vocab, temp, key, m, token, k_lim, top_p, use_p, maxes, z, finite,
+                ROUND_SHARE, MAX_BLOCK, COUNT_BLOCKS, RACE_SUMS, BLOCK, FAST_LOG,
             )  # fmt: skip
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
@@ -767,10 +833,15 @@ def _sample_kernel(
         if greedy:
             win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
         else:
-            win_k, win_g, win_i, top = _race(
-                base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, False, False, SHARE,
-                STORE_MAXES, MAX_BLOCK, BLOCK, FAST_LOG,
+            win_k, win_g, win_i, top, z_p, finite_p = _race(
+                base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, _inv_t2(temp),
+                _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab), False, False, SHARE,
+                STORE_MAXES, MAX_BLOCK, RACE_SUMS, BLOCK, FAST_LOG,
             )  # fmt: skip
+            if RACE_SUMS:
+                at = row * num_parts + part
+                tl.store(part_ptr + 3 * plane + at, z_p)
+                tl.store(part_ptr + 4 * plane + at, finite_p.to(tl.float32))  # exact: < 2**24
         at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
         tl.store(part_ptr + plane + at, win_g)
@@ -835,7 +906,8 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
         return out
     race_block, row_block = _blocks(vocab)
     parts, chunk = _parts(rows, vocab, race_block, device)
-    part = torch.empty((3, rows, parts), dtype=torch.float32, device=device)  # key, G, top
+    # key, G, top, and (RACE_SUMS) the part's Z relative to its top and its finite count
+    part = torch.empty((5 if RACE_SUMS else 3, rows, parts), dtype=torch.float32, device=device)
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
     share = parts > 1
     best = torch.full((rows,), float("-inf"), device=device) if share else part
@@ -861,6 +933,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             SHARE=share and not finish,
             MAX_BLOCK=race_block,
             COUNT_BLOCKS=COUNT_BLOCKS,
+            RACE_SUMS=RACE_SUMS,
             BLOCK=block,
             BLOCK_P=block_p,
             FAST_LOG=not interpreter_enabled(),

@@ -143,24 +143,33 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
 
 
 @pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("race_sums", [False, True])
 @pytest.mark.parametrize("count_blocks", [1, 2])
 def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
-    count_blocks: int, monkeypatch: pytest.MonkeyPatch
+    count_blocks: int, race_sums: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The finish's passes skip the blocks whose largest logit (kept by the race) lies below
-    the bracket, and load one or two blocks per trip: neither may change a token. An odd
-    block count (1100 tokens: 9 blocks of 128) leaves the last pair half outside the row; the
-    flat rows need search passes, the rounded ones end sets inside runs of ties, and the
-    strong candidates of the llm rows sit in a few blocks, so most blocks are skipped."""
+    the bracket, load one or two blocks per trip, and (race_sums) take Z and the finite count
+    from the parts' race so that the first pass reads only the blocks at or above the
+    winner's logit: none may change a token. An odd block count (1100 tokens: 9 blocks of
+    128) leaves the last pair half outside the row; the flat rows need search passes, the
+    rounded ones end sets inside runs of ties, the strong candidates of the llm rows sit in a
+    few blocks, so most blocks are skipped, and two rows have whole blocks and most tokens
+    masked to -inf (their finite count is not the row's length)."""
     monkeypatch.setattr(triton_sampling, "COUNT_BLOCKS", count_blocks)
+    monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
     gen = torch.Generator().manual_seed(41)
-    b, vocab = 16, 1100
-    logits = torch.cat([llm_like(8, vocab, gen), torch.randn(8, vocab, generator=gen) * 0.05])
-    logits[6:8] = (logits[6:8] * 2).round() / 2
-    logits[14:] = (logits[14:] * 40).round() / 40
-    temps = [0.6, 1.0, 0.8, 1.3] * 4
-    top_ks = [-1, 5, 40, 20, 300, -1, 3, 50] * 2
-    top_ps = [0.9, 1.0, 1.0, 0.95, 0.8, 0.5, 1.0, 0.9] * 2
+    b, vocab = 48, 1100
+    logits = torch.cat([llm_like(24, vocab, gen), torch.randn(24, vocab, generator=gen) * 0.05])
+    logits[6:10] = (logits[6:10] * 2).round() / 2
+    logits[40:] = (logits[40:] * 40).round() / 40
+    logits[3, 200:700] = -math.inf
+    keep = torch.rand(vocab, generator=gen) < 0.04
+    keep[0] = True
+    logits[27] = torch.where(keep, logits[27], torch.full_like(logits[27], -math.inf))
+    temps = [0.6, 1.0, 0.8, 1.3] * 12
+    top_ks = [-1, 5, 40, 20, 300, -1, 3, 50] * 6
+    top_ps = [0.9, 1.0, 0.5, 0.95, 0.8, 0.5, 1.0, 0.9, 0.5, 1.0, 0.3, 0.95, 0.8, 0.5, 0.7, 0.6] * 3
     seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
     info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
     assert torch.equal(draw(logits, info), reference(logits, info))
