@@ -194,12 +194,15 @@ def _inv_t2(temp):
 
 
 @triton.jit
-def _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab):
-    """Whether the finish filters this row: sampled (T > 0) with top-k (1 < k < V) or
-    top-p (< 1)."""
+def _filters(top_ks_ptr, top_ps_ptr, row, temp, vocab):
+    """A row's ``(top_k, top_p, use_k, use_p, filtered)``: top-k is on for 1 < k < V (<= 0 or
+    beyond the vocabulary: off; 1: greedy), top-p below 1; the finish filters a sampled row
+    (T > 0) with either."""
     top_k = tl.load(top_ks_ptr + row)
+    top_p = tl.load(top_ps_ptr + row)
     use_k = (top_k > 1) & (top_k < vocab)
-    return (temp > 0) & (use_k | (tl.load(top_ps_ptr + row) < 1.0))
+    use_p = top_p < 1.0
+    return top_k, top_p, use_k, use_p, (temp > 0) & (use_k | use_p)
 
 
 @triton.jit
@@ -804,11 +807,8 @@ def _sample_kernel(
         part_g = tl.load(part_ptr + plane + at, mask=valid, other=float("-inf"))
         part_i = tl.load(part_id_ptr + at, mask=valid, other=2147483647)
         _k, _g, token = _first(part_k, part_g, part_i)
-        top_k = tl.load(top_ks_ptr + row)
-        top_p = tl.load(top_ps_ptr + row)
-        use_k = (top_k > 1) & (top_k < vocab)  # <= 0 or beyond the vocabulary: off; 1: greedy
-        use_p = top_p < 1.0
-        if _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab):
+        top_k, top_p, use_k, use_p, filtered = _filters(top_ks_ptr, top_ps_ptr, row, temp, vocab)
+        if filtered:
             top = tl.load(part_ptr + 2 * plane + at, mask=valid, other=float("-inf"))
             k_lim = tl.where(use_k, top_k, vocab + 1).to(tl.int32)
             m = tl.max(top, axis=0)
@@ -833,9 +833,10 @@ def _sample_kernel(
         if greedy:
             win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
         else:
+            _tk, _tp, _uk, _up, filtered = _filters(top_ks_ptr, top_ps_ptr, row, temp, vocab)
             win_k, win_g, win_i, top, z_p, finite_p = _race(
                 base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, _inv_t2(temp),
-                _filtered(top_ks_ptr, top_ps_ptr, row, temp, vocab), False, False, SHARE,
+                filtered, False, False, SHARE,
                 STORE_MAXES, MAX_BLOCK, RACE_SUMS, BLOCK, FAST_LOG,
             )  # fmt: skip
             if RACE_SUMS:

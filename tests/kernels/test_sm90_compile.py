@@ -4,7 +4,8 @@ The interpreter that runs the CPU suite executes a kernel as Python: it does not
 loops, so a loop-carried value whose type changes between iterations, or an ``if`` whose
 branches yield different types, passes there and fails only when the GPU compiles it. This
 compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
-process has the interpreter on), for bf16 and fp32 logits.
+process has the interpreter on), for bf16 and fp32 logits, with each setting of the finish's
+``COUNT_BLOCKS`` and ``RACE_SUMS``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ SCRIPT = textwrap.dedent(
     pointers = {
         "logits_ptr": sys.argv[1], "temps_ptr": "*fp32", "top_ks_ptr": "*i64",
         "top_ps_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64", "part_ptr": "*fp32",
-        "part_id_ptr": "*i32", "best_ptr": "*fp32", "out_ptr": "*i64",
+        "part_id_ptr": "*i32", "best_ptr": "*fp32", "maxes_ptr": "*fp32", "out_ptr": "*i64",
     }
-    for finish in (False, True):
+    # both settings of each finish knob: one count block and the first pass summing Z, and
+    # two blocks a trip with the race's sums
+    for finish, count_blocks, race_sums in [(False, 1, False), (False, 1, True),
+                                            (True, 1, False), (True, 2, True)]:
         constants = {
             "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
+            "MAX_BLOCK": 1024, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
             "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
         }
         signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
@@ -50,7 +55,7 @@ SCRIPT = textwrap.dedent(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if finish else 4}
         )
         assert kernel.asm["cubin"], "no cubin"
-        print("compiled", sys.argv[1], "finish" if finish else "race")
+        print("compiled", sys.argv[1], "finish" if finish else "race", count_blocks, race_sums)
     """
 )
 
@@ -64,4 +69,4 @@ def test_the_sampling_kernels_compile_for_sm90(logits: str) -> None:
     if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
         pytest.skip("Triton's ptxas is not installed here")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 2
+    assert done.stdout.count("compiled") == 4
