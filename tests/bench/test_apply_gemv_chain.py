@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.bench import load_benchmark
+
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "apply_gemv_chain.py"
-
-
-def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("apply_gemv_chain", SCRIPT)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _record(kind: str, us: float, variant: str = "norm", **tile) -> dict:  # type: ignore[no-untyped-def]
@@ -46,7 +36,7 @@ def _run(tmp_path: Path, records: list[dict], *extra: str) -> dict:  # type: ign
     chain = tmp_path / "chain.json"
     chain.write_text(json.dumps({"gpu": "X", "records": records}))
     table = _table(tmp_path)
-    assert _module().main([str(chain), "--table", str(table), *extra]) == 0
+    assert load_benchmark("apply_gemv_chain").main([str(chain), "--table", str(table), *extra]) == 0
     return json.loads(table.read_text())["shapes"]["4096,1024,norm"]
 
 
@@ -74,5 +64,5 @@ def test_records_of_another_gpu_need_a_named_table(tmp_path: Path, capsys) -> No
     for i, gpu in enumerate(["NVIDIA H100 80GB HBM3", "NVIDIA H200"]):
         paths.append(tmp_path / f"c{i}.json")
         paths[-1].write_text(json.dumps({"gpu": gpu, "records": []}))
-    assert _module().main([str(p) for p in paths]) == 2
+    assert load_benchmark("apply_gemv_chain").main([str(p) for p in paths]) == 2
     assert "pass --table" in capsys.readouterr().err

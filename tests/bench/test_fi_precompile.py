@@ -3,7 +3,6 @@ job list on CPU, and a one-line refusal without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,21 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fi_precompile.py"
 
 
-def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("fi_precompile", SCRIPT)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fi_precompile"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_fp8_caches_build_fa2_once_and_never_fa3() -> None:
-    mod = _module()
+    mod = load_benchmark("fi_precompile")
     todo = mod.jobs(
         ["bfloat16"], ["auto", "float8_e4m3fn"], [128], [1, 4], ["auto", "fa2", "fa3"], 4
     )
@@ -37,7 +29,9 @@ def test_fp8_caches_build_fa2_once_and_never_fa3() -> None:
 
 
 def test_groups_matter_only_across_the_tensor_core_threshold() -> None:
-    todo = _module().jobs(["bfloat16"], ["auto"], [64], [1, 2, 4, 8], ["fa2"], 4)
+    todo = load_benchmark("fi_precompile").jobs(
+        ["bfloat16"], ["auto"], [64], [1, 2, 4, 8], ["fa2"], 4
+    )
     assert [j.group for j in todo] == [1, 4]
 
 

@@ -4,7 +4,6 @@ engine's defaults)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -14,20 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "harness_generate.py"
 
 
-def load_harness():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("harness_generate", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_its_draw_is_the_published_workload() -> None:
-    prompts, outputs = load_harness().nano_vllm_workload(256, 1024, 1024)
+    prompts, outputs = load_benchmark("harness_generate").nano_vllm_workload(256, 1024, 1024)
     assert len(prompts) == len(outputs) == 256
     assert sum(outputs) == 133_966  # the output tokens nano-vllm and mini-sglang report
     assert sum(map(len, prompts)) == 142_827
@@ -37,9 +30,9 @@ def test_its_draw_is_the_published_workload() -> None:
 def test_lengths_below_the_published_minimum_are_drawn_as_that_length() -> None:
     # The docstring's smoke run, --max-input 40 --max-output 8, raised "empty range for
     # randrange() (100, 41, -59)": lengths are uniform in [min(100, max), max].
-    prompts, outputs = load_harness().nano_vllm_workload(4, 40, 8)
+    prompts, outputs = load_benchmark("harness_generate").nano_vllm_workload(4, 40, 8)
     assert [len(p) for p in prompts] == [40] * 4 and outputs == [8] * 4
-    prompts, outputs = load_harness().nano_vllm_workload(50, 150, 100)
+    prompts, outputs = load_benchmark("harness_generate").nano_vllm_workload(50, 150, 100)
     assert all(100 <= len(p) <= 150 for p in prompts) and outputs == [100] * 50
 
 

@@ -3,24 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
+from tests.bench import load_benchmark
+
 pytest.importorskip("triton")
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_triton_decode.py"
-
-
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tune_triton_decode", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -37,5 +24,5 @@ def _script() -> ModuleType:
 def test_a_mode_alone_is_the_mode_and_a_file_alone_runs_the_long_sweep(
     argv: list[str], out: str | None, mode: str
 ) -> None:
-    _, args = _script().parse_args(argv)
+    _, args = load_benchmark("tune_triton_decode").parse_args(argv)
     assert (args.out, args.mode) == (out, mode)

@@ -75,6 +75,18 @@ def llm_like(b: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     return logits
 
 
+def search_rows(
+    half: int, vocab: int, gen: torch.Generator, tied: slice, fine: slice
+) -> torch.Tensor:
+    """``half`` llm-shaped rows then ``half`` nearly uniform ones (the unfiltered winner rarely
+    kept: the search runs); rows ``tied`` rounded to halves (sets end inside runs of ties),
+    rows ``fine`` to fortieths."""
+    logits = torch.cat([llm_like(half, vocab, gen), torch.randn(half, vocab, generator=gen) * 0.05])
+    logits[tied] = (logits[tied] * 2).round() / 2
+    logits[fine] = (logits[fine] * 40).round() / 40
+    return logits
+
+
 # -- token for token against the core Sampler -----------------------------------------------------
 CONFIGS = {
     "greedy": {"temperature": 0.0},
@@ -131,9 +143,7 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
     monkeypatch.setattr(triton_sampling, "ROUND_SHARE", share)
     gen = torch.Generator().manual_seed(17)
     b, vocab = 16, 1000
-    logits = torch.cat([llm_like(8, vocab, gen), torch.randn(8, vocab, generator=gen) * 0.05])
-    logits[4:8] = (logits[4:8] * 2).round() / 2
-    logits[12:] = (logits[12:] * 40).round() / 40
+    logits = search_rows(8, vocab, gen, tied=slice(4, 8), fine=slice(12, None))
     temps = [0.6, 1.0, 1.3, 0.8] * 4
     top_ks = [-1, 5, 40, -1, 3, -1, 25, 200] * 2
     top_ps = [0.9, 1.0, 0.5, 0.3, 1.0, 0.95, 0.8, 1.0] * 2
@@ -160,9 +170,7 @@ def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
     monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
     gen = torch.Generator().manual_seed(41)
     b, vocab = 48, 1100
-    logits = torch.cat([llm_like(24, vocab, gen), torch.randn(24, vocab, generator=gen) * 0.05])
-    logits[6:10] = (logits[6:10] * 2).round() / 2
-    logits[40:] = (logits[40:] * 40).round() / 40
+    logits = search_rows(24, vocab, gen, tied=slice(6, 10), fine=slice(40, None))
     logits[3, 200:700] = -math.inf
     keep = torch.rand(vocab, generator=gen) < 0.04
     keep[0] = True
