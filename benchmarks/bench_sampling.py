@@ -37,6 +37,7 @@ KNOBS = (
     ("--race-blocks", "RACE_BLOCK", "race_blocks", "tokens per loop step"),
     ("--race-warps", "RACE_WARPS", "race_warps", "warps per race program"),
     ("--count-blocks", "COUNT_BLOCKS", "count_blocks", "blocks a finish count loads per trip"),
+    ("--skip-blocks", "SKIP_BLOCKS", "skip_blocks", "1: the finish skips blocks by their max"),
     ("--race-sums", "RACE_SUMS", "race_sums", "1: the race sums Z, the first pass skips"),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
@@ -69,6 +70,7 @@ class Row:
     race_block: int = 0
     race_warps: int = 0
     count_blocks: int = 0
+    skip_blocks: int = 0
     race_sums: int = 0
 
 
@@ -178,7 +180,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
     header = (
-        f"{'pps':>4} {'block':>5} {'warps':>5} {'cnt':>3} {'sum':>3} {'batch':>5} "
+        f"{'pps':>4} {'block':>5} {'warps':>5} {'cnt':>3} {'skp':>3} {'sum':>3} {'batch':>5} "
         f"{'mix':<21} {'logits':<6} "
         f"{'today us':>10} {'fused us':>9} "
         f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
@@ -190,15 +192,16 @@ def main() -> None:
     for *knobs, b in itertools.product(*sweep, [int(x) for x in args.batches.split(",")]):
         for (_, name, _, _), value in zip(KNOBS, knobs, strict=True):
             setattr(triton_sampling, name, value)
-        pps, block, warps, count_blocks, race_sums = knobs
+        pps, block, warps, count_blocks, skip_blocks, race_sums = knobs
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
                 r = measure(b, args.vocab, dtype, mix, shape, copy_gbps, not args.no_today)
                 r.programs_per_sm, r.race_block, r.race_warps = pps, block, warps
-                r.count_blocks, r.race_sums = count_blocks, race_sums
+                r.count_blocks, r.skip_blocks, r.race_sums = count_blocks, skip_blocks, race_sums
                 rows.append(r)
                 print(
-                    f"{pps:>4} {block:>5} {warps:>5} {count_blocks:>3} {race_sums:>3} {r.batch:>5} "
+                    f"{pps:>4} {block:>5} {warps:>5} {count_blocks:>3} {skip_blocks:>3} "
+                    f"{race_sums:>3} {r.batch:>5} "
                     f"{r.mix:<21} {r.logits:<6} "
                     f"{r.today_us:>10.1f} "
                     f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "

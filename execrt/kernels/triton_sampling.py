@@ -106,9 +106,14 @@ FAST_G_MARGIN = tl.constexpr(1e-3)
 SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
+#: Whether the parts' race keeps each block's largest logit and the finish's passes skip the
+#: blocks those rule out (False until timed on a GPU, ``bench_sampling.py --skip-blocks 0,1``:
+#: each pass then waits on a small load before each block it reads; the same tokens).
+SKIP_BLOCKS = False
 #: Whether the parts' race sums each filtered row's Z and finite count, so that the finish's
-#: first pass reads only the blocks at or above the winner's logit (False until timed on a GPU,
-#: ``bench_sampling.py --race-sums 0,1``; Z then sums in another order, docs/kernels.md).
+#: first pass reads only the blocks at or above the winner's logit (with SKIP_BLOCKS). False
+#: until timed on a GPU (``bench_sampling.py --race-sums 0,1``); Z then sums in another order
+#: (docs/kernels.md).
 RACE_SUMS = False
 #: Blocks a count pass of the finish loads before it sums them (1 or 2): one finish program
 #: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 1
@@ -267,8 +272,9 @@ def _race(
     off = start
     while off < end:
         live = True
-        if MAXES == SKIP_BY_MAXES:  # a block of logits below t_star keeps no token
-            live = (tl.load(maxes + off // MAX_BLOCK) < t_star) == 0  # NaN: live
+        if MAX_BLOCK > 0:  # 0: no block maxima (SKIP_BLOCKS off)
+            if MAXES == SKIP_BY_MAXES:  # a block of logits below t_star keeps no token
+                live = (tl.load(maxes + off // MAX_BLOCK) < t_star) == 0  # NaN: live
         if live:
             ids = off + lanes
             s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
@@ -290,8 +296,9 @@ def _race(
                     z = z * scale + e
                     finite += tl.where(s > float("-inf"), 1.0, 0.0)
             top = tl.maximum(top, block_top)
-            if MAXES == STORE_MAXES:  # the parts' blocks start at multiples of MAX_BLOCK
-                tl.store(maxes + off // MAX_BLOCK, block_top)
+            if MAX_BLOCK > 0:
+                if MAXES == STORE_MAXES:  # the parts' blocks start at multiples of MAX_BLOCK
+                    tl.store(maxes + off // MAX_BLOCK, block_top)
             # Every key in the block is at most block_top + T * G_BOUND: skip the block when that
             # stays below the best so far, with a margin for rounding (a block of -inf logits
             # reaches -inf: skipped once there is a best).
@@ -349,12 +356,15 @@ def _race_greedy(base, start, end, BLOCK: tl.constexpr):
 
 @triton.jit
 def _block_live(maxes, off, vocab, lo, floor, MAX_BLOCK: tl.constexpr):
-    """Whether the block at ``off`` may hold a logit above a finite ``lo`` and at or above
-    ``floor``. A NaN maximum compares false: its block is read."""
-    in_row = off < vocab
-    top = tl.load(maxes + off // MAX_BLOCK, mask=in_row, other=float("-inf"))
-    dead = (top < floor) | ((top <= lo) & (lo > float("-inf")))
-    return in_row & (dead == 0)
+    """Whether the block at ``off`` is in the row and (with block maxima: ``MAX_BLOCK`` > 0)
+    may hold a logit above a finite ``lo`` and at or above ``floor``. A NaN maximum compares
+    false: its block is read."""
+    live = off < vocab
+    if MAX_BLOCK > 0:
+        top = tl.load(maxes + off // MAX_BLOCK, mask=live, other=float("-inf"))
+        dead = (top < floor) | ((top <= lo) & (lo > float("-inf")))
+        live = live & (dead == 0)
+    return live
 
 
 @triton.jit
@@ -796,7 +806,9 @@ def _sample_kernel(
     temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
     key = _row_key(seeds_ptr, steps_ptr, row)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    maxes = maxes_ptr + row * tl.cdiv(vocab, MAX_BLOCK)
+    maxes = maxes_ptr
+    if MAX_BLOCK > 0:
+        maxes = maxes_ptr + row * tl.cdiv(vocab, MAX_BLOCK)
     num_parts = tl.cdiv(vocab, chunk)
     plane = tl.num_programs(0) * num_parts
     if FINISH:
@@ -913,9 +925,12 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     share = parts > 1
     best = torch.full((rows,), float("-inf"), device=device) if share else part
     # The race's block maxima, read by the finish's blocks (which must not straddle them).
-    if race_block % row_block:
-        fail("sample", f"finish block {row_block} must divide the race block {race_block}")
-    maxes = torch.empty((rows, cdiv(vocab, race_block)), dtype=torch.float32, device=device)
+    max_block, maxes = 0, part
+    if SKIP_BLOCKS:
+        if race_block % row_block:
+            fail("sample", f"finish block {row_block} must divide the race block {race_block}")
+        max_block = race_block
+        maxes = torch.empty((rows, cdiv(vocab, race_block)), dtype=torch.float32, device=device)
     args = (logits, logits.stride(0), vocab, chunk, *params, part, part_id, best, maxes, out)
     # The most parts this vocabulary can be split into, not this batch's count: one compiled
     # variant per vocabulary instead of one per batch-size range (a run whose batch shrinks
@@ -932,7 +947,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             FINISH=finish,
             ROUND_SHARE=ROUND_SHARE,
             SHARE=share and not finish,
-            MAX_BLOCK=race_block,
+            MAX_BLOCK=max_block,
             COUNT_BLOCKS=COUNT_BLOCKS,
             RACE_SUMS=RACE_SUMS,
             BLOCK=block,

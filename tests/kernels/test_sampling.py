@@ -153,10 +153,12 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
 
 
 @pytest.mark.usefixtures("small_blocks")
-@pytest.mark.parametrize("race_sums", [False, True])
-@pytest.mark.parametrize("count_blocks", [1, 2])
+@pytest.mark.parametrize(
+    ("skip_blocks", "count_blocks", "race_sums"),
+    [(True, 1, False), (True, 2, False), (True, 1, True), (True, 2, True), (False, 2, True)],
+)
 def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
-    count_blocks: int, race_sums: bool, monkeypatch: pytest.MonkeyPatch
+    skip_blocks: bool, count_blocks: int, race_sums: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The finish's passes skip the blocks whose largest logit (kept by the race) lies below
     the bracket, load one or two blocks per trip, and (race_sums) take Z and the finite count
@@ -166,6 +168,7 @@ def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
     rounded ones end sets inside runs of ties, the strong candidates of the llm rows sit in a
     few blocks, so most blocks are skipped, and two rows have whole blocks and most tokens
     masked to -inf (their finite count is not the row's length)."""
+    monkeypatch.setattr(triton_sampling, "SKIP_BLOCKS", skip_blocks)
     monkeypatch.setattr(triton_sampling, "COUNT_BLOCKS", count_blocks)
     monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
     gen = torch.Generator().manual_seed(41)

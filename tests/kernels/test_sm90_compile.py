@@ -5,7 +5,7 @@ loops, so a loop-carried value whose type changes between iterations, or an ``if
 branches yield different types, passes there and fails only when the GPU compiles it. This
 compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
 process has the interpreter on), for bf16 and fp32 logits, with each setting of the finish's
-``COUNT_BLOCKS`` and ``RACE_SUMS``.
+block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS`` and ``RACE_SUMS``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ SCRIPT = textwrap.dedent(
         "top_ps_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64", "part_ptr": "*fp32",
         "part_id_ptr": "*i32", "best_ptr": "*fp32", "maxes_ptr": "*fp32", "out_ptr": "*i64",
     }
-    # both settings of each finish knob: one count block and the first pass summing Z, and
-    # two blocks a trip with the race's sums
-    for finish, count_blocks, race_sums in [(False, 1, False), (False, 1, True),
-                                            (True, 1, False), (True, 2, True)]:
+    # both settings of each finish knob: the defaults (no block maxima: MAX_BLOCK 0, one count
+    # block, the first pass summing Z), and block maxima, two blocks a trip, the race's sums
+    for finish, max_block, count_blocks, race_sums in [
+        (False, 0, 1, False), (False, 1024, 1, True), (True, 0, 1, False), (True, 1024, 2, True)
+    ]:
         constants = {
             "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
-            "MAX_BLOCK": 1024, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
+            "MAX_BLOCK": max_block, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
             "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
         }
         signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
@@ -55,7 +56,8 @@ SCRIPT = textwrap.dedent(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if finish else 4}
         )
         assert kernel.asm["cubin"], "no cubin"
-        print("compiled", sys.argv[1], "finish" if finish else "race", count_blocks, race_sums)
+        print("compiled", sys.argv[1], "finish" if finish else "race", max_block, count_blocks,
+              race_sums)
     """
 )
 
