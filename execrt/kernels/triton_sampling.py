@@ -355,16 +355,22 @@ def _race_greedy(base, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_live(maxes, off, vocab, lo, floor, MAX_BLOCK: tl.constexpr):
-    """Whether the block at ``off`` is in the row and (with block maxima: ``MAX_BLOCK`` > 0)
-    may hold a logit above a finite ``lo`` and at or above ``floor``. A NaN maximum compares
-    false: its block is read."""
-    live = off < vocab
+def _block_max(maxes, off, vocab, MAX_BLOCK: tl.constexpr):
+    """The largest logit of the block at ``off`` (-inf past the row; +inf without block
+    maxima, ``MAX_BLOCK`` 0: every block in the row is read)."""
+    top = tl.full([], float("inf"), tl.float32)
     if MAX_BLOCK > 0:
-        top = tl.load(maxes + off // MAX_BLOCK, mask=live, other=float("-inf"))
-        dead = (top < floor) | ((top <= lo) & (lo > float("-inf")))
-        live = live & (dead == 0)
-    return live
+        top = tl.load(maxes + off // MAX_BLOCK, mask=off < vocab, other=float("-inf"))
+    return top
+
+
+@triton.jit
+def _block_live(top, off, vocab, lo, floor):
+    """Whether the block at ``off``, of largest logit ``top``, is in the row and may hold a
+    logit above a finite ``lo`` and at or above ``floor``. A NaN maximum compares false: its
+    block is read."""
+    dead = (top < floor) | ((top <= lo) & (lo > float("-inf")))
+    return (off < vocab) & (dead == 0)
 
 
 @triton.jit
@@ -429,11 +435,19 @@ def _count(
     eq0 = tl.zeros([BLOCK], tl.float32)
     eq_w = tl.zeros([BLOCK], tl.float32)
     off = 0
+    # The blocks' maxima are loaded a trip ahead, so a block read does not wait on its own.
+    top = _block_max(maxes, 0, vocab, MAX_BLOCK)
+    top1 = _block_max(maxes, BLOCK, vocab, MAX_BLOCK)  # COUNT_BLOCKS 2: the second block's
     while off < vocab:
-        live = _block_live(maxes, off, vocab, lo, floor, MAX_BLOCK)
+        ahead = off + COUNT_BLOCKS * BLOCK
+        top_next = _block_max(maxes, ahead, vocab, MAX_BLOCK)
+        top1_next = top_next
+        if COUNT_BLOCKS == 2:
+            top1_next = _block_max(maxes, ahead + BLOCK, vocab, MAX_BLOCK)
+        live = _block_live(top, off, vocab, lo, floor)
         if COUNT_BLOCKS == 2:  # both blocks' loads in flight before either is summed
             off1 = off + BLOCK
-            live1 = _block_live(maxes, off1, vocab, lo, floor, MAX_BLOCK)
+            live1 = _block_live(top1, off1, vocab, lo, floor)
             if live | live1:
                 ids = off + lanes
                 ids1 = off1 + lanes
@@ -457,7 +471,9 @@ def _count(
                 s.to(tl.float32), ids, m, inv_t2, lo, hi, thr, t0, winner,
                 cnt, mass, z, dmin, dmax, finite, eq0, eq_w,
             )  # fmt: skip
-        off += COUNT_BLOCKS * BLOCK
+        top = top_next
+        top1 = top1_next
+        off = ahead
     return (
         tl.sum(cnt.to(tl.int32), axis=1),
         tl.sum(mass, axis=1),
