@@ -107,8 +107,8 @@ SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
 #: Whether the parts' race keeps each block's largest logit and the finish's passes skip the
-#: blocks those rule out (False until timed on a GPU, ``bench_sampling.py --skip-blocks 0,1``:
-#: each pass then waits on a small load before each block it reads; the same tokens).
+#: blocks those rule out (the same tokens). False until timed on a GPU
+#: (``bench_sampling.py --skip-blocks 0,1``).
 SKIP_BLOCKS = False
 #: Whether the parts' race sums each filtered row's Z and finite count, so that the finish's
 #: first pass reads only the blocks at or above the winner's logit (with SKIP_BLOCKS). False
