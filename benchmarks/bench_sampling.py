@@ -30,15 +30,15 @@ from execrt.core.sampler import Sampler, SamplingBatchInfo
 from execrt.kernels import triton_sampling
 from execrt.kernels.sampling import fused_sample
 
-#: The race's launch constants a run can sweep: (flag, ``triton_sampling``'s name, the
-#: argparse field, what it is).
+#: The sampler's launch constants a run can sweep: (flag, ``triton_sampling``'s name, the
+#: argparse field and ``Row`` field, the table's column, what it is).
 KNOBS = (
-    ("--programs-per-sm", "PROGRAMS_PER_SM", "programs_per_sm", "race programs wanted per SM"),
-    ("--race-blocks", "RACE_BLOCK", "race_blocks", "tokens per loop step"),
-    ("--race-warps", "RACE_WARPS", "race_warps", "warps per race program"),
-    ("--count-blocks", "COUNT_BLOCKS", "count_blocks", "blocks a finish count loads per trip"),
-    ("--skip-blocks", "SKIP_BLOCKS", "skip_blocks", "1: the finish skips blocks by their max"),
-    ("--race-sums", "RACE_SUMS", "race_sums", "1: the race sums Z, the first pass skips"),
+    ("--programs-per-sm", "PROGRAMS_PER_SM", "programs_per_sm", "pps", "race programs per SM"),
+    ("--race-blocks", "RACE_BLOCK", "race_block", "block", "tokens per loop step"),
+    ("--race-warps", "RACE_WARPS", "race_warps", "warps", "warps per race program"),
+    ("--count-blocks", "COUNT_BLOCKS", "count_blocks", "cnt", "blocks a finish count loads"),
+    ("--skip-blocks", "SKIP_BLOCKS", "skip_blocks", "skp", "1: skip blocks by their max"),
+    ("--race-sums", "RACE_SUMS", "race_sums", "sum", "1: the race sums Z, pass 1 skips"),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
@@ -161,9 +161,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--mixes", default=",".join([*MIXES, "mixed"]))
     parser.add_argument("--logits", default="llm,flat", help="logit shapes: llm, flat")
-    for flag, name, _field, what in KNOBS:
+    for flag, name, field, _column, what in KNOBS:
         parser.add_argument(
             flag,
+            dest=field,
             default=str(int(getattr(triton_sampling, name))),
             help=f"comma-separated values of the sampler's {name} ({what}) to compare",
         )
@@ -180,29 +181,27 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
     header = (
-        f"{'pps':>4} {'block':>5} {'warps':>5} {'cnt':>3} {'skp':>3} {'sum':>3} {'batch':>5} "
-        f"{'mix':<21} {'logits':<6} "
+        "".join(f"{column:>5} " for *_, column, _what in KNOBS)
+        + f"{'batch':>5} {'mix':<21} {'logits':<6} "
         f"{'today us':>10} {'fused us':>9} "
         f"{'graph us':>9} {'floor us':>9} {'% floor':>8} {'speedup':>8} {'diff':>5}"
     )
     print(header)
     meta = {"gpu": gpu, "copy_gbps": copy_gbps, "date": utc_now(), "vocab": args.vocab}
     rows: list[Row] = []
-    sweep = [[int(x) for x in getattr(args, field).split(",")] for _, _, field, _ in KNOBS]
+    sweep = [[int(x) for x in getattr(args, knob[2]).split(",")] for knob in KNOBS]
     for *knobs, b in itertools.product(*sweep, [int(x) for x in args.batches.split(",")]):
-        for (_, name, _, _), value in zip(KNOBS, knobs, strict=True):
+        for (_, name, _, _, _), value in zip(KNOBS, knobs, strict=True):
             setattr(triton_sampling, name, value)
-        pps, block, warps, count_blocks, skip_blocks, race_sums = knobs
         for mix in args.mixes.split(","):
             for shape in args.logits.split(","):
                 r = measure(b, args.vocab, dtype, mix, shape, copy_gbps, not args.no_today)
-                r.programs_per_sm, r.race_block, r.race_warps = pps, block, warps
-                r.count_blocks, r.skip_blocks, r.race_sums = count_blocks, skip_blocks, race_sums
+                for (_, _, field, _, _), value in zip(KNOBS, knobs, strict=True):
+                    setattr(r, field, value)
                 rows.append(r)
                 print(
-                    f"{pps:>4} {block:>5} {warps:>5} {count_blocks:>3} {skip_blocks:>3} "
-                    f"{race_sums:>3} {r.batch:>5} "
-                    f"{r.mix:<21} {r.logits:<6} "
+                    "".join(f"{value:>5} " for value in knobs)
+                    + f"{r.batch:>5} {r.mix:<21} {r.logits:<6} "
                     f"{r.today_us:>10.1f} "
                     f"{r.fused_us:>9.1f} {r.fused_graph_us:>9.1f} {r.floor_us:>9.1f} "
                     f"{r.pct_floor:>7.0f}% {r.speedup:>7.0f}x {r.mismatches:>5}",

@@ -414,8 +414,9 @@ def _count(
     threshold ``thr [SEARCH_THRESHOLDS]``; the total mass; the smallest and largest logit in
     ``(lo, hi]``; how many are finite; how many equal ``t0``, and how many of those precede
     ``winner`` (what a caller leaves unused, the compiler drops). Masses are summed for top-k
-    rows too: they choose between round and search. With a finite ``lo`` the blocks whose
-    largest logit (``maxes``, per ``MAX_BLOCK`` tokens) is at most ``lo`` are not loaded:
+    rows too: they choose between round and search. With block maxima (``maxes``, the largest
+    logit per ``MAX_BLOCK`` tokens; ``MAX_BLOCK`` 0: none, every block is read) and a finite
+    ``lo``, the blocks whose largest logit is at most ``lo`` are not loaded:
     every caller's thresholds and ``t0`` lie above ``lo``, so such a block adds nothing to
     what it reads then (Z and the finite count are read from the first pass, whose ``lo`` is
     -inf). Nor are the blocks whose largest logit is below ``floor`` (the first pass's when the
@@ -437,7 +438,9 @@ def _count(
     off = 0
     # The blocks' maxima are loaded a trip ahead, so a block read does not wait on its own.
     top = _block_max(maxes, 0, vocab, MAX_BLOCK)
-    top1 = _block_max(maxes, BLOCK, vocab, MAX_BLOCK)  # COUNT_BLOCKS 2: the second block's
+    top1 = top  # COUNT_BLOCKS 2: the second block's
+    if COUNT_BLOCKS == 2:
+        top1 = _block_max(maxes, BLOCK, vocab, MAX_BLOCK)
     while off < vocab:
         ahead = off + COUNT_BLOCKS * BLOCK
         top_next = _block_max(maxes, ahead, vocab, MAX_BLOCK)
@@ -813,10 +816,11 @@ def _sample_kernel(
 ):
     """Launched twice: grid (row, part) races a part of a row into the part buffers (key, G,
     largest logit: three planes of ``part_ptr``; id: ``part_id_ptr``), the parts of a row
-    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE and writing the largest
-    logit of each ``MAX_BLOCK`` tokens of a sampled row to ``maxes_ptr [B, cdiv(V, MAX_BLOCK)]``;
-    then, with FINISH, grid (row,) merges a row's parts and applies its filters (see the module
-    doc), its passes over the row skipping the blocks those maxima rule out."""
+    sharing their best key through ``best_ptr [B]`` (-inf) when SHARE and, with ``MAX_BLOCK``
+    > 0 (SKIP_BLOCKS), writing the largest logit of each ``MAX_BLOCK`` tokens of a sampled row
+    to ``maxes_ptr [B, cdiv(V, MAX_BLOCK)]``; then, with FINISH, grid (row,) merges a row's
+    parts and applies its filters (see the module doc), its passes over the row skipping the
+    blocks those maxima rule out."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
     temp, greedy = _row_temperature(temps_ptr, top_ks_ptr, row)
@@ -858,20 +862,21 @@ def _sample_kernel(
         part = tl.program_id(1)
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
+        at = row * num_parts + part
         if greedy:
             win_k, win_g, win_i, top = _race_greedy(base, start, end, BLOCK)
         else:
-            _tk, _tp, _uk, _up, filtered = _filters(top_ks_ptr, top_ps_ptr, row, temp, vocab)
+            sums = False  # RACE_SUMS: whether the finish filters this row (it reads the sums)
+            if RACE_SUMS:
+                _tk, _tp, _uk, _up, sums = _filters(top_ks_ptr, top_ps_ptr, row, temp, vocab)
             win_k, win_g, win_i, top, z_p, finite_p = _race(
                 base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, _inv_t2(temp),
-                filtered, False, False, SHARE,
+                sums, False, False, SHARE,
                 STORE_MAXES, MAX_BLOCK, RACE_SUMS, BLOCK, FAST_LOG,
             )  # fmt: skip
             if RACE_SUMS:
-                at = row * num_parts + part
                 tl.store(part_ptr + 3 * plane + at, z_p)
                 tl.store(part_ptr + 4 * plane + at, finite_p.to(tl.float32))  # exact: < 2**24
-        at = row * num_parts + part
         tl.store(part_ptr + at, win_k)
         tl.store(part_ptr + plane + at, win_g)
         tl.store(part_ptr + 2 * plane + at, top)
