@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from execrt.kernels._triton import tuned_table_name
-from execrt.kernels.triton_linear import CONFIG_DIR, PLAIN, SkinnyTile, load_table
+from execrt.kernels.triton_linear import CONFIG_DIR, PLAIN, SkinnyTile, load_table, tile_to_json
 
 
 def _key(record: dict[str, Any]) -> str:
@@ -41,6 +41,7 @@ def _tile(record: dict[str, Any]) -> SkinnyTile:
         num_stages=record["stages"],
         late_norm=bool(record.get("late_norm")),
         split_k=record.get("split_k", 1) or 1,
+        fuse_norm=True,  # as a table's one-row tiles are (the chain runs each variant fused)
     )
 
 
@@ -93,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     changes = winners(records, args.min_gain)
     for key, (tile, why) in changes.items():
         entry = data["shapes"].setdefault(key, {})
-        if entry.get("1") == {**tile.__dict__, "fuse_norm": True}:
+        new = tile_to_json(tile)
+        if entry.get("1") == new:
             continue
         print(f"{key} M=1: {entry.get('1')} -> {tile} ({why})")
-        entry["1"] = {**tile.__dict__, "fuse_norm": True}
+        entry["1"] = new
     if not changes:
         print(f"apply_gemv_chain: no one-row tile beats the table's by {args.min_gain:.0%}")
     data["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -51,6 +51,10 @@ note() { echo "$*" | tee -a "$summary"; }
 # Every step is cut to what is left of BUDGET_S (default 560 s: a device call allows 600).
 deadline=$(( $(date +%s) + ${BUDGET_S:-560} ))
 cap() { local left=$(( deadline - $(date +%s) - 10 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
+# This GPU's bf16 skinny-GEMM table, as the kernels look it up (gemv-apply, table-old/new).
+linear_table() {
+  echo "execrt/kernels/linear_configs/$(python3 -c "import torch; from execrt.kernels._triton import tuned_table_name as t; print(t(torch.cuda.get_device_name(0), torch.bfloat16))")"
+}
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
@@ -146,15 +150,13 @@ for step in "$@"; do
     gemv-apply)  # the one-row winners of this call's gemv-chain step into this GPU's table (in the
       # tree: the steps after it run with it); it comes back as linear-table-<GPU>.json, and
       # table-old / table-new steps switch between the two for an A/B in the same call
-      table=$(python3 -c "import torch; from execrt.kernels._triton import tuned_table_name as t; print(t(torch.cuda.get_device_name(0), torch.bfloat16))")
-      cp "execrt/kernels/linear_configs/$table" /tmp/linear-table-old.json
-      python3 benchmarks/apply_gemv_chain.py "$OUT"/gemv-chain-*.json --table "execrt/kernels/linear_configs/$table" \
-        2>&1 | tee "$OUT/gemv-apply.log"
-      cp "execrt/kernels/linear_configs/$table" /tmp/linear-table-new.json
-      cp /tmp/linear-table-new.json "$OUT/linear-table-$(echo "$table" | tr -c 'A-Za-z0-9_.\n-' _)" ;;
+      table=$(linear_table)
+      cp "$table" /tmp/linear-table-old.json
+      python3 benchmarks/apply_gemv_chain.py "$OUT"/gemv-chain-*.json --table "$table" 2>&1 | tee "$OUT/gemv-apply.log"
+      cp "$table" /tmp/linear-table-new.json
+      cp "$table" "$OUT/linear-table-$(basename "$table" | tr -c 'A-Za-z0-9_.\n-' _)" ;;
     table-old|table-new)
-      table=$(python3 -c "import torch; from execrt.kernels._triton import tuned_table_name as t; print(t(torch.cuda.get_device_name(0), torch.bfloat16))")
-      cp "/tmp/linear-${step}.json" "execrt/kernels/linear_configs/$table" ;;
+      cp "/tmp/linear-${step}.json" "$(linear_table)" ;;
     bench-throughput)  # THROUGHPUT_ARGS, e.g. "--configs defaults --temperatures 0.6,0"
       timeout "$(cap ${THROUGHPUT_S:-300})" python3 -m execrt bench throughput --out "$OUT" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/bench-throughput.log" | tail -12 ;;
     bench-fp8)  # FP8_ARGS: bench decode arguments, sets separated by ';' (one run each, e.g. one
