@@ -1,0 +1,103 @@
+"""Where the fused draw's time goes, launch by launch (GPU only): the parts' race alone and
+both launches, each replayed in a CUDA graph (the finish: the difference), with PDL on and off,
+for each setting of the finish's knobs (``SKIP_BLOCKS`` / ``COUNT_BLOCKS`` / ``RACE_SUMS``). A
+setting that slows rows it does not apply to (greedy, temperature only) shows here in the launch
+that carries the cost.
+
+    python benchmarks/diag_sampling_stages.py --out stages.json [--batch 256] [--mixes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_sampling import MIXES, make_info, make_logits  # this folder: run as a script
+
+from execrt.bench.common import graph_us, utc_now
+from execrt.kernels import triton_sampling as ts
+from execrt.kernels.sampling import fused_sample
+
+REAL_KERNEL = ts._sample_kernel
+REAL_PDL = ts.pdl_kwargs
+
+
+#: (finish?, registers per thread, spilled bytes) of the launches seen, and their grids
+KERNELS: dict[bool, tuple[int, int, int]] = {}
+
+
+class _OnlyStage:
+    """Stands in for ``_sample_kernel``: launches only the stage(s) named by ``finish``, and
+    notes each compiled launch's registers and grid (they set how many programs fit an SM)."""
+
+    def __init__(self, finish: set[bool]) -> None:
+        self.finish = finish
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            if kwargs["FINISH"] in self.finish:
+                k = REAL_KERNEL[grid](*args, **kwargs)
+                programs = 1
+                for g in grid:
+                    programs *= g
+                KERNELS[kwargs["FINISH"]] = (k.n_regs, k.n_spills, programs)
+
+        return launch
+
+
+def _time(logits: torch.Tensor, info: Any, stages: set[bool]) -> float:
+    ts._sample_kernel = _OnlyStage(stages)  # type: ignore[assignment]
+    try:
+        return graph_us(lambda: fused_sample(logits, info), 100, 5)
+    finally:
+        ts._sample_kernel = REAL_KERNEL
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--mixes", default="greedy,temp 0.6,top-k 20 + top-p 0.95")
+    parser.add_argument("--settings", default="0,1,0;1,1,0;0,1,1;1,2,1", help="skip,count,sums")
+    parser.add_argument("--programs-per-sm", default="4,3", help="PROGRAMS_PER_SM values")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = make_logits("llm", args.batch, args.vocab, torch.float32, gen)
+    rows = []
+    print(f"{'mix':<22} {'pps':>3} {'skp':>3} {'cnt':>3} {'sum':>3} {'pdl':>3} {'race us':>8} "
+          f"{'finish us':>9} {'both us':>8}  (regs, spills, grid) race, finish")  # fmt: skip
+    settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
+    pps_values = [int(x) for x in args.programs_per_sm.split(",")]
+    for mix, pps, (skip, count, sums), pdl in itertools.product(
+        args.mixes.split(","), pps_values, settings, (True, False)
+    ):
+        assert mix in MIXES, mix
+        info = make_info(mix, args.batch)
+        ts.SKIP_BLOCKS, ts.COUNT_BLOCKS, ts.RACE_SUMS = bool(skip), count, bool(sums)
+        ts.PROGRAMS_PER_SM = pps
+        ts.pdl_kwargs = REAL_PDL if pdl else (lambda device: {"PDL": False})  # type: ignore
+        try:
+            race = _time(logits, info, {False})
+            both = _time(logits, info, {False, True})
+        finally:
+            ts.pdl_kwargs = REAL_PDL
+        race_k, finish_k = KERNELS[False], KERNELS[True]
+        row = dict(mix=mix, programs_per_sm=pps, skip=skip, count=count, sums=sums, pdl=pdl,
+                   race_us=race, finish_us=both - race, both_us=both, race_kernel=race_k,
+                   finish_kernel=finish_k)  # fmt: skip
+        rows.append(row)
+        print(f"{mix:<22} {pps:>3} {skip:>3} {count:>3} {sums:>3} {int(pdl):>3} "
+              f"{race:>8.1f} {both - race:>9.1f} {both:>8.1f}  {race_k} {finish_k}",
+              flush=True)  # fmt: skip
+    meta = {"gpu": torch.cuda.get_device_name(0), "date": utc_now(), "batch": args.batch}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
