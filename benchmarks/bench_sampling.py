@@ -39,6 +39,7 @@ KNOBS = (
     ("--count-blocks", "COUNT_BLOCKS", "count_blocks", "cnt", "blocks a finish count loads"),
     ("--skip-blocks", "SKIP_BLOCKS", "skip_blocks", "skp", "1: skip blocks by their max"),
     ("--race-sums", "RACE_SUMS", "race_sums", "sum", "1: the race sums Z, pass 1 skips"),
+    ("--race-ahead", "RACE_AHEAD", "race_ahead", "ahd", "1: the race loads a block ahead"),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
@@ -72,6 +73,7 @@ class Row:
     count_blocks: int = 0
     skip_blocks: int = 0
     race_sums: int = 0
+    race_ahead: int = 0
 
 
 def make_logits(

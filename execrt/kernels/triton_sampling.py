@@ -115,6 +115,11 @@ SKIP_BLOCKS = False
 #: until timed on a GPU (``bench_sampling.py --race-sums 0,1``); Z then sums in another order
 #: (docs/kernels.md).
 RACE_SUMS = False
+#: Whether the parts' race loads each block a trip ahead: its loop reduces every block to its
+#: largest logit (a barrier) before it goes on, so one block per program is in flight, where
+#: the greedy loop (no barrier) keeps its warps' loads overlapping. The same tokens. False
+#: until timed on a GPU (``bench_sampling.py --race-ahead 0,1``).
+RACE_AHEAD = False
 #: Blocks a count pass of the finish loads before it sums them (1 or 2): one finish program
 #: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 1
 #: until 2 is timed on a GPU (``bench_sampling.py --count-blocks 1,2``); the same tokens.
@@ -240,6 +245,7 @@ def _race(
     MAXES: tl.constexpr,
     MAX_BLOCK: tl.constexpr,
     SUMS: tl.constexpr,
+    AHEAD: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
@@ -261,7 +267,8 @@ def _race(
     so that its first pass need not read every block. Both are scalars summed block by block
     (two more reductions per block of such a row): per-lane sums took 30 more registers,
     which every row's race paid (sm90: 80 -> 110-114, 6 -> 4 programs of 4 warps per SM).
-    Returns (key, G, id, top, mass, finite)."""
+    AHEAD (not with SKIP_BY_MAXES) loads each block a trip ahead. Returns (key, G, id, top,
+    mass, finite)."""
     lanes = tl.arange(0, BLOCK)
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_g = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -272,6 +279,8 @@ def _race(
     z = tl.zeros([], tl.float32)  # SUMS: the mass relative to top
     finite = tl.zeros([], tl.float32)
     off = start
+    if AHEAD:
+        ahead = tl.load(base + start + lanes, mask=start + lanes < end, other=float("-inf"))
     while off < end:
         live = True
         if MAX_BLOCK > 0:  # 0: no block maxima (SKIP_BLOCKS off)
@@ -279,7 +288,11 @@ def _race(
                 live = (tl.load(maxes + off // MAX_BLOCK) < t_star) == 0  # NaN: live
         if live:
             ids = off + lanes
-            s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
+            if AHEAD:  # this block was loaded a trip ago; the next one's load goes out now
+                s = ahead.to(tl.float32)
+                ahead = tl.load(base + ids + BLOCK, mask=ids + BLOCK < end, other=float("-inf"))
+            else:
+                s = tl.load(base + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
             if FILTER:
                 if TIES:
                     eq = (s == t_star).to(tl.int32)
@@ -717,7 +730,7 @@ def _filtered_token(
         if m_hi >= ROUND_SHARE * m_lo:
             _k, _g, winner, _t, _zr, _fr = _race(
                 base, 0, vocab, temp, key, lo, 0, base, maxes, inv_t2, 0, True, False, False,
-                SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
+                SKIP_BY_MAXES, MAX_BLOCK, False, False, BLOCK, FAST_LOG,
             )  # fmt: skip
             inside, at_own, s_w, thr, cnt, mass, _z, zlim, c0, m0, eq0, dmin, dmax, _f, _r, _m = (
                 _rank_check(
@@ -775,7 +788,7 @@ def _filtered_token(
         if (done > 0) & (r_ties >= c_eq):  # every token equal to t* stays: no scan
             _k, _g, token, _t, _zr, _fr = _race(
                 base, 0, vocab, temp, key, t_star, 1, base, maxes, inv_t2, 0, True, False, False,
-                SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
+                SKIP_BY_MAXES, MAX_BLOCK, False, False, BLOCK, FAST_LOG,
             )  # fmt: skip
         else:
             # Some equal tokens are cut: the first r_ties by id stay. A row that did not
@@ -784,7 +797,7 @@ def _filtered_token(
             r_ties = tl.where(done > 0, r_ties, 1)
             _k, _g, token, _t, _zr, _fr = _race(
                 base, 0, vocab, temp, key, t_star, r_ties, base, maxes, inv_t2, 0, True, True,
-                False, SKIP_BY_MAXES, MAX_BLOCK, False, BLOCK, FAST_LOG,
+                False, SKIP_BY_MAXES, MAX_BLOCK, False, False, BLOCK, FAST_LOG,
             )  # fmt: skip
     return token
 
@@ -811,6 +824,7 @@ def _sample_kernel(
     MAX_BLOCK: tl.constexpr,
     COUNT_BLOCKS: tl.constexpr,
     RACE_SUMS: tl.constexpr,
+    AHEAD: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
@@ -874,7 +888,7 @@ def _sample_kernel(
             win_k, win_g, win_i, top, z_p, finite_p = _race(
                 base, start, end, temp, key, 0.0, 0, best_ptr + row, maxes, _inv_t2(temp),
                 sums, False, False, SHARE,
-                STORE_MAXES, MAX_BLOCK, RACE_SUMS, BLOCK, FAST_LOG,
+                STORE_MAXES, MAX_BLOCK, RACE_SUMS, AHEAD, BLOCK, FAST_LOG,
             )  # fmt: skip
             if RACE_SUMS:
                 tl.store(part_ptr + 3 * plane + at, z_p)
@@ -973,6 +987,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             MAX_BLOCK=max_block,
             COUNT_BLOCKS=COUNT_BLOCKS,
             RACE_SUMS=RACE_SUMS,
+            AHEAD=RACE_AHEAD and not finish,
             BLOCK=block,
             BLOCK_P=block_p,
             FAST_LOG=not interpreter_enabled(),

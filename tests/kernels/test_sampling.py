@@ -154,23 +154,36 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
 
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize(
-    ("skip_blocks", "count_blocks", "race_sums"),
-    [(True, 1, False), (True, 2, False), (True, 1, True), (True, 2, True), (False, 2, True)],
+    ("skip_blocks", "count_blocks", "race_sums", "race_ahead"),
+    [
+        (True, 1, False, False),
+        (True, 2, False, False),
+        (True, 1, True, False),
+        (True, 2, True, True),
+        (False, 2, True, False),
+        (False, 1, False, True),
+    ],
 )
 def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
-    skip_blocks: bool, count_blocks: int, race_sums: bool, monkeypatch: pytest.MonkeyPatch
+    skip_blocks: bool,
+    count_blocks: int,
+    race_sums: bool,
+    race_ahead: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The finish's passes skip the blocks whose largest logit (kept by the race) lies below
     the bracket, load one or two blocks per trip, and (race_sums) take Z and the finite count
     from the parts' race so that the first pass reads only the blocks at or above the
-    winner's logit: none may change a token. An odd block count (1100 tokens: 9 blocks of
-    128) leaves the last pair half outside the row; the flat rows need search passes, the
-    rounded ones end sets inside runs of ties, the strong candidates of the llm rows sit in a
-    few blocks, so most blocks are skipped, and two rows have whole blocks and most tokens
-    masked to -inf (their finite count is not the row's length)."""
+    winner's logit; the parts' race loads its blocks a trip ahead (race_ahead): none may
+    change a token. An odd block count (1100 tokens: 9 blocks of 128) leaves the last pair
+    half outside the row; the flat rows need search passes, the rounded ones end sets inside
+    runs of ties, the strong candidates of the llm rows sit in a few blocks, so most blocks
+    are skipped, and two rows have whole blocks and most tokens masked to -inf (their finite
+    count is not the row's length)."""
     monkeypatch.setattr(triton_sampling, "SKIP_BLOCKS", skip_blocks)
     monkeypatch.setattr(triton_sampling, "COUNT_BLOCKS", count_blocks)
     monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
+    monkeypatch.setattr(triton_sampling, "RACE_AHEAD", race_ahead)
     gen = torch.Generator().manual_seed(41)
     b, vocab = 48, 1100
     logits = search_rows(24, vocab, gen, tied=slice(6, 10), fine=slice(40, None))

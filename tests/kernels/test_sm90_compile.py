@@ -5,7 +5,7 @@ loops, so a loop-carried value whose type changes between iterations, or an ``if
 branches yield different types, passes there and fails only when the GPU compiles it. This
 compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
 process has the interpreter on), for bf16 and fp32 logits, with each setting of the finish's
-block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS`` and ``RACE_SUMS``.
+block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS``, ``RACE_SUMS`` and ``RACE_AHEAD``.
 """
 
 from __future__ import annotations
@@ -35,15 +35,17 @@ SCRIPT = textwrap.dedent(
         "top_ps_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64", "part_ptr": "*fp32",
         "part_id_ptr": "*i32", "best_ptr": "*fp32", "maxes_ptr": "*fp32", "out_ptr": "*i64",
     }
-    # both settings of each finish knob: the defaults (no block maxima: MAX_BLOCK 0, one count
-    # block, the first pass summing Z), and block maxima, two blocks a trip, the race's sums
-    for finish, max_block, count_blocks, race_sums in [
-        (False, 0, 1, False), (False, 1024, 1, True), (True, 0, 1, False), (True, 1024, 2, True)
+    # both settings of each knob: the defaults (no block maxima: MAX_BLOCK 0, one count
+    # block, the first pass summing Z, no load ahead), and block maxima, two blocks a trip, the
+    # race's sums, the race's blocks loaded a trip ahead
+    for finish, max_block, count_blocks, race_sums, ahead in [
+        (False, 0, 1, False, False), (False, 1024, 1, True, True), (True, 0, 1, False, False),
+        (True, 1024, 2, True, False)
     ]:
         constants = {
             "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
             "MAX_BLOCK": max_block, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
-            "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
+            "AHEAD": ahead, "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
         }
         signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
         source = triton.compiler.ASTSource(
