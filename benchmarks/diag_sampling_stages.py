@@ -5,6 +5,8 @@ for each setting of the knobs (``SKIP_BLOCKS`` / ``COUNT_BLOCKS`` / ``RACE_SUMS`
 temperature only) shows here in the launch that carries the cost, with its registers.
 
     python benchmarks/diag_sampling_stages.py --out stages.json [--batch 256] [--mixes ...]
+
+The logits are bf16 by default: what a bf16 model's LM head hands the sampler at decode.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--mixes", default="greedy,temp 0.6,top-k 20 + top-p 0.95")
     parser.add_argument(
         "--settings",
@@ -72,7 +75,7 @@ def main() -> None:
     parser.add_argument("--pdl", default="1", help="PDL launches: 1, 0 or 1,0")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(1)
-    logits = make_logits("llm", args.batch, args.vocab, torch.float32, gen)
+    logits = make_logits("llm", args.batch, args.vocab, getattr(torch, args.dtype), gen)
     rows = []
     head = ["mix".ljust(22)] + [f"{c:>3}" for c in ("pps", "skp", "cnt", "sum", "ahd", "pdl")]
     head += ["race us", "finish us", "both us", " (regs, spills, grid) race, finish"]
@@ -102,6 +105,7 @@ def main() -> None:
               f"{race:>8.1f} {both - race:>9.1f} {both:>8.1f}  {race_k} {finish_k}",
               flush=True)  # fmt: skip
     meta = {"gpu": torch.cuda.get_device_name(0), "date": utc_now(), "batch": args.batch}
+    meta["dtype"] = args.dtype
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
