@@ -160,7 +160,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="write the rows here as JSON")
     parser.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the logits' dtype: a bf16 model's LM head hands the sampler bf16 (the default)",
+    )
     parser.add_argument("--mixes", default=",".join([*MIXES, "mixed"]))
     parser.add_argument("--logits", default="llm,flat", help="logit shapes: llm, flat")
     for flag, name, field, _column, what in KNOBS:
