@@ -40,6 +40,7 @@ KNOBS = (
     ("--skip-blocks", "SKIP_BLOCKS", "skip_blocks", "skp", "1: skip blocks by their max"),
     ("--race-sums", "RACE_SUMS", "race_sums", "sum", "1: the race sums Z, pass 1 skips"),
     ("--race-ahead", "RACE_AHEAD", "race_ahead", "ahd", "1: the race loads a block ahead"),
+    ("--race-regs", "RACE_REGS", "race_regs", "regs", "the race's maxnreg, 0: none"),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
@@ -74,6 +75,7 @@ class Row:
     skip_blocks: int = 0
     race_sums: int = 0
     race_ahead: int = 0
+    race_regs: int = 0
 
 
 def make_logits(
@@ -172,7 +174,7 @@ def main() -> None:
         parser.add_argument(
             flag,
             dest=field,
-            default=str(int(getattr(triton_sampling, name))),
+            default=str(int(getattr(triton_sampling, name) or 0)),
             help=f"comma-separated values of the sampler's {name} ({what}) to compare",
         )
     parser.add_argument(

@@ -1,8 +1,9 @@
 """Where the fused draw's time goes, launch by launch (GPU only): the parts' race alone and
 both launches, each replayed in a CUDA graph (the finish: the difference), with PDL on or off,
 for each setting of the knobs (``SKIP_BLOCKS`` / ``COUNT_BLOCKS`` / ``RACE_SUMS`` /
-``RACE_AHEAD``) and ``PROGRAMS_PER_SM``. A setting that slows rows it does not apply to (greedy,
-temperature only) shows here in the launch that carries the cost, with its registers.
+``RACE_AHEAD``), ``PROGRAMS_PER_SM`` and ``RACE_REGS``. A setting that slows rows it does not
+apply to (greedy, temperature only) shows here in the launch that carries the cost, with its
+registers.
 
     python benchmarks/diag_sampling_stages.py --out stages.json [--batch 256] [--mixes ...]
 
@@ -71,25 +72,31 @@ def main() -> None:
         default="0,1,0,0;0,1,0,1;1,1,0,0;0,1,1,0;1,2,1,0;1,2,1,1",
         help="';'-separated SKIP_BLOCKS,COUNT_BLOCKS,RACE_SUMS,RACE_AHEAD",
     )
-    parser.add_argument("--programs-per-sm", default="4,3", help="PROGRAMS_PER_SM values")
+    parser.add_argument("--programs-per-sm", default="4", help="PROGRAMS_PER_SM values")
     parser.add_argument("--pdl", default="1", help="PDL launches: 1, 0 or 1,0")
+    parser.add_argument("--race-regs", default="0,80", help="RACE_REGS values (0: none)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = make_logits("llm", args.batch, args.vocab, getattr(torch, args.dtype), gen)
     rows = []
-    head = ["mix".ljust(22)] + [f"{c:>3}" for c in ("pps", "skp", "cnt", "sum", "ahd", "pdl")]
+    head = ["mix".ljust(22)] + [
+        f"{c:>3}" for c in ("pps", "reg", "skp", "cnt", "sum", "ahd", "pdl")
+    ]
     head += ["race us", "finish us", "both us", " (regs, spills, grid) race, finish"]
     print(" ".join(head))
     settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
     pps_values = [int(x) for x in args.programs_per_sm.split(",")]
-    for mix, pps, (skip, count, sums, ahead), pdl in itertools.product(
-        args.mixes.split(","), pps_values, settings, [x == "1" for x in args.pdl.split(",")]
+    regs_values = [int(x) for x in args.race_regs.split(",")]
+    pdl_values = [x == "1" for x in args.pdl.split(",")]
+    for mix, pps, regs, (skip, count, sums, ahead), pdl in itertools.product(
+        args.mixes.split(","), pps_values, regs_values, settings, pdl_values
     ):
         assert mix in MIXES, mix
         info = make_info(mix, args.batch)
         ts.SKIP_BLOCKS, ts.COUNT_BLOCKS, ts.RACE_SUMS = bool(skip), count, bool(sums)
         ts.RACE_AHEAD = bool(ahead)
         ts.PROGRAMS_PER_SM = pps
+        ts.RACE_REGS = regs or None
         ts.pdl_kwargs = REAL_PDL if pdl else (lambda device: {"PDL": False})  # type: ignore
         try:
             race = _time(logits, info, {False})
@@ -97,13 +104,14 @@ def main() -> None:
         finally:
             ts.pdl_kwargs = REAL_PDL
         race_k, finish_k = KERNELS[False], KERNELS[True]
-        row = dict(mix=mix, programs_per_sm=pps, skip=skip, count=count, sums=sums, ahead=ahead)
+        row = dict(mix=mix, programs_per_sm=pps, race_regs=regs, skip=skip, count=count)
+        row.update(sums=sums, ahead=ahead)
         row.update(pdl=pdl, race_us=race, finish_us=both - race, both_us=both)
         row.update(race_kernel=race_k, finish_kernel=finish_k)
         rows.append(row)
-        print(f"{mix:<22} {pps:>3} {skip:>3} {count:>3} {sums:>3} {ahead:>3} {int(pdl):>3} "
-              f"{race:>8.1f} {both - race:>9.1f} {both:>8.1f}  {race_k} {finish_k}",
-              flush=True)  # fmt: skip
+        cells = " ".join(f"{v:>3}" for v in (pps, regs, skip, count, sums, ahead, int(pdl)))
+        print(f"{mix:<22} {cells} {race:>7.1f} {both - race:>9.1f} {both:>7.1f}  {race_k} "
+              f"{finish_k}", flush=True)  # fmt: skip
     meta = {"gpu": torch.cuda.get_device_name(0), "date": utc_now(), "batch": args.batch}
     meta["dtype"] = args.dtype
     with open(args.out, "w") as f:

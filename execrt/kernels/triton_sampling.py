@@ -79,6 +79,14 @@ MIN_BLOCK = 64
 PROGRAMS_PER_SM = 4
 #: Warps of a race program (fewer for a block under 256 tokens per warp).
 RACE_WARPS = 4
+#: The race launch's register cap (``maxnreg``), or None for the compiler's choice. Programs of
+#: 4 warps fit 6 to an SM at 80 registers or fewer (65536 / (80 * 128)), 5 at 88-96, 4 at
+#: 104-128: a bs-256 grid (3 parts a row, 768 programs) fits the 792 an H100/H200 holds at 6,
+#: and runs in two waves below. Compiled for sm90 (triton 3.9) the race takes 80 registers
+#: with fp32 logits, 93 with bf16 (what a bf16 model hands the sampler), up to 120 with
+#: RACE_SUMS and RACE_AHEAD; capped at 80, no setting spills (``test_sm90_compile.py``). None
+#: until timed on a GPU (``bench_sampling.py --race-regs 0,80``; 0 there is None).
+RACE_REGS: int | None = None
 #: The finish runs a race round (two passes: a race above the bracket, and the count that
 #: checks its winner) when the bracket says the round keeps its winner with at least this
 #: probability, else a search pass (one, narrowing the bracket ~5-fold); see the module doc.
@@ -979,6 +987,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
         (True, (rows,), row_block, max(1, min(8, row_block // 128))),
     )
     for finish, grid, block, warps in stages:
+        cap = {} if finish or not RACE_REGS or interpreter_enabled() else {"maxnreg": RACE_REGS}
         _sample_kernel[grid](
             *args,
             FINISH=finish,
@@ -992,6 +1001,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
             BLOCK_P=block_p,
             FAST_LOG=not interpreter_enabled(),
             num_warps=warps,
+            **cap,
             **pdl,
         )
     return out

@@ -154,14 +154,14 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
 
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize(
-    ("skip_blocks", "count_blocks", "race_sums", "race_ahead"),
+    ("skip_blocks", "count_blocks", "race_sums", "race_ahead", "race_regs"),
     [
-        (True, 1, False, False),
-        (True, 2, False, False),
-        (True, 1, True, False),
-        (True, 2, True, True),
-        (False, 2, True, False),
-        (False, 1, False, True),
+        (True, 1, False, False, None),
+        (True, 2, False, False, None),
+        (True, 1, True, False, None),
+        (True, 2, True, True, 80),
+        (False, 2, True, False, None),
+        (False, 1, False, True, None),
     ],
 )
 def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
@@ -169,21 +169,23 @@ def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
     count_blocks: int,
     race_sums: bool,
     race_ahead: bool,
+    race_regs: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The finish's passes skip the blocks whose largest logit (kept by the race) lies below
     the bracket, load one or two blocks per trip, and (race_sums) take Z and the finite count
     from the parts' race so that the first pass reads only the blocks at or above the
-    winner's logit; the parts' race loads its blocks a trip ahead (race_ahead): none may
-    change a token. An odd block count (1100 tokens: 9 blocks of 128) leaves the last pair
-    half outside the row; the flat rows need search passes, the rounded ones end sets inside
-    runs of ties, the strong candidates of the llm rows sit in a few blocks, so most blocks
-    are skipped, and two rows have whole blocks and most tokens masked to -inf (their finite
-    count is not the row's length)."""
+    winner's logit; the parts' race loads its blocks a trip ahead (race_ahead), compiled under
+    a register cap (race_regs, on a GPU): none may change a token. An odd block count (1100
+    tokens: 9 blocks of 128) leaves the last pair half outside the row; the flat rows need
+    search passes, the rounded ones end sets inside runs of ties, the strong candidates of the
+    llm rows sit in a few blocks, so most blocks are skipped, and two rows have whole blocks
+    and most tokens masked to -inf (their finite count is not the row's length)."""
     monkeypatch.setattr(triton_sampling, "SKIP_BLOCKS", skip_blocks)
     monkeypatch.setattr(triton_sampling, "COUNT_BLOCKS", count_blocks)
     monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
     monkeypatch.setattr(triton_sampling, "RACE_AHEAD", race_ahead)
+    monkeypatch.setattr(triton_sampling, "RACE_REGS", race_regs)
     gen = torch.Generator().manual_seed(41)
     b, vocab = 48, 1100
     logits = search_rows(24, vocab, gen, tied=slice(6, 10), fine=slice(40, None))

@@ -5,7 +5,9 @@ loops, so a loop-carried value whose type changes between iterations, or an ``if
 branches yield different types, passes there and fails only when the GPU compiles it. This
 compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
 process has the interpreter on), for bf16 and fp32 logits, with each setting of the finish's
-block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS``, ``RACE_SUMS`` and ``RACE_AHEAD``.
+block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS``, ``RACE_SUMS`` and ``RACE_AHEAD``, and the
+race under an 80-register cap (``RACE_REGS``), which must not spill (checked with Triton's
+bundled ``cuobjdump`` where it is installed).
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ SCRIPT = textwrap.dedent(
     }
     # both settings of each knob: the defaults (no block maxima: MAX_BLOCK 0, one count
     # block, the first pass summing Z, no load ahead), and block maxima, two blocks a trip, the
-    # race's sums, the race's blocks loaded a trip ahead
-    for finish, max_block, count_blocks, race_sums, ahead in [
-        (False, 0, 1, False, False), (False, 1024, 1, True, True), (True, 0, 1, False, False),
-        (True, 1024, 2, True, False)
+    # race's sums, the race's blocks loaded a trip ahead; and the race under a register cap
+    # (RACE_REGS), whose spills the resource usage shows
+    import subprocess, tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for finish, max_block, count_blocks, race_sums, ahead, maxnreg in [
+        (False, 0, 1, False, False, None), (False, 1024, 1, True, True, None),
+        (True, 0, 1, False, False, None), (True, 1024, 2, True, False, None),
+        (False, 0, 1, False, False, 80), (False, 1024, 1, True, True, 80),
     ]:
         constants = {
             "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
@@ -54,12 +60,20 @@ SCRIPT = textwrap.dedent(
             constexprs={(names.index(k),): v for k, v in constants.items()},
             attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers},
         )
-        kernel = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if finish else 4}
-        )
+        options = {"num_warps": 8 if finish else 4}
+        if maxnreg:
+            options["maxnreg"] = maxnreg
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert kernel.asm["cubin"], "no cubin"
         print("compiled", sys.argv[1], "finish" if finish else "race", max_block, count_blocks,
-              race_sums)
+              race_sums, ahead, maxnreg)
+        if maxnreg and os.path.exists(tool):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                                       text=True, check=True).stdout
+            print("capped", maxnreg, " ".join(w for w in usage.split() if ":" in w))
     """
 )
 
@@ -73,4 +87,11 @@ def test_the_sampling_kernels_compile_for_sm90(logits: str) -> None:
     if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
         pytest.skip("Triton's ptxas is not installed here")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 6
+    # the race under RACE_REGS: within the cap, and nothing spilled
+    for line in done.stdout.splitlines():
+        if line.startswith("capped"):
+            cap = int(line.split()[1])
+            usage = dict(w.split(":", 1) for w in line.split()[2:])
+            spilled = int(usage["STACK"]) + int(usage["LOCAL"])  # ptxas spills to the stack
+            assert int(usage["REG"]) <= cap and spilled == 0, line
