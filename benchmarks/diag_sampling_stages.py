@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--pdl", default="1", help="PDL launches: 1, 0 or 1,0")
     parser.add_argument("--race-regs", default="0,80", help="RACE_REGS values (0: none)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("diag_sampling_stages: needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = make_logits("llm", args.batch, args.vocab, getattr(torch, args.dtype), gen)
     rows = []

@@ -2,7 +2,7 @@
 # One GPU-machine session, in steps run in the order given. Logs and results go under $OUT;
 # a short table per step is printed last. Usage (device tool):
 #   bash benchmarks/gpu_session.sh [tests] [tests2] [conformance] [bench-attention] [bench-extend]
-#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [bench-fp8] [gemv-chain]
+#        [bench-moe] [bench-decode] [bench-prefix] [bench-serve] [serve-frontend] [bench-throughput] [bench-sampling] [diag-sampling] [bench-fp8] [gemv-chain]
 #        [gemv-apply] [table-old] [table-new]
 #        [harness] [step-phases] [profile-extend] [fi-precompile] [fi-start-times] [tune-moe] [tune-linear] [tune-extend]
 #        [tune-decode] [probe-nccl-ep]
@@ -134,6 +134,10 @@ for step in "$@"; do
       timeout "$(cap ${SERVE_S:-200})" python3 -m execrt bench serve --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/bench-serve.log" | tail -16 ;;
     serve-frontend)  # FRONTEND_ARGS, e.g. "--streams 1,32,256 --engine thread" (CPU only)
       timeout "$(cap ${FRONTEND_S:-90})" python3 benchmarks/serve_frontend.py ${FRONTEND_ARGS:-} 2>&1 | tee "$OUT/serve-frontend.log" | tail -8 ;;
+    diag-sampling)  # DIAG_SAMPLING_ARGS, e.g. "--batch 256 --race-regs 0,80": race vs finish per knob
+      (cd benchmarks && timeout "$(cap ${DIAG_SAMPLING_S:-150})" python3 diag_sampling_stages.py \
+        --out "$OUT/sampling-stages-$(date -u +%Y%m%d-%H%M%S).json" ${DIAG_SAMPLING_ARGS:-}) 2>&1 \
+        | tee "$OUT/diag-sampling.log" | tail -60 ;;
     bench-sampling)  # SAMPLING_ARGS, e.g. "--batches 1,256 --logits flat": the fused draw vs torch
       timeout "$(cap ${SAMPLING_S:-240})" python3 benchmarks/bench_sampling.py --out "$OUT/sampling-$(date -u +%Y%m%d-%H%M%S).json" ${SAMPLING_ARGS:-} 2>&1 | tee "$OUT/bench-sampling.log" | tail -40 ;;
     gemv-chain)  # GEMV_CHAIN_ARGS: benchmarks/gemv_chain.py argument sets, ';'-separated (e.g.
