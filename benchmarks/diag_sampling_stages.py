@@ -76,6 +76,13 @@ def main() -> None:
     parser.add_argument("--pdl", default="1", help="PDL launches: 1, 0 or 1,0")
     parser.add_argument("--race-regs", default="0,80", help="RACE_REGS values (0: none)")
     args = parser.parse_args()
+    settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
+    pps_values = [int(x) for x in args.programs_per_sm.split(",")]
+    regs_values = [int(x) for x in args.race_regs.split(",")]
+    pdl_values = [x == "1" for x in args.pdl.split(",")]
+    mixes = args.mixes.split(",")
+    if unknown := [m for m in mixes if m not in MIXES]:
+        parser.error(f"--mixes {unknown} unknown (known: {', '.join(MIXES)})")
     if not torch.cuda.is_available():
         raise SystemExit("diag_sampling_stages: needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -86,14 +93,9 @@ def main() -> None:
     ]
     head += ["race us", "finish us", "both us", " (regs, spills, grid) race, finish"]
     print(" ".join(head))
-    settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
-    pps_values = [int(x) for x in args.programs_per_sm.split(",")]
-    regs_values = [int(x) for x in args.race_regs.split(",")]
-    pdl_values = [x == "1" for x in args.pdl.split(",")]
     for mix, pps, regs, (skip, count, sums, ahead), pdl in itertools.product(
-        args.mixes.split(","), pps_values, regs_values, settings, pdl_values
+        mixes, pps_values, regs_values, settings, pdl_values
     ):
-        assert mix in MIXES, mix
         info = make_info(mix, args.batch)
         ts.SKIP_BLOCKS, ts.COUNT_BLOCKS, ts.RACE_SUMS = bool(skip), count, bool(sums)
         ts.RACE_AHEAD = bool(ahead)
