@@ -81,8 +81,8 @@ def main() -> None:
     regs_values = [int(x) for x in args.race_regs.split(",")]
     pdl_values = [x == "1" for x in args.pdl.split(",")]
     mixes = args.mixes.split(",")
-    if unknown := [m for m in mixes if m not in MIXES]:
-        parser.error(f"--mixes {unknown} unknown (known: {', '.join(MIXES)})")
+    if unknown := [m for m in mixes if m not in [*MIXES, "mixed"]]:
+        parser.error(f"--mixes {unknown} unknown (known: {', '.join(MIXES)}, mixed)")
     if not torch.cuda.is_available():
         raise SystemExit("diag_sampling_stages: needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(1)
