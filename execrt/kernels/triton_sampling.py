@@ -83,10 +83,10 @@ RACE_WARPS = 4
 #: 4 warps fit 6 to an SM at 80 registers or fewer (65536 / (80 * 128)), 5 at 88-96, 4 at
 #: 104-128: a bs-256 grid (3 parts a row, 768 programs) fits the 792 an H100/H200 holds at 6,
 #: and runs in two waves below. Compiled for sm90 (triton 3.6, the GPU machine's) the race
-#: takes 72 registers with fp32 logits, 95 with bf16 (what a bf16 model hands the sampler),
-#: up to 113 with the knobs; capped at 80 it spills nothing with triton 3.9
-#: (``test_sm90_compile.py``) and 16 bytes with 3.6 (bf16, every knob on; docs/kernels.md).
-#: None until timed on a GPU (``bench_sampling.py --race-regs 0,80``; 0 there is None).
+#: takes 80 registers with fp32 logits, 92 with bf16 (what a bf16 model hands the sampler),
+#: up to 111 with the knobs; capped at 80 it spills nothing there, 8 bytes with triton 3.9
+#: (``test_sm90_compile.py``; docs/kernels.md). None until timed on a GPU
+#: (``bench_sampling.py --race-regs 0,80``; 0 there is None).
 RACE_REGS: int | None = None
 #: The finish runs a race round (two passes: a race above the bracket, and the count that
 #: checks its winner) when the bracket says the round keeps its winner with at least this
@@ -274,8 +274,8 @@ def _race(
     sums its mass ``exp2((s - top) * inv_t2)`` relative to the returned largest logit ``top``
     (rescaled as ``top`` grows) and counts its finite logits: the finish's Z and finite count,
     so that its first pass need not read every block. Both are scalars summed block by block
-    (two more reductions per block of such a row): per-lane sums took ~40 more registers,
-    which every row's race paid (sm90, fp32 logits: 72 -> 114, 6 -> 4 programs per SM).
+    (two more reductions per block of such a row): per-lane sums took ~30 more registers,
+    which every row's race paid (sm90, fp32 logits: 80 -> 112, 6 -> 4 programs per SM).
     AHEAD (not with SKIP_BY_MAXES) loads each block a trip ahead. Returns (key, G, id, top,
     mass, finite)."""
     lanes = tl.arange(0, BLOCK)
