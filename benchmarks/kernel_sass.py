@@ -10,6 +10,11 @@ floor it sets beside the floor of the work it does.
     python benchmarks/kernel_sass.py                      # decode: bf16 and fp8, shipped tiles
     python benchmarks/kernel_sass.py --kv bf16 --tiles 128,4,2 --top 30
     python benchmarks/kernel_sass.py --kernel extend      # the H200 table's gather tile
+    python benchmarks/kernel_sass.py --kernel sampling    # the draw's launches, per knob
+
+``--kernel sampling`` prints, for each setting of ``triton_sampling``'s knobs, the registers and
+spilled bytes of the parts' race and of the finish, the programs an SM then holds, and the
+waves a ``--batch``-row draw takes (a second wave of the race costs every row of the batch).
 
 The issue floor: one pass of a loop costs ``its instructions x num_warps`` warp-instructions,
 and an sm90 SM issues at most 4 per clock. Decode's floor is memory: the pass's K/V bytes at
@@ -145,7 +150,7 @@ def compile_extend_kernel(block_m: int, block_n: int, num_warps: int, num_stages
     return _compile(fn, pointers, constants, aligned, num_warps, num_stages)
 
 
-def _compile(fn, pointers, constants, aligned, num_warps, num_stages):  # type: ignore[no-untyped-def]
+def _compile(fn, pointers, constants, aligned, num_warps, num_stages, maxnreg=None):  # type: ignore[no-untyped-def]
     names = fn.arg_names
     signature = {
         n: "constexpr"
@@ -160,6 +165,8 @@ def _compile(fn, pointers, constants, aligned, num_warps, num_stages):  # type: 
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
     options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -192,21 +199,27 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_of(kernel) -> tuple[str, int]:  # type: ignore[no-untyped-def]
-    """(the SASS text, registers per thread) of a compiled kernel."""
+def _cuobjdump(kernel, flag: str) -> str:  # type: ignore[no-untyped-def]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True
         ).stdout
     finally:
         os.unlink(f.name)
-    match = re.search(r"REG:(\d+)", usage)
-    return sass, int(match.group(1)) if match else -1
+
+
+def resources(kernel) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What ptxas gave a compiled kernel: REG (per thread), STACK and LOCAL (bytes per thread:
+    spills go to the stack), SHARED, ..."""
+    usage = _cuobjdump(kernel, "-res-usage")
+    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", usage)}
+
+
+def sass_of(kernel) -> tuple[str, int]:  # type: ignore[no-untyped-def]
+    """(the SASS text, registers per thread) of a compiled kernel."""
+    return _cuobjdump(kernel, "-sass"), resources(kernel).get("REG", -1)
 
 
 def loops(sass: str, min_len: int = 64) -> list[tuple[list[str], int]]:
@@ -297,6 +310,79 @@ def describe(k: KernelLoops, floor: str, gbps: float, tflops: float, sms: int, m
     return "\n".join(lines)
 
 
+#: ``--kernel sampling``: (name, MAX_BLOCK, COUNT_BLOCKS, RACE_SUMS, AHEAD, maxnreg) of each
+#: setting compiled: the defaults, each knob of ``triton_sampling``, all of them, the cap.
+SAMPLING_SETTINGS = (
+    ("defaults", 0, 1, False, False, None),
+    ("SKIP_BLOCKS", 1024, 1, False, False, None),
+    ("COUNT_BLOCKS 2", 0, 2, False, False, None),
+    ("RACE_SUMS", 0, 1, True, False, None),
+    ("SKIP_BLOCKS + COUNT_BLOCKS 2 + RACE_SUMS", 1024, 2, True, False, None),
+    ("RACE_AHEAD", 0, 1, False, True, None),
+    ("all four", 1024, 2, True, True, None),
+    ("defaults, RACE_REGS 80", 0, 1, False, False, 80),
+    ("all four, RACE_REGS 80", 1024, 2, True, True, 80),
+)
+
+
+def compile_sampling_kernel(logits: str, finish: bool, setting: tuple, warps: int):  # type: ignore[no-untyped-def,type-arg]
+    """One launch of ``_sample_kernel`` (the parts' race, or the finish) for ``logits``
+    (``*bf16`` / ``*fp32``) at a ``SAMPLING_SETTINGS`` row, BLOCK 1024, with the 16-byte
+    divisibility a launch infers for its pointers and for the row stride, vocabulary and
+    tokens per part of a 151936-token vocabulary."""
+    from execrt.kernels import triton_sampling as S
+
+    _name, max_block, count_blocks, race_sums, ahead, maxnreg = setting
+    fn = S._sample_kernel
+    pointers = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
+    pointers.update(logits_ptr=logits, top_ks_ptr="*i64", seeds_ptr="*i64", steps_ptr="*i64")
+    pointers.update(part_id_ptr="*i32", out_ptr="*i64")
+    constants = {
+        "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
+        "MAX_BLOCK": max_block, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
+        "AHEAD": ahead and not finish, "BLOCK": 1024, "BLOCK_P": 256, "PDL": True,
+        "FAST_LOG": True,
+    }  # fmt: skip
+    aligned = [*pointers, "stride_row", "vocab", "chunk"]
+    kernel = _compile(fn, pointers, constants, aligned, warps, 3, maxnreg)
+    return kernel
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Programs of ``warps`` warps an sm90 SM holds at ``registers`` a thread (allocated per
+    warp in units of 256) and ``shared`` bytes (1 KiB reserved a program): 64K registers,
+    64 warps, 228 KiB of shared memory, 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 64 // warps, 233472 // (shared + 1024), 32)
+
+
+def describe_sampling(logits: str, batch: int, vocab: int, sms: int, pps: int) -> str:
+    """Registers, spills and residency of the race and the finish at each setting, and the
+    waves of a ``batch``-row draw (the race split as ``triton_sampling._parts`` splits it)."""
+    blocks = -(-vocab // 1024)
+    parts = -(-blocks // min(blocks, max(1, -(-pps * sms // batch))))
+    parts = -(-vocab // (parts * 1024))
+    lines = [
+        f"_sample_kernel, {logits[1:]} logits, {vocab} tokens: bs {batch} races {batch} x "
+        f"{parts} programs of 4 warps, finishes {batch} of 8 ({sms} SMs)"
+    ]
+    for setting in SAMPLING_SETTINGS:
+        cells = []
+        for finish, warps, programs in ((False, 4, batch * parts), (True, 8, batch)):
+            if finish and setting[5]:
+                continue  # the cap is the race's
+            use = resources(compile_sampling_kernel(logits, finish, setting, warps))
+            fit = programs_per_sm(use["REG"], warps, use.get("SHARED", 0))
+            waves = programs / (fit * sms)
+            spill = use.get("STACK", 0) + use.get("LOCAL", 0)
+            cells.append(
+                f"{'finish' if finish else 'race'} {use['REG']} regs, {spill} B spilled, "
+                f"{fit}/SM, {waves:.2f} waves"
+            )
+        lines.append(f"  {setting[0]:<42} " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def _tiles(text: str, size: int, p: argparse.ArgumentParser) -> tuple[int, ...]:
     try:
         tiles = tuple(int(x) for x in text.split(","))
@@ -316,7 +402,9 @@ TILES_HELP = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", default="decode", choices=("decode", "extend"))
+    p.add_argument("--kernel", default="decode", choices=("decode", "extend", "sampling"))
+    p.add_argument("--logits", default="bf16,fp32", help="sampling: the logits' dtypes")
+    p.add_argument("--batch", type=int, default=256, help="sampling: the rows drawn")
     p.add_argument(
         "--kv",
         default="bf16,fp8",
@@ -336,6 +424,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20, help="opcodes listed per loop")
     args = p.parse_args()
     floors = (args.gbps, args.tflops, args.sms, args.mhz, args.top)
+    if args.kernel == "sampling":
+        from execrt.kernels import triton_sampling as S
+
+        for dtype in args.logits.split(","):
+            if dtype not in ("bf16", "fp32"):
+                p.error(f"--logits {dtype!r} unsupported (supported: bf16, fp32)")
+            text = describe_sampling(f"*{dtype}", args.batch, 151936, args.sms, S.PROGRAMS_PER_SM)
+            print(text, flush=True)
+        return
     if args.kernel == "extend":
         bm, bn, warps, stages = _tiles(args.tiles or "128,64,8,4", 4, p)
         print(describe(extend_loops(bm, bn, warps, stages), "tensor", *floors), flush=True)

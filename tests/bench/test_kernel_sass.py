@@ -116,10 +116,34 @@ def test_the_prologue_compiles_for_sm90_without_lowering_the_shipped_tiles_occup
     assert warps_per_sm(169) // 4 == 2  # one register more would have cost a program
 
 
+def test_the_sampling_race_and_finish_report_registers_spills_and_waves() -> None:
+    """``--kernel sampling``: per setting of ``triton_sampling``'s knobs, each launch's
+    registers, spills, programs an SM and the waves of a bs-256 draw (768 race programs of 4
+    warps, 256 finish programs of 8, 132 SMs), consistent with the registers; under the
+    80-register cap the race fits 6 programs an SM, one wave."""
+    run = _run("--kernel", "sampling", "--logits", "fp32")
+    assert run.returncode == 0, run.stderr[-2000:]
+    head, *rows = run.stdout.strip().splitlines()
+    assert "bs 256 races 256 x 3 programs of 4 warps, finishes 256 of 8 (132 SMs)" in head, head
+    assert len(rows) == 9, rows
+    cell = re.compile(r"(race|finish) (\d+) regs, (\d+) B spilled, (\d+)/SM, ([\d.]+) waves")
+    for row in rows:
+        cells = cell.findall(row)
+        assert [c[0] for c in cells] == (["race"] if "RACE_REGS" in row else ["race", "finish"])
+        for launch, regs, _spilled, fit, waves in cells:
+            warps, programs = (4, 768) if launch == "race" else (8, 256)
+            assert int(fit) == min(warps_per_sm(int(regs)) // warps, 32), row
+            assert float(waves) == pytest.approx(programs / (int(fit) * 132), abs=0.01), row
+        if "RACE_REGS 80" in row:
+            regs, spilled, fit = (int(x) for x in cells[0][1:4])
+            assert regs <= 80 and spilled <= 16 and fit == 6, row
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (("--kv", "fp4"), "--kv 'fp4' unsupported (supported: bf16, fp8, fp8w)"),
+        (("--kernel", "sampling", "--logits", "fp8"), "--logits 'fp8' unsupported"),
         (("--tiles", "128,4"), "--tiles '128,4' unsupported (need 3 positive integers)"),
         (("--kernel", "extend", "--tiles", "a,b,c,d"), "need 4 positive integers"),
     ],
