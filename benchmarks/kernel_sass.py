@@ -42,7 +42,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 
-from execrt.kernels._triton import fp8_words_opaque
+from execrt.kernels._triton import fp8_words_opaque, programs_per_sm
 from execrt.kernels.attention import decode as D
 from execrt.kernels.attention import extend as E
 
@@ -344,24 +344,19 @@ def compile_sampling_kernel(logits: str, finish: bool, setting: tuple, warps: in
         "FAST_LOG": True,
     }  # fmt: skip
     aligned = [*pointers, "stride_row", "vocab", "chunk"]
-    kernel = _compile(fn, pointers, constants, aligned, warps, 3, maxnreg)
-    return kernel
+    return _compile(fn, pointers, constants, aligned, warps, 3, maxnreg)
 
 
-def programs_per_sm(registers: int, warps: int, shared: int) -> int:
-    """Programs of ``warps`` warps an sm90 SM holds at ``registers`` a thread (allocated per
-    warp in units of 256) and ``shared`` bytes (1 KiB reserved a program): 64K registers,
-    64 warps, 228 KiB of shared memory, 32 programs."""
-    per_warp = -(-registers * 32 // 256) * 256
-    return min(65536 // (per_warp * warps), 64 // warps, 233472 // (shared + 1024), 32)
+#: An sm90 SM: 228 KiB of shared memory, 2048 threads, 32 blocks.
+SM90 = {"shared_per_sm": 233472, "threads_per_sm": 2048, "blocks_per_sm": 32}
 
 
-def describe_sampling(logits: str, batch: int, vocab: int, sms: int, pps: int) -> str:
+def describe_sampling(logits: str, batch: int, vocab: int, sms: int) -> str:
     """Registers, spills and residency of the race and the finish at each setting, and the
-    waves of a ``batch``-row draw (the race split as ``triton_sampling._parts`` splits it)."""
-    blocks = -(-vocab // 1024)
-    parts = -(-blocks // min(blocks, max(1, -(-pps * sms // batch))))
-    parts = -(-vocab // (parts * 1024))
+    waves of a ``batch``-row draw (the race split as ``triton_sampling`` splits it)."""
+    from execrt.kernels import triton_sampling as S
+
+    parts, _chunk = S._parts(batch, vocab, 1024, sms)
     lines = [
         f"_sample_kernel, {logits[1:]} logits, {vocab} tokens: bs {batch} races {batch} x "
         f"{parts} programs of 4 warps, finishes {batch} of 8 ({sms} SMs)"
@@ -372,7 +367,7 @@ def describe_sampling(logits: str, batch: int, vocab: int, sms: int, pps: int) -
             if finish and setting[5]:
                 continue  # the cap is the race's
             use = resources(compile_sampling_kernel(logits, finish, setting, warps))
-            fit = programs_per_sm(use["REG"], warps, use.get("SHARED", 0))
+            fit = programs_per_sm(use["REG"], warps, use.get("SHARED", 0), **SM90)
             waves = programs / (fit * sms)
             spill = use.get("STACK", 0) + use.get("LOCAL", 0)
             cells.append(
@@ -425,13 +420,10 @@ def main() -> None:
     args = p.parse_args()
     floors = (args.gbps, args.tflops, args.sms, args.mhz, args.top)
     if args.kernel == "sampling":
-        from execrt.kernels import triton_sampling as S
-
         for dtype in args.logits.split(","):
             if dtype not in ("bf16", "fp32"):
                 p.error(f"--logits {dtype!r} unsupported (supported: bf16, fp32)")
-            text = describe_sampling(f"*{dtype}", args.batch, 151936, args.sms, S.PROGRAMS_PER_SM)
-            print(text, flush=True)
+            print(describe_sampling(f"*{dtype}", args.batch, 151936, args.sms), flush=True)
         return
     if args.kernel == "extend":
         bm, bn, warps, stages = _tiles(args.tiles or "128,64,8,4", 4, p)

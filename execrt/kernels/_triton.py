@@ -204,6 +204,30 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+#: Registers of an SM (sm70 onwards) and the shared memory each resident block reserves
+#: beside its own (sm80 onwards).
+REGS_PER_SM = 65536
+SMEM_RESERVED = 1024
+
+
+def programs_per_sm(
+    registers: int,
+    warps: int,
+    shared: int,
+    *,
+    shared_per_sm: int,
+    threads_per_sm: int,
+    blocks_per_sm: int,
+) -> int:
+    """Programs of ``warps`` warps an SM holds at once at ``registers`` a thread (allocated
+    per warp in units of 256) and ``shared`` bytes each: the least of what its registers,
+    shared memory, threads and blocks allow (0 when one does not fit)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * warps)
+    by_smem = shared_per_sm // (shared + SMEM_RESERVED)
+    return min(by_regs, by_smem, threads_per_sm // (32 * warps), blocks_per_sm)
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of a CUDA device (cached per device index)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

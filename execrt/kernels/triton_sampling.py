@@ -945,10 +945,10 @@ def _blocks(vocab: int) -> tuple[int, int]:
     return min(RACE_BLOCK, fit), min(ROW_BLOCK, fit)
 
 
-def _parts(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(parts per row, tokens per part): split rows until the race grid fills the GPU."""
+def _parts(rows: int, vocab: int, block: int, sms: int) -> tuple[int, int]:
+    """(parts per row, tokens per part): split rows until the race grid fills ``sms`` SMs."""
     blocks = cdiv(vocab, block)
-    wanted = max(1, cdiv(PROGRAMS_PER_SM * sm_count(device), rows))
+    wanted = max(1, cdiv(PROGRAMS_PER_SM * sms, rows))
     chunk = cdiv(blocks, min(blocks, wanted)) * block
     return cdiv(vocab, chunk), chunk
 
@@ -964,7 +964,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     if rows == 0:
         return out
     race_block, row_block = _blocks(vocab)
-    parts, chunk = _parts(rows, vocab, race_block, device)
+    parts, chunk = _parts(rows, vocab, race_block, sm_count(device))
     # key, G, top, and (RACE_SUMS) the part's Z relative to its top and its finite count
     part = torch.empty((5 if RACE_SUMS else 3, rows, parts), dtype=torch.float32, device=device)
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)

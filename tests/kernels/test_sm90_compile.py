@@ -4,7 +4,8 @@ The interpreter that runs the CPU suite executes a kernel as Python: it does not
 loops, so a loop-carried value whose type changes between iterations, or an ``if`` whose
 branches yield different types, passes there and fails only when the GPU compiles it. This
 compiles both launches of ``_sample_kernel`` for an H100/H200 in a fresh process (the suite's
-process has the interpreter on), for bf16 and fp32 logits, with each setting of the finish's
+process has the interpreter on; ``benchmarks/kernel_sass.py`` compiles them as a launch
+specializes them), for bf16 and fp32 logits, with each setting of the finish's
 block maxima (``SKIP_BLOCKS``), ``COUNT_BLOCKS``, ``RACE_SUMS`` and ``RACE_AHEAD``, and the
 race under an 80-register cap (``RACE_REGS``), which may spill a couple of registers at most
 (checked with Triton's bundled ``cuobjdump`` where it is installed).
@@ -16,67 +17,38 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 SCRIPT = textwrap.dedent(
     """
     import os
     import sys
     os.environ["TRITON_INTERPRET"] = "0"
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from execrt.kernels import triton_sampling as S
+    sys.path.insert(0, sys.argv[2])
+    import kernel_sass as K
 
-    INTS_16 = ["stride_row", "vocab", "chunk"]
-    fn = S._sample_kernel
-    names = fn.arg_names
-    pointers = {
-        "logits_ptr": sys.argv[1], "temps_ptr": "*fp32", "top_ks_ptr": "*i64",
-        "top_ps_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64", "part_ptr": "*fp32",
-        "part_id_ptr": "*i32", "best_ptr": "*fp32", "maxes_ptr": "*fp32", "out_ptr": "*i64",
-    }
-    # both settings of each knob: the defaults (no block maxima: MAX_BLOCK 0, one count
-    # block, the first pass summing Z, no load ahead), and block maxima, two blocks a trip, the
-    # race's sums, the race's blocks loaded a trip ahead; and the race under a register cap
-    # (RACE_REGS), whose spills the resource usage shows
-    import subprocess, tempfile
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for finish, max_block, count_blocks, race_sums, ahead, maxnreg in [
-        (False, 0, 1, False, False, None), (False, 1024, 1, True, True, None),
-        (True, 0, 1, False, False, None), (True, 1024, 2, True, False, None),
-        (False, 0, 1, False, False, 80), (False, 1024, 1, True, True, 80),
+    # both launches at the defaults (no block maxima, one count block, the first pass summing
+    # Z, no load ahead) and with every knob on (block maxima, two blocks a trip, the race's
+    # sums, the race's blocks loaded a trip ahead); and the race under its register cap
+    # (RACE_REGS), whose resources cuobjdump shows
+    settings = {setting[0]: setting for setting in K.SAMPLING_SETTINGS}
+    for name, finish in [
+        ("defaults", False), ("all four", False), ("defaults", True), ("all four", True),
+        ("defaults, RACE_REGS 80", False), ("all four, RACE_REGS 80", False),
     ]:
-        constants = {
-            "FINISH": finish, "ROUND_SHARE": S.ROUND_SHARE, "SHARE": not finish,
-            "MAX_BLOCK": max_block, "COUNT_BLOCKS": count_blocks, "RACE_SUMS": race_sums,
-            "AHEAD": ahead, "BLOCK": 1024, "BLOCK_P": 256, "PDL": True, "FAST_LOG": True,
-        }
-        signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-        source = triton.compiler.ASTSource(
-            fn=fn,
-            signature=signature,
-            constexprs={(names.index(k),): v for k, v in constants.items()},
-            # as a launch specializes them: the pointers and the ints a 151936 vocabulary makes
-            # (stride, vocabulary, tokens per part) divisible by 16
-            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*pointers, *INTS_16]},
-        )
-        options = {"num_warps": 8 if finish else 4}
-        if maxnreg:
-            options["maxnreg"] = maxnreg
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        setting = settings[name]
+        kernel = K.compile_sampling_kernel(sys.argv[1], finish, setting, 8 if finish else 4)
         assert kernel.asm["cubin"], "no cubin"
-        print("compiled", sys.argv[1], "finish" if finish else "race", max_block, count_blocks,
-              race_sums, ahead, maxnreg)
-        if maxnreg and os.path.exists(tool):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
-                                       text=True, check=True).stdout
-            print("capped", maxnreg, " ".join(w for w in usage.split() if ":" in w))
+        print("compiled", sys.argv[1], "finish" if finish else "race", name)
+        if setting[5] and os.path.exists(K._tool("cuobjdump")):
+            use = K.resources(kernel)
+            print("capped", setting[5], " ".join(f"{k}:{use.get(k, 0)}" for k in
+                                                 ("REG", "STACK", "LOCAL")))
     """
 )
 
@@ -89,7 +61,11 @@ MAX_SPILL_BYTES = 16
 def test_the_sampling_kernels_compile_for_sm90(logits: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, logits], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", SCRIPT, logits, BENCHMARKS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
         pytest.skip("Triton's ptxas is not installed here")

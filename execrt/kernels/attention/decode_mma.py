@@ -51,7 +51,13 @@ import math
 import torch
 
 from execrt.core.kv_quant import FP8_DTYPES
-from execrt.kernels._triton import cuda_capability, interpreter_enabled, sm_count, stream_scratch
+from execrt.kernels._triton import (
+    cuda_capability,
+    interpreter_enabled,
+    programs_per_sm,
+    sm_count,
+    stream_scratch,
+)
 
 try:  # Gluon: triton >= 3.5 (the H200 runs 3.6)
     from triton.experimental import gluon
@@ -132,8 +138,6 @@ def steal_programs(batch: int, max_splits: int, num_kv_heads: int, warps: int, s
 MMA_REGS_ESTIMATE = 160
 #: Resident blocks per SM by compute capability (the CUDA occupancy tables); 16 elsewhere.
 _BLOCKS_PER_SM = {(8, 0): 32, (8, 6): 16, (8, 7): 16, (8, 9): 24, (9, 0): 32, (10, 0): 32}
-_REGS_PER_SM = 65536  # sm70 onwards
-_SMEM_RESERVED = 1024  # per block, sm80 onwards
 
 
 def mma_shared_bytes(warps: int, tokens: int, ring: int, head_dim: int, head_dim_v: int) -> int:
@@ -152,13 +156,15 @@ def mma_resident(
     tokens and 4 stages (registers: 12 per SM)."""
     warps, tokens, maxnreg, ring = shape
     props = torch.cuda.get_device_properties(device)
-    smem = mma_shared_bytes(warps, tokens, ring, head_dim, head_dim_v)
-    by_smem = props.shared_memory_per_multiprocessor // (smem + _SMEM_RESERVED)
-    regs = -(-(maxnreg or MMA_REGS_ESTIMATE) // 8) * 8
-    by_regs = _REGS_PER_SM // (-(-regs * 32 // 256) * 256) // warps
-    by_warps = props.max_threads_per_multi_processor // (32 * warps)
-    blocks = _BLOCKS_PER_SM.get(cuda_capability(device), 16)
-    return max(1, min(by_smem, by_regs, by_warps, blocks)) * sm_count(device)
+    fit = programs_per_sm(
+        maxnreg or MMA_REGS_ESTIMATE,
+        warps,
+        mma_shared_bytes(warps, tokens, ring, head_dim, head_dim_v),
+        shared_per_sm=props.shared_memory_per_multiprocessor,
+        threads_per_sm=props.max_threads_per_multi_processor,
+        blocks_per_sm=_BLOCKS_PER_SM.get(cuda_capability(device), 16),
+    )
+    return max(1, fit) * sm_count(device)
 
 
 def mma_launch_shape(batch: int) -> tuple[int, int, int | None, int]:
