@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ REAL_KERNEL = ts._sample_kernel
 REAL_PDL = ts.pdl_kwargs
 
 
-#: (finish?, registers per thread, spilled bytes) of the launches seen, and their grids
+#: finish? -> (registers per thread, spilled bytes, programs) of the last such launch
 KERNELS: dict[bool, tuple[int, int, int]] = {}
 
 
@@ -44,10 +45,7 @@ class _OnlyStage:
         def launch(*args: Any, **kwargs: Any) -> None:
             if kwargs["FINISH"] in self.finish:
                 k = REAL_KERNEL[grid](*args, **kwargs)
-                programs = 1
-                for g in grid:
-                    programs *= g
-                KERNELS[kwargs["FINISH"]] = (k.n_regs, k.n_spills, programs)
+                KERNELS[kwargs["FINISH"]] = (k.n_regs, k.n_spills, math.prod(grid))
 
         return launch
 
