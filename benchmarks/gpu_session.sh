@@ -228,8 +228,11 @@ if [ "${FI_CACHE_BACK:-1}" = 1 ]; then
   fi
 fi
 cd "$OUT" || exit 0
+# Several runs in one call may share $OUT: each run's archives get names of their own
+# (logs.tgz, logs-2.tgz, ...) instead of replacing the last run's.
+fresh() { local n=2; [ -e "$1.tgz" ] || { echo "$1.tgz"; return; }; while [ -e "$1-$n.tgz" ]; do n=$((n + 1)); done; echo "$1-$n.tgz"; }
 traces=$(ls decode-trace-*.json 2>/dev/null)
-[ -n "$traces" ] && tar -czf traces.tgz --remove-files $traces
+[ -n "$traces" ] && tar -czf "$(fresh traces)" --remove-files $traces
 logs=$(ls | grep -v -e '\.json$' -e '\.tgz$')
-[ -n "$logs" ] && tar -czf logs.tgz --remove-files $logs
+[ -n "$logs" ] && tar -czf "$(fresh logs)" --remove-files $logs
 ls -la "$OUT"
