@@ -311,16 +311,19 @@ def describe(k: KernelLoops, floor: str, gbps: float, tflops: float, sms: int, m
 
 
 #: ``--kernel sampling``: (name, MAX_BLOCK, COUNT_BLOCKS, RACE_SUMS, AHEAD, maxnreg) of each
-#: setting compiled: the defaults, each knob of ``triton_sampling``, all of them, the cap.
+#: setting compiled: every knob of ``triton_sampling`` off, each alone, all of them, the cap.
+#: Shipped since session 44: SKIP_BLOCKS + COUNT_BLOCKS 2 + RACE_SUMS, and RACE_REGS 80 for
+#: a race grid above RACE_REGS_ABOVE programs per SM (a bs-256 draw).
 SAMPLING_SETTINGS = (
-    ("defaults", 0, 1, False, False, None),
+    ("knobs off", 0, 1, False, False, None),
     ("SKIP_BLOCKS", 1024, 1, False, False, None),
     ("COUNT_BLOCKS 2", 0, 2, False, False, None),
     ("RACE_SUMS", 0, 1, True, False, None),
     ("SKIP_BLOCKS + COUNT_BLOCKS 2 + RACE_SUMS", 1024, 2, True, False, None),
     ("RACE_AHEAD", 0, 1, False, True, None),
     ("all four", 1024, 2, True, True, None),
-    ("defaults, RACE_REGS 80", 0, 1, False, False, 80),
+    ("knobs off, RACE_REGS 80", 0, 1, False, False, 80),
+    ("shipped: 3 knobs, RACE_REGS 80", 1024, 2, True, False, 80),
     ("all four, RACE_REGS 80", 1024, 2, True, True, 80),
 )
 

@@ -85,9 +85,16 @@ RACE_WARPS = 4
 #: and runs in two waves below. Compiled for sm90 (triton 3.6, the GPU machine's) the race
 #: takes 80 registers with fp32 logits, 92 with bf16 (what a bf16 model hands the sampler),
 #: up to 111 with the knobs; capped at 80 it spills nothing there, 8 bytes with triton 3.9
-#: (``test_sm90_compile.py``; docs/kernels.md). None until timed on a GPU
-#: (``bench_sampling.py --race-regs 0,80``; 0 there is None).
-RACE_REGS: int | None = None
+#: (``test_sm90_compile.py``; docs/kernels.md). Timed on an H100 (bf16 logits, session 44):
+#: at bs 256 greedy rows 55.6 -> 37.6 us and temperature rows 154.8 -> 124.9, at bs 1 and 32
+#: level or up to ~1 us slower (grids that fit one wave anyway), hence RACE_REGS_ABOVE.
+#: ``bench_sampling.py --race-regs 0,80`` (0 there is None).
+RACE_REGS: int | None = 80
+#: The cap applies only to a race grid of more than this many programs per SM (a bs-256
+#: grid: 768 programs, 5.8 per SM on 132 SMs); smaller grids fit one wave uncapped, and the
+#: cap only cost them (bs 32: 544 programs, +0.7-1.5 us on temperature rows). 0 caps every
+#: launch.
+RACE_REGS_ABOVE = 5
 #: The finish runs a race round (two passes: a race above the bracket, and the count that
 #: checks its winner) when the bracket says the round keeps its winner with at least this
 #: probability, else a search pass (one, narrowing the bracket ~5-fold); see the module doc.
@@ -116,23 +123,29 @@ SHARE_EVERY = tl.constexpr(4)
 #: ``1 - u`` below which ``_fast_gumbel`` takes E from its series: 2**-5.
 SERIES_W = tl.constexpr(0.03125)
 #: Whether the parts' race keeps each block's largest logit and the finish's passes skip the
-#: blocks those rule out (the same tokens). False until timed on a GPU
-#: (``bench_sampling.py --skip-blocks 0,1``).
-SKIP_BLOCKS = False
+#: blocks those rule out (the same tokens). On since session 44, with RACE_SUMS and
+#: COUNT_BLOCKS 2 (H100, bf16 logits, graph-replayed us, defaults -> the three with
+#: RACE_REGS 80): top-k 20 + top-p 0.95 at bs 1/32/256 87.2 -> 20.7, 454.2 -> 151.9,
+#: 821.7 -> 323.6; unfiltered rows level within ~3 us (docs/kernels.md, Sampling).
+#: ``bench_sampling.py --skip-blocks 0,1``.
+SKIP_BLOCKS = True
 #: Whether the parts' race sums each filtered row's Z and finite count, so that the finish's
-#: first pass reads only the blocks at or above the winner's logit (with SKIP_BLOCKS). False
-#: until timed on a GPU (``bench_sampling.py --race-sums 0,1``); Z then sums in another order
-#: (docs/kernels.md).
-RACE_SUMS = False
+#: first pass reads only the blocks at or above the winner's logit (with SKIP_BLOCKS). On
+#: since session 44 (see SKIP_BLOCKS; ``bench_sampling.py --race-sums 0,1``); Z then sums in
+#: another order (docs/kernels.md).
+RACE_SUMS = True
 #: Whether the parts' race loads each block a trip ahead: its loop reduces every block to its
 #: largest logit (a barrier) before it goes on, so one block per program is in flight, where
-#: the greedy loop (no barrier) keeps its warps' loads overlapping. The same tokens. False
-#: until timed on a GPU (``bench_sampling.py --race-ahead 0,1``).
+#: the greedy loop (no barrier) keeps its warps' loads overlapping. The same tokens. Off:
+#: timed on an H100 (session 44, with the other knobs and RACE_REGS 80) it was level, within
+#: 2 us everywhere (``bench_sampling.py --race-ahead 0,1``).
 RACE_AHEAD = False
 #: Blocks a count pass of the finish loads before it sums them (1 or 2): one finish program
-#: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 1
-#: until 2 is timed on a GPU (``bench_sampling.py --count-blocks 1,2``); the same tokens.
-COUNT_BLOCKS = 1
+#: streams a whole row, so its speed may be the loads it has in flight (docs/kernels.md). 2
+#: since session 44: with SKIP_BLOCKS and RACE_SUMS, filtered rows at bs 256 437 -> 375 us and
+#: at bs 32 162 -> 145 (H100, fp32 logits, session 43); unfiltered rows never run a count
+#: (``bench_sampling.py --count-blocks 1,2``); the same tokens.
+COUNT_BLOCKS = 2
 #: What ``_race`` does with the row's block maxima: write them (the parts' race: every block
 #: of a sampled row; greedy rows race without them and are never filtered), or skip the
 #: blocks whose maximum keeps no token (the finish's races).
@@ -953,6 +966,14 @@ def _parts(rows: int, vocab: int, block: int, sms: int) -> tuple[int, int]:
     return cdiv(vocab, chunk), chunk
 
 
+def _race_cap(finish: bool, programs: int, sms: int) -> dict[str, int]:
+    """The race launch's ``maxnreg`` (RACE_REGS) where its grid is above RACE_REGS_ABOVE
+    programs per SM; none for the finish, a smaller grid, or the interpreter."""
+    if finish or not RACE_REGS or interpreter_enabled() or programs <= RACE_REGS_ABOVE * sms:
+        return {}
+    return {"maxnreg": RACE_REGS}
+
+
 def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Two launches over ``logits [B, V]``; see ``sampling.sample``."""
     params = _params(logits, info)
@@ -964,7 +985,8 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     if rows == 0:
         return out
     race_block, row_block = _blocks(vocab)
-    parts, chunk = _parts(rows, vocab, race_block, sm_count(device))
+    sms = sm_count(device)
+    parts, chunk = _parts(rows, vocab, race_block, sms)
     # key, G, top, and (RACE_SUMS) the part's Z relative to its top and its finite count
     part = torch.empty((5 if RACE_SUMS else 3, rows, parts), dtype=torch.float32, device=device)
     part_id = torch.empty((rows, parts), dtype=torch.int32, device=device)
@@ -988,7 +1010,7 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
         (True, (rows,), row_block, max(1, min(8, row_block // 128))),
     )
     for finish, grid, block, warps in stages:
-        cap = {} if finish or not RACE_REGS or interpreter_enabled() else {"maxnreg": RACE_REGS}
+        cap = _race_cap(finish, rows * parts, sms)
         _sample_kernel[grid](
             *args,
             FINISH=finish,

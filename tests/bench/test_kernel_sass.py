@@ -125,7 +125,7 @@ def test_the_sampling_race_and_finish_report_registers_spills_and_waves() -> Non
     assert run.returncode == 0, run.stderr[-2000:]
     head, *rows = run.stdout.strip().splitlines()
     assert "bs 256 races 256 x 3 programs of 4 warps, finishes 256 of 8 (132 SMs)" in head, head
-    assert len(rows) == 9, rows
+    assert len(rows) == 10, rows
     cell = re.compile(r"(race|finish) (\d+) regs, (\d+) B spilled, (\d+)/SM, ([\d.]+) waves")
     for row in rows:
         cells = cell.findall(row)

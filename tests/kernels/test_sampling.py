@@ -156,6 +156,7 @@ def test_rounds_or_search_passes_draw_the_same_tokens(
 @pytest.mark.parametrize(
     ("skip_blocks", "count_blocks", "race_sums", "race_ahead", "race_regs"),
     [
+        (False, 1, False, False, None),
         (True, 1, False, False, None),
         (True, 2, False, False, None),
         (True, 1, True, False, None),
@@ -186,6 +187,7 @@ def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
     monkeypatch.setattr(triton_sampling, "RACE_SUMS", race_sums)
     monkeypatch.setattr(triton_sampling, "RACE_AHEAD", race_ahead)
     monkeypatch.setattr(triton_sampling, "RACE_REGS", race_regs)
+    monkeypatch.setattr(triton_sampling, "RACE_REGS_ABOVE", 0)  # the cap on this small grid too
     gen = torch.Generator().manual_seed(41)
     b, vocab = 48, 1100
     logits = search_rows(24, vocab, gen, tied=slice(6, 10), fine=slice(40, None))
@@ -199,6 +201,29 @@ def test_count_passes_that_skip_blocks_or_load_two_draw_the_same_tokens(
     seeds = torch.randint(0, 2**63 - 1, (b,), generator=gen).tolist()
     info = params(b, temps, top_ks, top_ps, seeds=seeds, steps=list(range(b)))
     assert torch.equal(draw(logits, info), reference(logits, info))
+
+
+def test_the_register_cap_applies_only_to_a_race_grid_past_five_programs_an_sm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RACE_REGS caps the race launch only where its grid holds more than RACE_REGS_ABOVE
+    programs per SM (a bs-256 draw on 132 SMs: 768 programs), where the cap keeps it one
+    wave; a smaller grid fits one wave uncapped and the cap only cost it (session 44). Never
+    the finish, never under the interpreter, and RACE_REGS None caps nothing."""
+    monkeypatch.setattr(triton_sampling, "interpreter_enabled", lambda: False)
+    cap = triton_sampling._race_cap
+    rows = {b: b * triton_sampling._parts(b, 151936, 1024, 132)[0] for b in (1, 32, 256)}
+    assert rows == {1: 149, 32: 544, 256: 768}
+    assert [cap(False, rows[b], 132) for b in (1, 32, 256)] == [{}, {}, {"maxnreg": 80}]
+    assert cap(False, 5 * 132, 132) == {} and cap(False, 5 * 132 + 1, 132) == {"maxnreg": 80}
+    assert cap(True, 768, 132) == {}
+    monkeypatch.setattr(triton_sampling, "RACE_REGS_ABOVE", 0)
+    assert cap(False, 1, 132) == {"maxnreg": 80}
+    monkeypatch.setattr(triton_sampling, "RACE_REGS", None)
+    assert cap(False, 768, 132) == {}
+    monkeypatch.setattr(triton_sampling, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(triton_sampling, "RACE_REGS", 80)
+    assert cap(False, 768, 132) == {}
 
 
 @pytest.mark.usefixtures("small_blocks")
