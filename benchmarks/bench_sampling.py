@@ -41,6 +41,13 @@ KNOBS = (
     ("--race-sums", "RACE_SUMS", "race_sums", "sum", "1: the race sums Z, pass 1 skips"),
     ("--race-ahead", "RACE_AHEAD", "race_ahead", "ahd", "1: the race loads a block ahead"),
     ("--race-regs", "RACE_REGS", "race_regs", "regs", "the race's maxnreg, 0: none"),
+    (
+        "--race-regs-above",
+        "RACE_REGS_ABOVE",
+        "race_regs_above",
+        "rabv",
+        "race programs per SM above which the cap applies, 0: every launch",
+    ),
 )
 #: (temperature, top_k, top_p) of each mix; "mixed" cycles through the others row by row.
 MIXES: dict[str, tuple[float, int, float]] = {
@@ -76,6 +83,7 @@ class Row:
     race_sums: int = 0
     race_ahead: int = 0
     race_regs: int = 0
+    race_regs_above: int = 0
 
 
 def make_logits(

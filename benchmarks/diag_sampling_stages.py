@@ -72,7 +72,11 @@ def main() -> None:
     )
     parser.add_argument("--programs-per-sm", default="4", help="PROGRAMS_PER_SM values")
     parser.add_argument("--pdl", default="1", help="PDL launches: 1, 0 or 1,0")
-    parser.add_argument("--race-regs", default="0,80", help="RACE_REGS values (0: none)")
+    parser.add_argument(
+        "--race-regs",
+        default="0,80",
+        help="RACE_REGS values (0: none), applied to the race at any grid size",
+    )
     args = parser.parse_args()
     settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
     pps_values = [int(x) for x in args.programs_per_sm.split(",")]
@@ -99,6 +103,7 @@ def main() -> None:
         ts.RACE_AHEAD = bool(ahead)
         ts.PROGRAMS_PER_SM = pps
         ts.RACE_REGS = regs or None
+        ts.RACE_REGS_ABOVE = 0  # --race-regs caps the race at every batch size, as asked
         ts.pdl_kwargs = REAL_PDL if pdl else (lambda device: {"PDL": False})  # type: ignore
         try:
             race = _time(logits, info, {False})

@@ -966,10 +966,10 @@ def _parts(rows: int, vocab: int, block: int, sms: int) -> tuple[int, int]:
     return cdiv(vocab, chunk), chunk
 
 
-def _race_cap(finish: bool, programs: int, sms: int) -> dict[str, int]:
-    """The race launch's ``maxnreg`` (RACE_REGS) where its grid is above RACE_REGS_ABOVE
-    programs per SM; none for the finish, a smaller grid, or the interpreter."""
-    if finish or not RACE_REGS or interpreter_enabled() or programs <= RACE_REGS_ABOVE * sms:
+def _race_cap(programs: int, sms: int) -> dict[str, int]:
+    """The race launch's ``maxnreg`` (RACE_REGS) where its grid of ``programs`` is above
+    RACE_REGS_ABOVE programs per SM; none for a smaller grid or under the interpreter."""
+    if not RACE_REGS or interpreter_enabled() or programs <= RACE_REGS_ABOVE * sms:
         return {}
     return {"maxnreg": RACE_REGS}
 
@@ -1005,12 +1005,18 @@ def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor
     # from 256 to 1 otherwise compiles about ten finish kernels while it is timed).
     block_p = max(2, next_power_of_2(cdiv(vocab, race_block)))
     pdl = pdl_kwargs(device)
-    stages = (
-        (False, (rows, parts), race_block, max(1, min(RACE_WARPS, race_block // 256))),
-        (True, (rows,), row_block, max(1, min(8, row_block // 128))),
+    # (finish?, grid, block, warps, register cap): the cap is the race's alone
+    stages: tuple[tuple[bool, tuple[int, ...], int, int, dict[str, int]], ...] = (
+        (
+            False,
+            (rows, parts),
+            race_block,
+            max(1, min(RACE_WARPS, race_block // 256)),
+            _race_cap(rows * parts, sms),
+        ),
+        (True, (rows,), row_block, max(1, min(8, row_block // 128)), {}),
     )
-    for finish, grid, block, warps in stages:
-        cap = _race_cap(finish, rows * parts, sms)
+    for finish, grid, block, warps, cap in stages:
         _sample_kernel[grid](
             *args,
             FINISH=finish,

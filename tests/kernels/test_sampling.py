@@ -209,21 +209,20 @@ def test_the_register_cap_applies_only_to_a_race_grid_past_five_programs_an_sm(
     """RACE_REGS caps the race launch only where its grid holds more than RACE_REGS_ABOVE
     programs per SM (a bs-256 draw on 132 SMs: 768 programs), where the cap keeps it one
     wave; a smaller grid fits one wave uncapped and the cap only cost it (session 44). Never
-    the finish, never under the interpreter, and RACE_REGS None caps nothing."""
+    under the interpreter, and RACE_REGS None caps nothing."""
     monkeypatch.setattr(triton_sampling, "interpreter_enabled", lambda: False)
     cap = triton_sampling._race_cap
     rows = {b: b * triton_sampling._parts(b, 151936, 1024, 132)[0] for b in (1, 32, 256)}
     assert rows == {1: 149, 32: 544, 256: 768}
-    assert [cap(False, rows[b], 132) for b in (1, 32, 256)] == [{}, {}, {"maxnreg": 80}]
-    assert cap(False, 5 * 132, 132) == {} and cap(False, 5 * 132 + 1, 132) == {"maxnreg": 80}
-    assert cap(True, 768, 132) == {}
+    assert [cap(rows[b], 132) for b in (1, 32, 256)] == [{}, {}, {"maxnreg": 80}]
+    assert cap(5 * 132, 132) == {} and cap(5 * 132 + 1, 132) == {"maxnreg": 80}
     monkeypatch.setattr(triton_sampling, "RACE_REGS_ABOVE", 0)
-    assert cap(False, 1, 132) == {"maxnreg": 80}
+    assert cap(1, 132) == {"maxnreg": 80}
     monkeypatch.setattr(triton_sampling, "RACE_REGS", None)
-    assert cap(False, 768, 132) == {}
+    assert cap(768, 132) == {}
     monkeypatch.setattr(triton_sampling, "interpreter_enabled", lambda: True)
     monkeypatch.setattr(triton_sampling, "RACE_REGS", 80)
-    assert cap(False, 768, 132) == {}
+    assert cap(768, 132) == {}
 
 
 @pytest.mark.usefixtures("small_blocks")
