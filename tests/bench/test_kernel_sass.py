@@ -139,6 +139,19 @@ def test_the_sampling_race_and_finish_report_registers_spills_and_waves() -> Non
             assert regs <= 80 and spilled <= 16 and fit == 6, row
 
 
+def test_the_shipped_sampling_row_caps_the_race_only_where_the_launch_does() -> None:
+    """The launch applies RACE_REGS only to a race grid above RACE_REGS_ABOVE programs per SM:
+    at bs 32 (32 x 17 = 544 programs on 132 SMs) the shipped row is compiled uncapped, with
+    its finish, and says so; the rows named RACE_REGS 80 stay capped."""
+    run = _run("--kernel", "sampling", "--logits", "bf16", "--batch", "32")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = run.stdout.strip().splitlines()[1:]
+    shipped = [r for r in rows if "shipped" in r]
+    assert len(shipped) == 1 and "uncapped at bs 32" in shipped[0], rows
+    assert "finish" in shipped[0] and "RACE_REGS" not in shipped[0], shipped
+    assert sum("RACE_REGS 80" in r for r in rows) == 2, rows
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
