@@ -25,6 +25,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from execrt._version import __version__
 from execrt.engine.client import (
     EngineClient,
     EngineRequest,
@@ -147,6 +148,10 @@ def create_app(
         card = model_card()
         _check_model(model, card["id"])
         return json_response(card)
+
+    @app.get("/version")  # as vLLM answers it: clients and dashboards that ask which build runs
+    async def version() -> Response:
+        return json_response({"version": __version__})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

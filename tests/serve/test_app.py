@@ -407,6 +407,13 @@ def test_health_answers_head_and_models_say_when_served(fake) -> None:
     assert abs(model["created"] - time.time()) < 600
 
 
+def test_version_names_the_running_build_even_while_loading() -> None:
+    import execrt
+
+    r = call(FakeClient(is_ready=False), "GET", "/version")
+    assert r.status_code == 200 and r.json() == {"version": execrt.__version__}
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "needle"),
     [
