@@ -255,3 +255,15 @@ def test_aborting_requests_that_share_a_prefix_frees_only_what_they_own(tiny: st
         assert all(r.finished for r in reqs)
         assert_nothing_held(engine)
         assert engine.worker.memory.cached_slots > 0  # the tree survives the aborts
+
+
+def test_an_fp8_cache_reuses_its_prefixes_as_stored_token_for_token(tiny: str) -> None:
+    """A cached fp8 prefix is read back as the bytes a cold prefill stores and reads (the
+    K/V writer quantizes once, attention reads the cache), so cache-on equals cache-off."""
+    prompts, params = radix_tree_workload(80, seed=1)
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    off = run(tiny, prompts, params, prefix_cache="none", overlap_schedule=False, **fp8)
+    on = run(tiny, prompts, params, **fp8)
+    differ = [i for i, (a, b) in enumerate(zip(on.tokens, off.tokens, strict=True)) if a != b]
+    assert not differ, f"requests {differ[:8]}"
+    assert on.stats.prefix_hit_tokens > on.stats.prefix_query_tokens // 3
