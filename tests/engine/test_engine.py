@@ -230,7 +230,9 @@ def test_the_heap_stays_frozen_while_an_engine_that_froze_it_runs(checkpoint, mo
     frozen = gc.get_freeze_count()
     assert frozen > 1000  # the modules, torch's and execrt's objects
     plain = Engine(path, device="cpu", gc_freeze=False)
-    assert gc.get_freeze_count() == frozen
+    # No freeze of its own (that would add its thousands of objects); a frozen object may still
+    # be freed by its reference count meanwhile, so the count may fall (CI saw one fewer).
+    assert gc.get_freeze_count() <= frozen
     second = Engine(path, device="cpu")
     assert gc.get_freeze_count() > frozen  # the second engine's objects too
     first.close()
