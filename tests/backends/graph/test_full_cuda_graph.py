@@ -235,7 +235,11 @@ def test_an_exception_inside_capture_leaves_the_backend_usable(failure: str) -> 
         with pytest.raises(RuntimeError, match=r"capturing ShapeKey\(batch_size=8.*failed"):
             with backend.capture_session():
                 backend.capture(ShapeKey(8), bad)
-        assert gc.get_freeze_count() == frozen, "gc left frozen"
+        # A freeze left behind holds the whole heap, a thaw empties the caller's frozen heap;
+        # a frozen object freed by its reference count meanwhile only lowers the count.
+        count = gc.get_freeze_count()
+        assert count <= frozen, "gc left frozen"
+        assert count > 0 or frozen == 0, "the caller's frozen heap was thawed"
         assert not torch.cuda.is_current_stream_capturing()
         assert not backend.has(ShapeKey(8)) and backend.has(ShapeKey(16))
         torch.randn(1 << 20, device="cuda").sum().item()  # eager work and allocation still fine
