@@ -364,7 +364,7 @@ def describe_sampling(logits: str, batch: int, vocab: int, sms: int) -> str:
         f"_sample_kernel, {logits[1:]} logits, {vocab} tokens: bs {batch} races {batch} x "
         f"{parts} programs of 4 warps, finishes {batch} of 8 ({sms} SMs)"
     ]
-    shipped_cap = S.RACE_REGS if batch * parts > S.RACE_REGS_ABOVE * sms else None
+    shipped_cap = S.race_regs(batch * parts, sms)
     for setting in SAMPLING_SETTINGS:
         if setting[0].startswith("shipped") and setting[5] != shipped_cap:
             # the launch applies the cap only above RACE_REGS_ABOVE programs per SM

@@ -966,12 +966,16 @@ def _parts(rows: int, vocab: int, block: int, sms: int) -> tuple[int, int]:
     return cdiv(vocab, chunk), chunk
 
 
+def race_regs(programs: int, sms: int) -> int | None:
+    """The race's register cap (RACE_REGS) for a grid of ``programs`` on ``sms`` SMs: only
+    above RACE_REGS_ABOVE programs per SM (``benchmarks/kernel_sass.py`` reports by it too)."""
+    return RACE_REGS if RACE_REGS and programs > RACE_REGS_ABOVE * sms else None
+
+
 def _race_cap(programs: int, sms: int) -> dict[str, int]:
-    """The race launch's ``maxnreg`` (RACE_REGS) where its grid of ``programs`` is above
-    RACE_REGS_ABOVE programs per SM; none for a smaller grid or under the interpreter."""
-    if not RACE_REGS or interpreter_enabled() or programs <= RACE_REGS_ABOVE * sms:
-        return {}
-    return {"maxnreg": RACE_REGS}
+    """The race launch's ``maxnreg`` keyword (``race_regs``); none under the interpreter."""
+    regs = race_regs(programs, sms)
+    return {} if regs is None or interpreter_enabled() else {"maxnreg": regs}
 
 
 def sample_triton(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
